@@ -1,0 +1,372 @@
+"""One-shot checks: :func:`check_model` for a model and loss, :func:`check_numpy` for NumPy backprop."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import time
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from .context import BufferGuard, Shadow, dropout_off, preserved_rng, restore_params, seed_everything, snapshot_params, cast_floats
+from .engine import EngineSettings, Evaluator, NOISE_FACTOR, check_tensor, total
+from .errors import GradWatchError
+from .numeric import machine_eps
+from .objective import Objective, coupled_weight_decay
+from .options import CheckOptions
+from .report import CheckReport, TensorCheck
+from .sampling import match_names
+
+GradFn = Callable[[nn.Module, Any], Mapping[str, torch.Tensor]]
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def trainable_names(model: nn.Module) -> List[str]:
+    """Names of floating parameters that require grad, in model order (tied parameters once)."""
+    return [n for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
+
+
+def check_model(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    batch: Any,
+    *,
+    regularizers: Any = None,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    grad_fn: Optional[GradFn] = None,
+    **options: Any,
+) -> CheckReport:
+    """Check backprop of a whole model and loss against two-sided numerical gradients.
+
+    The objective is ``loss_fn(model, batch)`` plus each regularizer (plus
+    ``0.5 * wd * ||p||^2`` for coupled weight decay when ``optimizer`` is
+    given). By default it runs on a float64 copy of the model with dropout
+    off and BatchNorm in train mode; the live model, its buffers, ``.grad``
+    and every RNG stream are left bit-identical.
+
+    Args:
+        model: The model.
+        loss_fn: ``loss_fn(model, batch) -> scalar tensor``.
+        batch: Passed to ``loss_fn``; floating tensors inside standard containers
+            are cast to the check dtype, other objects are passed as they are.
+        regularizers: ``{"l2": 1e-4}``, ``{"name": reg(model)}`` or a list of callables.
+        optimizer: Read coupled ``weight_decay`` from its param groups.
+        grad_fn: Hand-written backprop ``grad_fn(model, batch) -> {name: grad}`` of the
+            full objective, used instead of autograd.
+        **options: See :class:`gradwatch.options.CheckOptions` (``coords``,
+            ``directions``, ``eps``, ``bands``, ``fail_at``, ``seed``, ``dtype``,
+            ``detect_kinks``, ``per_term``, ``tensors``).
+
+    Returns:
+        A :class:`CheckReport`.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+        >>> x, y = torch.randn(8, 3), torch.randn(8, 1)
+        >>> report = check_model(model, lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), (x, y))
+        >>> report.ok
+        True
+    """
+    opts = CheckOptions(**options)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    weight_decay, notes = coupled_weight_decay(model, optimizer)
+    objective = Objective(loss_fn, regularizers, weight_decay)
+    report = run_model_check(model, objective, batch, opts, grad_fn=grad_fn)
+    report.notes[:0] = notes
+    return report
+
+
+def _validate_target(model: nn.Module, opts: CheckOptions, names: Sequence[str]) -> None:
+    if not names:
+        raise ValueError(
+            f"{type(model).__name__} has no trainable floating-point parameters to check "
+            "(all are frozen with requires_grad=False, or the model has none)"
+        )
+    if opts.dtype is None:
+        params = dict(model.named_parameters())
+        low = sorted({str(params[n].dtype) for n in names if params[n].dtype in _LOW_PRECISION})
+        if low:
+            raise ValueError(
+                f"dtype=None checks in place, but parameters are {', '.join(low)}: finite differences in half "
+                "precision cannot resolve gradients; use the default dtype=torch.float64 shadow copy"
+            )
+
+
+def _validate_grads(grads: Any, params: Mapping[str, torch.Tensor], source: str) -> Dict[str, torch.Tensor]:
+    if not isinstance(grads, Mapping):
+        raise TypeError(f"{source} must return a mapping {{name: gradient}}, got {type(grads).__name__}")
+    missing = [n for n in params if n not in grads]
+    if missing:
+        raise ValueError(
+            f"{source} returned no gradient for {missing}; it returned {sorted(map(str, grads))}, "
+            f"and the checked parameters are {list(params)}"
+        )
+    out = {}
+    for n, p in params.items():
+        g = grads[n]
+        g = torch.as_tensor(np.asarray(g)) if not isinstance(g, torch.Tensor) else g
+        if tuple(g.shape) != tuple(p.shape):
+            raise ValueError(f"{source}: gradient for {n!r} has shape {tuple(g.shape)}, but the parameter has shape {tuple(p.shape)}")
+        out[n] = g.detach().to(p.device)
+    return out
+
+
+@contextlib.contextmanager
+def _evaluation_context(target: nn.Module, in_place: bool, params: Dict[str, torch.Tensor]) -> Iterator[BufferGuard]:
+    saved = snapshot_params(params) if in_place else None
+    guard = BufferGuard(target)
+    try:
+        with preserved_rng(), dropout_off(target):
+            yield guard
+    finally:
+        guard.restore_changed()
+        if saved is not None:
+            restore_params(params, saved)
+
+
+def run_model_check(
+    model: nn.Module,
+    objective: Objective,
+    batch: Any,
+    opts: CheckOptions,
+    *,
+    grad_fn: Optional[GradFn] = None,
+    names: Optional[Sequence[str]] = None,
+    shadow: Optional[Shadow] = None,
+) -> CheckReport:
+    """The check behind :func:`check_model` and the training hook.
+
+    Args:
+        names: Tensors to check (default: trainable ones matching ``opts.tensors``).
+        shadow: A :class:`Shadow` to reuse (refreshed in place) instead of a new copy.
+    """
+    start = time.perf_counter()
+    all_names = trainable_names(model)
+    _validate_target(model, opts, all_names)
+    chosen = list(names) if names is not None else match_names(all_names, opts.tensors)
+    in_place = opts.dtype is None
+    if in_place:
+        target = model
+    else:
+        if shadow is None or shadow.dtype != opts.dtype or not shadow.matches(model):
+            shadow = Shadow(model, opts.dtype)
+        shadow.refresh(model)
+        target = shadow.module
+        batch = cast_floats(batch, opts.dtype)
+    params = {n: p for n, p in target.named_parameters() if n in set(chosen)}
+    eval_seed = opts.seed
+    report = CheckReport(tensors={}, fail_at=opts.fail_at, seed=opts.seed)
+
+    with _evaluation_context(target, in_place, params) as guard:
+        # Analytic side: one forward with grad, then autograd.grad (never .grad).
+        seed_everything(eval_seed)
+        with torch.enable_grad():
+            terms_t = objective.terms(target, batch)
+            total_t = sum(terms_t[k] for k in sorted(terms_t))
+        guard.restore_changed()
+        values = {k: float(v.detach()) for k, v in terms_t.items()}
+        report.terms = values
+        report.objective = float(total_t.detach())
+        report.dtype = str(total_t.dtype).replace("torch.", "")
+        if not math.isfinite(report.objective):
+            report.nonfinite = True
+            for n, p in params.items():
+                report.tensors[n] = TensorCheck(
+                    name=n, shape=tuple(p.shape), rel_diff=float("nan"), max_rel_error=float("nan"),
+                    inconclusive=f"objective is not finite ({report.objective}); gradients not checked",
+                )
+            report.seconds = time.perf_counter() - start
+            return report
+        grads = _analytic(objective, terms_t, total_t, params, target, batch, grad_fn, opts.per_term)
+        del terms_t, total_t
+
+        def evaluate() -> Dict[str, float]:
+            seed_everything(eval_seed)
+            with torch.no_grad():
+                terms = objective.terms(target, batch)
+            guard.restore_changed()
+            return {k: float(v) for k, v in terms.items()}
+
+        evaluator = Evaluator(evaluate)
+        report.notes.extend(_grad_notes(grads))
+        _judge_all(report, params, grads, evaluator, opts, magnitude=sum(abs(v) for v in values.values()),
+                   eval_eps=max(machine_eps(t.dtype) for t in params.values()) if params else 0.0,
+                   objective_dtype_eps=machine_eps(getattr(torch, report.dtype)))
+    report.evaluations = evaluator.count + 1
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _analytic(objective, terms_t, total_t, params, target, batch, grad_fn, per_term) -> Dict[str, Dict[str, torch.Tensor]]:
+    """``{tensor: {"total": grad, term: grad, ...}}``."""
+    plist = list(params.values())
+    out: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n in params}
+    if grad_fn is not None:
+        with torch.enable_grad():
+            given = _validate_grads(grad_fn(target, batch), params, "grad_fn")
+        for n in params:
+            out[n]["total"] = given[n]
+    else:
+        gs = _grad(total_t, plist, retain=per_term)
+        for n, g in zip(params, gs):
+            out[n]["total"] = g
+    if per_term:
+        for term in sorted(terms_t):
+            gs = _grad(terms_t[term], plist, retain=True)
+            for n, g in zip(params, gs):
+                out[n][term] = g
+    return out
+
+
+def _grad(value: torch.Tensor, plist: List[torch.Tensor], retain: bool) -> List[torch.Tensor]:
+    if not value.requires_grad:
+        return [torch.zeros_like(p) for p in plist]
+    gs = torch.autograd.grad(value, plist, retain_graph=retain, allow_unused=True)
+    return [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(gs, plist)]
+
+
+def _grad_notes(grads: Dict[str, Dict[str, torch.Tensor]]) -> List[str]:
+    return []
+
+
+def _judge_all(report: CheckReport, params: Dict[str, torch.Tensor], grads, evaluator: Evaluator, opts: CheckOptions,
+               magnitude: float, eval_eps: float, objective_dtype_eps: float, exhaustive: bool = False) -> None:
+    """Determinism check, then :func:`check_tensor` for each tensor; fills ``report``."""
+    j_a = evaluator()
+    j_b = evaluator()
+    jitter = abs(total(j_a) - total(j_b))
+    eps = max(eval_eps, objective_dtype_eps)
+    allowed = NOISE_FACTOR * eps * max(magnitude, 1e-30)
+    if not math.isfinite(jitter) or jitter > allowed:
+        report.nondeterministic = True
+        for n, p in params.items():
+            report.tensors[n] = TensorCheck(
+                name=n, shape=tuple(p.shape), rel_diff=float("nan"), max_rel_error=float("nan"),
+                inconclusive=f"objective is nondeterministic (two evaluations differ by {jitter:.3g})",
+            )
+        return
+    settings = EngineSettings(
+        coords=opts.coords, directions=opts.directions, eps=opts.eps, bands=opts.bands, fail_at=opts.fail_at,
+        detect_kinks=opts.detect_kinks, eval_eps=eps, magnitude=magnitude, jitter=jitter, exhaustive=exhaustive,
+    )
+    j0 = total(j_a)
+    for n, p in params.items():
+        g = grads[n]
+        if not all(torch.isfinite(t).all() for t in g.values()):
+            report.nonfinite = True
+            report.tensors[n] = TensorCheck(
+                name=n, shape=tuple(p.shape), rel_diff=float("nan"), max_rel_error=float("nan"),
+                inconclusive="analytic gradient has non-finite values (NaN or inf)",
+            )
+            continue
+        main, per_term = check_tensor(n, p, g, evaluator, j0, settings, opts.seed)
+        report.tensors[n] = main
+        for term, tc in per_term.items():
+            report.term_checks.setdefault(term, {})[n] = tc
+
+
+def check_numpy(
+    loss_fn: Callable[..., float],
+    params: Mapping[str, np.ndarray],
+    grads: Mapping[str, np.ndarray],
+    *,
+    regularizers: Optional[Mapping[str, Callable[[Mapping[str, np.ndarray]], float]]] = None,
+    **options: Any,
+) -> CheckReport:
+    """Check hand-written NumPy backprop: ``grads`` against numerical gradients of ``loss_fn``.
+
+    ``params`` arrays are perturbed in place (the network reads them) and
+    restored bit for bit. ``loss_fn`` takes no argument, or the ``params``
+    dict, and returns the full objective (data loss plus every penalty the
+    hand-written gradient is supposed to include).
+
+    Args:
+        loss_fn: ``loss_fn() -> float`` or ``loss_fn(params) -> float``.
+        params: ``{name: array}`` read by ``loss_fn``.
+        grads: ``{name: array}`` hand-written gradients, same names and shapes.
+        regularizers: Extra terms ``{name: reg(params) -> float}`` added to the objective.
+        **options: ``coords``, ``directions``, ``eps``, ``bands``, ``fail_at``, ``seed``,
+            ``detect_kinks``, ``tensors`` (``dtype`` must stay None: arrays are checked in place).
+
+    Returns:
+        A :class:`CheckReport`.
+
+    Example:
+        >>> w = {"w": np.array([1.0, -2.0])}
+        >>> check_numpy(lambda: float((w["w"] ** 2).sum()), w, {"w": 2 * w["w"]}).ok
+        True
+    """
+    options.setdefault("dtype", None)
+    opts = CheckOptions(**options)
+    if opts.dtype is not None:
+        raise ValueError(f"check_numpy checks arrays in place in their own dtype; got dtype={opts.dtype}, pass dtype=None")
+    if not isinstance(params, Mapping) or not params:
+        raise TypeError(f"params must be a non-empty dict of numpy arrays, got {type(params).__name__}")
+    views: Dict[str, torch.Tensor] = {}
+    for n, arr in params.items():
+        if not isinstance(arr, np.ndarray) or not np.issubdtype(arr.dtype, np.floating):
+            raise TypeError(f"params[{n!r}] must be a floating numpy array, got {type(arr).__name__} {getattr(arr, 'dtype', '')}")
+        if not arr.flags.writeable:
+            raise ValueError(f"params[{n!r}] is read-only; gradwatch perturbs arrays in place")
+        views[n] = torch.from_numpy(arr)
+    chosen = match_names(list(views), opts.tensors)
+    views = {n: views[n] for n in chosen}
+    given = _validate_grads(grads, views, "grads")
+    takes_params = _takes_argument(loss_fn)
+    regs = dict(regularizers or {})
+
+    def evaluate() -> Dict[str, float]:
+        seed_everything(opts.seed)
+        out = {"loss": _as_float(loss_fn(params) if takes_params else loss_fn(), "loss_fn")}
+        for name, reg in regs.items():
+            out[name] = _as_float(reg(params), f"regularizer {name!r}")
+        return out
+
+    start = time.perf_counter()
+    report = CheckReport(tensors={}, fail_at=opts.fail_at, seed=opts.seed, dtype=str(next(iter(views.values())).dtype).replace("torch.", ""))
+    saved = snapshot_params(views)
+    try:
+        with preserved_rng():
+            evaluator = Evaluator(evaluate)
+            values = evaluator()
+            report.terms = values
+            report.objective = total(values)
+            if not math.isfinite(report.objective):
+                report.nonfinite = True
+                for n, v in views.items():
+                    report.tensors[n] = TensorCheck(name=n, shape=tuple(v.shape), rel_diff=float("nan"), max_rel_error=float("nan"),
+                                                    inconclusive=f"objective is not finite ({report.objective})")
+            else:
+                analytic = {n: {"total": g} for n, g in given.items()}
+                eps = max(machine_eps(v.dtype) for v in views.values())
+                _judge_all(report, views, analytic, evaluator, opts, magnitude=sum(abs(v) for v in values.values()),
+                           eval_eps=eps, objective_dtype_eps=eps)
+    finally:
+        restore_params(views, saved)
+    report.evaluations = evaluator.count
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _takes_argument(fn: Callable) -> bool:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return False
+    required = [p for p in sig.parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    return len(required) >= 1
+
+
+def _as_float(value: Any, what: str) -> float:
+    if isinstance(value, tuple) and value:
+        raise TypeError(f"{what} returned a tuple; return only the loss (e.g. lambda: net.loss(X, y)[0])")
+    arr = np.asarray(value.detach().cpu() if isinstance(value, torch.Tensor) else value, dtype=np.float64)
+    if arr.size != 1:
+        raise ValueError(f"{what} must return a scalar, got shape {arr.shape}")
+    return float(arr.reshape(()))

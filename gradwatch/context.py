@@ -1,0 +1,216 @@
+"""Make the check objective deterministic and free of side effects.
+
+- RNG: torch (CPU and every initialized CUDA device), numpy and ``random``
+  states are saved before a check and restored after it; every evaluation
+  starts from the same seed.
+- Dropout: all ``nn.Dropout*``/``AlphaDropout``/``FeatureAlphaDropout``
+  modules are switched to eval, and the ``dropout`` probability of
+  ``nn.MultiheadAttention`` and RNN modules is set to 0, for the check only.
+- BatchNorm stays in train mode (the function training differentiates);
+  any buffer an evaluation changes (running stats, ``num_batches_tracked``,
+  power-iteration vectors) is put back after that evaluation.
+- The float64 shadow is a deep copy refreshed in place from the live model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import random
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.modules.dropout import _DropoutNd
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Restore torch (CPU, CUDA), numpy and ``random`` RNG states on exit.
+
+    Example:
+        >>> with preserved_rng():
+        ...     _ = torch.rand(3)
+    """
+    torch_state = torch.get_rng_state()
+    cuda_states = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda_states = torch.cuda.get_rng_state_all()
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (all devices), numpy and ``random`` (used inside :func:`preserved_rng`)."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % (2**32))
+    random.seed(seed)
+
+
+def _has_dropout_prob(module: nn.Module) -> bool:
+    return isinstance(module, (nn.MultiheadAttention, nn.RNNBase)) and float(getattr(module, "dropout", 0.0)) > 0
+
+
+@contextlib.contextmanager
+def dropout_off(model: nn.Module) -> Iterator[None]:
+    """Switch every dropout off for the duration, restoring flags and probabilities after.
+
+    Example:
+        >>> m = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5)).train()
+        >>> with dropout_off(m):
+        ...     m[1].training
+        False
+        >>> m[1].training
+        True
+    """
+    flags: List[Tuple[nn.Module, bool]] = []
+    probs: List[Tuple[nn.Module, float]] = []
+    for module in model.modules():
+        if isinstance(module, _DropoutNd):
+            flags.append((module, module.training))
+            module.training = False
+        elif _has_dropout_prob(module):
+            probs.append((module, module.dropout))
+            module.dropout = 0.0
+    try:
+        yield
+    finally:
+        for module, flag in flags:
+            module.training = flag
+        for module, p in probs:
+            module.dropout = p
+
+
+class BufferGuard:
+    """Puts back any buffer an evaluation changed in place (detected by version counters).
+
+    Example:
+        >>> bn = nn.BatchNorm1d(2)
+        >>> guard = BufferGuard(bn)
+        >>> _ = bn(torch.randn(4, 2))
+        >>> guard.restore_changed(); int(bn.num_batches_tracked)
+        0
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._buffers = [(b, b.detach().clone(), b._version) for _, b in model.named_buffers() if b is not None]
+
+    def restore_changed(self) -> None:
+        """Copy the saved value back into every buffer whose version moved."""
+        for i, (buf, saved, version) in enumerate(self._buffers):
+            if buf._version != version:
+                with torch.no_grad():
+                    buf.copy_(saved)
+                self._buffers[i] = (buf, saved, buf._version)
+
+
+def cast_floats(obj: Any, dtype: torch.dtype) -> Any:
+    """Cast floating tensors inside standard containers to ``dtype``, keeping container types.
+
+    Tensors, lists, tuples, namedtuples, dicts and dataclass instances are
+    walked; any other object is returned as it is (the user's ``loss_fn``
+    receives it untouched).
+
+    Example:
+        >>> cast_floats({"x": torch.ones(1), "y": torch.tensor([1])}, torch.float64)["x"].dtype
+        torch.float64
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(cast_floats(v, dtype) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cast_floats(v, dtype) for v in obj)
+    if isinstance(obj, dict):
+        try:
+            return type(obj)((k, cast_floats(v, dtype)) for k, v in obj.items())
+        except TypeError:
+            return {k: cast_floats(v, dtype) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: cast_floats(getattr(obj, f.name), dtype) for f in dataclasses.fields(obj) if f.init}
+        try:
+            return dataclasses.replace(obj, **changes)
+        except (TypeError, ValueError):
+            return obj
+    return obj
+
+
+def _cast_inputs_hook(dtype: torch.dtype):
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        return cast_floats(args, dtype), cast_floats(kwargs, dtype)
+
+    return hook
+
+
+def param_signature(model: nn.Module) -> Tuple:
+    """Names and shapes of parameters and buffers: when it changes, a shadow must be rebuilt."""
+    return tuple((n, tuple(t.shape), t.device.type) for n, t in model.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor))
+
+
+class Shadow:
+    """A deep copy of the model in ``dtype``, refreshed in place from the live model.
+
+    Floating inputs of every module of the copy are cast to ``dtype`` by
+    forward pre-hooks, so a float32 batch reaching the model directly is
+    evaluated in ``dtype`` too. The copy never receives ``.grad``.
+
+    Example:
+        >>> live = nn.Linear(3, 1)
+        >>> shadow = Shadow(live, torch.float64)
+        >>> shadow.module.weight.dtype
+        torch.float64
+    """
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.signature = param_signature(model)
+        try:
+            self.module = copy.deepcopy(model)
+        except Exception as err:  # noqa: BLE001 - report what failed and the way out
+            raise TypeError(
+                f"cannot make a {dtype} shadow copy of {type(model).__name__} (copy.deepcopy failed: {err}); "
+                "pass dtype=None to check in place in the model's own dtype"
+            ) from err
+        self.module.to(dtype)
+        for p in self.module.parameters():
+            p.grad = None
+        for m in self.module.modules():
+            m.register_forward_pre_hook(_cast_inputs_hook(dtype), with_kwargs=True)
+
+    def matches(self, model: nn.Module) -> bool:
+        """True when the live model still has the same parameter and buffer layout."""
+        return param_signature(model) == self.signature
+
+    @torch.no_grad()
+    def refresh(self, model: nn.Module) -> None:
+        """Copy live parameters, buffers and train/eval flags into the shadow, in place."""
+        for (_, dst), (_, src) in zip(self.module.named_parameters(), model.named_parameters()):
+            dst.copy_(src.detach())
+            dst.requires_grad_(src.requires_grad)
+        for (_, dst), (_, src) in zip(self.module.named_buffers(), model.named_buffers()):
+            if dst is not None and src is not None:
+                dst.copy_(src.detach())
+        for dst, src in zip(self.module.modules(), model.modules()):
+            dst.training = src.training
+
+
+def snapshot_params(params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Exact copies of parameter values, to restore after perturbing in place."""
+    return {n: p.detach().clone() for n, p in params.items()}
+
+
+@torch.no_grad()
+def restore_params(params: Dict[str, torch.Tensor], saved: Dict[str, torch.Tensor]) -> None:
+    """Copy saved values back bit for bit."""
+    for n, p in params.items():
+        p.copy_(saved[n])

@@ -1,0 +1,270 @@
+"""Pure numerics: agreement measures, verdict bands, steps, central differences.
+
+Nothing here knows about models, hooks or logs.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence, Union
+
+import numpy as np
+import torch
+
+ArrayLike = Union[torch.Tensor, np.ndarray, Sequence[float], float]
+
+#: Relative-difference bands from the gradient-check chapter:
+#: below 1e-7 excellent, below 1e-4 acceptable, below 1e-2 suspicious.
+DEFAULT_BANDS = (1e-7, 1e-4, 1e-2)
+
+
+def _as_float64(x: ArrayLike) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.detach().to("cpu", torch.float64).reshape(-1).numpy()
+    return np.asarray(x, dtype=np.float64).reshape(-1)
+
+
+def rel_diff(a: ArrayLike, b: ArrayLike) -> float:
+    """Relative difference ``||a - b||_2 / (||a||_2 + ||b||_2)`` (0 when both are 0).
+
+    Symmetric, in ``[0, 1]``, and zero exactly when ``a == b``.
+
+    Args:
+        a: First vector (tensor, array, sequence or number).
+        b: Second vector, same number of elements.
+
+    Returns:
+        The relative difference as a Python float (``nan`` if an input is not finite).
+
+    Example:
+        >>> rel_diff([1.0, 2.0], [1.0, 2.0])
+        0.0
+        >>> round(rel_diff([2.0], [1.0]), 4)
+        0.3333
+    """
+    x, y = _as_float64(a), _as_float64(b)
+    if x.shape != y.shape:
+        raise ValueError(f"rel_diff needs vectors of equal size, got {x.size} and {y.size} elements")
+    if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
+        return float("nan")
+    denom = float(np.linalg.norm(x) + np.linalg.norm(y))
+    if denom == 0.0:
+        return 0.0
+    return min(1.0, float(np.linalg.norm(x - y)) / denom)
+
+
+def max_rel_error(a: ArrayLike, b: ArrayLike, floor: float = 1e-8) -> float:
+    """Element-wise worst case ``max |a-b| / max(|a|+|b|, floor)`` (the tutorial's ``rel_error``).
+
+    Args:
+        a: First array.
+        b: Second array, same number of elements.
+        floor: Lower bound of the denominator, so zero entries do not divide by zero.
+
+    Returns:
+        The largest element-wise relative error (0.0 for empty inputs).
+
+    Example:
+        >>> max_rel_error([1.0, 0.0], [1.0, 0.0])
+        0.0
+        >>> round(max_rel_error([2.0, 1.0], [1.0, 1.0]), 4)
+        0.3333
+    """
+    x, y = _as_float64(a), _as_float64(b)
+    if x.shape != y.shape:
+        raise ValueError(f"max_rel_error needs arrays of equal size, got {x.size} and {y.size} elements")
+    if x.size == 0:
+        return 0.0
+    if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
+        return float("nan")
+    return float(np.max(np.abs(x - y) / np.maximum(np.abs(x) + np.abs(y), floor)))
+
+
+class Verdict(str, enum.Enum):
+    """How well analytic and numerical gradients agree (the chapter's bands).
+
+    Ordered from best to worst; compare with ``Verdict.rank``.
+
+    Example:
+        >>> Verdict.from_value(3e-9)
+        <Verdict.EXCELLENT: 'excellent'>
+        >>> Verdict.from_value(0.5).is_failure(Verdict.SUSPICIOUS)
+        True
+    """
+
+    EXCELLENT = "excellent"
+    ACCEPTABLE = "acceptable"
+    SUSPICIOUS = "suspicious"
+    WRONG = "wrong"
+
+    @property
+    def rank(self) -> int:
+        """0 for EXCELLENT up to 3 for WRONG."""
+        return _VERDICT_ORDER.index(self)
+
+    def is_failure(self, fail_at: "Verdict") -> bool:
+        """True when this verdict is ``fail_at`` or worse."""
+        return self.rank >= fail_at.rank
+
+    @classmethod
+    def parse(cls, value: Union[str, "Verdict"]) -> "Verdict":
+        """Accept a Verdict or its name in any case (``"wrong"``, ``"WRONG"``)."""
+        if isinstance(value, Verdict):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.lower())
+            except ValueError:
+                pass
+        names = ", ".join(repr(v.value) for v in cls)
+        raise ValueError(f"unknown verdict {value!r}; expected one of {names}")
+
+    @classmethod
+    def from_value(cls, value: float, bands: Sequence[float] = DEFAULT_BANDS) -> "Verdict":
+        """Map a relative difference to its band (``nan`` is WRONG)."""
+        excellent, acceptable, suspicious = validate_bands(bands)
+        if not math.isfinite(value) or value >= suspicious:
+            return cls.WRONG
+        if value < excellent:
+            return cls.EXCELLENT
+        if value < acceptable:
+            return cls.ACCEPTABLE
+        return cls.SUSPICIOUS
+
+
+_VERDICT_ORDER = [Verdict.EXCELLENT, Verdict.ACCEPTABLE, Verdict.SUSPICIOUS, Verdict.WRONG]
+
+
+def validate_bands(bands: Sequence[float]) -> tuple:
+    """Check that ``bands`` is three increasing positive numbers; return them as a tuple."""
+    try:
+        values = tuple(float(b) for b in bands)
+    except (TypeError, ValueError):
+        raise ValueError(f"bands must be three numbers (excellent, acceptable, suspicious), got {bands!r}") from None
+    if len(values) != 3 or not all(v > 0 for v in values) or not values[0] < values[1] < values[2]:
+        raise ValueError(
+            f"bands must be three increasing positive numbers (excellent, acceptable, suspicious), got {bands!r}"
+        )
+    return values
+
+
+def machine_eps(dtype: Union[torch.dtype, np.dtype, type]) -> float:
+    """Unit roundoff of a floating dtype (torch or numpy)."""
+    if isinstance(dtype, torch.dtype):
+        return float(torch.finfo(dtype).eps)
+    return float(np.finfo(dtype).eps)
+
+
+def default_step(dtype: Union[torch.dtype, np.dtype, type]) -> float:
+    """Central-difference step balancing truncation (h^2) and rounding (eps/h): ``eps ** (1/3)``.
+
+    Example:
+        >>> f"{default_step(torch.float64):.1e}"
+        '6.1e-06'
+        >>> f"{default_step(torch.float32):.1e}"
+        '4.9e-03'
+    """
+    return machine_eps(dtype) ** (1.0 / 3.0)
+
+
+def noise_floor(dtype: Union[torch.dtype, np.dtype, type], magnitude: float, step: float, factor: float = 32.0) -> float:
+    """Absolute error a central difference can carry from rounding alone.
+
+    Evaluating the objective in ``dtype`` rounds each value by about
+    ``eps * magnitude`` (``magnitude``: sum of the absolute values of the
+    objective's terms, which bounds cancellation); the difference quotient
+    divides that by ``step``. ``factor`` allows for rounding accumulated
+    inside the objective.
+
+    Example:
+        >>> noise_floor(torch.float64, 1.0, 1e-5) < 1e-8
+        True
+    """
+    return factor * machine_eps(dtype) * max(float(magnitude), 1e-30) / step
+
+
+def central_difference(f_plus: float, f_minus: float, step: float) -> float:
+    """``(f(x+h) - f(x-h)) / 2h``.
+
+    Example:
+        >>> f = lambda x: x * x + 3 * x
+        >>> round(central_difference(f(2.001), f(1.999), 0.001), 9)
+        7.0
+    """
+    return (f_plus - f_minus) / (2.0 * step)
+
+
+def numerical_grad(
+    f: Callable[[], Any],
+    inputs: Any,
+    grad_outputs: Any = None,
+    eps: float | None = None,
+) -> Any:
+    """Two-sided numerical gradient of ``f()`` with respect to arrays it reads (Chainer's ``numerical_grad``).
+
+    ``inputs`` (a tensor/array or a tuple of them) are perturbed in place one
+    element at a time and restored exactly. ``f`` takes no arguments and
+    returns a scalar, or outputs that are weighted by ``grad_outputs``
+    (``sum(<y_k, gy_k>)``).
+
+    Args:
+        f: Callable reading ``inputs``; returns a scalar or a tuple of outputs.
+        inputs: One array or a tuple of arrays (torch tensors or numpy arrays).
+        grad_outputs: ``None`` for a scalar ``f``; else one array per output.
+        eps: Step; ``None`` picks :func:`default_step` of each input's dtype.
+
+    Returns:
+        Gradients shaped like ``inputs`` (a single array when one was given).
+
+    Example:
+        >>> x = np.array([2.0])
+        >>> g = numerical_grad(lambda: float(x[0] ** 2 + 3 * x[0]), x, eps=1e-3)
+        >>> round(float(g[0]), 6)
+        7.0
+    """
+    single = not isinstance(inputs, (tuple, list))
+    arrays = (inputs,) if single else tuple(inputs)
+    if eps is not None and not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps!r}")
+
+    def scalar() -> float:
+        out = f()
+        if grad_outputs is None:
+            return _to_float(out)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        gys = grad_outputs if isinstance(grad_outputs, (tuple, list)) else (grad_outputs,)
+        return float(sum(float((_as_float64(y) * _as_float64(g)).sum()) for y, g in zip(outs, gys) if g is not None))
+
+    grads = []
+    for arr in arrays:
+        is_torch = isinstance(arr, torch.Tensor)
+        flat = arr.detach().view(-1) if is_torch else arr.reshape(-1)
+        if not is_torch and not np.shares_memory(flat, arr):
+            raise ValueError("numerical_grad needs contiguous numpy arrays it can perturb in place")
+        h = eps if eps is not None else default_step(arr.dtype)
+        g = np.zeros(flat.shape[0], dtype=np.float64)
+        with torch.no_grad():
+            for i in range(flat.shape[0]):
+                orig = flat[i].clone() if is_torch else flat[i].copy()
+                flat[i] = orig + h
+                fp = scalar()
+                flat[i] = orig - h
+                fm = scalar()
+                flat[i] = orig
+                g[i] = central_difference(fp, fm, h)
+        g = g.reshape(tuple(arr.shape))
+        grads.append(torch.from_numpy(g).to(arr.dtype) if is_torch else g.astype(arr.dtype, copy=False))
+    return grads[0] if single else tuple(grads)
+
+
+def _to_float(value: Any) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"expected a scalar, got a tensor of shape {tuple(value.shape)}")
+        return float(value.detach().double().item())
+    arr = np.asarray(value)
+    if arr.size != 1:
+        raise ValueError(f"expected a scalar, got an array of shape {arr.shape}")
+    return float(arr.reshape(()))

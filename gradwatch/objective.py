@@ -1,0 +1,177 @@
+"""The check objective ``J = loss_fn(model, batch) + regularizers (+ coupled weight decay)``.
+
+Every term is kept apart so each can be checked on its own.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+Regularizer = Callable[[nn.Module], torch.Tensor]
+RegularizerSpec = Union[None, Mapping[str, Union[float, Regularizer]], Sequence[Regularizer]]
+
+#: Names accepted for built-in regularizers, with the formula applied to every trainable parameter.
+BUILTIN_REGULARIZERS = {"l1": "coef * sum(|p|)", "l2": "coef * sum(p**2)"}
+
+
+def _l1(coef: float) -> Regularizer:
+    def l1(model: nn.Module) -> torch.Tensor:
+        return coef * sum(p.abs().sum() for p in model.parameters() if p.requires_grad)
+
+    return l1
+
+
+def _l2(coef: float) -> Regularizer:
+    def l2(model: nn.Module) -> torch.Tensor:
+        return coef * sum(p.pow(2).sum() for p in model.parameters() if p.requires_grad)
+
+    return l2
+
+
+def parse_regularizers(spec: RegularizerSpec) -> Dict[str, Regularizer]:
+    """Normalize ``regularizers`` to ``{name: reg(model) -> scalar}``.
+
+    Accepts ``None``, a mapping of name to a coefficient (built-ins ``"l1"``,
+    ``"l2"``) or to a callable, or a sequence of callables (named after
+    ``__name__``).
+
+    Example:
+        >>> regs = parse_regularizers({"l2": 1e-4})
+        >>> float(regs["l2"](nn.Linear(1, 1, bias=False).requires_grad_(False))) == 0.0
+        True
+    """
+    if spec is None:
+        return {}
+    out: Dict[str, Regularizer] = {}
+    if isinstance(spec, Mapping):
+        for name, value in spec.items():
+            if callable(value):
+                out[str(name)] = value
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                key = str(name).lower()
+                if key not in BUILTIN_REGULARIZERS:
+                    known = ", ".join(sorted(BUILTIN_REGULARIZERS))
+                    raise ValueError(
+                        f"regularizers: unknown built-in {name!r} with coefficient {value!r}; "
+                        f"built-ins are {known}, or give a callable reg(model) -> scalar"
+                    )
+                if value < 0:
+                    raise ValueError(f"regularizers: {name!r} coefficient must be >= 0, got {value!r}")
+                out[key] = _l1(float(value)) if key == "l1" else _l2(float(value))
+            else:
+                raise TypeError(
+                    f"regularizers: {name!r} must map to a coefficient (for l1/l2) or a callable reg(model), "
+                    f"got {type(value).__name__}"
+                )
+        return out
+    if isinstance(spec, (list, tuple)):
+        for i, reg in enumerate(spec):
+            if not callable(reg):
+                raise TypeError(f"regularizers[{i}] must be callable reg(model) -> scalar, got {type(reg).__name__}")
+            name = getattr(reg, "__name__", None) or f"reg{i}"
+            if name == "<lambda>" or name in out:
+                name = f"reg{i}"
+            out[name] = reg
+        return out
+    raise TypeError(
+        f"regularizers must be a mapping (e.g. {{'l2': 1e-4}}) or a list of callables, got {type(spec).__name__}"
+    )
+
+
+def coupled_weight_decay(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Tuple[Dict[str, float], List[str]]:
+    """Per-parameter coupled weight decay read from an optimizer's ``param_groups``.
+
+    SGD/Adam-style ``weight_decay`` adds ``wd * p`` to the gradient: the
+    gradient of ``0.5 * wd * ||p||^2``, which the check objective then includes.
+    Decoupled decay (AdamW, ``decoupled_weight_decay=True``) is not the
+    gradient of any loss: it is left out, with a note saying so.
+
+    Returns:
+        ``({param name: wd}, notes)``.
+
+    Example:
+        >>> m = nn.Linear(2, 1)
+        >>> wd, notes = coupled_weight_decay(m, torch.optim.SGD(m.parameters(), lr=0.1, weight_decay=0.01))
+        >>> wd
+        {'weight': 0.01, 'bias': 0.01}
+    """
+    if optimizer is None:
+        return {}, []
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    names = {id(p): n for n, p in model.named_parameters()}
+    decoupled_cls = isinstance(optimizer, torch.optim.AdamW)
+    out: Dict[str, float] = {}
+    notes: List[str] = []
+    for group in optimizer.param_groups:
+        wd = float(group.get("weight_decay", 0.0) or 0.0)
+        if wd == 0.0:
+            continue
+        if decoupled_cls or group.get("decoupled_weight_decay", False):
+            note = (
+                f"{type(optimizer).__name__} applies decoupled weight decay ({wd:g}); it is not the gradient "
+                "of any loss, so the check objective leaves it out"
+            )
+            if note not in notes:
+                notes.append(note)
+                warnings.warn(note, stacklevel=3)
+            continue
+        for p in group["params"]:
+            if id(p) in names:
+                out[names[id(p)]] = wd
+    return out, notes
+
+
+class Objective:
+    """The terms of the check objective, evaluated on a model and a batch.
+
+    Args:
+        loss_fn: ``loss_fn(model, batch) -> scalar tensor``.
+        regularizers: See :func:`parse_regularizers`.
+        weight_decay: ``{param name: wd}`` from :func:`coupled_weight_decay`.
+
+    Example:
+        >>> m = nn.Linear(2, 1)
+        >>> obj = Objective(lambda mod, b: mod(b).pow(2).mean(), {"l2": 0.1})
+        >>> sorted(obj.terms(m, torch.ones(3, 2)))
+        ['l2', 'loss']
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+        regularizers: RegularizerSpec = None,
+        weight_decay: Optional[Mapping[str, float]] = None,
+    ) -> None:
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable loss_fn(model, batch) -> scalar tensor, got {type(loss_fn).__name__}")
+        self.loss_fn = loss_fn
+        self.regularizers = parse_regularizers(regularizers)
+        self.weight_decay = dict(weight_decay or {})
+
+    def terms(self, model: nn.Module, batch: Any) -> Dict[str, torch.Tensor]:
+        """Evaluate each term: ``"loss"``, each regularizer, and ``"weight_decay"`` when present."""
+        out = {"loss": _scalar("loss_fn", self.loss_fn(model, batch))}
+        for name, reg in self.regularizers.items():
+            out[name] = _scalar(f"regularizer {name!r}", reg(model))
+        if self.weight_decay:
+            params = dict(model.named_parameters())
+            out["weight_decay"] = sum(0.5 * wd * params[n].pow(2).sum() for n, wd in self.weight_decay.items())
+        return out
+
+
+def _scalar(what: str, value: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        if isinstance(value, (int, float)):
+            return torch.tensor(float(value), dtype=torch.float64)
+        raise TypeError(f"{what} must return a scalar tensor, got {type(value).__name__}")
+    if value.numel() != 1:
+        raise ValueError(
+            f"{what} must return a scalar, got a tensor of shape {tuple(value.shape)}; "
+            "reduce it (e.g. .mean() or .sum()) before returning"
+        )
+    return value.reshape(())

@@ -1,0 +1,346 @@
+"""Check results: :class:`TensorCheck`, :class:`CheckReport`, and the diagnosis text.
+
+Pure data and formatting; no torch evaluation happens here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from .errors import GradientCheckError
+from .numeric import Verdict
+
+
+@dataclass
+class TensorCheck:
+    """Result of checking one parameter tensor (or one input of ``check_backward``).
+
+    Attributes:
+        name: Parameter name from ``named_parameters()`` (or ``"x[0]"`` for inputs).
+        shape: Shape of the tensor.
+        rel_diff: ``rel_diff`` of analytic vs numeric over the sampled coordinates.
+        max_rel_error: Element-wise worst case over the sampled coordinates.
+        directional_rel_diff: ``rel_diff`` over the random directions (None if none were used).
+        judged_rel_diff: The larger of the two relative differences after discounting
+            the finite-difference noise floor; it decides the verdict.
+        verdict: Band of ``judged_rel_diff``; None when the check is inconclusive.
+        failed: True when the verdict is at or beyond the report's ``fail_at``.
+        noise_floor: Absolute error the central differences can carry from rounding.
+        step: Finite-difference step used.
+        kinks: Sampled points found non-differentiable and excluded from the verdict.
+        diagnosis: What a person should check next, when the tensor failed.
+        inconclusive: Why no verdict could be given (non-finite values, nondeterminism).
+        coords: Indices of the sampled coordinates.
+        analytic: Analytic gradient at ``coords``.
+        numeric: Numerical gradient at ``coords``.
+        dir_analytic: Analytic directional derivatives.
+        dir_numeric: Numerical directional derivatives.
+
+    Example:
+        >>> t = TensorCheck(name="w", shape=(2,), rel_diff=0.0, max_rel_error=0.0)
+        >>> t.verdict is None
+        True
+    """
+
+    name: str
+    shape: tuple
+    rel_diff: float
+    max_rel_error: float
+    directional_rel_diff: Optional[float] = None
+    judged_rel_diff: float = 0.0
+    verdict: Optional[Verdict] = None
+    failed: bool = False
+    noise_floor: float = 0.0
+    step: float = 0.0
+    kinks: int = 0
+    diagnosis: Optional[str] = None
+    inconclusive: Optional[str] = None
+    coords: List[tuple] = field(default_factory=list)
+    analytic: List[float] = field(default_factory=list)
+    numeric: List[float] = field(default_factory=list)
+    dir_analytic: List[float] = field(default_factory=list)
+    dir_numeric: List[float] = field(default_factory=list)
+
+    def to_dict(self, samples: bool = True) -> Dict[str, Any]:
+        """JSON-serializable dict (``samples=False`` drops the per-coordinate values)."""
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        d["verdict"] = self.verdict.value if self.verdict is not None else None
+        d["coords"] = [list(c) for c in self.coords]
+        for key in ("rel_diff", "max_rel_error", "directional_rel_diff", "judged_rel_diff"):
+            d[key] = _json_float(d[key])
+        if not samples:
+            for key in ("coords", "analytic", "numeric", "dir_analytic", "dir_numeric"):
+                d.pop(key)
+        else:
+            for key in ("analytic", "numeric", "dir_analytic", "dir_numeric"):
+                d[key] = [_json_float(v) for v in d[key]]
+        return d
+
+
+@dataclass
+class CheckReport:
+    """Everything one gradient check found.
+
+    Attributes:
+        tensors: Parameter name -> :class:`TensorCheck`, in model order.
+        fail_at: Verdict at which a tensor counts as failing.
+        dtype: Dtype the objective was evaluated in (``"float64"`` for the shadow copy).
+        objective: Value of the check objective at the current parameters.
+        terms: Value of each term of the objective (``"loss"``, regularizers, ``"weight_decay"``).
+        evaluations: Number of objective evaluations the check made.
+        seconds: Wall time of the check.
+        seed: Sampling seed (re-running with it samples the same coordinates).
+        nondeterministic: The objective gave two different values at the same point.
+        nonfinite: The objective or a gradient was NaN or infinite.
+        notes: Warnings a person should read (decoupled weight decay, kinks, ...).
+        term_checks: With ``per_term=True``: term -> tensor name -> :class:`TensorCheck`.
+
+    Example:
+        >>> report = CheckReport(tensors={})
+        >>> report.ok, report.failures, report.worst
+        (True, [], None)
+    """
+
+    tensors: Dict[str, TensorCheck]
+    fail_at: Verdict = Verdict.SUSPICIOUS
+    dtype: str = "float64"
+    objective: float = float("nan")
+    terms: Dict[str, float] = field(default_factory=dict)
+    evaluations: int = 0
+    seconds: float = 0.0
+    seed: Optional[int] = None
+    nondeterministic: bool = False
+    nonfinite: bool = False
+    notes: List[str] = field(default_factory=list)
+    term_checks: Dict[str, Dict[str, TensorCheck]] = field(default_factory=dict)
+    localized: List[Any] = field(default_factory=list)
+
+    @property
+    def failures(self) -> List[TensorCheck]:
+        """Tensors whose verdict is ``fail_at`` or worse, worst first."""
+        return sorted((t for t in self.tensors.values() if t.failed), key=_badness, reverse=True)
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing failed and the check was conclusive (finite, deterministic)."""
+        return not self.failures and not self.nonfinite and not self.nondeterministic
+
+    @property
+    def worst(self) -> Optional[TensorCheck]:
+        """The tensor with the largest judged relative difference (None if nothing was judged)."""
+        judged = [t for t in self.tensors.values() if t.verdict is not None]
+        return max(judged, key=_badness) if judged else None
+
+    @property
+    def kinks(self) -> int:
+        """Total number of sampled points found non-differentiable."""
+        return sum(t.kinks for t in self.tensors.values())
+
+    def to_dict(self, samples: bool = True) -> Dict[str, Any]:
+        """JSON-serializable summary (``json.dumps(report.to_dict())`` works)."""
+        worst = self.worst
+        return {
+            "ok": self.ok,
+            "fail_at": self.fail_at.value,
+            "dtype": self.dtype,
+            "objective": _json_float(self.objective),
+            "terms": {k: _json_float(v) for k, v in self.terms.items()},
+            "evaluations": self.evaluations,
+            "seconds": self.seconds,
+            "seed": self.seed,
+            "nondeterministic": self.nondeterministic,
+            "nonfinite": self.nonfinite,
+            "kinks": self.kinks,
+            "worst": worst.name if worst is not None else None,
+            "failures": [t.name for t in self.failures],
+            "notes": list(self.notes),
+            "tensors": {name: t.to_dict(samples) for name, t in self.tensors.items()},
+            "term_checks": {
+                term: {name: t.to_dict(samples) for name, t in checks.items()}
+                for term, checks in self.term_checks.items()
+            },
+            "localized": [l.to_dict() if hasattr(l, "to_dict") else l for l in self.localized],
+        }
+
+    def raise_for_failures(self) -> "CheckReport":
+        """Raise :class:`GradientCheckError` if the report is not ok; return self otherwise.
+
+        Example:
+            >>> CheckReport(tensors={}).raise_for_failures().ok
+            True
+        """
+        if not self.ok:
+            raise GradientCheckError(self.failure_message(), report=self)
+        return self
+
+    def failure_message(self) -> str:
+        """Text naming each failing tensor with its values and diagnosis."""
+        lines = []
+        if self.nonfinite:
+            lines.append(f"the check objective or a gradient is not finite (objective = {self.objective!r})")
+        if self.nondeterministic:
+            lines.append(
+                "the objective is nondeterministic: two evaluations at the same parameters differ, "
+                "so numerical gradients cannot be trusted (unseeded randomness, or a module the check "
+                "could not switch to deterministic behaviour)"
+            )
+        for t in self.failures:
+            lines.append(describe_failure(t))
+        return "gradient check failed:\n" + "\n".join(f"  - {line}" for line in lines)
+
+    def __str__(self) -> str:
+        rows = sorted(self.tensors.values(), key=_badness, reverse=True)
+        header = ("tensor", "verdict", "rel_diff", "dir_rel_diff", "max_rel_err", "kinks", "diagnosis")
+        table = [header]
+        for t in rows:
+            verdict = t.verdict.value.upper() if t.verdict is not None else "INCONCLUSIVE"
+            table.append(
+                (
+                    t.name,
+                    verdict,
+                    _fmt(t.rel_diff),
+                    _fmt(t.directional_rel_diff),
+                    _fmt(t.max_rel_error),
+                    str(t.kinks),
+                    t.diagnosis or t.inconclusive or "",
+                )
+            )
+        widths = [max(len(r[i]) for r in table) for i in range(len(header) - 1)]
+        lines = []
+        for r in table:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + ("  " + r[-1] if r[-1] else ""))
+        status = "OK" if self.ok else "FAILED"
+        summary = (
+            f"gradwatch check: {status} ({len(self.tensors)} tensors, {self.evaluations} evaluations, "
+            f"{self.seconds:.3f}s, dtype {self.dtype}, objective {self.objective:.6g}"
+        )
+        if self.kinks:
+            summary += f", {self.kinks} kinks excluded"
+        summary += ")"
+        extra = []
+        if self.nonfinite:
+            extra.append("objective or gradients not finite: no verdict")
+        if self.nondeterministic:
+            extra.append("objective is nondeterministic: gradients not judged")
+        extra.extend(self.notes)
+        return "\n".join([summary, *lines, *("note: " + e for e in extra)])
+
+
+def _badness(t: TensorCheck) -> float:
+    if t.verdict is None:
+        return -1.0
+    v = t.judged_rel_diff
+    return v if math.isfinite(v) else float("inf")
+
+
+def _fmt(value: Optional[float]) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2e}"
+
+
+def _json_float(value: Optional[float]) -> Any:
+    if value is None:
+        return None
+    value = float(value)
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return value
+
+
+def describe_failure(t: TensorCheck, limit: int = 4) -> str:
+    """One paragraph on a failing tensor: the worst coordinates with both values, and the diagnosis."""
+    parts = [
+        f"{t.name}: {t.verdict.value.upper() if t.verdict else 'INCONCLUSIVE'} "
+        f"(rel_diff {_fmt(t.rel_diff)}, directional {_fmt(t.directional_rel_diff)}, "
+        f"max_rel_error {_fmt(t.max_rel_error)}, noise floor {t.noise_floor:.1e})"
+    ]
+    if t.coords:
+        a, n = np.asarray(t.analytic), np.asarray(t.numeric)
+        order = np.argsort(-np.abs(a - n))[:limit]
+        shown = ", ".join(f"{tuple(t.coords[i])}: analytic {a[i]:.6g} vs numeric {n[i]:.6g}" for i in order)
+        parts.append(f"worst coordinates {shown}")
+    if t.dir_analytic:
+        parts.append(
+            "directions: analytic "
+            + ", ".join(f"{v:.6g}" for v in t.dir_analytic[:limit])
+            + " vs numeric "
+            + ", ".join(f"{v:.6g}" for v in t.dir_numeric[:limit])
+        )
+    if t.diagnosis:
+        parts.append(t.diagnosis)
+    return "; ".join(parts)
+
+
+def diagnose(analytic: Sequence[float], numeric: Sequence[float], floor: float, tolerance: float = 1e-2) -> Optional[str]:
+    """Say in words how analytic and numeric disagree, or None if they agree.
+
+    Recognizes a constant ratio ("analytic is 2.00x numeric"), a sign flip,
+    an analytic zero where numeric is not (detached path / missing term),
+    the reverse, and otherwise names how many entries differ.
+
+    Args:
+        analytic: Analytic values (coordinates and/or directional derivatives).
+        numeric: Numerical values at the same places.
+        floor: Absolute noise floor of ``numeric``; smaller values count as zero.
+        tolerance: Relative misfit under which a ratio counts as constant.
+
+    Example:
+        >>> diagnose([2.0, 4.0, -6.0], [1.0, 2.0, -3.0], floor=1e-9)
+        'analytic is 2.00x numeric (constant ratio): a factor in backward is wrong'
+        >>> diagnose([-1.0, 2.0], [1.0, -2.0], floor=1e-9)
+        'sign flip: analytic is the negative of numeric'
+    """
+    a = np.asarray(analytic, dtype=np.float64).reshape(-1)
+    n = np.asarray(numeric, dtype=np.float64).reshape(-1)
+    if a.size == 0:
+        return None
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(n))):
+        bad = "analytic" if not np.all(np.isfinite(a)) else "numeric"
+        return f"{bad} gradient has non-finite values (NaN or inf)"
+    zero_floor = max(floor, 1e-300)
+    a_zero = np.abs(a) <= zero_floor
+    n_zero = np.abs(n) <= zero_floor
+    if np.all(a_zero) and not np.all(n_zero):
+        return (
+            "analytic gradient is zero where numeric is not: a detached path (.detach(), .data, "
+            "torch.no_grad) or a term missing from backward"
+        )
+    if np.all(n_zero) and not np.all(a_zero):
+        return (
+            "numeric gradient is zero where analytic is not: backward produces a gradient the forward "
+            "does not have, or the check objective lacks a term training differentiates (pass it as a regularizer)"
+        )
+    if not np.any(np.abs(a - n) > zero_floor):
+        return None
+    nn = float(n @ n)
+    if nn > 0:
+        ratio = float(a @ n) / nn
+        misfit = float(np.linalg.norm(a - ratio * n)) / max(float(np.linalg.norm(a)), zero_floor)
+        if misfit <= tolerance and abs(ratio - 1.0) > tolerance:
+            if abs(ratio + 1.0) <= tolerance:
+                return "sign flip: analytic is the negative of numeric"
+            if ratio < 0:
+                return f"sign flip and scale: analytic is {ratio:.2f}x numeric"
+            return f"analytic is {ratio:.2f}x numeric (constant ratio): a factor in backward is wrong"
+    partial_zero = a_zero & ~n_zero
+    if np.any(partial_zero):
+        return (
+            f"analytic is zero at {int(partial_zero.sum())} of {a.size} sampled entries where numeric is not "
+            "(part of the gradient is missing or detached)"
+        )
+    mism = np.abs(a - n) > zero_floor + 1e-2 * (np.abs(a) + np.abs(n))
+    if np.any(mism):
+        i = int(np.argmax(np.abs(a - n)))
+        return (
+            f"analytic differs from numeric at {int(mism.sum())} of {a.size} sampled entries, not by a constant "
+            f"factor (worst: analytic {a[i]:.6g} vs numeric {n[i]:.6g})"
+        )
+    return "small disagreement spread over the sampled entries (accumulated error or a subtly wrong term)"

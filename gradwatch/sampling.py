@@ -1,0 +1,120 @@
+"""What to look at: coordinates, directions and the rotating subset of tensors.
+
+Pure functions of a seed; the same seed samples the same points.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import zlib
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence
+
+import torch
+
+
+def tensor_seed(seed: int, name: str) -> int:
+    """A per-tensor seed: stable across processes (no Python ``hash``).
+
+    Example:
+        >>> tensor_seed(0, "fc.weight") == tensor_seed(0, "fc.weight")
+        True
+    """
+    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def generator(seed: int) -> torch.Generator:
+    """A CPU generator seeded with ``seed`` (never touches the global RNG)."""
+    g = torch.Generator(device="cpu")
+    g.manual_seed(int(seed))
+    return g
+
+
+def choose_coords(grad: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
+    """Flat indices to check: the ``k // 2`` largest ``|grad|`` plus random ones, ``k`` in all.
+
+    All coordinates when the tensor has at most ``k`` elements. Returned sorted.
+
+    Example:
+        >>> g = torch.tensor([0.0, 5.0, 0.1, -7.0])
+        >>> choose_coords(g, 8, generator(0)).tolist()
+        [0, 1, 2, 3]
+        >>> 3 in choose_coords(g, 2, generator(0)).tolist()
+        True
+    """
+    n = grad.numel()
+    if n <= k:
+        return torch.arange(n)
+    flat = grad.detach().reshape(-1).abs().to("cpu", torch.float64)
+    n_top = k // 2
+    top = torch.topk(flat, n_top).indices if n_top else torch.empty(0, dtype=torch.long)
+    taken = torch.zeros(n, dtype=torch.bool)
+    taken[top] = True
+    n_rand = k - n_top
+    # Random distinct indices not already taken: draw a few extra and filter.
+    picks: List[int] = []
+    while len(picks) < n_rand:
+        cand = torch.randint(0, n, (2 * (n_rand - len(picks)) + 4,), generator=gen)
+        for c in cand.tolist():
+            if not taken[c]:
+                taken[c] = True
+                picks.append(c)
+                if len(picks) == n_rand:
+                    break
+    idx = torch.cat([top, torch.tensor(picks, dtype=torch.long)])
+    return torch.sort(idx).values
+
+
+def rademacher(numel: int, count: int, gen: torch.Generator, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``count`` random unit directions with entries ``±1/sqrt(numel)``, shape ``(count, numel)``.
+
+    Example:
+        >>> d = rademacher(4, 2, generator(0))
+        >>> d.shape, float(d[0].norm())
+        (torch.Size([2, 4]), 1.0)
+    """
+    signs = torch.randint(0, 2, (count, numel), generator=gen, dtype=torch.int8)
+    return (signs.to(dtype) * 2 - 1) / (numel**0.5)
+
+
+def match_names(names: Sequence[str], patterns: Optional[Iterable[str]]) -> List[str]:
+    """Names matching any glob pattern (``None`` keeps all). Raises ValueError for a pattern matching nothing.
+
+    Example:
+        >>> match_names(["fc1.weight", "fc1.bias", "fc2.weight"], ["*.weight"])
+        ['fc1.weight', 'fc2.weight']
+    """
+    if patterns is None:
+        return list(names)
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    patterns = list(patterns)
+    chosen = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+    for p in patterns:
+        if not any(fnmatch.fnmatchcase(n, p) for n in names):
+            shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+            raise ValueError(f"tensors: pattern {p!r} matches no trainable parameter; parameters are: {shown}")
+    return chosen
+
+
+def rotate(names: Sequence[str], per_check: int, counts: Mapping[str, int]) -> List[str]:
+    """The next subset of tensors to check, least-checked first (ties in model order).
+
+    Every tensor is checked ``c + 1`` times before any is checked ``c + 2`` times.
+    ``per_check=0`` means all tensors.
+
+    Example:
+        >>> rotate(["a", "b", "c"], 2, {"a": 1})
+        ['b', 'c']
+        >>> rotate(["a", "b", "c"], 2, {"a": 1, "b": 1, "c": 1})
+        ['a', 'b']
+    """
+    if per_check <= 0 or per_check >= len(names):
+        return list(names)
+    order = sorted(range(len(names)), key=lambda i: (counts.get(names[i], 0), i))
+    chosen = sorted(order[:per_check])
+    return [names[i] for i in chosen]
+
+
+def coverage(counts: Mapping[str, int], names: Sequence[str]) -> Dict[str, int]:
+    """How often each trainable tensor has been checked (0 for never)."""
+    return {n: int(counts.get(n, 0)) for n in names}
