@@ -6,27 +6,35 @@ Example:
     0.0
 """
 
+from ._version import __version__
 from .backward import check_backward
 from .check import check_model, check_numpy
+from .config import GradWatchConfig, load_config
 from .errors import ConfigError, GradientCheckError, GradientDriftError, GradWatchError
+from .hook import GradWatch
 from .numeric import Verdict, max_rel_error, numerical_grad, rel_diff
 from .options import CheckOptions
 from .report import CheckReport, TensorCheck
-
-__version__ = "0.1.0"
+from .trend import Alert, TrendTracker
 
 __all__ = [
+    "Alert",
     "CheckOptions",
     "CheckReport",
     "ConfigError",
+    "GradWatch",
+    "GradWatchConfig",
     "GradWatchError",
     "GradientCheckError",
     "GradientDriftError",
     "TensorCheck",
+    "TrendTracker",
     "Verdict",
+    "__version__",
     "check_backward",
     "check_model",
     "check_numpy",
+    "load_config",
     "max_rel_error",
     "numerical_grad",
     "rel_diff",

@@ -168,7 +168,6 @@ def run_model_check(
         with torch.enable_grad():
             terms_t = objective.terms(target, batch)
             total_t = sum(terms_t[k] for k in sorted(terms_t))
-        guard.restore_changed()
         values = {k: float(v.detach()) for k, v in terms_t.items()}
         report.terms = values
         report.objective = float(total_t.detach())
@@ -184,6 +183,9 @@ def run_model_check(
             return report
         grads = _analytic(objective, terms_t, total_t, params, target, batch, grad_fn, opts.per_term)
         del terms_t, total_t
+        # Only now: a train-mode BatchNorm saves its running stats for backward, and restoring them
+        # (the forward above updated them) bumps their version counters.
+        guard.restore_changed()
 
         def evaluate() -> Dict[str, float]:
             seed_everything(eval_seed)

@@ -92,23 +92,31 @@ def dropout_off(model: nn.Module) -> Iterator[None]:
 
 
 class BufferGuard:
-    """Puts back any buffer an evaluation changed in place (detected by version counters).
+    """Puts back any buffer an evaluation changed in place.
+
+    A change is detected by the version counter *or* by value: the native
+    batch-norm kernel updates ``running_mean``/``running_var`` in place
+    without bumping their version counters. Buffers that did not change are
+    not written, so a buffer saved for backward (an eval-mode BatchNorm's
+    running stats) keeps its version. Call :meth:`restore_changed` only after
+    any pending backward of the evaluation: a train-mode BatchNorm saves its
+    running stats for backward too, and restoring them bumps their version.
 
     Example:
         >>> bn = nn.BatchNorm1d(2)
         >>> guard = BufferGuard(bn)
         >>> _ = bn(torch.randn(4, 2))
-        >>> guard.restore_changed(); int(bn.num_batches_tracked)
-        0
+        >>> guard.restore_changed(); int(bn.num_batches_tracked), float(bn.running_mean.abs().sum())
+        (0, 0.0)
     """
 
     def __init__(self, model: nn.Module) -> None:
         self._buffers = [(b, b.detach().clone(), b._version) for _, b in model.named_buffers() if b is not None]
 
     def restore_changed(self) -> None:
-        """Copy the saved value back into every buffer whose version moved."""
+        """Copy the saved value back into every buffer whose version or value moved."""
         for i, (buf, saved, version) in enumerate(self._buffers):
-            if buf._version != version:
+            if buf._version != version or not torch.equal(buf, saved):
                 with torch.no_grad():
                     buf.copy_(saved)
                 self._buffers[i] = (buf, saved, buf._version)

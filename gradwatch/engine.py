@@ -147,15 +147,21 @@ def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Ter
     analytic gradient is right at this point. (2) Otherwise the one-sided
     slopes ``(J(θ+t)-J(θ))/t`` and ``(J(θ)-J(θ-t))/t`` are compared: for a
     smooth function their gap shrinks in proportion to ``t``; if it does not
-    shrink and the analytic slope lies between them, ``θ`` sits exactly on a
-    kink and the analytic value is a valid subgradient. Scales whose noise
-    floor exceeds 1% of the slopes are not used (they cannot tell).
+    shrink, ``θ`` sits exactly on a kink. For a coordinate the analytic slope
+    must then lie between the one-sided slopes (extrapolated to ``t -> 0``
+    so curvature does not count): a valid subgradient. A random direction
+    can cross several kinks at ``θ`` at once (e.g. zero-initialized biases
+    with a zero input row: every ReLU unit sits on its kink), and then the
+    framework's convention (``relu'(0) = 0``) need not lie between the two
+    one-sided slopes; such a line is non-differentiable and is excluded.
+    Scales whose noise floor exceeds 1% of the slopes are not used (they
+    cannot tell).
     """
     rel = settings.bands[1]
     t0 = sample.step
     jp0, jm0, _, _ = base
     gap0 = (total(jp0) - j0) / t0 - (j0 - total(jm0)) / t0
-    last = None
+    seen: List[Tuple[float, float, float, float, float]] = []
     for scale in KINK_SCALES:
         t = t0 * scale
         fl = floor_at(settings, t)
@@ -165,17 +171,24 @@ def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Ter
             break
         if agrees(a["total"], n["total"], fl, rel):
             return True
-        last = (t, fl, jp, jm, a["total"])
-    if last is None:
+        seen.append((t, fl, (total(jp) - j0) / t, (j0 - total(jm)) / t, a["total"]))
+    if not seen:
         return False
-    t, fl, jp, jm, a = last
-    right = (total(jp) - j0) / t
-    left = (j0 - total(jm)) / t
+    t, fl, right, left, a = seen[-1]
     gap = right - left
-    if abs(gap) > 4 * fl and abs(gap) > 0.3 * abs(gap0):
-        lo, hi = min(left, right), max(left, right)
-        return lo - fl <= a <= hi + fl
-    return False
+    if not (abs(gap) > 4 * fl and abs(gap) > 0.3 * abs(gap0)):
+        return False
+    if sample.index is None:
+        return True
+    tol = fl
+    if len(seen) >= 2:
+        # One-sided slopes of a function smooth on each side are linear in t: extrapolate to t = 0.
+        t1, fl1, right1, left1, _ = seen[-2]
+        right = right - (right1 - right) * t / (t1 - t)
+        left = left - (left1 - left) * t / (t1 - t)
+        tol = 2.0 * fl + fl1 * t / (t1 - t)
+    lo, hi = min(left, right), max(left, right)
+    return lo - tol <= a <= hi + tol
 
 
 def _judged(analytic: np.ndarray, numeric: np.ndarray, floors: np.ndarray) -> float:

@@ -1,0 +1,350 @@
+"""Every GradWatch option in one dataclass, and YAML loading with messages that point at the mistake.
+
+One name everywhere: the keyword of :class:`gradwatch.GradWatch`, the YAML
+key, the CLI flag (``--kebab-case``) and the JSONL field.
+
+A YAML config is a mapping of option names to values. It may instead keep
+the options under a top-level ``gradwatch:`` section; then only that section
+is read and every other top-level key is ignored, so the options can live in
+a larger training config. An empty file (or ``gradwatch:`` with nothing under
+it) means all defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+
+import yaml
+
+from .errors import ConfigError
+from .numeric import DEFAULT_BANDS
+from .objective import parse_regularizers
+from .options import CheckOptions
+from .trend import TrendTracker
+
+#: One-line meaning of each option (README options table, CLI help).
+OPTION_DOCS: Dict[str, str] = {
+    "coords": "coordinates sampled per checked tensor (half largest |grad|, half random); >= 1",
+    "directions": "random Rademacher directions per checked tensor; >= 0",
+    "eps": "finite-difference step; null picks eps(dtype)**(1/3) scaled by |theta|",
+    "bands": "upper bounds of EXCELLENT, ACCEPTABLE, SUSPICIOUS for the judged rel_diff",
+    "fail_at": "verdict from which a tensor counts as failing: suspicious or wrong",
+    "seed": "base sampling seed (changes every check so coverage accumulates); >= 0",
+    "dtype": "evaluate the check on a shadow copy in this dtype (float64, float32); null checks in place",
+    "detect_kinks": "re-examine disagreeing samples for non-differentiable points before calling them wrong",
+    "per_term": "also check each term of the objective (loss, each regularizer) on its own",
+    "tensors": "glob patterns of parameter names to check (e.g. ['encoder.*']); null checks all trainable",
+    "every": "check every N training steps (integer >= 1), or auto to follow overhead_budget",
+    "overhead_budget": "with every: auto, fraction of training time the checks may take; 0 < x <= 1",
+    "tensors_per_check": "parameter tensors checked per check, rotating through all; 0 checks all",
+    "baseline_checks": "first checks of a tensor whose median is its baseline; >= 1",
+    "drift_window": "checks in the rolling median compared with the baseline; >= 1",
+    "drift_decades": "powers of ten above the baseline that count as drift; > 0",
+    "alert_cooldown": "checks of a tensor during which a persisting alert stays silent; >= 0",
+    "raise_on": "raise GradientDriftError on alerts of this level: null (never), wrong, suspicious",
+    "log_dir": "directory for TensorBoard events and the JSONL log; null lets the hook choose (e.g. the Lightning logger's)",
+    "tensorboard": "write TensorBoard scalars and alert text",
+    "jsonl": "write one JSON record per check and per alert to a JSONL file in log_dir",
+    "regularizers": "extra objective terms: {l1: coef, l2: coef} (callables allowed from Python)",
+}
+
+#: Options that belong to :class:`gradwatch.options.CheckOptions`.
+CHECK_OPTION_NAMES: Tuple[str, ...] = tuple(CheckOptions.names())
+#: Options that belong to :class:`gradwatch.trend.TrendTracker` (besides ``bands``).
+TREND_OPTION_NAMES: Tuple[str, ...] = ("baseline_checks", "drift_window", "drift_decades", "alert_cooldown")
+_FLOAT_KEYS = ("eps", "overhead_budget", "drift_decades")
+_DTYPE_CANONICAL = {"float64": "float64", "double": "float64", "float32": "float32", "float": "float32"}
+
+
+def _number(value: Any) -> Any:
+    """A string that parses as a float becomes that float (PyYAML reads ``1e-4`` as a string)."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass
+class GradWatchConfig:
+    """Every YAML-able :class:`gradwatch.GradWatch` option, validated on construction.
+
+    Attributes are documented in :data:`OPTION_DOCS`; the check options share
+    names, defaults and validation with :class:`gradwatch.options.CheckOptions`.
+    Values are stored normalized: ``dtype`` as ``"float64"``/``"float32"``/None,
+    ``fail_at`` and ``raise_on`` as lowercase names, ``bands`` as a tuple of floats.
+
+    Raises:
+        ConfigError: An option has the wrong type or is out of range.
+
+    Example:
+        >>> cfg = GradWatchConfig(coords=4, overhead_budget="5e-3")
+        >>> cfg.overhead_budget, cfg.check_options().coords
+        (0.005, 4)
+        >>> GradWatchConfig(every=0)
+        Traceback (most recent call last):
+        ...
+        gradwatch.errors.ConfigError: every: got 0, expected an integer >= 1 or 'auto'
+    """
+
+    coords: int = 8
+    directions: int = 4
+    eps: Optional[float] = None
+    bands: Tuple[float, float, float] = DEFAULT_BANDS
+    fail_at: str = "suspicious"
+    seed: int = 0
+    dtype: Optional[str] = "float64"
+    detect_kinks: bool = True
+    per_term: bool = False
+    tensors: Optional[List[str]] = None
+    every: Union[int, str] = "auto"
+    overhead_budget: float = 0.02
+    tensors_per_check: int = 0
+    baseline_checks: int = 3
+    drift_window: int = 3
+    drift_decades: float = 2.0
+    alert_cooldown: int = 10
+    raise_on: Optional[str] = None
+    log_dir: Optional[str] = None
+    tensorboard: bool = True
+    jsonl: bool = True
+    regularizers: Optional[Any] = None
+
+    def __post_init__(self) -> None:
+        for key in _FLOAT_KEYS:
+            setattr(self, key, _number(getattr(self, key)))
+        if isinstance(self.bands, (list, tuple)):
+            self.bands = tuple(_number(b) for b in self.bands)
+        if any(isinstance(b, bool) for b in (self.bands if isinstance(self.bands, tuple) else ())):
+            raise ConfigError(f"bands: got {list(self.bands)!r}, expected three increasing positive numbers")
+        opts = self.check_options()
+        self.bands = opts.bands
+        self.fail_at = opts.fail_at.value
+        self.dtype = None if opts.dtype is None else str(opts.dtype).replace("torch.", "")
+        self.eps, self.tensors = opts.eps, opts.tensors
+        self._validate_hook_options()
+        TrendTracker(self.bands, **{k: getattr(self, k) for k in TREND_OPTION_NAMES})
+        self.drift_decades = float(self.drift_decades)
+
+    def _validate_hook_options(self) -> None:
+        if isinstance(self.every, str) and self.every.lower() == "auto":
+            self.every = "auto"
+        elif isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ConfigError(f"every: got {self.every!r}, expected an integer >= 1 or 'auto'")
+        budget = self.overhead_budget
+        if not _is_number(budget) or not 0 < budget <= 1:
+            raise ConfigError(f"overhead_budget: got {budget!r}, expected a number with 0 < x <= 1 (0.02 = 2%)")
+        self.overhead_budget = float(budget)
+        tpc = self.tensors_per_check
+        if isinstance(tpc, bool) or not isinstance(tpc, int) or tpc < 0:
+            raise ConfigError(f"tensors_per_check: got {tpc!r}, expected an integer >= 0 (0 = all tensors)")
+        raise_on = self.raise_on
+        if isinstance(raise_on, str) and raise_on.lower() in ("none", "null"):
+            raise_on = None
+        if raise_on is not None:
+            raise_on = str(getattr(raise_on, "value", raise_on)).lower()
+            if raise_on not in ("wrong", "suspicious"):
+                raise ConfigError(f"raise_on: got {self.raise_on!r}, expected null (never), 'wrong' or 'suspicious'")
+        self.raise_on = raise_on
+        if self.log_dir is not None:
+            if not isinstance(self.log_dir, (str, os.PathLike)) or not str(os.fspath(self.log_dir)):
+                raise ConfigError(f"log_dir: got {self.log_dir!r}, expected a directory path or null")
+            self.log_dir = str(os.fspath(self.log_dir))
+        for key in ("detect_kinks", "per_term", "tensorboard", "jsonl"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{key}: got {getattr(self, key)!r}, expected true or false")
+        self._validate_regularizers()
+
+    def _validate_regularizers(self) -> None:
+        regs = self.regularizers
+        if isinstance(regs, Mapping):
+            regs = {str(k): _number(v) for k, v in regs.items()}
+        try:
+            parse_regularizers(regs)
+        except (TypeError, ValueError) as err:
+            msg = str(err)
+            if not msg.startswith("regularizers"):
+                msg = f"regularizers: {msg}"
+            raise ConfigError(f"{msg} (got {self.regularizers!r})") from None
+        self.regularizers = {k: float(v) if _is_number(v) else v for k, v in regs.items()} if isinstance(regs, dict) else regs
+
+    # ------------------------------------------------------------------ views
+
+    def check_options(self) -> CheckOptions:
+        """The check options as a validated :class:`~gradwatch.options.CheckOptions`.
+
+        Example:
+            >>> GradWatchConfig(coords=3).check_options().coords
+            3
+        """
+        return CheckOptions(**{k: getattr(self, k) for k in CHECK_OPTION_NAMES})
+
+    def trend_tracker(self) -> TrendTracker:
+        """A fresh :class:`~gradwatch.trend.TrendTracker` with this config's bands and trend options.
+
+        Example:
+            >>> GradWatchConfig(drift_window=5).trend_tracker().drift_window
+            5
+        """
+        return TrendTracker(self.bands, **{k: getattr(self, k) for k in TREND_OPTION_NAMES})
+
+    def to_dict(self) -> Dict[str, Any]:
+        """JSON/YAML-safe dict of every option (bands as a list; callables by name).
+
+        Example:
+            >>> d = GradWatchConfig().to_dict()
+            >>> d["dtype"], d["bands"], d["every"]
+            ('float64', [1e-07, 0.0001, 0.01], 'auto')
+        """
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["bands"] = list(self.bands)
+        d["tensors"] = None if self.tensors is None else list(self.tensors)
+        if isinstance(self.regularizers, dict):
+            d["regularizers"] = {k: v if _is_number(v) else _callable_name(v) for k, v in self.regularizers.items()}
+        elif self.regularizers is not None:
+            d["regularizers"] = [_callable_name(r) for r in self.regularizers]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], source: str = "<dict>") -> "GradWatchConfig":
+        """Build from a mapping (a parsed YAML file), refusing unknown keys and bad values.
+
+        Args:
+            d: Option name -> value.
+            source: Where ``d`` came from, named first in every error message.
+
+        Raises:
+            ConfigError: ``"<source>: <key>: got <value>, expected <what is accepted>"``.
+
+        Example:
+            >>> GradWatchConfig.from_dict({"every": 50}).every
+            50
+            >>> GradWatchConfig.from_dict({"evry": 50}, source="run.yaml")  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            gradwatch.errors.ConfigError: run.yaml: evry: unknown option, did you mean 'every'? ...
+        """
+        return _from_mapping(d, source, "")
+
+    def replace(self, **overrides: Any) -> "GradWatchConfig":
+        """A validated copy with some options changed (unknown names are refused).
+
+        Example:
+            >>> GradWatchConfig().replace(every=10).every
+            10
+        """
+        _check_keys(overrides, None, "")
+        return dataclasses.replace(self, **overrides)
+
+
+def option_names() -> List[str]:
+    """Every option name, in declaration order.
+
+    Example:
+        >>> option_names()[:3]
+        ['coords', 'directions', 'eps']
+    """
+    return [f.name for f in fields(GradWatchConfig)]
+
+
+def options_table() -> List[Tuple[str, Any, str]]:
+    """``(name, default, meaning)`` for every option; defaults as in YAML/JSON (``to_dict`` form).
+
+    Example:
+        >>> options_table()[0]
+        ('coords', 8, 'coordinates sampled per checked tensor (half largest |grad|, half random); >= 1')
+    """
+    defaults = GradWatchConfig().to_dict()
+    return [(name, defaults[name], OPTION_DOCS[name]) for name in option_names()]
+
+
+def load_config(path: Union[str, os.PathLike]) -> GradWatchConfig:
+    """Read a YAML config (see the module docstring for its layout).
+
+    Args:
+        path: The YAML file.
+
+    Raises:
+        ConfigError: Missing file, invalid YAML, a top level that is not a
+            mapping, or a bad option; the message starts with the file name.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "gw.yaml"
+        >>> _ = p.write_text("gradwatch:\\n  every: 25\\n  overhead_budget: 1e-2\\n")
+        >>> cfg = load_config(p)
+        >>> cfg.every, cfg.overhead_budget
+        (25, 0.01)
+    """
+    source = os.fspath(path)
+    try:
+        with open(source, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: no such config file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{source}: cannot read config file ({err})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{source}: invalid YAML{_yaml_problem(err)}") from None
+    if data is None:
+        return GradWatchConfig()
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"{source}: expected a mapping of option: value at the top level, got {type(data).__name__} ({data!r:.60})"
+        )
+    if "gradwatch" in data:
+        section = data["gradwatch"]
+        if section is None:
+            return GradWatchConfig()
+        if not isinstance(section, Mapping):
+            raise ConfigError(f"{source}: gradwatch: got {type(section).__name__}, expected a mapping of option: value")
+        return _from_mapping(section, source, "gradwatch.")
+    return _from_mapping(data, source, "")
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """``" at line 2, column 9: while parsing a flow sequence, expected ',' or ']'..."`` (one line)."""
+    mark = getattr(err, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    context, cmark = getattr(err, "context", None), getattr(err, "context_mark", None)
+    if context and cmark is not None:
+        context += f" started at line {cmark.line + 1}, column {cmark.column + 1}"
+    words = [w for w in (context, getattr(err, "problem", None)) if w]
+    return f"{where}: {', '.join(words) if words else str(err).splitlines()[0]}"
+
+
+def _callable_name(fn: Any) -> str:
+    return f"<callable {getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}>"
+
+
+def _check_keys(d: Mapping[str, Any], source: Optional[str], prefix: str) -> None:
+    valid = option_names()
+    where = f"{source}: " if source else ""
+    for key in d:
+        if not isinstance(key, str):
+            raise ConfigError(f"{where}{prefix}{key!r}: option names must be strings")
+        if key not in valid:
+            close = difflib.get_close_matches(key.replace("-", "_"), valid, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"{where}{prefix}{key}: unknown option, {hint}(valid options: {', '.join(valid)})")
+
+
+def _from_mapping(d: Any, source: str, prefix: str) -> GradWatchConfig:
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"{source}: expected a mapping of option: value, got {type(d).__name__}")
+    _check_keys(d, source, prefix)
+    try:
+        return GradWatchConfig(**d)
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {prefix}{err}") from None

@@ -1,0 +1,272 @@
+"""JSON-able records of a run: the single source of truth for JSONL and TensorBoard.
+
+Every sink writes from these dicts, so a value in ``checks.jsonl`` and the
+TensorBoard scalar at the same step are the same number. Pure functions: no
+I/O here (the current time is the only thing read from outside).
+
+Non-finite floats are stored as the strings ``"nan"``, ``"inf"`` and
+``"-inf"`` so ``json.dumps`` never writes invalid JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import time
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+
+import numpy as np
+
+from .report import CheckReport, _json_float
+
+#: Per-tensor fields copied into a check record, in this order.
+TENSOR_FIELDS = (
+    "rel_diff",
+    "directional_rel_diff",
+    "max_rel_error",
+    "judged_rel_diff",
+    "verdict",
+    "kinks",
+    "noise_floor",
+    "diagnosis",
+    "inconclusive",
+    "shape",
+)
+
+#: Per-tensor metrics written to TensorBoard as ``gradwatch/<metric>/<param>``.
+TENSOR_METRICS = ("rel_diff", "directional_rel_diff", "max_rel_error", "judged_rel_diff")
+
+ALERT_FIELDS = ("step", "tensor", "kind", "severity", "value", "baseline", "message")
+
+ALERTS_COUNT_TAG = "gradwatch/alerts/count"
+ALERTS_TEXT_TAG = "gradwatch/alerts"
+
+
+def check_record(
+    step: int,
+    report: CheckReport,
+    *,
+    seconds: float,
+    overhead_fraction: Optional[float],
+    coverage: Optional[Mapping[str, int]] = None,
+    wall_time: Optional[float] = None,
+) -> Dict[str, Any]:
+    """Build the ``"check"`` record of one gradient check.
+
+    Args:
+        step: Training step (TensorBoard ``global_step``) the check ran at.
+        report: The check's :class:`~gradwatch.CheckReport`.
+        seconds: Wall time the check cost the training loop.
+        overhead_fraction: ``seconds`` over training time since the previous check (None if unknown).
+        coverage: Parameter name -> coordinates checked so far in the run.
+        wall_time: Unix time of the record; now when None.
+
+    Returns:
+        ``{"type": "check", "step", "time", "seconds", "overhead_fraction", "evaluations",
+        "objective", "terms", "dtype", "seed", "ok", "nondeterministic", "nonfinite", "kinks",
+        "notes", "tensors": {name: {...TENSOR_FIELDS}}, "summary": {"rel_diff_median",
+        "rel_diff_p95", "rel_diff_max"}, "coverage": {...}}``.
+
+    Example:
+        >>> from gradwatch import CheckReport, TensorCheck
+        >>> report = CheckReport(tensors={"w": TensorCheck("w", (3,), rel_diff=1e-9, max_rel_error=2e-9)})
+        >>> rec = check_record(10, report, seconds=0.5, overhead_fraction=0.01, wall_time=0.0)
+        >>> rec["tensors"]["w"]["rel_diff"], rec["summary"]["rel_diff_max"]
+        (1e-09, 1e-09)
+    """
+    tensors: Dict[str, Dict[str, Any]] = {}
+    finite: List[float] = []
+    for name, t in report.tensors.items():
+        tensors[name] = {
+            "rel_diff": _json_float(t.rel_diff),
+            "directional_rel_diff": _json_float(t.directional_rel_diff),
+            "max_rel_error": _json_float(t.max_rel_error),
+            "judged_rel_diff": _json_float(t.judged_rel_diff),
+            "verdict": t.verdict.value if t.verdict is not None else None,
+            "kinks": int(t.kinks),
+            "noise_floor": _json_float(t.noise_floor),
+            "diagnosis": t.diagnosis,
+            "inconclusive": t.inconclusive,
+            "shape": [int(s) for s in t.shape],
+        }
+        if t.rel_diff is not None and math.isfinite(t.rel_diff):
+            finite.append(float(t.rel_diff))
+    if finite:
+        values = np.asarray(finite, dtype=np.float64)
+        summary = {
+            "rel_diff_median": float(np.median(values)),
+            "rel_diff_p95": float(np.percentile(values, 95)),
+            "rel_diff_max": float(values.max()),
+        }
+    else:
+        summary = {"rel_diff_median": None, "rel_diff_p95": None, "rel_diff_max": None}
+    return {
+        "type": "check",
+        "step": int(step),
+        "time": time.time() if wall_time is None else float(wall_time),
+        "seconds": _json_float(seconds),
+        "overhead_fraction": _json_float(overhead_fraction),
+        "evaluations": int(report.evaluations),
+        "objective": _json_float(report.objective),
+        "terms": {k: _json_float(v) for k, v in report.terms.items()},
+        "dtype": report.dtype,
+        "seed": report.seed,
+        "ok": report.ok,
+        "nondeterministic": report.nondeterministic,
+        "nonfinite": report.nonfinite,
+        "kinks": report.kinks,
+        "notes": list(report.notes),
+        "tensors": tensors,
+        "summary": summary,
+        "coverage": {str(k): int(v) for k, v in (coverage or {}).items()},
+    }
+
+
+def alert_record(alert: Any, *, wall_time: Optional[float] = None) -> Dict[str, Any]:
+    """Build the ``"alert"`` record of one alert.
+
+    Args:
+        alert: Any object with the attributes ``step, tensor, kind, severity, value,
+            baseline, message`` (a :class:`gradwatch.Alert`), or a dict with those keys.
+        wall_time: Unix time of the record; now when None.
+
+    Returns:
+        ``{"type": "alert", "time", "step", "tensor", "kind", "severity", "value",
+        "baseline", "message"}`` (extra fields of ``alert.to_dict()`` are kept).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> a = SimpleNamespace(step=3, tensor="w", kind="band", severity="error",
+        ...                     value=0.5, baseline=None, message="w: WRONG")
+        >>> alert_record(a, wall_time=0.0)["kind"]
+        'band'
+    """
+    if isinstance(alert, Mapping):
+        fields = dict(alert)
+    elif hasattr(alert, "to_dict"):
+        fields = dict(alert.to_dict())
+    elif dataclasses.is_dataclass(alert):
+        fields = dataclasses.asdict(alert)
+    else:
+        fields = {}
+    for key in ALERT_FIELDS:
+        if key not in fields:
+            fields[key] = getattr(alert, key, None)
+    fields.pop("type", None)
+    fields.pop("time", None)
+    record = {"type": "alert", "time": time.time() if wall_time is None else float(wall_time)}
+    record.update(to_jsonable(fields))
+    if record.get("step") is not None:
+        record["step"] = int(record["step"])
+    return record
+
+
+def run_record(options: Mapping[str, Any], version: str, *, wall_time: Optional[float] = None) -> Dict[str, Any]:
+    """Build the ``"run"`` record written once when a run starts.
+
+    Args:
+        options: The run's options (values are made JSON-able: dtypes and enums become strings).
+        version: ``gradwatch.__version__``.
+        wall_time: Unix time of the record; now when None.
+
+    Example:
+        >>> import torch
+        >>> run_record({"every": 100, "dtype": torch.float64}, "0.1.0", wall_time=0.0)["options"]
+        {'every': 100, 'dtype': 'float64'}
+    """
+    return {
+        "type": "run",
+        "time": time.time() if wall_time is None else float(wall_time),
+        "version": str(version),
+        "options": to_jsonable(dict(options)),
+    }
+
+
+def scalars_from_check(record: Mapping[str, Any]) -> List[Tuple[str, float]]:
+    """TensorBoard scalars of one check record, as ``(tag, value)`` pairs.
+
+    Tags: ``gradwatch/{rel_diff,directional_rel_diff,max_rel_error,judged_rel_diff}/<param>``,
+    ``gradwatch/summary/rel_diff_{median,p95,max}``, ``gradwatch/overhead/{seconds,fraction}``.
+    None and non-finite values are skipped. ``gradwatch/alerts/count`` is not here: it
+    depends on the alerts, which the sink is given separately.
+
+    Example:
+        >>> rec = {"tensors": {"w": {"rel_diff": 1e-9, "directional_rel_diff": None,
+        ...        "max_rel_error": "nan", "judged_rel_diff": 1e-9}},
+        ...        "summary": {"rel_diff_max": 1e-9}, "seconds": 0.5}
+        >>> scalars_from_check(rec)
+        [('gradwatch/rel_diff/w', 1e-09), ('gradwatch/judged_rel_diff/w', 1e-09), \
+('gradwatch/summary/rel_diff_max', 1e-09), ('gradwatch/overhead/seconds', 0.5)]
+    """
+    out: List[Tuple[str, float]] = []
+
+    def add(tag: str, value: Any) -> None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out.append((tag, float(value)))
+
+    for name, t in (record.get("tensors") or {}).items():
+        for metric in TENSOR_METRICS:
+            add(f"gradwatch/{metric}/{name}", t.get(metric))
+    summary = record.get("summary") or {}
+    for key in ("rel_diff_median", "rel_diff_p95", "rel_diff_max"):
+        add(f"gradwatch/summary/{key}", summary.get(key))
+    add("gradwatch/overhead/seconds", record.get("seconds"))
+    add("gradwatch/overhead/fraction", record.get("overhead_fraction"))
+    return out
+
+
+def custom_scalars_layout(param_names: Iterable[str] = ()) -> Dict[str, Dict[str, list]]:
+    """Layout for ``SummaryWriter.add_custom_scalars``: one ``"gradwatch"`` category.
+
+    Charts are ``Multiline`` over tag regexes (``gradwatch/rel_diff/.*``, ...), so a
+    tensor first checked late in the run (rotating subsets) still shows up;
+    ``param_names`` is accepted for callers that know them but is not needed.
+
+    Example:
+        >>> layout = custom_scalars_layout(["w"])
+        >>> layout["gradwatch"]["rel_diff per tensor"]
+        ['Multiline', ['gradwatch/rel_diff/.*']]
+    """
+    del param_names  # regexes cover every tensor, including ones not seen yet
+    return {
+        "gradwatch": {
+            "rel_diff per tensor": ["Multiline", ["gradwatch/rel_diff/.*"]],
+            "directional rel_diff per tensor": ["Multiline", ["gradwatch/directional_rel_diff/.*"]],
+            "max_rel_error per tensor": ["Multiline", ["gradwatch/max_rel_error/.*"]],
+            "judged rel_diff per tensor": ["Multiline", ["gradwatch/judged_rel_diff/.*"]],
+            "rel_diff summary": ["Multiline", ["gradwatch/summary/.*"]],
+            "overhead": ["Multiline", ["gradwatch/overhead/.*"]],
+            "alerts": ["Multiline", [ALERTS_COUNT_TAG]],
+        }
+    }
+
+
+def to_jsonable(value: Any) -> Any:
+    """Make ``value`` safe for ``json.dumps(..., allow_nan=False)``.
+
+    Non-finite floats become ``"nan"``/``"inf"``/``"-inf"``; numpy scalars become
+    Python numbers; enums their value; tuples lists; anything else unknown ``str()``.
+
+    Example:
+        >>> to_jsonable({"a": float("inf"), "b": (1, 2)})
+        {'a': 'inf', 'b': [1, 2]}
+    """
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, enum.Enum):
+        return to_jsonable(value.value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return _json_float(value)
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, Mapping):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [to_jsonable(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return to_jsonable(dataclasses.asdict(value))
+    text = str(value)
+    return text[len("torch."):] if text.startswith("torch.") else text

@@ -1,0 +1,93 @@
+"""When to check: the first step, then every N steps or within an overhead budget.
+
+Pure bookkeeping: the hook feeds it step and check durations; it never reads a clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from statistics import median
+from typing import Any, Deque, Dict, Optional, Union
+
+#: Longest gap between two checks in "auto" mode, in steps.
+MAX_AUTO_INTERVAL = 100_000
+
+
+class Schedule:
+    """Decides which optimizer steps run a check.
+
+    ``every=N``: steps 0, N, 2N, ... (relative to the first step seen).
+    ``every="auto"``: after the baseline check at the first step, the gap is
+    chosen so that check time stays within ``overhead_budget`` of wall time:
+    ``gap >= check_seconds * (1 - budget) / (budget * step_seconds)``, using
+    the median of recent step durations and of recent check durations.
+
+    Example:
+        >>> s = Schedule(every=10)
+        >>> [step for step in range(25) if s.due(step) and s.record_check(step, 0.0) is None]
+        [0, 10, 20]
+        >>> a = Schedule(every="auto", overhead_budget=0.02)
+        >>> a.due(0)
+        True
+        >>> a.record_check(0, 1.0); a.record_step_seconds(0.1)
+        >>> a.interval()
+        490
+    """
+
+    def __init__(self, every: Union[int, str] = "auto", overhead_budget: float = 0.02, window: int = 20) -> None:
+        self.every = every
+        self.overhead_budget = float(overhead_budget)
+        self.last_check_step: Optional[int] = None
+        self.first_step: Optional[int] = None
+        self._step_seconds: Deque[float] = deque(maxlen=window)
+        self._check_seconds: Deque[float] = deque(maxlen=max(3, window // 4))
+
+    def record_step_seconds(self, seconds: float) -> None:
+        """Duration of one training step, excluding the monitor's own time."""
+        if seconds > 0 and math.isfinite(seconds):
+            self._step_seconds.append(float(seconds))
+
+    def record_check(self, step: int, seconds: float) -> None:
+        """A check ran at ``step`` and took ``seconds``."""
+        self.last_check_step = int(step)
+        if self.first_step is None:
+            self.first_step = int(step)
+        if math.isfinite(seconds) and seconds >= 0:
+            self._check_seconds.append(float(seconds))
+
+    def interval(self) -> int:
+        """Current gap between checks, in steps."""
+        if self.every != "auto":
+            return int(self.every)
+        if not self._check_seconds or not self._step_seconds:
+            return 1
+        c, t, b = median(self._check_seconds), median(self._step_seconds), self.overhead_budget
+        gap = c * (1.0 - b) / (b * max(t, 1e-9))
+        return int(min(MAX_AUTO_INTERVAL, max(1, math.ceil(gap))))
+
+    def due(self, step: int) -> bool:
+        """True when a check should run at ``step``."""
+        if self.last_check_step is None:
+            return True
+        return int(step) - self.last_check_step >= self.interval()
+
+    def state_dict(self) -> Dict[str, Any]:
+        """JSON-able state for checkpoints."""
+        return {
+            "every": self.every,
+            "overhead_budget": self.overhead_budget,
+            "last_check_step": self.last_check_step,
+            "first_step": self.first_step,
+            "step_seconds": list(self._step_seconds),
+            "check_seconds": list(self._check_seconds),
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict` (``every``/budget keep the current configuration)."""
+        self.last_check_step = state.get("last_check_step")
+        self.first_step = state.get("first_step")
+        self._step_seconds.clear()
+        self._step_seconds.extend(state.get("step_seconds", []))
+        self._check_seconds.clear()
+        self._check_seconds.extend(state.get("check_seconds", []))

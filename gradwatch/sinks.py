@@ -1,0 +1,473 @@
+"""Where check records go: JSONL, TensorBoard and logging.
+
+Every sink is written from the records of :mod:`gradwatch.records`, so the
+JSONL file and the TensorBoard scalars hold the same numbers. A
+:class:`SinkSet` fans records out and keeps training alive when one sink
+fails (disk full, closed writer): it logs one warning and carries on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+from .errors import GradWatchError
+from .records import (
+    ALERTS_COUNT_TAG,
+    ALERTS_TEXT_TAG,
+    alert_record,
+    custom_scalars_layout,
+    scalars_from_check,
+    to_jsonable,
+)
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+JSONL_NAME = "checks.jsonl"
+
+_log = logging.getLogger("gradwatch")
+
+
+class LogDirError(GradWatchError, OSError):
+    """A log directory or file cannot be created or written.
+
+    Example:
+        >>> isinstance(LogDirError("cannot write /x"), OSError)
+        True
+    """
+
+
+class Sink:
+    """Base of the sinks: every method is a no-op; subclasses override what they handle.
+
+    Example:
+        >>> Sink().write_check({"type": "check", "step": 0}, alert_count=0)
+    """
+
+    def write_run(self, record: Mapping[str, Any]) -> None:
+        """Write the ``"run"`` record (once, when the run starts)."""
+
+    def write_check(self, record: Mapping[str, Any], alert_count: int) -> None:
+        """Write one ``"check"`` record; ``alert_count`` alerts were raised at this check."""
+
+    def write_alert(self, record: Mapping[str, Any]) -> None:
+        """Write one ``"alert"`` record."""
+
+    def close(self) -> None:
+        """Release files and writers."""
+
+    def __repr__(self) -> str:
+        return type(self).__name__ + "()"
+
+
+class JsonlSink(Sink):
+    """Appends one JSON object per line, flushed and fsynced at once (a SIGKILL loses nothing written).
+
+    Args:
+        path: The ``.jsonl`` file, or a directory (then ``<path>/checks.jsonl``).
+            Missing parent directories are created.
+
+    Raises:
+        LogDirError: The file cannot be opened for appending (message names the path).
+
+    Example:
+        >>> import tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> sink = JsonlSink(os.path.join(d, "checks.jsonl"))
+        >>> sink.write({"type": "run", "time": 0.0, "version": "0.1.0", "options": {}})
+        >>> sink.close()
+        >>> read_jsonl(d)[0][0]["type"]
+        'run'
+    """
+
+    def __init__(self, path: PathLike) -> None:
+        p = Path(path)
+        if p.is_dir():
+            p = p / JSONL_NAME
+        self.path = p
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(p, "a", encoding="utf-8")
+        except OSError as err:
+            raise LogDirError(
+                f"gradwatch cannot write its log file {str(p)!r}: {err.strerror or err} "
+                f"(pass a writable log_dir, or log_dir=None to log to `logging` only)"
+            ) from err
+        self._lock = threading.Lock()
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        """Append ``record`` as one line, then flush and fsync."""
+        line = json.dumps(to_jsonable(record), allow_nan=False, separators=(",", ":"))
+        with self._lock:
+            self._file.write(line + "\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def write_run(self, record: Mapping[str, Any]) -> None:
+        self.write(record)
+
+    def write_check(self, record: Mapping[str, Any], alert_count: int) -> None:
+        self.write(record)
+
+    def write_alert(self, record: Mapping[str, Any]) -> None:
+        self.write(record)
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+    def __repr__(self) -> str:
+        return f"JsonlSink({str(self.path)!r})"
+
+
+# One owned SummaryWriter per run directory in this process: log_dir realpath -> [writer, users].
+_WRITERS: Dict[str, list] = {}
+_WRITERS_LOCK = threading.Lock()
+
+
+def _acquire_writer(log_dir: PathLike) -> Tuple[Any, str]:
+    from torch.utils.tensorboard import SummaryWriter
+
+    key = os.path.realpath(os.fspath(log_dir))
+    with _WRITERS_LOCK:
+        entry = _WRITERS.get(key)
+        if entry is None:
+            try:
+                os.makedirs(key, exist_ok=True)
+                entry = _WRITERS[key] = [SummaryWriter(log_dir=key), 0]
+            except OSError as err:
+                raise LogDirError(
+                    f"gradwatch cannot write TensorBoard events to {os.fspath(log_dir)!r}: {err.strerror or err}"
+                ) from err
+        entry[1] += 1
+        return entry[0], key
+
+
+def _release_writer(key: str) -> None:
+    with _WRITERS_LOCK:
+        entry = _WRITERS.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del _WRITERS[key]
+            entry[0].close()
+
+
+class TensorBoardSink(Sink):
+    """Writes check scalars, alert texts and one custom-scalars layout through one SummaryWriter.
+
+    Args:
+        log_dir: Run directory; a ``SummaryWriter`` is created there and owned (closed by
+            :meth:`close`). Sinks in one process with the same ``log_dir`` share one writer,
+            so a directory never gets two event files from gradwatch.
+        writer: An existing ``SummaryWriter`` (e.g. Lightning ``TensorBoardLogger.experiment``)
+            to write through; it is flushed but never closed.
+
+    Example:
+        >>> import tempfile
+        >>> sink = TensorBoardSink(tempfile.mkdtemp())
+        >>> sink.write_check({"type": "check", "step": 0, "time": 0.0, "seconds": 0.1,
+        ...                   "tensors": {}, "summary": {}}, alert_count=0)
+        >>> sink.close()
+    """
+
+    def __init__(self, log_dir: Optional[PathLike] = None, writer: Any = None) -> None:
+        if writer is None and log_dir is None:
+            raise ValueError("TensorBoardSink needs a log_dir or a writer")
+        self._key: Optional[str] = None
+        if writer is not None:
+            self.writer = writer
+            self.owns_writer = False
+        else:
+            self.writer, self._key = _acquire_writer(log_dir)  # type: ignore[arg-type]
+            self.owns_writer = True
+        self._layout_written = False
+        self._closed = False
+
+    @property
+    def log_dir(self) -> Optional[str]:
+        """Directory the writer writes to (None if the writer does not say)."""
+        return _writer_dir(self.writer)
+
+    def write_check(self, record: Mapping[str, Any], alert_count: int) -> None:
+        step = int(record["step"])
+        walltime = record.get("time")
+        if not self._layout_written:
+            self.writer.add_custom_scalars(custom_scalars_layout(record.get("tensors") or {}))
+            self._layout_written = True
+        for tag, value in scalars_from_check(record):
+            self.writer.add_scalar(tag, value, global_step=step, walltime=walltime)
+        self.writer.add_scalar(ALERTS_COUNT_TAG, float(alert_count), global_step=step, walltime=walltime)
+        self.writer.flush()
+
+    def write_alert(self, record: Mapping[str, Any]) -> None:
+        text = (
+            f"**{str(record.get('severity', '')).upper()}** `{record.get('kind')}` on "
+            f"`{record.get('tensor')}`: {record.get('message')}"
+        )
+        step = record.get("step")
+        self.writer.add_text(
+            ALERTS_TEXT_TAG, text, global_step=None if step is None else int(step), walltime=record.get("time")
+        )
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.owns_writer and self._key is not None:
+            _release_writer(self._key)
+        else:
+            self.writer.flush()
+
+    def __repr__(self) -> str:
+        return f"TensorBoardSink({self.log_dir!r})"
+
+
+class LoggingSink(Sink):
+    """Sends alerts to :mod:`logging` (WARNING, or ERROR for severe ones) and one line per check.
+
+    Args:
+        logger_name: Logger to write to.
+        check_level: Level of the one-line check summary.
+
+    Example:
+        >>> sink = LoggingSink()
+        >>> sink.write_alert({"severity": "warning", "message": "fc.weight drifted"})
+    """
+
+    ERROR_SEVERITIES = frozenset({"error", "critical", "fatal", "wrong"})
+
+    def __init__(self, logger_name: str = "gradwatch", check_level: int = logging.INFO) -> None:
+        self.logger = logging.getLogger(logger_name)
+        self.check_level = check_level
+
+    def write_check(self, record: Mapping[str, Any], alert_count: int) -> None:
+        if not self.logger.isEnabledFor(self.check_level):
+            return
+        self.logger.log(self.check_level, "%s", format_check_line(record, alert_count))
+
+    def write_alert(self, record: Mapping[str, Any]) -> None:
+        severity = str(record.get("severity", "")).lower()
+        level = logging.ERROR if severity in self.ERROR_SEVERITIES else logging.WARNING
+        self.logger.log(level, "%s", record.get("message"))
+
+    def __repr__(self) -> str:
+        return f"LoggingSink({self.logger.name!r})"
+
+
+def format_check_line(record: Mapping[str, Any], alert_count: int = 0) -> str:
+    """One line describing a check record.
+
+    Example:
+        >>> format_check_line({"step": 5, "ok": True, "tensors": {"w": {"judged_rel_diff": 1e-9}},
+        ...                    "seconds": 0.25, "overhead_fraction": 0.02})
+        'gradwatch step 5: ok, 1 tensors, worst w judged_rel_diff 1.00e-09, 0.250s (2.0% overhead), 0 alerts'
+    """
+    tensors = record.get("tensors") or {}
+    judged = [
+        (v.get("judged_rel_diff"), name)
+        for name, v in tensors.items()
+        if isinstance(v.get("judged_rel_diff"), (int, float))
+    ]
+    parts = [f"gradwatch step {record.get('step')}: {'ok' if record.get('ok') else 'FAILED'}", f"{len(tensors)} tensors"]
+    if judged:
+        value, name = max(judged)
+        parts.append(f"worst {name} judged_rel_diff {value:.2e}")
+    timing = f"{record.get('seconds', 0.0):.3f}s" if isinstance(record.get("seconds"), (int, float)) else "?s"
+    frac = record.get("overhead_fraction")
+    if isinstance(frac, (int, float)):
+        timing += f" ({100 * frac:.1f}% overhead)"
+    parts.append(timing)
+    parts.append(f"{alert_count} alerts")
+    return ", ".join(parts)
+
+
+class SinkSet:
+    """Fans records out to several sinks; a failing sink never stops training.
+
+    The first failure of each sink is logged as one WARNING on logger ``"gradwatch"``
+    naming the sink and the error; the sink is still tried on later records
+    (a full disk may free up) and the other sinks keep working.
+
+    Args:
+        sinks: The sinks, in writing order.
+
+    Example:
+        >>> sinks = SinkSet([LoggingSink()])
+        >>> sinks.write_run({"type": "run", "time": 0.0, "version": "0.1.0", "options": {}})
+        >>> sinks.close()
+    """
+
+    def __init__(self, sinks: Sequence[Sink] = ()) -> None:
+        self.sinks: List[Sink] = list(sinks)
+        self.errors: Dict[int, int] = {}
+
+    def write_run(self, record: Mapping[str, Any]) -> None:
+        """Write the ``"run"`` record to every sink."""
+        for sink in self.sinks:
+            self._call(sink, "write_run", record)
+
+    def write_check(self, record: Mapping[str, Any], alerts: Sequence[Any] = ()) -> List[Dict[str, Any]]:
+        """Write one check record and the alerts raised at it; returns the alert records.
+
+        Each sink gets the check (with the alert count) and then one alert record per alert.
+        ``alerts`` are :class:`gradwatch.Alert` objects (or alert records).
+        """
+        alert_records = [alert_record(a, wall_time=record.get("time")) for a in alerts]
+        for sink in self.sinks:
+            self._call(sink, "write_check", record, len(alert_records))
+            for a in alert_records:
+                self._call(sink, "write_alert", a)
+        return alert_records
+
+    def write_alerts(self, alerts: Sequence[Any], wall_time: Optional[float] = None) -> List[Dict[str, Any]]:
+        """Write alerts raised outside a completed check (e.g. ``loss_fn`` raised)."""
+        alert_records = [alert_record(a, wall_time=wall_time) for a in alerts]
+        for sink in self.sinks:
+            for a in alert_records:
+                self._call(sink, "write_alert", a)
+        return alert_records
+
+    def flush(self) -> None:
+        """Flush every sink that buffers (errors are logged, never raised)."""
+        for sink in self.sinks:
+            if hasattr(sink, "flush"):
+                self._call(sink, "flush")
+
+    def close(self) -> None:
+        """Close every sink (errors are logged, never raised)."""
+        for sink in self.sinks:
+            self._call(sink, "close")
+
+    def _call(self, sink: Sink, method: str, *args: Any) -> bool:
+        try:
+            getattr(sink, method)(*args)
+            return True
+        except Exception as err:  # a sink must never kill training
+            count = self.errors.get(id(sink), 0)
+            self.errors[id(sink)] = count + 1
+            if count == 0:
+                _log.warning(
+                    "gradwatch: %r failed in %s (%s: %s); continuing with the other sinks "
+                    "(further errors of this sink are not logged)",
+                    sink, method, type(err).__name__, err,
+                )
+            return False
+
+    def __iter__(self):
+        return iter(self.sinks)
+
+    def __len__(self) -> int:
+        return len(self.sinks)
+
+    def __repr__(self) -> str:
+        return f"SinkSet({self.sinks!r})"
+
+
+def _writer_dir(writer: Any) -> Optional[str]:
+    log_dir = getattr(writer, "log_dir", None)
+    if log_dir is None and hasattr(writer, "get_logdir"):
+        log_dir = writer.get_logdir()
+    return None if log_dir is None else os.fspath(log_dir)
+
+
+def build_sinks(
+    log_dir: Optional[PathLike],
+    *,
+    tensorboard: bool = True,
+    jsonl: bool = True,
+    writer: Any = None,
+    logging_sink: bool = True,
+) -> SinkSet:
+    """The usual sinks for a run.
+
+    - ``log_dir=None`` and no ``writer``: logging only.
+    - ``log_dir``: ``<log_dir>/checks.jsonl`` and a TensorBoard writer in ``log_dir``.
+    - ``writer`` (e.g. Lightning's ``logger.experiment``): TensorBoard goes through it;
+      JSONL goes to ``log_dir``, or to ``writer.log_dir`` when ``log_dir`` is None.
+
+    Args:
+        log_dir: Run directory (created if missing).
+        tensorboard: Write TensorBoard events.
+        jsonl: Write ``checks.jsonl``.
+        writer: Existing ``SummaryWriter`` to write through (never closed by gradwatch).
+        logging_sink: Also send alerts and check lines to logger ``"gradwatch"``.
+
+    Raises:
+        LogDirError: ``log_dir`` cannot be written (raised here, not at the first check).
+
+    Example:
+        >>> build_sinks(None)
+        SinkSet([LoggingSink('gradwatch')])
+    """
+    sinks: List[Sink] = []
+    jsonl_dir = log_dir if log_dir is not None else (_writer_dir(writer) if writer is not None else None)
+    try:
+        if jsonl and jsonl_dir is not None:
+            sinks.append(JsonlSink(Path(jsonl_dir) / JSONL_NAME))
+        if tensorboard and (writer is not None or log_dir is not None):
+            sinks.append(TensorBoardSink(log_dir=None if writer is not None else log_dir, writer=writer))
+    except BaseException:
+        for sink in sinks:
+            sink.close()
+        raise
+    if logging_sink:
+        sinks.append(LoggingSink())
+    return SinkSet(sinks)
+
+
+def read_jsonl(path: PathLike) -> Tuple[List[Dict[str, Any]], List[str]]:
+    """Read a ``checks.jsonl``, skipping a truncated last line and garbage lines with a warning each.
+
+    Args:
+        path: The file, or a run directory holding ``checks.jsonl``.
+
+    Returns:
+        ``(records, warnings)``; each warning names the file and line number.
+
+    Raises:
+        FileNotFoundError: No such file.
+
+    Example:
+        >>> import tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> with open(os.path.join(d, "checks.jsonl"), "w") as f:
+        ...     _ = f.write('{"type": "run"}\\n{"type": "che')
+        >>> records, warnings = read_jsonl(d)
+        >>> len(records), warnings[0].split(": ", 1)[1][:24]
+        (1, 'line 2: truncated last l')
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / JSONL_NAME
+    with open(p, "r", encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    complete = text.endswith("\n")
+    lines = text.split("\n")
+    if complete:
+        lines.pop()  # the empty string after the final newline
+    records: List[Dict[str, Any]] = []
+    warnings: List[str] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        last = number == len(lines) and not complete
+        try:
+            value = json.loads(line)
+        except ValueError as err:
+            if last:
+                warnings.append(f"{p}: line {number}: truncated last line (the run was probably killed while writing); skipped")
+            else:
+                warnings.append(f"{p}: line {number}: not valid JSON ({err}); skipped")
+            continue
+        if not isinstance(value, dict):
+            warnings.append(f"{p}: line {number}: expected a JSON object, got {type(value).__name__}; skipped")
+            continue
+        records.append(value)
+    return records, warnings

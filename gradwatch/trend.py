@@ -1,0 +1,450 @@
+"""Per-tensor history, baselines and drift: turn a stream of check reports into alerts.
+
+Pure state: no torch evaluation, no I/O, no sinks, no hook. Every decision
+uses ``TensorCheck.judged_rel_diff`` (the noise-discounted value that decides
+the verdict). :meth:`TrendTracker.state_dict` is plain JSON, so a resumed run
+continues its trends and its alert deduplication exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .errors import ConfigError
+from .numeric import DEFAULT_BANDS, Verdict, validate_bands
+from .report import CheckReport, TensorCheck, _json_float
+
+#: Alert kinds, in the order they are reported within one check.
+ALERT_KINDS = ("threshold", "drift", "nonfinite", "nondeterministic", "error")
+#: Tensor name used for alerts about the whole check.
+WHOLE_CHECK = "*"
+_STATE_VERSION = 1
+_ZERO_BASELINE = 1e-12
+
+
+@dataclass
+class Alert:
+    """Something a person should look at, found by :class:`TrendTracker`.
+
+    Attributes:
+        step: Training step of the check.
+        tensor: Parameter name, or ``"*"`` for the whole check (nondeterministic,
+            non-finite objective, a check that raised).
+        kind: ``"threshold"``, ``"drift"``, ``"nonfinite"``, ``"nondeterministic"`` or ``"error"``.
+        severity: ``"error"`` (WRONG threshold, nonfinite, error) or ``"warning"``.
+        value: The value that triggered it (judged rel_diff, rolling median for drift,
+            the objective for whole-check alerts; ``nan`` when there is none).
+        baseline: The tensor's baseline judged rel_diff, when established.
+        message: What happened and what to check next.
+
+    Example:
+        >>> a = Alert(step=3, tensor="w", kind="drift", severity="warning", value=1e-5,
+        ...           baseline=1e-9, message="w drifted")
+        >>> a.to_dict()["value"], a.to_dict()["baseline"]
+        (1e-05, 1e-09)
+    """
+
+    step: int
+    tensor: str
+    kind: str
+    severity: str
+    value: float
+    baseline: Optional[float]
+    message: str
+
+    def to_dict(self) -> Dict[str, Any]:
+        """JSON-safe dict; non-finite numbers become ``"nan"``, ``"inf"``, ``"-inf"``."""
+        d = asdict(self)
+        d["value"] = _json_float(self.value)
+        d["baseline"] = _json_float(self.baseline)
+        return d
+
+
+def _float(value: Any) -> float:
+    """Inverse of ``_json_float`` for numbers read back from a state dict."""
+    return float(value)
+
+
+def _opt_float(value: Any) -> Optional[float]:
+    return None if value is None else float(value)
+
+
+def _fmt(value: Optional[float]) -> str:
+    return "none" if value is None else f"{value:.1e}"
+
+
+def _finite(x: Optional[float]) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name}: got {value!r}, expected an integer >= {minimum}")
+    return value
+
+
+class TrendTracker:
+    """Per-tensor history of judged relative differences, baselines, drift and alert deduplication.
+
+    A tensor's baseline is the median of its first ``baseline_checks`` finite
+    judged values (tensors are checked on rotating subsets, so each has its
+    own). Alerts:
+
+    - ``threshold``: the verdict is SUSPICIOUS (warning) or WRONG (error).
+    - ``drift``: once the baseline is complete, the median of the last
+      ``drift_window`` judged values is at least ``baseline * 10**drift_decades``
+      and at least ``bands[0]`` (noise inside the EXCELLENT band never alerts;
+      a zero baseline counts as 1e-12). Fires while the verdict is still ACCEPTABLE.
+    - ``nonfinite``: the objective (tensor ``"*"``) or a tensor's samples are not finite.
+    - ``nondeterministic``: the objective gave two values at the same point (``"*"``).
+    - ``error``: the check raised (see :meth:`error`).
+
+    Deduplication: a (tensor, kind) alert is not repeated while the condition
+    persists. It is raised again when it gets worse (a higher verdict for
+    ``threshold``; a value at least 10x the last alerted one for ``drift``) or
+    once ``alert_cooldown`` further checks of that tensor have passed without
+    it (``alert_cooldown=0`` repeats it on every check). When the condition
+    clears, the state is forgotten, so a relapse alerts at once. Inconclusive
+    tensors (no verdict) neither raise nor clear threshold/drift alerts.
+
+    Args:
+        bands: Upper bounds of EXCELLENT, ACCEPTABLE, SUSPICIOUS.
+        baseline_checks: Checks of a tensor whose median forms its baseline; >= 1.
+        drift_window: Checks in the rolling median compared with the baseline; >= 1.
+        drift_decades: How many powers of ten above the baseline count as drift; > 0.
+        alert_cooldown: Checks during which a persisting alert stays silent; >= 0.
+
+    Example:
+        >>> from gradwatch.report import CheckReport, TensorCheck
+        >>> def report(v):
+        ...     t = TensorCheck(name="w", shape=(3,), rel_diff=v, max_rel_error=v,
+        ...                     judged_rel_diff=v, verdict=Verdict.from_value(v))
+        ...     return CheckReport(tensors={"w": t})
+        >>> tracker = TrendTracker()
+        >>> [tracker.update(s, report(1e-9)) for s in range(3)]
+        [[], [], []]
+        >>> [a.kind for a in tracker.update(3, report(5e-6))]
+        []
+        >>> [(a.kind, a.severity) for a in tracker.update(4, report(5e-6))]
+        [('drift', 'warning')]
+    """
+
+    def __init__(
+        self,
+        bands: Sequence[float] = DEFAULT_BANDS,
+        baseline_checks: int = 3,
+        drift_window: int = 3,
+        drift_decades: float = 2.0,
+        alert_cooldown: int = 10,
+    ) -> None:
+        try:
+            self.bands: Tuple[float, float, float] = validate_bands(bands)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        self.baseline_checks = _check_int("baseline_checks", baseline_checks, 1)
+        self.drift_window = _check_int("drift_window", drift_window, 1)
+        if isinstance(drift_decades, bool) or not isinstance(drift_decades, (int, float)) or not drift_decades > 0:
+            raise ConfigError(f"drift_decades: got {drift_decades!r}, expected a number > 0 (powers of ten)")
+        self.drift_decades = float(drift_decades)
+        self.alert_cooldown = _check_int("alert_cooldown", alert_cooldown, 0)
+        self._history: Dict[str, List[Dict[str, Any]]] = {}
+        self._baseline_samples: Dict[str, List[float]] = {}
+        # (tensor, kind) -> {"value": last alerted value, "rank": verdict rank, "at": check index}
+        self._alerted: Dict[Tuple[str, str], Dict[str, Any]] = {}
+        self._alert_counts: Dict[str, int] = {}
+        self._checks = 0  # whole checks seen (update and error calls): the clock of "*" alerts
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def history(self) -> Dict[str, List[Dict[str, Any]]]:
+        """``{tensor: [{"step", "judged_rel_diff", "rel_diff", "directional_rel_diff", "verdict"}, ...]}``.
+
+        ``verdict`` is the verdict's name (``"acceptable"``) or None for an
+        inconclusive check; ``directional_rel_diff`` is None when no directions were used.
+        """
+        return {name: [dict(r) for r in records] for name, records in self._history.items()}
+
+    def baseline(self, tensor: str) -> Optional[float]:
+        """Median of the tensor's first ``baseline_checks`` finite judged values; None until complete.
+
+        Example:
+            >>> TrendTracker().baseline("w") is None
+            True
+        """
+        samples = self._baseline_samples.get(tensor, [])
+        if len(samples) < self.baseline_checks:
+            return None
+        return float(statistics.median(samples))
+
+    def summary(self) -> Dict[str, Dict[str, Any]]:
+        """Per tensor: first/last/worst judged rel_diff, last verdict, alert count, checks, baseline.
+
+        ``first``, ``last`` and ``worst`` are taken over the checks that gave a
+        verdict (None if none did); ``verdict`` is the last check's (None when inconclusive).
+
+        Example:
+            >>> TrendTracker().summary()
+            {}
+        """
+        out: Dict[str, Dict[str, Any]] = {}
+        for name, records in self._history.items():
+            judged = [r["judged_rel_diff"] for r in records if r["verdict"] is not None]
+            out[name] = {
+                "first": judged[0] if judged else None,
+                "last": judged[-1] if judged else None,
+                "worst": max(judged, key=lambda v: v if math.isfinite(v) else math.inf) if judged else None,
+                "verdict": records[-1]["verdict"],
+                "alerts": self._alert_counts.get(name, 0),
+                "checks": len(records),
+                "baseline": self.baseline(name),
+            }
+        return out
+
+    # ------------------------------------------------------------------ updates
+
+    def update(self, step: int, report: CheckReport) -> List[Alert]:
+        """Record one check and return the alerts it raises (after deduplication).
+
+        Args:
+            step: Training step of the check.
+            report: The check's :class:`~gradwatch.CheckReport`.
+
+        Returns:
+            New alerts, per tensor threshold then drift then nonfinite, then whole-check alerts.
+        """
+        step = int(step)
+        self._checks += 1
+        self._alerted.pop((WHOLE_CHECK, "error"), None)  # a check that completes clears the error state
+        alerts: List[Alert] = []
+        objective_nonfinite = report.nonfinite and not _finite(report.objective)
+        tensor_nonfinite = False
+        for name, t in report.tensors.items():
+            self._record(step, t)
+            alerts.extend(self._threshold(step, t))
+            alerts.extend(self._drift(step, t))
+            bad = (
+                t.verdict is None
+                and t.inconclusive is not None
+                and "finite" in t.inconclusive.lower()
+                and not objective_nonfinite
+            )
+            tensor_nonfinite |= bad
+            alerts.extend(self._tensor_nonfinite(step, t, bad))
+        whole_nonfinite = report.nonfinite and (objective_nonfinite or not tensor_nonfinite)
+        if whole_nonfinite:
+            alerts.extend(self._fire(WHOLE_CHECK, "nonfinite", step, report.objective, None, self._nonfinite_message(step, report)))
+        else:
+            self._alerted.pop((WHOLE_CHECK, "nonfinite"), None)
+        if report.nondeterministic:
+            msg = (
+                f"step {step}: the check objective is nondeterministic (two evaluations at the same parameters "
+                "differ), so no gradient was judged — seed or remove randomness inside loss_fn (dropout outside "
+                "nn.Dropout modules, random augmentation, sampling) or nondeterministic kernels"
+            )
+            alerts.extend(self._fire(WHOLE_CHECK, "nondeterministic", step, report.objective, None, msg))
+        else:
+            self._alerted.pop((WHOLE_CHECK, "nondeterministic"), None)
+        return alerts
+
+    def error(self, step: int, exc: BaseException, where: str = "loss_fn") -> Optional[Alert]:
+        """Record a check that raised; return its alert, or None while it is deduplicated.
+
+        Args:
+            step: Training step of the check.
+            exc: The exception the check raised.
+            where: What raised it (``"loss_fn"``, ``"grad_fn"``, ``"regularizer 'l2'"``...).
+
+        Example:
+            >>> alert = TrendTracker().error(7, ValueError("bad shape"))
+            >>> alert.kind, alert.tensor, alert.severity
+            ('error', '*', 'error')
+            >>> "ValueError: bad shape" in alert.message
+            True
+        """
+        self._checks += 1
+        msg = (
+            f"step {step}: the gradient check raised {type(exc).__name__}: {exc} (in {where}) — "
+            f"the check was skipped and training continues; make {where} work on the watched batch"
+        )
+        fired = self._fire(WHOLE_CHECK, "error", int(step), math.nan, None, msg)
+        return fired[0] if fired else None
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Plain JSON-able state (non-finite floats stored as strings).
+
+        Example:
+            >>> import json
+            >>> t = TrendTracker()
+            >>> t2 = TrendTracker()
+            >>> t2.load_state_dict(json.loads(json.dumps(t.state_dict())))
+            >>> t2.history
+            {}
+        """
+        return {
+            "version": _STATE_VERSION,
+            "checks": self._checks,
+            "history": {
+                name: [
+                    {
+                        **r,
+                        "judged_rel_diff": _json_float(r["judged_rel_diff"]),
+                        "rel_diff": _json_float(r["rel_diff"]),
+                        "directional_rel_diff": _json_float(r["directional_rel_diff"]),
+                    }
+                    for r in records
+                ]
+                for name, records in self._history.items()
+            },
+            "baseline_samples": {name: list(v) for name, v in self._baseline_samples.items()},
+            "alerted": [
+                {"tensor": tensor, "kind": kind, "value": _json_float(s["value"]), "rank": s["rank"], "at": s["at"]}
+                for (tensor, kind), s in self._alerted.items()
+            ],
+            "alert_counts": dict(self._alert_counts),
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (settings stay those given to the constructor).
+
+        Raises:
+            ConfigError: The state is not one this version wrote.
+        """
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+            got = state.get("version") if isinstance(state, dict) else type(state).__name__
+            raise ConfigError(f"TrendTracker state: got version {got!r}, expected {_STATE_VERSION}")
+        self._checks = int(state["checks"])
+        self._history = {
+            name: [
+                {
+                    "step": int(r["step"]),
+                    "judged_rel_diff": _float(r["judged_rel_diff"]),
+                    "rel_diff": _float(r["rel_diff"]),
+                    "directional_rel_diff": _opt_float(r["directional_rel_diff"]),
+                    "verdict": r["verdict"],
+                }
+                for r in records
+            ]
+            for name, records in state["history"].items()
+        }
+        self._baseline_samples = {name: [float(v) for v in vals] for name, vals in state["baseline_samples"].items()}
+        self._alerted = {
+            (s["tensor"], s["kind"]): {"value": _float(s["value"]), "rank": s["rank"], "at": int(s["at"])}
+            for s in state["alerted"]
+        }
+        self._alert_counts = {name: int(n) for name, n in state["alert_counts"].items()}
+
+    # ------------------------------------------------------------------ internals
+
+    def _record(self, step: int, t: TensorCheck) -> None:
+        judged = float(t.judged_rel_diff)
+        self._history.setdefault(t.name, []).append(
+            {
+                "step": step,
+                "judged_rel_diff": judged,
+                "rel_diff": float(t.rel_diff),
+                "directional_rel_diff": None if t.directional_rel_diff is None else float(t.directional_rel_diff),
+                "verdict": t.verdict.value if t.verdict is not None else None,
+            }
+        )
+        samples = self._baseline_samples.setdefault(t.name, [])
+        if t.verdict is not None and math.isfinite(judged) and len(samples) < self.baseline_checks:
+            samples.append(judged)
+
+    def _clock(self, tensor: str) -> int:
+        return self._checks if tensor == WHOLE_CHECK else len(self._history.get(tensor, ()))
+
+    def _fire(
+        self, tensor: str, kind: str, step: int, value: float, baseline: Optional[float], message: str,
+        rank: int = 0,
+    ) -> List[Alert]:
+        """Apply deduplication; return ``[alert]`` or ``[]``."""
+        key = (tensor, kind)
+        now = self._clock(tensor)
+        last = self._alerted.get(key)
+        if last is not None:
+            worse = rank > last["rank"] or (
+                kind == "drift" and _finite(value) and _finite(last["value"]) and value >= 10.0 * last["value"]
+            )
+            if not worse and now - last["at"] <= self.alert_cooldown:
+                return []
+        self._alerted[key] = {"value": float(value), "rank": rank, "at": now}
+        self._alert_counts[tensor] = self._alert_counts.get(tensor, 0) + 1
+        severity = "error" if kind in ("nonfinite", "error") or (kind == "threshold" and rank >= Verdict.WRONG.rank) else "warning"
+        return [Alert(step, tensor, kind, severity, float(value), baseline, message)]
+
+    def _threshold(self, step: int, t: TensorCheck) -> List[Alert]:
+        if t.verdict is None:
+            return []
+        if t.verdict.rank < Verdict.SUSPICIOUS.rank:
+            self._alerted.pop((t.name, "threshold"), None)
+            return []
+        baseline = self.baseline(t.name)
+        band = self.bands[2] if t.verdict is Verdict.WRONG else self.bands[1]
+        base = f"baseline {_fmt(baseline)}" if baseline is not None else "no baseline yet"
+        msg = (
+            f"{t.name} at step {step}: judged rel_diff {_fmt(t.judged_rel_diff)} ({t.verdict.value.upper()}, "
+            f"band >= {band:.0e}), {base} (rel_diff {_fmt(t.rel_diff)}, directional {_fmt(t.directional_rel_diff)})"
+        )
+        if t.diagnosis:
+            msg += f"; {t.diagnosis}"
+        msg += (
+            " — check the backward of the ops this tensor feeds (custom autograd Functions, .detach()/.data, "
+            "in-place ops, a loss term missing from the check objective)"
+        )
+        return self._fire(t.name, "threshold", step, float(t.judged_rel_diff), baseline, msg, rank=t.verdict.rank)
+
+    def _drift(self, step: int, t: TensorCheck) -> List[Alert]:
+        baseline = self.baseline(t.name)
+        if t.verdict is None or baseline is None:
+            return []
+        recent = [
+            r["judged_rel_diff"]
+            for r in self._history[t.name]
+            if r["verdict"] is not None and math.isfinite(r["judged_rel_diff"])
+        ][-self.drift_window :]
+        median = float(statistics.median(recent))
+        limit = max(baseline, _ZERO_BASELINE) * 10.0 ** self.drift_decades
+        if median < limit or median < self.bands[0]:
+            self._alerted.pop((t.name, "drift"), None)
+            return []
+        decades = math.log10(median / max(baseline, _ZERO_BASELINE))
+        msg = (
+            f"{t.name} at step {step}: judged rel_diff drifted to {_fmt(median)} (median of the last "
+            f"{len(recent)} checks), {decades:.1f} decades above its baseline {_fmt(baseline)}; verdict now "
+            f"{t.verdict.value.upper()}"
+        )
+        if t.diagnosis:
+            msg += f"; {t.diagnosis}"
+        msg += (
+            " — gradients of this tensor are degrading: look at what changed around this step (a layer "
+            "unfrozen, learning-rate or precision change, saturating or ill-conditioned ops such as "
+            "exp/log/softmax/division at extreme values) and at the backward of the ops it feeds"
+        )
+        return self._fire(t.name, "drift", step, median, baseline, msg)
+
+    def _tensor_nonfinite(self, step: int, t: TensorCheck, bad: bool) -> List[Alert]:
+        if not bad:
+            if t.verdict is not None:
+                self._alerted.pop((t.name, "nonfinite"), None)
+            return []
+        msg = (
+            f"{t.name} at step {step}: {t.inconclusive}; no verdict — look for NaN/inf in this tensor, its "
+            "gradient, or the activations it produces (overflow, log of 0, division by zero, exploding weights)"
+        )
+        return self._fire(t.name, "nonfinite", step, float(t.judged_rel_diff), self.baseline(t.name), msg)
+
+    @staticmethod
+    def _nonfinite_message(step: int, report: CheckReport) -> str:
+        terms = ", ".join(f"{k} = {v!r}" for k, v in report.terms.items() if not _finite(v))
+        where = f" (non-finite terms: {terms})" if terms else ""
+        return (
+            f"step {step}: the check objective or a gradient is not finite (objective = {report.objective!r}){where}; "
+            "no gradient was judged — look for overflow or NaN in the loss and regularizers (log of 0, division "
+            "by zero, exploding activations or weights)"
+        )
