@@ -1,0 +1,49 @@
+"""Small shared fixtures: the tutorial's sigmoid autograd Functions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.autograd import Function
+
+
+class BuggySigmoid(Function):
+    """The tutorial's sigmoid whose backward uses ``s * (1 + s)`` instead of ``s * (1 - s)``."""
+
+    @staticmethod
+    def forward(ctx, input):
+        output = 1.0 / (1.0 + torch.exp(-input))
+        ctx.save_for_backward(output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (output,) = ctx.saved_tensors
+        grad_sigmoid = output * (1.0 + output)  # the tutorial's bug
+        return grad_sigmoid * grad_output
+
+
+class CorrectSigmoid(Function):
+    """The tutorial's fixed sigmoid."""
+
+    @staticmethod
+    def forward(ctx, input):
+        output = 1.0 / (1.0 + torch.exp(-input))
+        ctx.save_for_backward(output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (output,) = ctx.saved_tensors
+        grad_sigmoid = output * (1.0 - output)
+        return grad_sigmoid * grad_output
+
+
+@pytest.fixture
+def buggy_sigmoid():
+    return BuggySigmoid
+
+
+@pytest.fixture
+def correct_sigmoid():
+    return CorrectSigmoid

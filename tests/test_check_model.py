@@ -1,0 +1,312 @@
+"""check_model: no false alarms on correct models, real bugs caught, grad_fn path, kinks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradwatch
+from gradwatch import Verdict, check_model
+
+
+
+class CorrectSigmoid(torch.autograd.Function):
+    """The tutorial's fixed sigmoid (a correct custom autograd.Function)."""
+
+    @staticmethod
+    def forward(ctx, input):
+        output = 1.0 / (1.0 + torch.exp(-input))
+        ctx.save_for_backward(output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (output,) = ctx.saved_tensors
+        return output * (1.0 - output) * grad_output
+
+
+def ce_loss(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+class SigmoidLayer(nn.Module):
+    def forward(self, x):
+        return CorrectSigmoid.apply(x)
+
+
+class LSTMNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(4, 6, batch_first=True)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0][:, -1])
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 16)
+        self.enc = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, tokens):
+        return self.head(self.enc(self.emb(tokens)).mean(1))
+
+
+def make_model(kind: str, seed: int):
+    torch.manual_seed(seed)
+    if kind == "mlp_dropout":
+        model = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+        batch = (torch.randn(8, 5), torch.randint(0, 3, (8,)))
+    elif kind == "cnn_bn_pool_dropout2d":
+        model = nn.Sequential(
+            nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Dropout2d(0.2), nn.Flatten(), nn.Linear(4 * 3 * 3, 3),
+        )
+        batch = (torch.randn(4, 2, 6, 6), torch.randint(0, 3, (4,)))
+    elif kind == "lstm":
+        model = LSTMNet()
+        batch = (torch.randn(3, 5, 4), torch.randint(0, 2, (3,)))
+    elif kind == "transformer_embedding":
+        model = TinyTransformer()
+        batch = (torch.randint(0, 11, (3, 5)), torch.randint(0, 3, (3,)))
+    elif kind == "custom_function":
+        model = nn.Sequential(nn.Linear(5, 8), SigmoidLayer(), nn.Linear(8, 3))
+        batch = (torch.randn(6, 5), torch.randint(0, 3, (6,)))
+    else:  # pragma: no cover
+        raise ValueError(kind)
+    return model.train(), batch
+
+
+KINDS = ["mlp_dropout", "cnn_bn_pool_dropout2d", "lstm", "transformer_embedding", "custom_function"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("kind", KINDS)
+def test_no_false_alarm_on_correct_models(kind, seed):
+    model, batch = make_model(kind, seed)
+    report = check_model(model, ce_loss, batch)
+    assert report.ok, str(report)
+    assert report.failures == []
+    assert report.dtype == "float64"
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert list(report.tensors) == trainable
+    for t in report.tensors.values():
+        assert t.verdict is not None and not t.failed and t.inconclusive is None
+        assert t.verdict.rank <= Verdict.ACCEPTABLE.rank, (t.name, t.judged_rel_diff)
+
+
+def test_no_false_alarm_with_transformer_in_eval_mode():
+    model, batch = make_model("transformer_embedding", 0)
+    report = check_model(model.eval(), ce_loss, batch)
+    assert report.ok, str(report)
+
+
+def test_float16_model_checked_on_float64_shadow():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).half()
+    batch = (torch.randn(6, 4).half(), torch.randint(0, 2, (6,)))
+    report = check_model(model, ce_loss, batch)
+    assert report.ok and report.dtype == "float64"
+    assert model[0].weight.dtype == torch.float16
+
+
+# ---- a bug in 1 channel of 64 --------------------------------------------------------
+
+
+def _tanh_wrong_in_channel(channel: int, factor: float):
+    class ChannelBugTanh(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            y = torch.tanh(x)
+            ctx.save_for_backward(y)
+            return y
+
+        @staticmethod
+        def backward(ctx, gy):
+            (y,) = ctx.saved_tensors
+            g = (gy * (1 - y * y)).clone()
+            g[:, channel] = g[:, channel] * factor
+            return g
+
+    return ChannelBugTanh
+
+
+class ChannelNet(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.fc1 = nn.Linear(10, 64)
+        self.fc2 = nn.Linear(64, 3)
+        self.act = act
+
+    def forward(self, x):
+        return self.fc2(self.act.apply(self.fc1(x)))
+
+
+@pytest.mark.parametrize("factor", [0.0, 3.0])
+def test_bug_in_one_of_64_channels_caught_on_first_call(factor):
+    torch.manual_seed(0)
+    model = ChannelNet(_tanh_wrong_in_channel(17, factor))
+    batch = (torch.randn(16, 10), torch.randint(0, 3, (16,)))
+    report = check_model(model, ce_loss, batch)  # default options, first call
+    assert not report.ok
+    names = {t.name for t in report.failures}
+    assert "fc1.weight" in names
+    assert not ({"fc2.weight", "fc2.bias"} & names)
+    w = report.tensors["fc1.weight"]
+    # directions see every channel; sampled coordinates mostly miss channel 17
+    assert w.directional_rel_diff is not None and w.directional_rel_diff > 1e-3
+    assert w.directional_rel_diff > 1e3 * max(report.tensors["fc2.weight"].directional_rel_diff, 1e-9)
+    assert w.diagnosis
+
+
+def test_same_net_with_correct_channel_passes():
+    torch.manual_seed(0)
+    model = ChannelNet(_tanh_wrong_in_channel(17, 1.0))
+    batch = (torch.randn(16, 10), torch.randint(0, 3, (16,)))
+    assert check_model(model, ce_loss, batch).ok
+
+
+# ---- grad_fn: hand-written backprop of a torch model ---------------------------------
+
+
+def _mse(model, batch):
+    x, y = batch
+    return ((model(x) - y) ** 2).mean()
+
+
+def _hand_grad(scale_w: float = 1.0):
+    def grad_fn(model, batch):
+        x, y = batch
+        r = model(x) - y  # (N, 1)
+        n = r.numel()
+        return {
+            "weight": scale_w * (2.0 / n) * r.t() @ x,
+            "bias": (2.0 / n) * r.sum(0),
+        }
+
+    return grad_fn
+
+
+def test_grad_fn_correct_passes_and_2x_wrong_fails():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    batch = (torch.randn(10, 3), torch.randn(10, 1))
+    ok = check_model(model, _mse, batch, grad_fn=_hand_grad(1.0))
+    assert ok.ok, str(ok)
+    bad = check_model(model, _mse, batch, grad_fn=_hand_grad(2.0))
+    assert [t.name for t in bad.failures] == ["weight"]
+    assert "2.00x" in bad.tensors["weight"].diagnosis
+    assert not bad.tensors["bias"].failed
+    with pytest.raises(gradwatch.GradientCheckError, match="weight"):
+        bad.raise_for_failures()
+
+
+# ---- kinks ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_relu_net_exactly_on_kinks_is_not_wrong(seed):
+    """Zero biases and zero input rows put every hidden pre-activation of those rows exactly at 0.
+
+    Observed: every sample of ``0.bias`` disagrees at the base step (numeric sees half the ReLU jump,
+    analytic uses relu'(0) = 0); each is classified as a kink and excluded. Random directions cross
+    all four kinks at once, so the analytic slope need not lie between the one-sided slopes there.
+    Without kink detection the same check reports ``0.bias`` as failing.
+    """
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 3))
+    with torch.no_grad():
+        model[0].bias.zero_()
+    x = torch.randn(6, 3)
+    x[0] = 0.0
+    x[3] = 0.0
+    batch = (x, torch.randint(0, 3, (6,)))
+    report = check_model(model, ce_loss, batch)
+    assert report.ok, str(report)
+    assert report.kinks > 0
+    assert report.tensors["0.bias"].kinks > 0
+    assert report.tensors["0.bias"].verdict is not Verdict.WRONG
+    assert "kinks excluded" in str(report)
+    raw = check_model(model, ce_loss, batch, detect_kinks=False)
+    assert [t.name for t in raw.failures] == ["0.bias"]
+
+
+def test_bug_still_caught_in_net_with_kinks():
+    """Kink detection does not hide a wrong gradient at smooth points of the same net."""
+
+    class DoubledReLU(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x.clamp(min=0)
+
+        @staticmethod
+        def backward(ctx, gy):
+            (x,) = ctx.saved_tensors
+            return 2.0 * gy * (x > 0).to(gy.dtype)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(3, 4)
+            self.fc2 = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.fc2(DoubledReLU.apply(self.fc1(x)))
+
+    torch.manual_seed(0)
+    model = Net()
+    with torch.no_grad():
+        model.fc1.bias.zero_()
+    x = torch.randn(6, 3)
+    x[0] = 0.0
+    report = check_model(model, ce_loss, (x, torch.randint(0, 3, (6,))))
+    assert not report.ok
+    assert "fc1.weight" in {t.name for t in report.failures}
+    assert "2.00x" in report.tensors["fc1.weight"].diagnosis
+
+
+# ---- options --------------------------------------------------------------------------
+
+
+def test_tensors_option_and_sample_sizes():
+    model, batch = make_model("mlp_dropout", 0)
+    report = check_model(model, ce_loss, batch, tensors=["*.weight"], coords=3, directions=2)
+    assert list(report.tensors) == ["0.weight", "3.weight"]
+    t = report.tensors["0.weight"]
+    assert len(t.coords) == 3 and len(t.dir_analytic) == 2
+    with pytest.raises(ValueError, match="matches no trainable parameter"):
+        check_model(model, ce_loss, batch, tensors=["nope.*"])
+
+
+def test_seed_changes_sampled_coordinates():
+    model, batch = make_model("mlp_dropout", 0)
+    a = check_model(model, ce_loss, batch, seed=0)
+    b = check_model(model, ce_loss, batch, seed=0)
+    c = check_model(model, ce_loss, batch, seed=5)
+    assert a.tensors["0.weight"].coords == b.tensors["0.weight"].coords
+    assert a.tensors["0.weight"].coords != c.tensors["0.weight"].coords
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_conv_with_zero_bias_on_black_border_is_not_wrong(seed):
+    """A realistic kink: zero-initialized conv bias on images with a black border.
+
+    Every channel's pre-activation is exactly 0 wherever the 3x3 patch is all zero, so perturbing
+    the conv bias crosses many ReLU kinks at once (for a direction: of mixed signs).
+    """
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 8 * 8, 3))
+    with torch.no_grad():
+        model[0].bias.zero_()
+    x = torch.zeros(3, 1, 8, 8)
+    x[:, :, 3:6, 3:6] = torch.randn(3, 1, 3, 3)
+    report = check_model(model, ce_loss, (x, torch.randint(0, 3, (3,))))
+    assert report.ok, str(report)
+    assert report.tensors["0.bias"].kinks > 0

@@ -1,0 +1,135 @@
+"""check_model leaves the live model and every RNG stream bit-identical (shadow and in-place modes)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradwatch import check_model
+
+
+class Net(nn.Module):
+    """BatchNorm (train), dropout (train), an eval-mode branch, and a loss that draws random numbers."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.drop = nn.Dropout(0.5)
+        self.frozen_bn = nn.BatchNorm1d(16)
+        self.fc = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.conv(x)))
+        h = F.adaptive_avg_pool2d(h, 2).flatten(1)
+        h = self.frozen_bn(self.drop(h))
+        return self.fc(h)
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    noise = 1e-3 * torch.randn(x.shape[0], 3)  # randomness inside the objective: seeded per evaluation
+    return F.cross_entropy(model(x) + noise, y)
+
+
+def make():
+    torch.manual_seed(0)
+    model = Net().train()
+    model.frozen_bn.eval()  # a mixed train/eval model
+    with torch.no_grad():  # non-trivial running stats
+        model.bn.running_mean.uniform_(-1, 1)
+        model.bn.running_var.uniform_(0.5, 2)
+        model.bn.num_batches_tracked.fill_(7)
+        model.frozen_bn.running_mean.uniform_(-1, 1)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    model.conv.bias.grad = None  # one parameter without .grad
+    batch = (torch.randn(4, 2, 5, 5), torch.randint(0, 3, (4,)))
+    return model, batch
+
+
+def snapshot(model):
+    return {
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "dtypes": {k: v.dtype for k, v in model.state_dict().items()},
+        "grads": {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()},
+        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
+        "training": {n: m.training for n, m in model.named_modules()},
+        "dropout_p": model.drop.p,
+    }
+
+
+def assert_same(before, after):
+    assert before["state"].keys() == after["state"].keys()
+    for k in before["state"]:
+        assert before["dtypes"][k] == after["dtypes"][k], k
+        assert torch.equal(before["state"][k], after["state"][k]), k
+    for n, g in before["grads"].items():
+        if g is None:
+            assert after["grads"][n] is None, n
+        else:
+            assert after["grads"][n] is not None and torch.equal(g, after["grads"][n]), n
+    assert before["requires_grad"] == after["requires_grad"]
+    assert before["training"] == after["training"]
+    assert before["dropout_p"] == after["dropout_p"]
+
+
+def rng_draws():
+    return torch.rand(5), np.random.rand(5), [random.random() for _ in range(5)]
+
+
+def set_rngs(seed):
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, None], ids=["shadow_float64", "in_place"])
+def test_live_model_and_rngs_bit_identical(dtype):
+    model, batch = make()
+    batch_before = tuple(t.clone() for t in batch)
+    before = snapshot(model)
+
+    set_rngs(123)
+    expected = rng_draws()
+    set_rngs(123)
+    report = check_model(model, loss_fn, batch, dtype=dtype)
+    got = rng_draws()
+
+    assert report.tensors, "the check ran"
+    assert not report.nondeterministic  # the random noise in loss_fn is reseeded per evaluation
+    assert report.evaluations > 10
+    assert torch.equal(expected[0], got[0])
+    assert np.array_equal(expected[1], got[1])
+    assert expected[2] == got[2]
+    assert_same(before, snapshot(model))
+    assert all(torch.equal(a, b) for a, b in zip(batch_before, batch))
+    # the BatchNorm in train mode had running stats that an unguarded forward would have changed
+    model(batch[0])
+    assert not torch.equal(before["state"]["bn.running_mean"], model.bn.running_mean)
+
+
+def test_in_place_check_of_float64_model_passes_and_restores():
+    model, batch = make()
+    model.double()
+    for p in model.parameters():
+        p.grad = None
+    before = snapshot(model)
+    report = check_model(model, loss_fn, (batch[0].double(), batch[1]), dtype=None)
+    assert report.ok, str(report)
+    assert_same(before, snapshot(model))
+
+
+def test_repeated_checks_give_identical_reports():
+    model, batch = make()
+    a = check_model(model, loss_fn, batch)
+    b = check_model(model, loss_fn, batch)
+    for name in a.tensors:
+        assert a.tensors[name].analytic == b.tensors[name].analytic
+        assert a.tensors[name].numeric == b.tensors[name].numeric
+    assert a.objective == b.objective
