@@ -413,11 +413,13 @@ class TrendTracker:
         if median < limit or median < self.bands[0]:
             self._alerted.pop((t.name, "drift"), None)
             return []
-        decades = math.log10(median / max(baseline, _ZERO_BASELINE))
+        if baseline > _ZERO_BASELINE:
+            rise = f"{math.log10(median / baseline):.1f} decades above its baseline {_fmt(baseline)}"
+        else:
+            rise = "up from a baseline within the finite-difference noise (judged 0)"
         msg = (
             f"{t.name} at step {step}: judged rel_diff drifted to {_fmt(median)} (median of the last "
-            f"{len(recent)} checks), {decades:.1f} decades above its baseline {_fmt(baseline)}; verdict now "
-            f"{t.verdict.value.upper()}"
+            f"{len(recent)} checks), {rise}; verdict now {t.verdict.value.upper()}"
         )
         if t.diagnosis:
             msg += f"; {t.diagnosis}"
