@@ -51,8 +51,15 @@ def preserved_rng() -> Iterator[None]:
 
 
 def seed_everything(seed: int) -> None:
-    """Seed torch (all devices), numpy and ``random`` (used inside :func:`preserved_rng`)."""
-    torch.manual_seed(seed)
+    """Seed torch (CPU and every initialized CUDA device), numpy and ``random``.
+
+    Used inside :func:`preserved_rng`. CUDA generators are seeded only once
+    CUDA is initialized (a model on the GPU initializes it): seeding them
+    lazily would queue a callback with a stack trace on every evaluation.
+    """
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
     np.random.seed(seed % (2**32))
     random.seed(seed)
 

@@ -40,6 +40,15 @@ logger = logging.getLogger("gradwatch")
 OBJECT_OPTIONS = ("optimizer", "grad_fn", "on_alert", "writer")
 
 
+def _alert_from_dict(d: Mapping[str, Any]) -> Alert:
+    """Inverse of :meth:`Alert.to_dict` (``"nan"``/``"inf"`` strings back to floats)."""
+    fields = {k: v for k, v in d.items() if k in Alert.__dataclass_fields__}
+    fields["value"] = float(fields["value"]) if fields.get("value") is not None else math.nan
+    if fields.get("baseline") is not None:
+        fields["baseline"] = float(fields["baseline"])
+    return Alert(**fields)
+
+
 class GradWatch:
     """Watches a training run for wrong gradients.
 
@@ -181,6 +190,13 @@ class GradWatch:
         wall = self._wall_before + (time.perf_counter() - self._started)
         return self._monitor_seconds / wall if wall > 0 else None
 
+    def _fraction_with(self, seconds: float) -> Optional[float]:
+        """:attr:`overhead_fraction` counting a check still in progress (its ``seconds`` are not yet added)."""
+        if self._started is None:
+            return None
+        wall = self._wall_before + (time.perf_counter() - self._started)
+        return min(1.0, (self._monitor_seconds + seconds) / wall) if wall > 0 else None
+
     def _watched_names(self) -> List[str]:
         return match_names(trainable_names(self.model), self._check_options.tensors)
 
@@ -253,7 +269,7 @@ class GradWatch:
 
     def _emit(self, step: int, report: Optional[CheckReport], alerts: List[Alert], seconds: float) -> None:
         if report is not None:
-            record = check_record(step, report, seconds=seconds, overhead_fraction=self.overhead_fraction,
+            record = check_record(step, report, seconds=seconds, overhead_fraction=self._fraction_with(seconds),
                                   coverage=self.coverage)
             self.sinks.write_check(record, alerts)
         elif alerts:
@@ -306,7 +322,7 @@ class GradWatch:
         self._counts = dict(state["counts"])
         self.schedule.load_state_dict(state["schedule"])
         self.tracker.load_state_dict(state["tracker"])
-        self.alerts = [Alert(**{k: v for k, v in a.items() if k in Alert.__dataclass_fields__}) for a in state.get("alerts", [])]
+        self.alerts = [_alert_from_dict(a) for a in state.get("alerts", [])]
         self._monitor_seconds = float(state.get("monitor_seconds", 0.0))
         self._wall_before = float(state.get("wall_seconds", 0.0))
         self._started = None

@@ -58,7 +58,7 @@ def check_record(
         step: Training step (TensorBoard ``global_step``) the check ran at.
         report: The check's :class:`~gradwatch.CheckReport`.
         seconds: Wall time the check cost the training loop.
-        overhead_fraction: ``seconds`` over training time since the previous check (None if unknown).
+        overhead_fraction: share of wall time spent in the monitor since the run's first step, this check included (None if unknown).
         coverage: Parameter name -> coordinates checked so far in the run.
         wall_time: Unix time of the record; now when None.
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from statistics import median
+from statistics import fmean, median
 from typing import Any, Deque, Dict, Optional, Union
 
 #: Longest gap between two checks in "auto" mode, in steps.
@@ -21,7 +21,10 @@ class Schedule:
     ``every="auto"``: after the baseline check at the first step, the gap is
     chosen so that check time stays within ``overhead_budget`` of wall time:
     ``gap >= check_seconds * (1 - budget) / (budget * step_seconds)``, using
-    the median of recent step durations and of recent check durations.
+    the median of recent step durations (robust to the odd slow step: a
+    validation loop, a checkpoint) and the mean of recent check durations
+    (checks of a rotating tensor subset differ in cost; the budget is about
+    their total).
 
     Example:
         >>> s = Schedule(every=10)
@@ -36,6 +39,14 @@ class Schedule:
     """
 
     def __init__(self, every: Union[int, str] = "auto", overhead_budget: float = 0.02, window: int = 20) -> None:
+        if isinstance(every, str) and every.lower() == "auto":
+            every = "auto"
+        elif isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every: got {every!r}, expected an integer >= 1 or 'auto'")
+        if isinstance(overhead_budget, bool) or not isinstance(overhead_budget, (int, float)) or not 0 < overhead_budget <= 1:
+            raise ValueError(f"overhead_budget: got {overhead_budget!r}, expected a number with 0 < x <= 1")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window: got {window!r}, expected an integer >= 1")
         self.every = every
         self.overhead_budget = float(overhead_budget)
         self.last_check_step: Optional[int] = None
@@ -62,13 +73,17 @@ class Schedule:
             return int(self.every)
         if not self._check_seconds or not self._step_seconds:
             return 1
-        c, t, b = median(self._check_seconds), median(self._step_seconds), self.overhead_budget
+        c, t, b = fmean(self._check_seconds), median(self._step_seconds), self.overhead_budget
         gap = c * (1.0 - b) / (b * max(t, 1e-9))
-        return int(min(MAX_AUTO_INTERVAL, max(1, math.ceil(gap))))
+        return int(min(MAX_AUTO_INTERVAL, max(1, math.ceil(gap * (1 - 1e-12)))))  # float noise: a gap of 45.000000001 is 45
 
     def due(self, step: int) -> bool:
-        """True when a check should run at ``step``."""
-        if self.last_check_step is None:
+        """True when a check should run at ``step``.
+
+        A step before the last check (a run restarted from scratch or rewound to an
+        earlier checkpoint with the same monitor) starts the schedule again there.
+        """
+        if self.last_check_step is None or int(step) < self.last_check_step:
             return True
         return int(step) - self.last_check_step >= self.interval()
 

@@ -79,19 +79,54 @@ def training_step_loss(module: LightningModule, batch: Any) -> torch.Tensor:
     return out
 
 
+@contextlib.contextmanager
+def borrowed_trainer(module: LightningModule, live: LightningModule) -> Iterator[None]:
+    """Give ``module`` (the float64 shadow copy of ``live``, made without a trainer) ``live``'s trainer for the duration.
+
+    So a ``training_step`` that reads ``self.trainer``/``self.current_epoch`` works in a check.
+    """
+    if module is live or getattr(module, "_trainer", None) is not None or getattr(live, "_trainer", None) is None:
+        yield
+        return
+    module.__dict__["_trainer"] = live._trainer
+    try:
+        yield
+    finally:
+        module.__dict__["_trainer"] = None
+
+
+def check_loss_fn(loss_fn: LossFn, live: LightningModule) -> LossFn:
+    """``loss_fn`` as a check runs it: ``self.log`` silenced, the live module's trainer reachable.
+
+    The check evaluates ``loss_fn`` many times on a shadow copy of ``live``; logging from
+    there would warn at every evaluation (the copy has no trainer) or log check values.
+    """
+
+    def loss_for_check(module: Any, batch: Any) -> torch.Tensor:
+        if not isinstance(module, LightningModule):
+            return loss_fn(module, batch)
+        with silenced_logging(module), borrowed_trainer(module, live):
+            return loss_fn(module, batch)
+
+    loss_for_check.__wrapped__ = loss_fn  # type: ignore[attr-defined]
+    return loss_for_check
+
+
 class GradWatchCallback(Callback):
     """Watch a Lightning fit for wrong gradients.
 
     Args:
         loss_fn: ``loss_fn(pl_module, batch) -> scalar``; default: the loss returned by
-            ``training_step`` (with ``self.log`` silenced during checks).
+            ``training_step``. ``self.log``/``self.log_dict`` are silenced during checks either way.
         config: Optional YAML file with GradWatch options; keyword options win.
         **options: Any :class:`~gradwatch.config.GradWatchConfig` option (``every``,
             ``coords``, ``raise_on``, ...) and ``on_alert``/``grad_fn``.
 
     Logs through the trainer's ``TensorBoardLogger`` (its writer, at
     ``trainer.global_step``; ``checks.jsonl`` in its ``log_dir``) when there is
-    one, else to ``log_dir``. Its state is saved in checkpoints.
+    one, else to ``log_dir``. Its state is saved in checkpoints: a run resumed
+    with ``ckpt_path=`` and a new callback continues the schedule, trends and
+    coverage. Bad options raise ``MisconfigurationException`` naming the option.
 
     Example:
         >>> cb = GradWatchCallback(every=10, coords=4)
@@ -101,8 +136,15 @@ class GradWatchCallback(Callback):
 
     def __init__(self, loss_fn: Optional[LossFn] = None, *, config: Union[str, Path, None] = None, **options: Any) -> None:
         super().__init__()
+        if loss_fn is not None and not callable(loss_fn):
+            raise MisconfigurationException(
+                f"GradWatchCallback: loss_fn must be callable loss_fn(pl_module, batch) -> loss, got {type(loss_fn).__name__}"
+            )
         self.loss_fn = loss_fn if loss_fn is not None else training_step_loss
         self._objects = {k: options.pop(k) for k in ("on_alert", "grad_fn") if k in options}
+        for key, value in self._objects.items():
+            if value is not None and not callable(value):
+                raise MisconfigurationException(f"GradWatchCallback: {key} must be callable, got {type(value).__name__}")
         self._config_path = config
         self._options = options
         self.config: Optional[GradWatchConfig] = None
@@ -133,7 +175,13 @@ class GradWatchCallback(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.watch is not None:
-            return
+            if not self.watch._closed and self.watch.model is pl_module:
+                return
+            # A second fit with this callback: its watch was closed at teardown; continue from its state.
+            if self._pending_state is None:
+                self._pending_state = self.watch.state_dict()
+            self.watch.close()
+            self.watch = None
         writer, log_dir = None, self.config.log_dir
         tb = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
         if tb is not None and trainer.is_global_zero:
@@ -143,7 +191,7 @@ class GradWatchCallback(Callback):
         try:
             self.watch = GradWatch(
                 pl_module,
-                self.loss_fn,
+                check_loss_fn(self.loss_fn, pl_module),
                 optimizer=optimizer,
                 writer=writer,
                 config=self.config.replace(log_dir=log_dir if trainer.is_global_zero else None),
