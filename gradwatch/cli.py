@@ -1,0 +1,587 @@
+"""The ``gradwatch`` command: ``demo``, ``report``, ``validate`` and ``bench``.
+
+Exit codes (every command): 0 fine; 1 alerts found where the command was
+asked to fail on them (``--fail-on-alerts``, or ``raise_on`` stopping the
+demo); 2 usage errors (bad flags, an invalid config, no run to report,
+``bench`` unavailable); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import yaml
+
+from ._version import __version__
+from .config import GradWatchConfig, load_config, option_names, options_table
+from .errors import ConfigError, GradWatchError
+
+EXIT_OK, EXIT_ALERTS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+EXIT_CODES_TEXT = """exit codes:
+  0    fine
+  1    alerts found and the command was asked to fail on them{extra}
+  2    usage error: bad flag or value, invalid config, nothing to read"""
+
+#: Options that the demo handles with its own flags (``--seed``, ``--log-dir``).
+_DEMO_OWN_OPTIONS = ("seed", "log_dir")
+
+
+def _flag(name: str) -> str:
+    """``overhead_budget`` -> ``--overhead-budget`` (one name everywhere)."""
+    return "--" + name.replace("_", "-")
+
+
+def _unicode_ok(stream: Any = None) -> bool:
+    enc = getattr(stream or sys.stdout, "encoding", None) or ""
+    return "utf" in enc.lower()
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"gradwatch {command}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _yaml_value(text: str) -> Any:
+    """A flag value read as YAML (``5``, ``auto``, ``1e-4``, ``[fc1.*]``, ``{l2: 1e-4}``, ``null``, ``true``)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _show(value: Any) -> str:
+    """An option value as it is written in YAML (``null``, ``true``, ``[1e-07, 0.0001, 0.01]``, ``{l2: 1e-05}``)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (dict, list, tuple)):
+        return yaml.safe_dump(value if not isinstance(value, tuple) else list(value), default_flow_style=True).strip()
+    return json.dumps(value)
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32)
+
+
+# --------------------------------------------------------------------- parser
+
+def build_parser(with_bench: bool = False) -> argparse.ArgumentParser:
+    """The ``gradwatch`` argument parser (``with_bench``: let :mod:`gradwatch.bench` add its flags)."""
+    parser = argparse.ArgumentParser(
+        prog="gradwatch",
+        formatter_class=_Formatter,
+        description="Verify backprop gradients during training: sampled two-sided numerical checks,\n"
+        "per-tensor trends and drift alerts in TensorBoard and checks.jsonl.",
+        epilog=EXIT_CODES_TEXT.format(extra="") + "\n\nRun 'gradwatch COMMAND --help' for a command's options.",
+    )
+    parser.add_argument("--version", action="version", version=f"gradwatch {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_demo(sub)
+    _add_report(sub)
+    _add_validate(sub)
+    _add_bench(sub, with_bench)
+    return parser
+
+
+def _add_demo(sub: Any) -> None:
+    from .demo import BUGS, DEMO_OPTIONS, DemoSettings, LATE_THRESHOLD, SCALE_FACTOR
+
+    defaults = DemoSettings()
+    p = sub.add_parser(
+        "demo",
+        formatter_class=_Formatter,
+        help="train a small network with a buggy custom activation and watch GradWatch catch it",
+        description=(
+            "Train a small classifier on 3-class 2-D spirals (generated, no download) with BatchNorm,\n"
+            "dropout, an L2 term in the loss and SGD weight decay, under GradWatch. Its first activation\n"
+            "is a custom autograd.Function (SiLU) whose backward has the bug chosen by --bug:\n"
+            f"  late   right for |x| < {LATE_THRESHOLD:g}, wrong beyond; half-way through, the first layer's weights\n"
+            f"         are scaled x{defaults.grow_factor:g} (\"weights grow\") and its inputs cross {LATE_THRESHOLD:g}\n"
+            f"  scale  {SCALE_FACTOR:g}x the true derivative from the first step\n"
+            "  none   correct (no alert expected)\n"
+            "Prints the checks and alerts as they happen, a per-tensor summary, and the\n"
+            "`tensorboard --logdir ...` command to open the charts."
+        ),
+        epilog=EXIT_CODES_TEXT.format(extra=" (--fail-on-alerts; raise_on stopping the run)"),
+    )
+    p.add_argument("--bug", choices=BUGS, default="late", help="which backward the custom activation has (default: late)")
+    p.add_argument("--steps", type=int, default=defaults.steps, metavar="N", help=f"training steps (default: {defaults.steps})")
+    p.add_argument("--log-dir", "--logdir", dest="log_dir", metavar="DIR", default=None,
+                   help="where TensorBoard events and checks.jsonl go (default: runs/demo-<timestamp>); "
+                   "must not hold a run already")
+    p.add_argument("--config", metavar="YAML", default=None,
+                   help="GradWatch options (see configs/); they override the demo's defaults, and flags override them")
+    p.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="seeds the data, the initialization, the batches and (unless --config sets seed) "
+                   "GradWatch's sampling (default: 0)")
+    p.add_argument("--fail-on-alerts", action="store_true", help="exit 1 when GradWatch raised any alert")
+    g = p.add_argument_group(
+        "GradWatch options",
+        "Any GradWatch option, as in YAML (VALUE is read as YAML: 5, auto, 1e-4, '[fc1.*]', '{l2: 1e-4}', null).\n"
+        "The training loss uses the same regularizers as the check objective.",
+    )
+    for name, default, meaning in options_table():
+        if name in _DEMO_OWN_OPTIONS:
+            continue
+        shown = DEMO_OPTIONS.get(name, default)
+        where = "demo default" if name in DEMO_OPTIONS else "default"
+        meaning = meaning.replace("%", "%%")
+        g.add_argument(_flag(name), dest=f"opt_{name}", metavar="VALUE", type=_yaml_value, default=None,
+                       help=f"{meaning} ({where}: {_show(shown)})")
+    p.set_defaults(func=cmd_demo)
+
+
+def _add_report(sub: Any) -> None:
+    p = sub.add_parser(
+        "report",
+        formatter_class=_Formatter,
+        help="print a run's per-tensor trend table and alerts",
+        description=(
+            "Print the per-tensor trend table (first, last and worst judged rel_diff, last verdict,\n"
+            "alerts, one mark per check) and the alerts of a run. Reads LOGDIR/checks.jsonl (a\n"
+            "truncated last line is skipped with a warning); without it, the TensorBoard event files\n"
+            "(scalars gradwatch/judged_rel_diff/*, alert text gradwatch/alerts). LOGDIR may also be\n"
+            "the checks.jsonl file, or a directory holding exactly one run below it (e.g. Lightning's\n"
+            "version_0/)."
+        ),
+        epilog=EXIT_CODES_TEXT.format(extra=" (--fail-on-alerts)"),
+    )
+    p.add_argument("logdir", metavar="LOGDIR", help="run directory (the log_dir of GradWatch), or its checks.jsonl")
+    p.add_argument("--format", choices=("text", "json"), default="text", help="text for people, json for machines (default: text)")
+    p.add_argument("--source", choices=("auto", "jsonl", "events"), default="auto",
+                   help="read checks.jsonl or the event files; auto prefers checks.jsonl (default: auto)")
+    p.add_argument("--fail-on-alerts", action="store_true", help="exit 1 when the run has any alert")
+    p.add_argument("-v", "--verbose", action="store_true", help="print every alert's full message (default: the first one)")
+    p.set_defaults(func=cmd_report)
+
+
+def _add_validate(sub: Any) -> None:
+    p = sub.add_parser(
+        "validate",
+        formatter_class=_Formatter,
+        help="check GradWatch YAML configs and print the effective options",
+        description=(
+            "Load each YAML config as GradWatch.from_config would and print every effective option\n"
+            "(after defaults), marking those the file sets; or print what is wrong, naming the key."
+        ),
+        epilog=EXIT_CODES_TEXT.format(extra="").replace(
+            "  1    alerts found and the command was asked to fail on them\n", ""),
+    )
+    p.add_argument("configs", metavar="CONFIG", nargs="+", help="YAML file(s) of GradWatch options")
+    p.add_argument("--format", choices=("text", "json"), default="text", help="text for people, json for machines (default: text)")
+    p.set_defaults(func=cmd_validate)
+
+
+BENCH_HELP = "measure what the checks cost (delegates to gradwatch.bench)"
+
+
+def _add_bench(sub: Any, with_bench: bool) -> None:
+    p = sub.add_parser("bench", formatter_class=_Formatter, help=BENCH_HELP, description=BENCH_HELP + ".")
+    if with_bench:
+        import importlib
+
+        try:
+            bench = importlib.import_module(f"{__package__}.bench")  # optional module, written separately
+        except ModuleNotFoundError as err:
+            if err.name != f"{__package__}.bench":
+                raise
+            bench = None
+        if bench is not None:
+            bench.add_arguments(p)
+            p.set_defaults(func=lambda args: bench.run(args))
+            return
+    if with_bench:
+        p.description = BENCH_HELP + ". Not available in this installation: module gradwatch.bench is missing."
+    p.set_defaults(func=cmd_bench_missing)
+
+
+def cmd_bench_missing(args: argparse.Namespace) -> int:
+    return _fail("bench", "the benchmark is not available in this installation (module gradwatch.bench is missing)")
+
+
+# --------------------------------------------------------------------- validate
+
+def _raw_keys(path: str) -> List[str]:
+    """Option names a YAML file sets explicitly (call after :func:`load_config` succeeded)."""
+    with open(path, encoding="utf-8") as fh:
+        data = yaml.safe_load(fh)
+    if not isinstance(data, dict):
+        return []
+    if "gradwatch" in data:
+        data = data["gradwatch"] or {}
+    return [k for k in data if k in option_names()]
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    status = EXIT_OK
+    docs: List[Dict[str, Any]] = []
+    for path in args.configs:
+        try:
+            cfg = load_config(path)
+            keys = _raw_keys(path)
+        except ConfigError as err:
+            status = EXIT_USAGE
+            if args.format == "json":
+                docs.append({"path": path, "valid": False, "error": str(err)})
+            else:
+                print(f"gradwatch validate: error: {err}", file=sys.stderr)
+            continue
+        options = cfg.to_dict()
+        if args.format == "json":
+            docs.append({"path": path, "valid": True, "options": options, "set": keys})
+            continue
+        print(f"{path}: valid ({len(keys)} of {len(options)} options set in the file, the rest are defaults)")
+        width = max(len(k) for k in options)
+        values = {k: _show(v) for k, v in options.items()}
+        vwidth = max(len(v) for v in values.values())
+        for k in options:
+            print(f"  {k.ljust(width)}  {values[k].ljust(vwidth)}  {'(file)' if k in keys else '(default)'}".rstrip())
+    if args.format == "json":
+        print(json.dumps(docs[0] if len(docs) == 1 else docs, indent=2))
+    return status
+
+
+# --------------------------------------------------------------------- report
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from . import summary
+    from .sinks import read_jsonl
+
+    try:
+        kind, path = summary.find_run(args.logdir, args.source)
+    except summary.RunNotFound as err:
+        return _fail("report", str(err))
+    if kind == "jsonl":
+        try:
+            records, warnings = read_jsonl(path)
+        except OSError as err:
+            return _fail("report", f"cannot read {path}: {err.strerror or err}")
+        data = summary.from_records(records, path=str(path), warnings=warnings)
+    else:
+        try:
+            data = summary.from_event_files(path)
+        except Exception as err:  # noqa: BLE001 - a corrupt event file: say so, no traceback
+            return _fail("report", f"cannot read TensorBoard events in {path}: {type(err).__name__}: {err}")
+    for w in data.warnings:
+        print(f"gradwatch report: warning: {w}", file=sys.stderr)
+    rows = summary.summarize(data)
+    if args.format == "json":
+        print(json.dumps(summary.to_json(data, rows), indent=2, allow_nan=False))
+    else:
+        _print_report(data, rows, verbose=args.verbose)
+    if args.fail_on_alerts and data.alerts:
+        return EXIT_ALERTS
+    return EXIT_OK
+
+
+def _print_report(data: Any, rows: List[Dict[str, Any]], verbose: bool) -> None:
+    from . import summary
+
+    uni = _unicode_ok()
+    steps = data.check_steps
+    span = "" if not steps else f", step {steps[0]}" if steps[0] == steps[-1] else f", steps {steps[0]}-{steps[-1]}"
+    print(f"{data.path} ({'TensorBoard event files' if data.source == 'events' else 'checks.jsonl'})")
+    print(f"{_plural(len(steps), 'check')}{span}, {_plural(len(data.history), 'tensor')}, "
+          f"{_plural(len(data.alerts), 'alert')}")
+    if data.source == "events":
+        print("(from event files: values are float32, verdicts re-derived with the default bands)")
+    print()
+    if rows:
+        for line in summary.format_table(rows, unicode=uni):
+            print("  " + line)
+        for line in summary.legend(data.bands, unicode=uni):
+            print("  " + line)
+    else:
+        print("  no checks recorded")
+    _print_alerts(data.alerts, data.bands, data.details, verbose=verbose)
+
+
+def _print_alerts(alerts: List[Dict[str, Any]], bands: Any, details: Dict[Any, Any], *, verbose: bool,
+                  title: str = "Alerts") -> None:
+    from . import summary
+
+    print()
+    if not alerts:
+        print(f"{title}: none")
+        return
+    print(f"{title} ({len(alerts)}):")
+    width = max(len(str(a.get("tensor"))) for a in alerts)
+    for a in alerts:
+        detail = details.get((int(a.get("step") or 0), str(a.get("tensor"))))
+        print("  " + summary.format_alert(a, bands=bands, detail=detail, name_width=width))
+    shown = alerts if verbose else alerts[:1]
+    print()
+    print("Full message" + ("s:" if verbose else " of the first alert (-v for all):" if len(alerts) > 1 else ":"))
+    for a in shown:
+        print(f"  step {a.get('step')}, {a.get('tensor')}, {a.get('kind')} ({a.get('severity')}):")
+        for line in summary.wrap_message(str(a.get("message")), indent="    "):
+            print(line)
+
+
+# --------------------------------------------------------------------- demo
+
+def _default_demo_dir() -> Path:
+    base = Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def _demo_config(args: argparse.Namespace) -> Tuple[GradWatchConfig, Optional[str]]:
+    """Effective options: defaults < demo defaults < --config < option flags; and an error message."""
+    from .demo import demo_config
+
+    cfg = demo_config()
+    file_keys: List[str] = []
+    if args.config is not None:
+        try:
+            loaded = load_config(args.config)
+            file_keys = _raw_keys(args.config)
+        except ConfigError as err:
+            return cfg, str(err)
+        try:
+            cfg = cfg.replace(**{k: getattr(loaded, k) for k in file_keys})
+        except ConfigError as err:
+            return cfg, f"{args.config}: {err}"
+    for name in option_names():
+        value = getattr(args, f"opt_{name}", None)
+        if value is None:
+            continue
+        try:
+            cfg = cfg.replace(**{name: value})
+        except ConfigError as err:
+            msg = str(err)
+            if msg.startswith(f"{name}: "):
+                msg = msg[len(name) + 2:]
+            return cfg, f"{_flag(name)}: {msg}"
+    overrides: Dict[str, Any] = {}
+    if "seed" not in file_keys:
+        overrides["seed"] = args.seed
+    log_dir = args.log_dir or cfg.log_dir or str(_default_demo_dir())
+    overrides["log_dir"] = log_dir
+    try:
+        cfg = cfg.replace(**overrides)
+    except ConfigError as err:
+        return cfg, str(err).replace("seed: ", "--seed: ").replace("log_dir: ", "--log-dir: ")
+    return cfg, None
+
+
+class _DemoPrinter:
+    """The demo's console output: a header, one line per (some) checks, alerts as they happen."""
+
+    HEAD = "   step    loss   acc  max|x|  worst tensor   judged rel_diff  verdict"
+
+    def __init__(self, settings: Any, cfg: GradWatchConfig, names: List[str], out: Any = None) -> None:
+        self.settings, self.cfg, self.out = settings, cfg, out or sys.stdout
+        self.name_width = max(len(n) for n in names)
+        expected = settings.steps / cfg.every if isinstance(cfg.every, int) else 0
+        self.every_nth = max(1, round(expected / 10)) if expected else 1
+        self.last_verdict: Optional[str] = None
+        self.details: Dict[Tuple[int, str], Dict[str, Any]] = {}
+        self.check_seconds = 0.0
+
+    def p(self, text: str = "") -> None:
+        print(text, file=self.out, flush=True)
+
+    def header(self) -> None:
+        from .demo import LATE_THRESHOLD, SCALE_FACTOR
+
+        s, c = self.settings, self.cfg
+        story = {
+            "late": f"its backward is right for |x| < {LATE_THRESHOLD:g} and wrong beyond. Small weights keep its inputs\n"
+                    f"  below {LATE_THRESHOLD:g}; at step {s.grow_at} the first layer's weights are scaled x{s.grow_factor:g} "
+                    "(\"weights grow\").",
+            "scale": f"its backward is {SCALE_FACTOR:g}x the true derivative, from the first step.",
+            "none": f"its backward is correct; no alert is expected, even after the weights grow at step {s.grow_at}.",
+        }[s.bug]
+        regs = c.regularizers if isinstance(c.regularizers, dict) else None
+        reg_text = ", ".join(f"{k} {v:g}" for k, v in regs.items()) if regs else "none"
+        every = ("every step" if c.every == 1 else f"every {c.every} steps") if isinstance(c.every, int) else f"within {c.overhead_budget:.1%} of the time (every: auto)"
+        tensors = "all tensors" if c.tensors_per_check == 0 else f"{c.tensors_per_check} tensors"
+        self.p(f"gradwatch demo: a 2-{s.hidden}-{s.hidden}-3 network on 3-class spirals ({3 * s.points_per_class} "
+               f"points), with BatchNorm, dropout {s.dropout:g},")
+        self.p(f"  regularizers in the loss ({reg_text}), SGD weight decay {s.weight_decay:g}, and a custom SiLU "
+               "autograd.Function.")
+        self.p(f"Bug '{s.bug}': {story}")
+        self.p(f"GradWatch checks {every}, {tensors} per check, on a {c.dtype or 'in-place'} "
+               f"{'shadow copy' if c.dtype else 'check'}; logs in {c.log_dir}")
+        self.p()
+        self.p(self.HEAD)
+
+    def grow(self, ev: Any) -> None:
+        self.p(f"  {ev.step:5d}  weights grow: {' and '.join(ev.tensors)} x{ev.factor:g}; largest |x| into the "
+               f"custom SiLU {ev.max_abs_before:.1f} -> {ev.max_abs_after:.1f}")
+
+    def check(self, ev: Any) -> None:
+        from . import summary
+
+        report = ev.report
+        if report is not None:
+            self.check_seconds += report.seconds
+            for name, t in report.tensors.items():
+                self.details[(ev.step, name)] = {"verdict": t.verdict.value if t.verdict else None, "diagnosis": t.diagnosis}
+        worst = report.worst if report is not None else None
+        verdict = worst.verdict.value if worst is not None else None
+        show = (
+            ev.index == 0 or ev.alerts or verdict != self.last_verdict or ev.index % self.every_nth == 0
+            or ev.step >= self.settings.steps - (self.cfg.every if isinstance(self.cfg.every, int) else 1)
+        )
+        self.last_verdict = verdict
+        if show and report is not None:
+            if worst is not None:
+                name = worst.name if worst.judged_rel_diff != 0 else "(none)"  # every checked tensor within the noise
+                w = f"{name:<{self.name_width}}  {summary.fmt(worst.judged_rel_diff):>15}  {summary.verdict_text(verdict)}"
+            else:
+                w = "no verdict" + (" (objective not finite)" if report.nonfinite else "")
+            self.p(f"  {ev.step:5d}  {ev.loss:6.3f}  {ev.accuracy:4.2f}  {ev.max_abs_input:6.1f}  {w}")
+        for a in ev.alerts:
+            detail = self.details.get((a.step, a.tensor))
+            self.p("         ! " + summary.format_alert(a.to_dict(), bands=self.cfg.bands, detail=detail,
+                                                      name_width=self.name_width))
+        if ev.stopped:
+            self.p(f"  {ev.step:5d}  stopped: raise_on={self.cfg.raise_on} matched (GradientDriftError)")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import summary
+    from .demo import DemoSettings, run_demo
+
+    if args.steps < 1:
+        return _fail("demo", f"--steps: got {args.steps}, expected an integer >= 1")
+    cfg, error = _demo_config(args)
+    if error is not None:
+        return _fail("demo", error)
+    log_dir = Path(cfg.log_dir)
+    if (log_dir / "checks.jsonl").exists() or summary.event_files(log_dir):
+        return _fail("demo", f"--log-dir {log_dir} already holds a run; choose a new directory (or remove it)")
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return _fail("demo", f"cannot create --log-dir {log_dir}: {err.strerror or err}")
+    settings = DemoSettings(bug=args.bug, steps=args.steps, seed=args.seed)
+    from .demo import SpiralNet
+
+    from .sampling import match_names
+
+    names = [n for n, _ in SpiralNet(hidden=4).named_parameters()]
+    try:
+        match_names(names, cfg.tensors)
+    except ValueError as err:
+        return _fail("demo", str(err))
+    printer = _DemoPrinter(settings, cfg, names)
+    printer.header()
+    # The demo's network is tiny: one thread avoids oversubscription stalls on small machines.
+    threads = torch.get_num_threads()
+    gw_logger = logging.getLogger("gradwatch")
+    saved = (gw_logger.level, gw_logger.propagate, list(gw_logger.handlers))
+    gw_logger.handlers[:] = [logging.NullHandler()]
+    gw_logger.propagate = False
+    torch.set_num_threads(1)
+    try:
+        result = run_demo(settings, cfg, on_check=printer.check, on_grow=printer.grow)
+    except BrokenPipeError:
+        raise
+    except (GradWatchError, OSError, ValueError, TypeError) as err:  # a bad option met at construction
+        return _fail("demo", str(err))
+    finally:
+        torch.set_num_threads(threads)
+        gw_logger.setLevel(saved[0])
+        gw_logger.propagate = saved[1]
+        gw_logger.handlers[:] = saved[2]
+    p = printer.p
+    data = summary.from_watch(result.watch, printer.details)
+    rows = summary.summarize(data)
+    uni = _unicode_ok()
+    p()
+    stop = f", stopped at step {data.check_steps[-1] if data.check_steps else 0} by raise_on" if result.stopped_early else ""
+    p(f"Summary: {result.steps} steps, {_plural(result.checks, 'check')} in {result.seconds:.1f} s "
+      f"(checks {printer.check_seconds:.1f} s), accuracy {result.final_accuracy:.0%}{stop}")
+    for line in summary.format_table(rows, unicode=uni):
+        p("  " + line)
+    for line in summary.legend(cfg.bands, unicode=uni):
+        p("  " + line)
+    p()
+    alerts = data.alerts
+    if alerts:
+        tensors = list(dict.fromkeys(str(a["tensor"]) for a in alerts))
+        p(f"{_plural(len(alerts), 'alert')} on {', '.join(tensors)}; first at step {alerts[0]['step']}:")
+        for line in summary.wrap_message(alerts[0]["message"], indent="  "):
+            p(line)
+        if args.bug == "late":
+            p("  Here: fc1 feeds the custom SiLU, whose backward drops a term once |x| >= 3.")
+        elif args.bug == "scale":
+            p("  Here: fc1 feeds the custom SiLU, whose backward has a stray factor.")
+    else:
+        p("No alerts: every checked gradient agreed with its two-sided numerical estimate.")
+    p()
+    q = shlex.quote(str(log_dir))
+    if cfg.tensorboard:
+        p("Charts (SCALARS: gradwatch/judged_rel_diff/*, CUSTOM SCALARS: gradwatch; TEXT: gradwatch/alerts):")
+        p(f"  tensorboard --logdir {q}")
+    if cfg.tensorboard or cfg.jsonl:
+        p("This summary again, later:")
+        p(f"  gradwatch report {q}")
+    if result.stopped_early is not None:
+        return EXIT_ALERTS
+    if args.fail_on_alerts and alerts:
+        return EXIT_ALERTS
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------- entry point
+
+def _command_of(argv: Sequence[str]) -> Optional[str]:
+    for token in argv:
+        if not token.startswith("-"):
+            return token
+    return None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run ``gradwatch`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for stream in (sys.stdout, sys.stderr):  # alert messages hold non-ASCII text; never crash on printing it
+        try:
+            stream.reconfigure(errors="replace")  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            pass
+    parser = build_parser(with_bench=_command_of(argv) == "bench")
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra and getattr(args, "func", None) is not cmd_bench_missing:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exc:  # --help, --version (0) and usage errors (2)
+        return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_USAGE
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("gradwatch: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `gradwatch report ... | head`: the reader left; exit quietly
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,484 @@
+"""Per-tensor trend tables and alert lines from a run: shared by ``gradwatch demo`` and ``gradwatch report``.
+
+A run is read into a :class:`RunData` from one of three places:
+
+- ``checks.jsonl`` records (:func:`from_records`, what :func:`gradwatch.sinks.read_jsonl` returns);
+- TensorBoard event files (:func:`from_event_files`: the ``gradwatch/judged_rel_diff/<param>``
+  and ``gradwatch/rel_diff/<param>`` scalars, alerts from the text plugin);
+- a live :class:`~gradwatch.GradWatch` (:func:`from_watch`).
+
+:func:`summarize` turns it into one row per tensor (first / last / worst
+judged rel_diff, last verdict, alert count, a verdict strip), and the
+``format_*`` helpers print rows and alerts the same way for every command.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+from .numeric import DEFAULT_BANDS, Verdict
+from .records import ALERTS_TEXT_TAG, to_jsonable
+from .sinks import JSONL_NAME
+
+#: ``{tensor: [{"step", "judged_rel_diff", "rel_diff", "verdict"}, ...]}`` (the TrendTracker's history shape).
+History = Dict[str, List[Dict[str, Any]]]
+
+VERDICT_NAMES = tuple(v.value for v in Verdict)
+_RANK = {v.value: v.rank for v in Verdict}
+_MARKS_UNICODE = {"excellent": "\u2581", "acceptable": "\u2583", "suspicious": "\u2585", "wrong": "\u2588", None: "?"}
+_MARKS_ASCII = {"excellent": ".", "acceptable": ":", "suspicious": "+", "wrong": "#", None: "?"}
+_EVENT_PREFIX = "events.out.tfevents"
+_TEXT_RE = re.compile(r"^\*\*(?P<severity>[^*]*)\*\* `(?P<kind>[^`]*)` on `(?P<tensor>[^`]*)`: (?P<message>.*)$", re.S)
+
+
+class RunNotFound(Exception):
+    """No gradwatch data where the user pointed (the CLI exits 2 with this message)."""
+
+
+@dataclass
+class RunData:
+    """One run's checks and alerts, whatever they were read from.
+
+    Attributes:
+        history: Per tensor, one entry per check (see :data:`History`), in step order.
+        alerts: Alert records (``step, tensor, kind, severity, value, baseline, message``).
+        details: ``(step, tensor) -> {"verdict", "diagnosis"}`` of the check records, when known.
+        source: ``"jsonl"``, ``"events"`` or ``"memory"``.
+        path: The file or directory read.
+        warnings: Problems met while reading (truncated lines, ...).
+        bands: Verdict bands of the run (from its ``run`` record; defaults otherwise).
+        check_steps: Steps at which a check completed.
+    """
+
+    history: History
+    alerts: List[Dict[str, Any]]
+    details: Dict[Tuple[int, str], Dict[str, Any]] = field(default_factory=dict)
+    source: str = "memory"
+    path: Optional[str] = None
+    warnings: List[str] = field(default_factory=list)
+    bands: Tuple[float, float, float] = DEFAULT_BANDS
+    check_steps: List[int] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------- reading
+
+def _num(value: Any) -> Optional[float]:
+    """A record's number (``"nan"``/``"inf"`` strings included) as a float; None stays None."""
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = None,
+                 warnings: Sequence[str] = ()) -> RunData:
+    """Build a :class:`RunData` from ``checks.jsonl`` records (``run``, ``check``, ``alert``).
+
+    Example:
+        >>> recs = [{"type": "check", "step": 0, "tensors": {"w": {"judged_rel_diff": 1e-9,
+        ...          "rel_diff": 1e-9, "verdict": "excellent"}}},
+        ...         {"type": "alert", "step": 0, "tensor": "w", "kind": "drift", "severity": "warning",
+        ...          "value": 1e-3, "baseline": 1e-9, "message": "w drifted"}]
+        >>> data = from_records(recs)
+        >>> data.history["w"][0]["verdict"], len(data.alerts)
+        ('excellent', 1)
+    """
+    history: History = {}
+    alerts: List[Dict[str, Any]] = []
+    details: Dict[Tuple[int, str], Dict[str, Any]] = {}
+    bands = DEFAULT_BANDS
+    steps: List[int] = []
+    runs = 0
+    notes = list(warnings)
+    for number, rec in enumerate(records, start=1):
+        try:
+            runs += _add_record(rec, history, alerts, details, steps)
+        except (TypeError, ValueError, AttributeError, KeyError) as err:
+            notes.append(f"{path or 'the log'}: record {number} ({str(rec.get('type'))!r}) is malformed "
+                         f"({type(err).__name__}: {err}); skipped")
+            continue
+        if rec.get("type") == "run":
+            opt_bands = (rec.get("options") or {}).get("bands")
+            if isinstance(opt_bands, (list, tuple)) and len(opt_bands) == 3 and all(_num(b) for b in opt_bands):
+                bands = tuple(float(b) for b in opt_bands)  # type: ignore[assignment]
+    if runs > 1:
+        notes.append(f"{path or 'the log'} holds {runs} runs (appended or resumed); all of them are reported")
+    return RunData(history, alerts, details, "jsonl", path, notes, bands, steps)
+
+
+def _add_record(rec: Mapping[str, Any], history: History, alerts: List[Dict[str, Any]],
+                details: Dict[Tuple[int, str], Dict[str, Any]], steps: List[int]) -> int:
+    """File one JSONL record; returns 1 for a ``run`` record, else 0."""
+    kind = rec.get("type")
+    if kind == "run":
+        return 1
+    if kind == "check":
+        step = int(rec["step"])
+        entries = [
+            (str(name), {"step": step, "judged_rel_diff": _num(t.get("judged_rel_diff")),
+                         "rel_diff": _num(t.get("rel_diff")), "verdict": t.get("verdict")},
+             {"verdict": t.get("verdict"), "diagnosis": t.get("diagnosis")})
+            for name, t in (rec.get("tensors") or {}).items()
+        ]
+        steps.append(step)
+        for name, entry, detail in entries:
+            history.setdefault(name, []).append(entry)
+            details[(step, name)] = detail
+    elif kind == "alert":
+        alert = dict(rec)
+        alert["step"] = None if alert.get("step") is None else int(alert["step"])
+        alerts.append(alert)
+    return 0
+
+
+def from_watch(watch: Any, details: Optional[Dict[Tuple[int, str], Dict[str, Any]]] = None) -> RunData:
+    """Build a :class:`RunData` from a live :class:`~gradwatch.GradWatch` (its tracker history and alerts)."""
+    alerts = [a.to_dict() for a in watch.alerts]
+    history = watch.history
+    steps = sorted({r["step"] for records in history.values() for r in records})
+    return RunData(history, alerts, dict(details or {}), "memory", None, [], tuple(watch.config.bands), steps)
+
+
+def event_files(directory: Path) -> List[Path]:
+    """TensorBoard event files directly in ``directory``."""
+    try:
+        return sorted(p for p in directory.iterdir() if p.is_file() and p.name.startswith(_EVENT_PREFIX))
+    except OSError:
+        return []
+
+
+def from_event_files(path: os.PathLike, bands: Tuple[float, float, float] = DEFAULT_BANDS) -> RunData:
+    """Build a :class:`RunData` from TensorBoard event files (a run directory or one event file).
+
+    Scalars ``gradwatch/judged_rel_diff/<param>`` and ``gradwatch/rel_diff/<param>``
+    give the history (values as stored: float32); verdicts are re-derived
+    from the judged value with ``bands``. Alerts come from the text plugin
+    (tag ``gradwatch/alerts``); their ``value`` is unknown (None).
+    """
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    acc = ea.EventAccumulator(os.fspath(path), size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})
+    acc.Reload()
+    tags = acc.Tags()
+    scalar_tags = set(tags.get(ea.SCALARS, []))
+    judged_prefix, rel_prefix = "gradwatch/judged_rel_diff/", "gradwatch/rel_diff/"
+    names = [t[len(judged_prefix):] for t in sorted(scalar_tags) if t.startswith(judged_prefix)]
+    history: History = {}
+    all_steps = set()
+    for name in names:
+        rel = {e.step: e.value for e in acc.Scalars(rel_prefix + name)} if rel_prefix + name in scalar_tags else {}
+        entries = []
+        for e in acc.Scalars(judged_prefix + name):
+            value = float(e.value)
+            verdict = Verdict.from_value(value, bands).value if math.isfinite(value) else None
+            entries.append({"step": int(e.step), "judged_rel_diff": value,
+                            "rel_diff": float(rel[e.step]) if e.step in rel else None, "verdict": verdict})
+            all_steps.add(int(e.step))
+        history[name] = entries
+    alerts: List[Dict[str, Any]] = []
+    for tag in tags.get(ea.TENSORS, []):
+        if tag != ALERTS_TEXT_TAG and not tag.startswith(ALERTS_TEXT_TAG + "/"):
+            continue
+        for e in acc.Tensors(tag):
+            for raw in e.tensor_proto.string_val:
+                alerts.append(_alert_from_text(int(e.step), raw.decode("utf-8", "replace")))
+    alerts.sort(key=lambda a: a["step"])
+    return RunData(history, alerts, {}, "events", os.fspath(path), [], bands, sorted(all_steps))
+
+
+_NUMBER = r"([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf))"
+_VALUE_RES = {
+    "threshold": re.compile(r"judged rel_diff " + _NUMBER + r" \("),
+    "drift": re.compile(r"drifted to " + _NUMBER + r" \("),
+}
+_BASELINE_RE = re.compile(r"baseline " + _NUMBER)
+
+
+def _alert_from_text(step: int, text: str) -> Dict[str, Any]:
+    """An alert record from the text TensorBoardSink wrote (value and baseline read back from the message)."""
+    m = _TEXT_RE.match(text.strip())
+    if m is None:
+        return {"step": step, "tensor": "?", "kind": "?", "severity": "?", "value": None, "baseline": None, "message": text}
+    message, kind = m["message"], m["kind"]
+    value = baseline = None
+    if kind in _VALUE_RES:
+        found = _VALUE_RES[kind].search(message)
+        value = float(found.group(1)) if found else None
+        found = _BASELINE_RE.search(message)
+        baseline = float(found.group(1)) if found else None
+    return {"step": step, "tensor": m["tensor"], "kind": kind, "severity": m["severity"].lower(),
+            "value": value, "baseline": baseline, "message": message}
+
+
+def find_run(logdir: os.PathLike, source: str = "auto") -> Tuple[str, Path]:
+    """Where a run's data is: ``("jsonl", file)`` or ``("events", directory or file)``.
+
+    Looks at ``logdir`` itself, then (when it holds neither) at its
+    subdirectories, where Lightning's ``version_N`` runs live.
+
+    Raises:
+        RunNotFound: Nothing there, or several runs to choose from.
+    """
+    p = Path(logdir)
+    if not p.exists():
+        raise RunNotFound(f"{p}: no such file or directory")
+    if p.is_file():
+        if p.name.startswith(_EVENT_PREFIX) and source in ("auto", "events"):
+            return "events", p
+        if source in ("auto", "jsonl") and not p.name.startswith(_EVENT_PREFIX):
+            return "jsonl", p
+        raise RunNotFound(f"{p}: not a {source} source")
+    candidates: List[Tuple[str, Path]] = []
+    for d in [p] + sorted(q for q in p.rglob("*") if q.is_dir()):
+        found = _run_in(d, source)
+        if found is not None:
+            if d == p:
+                return found
+            candidates.append(found)
+    if len(candidates) == 1:
+        return candidates[0]
+    what = {"auto": f"{JSONL_NAME} or TensorBoard event files", "jsonl": JSONL_NAME, "events": "TensorBoard event files"}[source]
+    if not candidates:
+        raise RunNotFound(f"{p}: no {what} here or below (is this the --log-dir of a gradwatch run?)")
+    listed = "\n  ".join(str(c[1]) for c in candidates[:10])
+    raise RunNotFound(f"{p} holds {len(candidates)} runs; report one of them:\n  {listed}")
+
+
+def _run_in(d: Path, source: str) -> Optional[Tuple[str, Path]]:
+    jsonl = d / JSONL_NAME
+    if source in ("auto", "jsonl") and jsonl.is_file():
+        return "jsonl", jsonl
+    if source in ("auto", "events") and event_files(d):
+        return "events", d
+    return None
+
+
+# --------------------------------------------------------------------- summarizing
+
+def _finite(v: Optional[float]) -> bool:
+    return v is not None and math.isfinite(v)
+
+
+def _worst(values: List[Optional[float]]) -> Optional[float]:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None
+    return max(vals, key=lambda v: v if math.isfinite(v) else math.inf)
+
+
+def summarize(data: RunData) -> List[Dict[str, Any]]:
+    """One row per tensor: ``tensor, checks, first, last, worst`` (judged rel_diff over checks with
+    a verdict), ``first_rel_diff, last_rel_diff, worst_rel_diff``, ``verdict`` (last check's),
+    ``worst_verdict``, ``alerts``, ``verdicts`` (one per check), plus a ``"*"`` row when
+    whole-check alerts exist.
+
+    Example:
+        >>> data = RunData({"w": [{"step": 0, "judged_rel_diff": 1e-9, "rel_diff": 1e-9, "verdict": "excellent"},
+        ...                       {"step": 10, "judged_rel_diff": 0.1, "rel_diff": 0.1, "verdict": "wrong"}]}, [])
+        >>> row = summarize(data)[0]
+        >>> row["first"], row["worst"], row["verdict"], row["worst_verdict"]
+        (1e-09, 0.1, 'wrong', 'wrong')
+    """
+    counts: Dict[str, int] = {}
+    for a in data.alerts:
+        counts[str(a.get("tensor"))] = counts.get(str(a.get("tensor")), 0) + 1
+    rows = []
+    for name, entries in data.history.items():
+        judged = [e for e in entries if e.get("verdict") is not None]
+        jv = [e["judged_rel_diff"] for e in judged]
+        rv = [e["rel_diff"] for e in judged]
+        verdicts = [e.get("verdict") for e in entries]
+        ranked = [v for v in verdicts if v in _RANK]
+        rows.append({
+            "tensor": name,
+            "checks": len(entries),
+            "first": jv[0] if jv else None,
+            "last": jv[-1] if jv else None,
+            "worst": _worst(jv),
+            "first_rel_diff": rv[0] if rv else None,
+            "last_rel_diff": rv[-1] if rv else None,
+            "worst_rel_diff": _worst(rv),
+            "verdict": verdicts[-1] if verdicts else None,
+            "worst_verdict": max(ranked, key=_RANK.__getitem__) if ranked else None,
+            "alerts": counts.pop(name, 0),
+            "verdicts": verdicts,
+        })
+    for name, n in counts.items():  # alerts on the whole check ("*") or on tensors never recorded
+        rows.append({"tensor": name, "checks": 0, "first": None, "last": None, "worst": None,
+                     "first_rel_diff": None, "last_rel_diff": None, "worst_rel_diff": None,
+                     "verdict": None, "worst_verdict": None, "alerts": n, "verdicts": []})
+    return rows
+
+
+# --------------------------------------------------------------------- formatting
+
+def fmt(value: Optional[float]) -> str:
+    """``2.8e-02``; ``-`` for None; ``nan``/``inf`` as such.
+
+    Example:
+        >>> fmt(0.028), fmt(None), fmt(0.0)
+        ('2.8e-02', '-', '0')
+    """
+    if value is None:
+        return "-"
+    if value == 0:
+        return "0"
+    if not math.isfinite(value):
+        return str(value)
+    return f"{value:.1e}"
+
+
+def verdict_text(verdict: Optional[str]) -> str:
+    """``excellent``/``acceptable`` in lower case, failing verdicts in upper case, ``-`` when inconclusive."""
+    if verdict is None:
+        return "-"
+    return verdict.upper() if _RANK.get(verdict, 0) >= Verdict.SUSPICIOUS.rank else verdict
+
+
+def marks(unicode: bool = True) -> Dict[Optional[str], str]:
+    """Verdict -> one-character mark of the history strip."""
+    return dict(_MARKS_UNICODE if unicode else _MARKS_ASCII)
+
+
+def strip(verdicts: Sequence[Optional[str]], width: int = 30, unicode: bool = True) -> str:
+    """One mark per check (the worst per bucket when there are more than ``width`` checks).
+
+    Example:
+        >>> strip(["excellent", "excellent", "wrong"], unicode=False)
+        '..#'
+    """
+    m = marks(unicode)
+    if not verdicts:
+        return ""
+    n = len(verdicts)
+    buckets = min(n, width)
+    out = []
+    for b in range(buckets):
+        chunk = verdicts[b * n // buckets:(b + 1) * n // buckets]
+        ranked = [v for v in chunk if v in _RANK]
+        out.append(m[max(ranked, key=_RANK.__getitem__)] if ranked else m[None])
+    return "".join(out)
+
+
+def legend(bands: Sequence[float], unicode: bool = True) -> List[str]:
+    """Three lines explaining the table's numbers and its history marks."""
+    m = marks(unicode)
+    b = [f"{x:.0e}" for x in bands]
+    return [
+        "values: judged rel_diff (decides verdicts and alerts; 0 = agreement within the finite-difference noise)",
+        f"bands: excellent < {b[0]} <= acceptable < {b[1]} <= suspicious < {b[2]} <= wrong",
+        "history: one mark per check, oldest first: "
+        + "  ".join(f"{m[v]} {v}" for v in VERDICT_NAMES) + f"  {m[None]} no verdict",
+    ]
+
+
+def format_table(rows: Sequence[Mapping[str, Any]], unicode: bool = True, strip_width: int = 30) -> List[str]:
+    """The per-tensor table as aligned lines (header first).
+
+    Example:
+        >>> rows = summarize(RunData({"w": [{"step": 0, "judged_rel_diff": 1e-9, "rel_diff": 1e-9,
+        ...                                  "verdict": "excellent"}]}, []))
+        >>> print("\\n".join(format_table(rows, unicode=False)))
+        tensor  checks  first    last     worst    verdict     alerts  history
+        w            1  1.0e-09  1.0e-09  1.0e-09  excellent        0  .
+    """
+    header = ("tensor", "checks", "first", "last", "worst", "verdict", "alerts", "history")
+    body = [
+        (str(r["tensor"]), str(r["checks"]), fmt(r["first"]), fmt(r["last"]), fmt(r["worst"]),
+         verdict_text(r["verdict"]), str(r["alerts"]), strip(r["verdicts"], strip_width, unicode))
+        for r in rows
+    ]
+    table = [header, *body]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    widths[5] = max(widths[5], len("acceptable"))
+    right = {1, 6}
+    lines = []
+    for row in table:
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def short_diagnosis(text: Optional[str]) -> Optional[str]:
+    """The diagnosis without the sampled values and the advice, for one-line alerts.
+
+    Example:
+        >>> short_diagnosis("analytic is 1.50x numeric (constant ratio): a factor in backward is wrong")
+        'analytic is 1.50x numeric (constant ratio)'
+    """
+    if not text:
+        return None
+    text = re.sub(r"\s*\(worst: [^)]*\)", "", text)
+    cut = text.find("(constant ratio)")
+    if cut >= 0:
+        text = text[: cut + len("(constant ratio)")]
+    return text.strip()
+
+
+def alert_key(alert: Mapping[str, Any]) -> Tuple[str, str, int]:
+    """``(tensor, kind, step)``: what identifies an alert across the demo, JSONL and TensorBoard."""
+    return (str(alert.get("tensor")), str(alert.get("kind")), int(alert.get("step") or 0))
+
+
+def format_alert(alert: Mapping[str, Any], *, bands: Sequence[float] = DEFAULT_BANDS,
+                 detail: Optional[Mapping[str, Any]] = None, name_width: int = 0) -> str:
+    """One line per alert: ``step  tensor  kind  judged rel_diff (verdict, or drift vs baseline); diagnosis``.
+
+    Example:
+        >>> format_alert({"step": 150, "tensor": "fc1.weight", "kind": "threshold", "severity": "error",
+        ...               "value": 0.028, "baseline": 0.0},
+        ...              detail={"diagnosis": "analytic is 1.50x numeric (constant ratio): a factor is wrong"})
+        'step   150  fc1.weight  threshold  2.8e-02 WRONG; analytic is 1.50x numeric (constant ratio)'
+    """
+    kind = str(alert.get("kind"))
+    value = _num(alert.get("value"))
+    baseline = _num(alert.get("baseline"))
+    if kind == "threshold" and _finite(value):
+        what = f"{fmt(value)} {verdict_text(Verdict.from_value(value, bands).value)}"
+    elif kind == "drift" and _finite(value):
+        what = f"{fmt(value)} (recent median) vs baseline {fmt(baseline)}"
+    elif kind in ("threshold", "drift"):
+        verdict = (detail or {}).get("verdict")
+        what = f"verdict {verdict_text(verdict)}" if verdict else str(alert.get("severity"))
+    else:
+        what = _first_clause(str(alert.get("message") or kind))
+    diag = short_diagnosis((detail or {}).get("diagnosis"))
+    if diag and kind in ("threshold", "drift"):
+        what += f"; {diag}"
+    step = alert.get("step")
+    step_text = "?" if step is None else str(int(step))
+    return f"step {step_text:>5}  {str(alert.get('tensor')).ljust(name_width)}  {kind:<9}  {what}"
+
+
+def _first_clause(message: str) -> str:
+    message = re.sub(r"^step \d+: ", "", message)
+    return message.split(" — ")[0].split("; ")[0]
+
+
+def wrap_message(message: str, indent: str = "    ", width: int = 100) -> List[str]:
+    """An alert's full message, wrapped for a terminal."""
+    return textwrap.wrap(str(message), width=width, initial_indent=indent, subsequent_indent=indent,
+                         break_long_words=False, break_on_hyphens=False) or [indent]
+
+
+def to_json(data: RunData, rows: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
+    """The ``gradwatch report --format json`` document (non-finite numbers as ``"nan"``/``"inf"``)."""
+    return to_jsonable({
+        "source": data.source,
+        "path": data.path,
+        "checks": len(data.check_steps),
+        "first_step": data.check_steps[0] if data.check_steps else None,
+        "last_step": data.check_steps[-1] if data.check_steps else None,
+        "bands": list(data.bands),
+        "tensors": [{**{k: v for k, v in r.items()}, "history": data.history.get(str(r["tensor"]), [])} for r in rows],
+        "alerts": data.alerts,
+        "warnings": data.warnings,
+    })
