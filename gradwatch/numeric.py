@@ -49,10 +49,21 @@ def rel_diff(a: ArrayLike, b: ArrayLike) -> float:
         raise ValueError(f"rel_diff needs vectors of equal size, got {x.size} and {y.size} elements")
     if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
         return float("nan")
-    denom = float(np.linalg.norm(x) + np.linalg.norm(y))
-    if denom == 0.0:
+    # Norms are taken of scaled vectors: squaring 1e-170 underflows to 0 (and 1e170 overflows), which
+    # would make unequal tiny vectors look equal. The difference keeps its own scale for the same reason.
+    scale = float(max(np.max(np.abs(x), initial=0.0), np.max(np.abs(y), initial=0.0)))
+    if scale == 0.0:
         return 0.0
-    return min(1.0, float(np.linalg.norm(x - y)) / denom)
+    with np.errstate(over="ignore"):
+        diff, factor = x - y, 1.0
+    if not np.all(np.isfinite(diff)):
+        diff, factor = x / 2 - y / 2, 2.0  # exact for values this large
+    dscale = float(np.max(np.abs(diff)))
+    if dscale == 0.0:
+        return 0.0
+    denom = float(np.linalg.norm(x / scale) + np.linalg.norm(y / scale))
+    value = min(1.0, factor * (dscale / scale) * float(np.linalg.norm(diff / dscale)) / denom)
+    return value if value > 0.0 else float(np.nextafter(0.0, 1.0))  # unequal is never exactly 0
 
 
 def max_rel_error(a: ArrayLike, b: ArrayLike, floor: float = 1e-8) -> float:
@@ -79,7 +90,9 @@ def max_rel_error(a: ArrayLike, b: ArrayLike, floor: float = 1e-8) -> float:
         return 0.0
     if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
         return float("nan")
-    return float(np.max(np.abs(x - y) / np.maximum(np.abs(x) + np.abs(y), floor)))
+    # Halve both sides first (exact for normal numbers): |x - y| and |x| + |y| cannot overflow.
+    hx, hy = x / 2, y / 2
+    return float(np.max(np.abs(hx - hy) / np.maximum(np.abs(hx) + np.abs(hy), floor / 2)))
 
 
 class Verdict(str, enum.Enum):
