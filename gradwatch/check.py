@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .context import BufferGuard, Shadow, dropout_off, preserved_rng, restore_params, seed_everything, snapshot_params, cast_floats
+from .context import BufferGuard, Reseeder, Shadow, dropout_off, frozen_batchnorm_stats, preserved_rng, restore_params, seed_everything, snapshot_params, cast_floats
 from .engine import EngineSettings, Evaluator, NOISE_FACTOR, check_tensor, total
 from .errors import GradWatchError
 from .numeric import machine_eps
@@ -38,6 +38,8 @@ def check_model(
     regularizers: Any = None,
     optimizer: Optional[torch.optim.Optimizer] = None,
     grad_fn: Optional[GradFn] = None,
+    localize: bool = False,
+    batched: bool = True,
     **options: Any,
 ) -> CheckReport:
     """Check backprop of a whole model and loss against two-sided numerical gradients.
@@ -57,6 +59,11 @@ def check_model(
         optimizer: Read coupled ``weight_decay`` from its param groups.
         grad_fn: Hand-written backprop ``grad_fn(model, batch) -> {name: grad}`` of the
             full objective, used instead of autograd.
+        localize: When a tensor fails, check each module alone (:func:`gradwatch.localize.localize`)
+            to name the module or custom autograd.Function whose backward is wrong; results go to
+            ``report.localized`` and ``str(report)``.
+        batched: Evaluate perturbations in vmapped batches where the model allows it
+            (:mod:`gradwatch.batched`, automatic fallback); False: one evaluation each.
         **options: See :class:`gradwatch.options.CheckOptions` (``coords``,
             ``directions``, ``eps``, ``bands``, ``fail_at``, ``seed``, ``dtype``,
             ``detect_kinks``, ``per_term``, ``tensors``).
@@ -76,8 +83,14 @@ def check_model(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     weight_decay, notes = coupled_weight_decay(model, optimizer)
     objective = Objective(loss_fn, regularizers, weight_decay)
-    report = run_model_check(model, objective, batch, opts, grad_fn=grad_fn)
+    report = run_model_check(model, objective, batch, opts, grad_fn=grad_fn, batched=batched)
     report.notes[:0] = notes
+    if localize and report.failures:
+        from .localize import localize as run_localize
+
+        start = time.perf_counter()
+        report.localized = run_localize(model, loss_fn, batch, enclosing=True, **options)
+        report.seconds += time.perf_counter() - start
     return report
 
 
@@ -138,12 +151,15 @@ def run_model_check(
     grad_fn: Optional[GradFn] = None,
     names: Optional[Sequence[str]] = None,
     shadow: Optional[Shadow] = None,
+    batched: bool = True,
 ) -> CheckReport:
     """The check behind :func:`check_model` and the training hook.
 
     Args:
         names: Tensors to check (default: trainable ones matching ``opts.tensors``).
         shadow: A :class:`Shadow` to reuse (refreshed in place) instead of a new copy.
+        batched: Evaluate the perturbations of a tensor in vmapped batches where the model
+            allows it (see :mod:`gradwatch.batched`); False: one evaluation each.
     """
     start = time.perf_counter()
     all_names = trainable_names(model)
@@ -187,21 +203,54 @@ def run_model_check(
         # (the forward above updated them) bumps their version counters.
         guard.restore_changed()
 
+        reseed = Reseeder(eval_seed)
+        casting = shadow if not in_place else None
+        if casting is not None:
+            casting.trim_cast_hooks()
+
         def evaluate() -> Dict[str, float]:
-            seed_everything(eval_seed)
+            reseed()
             with torch.no_grad():
-                terms = objective.terms(target, batch)
-            guard.restore_changed()
-            return {k: float(v) for k, v in terms.items()}
+                try:
+                    terms = objective.terms(target, batch)
+                except Exception:
+                    # A module that needed no input cast in the first evaluation needs one now: put the hooks back.
+                    if casting is None or not casting.restore_cast_hooks():
+                        raise
+                    guard.restore_changed()
+                    reseed()
+                    terms = objective.terms(target, batch)
+            guard.restore_fast()
+            return _floats(terms)
 
         evaluator = Evaluator(evaluate)
         report.notes.extend(_grad_notes(grads))
-        _judge_all(report, params, grads, evaluator, opts, magnitude=sum(abs(v) for v in values.values()),
-                   eval_eps=max(machine_eps(t.dtype) for t in params.values()) if params else 0.0,
-                   objective_dtype_eps=machine_eps(getattr(torch, report.dtype)))
+        magnitude = sum(abs(v) for v in values.values())
+        eval_eps = max(machine_eps(t.dtype) for t in params.values()) if params else 0.0
+        objective_dtype_eps = machine_eps(getattr(torch, report.dtype))
+        probe = None
+        if batched:
+            from .batched import BatchedProbe
+
+            tolerance = 2 * NOISE_FACTOR * max(eval_eps, objective_dtype_eps) * max(magnitude, 1e-30)
+            probe = BatchedProbe(model, target, objective, batch, reseed, guard, evaluator, tolerance)
+        with frozen_batchnorm_stats(target):
+            _judge_all(report, params, grads, evaluator, opts, magnitude=magnitude, eval_eps=eval_eps,
+                       objective_dtype_eps=objective_dtype_eps, probe_batch=probe)
     report.evaluations = evaluator.count + 1
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _floats(terms: Mapping[str, torch.Tensor]) -> Dict[str, float]:
+    """Term values as Python floats, with one device sync for all of them (not one per term)."""
+    if len(terms) == 1:
+        return {k: float(v) for k, v in terms.items()}
+    devices = {v.device for v in terms.values()}
+    if all(d.type == "cpu" for d in devices):
+        return {k: float(v) for k, v in terms.items()}
+    dev = next(d for d in devices if d.type != "cpu")
+    return dict(zip(terms, torch.stack([v.detach().to(dev, torch.float64).reshape(()) for v in terms.values()]).tolist()))
 
 
 def _analytic(objective, terms_t, total_t, params, target, batch, grad_fn, per_term) -> Dict[str, Dict[str, torch.Tensor]]:
@@ -237,7 +286,8 @@ def _grad_notes(grads: Dict[str, Dict[str, torch.Tensor]]) -> List[str]:
 
 
 def _judge_all(report: CheckReport, params: Dict[str, torch.Tensor], grads, evaluator: Evaluator, opts: CheckOptions,
-               magnitude: float, eval_eps: float, objective_dtype_eps: float, exhaustive: bool = False) -> None:
+               magnitude: float, eval_eps: float, objective_dtype_eps: float, exhaustive: bool = False,
+               probe_batch: Any = None) -> None:
     """Determinism check, then :func:`check_tensor` for each tensor; fills ``report``."""
     j_a = evaluator()
     j_b = evaluator()
@@ -266,7 +316,8 @@ def _judge_all(report: CheckReport, params: Dict[str, torch.Tensor], grads, eval
                 inconclusive="analytic gradient has non-finite values (NaN or inf)",
             )
             continue
-        main, per_term = check_tensor(n, p, g, evaluator, j0, settings, opts.seed)
+        main, per_term = check_tensor(n, p, g, evaluator, j0, settings, opts.seed,
+                                      probe_batch=probe_batch if probe_batch is not None and probe_batch.wants(n) else None)
         report.tensors[n] = main
         for term, tc in per_term.items():
             report.term_checks.setdefault(term, {})[n] = tc

@@ -2,8 +2,8 @@
 
 Exit codes (every command): 0 fine; 1 alerts found where the command was
 asked to fail on them (``--fail-on-alerts``, or ``raise_on`` stopping the
-demo); 2 usage errors (bad flags, an invalid config, no run to report,
-``bench`` unavailable); 130 interrupted.
+demo); 2 usage errors (bad flags, an invalid config, no run to report);
+130 interrupted.
 """
 
 from __future__ import annotations
@@ -190,26 +190,11 @@ BENCH_HELP = "measure what the checks cost (delegates to gradwatch.bench)"
 
 def _add_bench(sub: Any, with_bench: bool) -> None:
     p = sub.add_parser("bench", formatter_class=_Formatter, help=BENCH_HELP, description=BENCH_HELP + ".")
-    if with_bench:
-        import importlib
+    if with_bench:  # imported only for `gradwatch bench`, so other commands start quickly
+        from . import bench
 
-        try:
-            bench = importlib.import_module(f"{__package__}.bench")  # optional module, written separately
-        except ModuleNotFoundError as err:
-            if err.name != f"{__package__}.bench":
-                raise
-            bench = None
-        if bench is not None:
-            bench.add_arguments(p)
-            p.set_defaults(func=lambda args: bench.run(args))
-            return
-    if with_bench:
-        p.description = BENCH_HELP + ". Not available in this installation: module gradwatch.bench is missing."
-    p.set_defaults(func=cmd_bench_missing)
-
-
-def cmd_bench_missing(args: argparse.Namespace) -> int:
-    return _fail("bench", "the benchmark is not available in this installation (module gradwatch.bench is missing)")
+        bench.add_arguments(p)
+        p.set_defaults(func=bench.run)
 
 
 # --------------------------------------------------------------------- validate
@@ -564,9 +549,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             pass
     parser = build_parser(with_bench=_command_of(argv) == "bench")
     try:
-        args, extra = parser.parse_known_args(argv)
-        if extra and getattr(args, "func", None) is not cmd_bench_missing:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version (0) and usage errors (2)
         return int(exc.code or 0) if not isinstance(exc.code, str) else EXIT_USAGE
     try:

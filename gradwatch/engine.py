@@ -22,13 +22,17 @@ import torch
 
 from .numeric import Verdict, max_rel_error, noise_floor, rel_diff
 from .report import TensorCheck, diagnose
-from .sampling import choose_coords, generator, rademacher, tensor_seed
+from .sampling import choose_coords, generator, rademacher, rademacher_signs, tensor_seed
 
 Terms = Dict[str, float]
 #: Rounding slack on top of one ulp of the objective, for error accumulated inside it.
 NOISE_FACTOR = 32.0
 #: Smaller steps tried when a sample disagrees (fractions of the base step).
 KINK_SCALES = (0.1, 0.01)
+#: Evaluation precisions coarser than this (float32, half) can leave a disagreement unresolved.
+LOW_PRECISION_EPS = 1e-10
+#: Steps (fractions of the base step) of the low-precision re-examination, see :func:`resolve_low_precision`.
+LOW_PRECISION_SCALES = (0.25, 0.18, 0.13)
 
 
 class Evaluator:
@@ -57,6 +61,13 @@ class Sample:
     step: float
     index: Optional[tuple] = None
     direction: Optional[torch.Tensor] = None
+    #: A direction given as int8 signs ``±1`` times ``scale`` (cheaper than a float ``direction``).
+    signs: Optional[torch.Tensor] = None
+    scale: float = 1.0
+    #: Cached: the unperturbed value at ``index`` (exact, as a Python float).
+    base: Optional[float] = None
+    #: Cached: analytic slope per term along the unit line (``g[index]``, or ``g·direction``).
+    slope: Optional[Terms] = None
 
 
 @dataclass
@@ -67,6 +78,7 @@ class Outcome:
     numeric: Terms
     floor: float
     kink: bool = False
+    unresolved: bool = False
 
 
 @dataclass
@@ -95,33 +107,87 @@ def floor_at(settings: EngineSettings, step: float) -> float:
     return NOISE_FACTOR * settings.eval_eps * max(settings.magnitude, 1e-30) / step + settings.jitter / step
 
 
+def _slope(saved: torch.Tensor, grads: Dict[str, torch.Tensor], sample: Sample) -> Terms:
+    """Analytic slope of each term along the sample's unit line (computed once, cached on the sample)."""
+    if sample.slope is None:
+        if sample.index is not None:
+            vals = [float(g[sample.index]) for g in grads.values()]
+        elif sample.signs is not None:
+            s64 = sample.signs.reshape(-1).to(torch.float64)
+            vals = [sample.scale * float(torch.dot(g.reshape(-1).to(torch.float64), s64)) for g in grads.values()]
+        else:
+            u64 = sample.direction.reshape(-1).to(torch.float64)
+            vals = [float(torch.dot(g.reshape(-1).to(torch.float64), u64)) for g in grads.values()]
+        sample.slope = dict(zip(grads, vals))
+    return sample.slope
+
+
+def _apply(p: torch.Tensor, saved: torch.Tensor, sample: Sample, t: float) -> Optional[float]:
+    """Write ``θ + t·v`` into ``p`` (one fused pass for a direction); return the applied delta of a coordinate."""
+    if sample.index is not None:
+        if sample.base is None:
+            sample.base = float(saved[sample.index])
+        view = p[sample.index]
+        view.fill_(sample.base + t)
+        applied = sample.base + t if p.dtype == torch.float64 else float(view)
+        return applied - sample.base
+    if sample.signs is not None:
+        torch.add(saved, sample.signs.reshape(p.shape), alpha=t * sample.scale, out=p)
+    else:
+        torch.add(saved, sample.direction.to(p.dtype), alpha=t, out=p)
+    return None
+
+
+def _restore(p: torch.Tensor, saved: torch.Tensor, sample: Sample) -> None:
+    if sample.index is not None:
+        if sample.base is not None:
+            p[sample.index].fill_(sample.base)  # exact: a Python float holds any float32/16 value
+        else:
+            p[sample.index] = saved[sample.index]
+    else:
+        p.copy_(saved)
+
+
+def _lin(p: torch.Tensor, saved: torch.Tensor, grads: Dict[str, torch.Tensor], sample: Sample, t: float, delta: Optional[float]) -> Terms:
+    """Analytic linear prediction per term for the perturbation now in ``p``.
+
+    Computed from the perturbation actually applied, so rounding of ``θ + t·v`` in low
+    precision does not count as error. In float64 that rounding is ~1e-16 of ``|θ|`` and a
+    direction's prediction is ``t`` times its cached slope (no pass over the tensor).
+    """
+    slope = _slope(saved, grads, sample)
+    if delta is not None:
+        return {k: s * delta for k, s in slope.items()}
+    if p.dtype == torch.float64:
+        return {k: s * t for k, s in slope.items()}
+    d64 = (p.detach().to(torch.float64) - saved.to(torch.float64)).reshape(-1)
+    return {k: float(torch.dot(g.reshape(-1).to(torch.float64), d64)) for k, g in grads.items()}
+
+
 def _probe(p: torch.Tensor, saved: torch.Tensor, grads: Dict[str, torch.Tensor], sample: Sample, t: float, evaluate: Evaluator) -> Tuple[Terms, Terms]:
     """Evaluate at ``θ + t·v`` and return (terms, analytic linear prediction per term); restores ``p`` exactly."""
     with torch.no_grad():
-        if sample.index is not None:
-            pos = sample.index
-            p[pos] = saved[pos] + t
-            delta = float(p[pos].double()) - float(saved[pos].double())
-            try:
-                terms = evaluate()
-            finally:
-                p[pos] = saved[pos]
-            lin = {k: float(g[pos].double()) * delta for k, g in grads.items()}
-        else:
-            u = sample.direction
-            p.copy_(saved + t * u.to(p.dtype))
-            delta = p.double() - saved.double()
-            try:
-                terms = evaluate()
-            finally:
-                p.copy_(saved)
-            lin = {k: float((g.double() * delta).sum()) for k, g in grads.items()}
+        try:
+            delta = _apply(p, saved, sample, t)
+            terms = evaluate()
+            lin = _lin(p, saved, grads, sample, t, delta)
+        finally:
+            _restore(p, saved, sample)
     return terms, lin
 
 
 def _central(p, saved, grads, sample, t, evaluate) -> Tuple[Terms, Terms, Terms, Terms]:
-    jp, lp = _probe(p, saved, grads, sample, t, evaluate)
-    jm, lm = _probe(p, saved, grads, sample, -t, evaluate)
+    """Both sides of a central difference; ``p`` is written twice and restored once."""
+    with torch.no_grad():
+        try:
+            delta = _apply(p, saved, sample, t)
+            jp = evaluate()
+            lp = _lin(p, saved, grads, sample, t, delta)
+            delta = _apply(p, saved, sample, -t)
+            jm = evaluate()
+            lm = _lin(p, saved, grads, sample, -t, delta)
+        finally:
+            _restore(p, saved, sample)
     return jp, jm, lp, lm
 
 
@@ -162,6 +228,7 @@ def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Ter
     jp0, jm0, _, _ = base
     gap0 = (total(jp0) - j0) / t0 - (j0 - total(jm0)) / t0
     seen: List[Tuple[float, float, float, float, float]] = []
+    last: Tuple[Terms, Terms] = ({}, {})
     for scale in KINK_SCALES:
         t = t0 * scale
         fl = floor_at(settings, t)
@@ -172,6 +239,7 @@ def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Ter
         if agrees(a["total"], n["total"], fl, rel):
             return True
         seen.append((t, fl, (total(jp) - j0) / t, (j0 - total(jm)) / t, a["total"]))
+        last = (jp, jm)
     if not seen:
         return False
     t, fl, right, left, a = seen[-1]
@@ -188,7 +256,69 @@ def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Ter
         left = left - (left1 - left) * t / (t1 - t)
         tol = 2.0 * fl + fl1 * t / (t1 - t)
     lo, hi = min(left, right), max(left, right)
-    return lo - tol <= a <= hi + tol
+    if lo - tol <= a <= hi + tol:
+        return True
+    jp, jm = last
+    if len(jp) < 2:
+        return False
+    # Kinks of different terms at the same point (an L1 penalty on a zero weight plus a ReLU in the
+    # loss) add their subdifferentials: the framework's choice then lies in the sum of each term's
+    # one-sided range, which can be wider than the range of the total's one-sided slopes.
+    j0_terms = evaluate()
+    lo = sum(min((jp[k] - j0_terms[k]) / t, (j0_terms[k] - jm[k]) / t) for k in jp)
+    hi = sum(max((jp[k] - j0_terms[k]) / t, (j0_terms[k] - jm[k]) / t) for k in jp)
+    return lo - tol - fl <= a <= hi + tol + fl
+
+
+def unresolvable(sample: Sample, analytic: float, numeric: float, settings: EngineSettings) -> bool:
+    """True when a disagreeing sample cannot be re-examined in this precision.
+
+    In float64 the smaller steps of :func:`classify_kink` have a noise floor far
+    below the slopes. In float32 the base step (``eps**(1/3)``, about 5e-3)
+    often crosses a ReLU/max-pool kink, and at a tenth of it the noise floor
+    already exceeds 1% of the slopes: the finite differences cannot tell a
+    kink from a wrong gradient. Such a sample is neither a kink nor evidence
+    of an error; it leaves the tensor inconclusive instead of raising a false alarm.
+    """
+    if settings.eval_eps <= LOW_PRECISION_EPS:
+        return False
+    floor = floor_at(settings, sample.step * KINK_SCALES[0])
+    return floor > 1e-2 * max(abs(analytic), abs(numeric), 1e-300)
+
+
+def resolve_low_precision(p, saved, grads, sample: Sample, analytic: float, numeric: float, j0: float,
+                          evaluate: Evaluator, settings: EngineSettings) -> Optional[bool]:
+    """Kink (True), wrong gradient (False) or cannot tell (None), for a sample :func:`unresolvable` flagged.
+
+    The worst-case noise floor is too pessimistic to re-examine at small steps
+    in float32, so the rounding noise is measured instead: the central
+    difference is repeated at three nearby smaller steps. Their spread
+    estimates the noise. If they agree with the analytic slope (the gap to it
+    shrank to under 30%, noise included), the base step crossed a kink. If they
+    agree with the base numeric slope instead, and the one-sided slopes
+    agree with each other (no kink sits at the point itself, where every
+    step would give the same wrong-looking central difference), the function
+    is smooth there and the gradient is wrong. Anything else (the noise is
+    as large as the gap, a kink at or very near the point) cannot be told apart.
+    """
+    gap = abs(numeric - analytic)
+    slopes, one_sided = [], []
+    for scale in LOW_PRECISION_SCALES:
+        t = sample.step * scale
+        jp, jm, lp, lm = _central(p, saved, grads, sample, t, evaluate)
+        a_t, n_t = _slopes(jp, jm, lp, lm, t)
+        if not (math.isfinite(a_t["total"]) and math.isfinite(n_t["total"])):
+            return None
+        slopes.append(n_t["total"])
+        one_sided.append((total(jp) - j0) / t - (j0 - total(jm)) / t)
+    mean = float(np.mean(slopes))
+    noise = 3.0 * (max(slopes) - min(slopes))
+    if abs(mean - analytic) + noise < 0.3 * gap:
+        return True
+    smooth = abs(one_sided[-1]) + 2.0 * noise < 0.3 * gap
+    if smooth and abs(mean - numeric) + noise < 0.3 * gap:
+        return False
+    return None
 
 
 def _judged(analytic: np.ndarray, numeric: np.ndarray, floors: np.ndarray) -> float:
@@ -207,19 +337,78 @@ def build_samples(name: str, p: torch.Tensor, g: torch.Tensor, settings: EngineS
     """The coordinates and directions to probe for one tensor (seeded per tensor)."""
     gen = generator(tensor_seed(seed, name))
     shape = tuple(p.shape)
-    saved64 = p.detach().double()
     samples: List[Sample] = []
     k = p.numel() if settings.exhaustive else settings.coords
-    for flat in choose_coords(g, k, gen).tolist() if k else []:
-        pos = tuple(int(i) for i in np.unravel_index(flat, shape)) if shape else ()
-        scale = max(1.0, abs(float(saved64[pos])))
-        samples.append(Sample(label=pos, step=h * scale, index=pos))
+    flat = choose_coords(g, k, gen) if k else torch.empty(0, dtype=torch.long)
+    if flat.numel():
+        # One gather and one host transfer for all coordinates (no per-coordinate indexing or sync).
+        values = p.detach().reshape(-1)[flat.to(p.device)].tolist()
+        positions = np.unravel_index(flat.numpy(), shape) if shape else None
+        for j, value in enumerate(values):
+            pos = tuple(int(a[j]) for a in positions) if shape else ()
+            samples.append(Sample(label=pos, step=h * max(1.0, abs(value)), index=pos, base=float(value)))
     if settings.directions and p.numel() > 1:
-        rms = float(saved64.pow(2).mean().sqrt())
-        dirs = rademacher(p.numel(), settings.directions, gen).to(p.device)
+        n = p.numel()
+        rms = float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) / math.sqrt(n)
+        signs = rademacher_signs(n, settings.directions, gen).to(p.device)
         for j in range(settings.directions):
-            samples.append(Sample(label=("dir", j), step=h * max(1.0, rms), direction=dirs[j].reshape(shape)))
+            samples.append(Sample(label=("dir", j), step=h * max(1.0, rms), signs=signs[j].reshape(shape), scale=1.0 / math.sqrt(n)))
     return samples
+
+
+def prepare_slopes(samples: List[Sample], saved: torch.Tensor, grads: Dict[str, torch.Tensor]) -> None:
+    """Fill every sample's analytic slope per term at once: one gather per term for all coordinates."""
+    coords = [s for s in samples if s.index is not None and s.slope is None]
+    if coords:
+        idx = torch.tensor([int(np.ravel_multi_index(s.index, tuple(saved.shape))) if s.index else 0 for s in coords],
+                           dtype=torch.long, device=saved.device)
+        table = torch.stack([g.reshape(-1)[idx].to(torch.float64) for g in grads.values()]).cpu().tolist()
+        for j, s in enumerate(coords):
+            s.slope = {k: row[j] for k, row in zip(grads, table)}
+    for s in samples:
+        if s.index is None:
+            _slope(saved, grads, s)
+
+
+class BatchProbe:
+    """What :func:`batched_bases` needs from a batched evaluator (see :mod:`gradwatch.batched`)."""
+
+    def chunk(self, p: torch.Tensor) -> int:
+        """How many perturbed copies of ``p`` to evaluate at once."""
+        raise NotImplementedError
+
+    def __call__(self, name: str, p: torch.Tensor, saved: torch.Tensor, stacked: torch.Tensor) -> Optional[List[Terms]]:
+        """Terms at each ``stacked[i]`` put in place of ``p``; None to fall back to one evaluation each."""
+        raise NotImplementedError
+
+
+def batched_bases(name: str, p: torch.Tensor, saved: torch.Tensor, grads: Dict[str, torch.Tensor], samples: List[Sample],
+                  probe_batch: BatchProbe) -> Optional[List[Tuple[Terms, Terms, Terms, Terms]]]:
+    """The ``(jp, jm, lp, lm)`` of :func:`_central` for every sample, evaluated in batches.
+
+    The perturbed tensors ``θ ± t·v`` are stacked (in chunks of ``probe_batch.chunk(p)``)
+    and written exactly as the loop writes them into ``p``; the analytic predictions use
+    the same applied perturbations. Returns None when the evaluator declines (the caller
+    then evaluates one perturbation at a time).
+    """
+    items = [(s, sign * s.step) for s in samples for sign in (1.0, -1.0)]
+    terms: List[Terms] = []
+    lins: List[Terms] = []
+    size = max(1, int(probe_batch.chunk(p)))
+    with torch.no_grad():
+        for start in range(0, len(items), size):
+            part = items[start:start + size]
+            stacked = torch.empty((len(part), *p.shape), dtype=p.dtype, device=p.device)
+            for row, (s, t) in zip(stacked, part):
+                if s.index is not None:
+                    row.copy_(saved)
+                delta = _apply(row, saved, s, t)
+                lins.append(_lin(row, saved, grads, s, t, delta))
+            got = probe_batch(name, p, saved, stacked)
+            if got is None:
+                return None
+            terms.extend(got)
+    return [(terms[2 * i], terms[2 * i + 1], lins[2 * i], lins[2 * i + 1]) for i in range(len(samples))]
 
 
 def check_tensor(
@@ -230,6 +419,7 @@ def check_tensor(
     j0: float,
     settings: EngineSettings,
     seed: int,
+    probe_batch: Optional["BatchProbe"] = None,
 ) -> Tuple[TensorCheck, Dict[str, TensorCheck]]:
     """Probe one tensor and judge it.
 
@@ -241,6 +431,8 @@ def check_tensor(
         j0: Objective at the unperturbed point.
         settings: Sample sizes, step, bands and noise model.
         seed: Sampling seed.
+        probe_batch: Evaluates the base probes of all samples in batches (see
+            :func:`batched_bases`); None, or a batch it declines, means one evaluation each.
 
     Returns:
         The tensor's :class:`TensorCheck` and one per term (when grads has more than ``"total"``).
@@ -248,11 +440,13 @@ def check_tensor(
     saved = p.detach().clone()
     h = settings.eps if settings.eps is not None else settings.eval_eps ** (1.0 / 3.0)
     samples = build_samples(name, p, grads["total"], settings, seed, h)
+    prepare_slopes(samples, saved, grads)
     outcomes: List[Outcome] = []
     genuine_streak = 0
+    bases = batched_bases(name, p, saved, grads, samples, probe_batch) if probe_batch is not None else None
     try:
-        for sample in samples:
-            base = _central(p, saved, grads, sample, sample.step, evaluate)
+        for i, sample in enumerate(samples):
+            base = bases[i] if bases is not None else _central(p, saved, grads, sample, sample.step, evaluate)
             a, n = _slopes(*base, sample.step)
             fl = floor_at(settings, sample.step)
             out = Outcome(a, n, fl)
@@ -263,8 +457,15 @@ def check_tensor(
                 and genuine_streak < 3
                 and not agrees(a["total"], n["total"], fl, settings.bands[1])
             ):
-                out.kink = classify_kink(p, saved, grads, sample, base, j0, evaluate, settings)
-                genuine_streak = 0 if out.kink else genuine_streak + 1
+                if unresolvable(sample, a["total"], n["total"], settings):
+                    kink = resolve_low_precision(p, saved, grads, sample, a["total"], n["total"], j0, evaluate, settings)
+                else:
+                    kink = classify_kink(p, saved, grads, sample, base, j0, evaluate, settings)
+                if kink is None:
+                    out.unresolved = True
+                else:
+                    out.kink = kink
+                    genuine_streak = 0 if out.kink else genuine_streak + 1
             outcomes.append(out)
     finally:
         with torch.no_grad():
@@ -283,7 +484,7 @@ def _summarize(name, shape, samples: List[Sample], outcomes: List[Outcome], term
     dirs = [(s, o) for s, o in zip(samples, outcomes) if s.index is None]
 
     def arrays(pairs):
-        kept = [(s, o) for s, o in pairs if not o.kink]
+        kept = [(s, o) for s, o in pairs if not (o.kink or o.unresolved)]
         a = np.array([o.analytic[term] for _, o in kept], dtype=np.float64)
         n = np.array([o.numeric.get(term, 0.0) for _, o in kept], dtype=np.float64)
         f = np.array([o.floor for _, o in kept], dtype=np.float64)
@@ -312,7 +513,18 @@ def _summarize(name, shape, samples: List[Sample], outcomes: List[Outcome], term
         check.inconclusive = "non-finite values in the objective or gradient along the sampled points"
         check.judged_rel_diff = float("nan")
         return check
-    check.verdict = Verdict.from_value(judged, settings.bands)
+    verdict = Verdict.from_value(judged, settings.bands)
+    unresolved = sum(o.unresolved for o in outcomes)
+    if unresolved and not verdict.is_failure(settings.fail_at):
+        # The resolvable samples pass, but some disagreed by less than this precision can resolve.
+        # (No "finite" in this text: the trend tracker reads that word as a NaN/inf problem.)
+        check.inconclusive = (
+            f"{unresolved} of {len(outcomes)} samples disagree by less than low-precision central differences "
+            f"can resolve (a ReLU/max-pool/abs kink within the step {samples[0].step:.1e}, or a small gradient "
+            "error); check with dtype=float64 (the default shadow copy) to judge them"
+        )
+        return check
+    check.verdict = verdict
     check.failed = check.verdict.is_failure(settings.fail_at)
     if check.failed:
         floor = float(np.max(np.concatenate([cf, df]))) if (cf.size + df.size) else 0.0

@@ -23,6 +23,7 @@ from ._version import __version__ as _version
 from .check import GradFn, run_model_check, trainable_names
 from .config import GradWatchConfig, load_config
 from .context import Shadow
+from .distributed import DEFAULT_TIMEOUT, DistributedCoordinator, unwrap_model
 from .errors import ConfigError, GradientDriftError
 from .numeric import Verdict
 from .objective import Objective, coupled_weight_decay
@@ -37,7 +38,7 @@ from .trend import Alert, TrendTracker
 logger = logging.getLogger("gradwatch")
 
 #: Option names that are Python objects, never YAML keys.
-OBJECT_OPTIONS = ("optimizer", "grad_fn", "on_alert", "writer")
+OBJECT_OPTIONS = ("optimizer", "grad_fn", "on_alert", "writer", "distributed", "distributed_timeout")
 
 
 def _alert_from_dict(d: Mapping[str, Any]) -> Alert:
@@ -69,6 +70,10 @@ class GradWatch:
         on_alert: Optional callback ``on_alert(alert)``; if it raises, the error is
             logged and training goes on.
         writer: Optional existing ``SummaryWriter`` to log through (e.g. Lightning's).
+        distributed: ``"auto"`` (default): coordinate the ranks when ``torch.distributed`` is
+            initialized with 2+ ranks (see :mod:`gradwatch.distributed`); ``False``: act as a
+            single process. A DDP/DataParallel wrapper is always unwrapped (``model.module``).
+        distributed_timeout: Seconds gradwatch's own collectives wait for a missing rank.
         **options: Every option of :class:`~gradwatch.config.GradWatchConfig`
             (``every``, ``overhead_budget``, ``tensors_per_check``, ``raise_on``,
             ``log_dir``, ``coords``, ``directions``, ``regularizers``, ...).
@@ -98,6 +103,8 @@ class GradWatch:
         grad_fn: Optional[GradFn] = None,
         on_alert: Optional[Callable[[Alert], Any]] = None,
         writer: Any = None,
+        distributed: Any = "auto",
+        distributed_timeout: float = DEFAULT_TIMEOUT,
         **options: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -109,6 +116,7 @@ class GradWatch:
         self.config = options.pop("config", None) or GradWatchConfig()
         if options:
             self.config = self.config.replace(**options)
+        model = unwrap_model(model)  # DDP/DataParallel: check the inner module, so no collective fires in a check
         self.model = model
         self.loss_fn = loss_fn
         self.grad_fn = grad_fn
@@ -130,7 +138,9 @@ class GradWatch:
             drift_decades=self.config.drift_decades,
             alert_cooldown=self.config.alert_cooldown,
         )
-        self.sinks: SinkSet = build_sinks(
+        # Distributed (an initialized group of 2+ ranks): a coordinator, and file sinks on rank 0 only.
+        self.dist = DistributedCoordinator.create(model, distributed, distributed_timeout)
+        self.sinks: SinkSet = SinkSet([]) if self.dist is not None and not self.dist.is_main else build_sinks(
             self.config.log_dir, tensorboard=self.config.tensorboard, jsonl=self.config.jsonl, writer=writer
         )
         self.alerts: List[Alert] = []
@@ -222,7 +232,7 @@ class GradWatch:
         step = self._step if global_step is None else int(global_step)
         self._step = step + 1
         try:
-            if not self.schedule.due(step):
+            if not (self.schedule.due(step) if self.dist is None else self.dist.due(step, self.schedule)):
                 return None
             return self._run(step, batch)
         finally:
@@ -242,6 +252,8 @@ class GradWatch:
     def _run(self, step: int, batch: Any) -> Optional[CheckReport]:
         if self._closed:
             raise RuntimeError("GradWatch is closed; create a new one to keep monitoring")
+        if self.dist is not None:
+            return self.dist.run(self, step, batch)
         names = rotate(self._watched_names(), self.config.tensors_per_check, self._counts)
         opts = dataclasses.replace(self._check_options, seed=self._check_options.seed + self._checks)
         start = time.perf_counter()
@@ -334,6 +346,8 @@ class GradWatch:
         if not self._closed:
             self._closed = True
             self.sinks.close()
+            if self.dist is not None:
+                self.dist.close()
 
     def __enter__(self) -> "GradWatch":
         return self

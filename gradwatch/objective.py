@@ -156,6 +156,12 @@ class Objective:
     def terms(self, model: nn.Module, batch: Any) -> Dict[str, torch.Tensor]:
         """Evaluate each term: ``"loss"``, each regularizer, and ``"weight_decay"`` when present."""
         out = {"loss": _scalar("loss_fn", self.loss_fn(model, batch))}
+        out.update(self.param_terms(model))
+        return out
+
+    def param_terms(self, model: nn.Module) -> Dict[str, torch.Tensor]:
+        """The terms that read only the parameters: each regularizer, and ``"weight_decay"`` when present."""
+        out: Dict[str, torch.Tensor] = {}
         for name, reg in self.regularizers.items():
             out[name] = _scalar(f"regularizer {name!r}", reg(model))
         if self.weight_decay:

@@ -191,6 +191,7 @@ class CheckReport:
             )
         for t in self.failures:
             lines.append(describe_failure(t))
+        lines.extend(_localized_lines(self.localized, failed_only=True))
         return "gradient check failed:\n" + "\n".join(f"  - {line}" for line in lines)
 
     def __str__(self) -> str:
@@ -228,7 +229,17 @@ class CheckReport:
         if self.nondeterministic:
             extra.append("objective is nondeterministic: gradients not judged")
         extra.extend(self.notes)
-        return "\n".join([summary, *lines, *("note: " + e for e in extra)])
+        return "\n".join([summary, *lines, *_localized_lines(self.localized), *("note: " + e for e in extra)])
+
+
+def _localized_lines(localized: List[Any], failed_only: bool = False) -> List[str]:
+    """``localized: ...`` lines for module-local checks (failing modules first)."""
+    if not localized:
+        return []
+    failed = [c for c in localized if getattr(c, "failed", False)]
+    if not failed:
+        return [] if failed_only else [f"localized: no module fails alone ({len(localized)} checked)"]
+    return [f"localized: {c.summary() if hasattr(c, 'summary') else c}" for c in failed]
 
 
 def _badness(t: TensorCheck) -> float:

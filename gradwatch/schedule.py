@@ -53,6 +53,7 @@ class Schedule:
         self.first_step: Optional[int] = None
         self._step_seconds: Deque[float] = deque(maxlen=window)
         self._check_seconds: Deque[float] = deque(maxlen=max(3, window // 4))
+        self._skip: Optional[tuple] = None
 
     def record_step_seconds(self, seconds: float) -> None:
         """Duration of one training step, excluding the monitor's own time."""
@@ -85,7 +86,17 @@ class Schedule:
         """
         if self.last_check_step is None or int(step) < self.last_check_step:
             return True
-        return int(step) - self.last_check_step >= self.interval()
+        gap = int(step) - self.last_check_step
+        skip = self._skip
+        if skip is not None and skip[0] == self.last_check_step and gap < skip[1]:
+            return False
+        interval = self.interval()
+        if gap >= interval:
+            return True
+        # Not due yet. interval() (a median and a mean) costs ~10 us on a cold cache, 1-2% of a fast
+        # training step if it ran every step: it is re-read after an eighth of the remaining gap instead.
+        self._skip = (self.last_check_step, gap + max(1, (interval - gap) // 8))
+        return False
 
     def state_dict(self) -> Dict[str, Any]:
         """JSON-able state for checkpoints."""

@@ -255,18 +255,6 @@ def test_validate_broken_config_exits_2_naming_the_key(capsys, tmp_path, text, k
 
 # --------------------------------------------------------------------- bench, help, README
 
-def test_bench_without_module_exits_2_with_a_message(capsys):
-    try:
-        import gradwatch.bench  # noqa: F401
-    except ModuleNotFoundError:
-        pass
-    else:
-        pytest.skip("gradwatch.bench exists")
-    code, _, err = _run_main(capsys, "bench")
-    assert code == 2
-    assert "gradwatch.bench" in err
-
-
 def _subparsers():
     parser = cli.build_parser(with_bench=True)
     action = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")

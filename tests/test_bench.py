@@ -1,0 +1,80 @@
+"""gradwatch bench --quick: runs end to end, writes the five sections, catches every planted bug.
+
+No test here asserts a time: the figures are ratios from one run on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from gradwatch import bench
+
+SECTIONS = ("time_to_verdict", "detection", "efficiency", "training_overhead", "scaling")
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--quick", "--out", str(out), "--steps", "20", "--repeats", "2", "--time-cap", "1"])
+    assert bench.run(args) == 0
+    return json.loads(out.read_text())
+
+
+def test_the_json_has_the_five_sections_for_every_model(result):
+    for section in SECTIONS:
+        assert result[section], section
+    models = set(bench.MODEL_NAMES)
+    assert {r["model"] for r in result["time_to_verdict"]} == models
+    assert {r["tool"] for r in result["time_to_verdict"]} == {"gradwatch", "gradcheck-fast", "gradcheck-slow"}
+    assert {(e["model"], e["requested"]) for e in result["efficiency"]} == {(m, p) for m in models for p in ("loop", "batched")}
+    assert {o["model"] for o in result["training_overhead"]} == models
+    assert len({s["n_params"] for s in result["scaling"]}) == 3
+    assert result["meta"]["quick"] is True and "targets" in result
+
+
+def test_gradwatch_catches_every_planted_bug_and_names_the_module(result):
+    rows = [d for d in result["detection"] if d["tool"] == "gradwatch"]
+    assert len(rows) == len(bench.MODEL_NAMES)
+    for d in rows:
+        assert d["caught"] is True, d
+        assert d["module_named"] and d["planted_module"] in d["named_modules"], d
+        assert any(d["planted_module"] in line and d["planted_function"] in line for line in d["localized"]), d
+        assert d["named_tensors"], d
+
+
+def test_no_false_alarm_on_the_correct_twins(result):
+    for d in result["detection"]:
+        if d["tool"] == "gradwatch":
+            assert d["false_alarm"] is False, d
+    assert result["targets"]["no_false_alarm"] is True
+
+
+def test_figures_are_consistent(result):
+    for r in result["time_to_verdict"]:
+        if r["status"] == "timeout":
+            assert r["seconds"] is None and r["evaluations_needed"] == 2 * r["n_params"]
+        else:
+            assert r["seconds"] > 0 and r["evaluations"] > 0
+    for e in result["efficiency"]:
+        assert e["evaluations"] > 0 and e["efficiency"] > 0 and e["ok"] is True
+    for o in result["training_overhead"]:
+        assert o["checks"] >= 1 and o["median_ratio"] > 0
+
+
+def test_unknown_models_are_a_usage_error(capsys):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench.run(parser.parse_args(["--models", "resnet"])) == 2
+    assert "unknown model" in capsys.readouterr().err
+
+
+def test_the_cli_registers_bench():
+    cli = pytest.importorskip("gradwatch.cli")
+    parser = cli.build_parser(with_bench=True)
+    args = parser.parse_args(["bench", "--quick", "--models", "mlp", "--time-cap", "3"])
+    assert args.quick and args.models == "mlp" and args.time_cap == 3.0

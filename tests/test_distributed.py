@@ -1,0 +1,399 @@
+"""GradWatch under DistributedDataParallel: 2 gloo ranks on 127.0.0.1, spawned as subprocesses.
+
+Every run has a hard timeout (the parent kills the workers), so a hang fails
+the test instead of blocking the suite. Each worker writes what it saw to a
+JSON file that the parent then checks:
+
+- checks run on the unwrapped module: no DDP forward and no gradient
+  all-reduce happen inside a check (a forward pre-hook on the DDP wrapper and
+  a DDP comm hook count them);
+- every rank checks at the same steps, also with ``every="auto"`` when the
+  ranks' own timings would disagree;
+- each rank checks its own round-robin share of the tensors, and the merged
+  report (the same on every rank) holds all of them;
+- only rank 0 writes TensorBoard and ``checks.jsonl``;
+- an exception in one rank's check becomes an ``error`` alert naming the rank,
+  and a rank that dies in its check does not leave the other one waiting:
+  it gives up after ``distributed_timeout`` with an alert and trains on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from gradwatch.sinks import read_jsonl
+
+pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_TIMEOUT = 90.0
+
+WORKER = textwrap.dedent(
+    r'''
+    import json, os, sys, time, datetime, logging
+    import torch, torch.nn as nn, torch.nn.functional as F
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    rank, world, port, scenario, out = int(sys.argv[1]), 2, sys.argv[2], sys.argv[3], sys.argv[4]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+
+    import gradwatch.check
+    from gradwatch import GradWatch, GradientDriftError
+
+    result = {"rank": rank, "checked_steps": [], "shares": [], "alerts": [], "in_check_collectives": 0,
+              "allreduces": 0, "ddp_forwards_in_check": 0, "raised_at": None}
+    state = {"in_check": False}
+    real_check = gradwatch.check.run_model_check
+
+    def spying_check(model, objective, batch, opts, **kw):
+        result["shares"].append(list(kw.get("names") or []))
+        state["in_check"] = True
+        try:
+            return real_check(model, objective, batch, opts, **kw)
+        finally:
+            state["in_check"] = False
+
+    gradwatch.check.run_model_check = spying_check
+
+    torch.manual_seed(0)  # same initial weights on both ranks (DDP also broadcasts them)
+    net = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+    model = DDP(net)
+
+    def count_forward(module, args):
+        if state["in_check"]:
+            result["ddp_forwards_in_check"] += 1
+
+    model.register_forward_pre_hook(count_forward)
+
+    def comm_hook(process_group, bucket):
+        result["allreduces"] += 1
+        if state["in_check"]:
+            result["in_check_collectives"] += 1
+        fut = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0] / world)
+
+    model.register_comm_hook(None, comm_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    fail_at = {"error": 2, "die": 0}.get(scenario)
+
+    def loss_fn(m, batch):
+        checking = not torch.is_grad_enabled() or state["in_check"]
+        if checking and rank == 1 and fail_at is not None and step_now[0] == fail_at:
+            if scenario == "die":
+                os._exit(7)  # a crash inside the check: no exception, the process is gone
+            raise KeyError("'labels' missing on rank 1")
+        if checking and scenario == "auto" and rank == 1:
+            time.sleep(0.002)  # rank 1's checks are slower: its own auto interval would differ
+        return F.cross_entropy(m(batch[0]), batch[1])
+
+    grad_fn = None
+    if scenario == "auto":
+        def grad_fn(m, batch):  # correct until step 12, then twice the gradient
+            params = dict(m.named_parameters())
+            grads = torch.autograd.grad(loss_fn(m, batch), list(params.values()))
+            factor = 2.0 if step_now[0] >= 12 else 1.0
+            return {n: g * factor for n, g in zip(params, grads)}
+
+    options = dict(
+        error=dict(every=2, log_dir=os.path.join(out, f"run{rank}" if rank else "run"), coords=3, directions=1),
+        die=dict(every=2, log_dir=os.path.join(out, "run"), coords=3, directions=1, distributed_timeout=3),
+        auto=dict(every="auto", overhead_budget=0.2, dtype=None, log_dir=os.path.join(out, "run"), coords=3,
+                  directions=1, raise_on="wrong", tensors_per_check=1),
+    )[scenario]
+    watch = GradWatch(model, loss_fn, optimizer=opt, grad_fn=grad_fn, **options)
+    result["model_is_unwrapped"] = watch.model is net
+    result["sink_count"] = len(watch.sinks)
+
+    steps = {"error": 8, "die": 2, "auto": 40}[scenario]
+    step_now = [0]
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own data shard
+    t0 = time.time()
+    for step in range(steps):
+        step_now[0] = step
+        batch = (torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g))
+        opt.zero_grad()
+        loss_fn(model, batch).backward()  # DDP all-reduce
+        try:
+            report = watch.step(batch)
+        except GradientDriftError as err:
+            result["raised_at"] = step
+            result["alerts"] = [a.to_dict() for a in watch.alerts]
+            break
+        if report is not None:
+            result["checked_steps"].append(step)
+            result.setdefault("reports", []).append(sorted(report.tensors))
+        result["local_interval"] = watch.schedule.interval()
+        if watch.dist is not None:
+            result["agreed_interval"] = watch.dist.interval
+        if scenario == "die" and watch.dist is not None and watch.dist.broken:
+            break  # rank 1 is gone: no more DDP steps
+        opt.step()
+    result["seconds"] = time.time() - t0
+    result["alerts"] = [a.to_dict() for a in watch.alerts]
+    result["broken"] = watch.dist.broken if watch.dist is not None else None
+    result["params"] = [p.detach().sum().item() for p in net.parameters()]
+    watch.close()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if scenario != "die":
+        dist.destroy_process_group()
+    os._exit(0)
+    '''
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(tmp_path: Path, scenario: str, expect_codes=(0, 0)) -> list:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(r), port, scenario, str(tmp_path)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(2)
+    ]
+    deadline = time.monotonic() + RUN_TIMEOUT
+    logs = []
+    try:
+        for p in procs:
+            remaining = max(1.0, deadline - time.monotonic())
+            try:
+                logs.append(p.communicate(timeout=remaining)[0])
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                pytest.fail(f"distributed run {scenario!r} did not finish within {RUN_TIMEOUT}s (killed)")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    codes = tuple(p.returncode for p in procs)
+    assert codes == tuple(expect_codes), f"exit codes {codes}\n" + "\n----\n".join(logs)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) if (tmp_path / f"rank{r}.json").exists() else None
+            for r in range(2)], logs
+
+
+NAMES = ["0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias"]
+
+
+def test_ddp_sharded_checks_rank0_writes_and_errors_are_reported(tmp_path):
+    (r0, r1), logs = run_ranks(tmp_path, "error")
+    for r in (r0, r1):
+        assert r["model_is_unwrapped"]
+        # No collective inside a check: no DDP forward, no gradient all-reduce while checking.
+        assert r["ddp_forwards_in_check"] == 0 and r["in_check_collectives"] == 0
+        assert r["allreduces"] >= 8  # the training steps did all-reduce
+        assert r["checked_steps"] == [0, 2, 4, 6]  # every=2: the same steps on both ranks
+    # Each rank checked its own round-robin share; together, every tensor at every check.
+    assert r0["shares"] == [NAMES[0::2]] * 4
+    assert r1["shares"] == [NAMES[1::2]] * 4
+    # The merged report is the same on both ranks; at step 2 rank 1's share is missing (its loss_fn raised).
+    assert r0["reports"] == r1["reports"]
+    assert r0["reports"][0] == sorted(NAMES) and r0["reports"][1] == sorted(NAMES[0::2])
+    assert r0["reports"][2] == sorted(NAMES)
+    for r in (r0, r1):
+        errors = [a for a in r["alerts"] if a["kind"] == "error"]
+        assert len(errors) == 1 and errors[0]["step"] == 2
+        assert "rank 1: KeyError" in errors[0]["message"] and "labels" in errors[0]["message"]
+    # Identical training on both ranks (DDP) despite the failed check.
+    assert r0["params"] == r1["params"]
+    # Only rank 0 writes files.
+    assert r0["sink_count"] >= 2 and r1["sink_count"] == 0
+    assert not (tmp_path / "run1").exists()
+    records, warnings = read_jsonl(tmp_path / "run")
+    assert warnings == []
+    checks = [rec for rec in records if rec["type"] == "check"]
+    assert [c["step"] for c in checks] == [0, 2, 4, 6]
+    assert sorted(checks[0]["tensors"]) == sorted(NAMES)
+    assert checks[-1]["coverage"] == {"0.weight": 4, "0.bias": 3, "1.weight": 4, "1.bias": 3, "3.weight": 4, "3.bias": 3}
+    assert any(rec["type"] == "alert" and "rank 1" in rec["message"] for rec in records)
+    assert len(list((tmp_path / "run").glob("events.out.tfevents.*"))) == 1
+
+
+def test_ddp_auto_schedule_is_agreed_and_raise_on_is_consistent(tmp_path):
+    (r0, r1), logs = run_ranks(tmp_path, "auto")
+    assert r0["checked_steps"] == r1["checked_steps"]
+    assert len(r0["checked_steps"]) >= 3
+    assert r0["agreed_interval"] == r1["agreed_interval"]
+    # The same decision on both ranks, although rank 1's own timings would have said otherwise.
+    assert r1["local_interval"] > r1["agreed_interval"]  # rank 1's checks are slower (it sleeps in them)
+    # tensors_per_check=1 per rank: two tensors per check, one on each rank.
+    assert all(len(s) == 1 for s in r0["shares"] + r1["shares"])
+    assert all(len(rep) == 2 for rep in r0["reports"])
+    # In place (dtype=None) through DDP: still no collective inside a check.
+    assert r0["in_check_collectives"] == 0 and r1["in_check_collectives"] == 0
+    # The wrong gradient from step 12 raises GradientDriftError on both ranks at the same step.
+    assert r0["raised_at"] is not None and r0["raised_at"] == r1["raised_at"] >= 12
+    wrong0 = [a for a in r0["alerts"] if a["kind"] == "threshold"]
+    wrong1 = [a for a in r1["alerts"] if a["kind"] == "threshold"]
+    assert wrong0 and wrong0 == wrong1
+
+
+def test_ddp_rank_dying_in_check_does_not_hang_the_other(tmp_path):
+    start = time.monotonic()
+    (r0, r1), logs = run_ranks(tmp_path, "die", expect_codes=(0, 7))
+    assert r1 is None  # rank 1 died inside its first check
+    assert r0["broken"] and "distributed_timeout" in r0["broken"]
+    errors = [a for a in r0["alerts"] if a["kind"] == "error"]
+    assert len(errors) == 1 and "gave up" in errors[0]["message"]
+    assert r0["checked_steps"] == []
+    assert time.monotonic() - start < 60
+    records, _ = read_jsonl(tmp_path / "run")
+    assert any(rec["type"] == "alert" and "gave up" in rec["message"] for rec in records)
+
+
+LIGHTNING_SCRIPT = textwrap.dedent(
+    r'''
+    import json, os, sys
+    import torch, torch.nn as nn, torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import TensorBoardLogger
+    import gradwatch.check
+    from gradwatch.integrations.lightning import GradWatchCallback
+
+    SHARES = []
+    _real = gradwatch.check.run_model_check
+
+    def _spy(model, objective, batch, opts, **kw):  # runs in every rank (top level: re-run on spawn)
+        SHARES.append(list(kw.get("names") or []))
+        return _real(model, objective, batch, opts, **kw)
+
+    gradwatch.check.run_model_check = _spy
+
+
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+
+        def training_step(self, batch, idx):
+            loss = F.cross_entropy(self.net(batch[0]), batch[1])
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+    class Dump(pl.Callback):
+        def __init__(self, watcher, out):
+            self.watcher, self.out = watcher, out
+
+        def on_train_end(self, trainer, pl_module):
+            watch = self.watcher.watch
+            info = {"rank": trainer.global_rank, "shares": SHARES, "distributed": watch.dist is not None,
+                    "sinks": len(watch.sinks), "coverage": watch.coverage, "alerts": len(watch.alerts)}
+            with open(os.path.join(self.out, f"lightning_rank{trainer.global_rank}.json"), "w") as f:
+                json.dump(info, f)
+
+
+    if __name__ == "__main__":
+        torch.set_num_threads(1)
+        out = sys.argv[1]
+        torch.manual_seed(0)
+        data = TensorDataset(torch.randn(256, 5), torch.randint(0, 3, (256,)))
+        watcher = GradWatchCallback(every=2, coords=3, directions=1)
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=6,
+                             logger=TensorBoardLogger(out, name="tb"), callbacks=[watcher, Dump(watcher, out)],
+                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+        trainer.fit(Net(), DataLoader(data, batch_size=16))
+    '''
+)
+
+
+def test_lightning_ddp_spawn(tmp_path):
+    pytest.importorskip("lightning")
+    script = tmp_path / "fit.py"
+    script.write_text(LIGHTNING_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log = proc.communicate(timeout=RUN_TIMEOUT)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the spawned ranks too
+        proc.communicate()
+        pytest.fail(f"Lightning ddp_spawn fit did not finish within {RUN_TIMEOUT}s (killed)")
+    assert proc.returncode == 0, log
+    r0, r1 = (json.loads((tmp_path / f"lightning_rank{r}.json").read_text()) for r in range(2))
+    names = ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
+    assert r0["distributed"] and r1["distributed"]
+    assert r0["shares"] == [names[0::2]] * 3 and r1["shares"] == [names[1::2]] * 3
+    assert r0["coverage"] == r1["coverage"] == {n: 3 for n in names}
+    assert r0["sinks"] >= 2 and r1["sinks"] == 0
+    (run,) = (tmp_path / "tb").iterdir()
+    records, warnings = read_jsonl(run)
+    assert warnings == []
+    checks = [r for r in records if r["type"] == "check"]
+    assert [c["step"] for c in checks] == [0, 2, 4]
+    assert all(sorted(c["tensors"]) == sorted(names) and c["ok"] for c in checks)
+    assert len(list(run.glob("events.out.tfevents.*"))) == 1  # gradwatch wrote through the logger's writer
+
+
+# ---------------------------------------------------------------- in-process pieces
+
+
+def test_unwrap_and_modes(tmp_path):
+    import torch
+    from torch import nn
+
+    from gradwatch import GradWatch
+    from gradwatch.distributed import DistributedCoordinator, unwrap_model
+
+    lin = nn.Linear(2, 1)
+    assert unwrap_model(nn.DataParallel(nn.DataParallel(lin))) is lin
+    assert DistributedCoordinator.create(lin, "auto") is None
+    assert DistributedCoordinator.create(lin, False) is None
+    with pytest.raises(ValueError, match="torch.distributed is not initialized"):
+        DistributedCoordinator.create(lin, True)
+    with pytest.raises(ValueError, match="distributed: got 'yes'"):
+        GradWatch(lin, lambda m, b: m(b).sum(), distributed="yes")
+    # A single-rank group (and DataParallel on CPU) keeps the single-process path, on the inner module.
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)))
+        with GradWatch(ddp, lambda m, b: m(b).pow(2).mean(), every=1, log_dir=None, coords=2) as watch:
+            assert watch.dist is None and watch.model is ddp.module
+            report = watch.step(torch.randn(5, 3))
+            assert report.ok and sorted(report.tensors) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_merge_reports_orders_tensors_and_keeps_nonfinite():
+    from gradwatch import CheckReport, TensorCheck
+    from gradwatch.distributed import merge_reports
+
+    def report(names, objective, evaluations):
+        return CheckReport(tensors={n: TensorCheck(n, (1,), 0.0, 0.0) for n in names}, objective=objective,
+                           terms={"loss": objective}, evaluations=evaluations, seconds=evaluations / 10)
+
+    merged = merge_reports([(1, report(["b", "d"], 2.0, 5)), (0, report(["a", "c"], 1.0, 3))], ["a", "b", "c", "d"], None)
+    assert list(merged.tensors) == ["a", "b", "c", "d"]
+    assert merged.objective == 1.0 and merged.evaluations == 8 and merged.seconds == 0.5
+    bad = report(["b"], float("nan"), 1)
+    bad.nonfinite = True
+    merged = merge_reports([(0, report(["a"], 1.0, 1)), (1, bad)], ["a", "b"], None)
+    assert merged.nonfinite and merged.objective != merged.objective and not merged.ok

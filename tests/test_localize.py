@@ -1,0 +1,247 @@
+"""Module-local checks name the broken module (and custom autograd.Function); correct twins pass."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradwatch import check_model
+from gradwatch.localize import ModuleCheck, check_module, localize
+from gradwatch.options import CheckOptions
+
+FACTOR = 1.27
+
+
+class BuggySigmoidFunction(torch.autograd.Function):
+    """Sigmoid whose backward is FACTOR times too large."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.sigmoid(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * y * (1 - y) * FACTOR
+
+
+class SigmoidFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.sigmoid(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * y * (1 - y)
+
+
+class BuggySigmoid(nn.Module):
+    def forward(self, x):
+        return BuggySigmoidFunction.apply(x)
+
+
+class Sigmoid(nn.Module):
+    def forward(self, x):
+        return SigmoidFunction.apply(x)
+
+
+class Encoder(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.fc = nn.Linear(6, 12)
+        self.act = act
+        self.norm = nn.LayerNorm(12)
+
+    def forward(self, x):
+        return self.norm(self.act(self.fc(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.encoder = Encoder(act)
+        self.head = nn.Sequential(nn.Linear(12, 8), nn.ReLU(inplace=True), nn.Linear(8, 3))
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+def ce(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def data(n=16):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def twins():
+    torch.manual_seed(0)
+    buggy = Net(BuggySigmoid())
+    correct = Net(Sigmoid())
+    correct.load_state_dict(buggy.state_dict())
+    return buggy, correct
+
+
+def test_check_model_localize_names_the_module_its_type_and_the_function():
+    buggy, _ = twins()
+    report = check_model(buggy, ce, data(), localize=True)
+    assert not report.ok
+    failed = [c for c in report.localized if c.failed]
+    assert [c.name for c in failed] == ["encoder.act"]
+    act = failed[0]
+    assert act.type == "BuggySigmoid" and act.functions == ["BuggySigmoidFunction"]
+    assert act.failures == ["input"]
+    line = act.summary()
+    assert line.startswith("`encoder.act` (BuggySigmoid, autograd.Function BuggySigmoidFunction): input gradient wrong")
+    assert f"analytic {FACTOR:.2f}x numeric" in line
+    text = str(report)
+    assert "localized: `encoder.act` (BuggySigmoid" in text and f"{FACTOR:.2f}x" in text
+    assert "encoder.act" in report.failure_message()
+    d = json.loads(json.dumps(report.to_dict()))
+    assert [x["name"] for x in d["localized"] if x["failed"]] == ["encoder.act"]
+
+
+def test_the_correct_twin_raises_nothing_and_localize_flags_no_module():
+    _, correct = twins()
+    report = check_model(correct, ce, data(), localize=True)
+    assert report.ok and report.localized == []
+    checks = localize(correct, ce, data())
+    assert checks and not any(c.failed for c in checks)
+    names = [c.name for c in checks]
+    assert names == ["encoder.fc", "encoder.act", "encoder.norm", "head.0", "head.1", "head.2"]
+    assert all(c.evaluations > 0 for c in checks if c.tensors)
+
+
+def test_localize_alone_checks_parameters_and_inputs_of_each_leaf():
+    buggy, _ = twins()
+    checks = {c.name: c for c in localize(buggy, ce, data())}
+    assert set(checks["encoder.fc"].tensors) == {"input", "weight", "bias"}
+    assert set(checks["encoder.act"].tensors) == {"input"}
+    assert not checks["encoder.fc"].failed and not checks["head.0"].failed
+    assert checks["encoder.act"].failed
+    assert all(isinstance(c, ModuleCheck) for c in checks.values())
+
+
+class DoubledWeightGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, 2.0 * (g * x).sum(0)
+
+
+class Scale(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, n))
+
+    def forward(self, x):
+        return DoubledWeightGrad.apply(x, self.weight)
+
+
+def test_a_parameter_gradient_bug_is_named_with_the_parameter_and_the_factor():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), Scale(5), nn.Linear(5, 3))
+    report = check_model(model, ce, data(), localize=True)
+    assert [t.name for t in report.failures] == ["2.weight"]
+    bad = [c for c in report.localized if c.failed]
+    assert [c.name for c in bad] == ["2"] and bad[0].failures == ["weight"]
+    assert "gradient of weight wrong, analytic 2.00x numeric" in bad[0].summary()
+
+
+class OwnCode(nn.Module):
+    """The bug sits in this module's own forward, outside any leaf module."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out(BuggySigmoidFunction.apply(self.fc(x)))
+
+
+def test_a_bug_outside_every_leaf_is_named_at_the_innermost_enclosing_module():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), OwnCode())
+    report = check_model(model, ce, data(), localize=True)
+    assert not report.ok
+    bad = [c for c in report.localized if c.failed]
+    assert [c.name for c in bad] == ["1"]
+    assert bad[0].type == "OwnCode" and "BuggySigmoidFunction" in bad[0].functions
+    assert not any(c.failed for c in report.localized if c.name in ("0", "1.fc", "1.out"))
+
+
+def test_localize_leaves_model_buffers_grads_and_rng_untouched():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Dropout(0.3), BuggySigmoid(), nn.Linear(8, 3)).train()
+    loss = ce(model, data())
+    loss.backward()
+    state = copy.deepcopy(model.state_dict())
+    grads = [p.grad.clone() for p in model.parameters()]
+    rng = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    for dtype in ("float64", None):
+        checks = localize(model, ce, data(), dtype=dtype)
+        assert [c.name for c in checks if c.failed] == ["3"]
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    assert torch.equal(torch.get_rng_state(), rng[0]) and np.array_equal(np.random.get_state()[1], rng[1])
+    assert random.getstate() == rng[2]
+    assert model[2].training and model.training
+
+
+def test_modules_can_be_chosen_by_name_glob_or_object():
+    buggy, _ = twins()
+    assert [c.name for c in localize(buggy, ce, data(), modules=["encoder.act"])] == ["encoder.act"]
+    assert [c.name for c in localize(buggy, ce, data(), modules=["head.*"])] == ["head.0", "head.1", "head.2"]
+    assert [c.name for c in localize(buggy, ce, data(), modules=[buggy.encoder.fc])] == ["encoder.fc"]
+    with pytest.raises(ValueError, match="matches no submodule"):
+        localize(buggy, ce, data(), modules=["decoder"])
+
+
+def test_modules_with_tuple_outputs_and_several_inputs_do_not_false_alarm():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.GRU(4, 6, batch_first=True)
+            self.attn = nn.MultiheadAttention(6, 2, batch_first=True)
+            self.head = nn.Linear(6, 3)
+
+        def forward(self, x):
+            h, _ = self.rnn(x)
+            a, _ = self.attn(h, h, h, need_weights=False)
+            return self.head(a.mean(1))
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(3, 5, 4, generator=g), torch.randint(0, 3, (3,), generator=g))
+    checks = {c.name: c for c in localize(Net(), ce, batch)}
+    assert not any(c.failed for c in checks.values()), [c.summary() for c in checks.values()]
+    assert {"input[0]", "input[1]", "input[2]"} <= set(checks["attn"].tensors)
+
+
+def test_check_module_can_be_called_directly():
+    torch.manual_seed(0)
+    act = BuggySigmoid().double()
+    res = check_module("act", act, (torch.randn(4, 3, dtype=torch.float64),), {}, CheckOptions())
+    assert res.failed and res.failures == ["input"]
+    assert res.to_dict()["summary"] == res.summary()
