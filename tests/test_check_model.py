@@ -10,21 +10,8 @@ from torch import nn
 import gradwatch
 from gradwatch import Verdict, check_model
 
+from conftest import CorrectSigmoid
 
-
-class CorrectSigmoid(torch.autograd.Function):
-    """The tutorial's fixed sigmoid (a correct custom autograd.Function)."""
-
-    @staticmethod
-    def forward(ctx, input):
-        output = 1.0 / (1.0 + torch.exp(-input))
-        ctx.save_for_backward(output)
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        (output,) = ctx.saved_tensors
-        return output * (1.0 - output) * grad_output
 
 
 def ce_loss(model, batch):

@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass
-from typing import Optional
 
 import pytest
+
 import torch
 from torch import nn
 
 import gradwatch
+from gradwatch.trend import Alert
 from gradwatch import CheckReport, TensorCheck, Verdict
 from gradwatch.records import (
     alert_record,
@@ -24,20 +24,6 @@ from gradwatch.records import (
 )
 
 
-@dataclass
-class FakeAlert:
-    """Stand-in with exactly the fields of ``gradwatch.trend.Alert``."""
-
-    step: int
-    tensor: str
-    kind: str
-    severity: str
-    value: float
-    baseline: Optional[float]
-    message: str
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def make_report(nan: bool = False) -> CheckReport:
@@ -139,7 +125,7 @@ def test_scalars_skip_nonfinite():
 
 
 def test_alert_record():
-    alert = FakeAlert(7, "fc.bias", "band", "error", float("inf"), None, "fc.bias: WRONG")
+    alert = Alert(7, "fc.bias", "band", "error", float("inf"), None, "fc.bias: WRONG")
     rec = alert_record(alert, wall_time=1.0)
     assert rec == {
         "type": "alert", "time": 1.0, "step": 7, "tensor": "fc.bias", "kind": "band", "severity": "error",

@@ -6,15 +6,15 @@ import json
 import logging
 import math
 import os
-from dataclasses import asdict, dataclass
-from typing import Optional
 
 import pytest
+
 import torch
 from torch import nn
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import gradwatch
+from gradwatch.trend import Alert
 from gradwatch import CheckReport, GradWatchError, TensorCheck, Verdict
 from gradwatch.records import check_record, run_record, scalars_from_check
 from gradwatch.sinks import (
@@ -29,20 +29,6 @@ from gradwatch.sinks import (
 )
 
 
-@dataclass
-class FakeAlert:
-    """Stand-in with exactly the fields of ``gradwatch.trend.Alert``."""
-
-    step: int
-    tensor: str
-    kind: str
-    severity: str
-    value: float
-    baseline: Optional[float]
-    message: str
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def real_report(seed: int) -> CheckReport:
@@ -80,8 +66,8 @@ def write_run(log_dir):
         alerts = []
         if step == 30:
             alerts = [
-                FakeAlert(30, "0.weight", "band", "error", 0.33, None, "0.weight: WRONG (rel_diff 3.30e-01)"),
-                FakeAlert(30, "0.weight", "drift", "warning", 0.33, 1e-9, "0.weight drifted from 1e-09"),
+                Alert(30, "0.weight", "band", "error", 0.33, None, "0.weight: WRONG (rel_diff 3.30e-01)"),
+                Alert(30, "0.weight", "drift", "warning", 0.33, 1e-9, "0.weight drifted from 1e-09"),
             ]
         sinks.write_check(rec, alerts)
         checks.append((rec, len(alerts)))
@@ -251,7 +237,7 @@ class Exploding(Sink):
 def test_failing_sink_does_not_stop_the_others(tmp_path, caplog):
     good = JsonlSink(tmp_path / "checks.jsonl")
     sinks = SinkSet([Exploding(), good])
-    alert = FakeAlert(1, "w", "band", "error", 1.0, None, "w: WRONG")
+    alert = Alert(1, "w", "band", "error", 1.0, None, "w: WRONG")
     with caplog.at_level(logging.WARNING, logger="gradwatch"):
         for step in (1, 2, 3):
             sinks.write_check(check_record(step, bad_report(), seconds=0.1, overhead_fraction=None), [alert])
@@ -266,8 +252,8 @@ def test_failing_sink_does_not_stop_the_others(tmp_path, caplog):
 def test_logging_sink_levels(caplog):
     sinks = SinkSet([LoggingSink()])
     alerts = [
-        FakeAlert(5, "w", "band", "error", 1.0, None, "w: WRONG"),
-        FakeAlert(5, "b", "drift", "warning", 1e-3, 1e-9, "b drifted"),
+        Alert(5, "w", "band", "error", 1.0, None, "w: WRONG"),
+        Alert(5, "b", "drift", "warning", 1e-3, 1e-9, "b drifted"),
     ]
     with caplog.at_level(logging.INFO, logger="gradwatch"):
         sinks.write_check(check_record(5, bad_report(), seconds=0.1, overhead_fraction=0.02), alerts)
