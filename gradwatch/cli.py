@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -519,10 +520,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     q = shlex.quote(str(log_dir))
     if cfg.tensorboard:
         p("Charts (SCALARS: gradwatch/judged_rel_diff/*, CUSTOM SCALARS: gradwatch; TEXT: gradwatch/alerts):")
-        p(f"  tensorboard --logdir {q}")
+        p(f"  {runnable('tensorboard')} --logdir {q}")
     if cfg.tensorboard or cfg.jsonl:
         p("This summary again, later:")
-        p(f"  gradwatch report {q}")
+        p(f"  {runnable('gradwatch')} report {q}")
     if result.stopped_early is not None:
         return EXIT_ALERTS
     if args.fail_on_alerts and alerts:
@@ -537,6 +538,28 @@ def _command_of(argv: Sequence[str]) -> Optional[str]:
         if not token.startswith("-"):
             return token
     return None
+
+
+def runnable(program: str) -> str:
+    """How to type ``program`` here: its bare name when PATH finds this environment's copy,
+    else the path of the copy installed next to this Python (e.g. ``.venv/bin/tensorboard``
+    after ``make demo``, which does not activate the virtual environment).
+
+    Example:
+        >>> runnable("python-that-does-not-exist")
+        'python-that-does-not-exist'
+    """
+    sibling = Path(sys.executable).parent / program
+    if not sibling.exists():
+        return program
+    found = shutil.which(program)
+    if found and Path(found).resolve() == sibling.resolve():
+        return program
+    try:
+        shown = os.path.relpath(sibling)
+    except ValueError:  # another drive (Windows)
+        shown = str(sibling)
+    return shlex.quote(shown if not shown.startswith("..") else str(sibling))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

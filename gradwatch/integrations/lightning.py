@@ -62,7 +62,7 @@ def training_step_loss(module: LightningModule, batch: Any) -> torch.Tensor:
         ...         super().__init__(); self.lin = torch.nn.Linear(2, 1)
         ...     def training_step(self, batch, batch_idx):
         ...         loss = self.lin(batch).pow(2).mean(); self.log("loss", loss); return {"loss": loss}
-        >>> float(training_step_loss(M(), torch.zeros(3, 2))) >= 0
+        >>> float(training_step_loss(M(), torch.zeros(3, 2)).detach()) >= 0
         True
     """
     with silenced_logging(module):
