@@ -201,7 +201,7 @@ def test_checkpoint_round_trip_continues_schedule_trends_and_coverage(tmp_path):
     assert sorted(first.watch.coverage.values()) == [2, 2, 2, 3]
     ckpt = tmp_path / "run.ckpt"
     trainer.save_checkpoint(ckpt)
-    saved = torch.load(ckpt, weights_only=False)["callbacks"]["GradWatchCallback"]
+    saved = torch.load(ckpt, weights_only=False)["callbacks"][first.state_key]
     assert saved["checks"] == 3 and saved["schedule"]["last_check_step"] == 8
     json.dumps(saved, allow_nan=False)  # plain JSON state
 
@@ -222,6 +222,21 @@ def test_checkpoint_round_trip_continues_schedule_trends_and_coverage(tmp_path):
     trainer3, _, _ = fit(tmp_path, 26, second, ckpt_path=str(ckpt), version=2)
     assert second.watch.state_dict()["checks"] == 7  # restored to the checkpoint (3), then 12, 16, 20, 24
     assert second.watch.schedule.last_check_step == 24
+
+
+def test_two_callbacks_keep_separate_checkpoint_state(tmp_path):
+    pl.seed_everything(0, verbose=False)
+    first = GradWatchCallback(every=2, coords=2, directions=1, tensors=["fc1.*"])
+    second = GradWatchCallback(every=3, coords=2, directions=1, tensors=["fc2.*"])
+    assert first.state_key != second.state_key
+    trainer = make_trainer(tmp_path, 6, [first, second], version=0)
+    trainer.fit(Tiny(), loader())
+    ckpt = tmp_path / "two.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]
+    assert sorted(saved[first.state_key]["counts"]) == ["fc1.bias", "fc1.weight"]
+    assert sorted(saved[second.state_key]["counts"]) == ["fc2.bias", "fc2.weight"]
+    assert saved[first.state_key]["checks"] == 3 and saved[second.state_key]["checks"] == 2  # steps 0,2,4 / 0,3
 
 
 # ---------------------------------------------------------------------------- options

@@ -162,7 +162,8 @@ class GradWatchCallback(Callback):
 
     @property
     def state_key(self) -> str:
-        return "GradWatchCallback"
+        # Two callbacks watching different tensors or writing to different places keep separate state.
+        return self._generate_state_key(tensors=self.config.tensors, log_dir=self.config.log_dir)
 
     # -- lifecycle -------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
