@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from torch import nn
 
 from .context import preserved_rng, seed_everything
-from .engine import NOISE_FACTOR, EngineSettings, Evaluator, Sample, _central, _slopes, classify_kink, floor_at, total
+from .engine import EngineSettings, Evaluator, Sample, _central, _slopes, classify_kink, floor_at, total
 from .errors import GradientCheckError
 from .numeric import Verdict, machine_eps, max_rel_error, rel_diff
 from .options import parse_dtype

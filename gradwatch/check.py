@@ -6,7 +6,7 @@ import contextlib
 import inspect
 import math
 import time
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -14,7 +14,6 @@ from torch import nn
 
 from .context import BufferGuard, Reseeder, Shadow, dropout_off, frozen_batchnorm_stats, preserved_rng, restore_params, seed_everything, snapshot_params, cast_floats
 from .engine import EngineSettings, Evaluator, NOISE_FACTOR, check_tensor, total
-from .errors import GradWatchError
 from .numeric import machine_eps
 from .objective import Objective, coupled_weight_decay
 from .options import CheckOptions
@@ -224,7 +223,6 @@ def run_model_check(
             return _floats(terms)
 
         evaluator = Evaluator(evaluate)
-        report.notes.extend(_grad_notes(grads))
         magnitude = sum(abs(v) for v in values.values())
         eval_eps = max(machine_eps(t.dtype) for t in params.values()) if params else 0.0
         objective_dtype_eps = machine_eps(getattr(torch, report.dtype))
@@ -279,10 +277,6 @@ def _grad(value: torch.Tensor, plist: List[torch.Tensor], retain: bool) -> List[
         return [torch.zeros_like(p) for p in plist]
     gs = torch.autograd.grad(value, plist, retain_graph=retain, allow_unused=True)
     return [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(gs, plist)]
-
-
-def _grad_notes(grads: Dict[str, Dict[str, torch.Tensor]]) -> List[str]:
-    return []
 
 
 def _judge_all(report: CheckReport, params: Dict[str, torch.Tensor], grads, evaluator: Evaluator, opts: CheckOptions,

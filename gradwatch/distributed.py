@@ -30,9 +30,9 @@ What changes when the process group has more than one rank:
   group is no longer usable) and return to training.
 
 Example:
-    >>> unwrap_model(torch.nn.DataParallel(torch.nn.Linear(2, 1))).__class__.__name__
+    >>> unwrap_model(nn.DataParallel(nn.Linear(2, 1))).__class__.__name__
     'Linear'
-    >>> DistributedCoordinator.create(torch.nn.Linear(2, 1), "auto") is None  # not distributed
+    >>> DistributedCoordinator.create(nn.Linear(2, 1), "auto") is None  # not distributed
     True
 """
 
@@ -46,7 +46,6 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -72,7 +71,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     """The module inside DistributedDataParallel / DataParallel wrappers (any depth); others as they are.
 
     Example:
-        >>> lin = torch.nn.Linear(2, 1)
+        >>> lin = nn.Linear(2, 1)
         >>> unwrap_model(lin) is lin
         True
     """
@@ -205,7 +204,6 @@ class DistributedCoordinator:
             merged.notes[:0] = watch.notes
             for n in merged.tensors:
                 watch._counts[n] = watch._counts.get(n, 0) + 1
-            watch._check_seconds_total += seconds
             alerts.extend(watch.tracker.update(step, merged))
         if errors:
             where = "loss_fn on " + ", ".join(e.split(":", 1)[0] for e in errors)

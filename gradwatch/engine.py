@@ -14,15 +14,15 @@ rounding-noise floor of the finite differences.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from .numeric import Verdict, max_rel_error, noise_floor, rel_diff
+from .numeric import Verdict, max_rel_error, rel_diff
 from .report import TensorCheck, diagnose
-from .sampling import choose_coords, generator, rademacher, rademacher_signs, tensor_seed
+from .sampling import choose_coords, generator, rademacher_signs, tensor_seed
 
 Terms = Dict[str, float]
 #: Rounding slack on top of one ulp of the objective, for error accumulated inside it.

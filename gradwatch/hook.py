@@ -24,7 +24,7 @@ from .check import GradFn, run_model_check, trainable_names
 from .config import GradWatchConfig, load_config
 from .context import Shadow
 from .distributed import DEFAULT_TIMEOUT, DistributedCoordinator, unwrap_model
-from .errors import ConfigError, GradientDriftError
+from .errors import GradientDriftError
 from .numeric import Verdict
 from .objective import Objective, coupled_weight_decay
 from .records import check_record, run_record
@@ -33,7 +33,7 @@ from .sampling import coverage as coverage_of
 from .sampling import match_names, rotate
 from .schedule import Schedule
 from .sinks import SinkSet, build_sinks
-from .trend import Alert, TrendTracker
+from .trend import Alert
 
 logger = logging.getLogger("gradwatch")
 
@@ -131,13 +131,7 @@ class GradWatch:
         self.notes: List[str] = notes
         self.objective = Objective(loss_fn, self.config.regularizers, weight_decay)
         self.schedule = Schedule(self.config.every, self.config.overhead_budget)
-        self.tracker = TrendTracker(
-            bands=self._check_options.bands,
-            baseline_checks=self.config.baseline_checks,
-            drift_window=self.config.drift_window,
-            drift_decades=self.config.drift_decades,
-            alert_cooldown=self.config.alert_cooldown,
-        )
+        self.tracker = self.config.trend_tracker()
         # Distributed (an initialized group of 2+ ranks): a coordinator, and file sinks on rank 0 only.
         self.dist = DistributedCoordinator.create(model, distributed, distributed_timeout)
         self.sinks: SinkSet = SinkSet([]) if self.dist is not None and not self.dist.is_main else build_sinks(
@@ -149,7 +143,6 @@ class GradWatch:
         self._checks = 0
         self._last_call: Optional[float] = None
         self._monitor_seconds = 0.0
-        self._check_seconds_total = 0.0
         self._started: Optional[float] = None
         self._wall_before = 0.0
         self._shadow: Optional[Shadow] = None
@@ -274,7 +267,6 @@ class GradWatch:
         for n in report.tensors:
             self._counts[n] = self._counts.get(n, 0) + 1
         self.schedule.record_check(step, seconds)
-        self._check_seconds_total += seconds
         alerts = self.tracker.update(step, report)
         self._emit(step, report, alerts, seconds)
         return report

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence, Union
 
 import numpy as np

@@ -6,8 +6,8 @@ YAML config, ``--kebab-case`` CLI flags and fields of the JSONL records.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass, fields
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 
