@@ -196,7 +196,7 @@ class CheckReport:
 
     def __str__(self) -> str:
         rows = sorted(self.tensors.values(), key=_badness, reverse=True)
-        header = ("tensor", "verdict", "rel_diff", "dir_rel_diff", "max_rel_err", "kinks", "diagnosis")
+        header = ("tensor", "verdict", "judged", "rel_diff", "dir_rel_diff", "max_rel_err", "kinks", "diagnosis")
         table = [header]
         for t in rows:
             verdict = t.verdict.value.upper() if t.verdict is not None else "INCONCLUSIVE"
@@ -204,6 +204,7 @@ class CheckReport:
                 (
                     t.name,
                     verdict,
+                    _fmt(t.judged_rel_diff),
                     _fmt(t.rel_diff),
                     _fmt(t.directional_rel_diff),
                     _fmt(t.max_rel_error),
@@ -229,6 +230,8 @@ class CheckReport:
         if self.nondeterministic:
             extra.append("objective is nondeterministic: gradients not judged")
         extra.extend(self.notes)
+        if any(t.verdict is not None for t in rows):
+            extra.append("judged = rel_diff beyond the finite-difference noise floor; it decides the verdict")
         return "\n".join([summary, *lines, *_localized_lines(self.localized), *("note: " + e for e in extra)])
 
 
