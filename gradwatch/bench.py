@@ -62,6 +62,7 @@ from .context import Shadow, cast_floats
 from .hook import GradWatch
 from .objective import Objective
 from .options import CheckOptions
+from .records import to_jsonable
 
 MODEL_NAMES = ("mlp", "cnn", "transformer")
 SECTIONS = ("time_to_verdict", "detection", "efficiency", "training_overhead", "scaling")
@@ -753,20 +754,9 @@ def run(args: argparse.Namespace) -> int:
     out = getattr(args, "out", None)
     if out:
         with open(out, "w", encoding="utf-8") as fh:
-            json.dump(_clean(result), fh, indent=2, default=str)
+            json.dump(to_jsonable(result), fh, indent=2, allow_nan=False)
         print(f"\nwrote {out}")
     return 0
-
-
-def _clean(obj: Any) -> Any:
-    """Strict JSON: non-finite floats become strings ("nan", "inf")."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    return obj
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

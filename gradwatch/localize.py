@@ -43,7 +43,7 @@ from .context import (BufferGuard, Reseeder, Shadow, cast_floats, dropout_off, f
 from .engine import EngineSettings, Evaluator, check_tensor, total
 from .numeric import machine_eps
 from .options import CheckOptions
-from .report import TensorCheck, _json_float
+from .report import TensorCheck, json_float
 from .sampling import generator, tensor_seed
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -140,7 +140,7 @@ def _short(diagnosis: Optional[str], judged: float) -> str:
         if m:
             return f"analytic {float(m.group(1)):.2f}x numeric"
         return diagnosis
-    return f"judged rel_diff {_json_float(judged)}"
+    return f"judged rel_diff {json_float(judged)}"
 
 
 # --------------------------------------------------------------------------- trees of tensors

@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .report import CheckReport, _json_float
+from .report import CheckReport, json_float
 
 #: Per-tensor fields copied into a check record, in this order.
 TENSOR_FIELDS = (
@@ -79,13 +79,13 @@ def check_record(
     finite: List[float] = []
     for name, t in report.tensors.items():
         tensors[name] = {
-            "rel_diff": _json_float(t.rel_diff),
-            "directional_rel_diff": _json_float(t.directional_rel_diff),
-            "max_rel_error": _json_float(t.max_rel_error),
-            "judged_rel_diff": _json_float(t.judged_rel_diff),
+            "rel_diff": json_float(t.rel_diff),
+            "directional_rel_diff": json_float(t.directional_rel_diff),
+            "max_rel_error": json_float(t.max_rel_error),
+            "judged_rel_diff": json_float(t.judged_rel_diff),
             "verdict": t.verdict.value if t.verdict is not None else None,
             "kinks": int(t.kinks),
-            "noise_floor": _json_float(t.noise_floor),
+            "noise_floor": json_float(t.noise_floor),
             "diagnosis": t.diagnosis,
             "inconclusive": t.inconclusive,
             "shape": [int(s) for s in t.shape],
@@ -105,11 +105,11 @@ def check_record(
         "type": "check",
         "step": int(step),
         "time": time.time() if wall_time is None else float(wall_time),
-        "seconds": _json_float(seconds),
-        "overhead_fraction": _json_float(overhead_fraction),
+        "seconds": json_float(seconds),
+        "overhead_fraction": json_float(overhead_fraction),
         "evaluations": int(report.evaluations),
-        "objective": _json_float(report.objective),
-        "terms": {k: _json_float(v) for k, v in report.terms.items()},
+        "objective": json_float(report.objective),
+        "terms": {k: json_float(v) for k, v in report.terms.items()},
         "dtype": report.dtype,
         "seed": report.seed,
         "ok": report.ok,
@@ -259,7 +259,7 @@ def to_jsonable(value: Any) -> Any:
     if isinstance(value, (int, np.integer)):
         return int(value)
     if isinstance(value, (float, np.floating)):
-        return _json_float(value)
+        return json_float(value)
     if isinstance(value, np.bool_):
         return bool(value)
     if isinstance(value, Mapping):

@@ -72,13 +72,13 @@ class TensorCheck:
         d["verdict"] = self.verdict.value if self.verdict is not None else None
         d["coords"] = [list(c) for c in self.coords]
         for key in ("rel_diff", "max_rel_error", "directional_rel_diff", "judged_rel_diff"):
-            d[key] = _json_float(d[key])
+            d[key] = json_float(d[key])
         if not samples:
             for key in ("coords", "analytic", "numeric", "dir_analytic", "dir_numeric"):
                 d.pop(key)
         else:
             for key in ("analytic", "numeric", "dir_analytic", "dir_numeric"):
-                d[key] = [_json_float(v) for v in d[key]]
+                d[key] = [json_float(v) for v in d[key]]
         return d
 
 
@@ -148,8 +148,8 @@ class CheckReport:
             "ok": self.ok,
             "fail_at": self.fail_at.value,
             "dtype": self.dtype,
-            "objective": _json_float(self.objective),
-            "terms": {k: _json_float(v) for k, v in self.terms.items()},
+            "objective": json_float(self.objective),
+            "terms": {k: json_float(v) for k, v in self.terms.items()},
             "evaluations": self.evaluations,
             "seconds": self.seconds,
             "seed": self.seed,
@@ -258,7 +258,13 @@ def _fmt(value: Optional[float]) -> str:
     return f"{value:.2e}"
 
 
-def _json_float(value: Optional[float]) -> Any:
+def json_float(value: Optional[float]) -> Any:
+    """A float for strict JSON: non-finite values become ``"nan"``/``"inf"``/``"-inf"``.
+
+    Example:
+        >>> json_float(float("inf")), json_float(0.5), json_float(None)
+        ('inf', 0.5, None)
+    """
     if value is None:
         return None
     value = float(value)

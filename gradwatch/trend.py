@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .errors import ConfigError
 from .numeric import DEFAULT_BANDS, Verdict, validate_bands
-from .report import CheckReport, TensorCheck, _json_float
+from .report import CheckReport, TensorCheck, json_float
 
 #: Alert kinds, in the order they are reported within one check.
 ALERT_KINDS = ("threshold", "drift", "nonfinite", "nondeterministic", "error")
@@ -58,13 +58,13 @@ class Alert:
     def to_dict(self) -> Dict[str, Any]:
         """JSON-safe dict; non-finite numbers become ``"nan"``, ``"inf"``, ``"-inf"``."""
         d = asdict(self)
-        d["value"] = _json_float(self.value)
-        d["baseline"] = _json_float(self.baseline)
+        d["value"] = json_float(self.value)
+        d["baseline"] = json_float(self.baseline)
         return d
 
 
 def _float(value: Any) -> float:
-    """Inverse of ``_json_float`` for numbers read back from a state dict."""
+    """Inverse of ``json_float`` for numbers read back from a state dict."""
     return float(value)
 
 
@@ -293,9 +293,9 @@ class TrendTracker:
                 name: [
                     {
                         **r,
-                        "judged_rel_diff": _json_float(r["judged_rel_diff"]),
-                        "rel_diff": _json_float(r["rel_diff"]),
-                        "directional_rel_diff": _json_float(r["directional_rel_diff"]),
+                        "judged_rel_diff": json_float(r["judged_rel_diff"]),
+                        "rel_diff": json_float(r["rel_diff"]),
+                        "directional_rel_diff": json_float(r["directional_rel_diff"]),
                     }
                     for r in records
                 ]
@@ -303,7 +303,7 @@ class TrendTracker:
             },
             "baseline_samples": {name: list(v) for name, v in self._baseline_samples.items()},
             "alerted": [
-                {"tensor": tensor, "kind": kind, "value": _json_float(s["value"]), "rank": s["rank"], "at": s["at"]}
+                {"tensor": tensor, "kind": kind, "value": json_float(s["value"]), "rank": s["rank"], "at": s["at"]}
                 for (tensor, kind), s in self._alerted.items()
             ],
             "alert_counts": dict(self._alert_counts),
