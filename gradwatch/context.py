@@ -69,7 +69,9 @@ class Reseeder:
 
     The generator states right after seeding are captured once and put back on
     each call (``torch.set_rng_state`` and ``random.setstate`` are cheaper than
-    re-seeding; numpy's ``seed`` is cheaper than its ``set_state``).
+    re-seeding; numpy's ``seed`` is cheaper than its ``set_state``). ``random``
+    and ``numpy.random`` are reseeded only if one of the first :attr:`WATCH`
+    evaluations drew from them (most objectives use torch's generator alone).
 
     Example:
         >>> with preserved_rng():
@@ -79,18 +81,50 @@ class Reseeder:
         True
     """
 
+    #: Evaluations watched for use of ``random`` and ``numpy.random`` before an unused one stops being reseeded.
+    WATCH = 2
+
     def __init__(self, seed: int) -> None:
         self.seed = int(seed)
         seed_everything(self.seed)
         self._torch = torch.get_rng_state()
         self._py = random.getstate()
+        self._np = np.random.get_state()
+        self._calls = 0
+        self._used_py = False
+        self._used_np = False
+        self._reseed_py = True
+        self._reseed_np = True
 
     def __call__(self) -> None:
         torch.set_rng_state(self._torch)
         if torch.cuda.is_initialized():
             torch.cuda.manual_seed_all(self.seed)
-        np.random.seed(self.seed % (2**32))
-        random.setstate(self._py)
+        if 0 < self._calls <= self.WATCH:
+            self._watch()
+        self._calls += 1
+        if self._reseed_np:
+            np.random.seed(self.seed % (2**32))
+        if self._reseed_py:
+            random.setstate(self._py)
+
+    def _watch(self) -> None:
+        """After one of the first evaluations: did it draw from ``random`` or ``numpy.random``?
+
+        Checking costs more than reseeding, so only the first :attr:`WATCH` evaluations are
+        watched. A generator none of them drew from is not reseeded again (its state is still
+        the seeded one); one they drew from is reseeded before every evaluation. torch's own
+        generator is cheap to reset and always is.
+        """
+        self._used_py = self._used_py or random.getstate() != self._py
+        self._used_np = self._used_np or not _same_np_state(np.random.get_state(), self._np)
+        if self._calls == self.WATCH:
+            self._reseed_py = self._used_py
+            self._reseed_np = self._used_np
+
+
+def _same_np_state(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and a[2:] == b[2:] and bool(np.array_equal(a[1], b[1]))
 
 
 def _has_dropout_prob(module: nn.Module) -> bool:

@@ -156,7 +156,8 @@ class Objective:
     def terms(self, model: nn.Module, batch: Any) -> Dict[str, torch.Tensor]:
         """Evaluate each term: ``"loss"``, each regularizer, and ``"weight_decay"`` when present."""
         out = {"loss": _scalar("loss_fn", self.loss_fn(model, batch))}
-        out.update(self.param_terms(model))
+        if self.regularizers or self.weight_decay:
+            out.update(self.param_terms(model))
         return out
 
     def param_terms(self, model: nn.Module) -> Dict[str, torch.Tensor]:
@@ -171,6 +172,8 @@ class Objective:
 
 
 def _scalar(what: str, value: Any) -> torch.Tensor:
+    if type(value) is torch.Tensor and value.dim() == 0:
+        return value
     if not isinstance(value, torch.Tensor):
         if isinstance(value, (int, float)):
             return torch.tensor(float(value), dtype=torch.float64)

@@ -65,6 +65,19 @@ def test_rel_diff_is_scale_invariant(pair, scale):
     assert math.isclose(rel_diff(a * scale, b * scale), rel_diff(a, b), rel_tol=1e-9, abs_tol=1e-12)
 
 
+@SETTINGS
+@given(vectors)
+def test_short_lists_measure_like_arrays(pair):
+    # Short Python lists take a pure-Python path (the engine's per-tensor summaries); it must agree with numpy's.
+    a, b = pair
+    la, lb = a.tolist(), b.tolist()
+    for fn in (rel_diff, max_rel_error):
+        fast, ref = fn(la, lb), fn(a, b)
+        assert math.isclose(fast, ref, rel_tol=1e-12, abs_tol=0.0) or (fast > 0.0 and ref > 0.0 and max(fast, ref) < 1e-300)
+    assert rel_diff(lb, la) == rel_diff(la, lb)
+    assert (rel_diff(la, lb) == 0.0) == bool(np.array_equal(a, b))
+
+
 def test_rel_diff_of_opposite_vectors_is_one():
     assert rel_diff([1.0, -2.0], [-1.0, 2.0]) == 1.0
     assert math.isnan(rel_diff([float("nan")], [1.0]))
