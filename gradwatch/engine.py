@@ -33,7 +33,8 @@ KINK_SCALES = (0.1, 0.01)
 LOW_PRECISION_EPS = 1e-10
 #: Steps (fractions of the base step) of the low-precision re-examination, see :func:`resolve_low_precision`.
 LOW_PRECISION_SCALES = (0.25, 0.18, 0.13)
-#: Largest tensor whose direction signs are held in its own dtype while probed (8 MB in float64).
+#: Largest tensor whose direction signs are drawn in its own dtype (8 MB per direction in float64);
+#: larger ones keep int8 signs (a mixed-dtype add costs twice as much, but 8x less memory).
 DENSE_SIGNS_MAX = 1 << 20
 
 
@@ -63,7 +64,8 @@ class Sample:
     step: float
     index: Optional[tuple] = None
     direction: Optional[torch.Tensor] = None
-    #: A direction given as int8 signs ``±1`` times ``scale`` (cheaper than a float ``direction``).
+    #: A direction given as signs ``±1`` times ``scale`` (cheaper than a float ``direction``): in the
+    #: tensor's dtype, or int8 for tensors over ``DENSE_SIGNS_MAX`` entries.
     signs: Optional[torch.Tensor] = None
     scale: float = 1.0
     #: Cached: the unperturbed value at ``index`` (exact, as a Python float).
@@ -72,8 +74,6 @@ class Sample:
     slope: Optional[Terms] = None
     #: Flat (row-major) position of ``index`` in the tensor, when known.
     flat: Optional[int] = None
-    #: Cached while the sample is probed: ``signs`` in the tensor's dtype (a same-dtype add is twice as fast).
-    dense: Optional[torch.Tensor] = None
     #: Cached while the sample is probed: the tensor last written and its element at ``index``.
     target: Optional[torch.Tensor] = None
     view: Optional[torch.Tensor] = None
@@ -81,7 +81,7 @@ class Sample:
 
     def forget(self) -> None:
         """Drop the tensors cached while probing (the sample's record stays)."""
-        self.dense = self.target = self.view = None
+        self.target = self.view = None
 
 
 @dataclass
@@ -127,9 +127,7 @@ def _slope(saved: torch.Tensor, grads: Dict[str, torch.Tensor], sample: Sample) 
         if sample.index is not None:
             vals = [float(g[sample.index]) for g in grads.values()]
         elif sample.signs is not None:
-            s64 = sample.signs.reshape(-1).to(torch.float64)
-            if saved.dtype == torch.float64 and saved.numel() <= DENSE_SIGNS_MAX:
-                sample.dense = s64.reshape(saved.shape)  # reused by _apply
+            s64 = sample.signs.reshape(-1).to(torch.float64)  # no copy when the signs are float64
             vals = [sample.scale * float(torch.dot(g.reshape(-1).to(torch.float64), s64)) for g in grads.values()]
         else:
             u64 = sample.direction.reshape(-1).to(torch.float64)
@@ -152,10 +150,7 @@ def _apply(p: torch.Tensor, saved: torch.Tensor, sample: Sample, t: float) -> Op
         applied = sample.base + t if p.dtype == torch.float64 else float(view)
         return applied - sample.base
     if sample.signs is not None:
-        if (sample.dense is None or sample.dense.dtype != p.dtype) and p.numel() <= DENSE_SIGNS_MAX:
-            sample.dense = sample.signs.reshape(p.shape).to(p.dtype)
-        signs = sample.dense if sample.dense is not None else sample.signs.reshape(p.shape)
-        torch.add(saved, signs, alpha=t * sample.scale, out=p)  # same values as with int8 signs
+        torch.add(saved, sample.signs.reshape(p.shape), alpha=t * sample.scale, out=p)
     else:
         torch.add(saved, sample.direction.to(p.dtype), alpha=t, out=p)
     return None
@@ -379,7 +374,8 @@ def build_samples(name: str, p: torch.Tensor, g: torch.Tensor, settings: EngineS
     if settings.directions and p.numel() > 1:
         n = p.numel()
         rms = float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) / math.sqrt(n)
-        signs = rademacher_signs(n, settings.directions, gen).to(p.device)
+        dtype = p.dtype if p.is_floating_point() and n <= DENSE_SIGNS_MAX else torch.int8
+        signs = rademacher_signs(n, settings.directions, gen, dtype=dtype).to(p.device)
         for j in range(settings.directions):
             samples.append(Sample(label=("dir", j), step=h * max(1.0, rms), signs=signs[j].reshape(shape), scale=1.0 / math.sqrt(n)))
     return samples

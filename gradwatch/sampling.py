@@ -17,6 +17,7 @@ import torch
 _LITTLE_ENDIAN = sys.byteorder == "little"
 #: Row ``b``: the 8 bits of byte ``b`` as signs ``±1`` (bit set -> +1).
 _SIGN_TABLE = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).to(torch.int8) * 2 - 1
+_SIGN_TABLES: Dict[torch.dtype, torch.Tensor] = {torch.int8: _SIGN_TABLE}
 
 
 def tensor_seed(seed: int, name: str) -> int:
@@ -105,8 +106,10 @@ def _top_indices(values: torch.Tensor, k: int) -> torch.Tensor:
     return cand[torch.topk(values[cand], k).indices]
 
 
-def rademacher_signs(numel: int, count: int, gen: torch.Generator) -> torch.Tensor:
-    """``count`` rows of ``numel`` random signs ``±1`` as int8, shape ``(count, numel)``.
+def rademacher_signs(numel: int, count: int, gen: torch.Generator, dtype: torch.dtype = torch.int8) -> torch.Tensor:
+    """``count`` rows of ``numel`` random signs ``±1`` in ``dtype`` (int8 by default), shape ``(count, numel)``.
+
+    The same ``gen`` state gives the same signs in every dtype.
 
     Drawn 56 signs per random 64-bit word and expanded through a byte table:
     a per-element draw costs ~5 ns per entry, too much for million-entry tensors.
@@ -123,7 +126,10 @@ def rademacher_signs(numel: int, count: int, gen: torch.Generator) -> torch.Tens
     low = raw[:, :, :7] if _LITTLE_ENDIAN else raw[:, :, 1:]
     data = low.reshape(count, -1)[:, :n_bytes]
     # index_select: a plain gather, several times cheaper than advanced indexing with the same result.
-    rows = _SIGN_TABLE.index_select(0, data.reshape(-1).long())
+    table = _SIGN_TABLES.get(dtype)
+    if table is None:
+        table = _SIGN_TABLES[dtype] = _SIGN_TABLE.to(dtype)
+    rows = table.index_select(0, data.reshape(-1).long())
     return rows.reshape(count, -1)[:, :numel].contiguous()
 
 

@@ -68,3 +68,11 @@ def test_choose_coords_takes_the_largest_gradients_of_a_large_tensor():
     assert {17 * 300 + 250, 299 * 300 + 299, 0} <= set(flat)
     assert len(flat) == len(set(flat)) == 6
     assert flat == sorted(flat)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16])
+def test_rademacher_signs_in_a_float_dtype_are_the_int8_signs(dtype):
+    as_int8 = rademacher_signs(1001, 2, generator(5))
+    as_float = rademacher_signs(1001, 2, generator(5), dtype=dtype)
+    assert as_float.dtype == dtype
+    assert torch.equal(as_float, as_int8.to(dtype))
