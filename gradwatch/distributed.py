@@ -153,7 +153,7 @@ class DistributedCoordinator:
         """This rank's round-robin share of the tensors chosen for a check."""
         return list(names[self.rank :: self.world_size])
 
-    def run(self, watch: "GradWatch", step: int, batch: Any) -> Optional[CheckReport]:
+    def run(self, watch: "GradWatch", step: int, batch: Any, scheduled: bool = True) -> Optional[CheckReport]:
         """One distributed check: local share, gather, merge, then the usual trend/sink/alert path.
 
         Every rank must call it at the same step (``GradWatch.step`` ensures that; a direct
@@ -182,7 +182,7 @@ class DistributedCoordinator:
                          step, self.rank, traceback.format_exc())
             payload["error"] = f"{type(exc).__name__}: {exc}"
         seconds = time.perf_counter() - start
-        watch.schedule.record_check(step, seconds)
+        watch.schedule.record_check(step, seconds, scheduled)
         payload["seconds"] = seconds
         payload["interval"] = watch.schedule.interval()
 

@@ -234,19 +234,23 @@ class GradWatch:
             self._last_call = end
 
     def check(self, batch: Any, *, global_step: Optional[int] = None) -> Optional[CheckReport]:
-        """Run a check now, whatever the schedule (returns None if ``loss_fn`` raised)."""
+        """Run a check now, whatever the schedule (returns None if ``loss_fn`` raised).
+
+        An ``every=N`` schedule keeps its steps (0, N, 2N, ...); with ``every="auto"`` the
+        next scheduled check is counted from this one, as its cost is paid.
+        """
         step = self._step if global_step is None else int(global_step)
         start = time.perf_counter()
         try:
-            return self._run(step, batch)
+            return self._run(step, batch, scheduled=False)
         finally:
             self._monitor_seconds += time.perf_counter() - start
 
-    def _run(self, step: int, batch: Any) -> Optional[CheckReport]:
+    def _run(self, step: int, batch: Any, scheduled: bool = True) -> Optional[CheckReport]:
         if self._closed:
             raise RuntimeError("GradWatch is closed; create a new one to keep monitoring")
         if self.dist is not None:
-            return self.dist.run(self, step, batch)
+            return self.dist.run(self, step, batch, scheduled=scheduled)
         names = rotate(self._watched_names(), self.config.tensors_per_check, self._counts)
         opts = dataclasses.replace(self._check_options, seed=self._check_options.seed + self._checks)
         start = time.perf_counter()
@@ -256,7 +260,7 @@ class GradWatch:
             report = run_model_check(self.model, self.objective, batch, opts, grad_fn=self.grad_fn, names=names, shadow=self._shadow)
         except Exception as exc:  # noqa: BLE001 - the user's code raised: log it, keep training
             seconds = time.perf_counter() - start
-            self.schedule.record_check(step, seconds)
+            self.schedule.record_check(step, seconds, scheduled)
             logger.error("gradwatch: the check at step %d raised; training goes on:\n%s", step, traceback.format_exc())
             alert = self.tracker.error(step, exc)
             self._emit(step, None, [alert] if alert is not None else [], seconds)
@@ -266,7 +270,7 @@ class GradWatch:
         self._checks += 1
         for n in report.tensors:
             self._counts[n] = self._counts.get(n, 0) + 1
-        self.schedule.record_check(step, seconds)
+        self.schedule.record_check(step, seconds, scheduled)
         alerts = self.tracker.update(step, report)
         self._emit(step, report, alerts, seconds)
         return report

@@ -60,9 +60,20 @@ class Schedule:
         if seconds > 0 and math.isfinite(seconds):
             self._step_seconds.append(float(seconds))
 
-    def record_check(self, step: int, seconds: float) -> None:
-        """A check ran at ``step`` and took ``seconds``."""
-        self.last_check_step = int(step)
+    def record_check(self, step: int, seconds: float, scheduled: bool = True) -> None:
+        """A check ran at ``step`` and took ``seconds``.
+
+        ``scheduled=False`` marks a check run on request (``GradWatch.check``): its cost
+        counts toward the ``auto`` gap, but an ``every=N`` grid keeps its steps.
+
+        Example:
+            >>> s = Schedule(every=10)
+            >>> s.record_check(0, 0.1); s.record_check(7, 0.1, scheduled=False)
+            >>> s.due(10)
+            True
+        """
+        if scheduled or self.every == "auto" or self.last_check_step is None:
+            self.last_check_step = int(step)
         if self.first_step is None:
             self.first_step = int(step)
         if math.isfinite(seconds) and seconds >= 0:

@@ -211,6 +211,28 @@ DOCUMENTED_SCALARS = (
 )
 
 
+def test_manual_check_keeps_a_fixed_grid_but_resets_auto(tmp_path):
+    model = make_model(fixed=True)
+    data = list(batches(21))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    fixed = GradWatch(model, loss_fn, every=5, coords=2, directions=1)
+    scheduled = []
+    for step in range(21):
+        opt.zero_grad()
+        loss_fn(model, data[step]).backward()
+        if step == 7:
+            assert fixed.check(data[step]) is not None  # on request, between scheduled checks
+        if fixed.step(data[step]) is not None:
+            scheduled.append(step)
+        opt.step()
+    assert scheduled == [0, 5, 10, 15, 20]
+
+    auto = GradWatch(model, loss_fn, every="auto", coords=2, directions=1)
+    auto.step(data[0])
+    auto.check(data[1], global_step=6)
+    assert auto.schedule.last_check_step == 6
+
+
 def test_event_file_holds_documented_tags_with_jsonl_values(tmp_path):
     model = make_model(fixed=True)
     with GradWatch(model, loss_fn, every=3, log_dir=str(tmp_path)) as watch:
