@@ -212,16 +212,16 @@ def _check_array(name, target, g, evaluator, j0, settings, eps, atol, rtol) -> T
                for pos in (tuple(int(i) for i in np.unravel_index(f, shape)) if shape else () for f in flat_idx)]
     if dirs is not None:
         samples += [Sample(label=("dir", j), step=eps, direction=dirs[j].reshape(shape)) for j in range(len(dirs))]
-    analytic, numeric, kinks, bad = [], [], 0, []
+    analytic, numeric, kinked, bad = [], [], [], []
     try:
         for s in samples:
             base = _central(target, saved, grads, s, eps, evaluator)
             a, nm = _slopes(*base, eps)
             a_v, n_v = a["total"], nm["total"]
             ok = abs(n_v - a_v) <= atol + rtol * abs(a_v)
-            if not ok and classify_kink(target, saved, grads, s, base, j0, evaluator, settings):
-                kinks += 1
-                ok = True
+            kink = not ok and classify_kink(target, saved, grads, s, base, j0, evaluator, settings)
+            ok = ok or kink
+            kinked.append(kink)
             analytic.append(a_v)
             numeric.append(n_v)
             if not ok:
@@ -230,18 +230,22 @@ def _check_array(name, target, g, evaluator, j0, settings, eps, atol, rtol) -> T
         with torch.no_grad():
             target.copy_(saved)
     a_arr, n_arr = np.array(analytic), np.array(numeric)
+    kinks = int(sum(kinked))
+    # Measures leave out the kinks (as check_model's do); the per-sample lists keep every sample.
+    kept = ~np.array(kinked, dtype=bool)
     coord_mask = np.array([s.index is not None for s in samples])
+    c_kept, d_kept = coord_mask & kept, ~coord_mask & kept
     check = TensorCheck(
         name=name, shape=shape,
-        rel_diff=rel_diff(a_arr[coord_mask], n_arr[coord_mask]),
-        max_rel_error=max_rel_error(a_arr[coord_mask], n_arr[coord_mask]),
-        directional_rel_diff=rel_diff(a_arr[~coord_mask], n_arr[~coord_mask]) if (~coord_mask).any() else None,
+        rel_diff=rel_diff(a_arr[c_kept], n_arr[c_kept]),
+        max_rel_error=max_rel_error(a_arr[c_kept], n_arr[c_kept]),
+        directional_rel_diff=rel_diff(a_arr[d_kept], n_arr[d_kept]) if (~coord_mask).any() else None,
         step=eps, kinks=kinks, noise_floor=floor_at(settings, eps),
         coords=[s.index for s in samples if s.index is not None],
         analytic=list(a_arr[coord_mask]), numeric=list(n_arr[coord_mask]),
         dir_analytic=list(a_arr[~coord_mask]), dir_numeric=list(n_arr[~coord_mask]),
     )
-    check.judged_rel_diff = rel_diff(a_arr, n_arr)
+    check.judged_rel_diff = rel_diff(a_arr[kept], n_arr[kept])
     check.verdict = Verdict.WRONG if bad else Verdict.from_value(check.judged_rel_diff)
     if check.verdict in (Verdict.SUSPICIOUS, Verdict.WRONG) and not bad:
         check.verdict = Verdict.ACCEPTABLE  # within the caller's atol/rtol
