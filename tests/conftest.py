@@ -7,8 +7,17 @@ import torch
 from torch.autograd import Function
 
 # Tiny models: one intra-op thread is faster than two on a 2-core machine, and
-# keeps timings steady when pytest shares the machine.
+# keeps timings steady when pytest shares the machine (doctests included).
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Every test module starts on one intra-op thread, whatever an earlier module set (``bench --threads``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 class BuggySigmoid(Function):

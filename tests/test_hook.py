@@ -31,15 +31,6 @@ SCALE_AT = 30  # the first layer's weights grow after this step's optimizer upda
 STEPS = 45  # checks at 0, 5, ..., 40: two checks after the crossing at 35 and 40
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny float64 kernels are fastest single-threaded (and far slower when OpenMP threads contend)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ---------------------------------------------------------------------------- the late-bug model
 class LateBugSiLU(torch.autograd.Function):
     """``x * sigmoid(x)``; backward is right for ``|x| < 3`` and (unless ``fixed``) wrong beyond.

@@ -16,14 +16,6 @@ from gradwatch import ConfigError, GradWatch, check_model, load_config
 from gradwatch.sinks import read_jsonl
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))

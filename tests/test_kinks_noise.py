@@ -30,14 +30,6 @@ from conftest import BuggySigmoid  # noqa: E402
 CHECKS = 50
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def relu_mlp() -> nn.Module:
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
     nn.init.zeros_(model[0].bias)  # with all-zero input rows: every first-layer unit starts on its kink

@@ -28,14 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 PARAMS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class BuggySigmoid(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):

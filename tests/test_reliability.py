@@ -110,15 +110,6 @@ def _assert_identical(a: Dict[str, Any], b: Dict[str, Any]) -> None:
     assert a["next_random"] == b["next_random"], "random RNG stream differs"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models: intra-op threads only contend (100x slower on a loaded 2-core machine).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def unwatched(one_thread) -> Dict[str, Any]:
     return _train(None)
