@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import warnings
 
 import pytest
 import torch

@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import gradwatch
 from gradwatch import GradientCheckError, check_backward
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradwatch import ConfigError, GradWatch, check_model, load_config
+from gradwatch import ConfigError, GradWatch, load_config
 from gradwatch.sinks import read_jsonl
 
 

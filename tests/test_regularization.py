@@ -8,10 +8,8 @@ import warnings
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-import gradwatch
 from gradwatch import check_model, check_numpy
 
 
