@@ -78,7 +78,6 @@ class Sample:
     target: Optional[torch.Tensor] = None
     view: Optional[torch.Tensor] = None
 
-
     def forget(self) -> None:
         """Drop the tensors cached while probing (the sample's record stays)."""
         self.target = self.view = None
@@ -430,6 +429,7 @@ def batched_bases(name: str, p: torch.Tensor, saved: torch.Tensor, grads: Dict[s
                     row.copy_(saved)
                 delta = _apply(row, saved, s, t)
                 lins.append(_lin(row, saved, grads, s, t, delta))
+                s.forget()  # the row is a temporary: keep no view of it
             got = probe_batch(name, p, saved, stacked)
             if got is None:
                 return None
@@ -512,7 +512,6 @@ def _probe_all(p, saved, grads, samples: List[Sample], bases, outcomes: List[Out
                 out.kink = kink
                 genuine_streak = 0 if out.kink else genuine_streak + 1
         outcomes.append(out)
-        sample.forget()
 
 
 def _summarize(name, shape, samples: List[Sample], outcomes: List[Outcome], term: str, settings: EngineSettings) -> TensorCheck:
@@ -560,5 +559,5 @@ def _summarize(name, shape, samples: List[Sample], outcomes: List[Outcome], term
     check.verdict = verdict
     check.failed = check.verdict.is_failure(settings.fail_at)
     if check.failed:
-        check.diagnosis = diagnose(np.array(ca + da), np.array(cn + dn), float(max(cf + df, default=0.0)))
+        check.diagnosis = diagnose(np.array(ca + da), np.array(cn + dn), check.noise_floor)
     return check
