@@ -93,8 +93,6 @@ class Reseeder:
         self._calls = 0
         self._used_py = False
         self._used_np = False
-        self._reseed_py = True
-        self._reseed_np = True
 
     def __call__(self) -> None:
         torch.set_rng_state(self._torch)
@@ -102,10 +100,11 @@ class Reseeder:
             torch.cuda.manual_seed_all(self.seed)
         if 0 < self._calls <= self.WATCH:
             self._watch()
+        undecided = self._calls < self.WATCH  # before the last watched evaluation, reseed everything
         self._calls += 1
-        if self._reseed_np:
+        if undecided or self._used_np:
             np.random.seed(self.seed % (2**32))
-        if self._reseed_py:
+        if undecided or self._used_py:
             random.setstate(self._py)
 
     def _watch(self) -> None:
@@ -118,9 +117,6 @@ class Reseeder:
         """
         self._used_py = self._used_py or random.getstate() != self._py
         self._used_np = self._used_np or not _same_np_state(np.random.get_state(), self._np)
-        if self._calls == self.WATCH:
-            self._reseed_py = self._used_py
-            self._reseed_np = self._used_np
 
 
 def _same_np_state(a: tuple, b: tuple) -> bool:
