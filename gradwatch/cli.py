@@ -113,6 +113,8 @@ def _add_demo(sub: Any) -> None:
             f"         are scaled x{defaults.grow_factor:g} (\"weights grow\") and its inputs cross {LATE_THRESHOLD:g}\n"
             f"  scale  {SCALE_FACTOR:g}x the true derivative from the first step\n"
             "  none   correct (no alert expected)\n"
+            "  missing-l2  a correct backward, but the training loop adds an L2 term the objective lacks and\n"
+            "         scales fc1.weight.grad x3 after backward (the training verdict catches it)\n"
             "Prints the checks and alerts as they happen, a per-tensor summary, and the\n"
             "`tensorboard --logdir ...` command to open the charts."
         ),
@@ -286,8 +288,14 @@ def _print_report(data: Any, rows: List[Dict[str, Any]], verbose: bool) -> None:
         print("(from event files: values are float32, verdicts re-derived with the default bands)")
     print()
     if rows:
+        print("backward (backprop against finite differences of the objective):")
         for line in summary.format_table(rows, unicode=uni):
             print("  " + line)
+        training = summary.summarize(data, "training")
+        if training:
+            print("training (the live .grad against the objective's gradient):")
+            for line in summary.format_table(training, unicode=uni):
+                print("  " + line)
         for line in summary.legend(data.bands, unicode=uni):
             print("  " + line)
     else:
@@ -306,7 +314,7 @@ def _print_alerts(alerts: List[Dict[str, Any]], bands: Any, details: Dict[Any, A
     print(f"{title} ({len(alerts)}):")
     width = max(len(str(a.get("tensor"))) for a in alerts)
     for a in alerts:
-        detail = details.get((int(a.get("step") or 0), str(a.get("tensor"))))
+        detail = details.get(summary.detail_key(a.get("step"), a.get("tensor"), a.get("part")))
         print("  " + summary.format_alert(a, bands=bands, detail=detail, name_width=width))
     shown = alerts if verbose else alerts[:1]
     print()
@@ -370,7 +378,7 @@ def _demo_config(args: argparse.Namespace) -> Tuple[GradWatchConfig, Optional[st
 class _DemoPrinter:
     """The demo's console output: a header, one line per (some) checks, alerts as they happen."""
 
-    HEAD = "   step    loss   acc  max|x|  worst tensor   judged rel_diff  verdict"
+    HEAD = "   step    loss   acc  max|x|  worst tensor   judged rel_diff  backward    training"
 
     def __init__(self, settings: Any, cfg: GradWatchConfig, names: List[str], out: Any = None) -> None:
         self.settings, self.cfg, self.out = settings, cfg, out or sys.stdout
@@ -385,7 +393,7 @@ class _DemoPrinter:
         print(text, file=self.out, flush=True)
 
     def header(self) -> None:
-        from .demo import LATE_THRESHOLD, SCALE_FACTOR
+        from .demo import GRAD_FACTOR, LATE_THRESHOLD, MISSING_L2, SCALE_FACTOR
 
         s, c = self.settings, self.cfg
         story = {
@@ -394,6 +402,9 @@ class _DemoPrinter:
                     "(\"weights grow\").",
             "scale": f"its backward is {SCALE_FACTOR:g}x the true derivative, from the first step.",
             "none": f"its backward is correct; no alert is expected, even after the weights grow at step {s.grow_at}.",
+            "missing-l2": f"its backward is correct, but the training loop adds {MISSING_L2:g} * ||p||^2 to the loss (a term\n"
+                          f"  the watch's objective lacks) and multiplies fc1.weight.grad by {GRAD_FACTOR:g} after backward(). The\n"
+                          "  backward verdict stays clean; the training verdict (live .grad vs the objective) catches both.",
         }[s.bug]
         regs = c.regularizers if isinstance(c.regularizers, dict) else None
         reg_text = ", ".join(f"{k} {v:g}" for k, v in regs.items()) if regs else "none"
@@ -409,6 +420,17 @@ class _DemoPrinter:
         self.p()
         self.p(self.HEAD)
 
+    @staticmethod
+    def _training_text(report: Any) -> str:
+        """The worst training verdict of a check (``-`` when the training part did not judge)."""
+        from . import summary
+
+        judged = [t for t in report.training.values() if t.verdict is not None]
+        if not judged:
+            return "-"
+        worst = max(judged, key=lambda t: t.verdict.rank)
+        return summary.verdict_text(worst.verdict.value)
+
     def grow(self, ev: Any) -> None:
         self.p(f"  {ev.step:5d}  weights grow: {' and '.join(ev.tensors)} x{ev.factor:g}; largest |x| into the "
                f"custom SiLU {ev.max_abs_before:.1f} -> {ev.max_abs_after:.1f}")
@@ -421,6 +443,9 @@ class _DemoPrinter:
             self.check_seconds += report.seconds
             for name, t in report.tensors.items():
                 self.details[(ev.step, name)] = {"verdict": t.verdict.value if t.verdict else None, "diagnosis": t.diagnosis}
+            for name, tc in report.training.items():
+                self.details[summary.detail_key(ev.step, name, "training")] = {
+                    "verdict": tc.verdict.value if tc.verdict else None, "diagnosis": tc.diagnosis}
         worst = report.worst if report is not None else None
         verdict = worst.verdict.value if worst is not None else None
         show = (
@@ -431,12 +456,13 @@ class _DemoPrinter:
         if show and report is not None:
             if worst is not None:
                 name = worst.name if worst.judged_rel_diff != 0 else "(none)"  # every checked tensor within the noise
-                w = f"{name:<{self.name_width}}  {summary.fmt(worst.judged_rel_diff):>15}  {summary.verdict_text(verdict)}"
+                w = (f"{name:<{self.name_width}}  {summary.fmt(worst.judged_rel_diff):>15}  "
+                     f"{summary.verdict_text(verdict):<10}  {self._training_text(report)}")
             else:
                 w = "no verdict" + (" (objective not finite)" if report.nonfinite else "")
             self.p(f"  {ev.step:5d}  {ev.loss:6.3f}  {ev.accuracy:4.2f}  {ev.max_abs_input:6.1f}  {w}")
         for a in ev.alerts:
-            detail = self.details.get((a.step, a.tensor))
+            detail = self.details.get(summary.detail_key(a.step, a.tensor, a.part))
             self.p("         ! " + summary.format_alert(a.to_dict(), bands=self.cfg.bands, detail=detail,
                                                       name_width=self.name_width))
         if ev.stopped:
@@ -499,8 +525,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     stop = f", stopped at step {data.check_steps[-1] if data.check_steps else 0} by raise_on" if result.stopped_early else ""
     p(f"Summary: {result.steps} steps, {_plural(result.checks, 'check')} in {result.seconds:.1f} s "
       f"(checks {printer.check_seconds:.1f} s), accuracy {result.final_accuracy:.0%}{stop}")
+    p("  backward (backprop against finite differences of the objective):")
     for line in summary.format_table(rows, unicode=uni):
         p("  " + line)
+    training_rows = summary.summarize(data, "training")
+    if training_rows:
+        p("  training (the live .grad against the objective's gradient):")
+        for line in summary.format_table(training_rows, unicode=uni):
+            p("  " + line)
     for line in summary.legend(cfg.bands, unicode=uni):
         p("  " + line)
     p()
@@ -514,12 +546,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
             p("  Here: fc1 feeds the custom SiLU, whose backward drops a term once |x| >= 3.")
         elif args.bug == "scale":
             p("  Here: fc1 feeds the custom SiLU, whose backward has a stray factor.")
+        elif args.bug == "missing-l2":
+            p("  Here: the training loss has an L2 term the objective lacks, and fc1.weight.grad is scaled after backward.")
     else:
         p("No alerts: every checked gradient agreed with its two-sided numerical estimate.")
     p()
     q = shlex.quote(str(log_dir))
     if cfg.tensorboard:
-        p("Charts (SCALARS: gradwatch/judged_rel_diff/*, CUSTOM SCALARS: gradwatch; TEXT: gradwatch/alerts):")
+        p("Charts (SCALARS: gradwatch/judged_rel_diff/* (backward), gradwatch/training/rel_diff/* (training); "
+          "CUSTOM SCALARS: gradwatch; TEXT: gradwatch/alerts):")
         p(f"  {runnable('tensorboard')} --logdir {q}")
     if cfg.tensorboard or cfg.jsonl:
         p("This summary again, later:")

@@ -50,6 +50,8 @@ OPTION_DOCS: Dict[str, str] = {
     "tensorboard": "write TensorBoard scalars and alert text",
     "jsonl": "write one JSON record per check and per alert to a JSONL file in log_dir",
     "regularizers": "extra objective terms: {l1: coef, l2: coef} (callables allowed from Python)",
+    "training": "also judge the gradient training applied: the live .grad against the objective's gradient, "
+    "recomputed on the live model as training computed it",
 }
 
 #: Options that belong to :class:`gradwatch.options.CheckOptions`.
@@ -118,6 +120,7 @@ class GradWatchConfig:
     tensorboard: bool = True
     jsonl: bool = True
     regularizers: Optional[Any] = None
+    training: bool = True
 
     def __post_init__(self) -> None:
         for key in _FLOAT_KEYS:
@@ -159,7 +162,7 @@ class GradWatchConfig:
             if not isinstance(self.log_dir, (str, os.PathLike)) or not str(os.fspath(self.log_dir)):
                 raise ConfigError(f"log_dir: got {self.log_dir!r}, expected a directory path or null")
             self.log_dir = str(os.fspath(self.log_dir))
-        for key in ("detect_kinks", "per_term", "tensorboard", "jsonl"):
+        for key in ("detect_kinks", "per_term", "tensorboard", "jsonl", "training"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}: got {getattr(self, key)!r}, expected true or false")
         self._validate_regularizers()

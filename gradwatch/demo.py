@@ -16,6 +16,10 @@ chosen by ``bug``:
   tensors feeding the activation (``fc1.weight``, ``fc1.bias``) go wrong.
 - ``"scale"``: off by a constant factor (1.5) from the first step.
 - ``"none"``: correct.
+- ``"missing-l2"``: the activation is correct, but the training loop has two
+  slips the training part of a check catches: its loss adds an L2 term
+  (``0.05 * ||p||^2``) that the watch's objective lacks, and it multiplies
+  ``fc1.weight.grad`` by 3 after ``backward()`` (a loss-scaling slip).
 
 This module does no argument parsing and prints nothing: :func:`run_demo`
 reports progress through callbacks and returns a :class:`DemoResult`;
@@ -42,7 +46,13 @@ from .report import CheckReport
 from .trend import Alert
 
 #: The stories ``--bug`` can tell.
-BUGS = ("late", "none", "scale")
+BUGS = ("late", "none", "scale", "missing-l2")
+#: Stories whose bug is in the training loop, not in the activation's backward.
+TRAINING_BUGS = ("missing-l2",)
+#: ``bug="missing-l2"``: the coefficient of the L2 term only the training loss has.
+MISSING_L2 = 0.05
+#: ``bug="missing-l2"``: the factor training applies to ``fc1.weight.grad`` after backward.
+GRAD_FACTOR = 3.0
 #: ``bug="late"``: the backward is wrong where ``|x| >=`` this.
 LATE_THRESHOLD = 3.0
 #: ``bug="scale"``: the backward is this many times the true derivative.
@@ -145,7 +155,7 @@ class SpiralNet(nn.Module):
     def __init__(self, hidden: int = 64, classes: int = 3, dropout: float = 0.1, bug: str = "none") -> None:
         super().__init__()
         self.fc1 = nn.Linear(2, hidden)
-        self.act = CustomSiLU(bug)
+        self.act = CustomSiLU("none" if bug in TRAINING_BUGS else bug)
         self.fc2 = nn.Linear(hidden, hidden)
         self.bn = nn.BatchNorm1d(hidden)
         self.drop = nn.Dropout(dropout)
@@ -170,7 +180,7 @@ class DemoSettings:
     """Everything about the demo's training run that is not a GradWatch option.
 
     Attributes:
-        bug: ``"late"``, ``"scale"`` or ``"none"``.
+        bug: ``"late"``, ``"scale"``, ``"none"`` or ``"missing-l2"``.
         steps: Optimizer steps.
         seed: Seeds the data, the initialization and the batches.
         grow_at: Step at which the first layer's weights are multiplied by
@@ -313,11 +323,15 @@ def run_demo(
             max_abs = model.act.last_max_abs_input
             for reg in regularizers.values():
                 loss = loss + reg(model)
+            if settings.bug == "missing-l2":  # slip 1: an L2 term the watch's objective lacks
+                loss = loss + MISSING_L2 * sum(p.pow(2).sum() for p in model.parameters())
             loss.backward()
+            if settings.bug == "missing-l2":  # slip 2: a loss-scaling slip on one gradient
+                model.fc1.weight.grad.mul_(GRAD_FACTOR)
             loss_value = float(loss.detach())
             seen = len(watch.alerts)
             try:
-                report = watch.step(batch, global_step=step)
+                report = watch.step(batch, global_step=step, loss=loss)
             except GradientDriftError as err:  # raise_on matched: the alerts are logged, training stops
                 stopped = err
                 checks += 1

@@ -153,8 +153,13 @@ class DistributedCoordinator:
         """This rank's round-robin share of the tensors chosen for a check."""
         return list(names[self.rank :: self.world_size])
 
-    def run(self, watch: "GradWatch", step: int, batch: Any, scheduled: bool = True) -> Optional[CheckReport]:
+    def run(self, watch: "GradWatch", step: int, batch: Any, scheduled: bool = True, pending: Any = None) -> Optional[CheckReport]:
         """One distributed check: local share, gather, merge, then the usual trend/sink/alert path.
+
+        The backward part is sharded by tensor. The training part runs on every rank for every
+        watched tensor (one forward and backward of the local batch): the replayed gradients are
+        averaged over the ranks, as DDP averages the live ``.grad``, so a gradient that was not
+        synchronized differs from the reference.
 
         Every rank must call it at the same step (``GradWatch.step`` ensures that; a direct
         ``GradWatch.check`` must be called on every rank alike).
@@ -168,15 +173,20 @@ class DistributedCoordinator:
         names = rotate(watch._watched_names(), per_rank * self.world_size if per_rank > 0 else 0, watch._counts)
         mine = self.share(names)
         opts = dataclasses.replace(watch._check_options, seed=watch._check_options.seed + watch._checks)
-        payload: Dict[str, Any] = {"rank": self.rank, "report": None, "error": None}
+        payload: Dict[str, Any] = {"rank": self.rank, "report": None, "error": None, "training": None}
         start = time.perf_counter()
+        replay = None
         try:
+            replay = watch._training_replay(pending)
+            if replay is not None:
+                payload["training"] = (replay.grads is not None, replay.reason)
             if mine:
-                if opts.dtype is not None and (watch._shadow is None or not watch._shadow.matches(watch.model)):
-                    watch._shadow = Shadow(watch.model, opts.dtype)
-                payload["report"] = run_model_check(
-                    watch.model, watch.objective, batch, opts, grad_fn=watch.grad_fn, names=mine, shadow=watch._shadow
-                )
+                with watch._recorder_paused():
+                    if opts.dtype is not None and (watch._shadow is None or not watch._shadow.matches(watch.model)):
+                        watch._shadow = Shadow(watch.model, opts.dtype)
+                    payload["report"] = run_model_check(
+                        watch.model, watch.objective, batch, opts, grad_fn=watch.grad_fn, names=mine, shadow=watch._shadow
+                    )
         except Exception as exc:  # noqa: BLE001 - reported to every rank through the gather
             logger.error("gradwatch: the check at step %d raised on rank %d; training goes on:\n%s",
                          step, self.rank, traceback.format_exc())
@@ -199,6 +209,8 @@ class DistributedCoordinator:
         reports = [(g["rank"], g["report"]) for g in gathered if g["report"] is not None]
         errors = [f"rank {g['rank']}: {g['error']}" for g in gathered if g["error"] is not None]
         merged = merge_reports(reports, names, opts) if reports else None
+        if merged is not None:
+            self._training(watch, merged, replay, [g.get("training") for g in gathered])
         alerts = []
         if merged is not None:
             merged.notes[:0] = watch.notes
@@ -211,6 +223,35 @@ class DistributedCoordinator:
             alerts.extend([alert] if alert is not None else [])
         watch._emit(step, merged, alerts, seconds)
         return merged
+
+    def _training(self, watch: "GradWatch", merged: CheckReport, replay: Any, statuses: List[Any]) -> None:
+        """The training part on every rank alike: average the replayed gradients, judge the live ``.grad``."""
+        if replay is None or any(s is None for s in statuses):
+            if any(s is not None for s in statuses):
+                merged.training_note = "not judged: the replay failed on another rank"
+            return
+        failed = [(rank, s[1]) for rank, s in enumerate(statuses) if not s[0]]
+        if failed:
+            rank, reason = failed[0]
+            merged.training_note = f"rank {rank}: {reason}"
+            return
+        import torch
+
+        grads = replay.grads
+        try:
+            flat = torch.cat([g.detach().reshape(-1).to("cpu", torch.float64) for g in grads.values()])
+            dist.all_reduce(flat, group=self.group)
+            flat /= self.world_size
+        except Exception as exc:  # noqa: BLE001 - a collective that fails must not stop training
+            merged.training_note = f"not judged: averaging the replayed gradients over the ranks failed ({type(exc).__name__}: {exc})"
+            return
+        averaged, offset = {}, 0
+        for name, g in grads.items():
+            averaged[name] = flat[offset:offset + g.numel()].reshape(g.shape).to(g.device, g.dtype)
+            offset += g.numel()
+        watch._attach_training(merged, replay, averaged)
+        merged.training_note = ((merged.training_note + "; ") if merged.training_note else "") + (
+            f"the reference is averaged over {self.world_size} ranks, as DDP averages .grad")
 
     def _gather(self, payload: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
         """``all_gather_object`` behind a monitored barrier; None (and ``broken`` set) when a rank is missing."""

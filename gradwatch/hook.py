@@ -8,13 +8,14 @@ deterministic, side-effect free) -> trend tracker (alerts) -> sinks
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -28,11 +29,13 @@ from .errors import GradientDriftError
 from .numeric import Verdict
 from .objective import Objective, coupled_weight_decay
 from .records import check_record, run_record
-from .report import CheckReport
+from .replay import ForwardRecorder, Replay, Step, replay_step
+from .report import CheckReport, TrainingCheck
 from .sampling import coverage as coverage_of
 from .sampling import match_names, rotate
 from .schedule import Schedule
 from .sinks import SinkSet, build_sinks
+from .training import compute_dtype, judge_training, tolerance_for
 from .trend import Alert
 
 logger = logging.getLogger("gradwatch")
@@ -54,12 +57,22 @@ class GradWatch:
     """Watches a training run for wrong gradients.
 
     Call :meth:`step` once per optimizer step, after ``loss.backward()`` and
-    before ``optimizer.step()``. At the first step and then on the schedule
-    (``every=N`` or ``every="auto"`` within ``overhead_budget``) it checks a
-    rotating subset of parameter tensors against two-sided numerical
-    gradients of the full objective (loss + regularizers + coupled weight
-    decay), on a float64 shadow copy with dropout off, and logs the trend
-    per tensor. Training is left exactly as it would have been: parameters,
+    before gradient clipping and ``optimizer.step()``. At the first step and
+    then on the schedule (``every=N`` or ``every="auto"`` within
+    ``overhead_budget``) a check gives two verdicts per tensor:
+
+    - **backward**: a rotating subset of parameter tensors against two-sided
+      numerical gradients of the full objective (loss + regularizers + coupled
+      weight decay), on a float64 shadow copy with dropout off: are the
+      backward formulas right?
+    - **training** (``training=True``, the default): every watched tensor's live
+      ``.grad`` against the objective's gradient recomputed the way training
+      computed it (live model and dtype, the same dropout masks and autocast
+      state; see :mod:`gradwatch.replay`): is the gradient training applies the
+      gradient of the objective?
+
+    Under gradient accumulation call :meth:`accumulate` after each micro-batch's
+    backward. Training is left exactly as it would have been: parameters,
     ``.grad``, buffers and RNG streams are not touched.
 
     Args:
@@ -147,6 +160,9 @@ class GradWatch:
         self._wall_before = 0.0
         self._shadow: Optional[Shadow] = None
         self._closed = False
+        # Training part: a forward pre-hook records what each training forward started from.
+        self._recorder: Optional[ForwardRecorder] = ForwardRecorder(model) if self.config.training else None
+        self._last_micro: Any = None  # training=False: the last batch given to accumulate()
         self.sinks.write_run(run_record(self.config.to_dict(), _version))
 
     # ------------------------------------------------------------------ construction
@@ -204,11 +220,19 @@ class GradWatch:
         return match_names(trainable_names(self.model), self._check_options.tensors)
 
     # ------------------------------------------------------------------ the loop
-    def step(self, batch: Any, *, global_step: Optional[int] = None) -> Optional[CheckReport]:
-        """Call once per optimizer step; runs a check when the schedule says so.
+    def step(self, batch: Any = None, *, loss: Any = None, global_step: Optional[int] = None) -> Optional[CheckReport]:
+        """Call once per optimizer step, after backward and before clipping and ``optimizer.step()``.
+
+        Runs a check when the schedule says so.
 
         Args:
-            batch: The current batch, passed untouched to ``loss_fn``.
+            batch: The current batch, passed untouched to ``loss_fn`` (under gradient
+                accumulation: the last micro-batch, or None when every micro-batch was
+                given to :meth:`accumulate`).
+            loss: Optional: the value of ``loss_fn(model, batch)`` plus regularizers that training
+                computed for this batch (a tensor or float; read only when a check runs). The
+                training part then also says when training's loss differs from the objective's,
+                and it verifies the replay where no forward of the model was seen.
             global_step: Step number to log under (default: an internal counter).
 
         Returns:
@@ -226,8 +250,11 @@ class GradWatch:
         self._step = step + 1
         try:
             if not (self.schedule.due(step) if self.dist is None else self.dist.due(step, self.schedule)):
+                if self._recorder is not None:
+                    self._recorder.discard()
                 return None
-            return self._run(step, batch)
+            pending = self._take(batch, loss)
+            return self._run(step, pending.micro[-1].batch, pending=pending)
         finally:
             end = time.perf_counter()
             self._monitor_seconds += end - now
@@ -242,22 +269,79 @@ class GradWatch:
         step = self._step if global_step is None else int(global_step)
         start = time.perf_counter()
         try:
-            return self._run(step, batch, scheduled=False)
+            pending = self._take(batch, None)
+            return self._run(step, pending.micro[-1].batch, scheduled=False, pending=pending)
         finally:
             self._monitor_seconds += time.perf_counter() - start
 
-    def _run(self, step: int, batch: Any, scheduled: bool = True) -> Optional[CheckReport]:
+    def accumulate(self, batch: Any, *, loss: Any = None) -> None:
+        """Gradient accumulation: call after each micro-batch's backward, then :meth:`step` once.
+
+        The training part then compares ``.grad`` with the mean of the objective's gradients
+        over the step's micro-batches (the usual ``loss / accumulation_steps``). Without these
+        calls, a step whose ``.grad`` holds several micro-batches is recorded as
+        "skipped: accumulating", never as wrong.
+
+        Args:
+            batch: The micro-batch, as passed to ``loss_fn``.
+            loss: Optional: training's value of ``loss_fn(model, batch)`` plus regularizers, before
+                any division by the number of micro-batches.
+
+        Example:
+            >>> model = nn.Linear(3, 1)
+            >>> loss_fn = lambda m, b: m(b).pow(2).mean()
+            >>> watch = GradWatch(model, loss_fn, every=1, tensorboard=False, jsonl=False)
+            >>> micro = [torch.randn(4, 3) for _ in range(2)]
+            >>> for mb in micro:
+            ...     (loss_fn(model, mb) / 2).backward()
+            ...     watch.accumulate(mb)
+            >>> report = watch.step()
+            >>> report.training["weight"].verdict.value
+            'excellent'
+        """
+        if self._recorder is not None:
+            self._recorder.close_micro_batch(batch, loss)
+        else:
+            self._last_micro = batch
+
+    def start_batch(self) -> None:
+        """For integrations: a micro-batch's ``loss_fn`` starts now, with no random draw before it.
+
+        The replay of the training part can then start every generator from here (see
+        :mod:`gradwatch.replay`), even when training never calls the model's own forward.
+        """
+        if self._recorder is not None:
+            self._recorder.mark(exact=True)
+
+    def _take(self, batch: Any, loss: Any) -> Step:
+        """The step's micro-batches for a check (the recorded ones, or just ``batch``)."""
+        if self._recorder is not None:
+            pending = self._recorder.take(batch, loss)
+        else:
+            from .replay import MicroBatch, StartState
+
+            last = batch if batch is not None else self._last_micro
+            pending = Step([MicroBatch(last, loss, StartState.now())])
+        self._last_micro = None
+        if pending.micro[-1].batch is None:
+            raise TypeError("GradWatch.step() needs the batch (or GradWatch.accumulate(micro_batch) calls before it)")
+        return pending
+
+    def _run(self, step: int, batch: Any, scheduled: bool = True, pending: Optional[Step] = None) -> Optional[CheckReport]:
         if self._closed:
             raise RuntimeError("GradWatch is closed; create a new one to keep monitoring")
         if self.dist is not None:
-            return self.dist.run(self, step, batch, scheduled=scheduled)
+            return self.dist.run(self, step, batch, scheduled=scheduled, pending=pending)
         names = rotate(self._watched_names(), self.config.tensors_per_check, self._counts)
         opts = dataclasses.replace(self._check_options, seed=self._check_options.seed + self._checks)
         start = time.perf_counter()
         try:
-            if self._check_options.dtype is not None and (self._shadow is None or not self._shadow.matches(self.model)):
-                self._shadow = Shadow(self.model, self._check_options.dtype)
-            report = run_model_check(self.model, self.objective, batch, opts, grad_fn=self.grad_fn, names=names, shadow=self._shadow)
+            replay = self._training_replay(pending)
+            with self._recorder_paused():
+                if self._check_options.dtype is not None and (self._shadow is None or not self._shadow.matches(self.model)):
+                    self._shadow = Shadow(self.model, self._check_options.dtype)
+                report = run_model_check(self.model, self.objective, batch, opts, grad_fn=self.grad_fn, names=names, shadow=self._shadow)
+            self._attach_training(report, replay)
         except Exception as exc:  # noqa: BLE001 - the user's code raised: log it, keep training
             seconds = time.perf_counter() - start
             self.schedule.record_check(step, seconds, scheduled)
@@ -274,6 +358,76 @@ class GradWatch:
         alerts = self.tracker.update(step, report)
         self._emit(step, report, alerts, seconds)
         return report
+
+    # ------------------------------------------------------------------ the training part
+    @contextlib.contextmanager
+    def _recorder_paused(self) -> Iterator[None]:
+        """The backward part's evaluations (in place with ``dtype=None``) are not training forwards."""
+        if self._recorder is None:
+            yield
+            return
+        self._recorder.paused = True
+        try:
+            yield
+        finally:
+            self._recorder.paused = False
+
+    def _training_params(self) -> Dict[str, torch.Tensor]:
+        named = dict(self.model.named_parameters())
+        return {n: named[n] for n in self._watched_names()}
+
+    def _training_replay(self, pending: Optional[Step]) -> Optional[Replay]:
+        """The objective's gradient recomputed as training computed it (None when the part is off).
+
+        An exception of ``loss_fn`` in the replay propagates: the check is skipped with an error alert.
+        """
+        if self._recorder is None or pending is None:
+            return None
+        params = self._training_params()
+        plist = list(params.values())
+        if all(p.grad is None for p in plist):
+            return Replay(None, None, None, "not judged: no watched parameter has a .grad yet (watch.step or check "
+                                            "before the first backward)")
+        model = self.model
+
+        def grad_of(total: torch.Tensor, batch: Any) -> Dict[str, torch.Tensor]:
+            if self.grad_fn is not None:
+                from .check import _validate_grads
+
+                return _validate_grads(self.grad_fn(model, batch), params, "grad_fn")
+            if not total.requires_grad:
+                return {n: torch.zeros_like(p) for n, p in params.items()}
+            gs = torch.autograd.grad(total, plist, allow_unused=True)
+            return {n: torch.zeros_like(p) if g is None else g.detach() for (n, p), g in zip(params.items(), gs)}
+
+        records = [r for mb in pending.micro for r in mb.records]
+        autocast = records[0].autocast if records else ()
+        worst = compute_dtype(max((p.dtype for p in plist), key=tolerance_for, default=torch.float32), autocast)
+        replay = replay_step(model, self._recorder, pending, self.objective.training_total, grad_of, params,
+                             loss_tolerance=10 * tolerance_for(worst))
+        replay.autocast = autocast
+        return replay
+
+    def _attach_training(self, report: CheckReport, replay: Optional[Replay],
+                         grads: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        """Judge every watched tensor's live ``.grad`` against the replayed gradient; fills ``report.training``."""
+        if replay is None:
+            return
+        if replay.grads is None:
+            report.training_note = replay.reason
+            return
+        grads = grads if grads is not None else replay.grads
+        for n, p in self._training_params().items():
+            report.training[n] = judge_training(n, p.grad, grads[n], p, compute_dtype(p.dtype, replay.autocast),
+                                                self._check_options.bands, self._check_options.fail_at)
+        notes = [f"replayed from the {replay.how} RNG state" if replay.how else ""]
+        if replay.loss_gap is not None:
+            given, replayed = replay.loss_gap
+            notes.append(
+                f"training's loss {given:.6g} differs from the objective's {replayed:.6g} at the same point "
+                f"(by {given - replayed:+.3g}): the training loss has a term the objective lacks, or the reverse"
+            )
+        report.training_note = "; ".join(n for n in notes if n) or None
 
     def _emit(self, step: int, report: Optional[CheckReport], alerts: List[Alert], seconds: float) -> None:
         if report is not None:
@@ -338,9 +492,11 @@ class GradWatch:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Flush and close the sinks (idempotent)."""
+        """Flush and close the sinks and remove the forward hook from the model (idempotent)."""
         if not self._closed:
             self._closed = True
+            if self._recorder is not None:
+                self._recorder.close()
             self.sinks.close()
             if self.dist is not None:
                 self.dist.close()

@@ -160,6 +160,23 @@ class Objective:
             out.update(self.param_terms(model))
         return out
 
+    def training_total(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """The loss and every regularizer, summed: what training's ``.grad`` is the gradient of.
+
+        Coupled weight decay is left out: the optimizer adds it inside ``step()``, after ``.grad``.
+
+        Example:
+            >>> m = nn.Linear(2, 1)
+            >>> obj = Objective(lambda mod, b: mod(b).sum(), {"l2": 0.1}, weight_decay={"weight": 0.5})
+            >>> bool(obj.training_total(m, torch.ones(1, 2)) == obj.terms(m, torch.ones(1, 2))["loss"]
+            ...      + obj.terms(m, torch.ones(1, 2))["l2"])
+            True
+        """
+        total = _scalar("loss_fn", self.loss_fn(model, batch))
+        for name, reg in self.regularizers.items():
+            total = total + _scalar(f"regularizer {name!r}", reg(model))
+        return total
+
     def param_terms(self, model: nn.Module) -> Dict[str, torch.Tensor]:
         """The terms that read only the parameters: each regularizer, and ``"weight_decay"`` when present."""
         out: Dict[str, torch.Tensor] = {}

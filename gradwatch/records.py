@@ -36,8 +36,13 @@ TENSOR_FIELDS = (
 
 #: Per-tensor metrics written to TensorBoard as ``gradwatch/<metric>/<param>``.
 TENSOR_METRICS = ("rel_diff", "directional_rel_diff", "max_rel_error", "judged_rel_diff")
+#: Per-tensor fields of the training part (``record["training"][name]``), in this order.
+TRAINING_FIELDS = ("rel_diff", "max_rel_error", "judged_rel_diff", "verdict", "tolerance", "dtype", "ratio",
+                   "param_coef", "diagnosis", "inconclusive", "live_grad")
+#: Training metrics written to TensorBoard as ``gradwatch/training/<metric>/<param>``.
+TRAINING_METRICS = ("rel_diff", "judged_rel_diff")
 
-ALERT_FIELDS = ("step", "tensor", "kind", "severity", "value", "baseline", "message")
+ALERT_FIELDS = ("step", "tensor", "kind", "severity", "value", "baseline", "message", "part")
 
 ALERTS_COUNT_TAG = "gradwatch/alerts/count"
 ALERTS_TEXT_TAG = "gradwatch/alerts"
@@ -65,8 +70,9 @@ def check_record(
     Returns:
         ``{"type": "check", "step", "time", "seconds", "overhead_fraction", "evaluations",
         "objective", "terms", "dtype", "seed", "ok", "nondeterministic", "nonfinite", "kinks",
-        "notes", "tensors": {name: {...TENSOR_FIELDS}}, "summary": {"rel_diff_median",
-        "rel_diff_p95", "rel_diff_max"}, "coverage": {...}}``.
+        "notes", "tensors": {name: {...TENSOR_FIELDS}} (the backward part), "training": {name:
+        {...TRAINING_FIELDS}} (the training part), "training_note", "summary": {"rel_diff_median",
+        "rel_diff_p95", "rel_diff_max", "training_rel_diff_max"}, "coverage": {...}}``.
 
     Example:
         >>> from gradwatch import CheckReport, TensorCheck
@@ -101,6 +107,12 @@ def check_record(
         }
     else:
         summary = {"rel_diff_median": None, "rel_diff_p95": None, "rel_diff_max": None}
+    training: Dict[str, Dict[str, Any]] = {}
+    for name, tc in report.training.items():
+        d = tc.to_dict()
+        training[name] = {key: d[key] for key in TRAINING_FIELDS}
+    finite_training = [float(tc.rel_diff) for tc in report.training.values() if math.isfinite(tc.rel_diff)]
+    summary["training_rel_diff_max"] = max(finite_training) if finite_training else None
     return {
         "type": "check",
         "step": int(step),
@@ -118,6 +130,8 @@ def check_record(
         "kinks": report.kinks,
         "notes": list(report.notes),
         "tensors": tensors,
+        "training": training,
+        "training_note": report.training_note,
         "summary": summary,
         "coverage": {str(k): int(v) for k, v in (coverage or {}).items()},
     }
@@ -186,8 +200,10 @@ def run_record(options: Mapping[str, Any], version: str, *, wall_time: Optional[
 def scalars_from_check(record: Mapping[str, Any]) -> List[Tuple[str, float]]:
     """TensorBoard scalars of one check record, as ``(tag, value)`` pairs.
 
-    Tags: ``gradwatch/{rel_diff,directional_rel_diff,max_rel_error,judged_rel_diff}/<param>``,
-    ``gradwatch/summary/rel_diff_{median,p95,max}``, ``gradwatch/overhead/{seconds,fraction}``.
+    Tags: ``gradwatch/{rel_diff,directional_rel_diff,max_rel_error,judged_rel_diff}/<param>`` (the backward
+    part), ``gradwatch/training/{rel_diff,judged_rel_diff}/<param>`` (the training part),
+    ``gradwatch/summary/rel_diff_{median,p95,max}``, ``gradwatch/summary/training_rel_diff_max``,
+    ``gradwatch/overhead/{seconds,fraction}``.
     None and non-finite values are skipped. ``gradwatch/alerts/count`` is not here: it
     depends on the alerts, which the sink is given separately.
 
@@ -208,8 +224,11 @@ def scalars_from_check(record: Mapping[str, Any]) -> List[Tuple[str, float]]:
     for name, t in (record.get("tensors") or {}).items():
         for metric in TENSOR_METRICS:
             add(f"gradwatch/{metric}/{name}", t.get(metric))
+    for name, t in (record.get("training") or {}).items():
+        for metric in TRAINING_METRICS:
+            add(f"gradwatch/training/{metric}/{name}", t.get(metric))
     summary = record.get("summary") or {}
-    for key in ("rel_diff_median", "rel_diff_p95", "rel_diff_max"):
+    for key in ("rel_diff_median", "rel_diff_p95", "rel_diff_max", "training_rel_diff_max"):
         add(f"gradwatch/summary/{key}", summary.get(key))
     add("gradwatch/overhead/seconds", record.get("seconds"))
     add("gradwatch/overhead/fraction", record.get("overhead_fraction"))
@@ -235,6 +254,8 @@ def custom_scalars_layout(param_names: Iterable[str] = ()) -> Dict[str, Dict[str
             "directional rel_diff per tensor": ["Multiline", ["gradwatch/directional_rel_diff/.*"]],
             "max_rel_error per tensor": ["Multiline", ["gradwatch/max_rel_error/.*"]],
             "judged rel_diff per tensor": ["Multiline", ["gradwatch/judged_rel_diff/.*"]],
+            "training rel_diff per tensor (live .grad vs objective)": ["Multiline", ["gradwatch/training/rel_diff/.*"]],
+            "training judged rel_diff per tensor": ["Multiline", ["gradwatch/training/judged_rel_diff/.*"]],
             "rel_diff summary": ["Multiline", ["gradwatch/summary/.*"]],
             "overhead": ["Multiline", ["gradwatch/overhead/.*"]],
             "alerts": ["Multiline", [ALERTS_COUNT_TAG]],

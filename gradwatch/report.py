@@ -83,6 +83,69 @@ class TensorCheck:
 
 
 @dataclass
+class TrainingCheck:
+    """The training part of a check for one tensor: the live ``.grad`` against the objective's gradient.
+
+    The objective's gradient is recomputed the way training computed it (live model, its dtype
+    and device, the same dropout masks and autocast state; see :mod:`gradwatch.replay`) and
+    compared with the gradient training applied over every element.
+
+    Attributes:
+        name: Parameter name.
+        shape: Shape of the tensor.
+        dtype: Precision training computed in (the autocast dtype, else the parameter's).
+        tolerance: Relative difference that rounding alone can cause in ``dtype``; within it, 0.
+        rel_diff: ``||live - objective|| / (||live|| + ||objective||)`` over all elements.
+        max_rel_error: Element-wise worst case.
+        judged_rel_diff: ``rel_diff``, or 0 when within ``tolerance``; it decides the verdict.
+        verdict: Band of ``judged_rel_diff``; None when inconclusive.
+        failed: True when the verdict is at or beyond the report's ``fail_at``.
+        ratio: Training's gradient over the objective's, when a constant ratio (or ratio plus
+            a multiple of the parameter) explains the difference.
+        param_coef: The coefficient ``b`` of ``b * p`` in that explanation (an L2 term is ``b / 2``).
+        diagnosis: What differs, in words a person acts on.
+        inconclusive: Why no verdict was given (replay not verified, non-finite ``.grad``).
+        live_grad: False when the parameter had no ``.grad``.
+
+    Example:
+        >>> TrainingCheck(name="w", shape=(2,)).verdict is None
+        True
+    """
+
+    name: str
+    shape: tuple
+    dtype: str = "float32"
+    tolerance: float = 0.0
+    rel_diff: float = float("nan")
+    max_rel_error: float = float("nan")
+    judged_rel_diff: float = float("nan")
+    verdict: Optional[Verdict] = None
+    failed: bool = False
+    ratio: Optional[float] = None
+    param_coef: Optional[float] = None
+    diagnosis: Optional[str] = None
+    inconclusive: Optional[str] = None
+    live_grad: bool = True
+
+    def to_dict(self) -> Dict[str, Any]:
+        """JSON-serializable dict (non-finite numbers as ``"nan"``/``"inf"`` strings)."""
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        d["verdict"] = self.verdict.value if self.verdict is not None else None
+        for key in ("tolerance", "rel_diff", "max_rel_error", "judged_rel_diff", "ratio", "param_coef"):
+            d[key] = json_float(d[key])
+        return d
+
+    def describe(self) -> str:
+        """One line on this tensor's training verdict, for failure messages."""
+        verdict = self.verdict.value.upper() if self.verdict is not None else "INCONCLUSIVE"
+        text = (f"{self.name} (training): {verdict} (rel_diff {_fmt(self.rel_diff)} of the live .grad against the "
+                f"objective's gradient, {self.dtype} tolerance {self.tolerance:.0e})")
+        extra = self.diagnosis or self.inconclusive
+        return f"{text}; {extra}" if extra else text
+
+
+@dataclass
 class CheckReport:
     """Everything one gradient check found.
 
@@ -119,6 +182,13 @@ class CheckReport:
     notes: List[str] = field(default_factory=list)
     term_checks: Dict[str, Dict[str, TensorCheck]] = field(default_factory=dict)
     localized: List[Any] = field(default_factory=list)
+    training: Dict[str, TrainingCheck] = field(default_factory=dict)
+    training_note: Optional[str] = None
+
+    @property
+    def training_failures(self) -> List[TrainingCheck]:
+        """Tensors whose training verdict is ``fail_at`` or worse, worst first."""
+        return sorted((t for t in self.training.values() if t.failed), key=lambda t: t.judged_rel_diff, reverse=True)
 
     @property
     def failures(self) -> List[TensorCheck]:
@@ -127,8 +197,8 @@ class CheckReport:
 
     @property
     def ok(self) -> bool:
-        """True when nothing failed and the check was conclusive (finite, deterministic)."""
-        return not self.failures and not self.nonfinite and not self.nondeterministic
+        """True when neither part failed (backward, training) and the check was conclusive (finite, deterministic)."""
+        return not self.failures and not self.training_failures and not self.nonfinite and not self.nondeterministic
 
     @property
     def worst(self) -> Optional[TensorCheck]:
@@ -165,6 +235,9 @@ class CheckReport:
                 for term, checks in self.term_checks.items()
             },
             "localized": [l.to_dict() if hasattr(l, "to_dict") else l for l in self.localized],
+            "training": {name: t.to_dict() for name, t in self.training.items()},
+            "training_note": self.training_note,
+            "training_failures": [t.name for t in self.training_failures],
         }
 
     def raise_for_failures(self) -> "CheckReport":
@@ -190,7 +263,9 @@ class CheckReport:
                 "could not switch to deterministic behaviour)"
             )
         for t in self.failures:
-            lines.append(describe_failure(t))
+            lines.append("(backward) " + describe_failure(t))
+        for tc in self.training_failures:
+            lines.append(tc.describe())
         lines.extend(_localized_lines(self.localized, failed_only=True))
         return "gradient check failed:\n" + "\n".join(f"  - {line}" for line in lines)
 
@@ -232,7 +307,24 @@ class CheckReport:
         extra.extend(self.notes)
         if any(t.verdict is not None for t in rows):
             extra.append("judged = rel_diff beyond the finite-difference noise floor; it decides the verdict")
-        return "\n".join([summary, *lines, *_localized_lines(self.localized), *("note: " + e for e in extra)])
+        return "\n".join([summary, *lines, *_localized_lines(self.localized), *self._training_lines(),
+                          *("note: " + e for e in extra)])
+
+    def _training_lines(self) -> List[str]:
+        """The training part as a table: the live ``.grad`` against the objective's gradient."""
+        if not self.training:
+            return [f"training: {self.training_note}"] if self.training_note else []
+        rows = sorted(self.training.values(), key=lambda t: -1.0 if t.verdict is None else t.judged_rel_diff, reverse=True)
+        table = [("tensor", "training", "judged", "rel_diff", "tolerance", "diagnosis")]
+        for t in rows:
+            verdict = t.verdict.value.upper() if t.verdict is not None else "INCONCLUSIVE"
+            table.append((t.name, verdict, _fmt(t.judged_rel_diff), _fmt(t.rel_diff), f"{t.tolerance:.0e}",
+                          t.diagnosis or t.inconclusive or ""))
+        widths = [max(len(r[i]) for r in table) for i in range(len(table[0]) - 1)]
+        out = ["training part (live .grad vs the objective's gradient" + (f"; {self.training_note}" if self.training_note else "") + "):"]
+        for r in table:
+            out.append("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + ("  " + r[-1] if r[-1] else ""))
+        return out
 
 
 def _localized_lines(localized: List[Any], failed_only: bool = False) -> List[str]:

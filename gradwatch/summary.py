@@ -64,6 +64,8 @@ class RunData:
     warnings: List[str] = field(default_factory=list)
     bands: Tuple[float, float, float] = DEFAULT_BANDS
     check_steps: List[int] = field(default_factory=list)
+    #: The training part's history (live ``.grad`` against the objective's gradient), same shape as ``history``.
+    training: History = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------- reading
@@ -98,9 +100,12 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
     steps: List[int] = []
     runs = 0
     notes = list(warnings)
+    training: History = {}
     for number, rec in enumerate(records, start=1):
         try:
             runs += _add_record(rec, history, alerts, details, steps)
+            if rec.get("type") == "check":
+                _add_training(rec, training, details)
         except (TypeError, ValueError, AttributeError, KeyError) as err:
             notes.append(f"{path or 'the log'}: record {number} ({str(rec.get('type'))!r}) is malformed "
                          f"({type(err).__name__}: {err}); skipped")
@@ -111,7 +116,17 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
                 bands = tuple(float(b) for b in opt_bands)  # type: ignore[assignment]
     if runs > 1:
         notes.append(f"{path or 'the log'} holds {runs} runs (appended or resumed); all of them are reported")
-    return RunData(history, alerts, details, "jsonl", path, notes, bands, steps)
+    return RunData(history, alerts, details, "jsonl", path, notes, bands, steps, training)
+
+
+def _add_training(rec: Mapping[str, Any], training: History, details: Dict[Tuple[int, str], Dict[str, Any]]) -> None:
+    """File the training part of a ``check`` record (absent in logs written before it existed)."""
+    step = int(rec["step"])
+    for name, t in (rec.get("training") or {}).items():
+        training.setdefault(str(name), []).append(
+            {"step": step, "judged_rel_diff": _num(t.get("judged_rel_diff")), "rel_diff": _num(t.get("rel_diff")),
+             "verdict": t.get("verdict")})
+        details[detail_key(step, name, "training")] = {"verdict": t.get("verdict"), "diagnosis": t.get("diagnosis")}
 
 
 def _add_record(rec: Mapping[str, Any], history: History, alerts: List[Dict[str, Any]],
@@ -144,7 +159,8 @@ def from_watch(watch: Any, details: Optional[Dict[Tuple[int, str], Dict[str, Any
     alerts = [a.to_dict() for a in watch.alerts]
     history = watch.history
     steps = sorted({r["step"] for records in history.values() for r in records})
-    return RunData(history, alerts, dict(details or {}), "memory", None, [], tuple(watch.config.bands), steps)
+    return RunData(history, alerts, dict(details or {}), "memory", None, [], tuple(watch.config.bands), steps,
+                   watch.tracker.training_history)
 
 
 def event_files(directory: Path) -> List[Path]:
@@ -274,11 +290,14 @@ def _worst(values: List[Optional[float]]) -> Optional[float]:
     return max(vals, key=lambda v: v if math.isfinite(v) else math.inf)
 
 
-def summarize(data: RunData) -> List[Dict[str, Any]]:
+def summarize(data: RunData, part: str = "backward") -> List[Dict[str, Any]]:
     """One row per tensor: ``tensor, checks, first, last, worst`` (judged rel_diff over checks with
     a verdict), ``first_rel_diff, last_rel_diff, worst_rel_diff``, ``verdict`` (last check's),
     ``worst_verdict``, ``alerts``, ``verdicts`` (one per check), plus a ``"*"`` row when
     whole-check alerts exist.
+
+    ``part="backward"`` (the default) summarizes ``data.history`` and the backward part's alerts;
+    ``part="training"`` summarizes ``data.training`` and the training part's alerts.
 
     Example:
         >>> data = RunData({"w": [{"step": 0, "judged_rel_diff": 1e-9, "rel_diff": 1e-9, "verdict": "excellent"},
@@ -289,9 +308,10 @@ def summarize(data: RunData) -> List[Dict[str, Any]]:
     """
     counts: Dict[str, int] = {}
     for a in data.alerts:
-        counts[str(a.get("tensor"))] = counts.get(str(a.get("tensor")), 0) + 1
+        if a.get("part", "backward") == part:
+            counts[str(a.get("tensor"))] = counts.get(str(a.get("tensor")), 0) + 1
     rows = []
-    for name, entries in data.history.items():
+    for name, entries in (data.training if part == "training" else data.history).items():
         judged = [e for e in entries if e.get("verdict") is not None]
         jv = [e["judged_rel_diff"] for e in judged]
         rv = [e["rel_diff"] for e in judged]
@@ -423,6 +443,17 @@ def short_diagnosis(text: Optional[str]) -> Optional[str]:
     return text.strip()
 
 
+def detail_key(step: Any, tensor: Any, part: Optional[str] = "backward") -> Tuple[int, str]:
+    """Key of :attr:`RunData.details` for a tensor's result at a step, in either part.
+
+    Example:
+        >>> detail_key(10, "w"), detail_key(10, "w", "training")
+        ((10, 'w'), (10, 'training:w'))
+    """
+    name = str(tensor)
+    return (int(step or 0), name if (part or "backward") == "backward" else f"{part}:{name}")
+
+
 def alert_key(alert: Mapping[str, Any]) -> Tuple[str, str, int]:
     """``(tensor, kind, step)``: what identifies an alert across the demo, JSONL and TensorBoard."""
     return (str(alert.get("tensor")), str(alert.get("kind")), int(alert.get("step") or 0))
@@ -455,7 +486,8 @@ def format_alert(alert: Mapping[str, Any], *, bands: Sequence[float] = DEFAULT_B
         what += f"; {diag}"
     step = alert.get("step")
     step_text = "?" if step is None else str(int(step))
-    return f"step {step_text:>5}  {str(alert.get('tensor')).ljust(name_width)}  {kind:<9}  {what}"
+    label = kind if alert.get("part", "backward") == "backward" else f"{alert.get('part')}/{kind}"
+    return f"step {step_text:>5}  {str(alert.get('tensor')).ljust(name_width)}  {label:<9}  {what}"
 
 
 def _first_clause(message: str) -> str:
@@ -479,6 +511,7 @@ def to_json(data: RunData, rows: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
         "last_step": data.check_steps[-1] if data.check_steps else None,
         "bands": list(data.bands),
         "tensors": [{**{k: v for k, v in r.items()}, "history": data.history.get(str(r["tensor"]), [])} for r in rows],
+        "training": [{**r, "history": data.training.get(str(r["tensor"]), [])} for r in summarize(data, "training")],
         "alerts": data.alerts,
         "warnings": data.warnings,
     })

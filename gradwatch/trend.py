@@ -21,6 +21,8 @@ from .report import CheckReport, TensorCheck, json_float
 ALERT_KINDS = ("threshold", "drift", "nonfinite", "nondeterministic", "error")
 #: Tensor name used for alerts about the whole check.
 WHOLE_CHECK = "*"
+#: The two verdicts of a check, each with its own history, baselines and alerts.
+PARTS = ("backward", "training")
 _STATE_VERSION = 1
 _ZERO_BASELINE = 1e-12
 
@@ -39,12 +41,14 @@ class Alert:
             the objective for whole-check alerts; ``nan`` when there is none).
         baseline: The tensor's baseline judged rel_diff, when established.
         message: What happened and what to check next.
+        part: Which verdict raised it: ``"backward"`` (the backward formulas against finite
+            differences) or ``"training"`` (the live ``.grad`` against the objective's gradient).
 
     Example:
         >>> a = Alert(step=3, tensor="w", kind="drift", severity="warning", value=1e-5,
         ...           baseline=1e-9, message="w drifted")
-        >>> a.to_dict()["value"], a.to_dict()["baseline"]
-        (1e-05, 1e-09)
+        >>> a.to_dict()["value"], a.to_dict()["baseline"], a.part
+        (1e-05, 1e-09, 'backward')
     """
 
     step: int
@@ -54,6 +58,7 @@ class Alert:
     value: float
     baseline: Optional[float]
     message: str
+    part: str = "backward"
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON-safe dict; non-finite numbers become ``"nan"``, ``"inf"``, ``"-inf"``."""
@@ -78,6 +83,11 @@ def _fmt(value: Optional[float]) -> str:
 
 def _finite(x: Optional[float]) -> bool:
     return x is not None and math.isfinite(x)
+
+
+def _key_kind(kind: str, part: str) -> str:
+    """Deduplication key of an alert kind: the training part's alerts are kept apart from the backward part's."""
+    return kind if part == "backward" else f"{part}/{kind}"
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -152,6 +162,9 @@ class TrendTracker:
         self.alert_cooldown = _check_int("alert_cooldown", alert_cooldown, 0)
         self._history: Dict[str, List[Dict[str, Any]]] = {}
         self._baseline_samples: Dict[str, List[float]] = {}
+        # The training part (live .grad against the objective's gradient): its own series per tensor.
+        self._training_history: Dict[str, List[Dict[str, Any]]] = {}
+        self._training_baseline_samples: Dict[str, List[float]] = {}
         # (tensor, kind) -> {"value": last alerted value, "rank": verdict rank, "at": check index}
         self._alerted: Dict[Tuple[str, str], Dict[str, Any]] = {}
         self._alert_counts: Dict[str, int] = {}
@@ -168,14 +181,24 @@ class TrendTracker:
         """
         return {name: [dict(r) for r in records] for name, records in self._history.items()}
 
-    def baseline(self, tensor: str) -> Optional[float]:
+    @property
+    def training_history(self) -> Dict[str, List[Dict[str, Any]]]:
+        """``{tensor: [{"step", "judged_rel_diff", "rel_diff", "verdict"}, ...]}`` of the training part."""
+        return {name: [dict(r) for r in records] for name, records in self._training_history.items()}
+
+    def _series(self, part: str) -> Tuple[Dict[str, List[Dict[str, Any]]], Dict[str, List[float]]]:
+        if part == "training":
+            return self._training_history, self._training_baseline_samples
+        return self._history, self._baseline_samples
+
+    def baseline(self, tensor: str, part: str = "backward") -> Optional[float]:
         """Median of the tensor's first ``baseline_checks`` finite judged values; None until complete.
 
         Example:
             >>> TrendTracker().baseline("w") is None
             True
         """
-        samples = self._baseline_samples.get(tensor, [])
+        samples = self._series(part)[1].get(tensor, [])
         if len(samples) < self.baseline_checks:
             return None
         return float(statistics.median(samples))
@@ -234,6 +257,10 @@ class TrendTracker:
             )
             tensor_nonfinite |= bad
             alerts.extend(self._tensor_nonfinite(step, t, bad))
+        for t in report.training.values():
+            self._record(step, t, "training")
+            alerts.extend(self._threshold(step, t, "training"))
+            alerts.extend(self._drift(step, t, "training"))
         whole_nonfinite = report.nonfinite and (objective_nonfinite or not tensor_nonfinite)
         if whole_nonfinite:
             alerts.extend(self._fire(WHOLE_CHECK, "nonfinite", step, report.objective, None, self._nonfinite_message(step, report)))
@@ -302,6 +329,12 @@ class TrendTracker:
                 for name, records in self._history.items()
             },
             "baseline_samples": {name: list(v) for name, v in self._baseline_samples.items()},
+            "training_history": {
+                name: [{**r, "judged_rel_diff": json_float(r["judged_rel_diff"]), "rel_diff": json_float(r["rel_diff"])}
+                       for r in records]
+                for name, records in self._training_history.items()
+            },
+            "training_baseline_samples": {name: list(v) for name, v in self._training_baseline_samples.items()},
             "alerted": [
                 {"tensor": tensor, "kind": kind, "value": json_float(s["value"]), "rank": s["rank"], "at": s["at"]}
                 for (tensor, kind), s in self._alerted.items()
@@ -333,6 +366,14 @@ class TrendTracker:
             for name, records in state["history"].items()
         }
         self._baseline_samples = {name: [float(v) for v in vals] for name, vals in state["baseline_samples"].items()}
+        self._training_history = {  # absent in states written before the training part existed
+            name: [{"step": int(r["step"]), "judged_rel_diff": _float(r["judged_rel_diff"]), "rel_diff": _float(r["rel_diff"]),
+                    "verdict": r["verdict"]} for r in records]
+            for name, records in state.get("training_history", {}).items()
+        }
+        self._training_baseline_samples = {
+            name: [float(v) for v in vals] for name, vals in state.get("training_baseline_samples", {}).items()
+        }
         self._alerted = {
             (s["tensor"], s["kind"]): {"value": _float(s["value"]), "rank": s["rank"], "at": int(s["at"])}
             for s in state["alerted"]
@@ -341,31 +382,28 @@ class TrendTracker:
 
     # ------------------------------------------------------------------ internals
 
-    def _record(self, step: int, t: TensorCheck) -> None:
+    def _record(self, step: int, t: Any, part: str = "backward") -> None:
+        history, baselines = self._series(part)
         judged = float(t.judged_rel_diff)
-        self._history.setdefault(t.name, []).append(
-            {
-                "step": step,
-                "judged_rel_diff": judged,
-                "rel_diff": float(t.rel_diff),
-                "directional_rel_diff": None if t.directional_rel_diff is None else float(t.directional_rel_diff),
-                "verdict": t.verdict.value if t.verdict is not None else None,
-            }
-        )
-        samples = self._baseline_samples.setdefault(t.name, [])
+        entry: Dict[str, Any] = {"step": step, "judged_rel_diff": judged, "rel_diff": float(t.rel_diff)}
+        if part == "backward":
+            entry["directional_rel_diff"] = None if t.directional_rel_diff is None else float(t.directional_rel_diff)
+        entry["verdict"] = t.verdict.value if t.verdict is not None else None
+        history.setdefault(t.name, []).append(entry)
+        samples = baselines.setdefault(t.name, [])
         if t.verdict is not None and math.isfinite(judged) and len(samples) < self.baseline_checks:
             samples.append(judged)
 
-    def _clock(self, tensor: str) -> int:
-        return self._checks if tensor == WHOLE_CHECK else len(self._history.get(tensor, ()))
+    def _clock(self, tensor: str, part: str = "backward") -> int:
+        return self._checks if tensor == WHOLE_CHECK else len(self._series(part)[0].get(tensor, ()))
 
     def _fire(
         self, tensor: str, kind: str, step: int, value: float, baseline: Optional[float], message: str,
-        rank: int = 0,
+        rank: int = 0, part: str = "backward",
     ) -> List[Alert]:
         """Apply deduplication; return ``[alert]`` or ``[]``."""
-        key = (tensor, kind)
-        now = self._clock(tensor)
+        key = (tensor, _key_kind(kind, part))
+        now = self._clock(tensor, part)
         last = self._alerted.get(key)
         if last is not None:
             worse = rank > last["rank"] or (
@@ -376,17 +414,31 @@ class TrendTracker:
         self._alerted[key] = {"value": float(value), "rank": rank, "at": now}
         self._alert_counts[tensor] = self._alert_counts.get(tensor, 0) + 1
         severity = "error" if kind in ("nonfinite", "error") or (kind == "threshold" and rank >= Verdict.WRONG.rank) else "warning"
-        return [Alert(step, tensor, kind, severity, float(value), baseline, message)]
+        return [Alert(step, tensor, kind, severity, float(value), baseline, message, part)]
 
-    def _threshold(self, step: int, t: TensorCheck) -> List[Alert]:
+    def _threshold(self, step: int, t: Any, part: str = "backward") -> List[Alert]:
         if t.verdict is None:
             return []
         if t.verdict.rank < Verdict.SUSPICIOUS.rank:
-            self._alerted.pop((t.name, "threshold"), None)
+            self._alerted.pop((t.name, _key_kind("threshold", part)), None)
             return []
-        baseline = self.baseline(t.name)
+        baseline = self.baseline(t.name, part)
         band = self.bands[2] if t.verdict is Verdict.WRONG else self.bands[1]
         base = f"baseline {_fmt(baseline)}" if baseline is not None else "no baseline yet"
+        if part == "training":
+            msg = (
+                f"{t.name} at step {step} (training): the live .grad differs from the objective's gradient, judged "
+                f"rel_diff {_fmt(t.judged_rel_diff)} ({t.verdict.value.upper()}, band >= {band:.0e}; {t.dtype} "
+                f"tolerance {t.tolerance:.0e}), {base}"
+            )
+            if t.diagnosis:
+                msg += f"; {t.diagnosis}"
+            msg += (
+                " — the gradient the optimizer applies is not the objective's: look at the training loop between "
+                "the loss and watch.step (extra or missing loss terms, scaling, accumulation, hooks, .grad edits)"
+            )
+            return self._fire(t.name, "threshold", step, float(t.judged_rel_diff), baseline, msg, rank=t.verdict.rank,
+                              part=part)
         msg = (
             f"{t.name} at step {step}: judged rel_diff {_fmt(t.judged_rel_diff)} ({t.verdict.value.upper()}, "
             f"band >= {band:.0e}), {base} (rel_diff {_fmt(t.rel_diff)}, directional {_fmt(t.directional_rel_diff)})"
@@ -399,20 +451,30 @@ class TrendTracker:
         )
         return self._fire(t.name, "threshold", step, float(t.judged_rel_diff), baseline, msg, rank=t.verdict.rank)
 
-    def _drift(self, step: int, t: TensorCheck) -> List[Alert]:
-        baseline = self.baseline(t.name)
+    def _drift(self, step: int, t: Any, part: str = "backward") -> List[Alert]:
+        baseline = self.baseline(t.name, part)
         if t.verdict is None or baseline is None:
             return []
         recent = [
             r["judged_rel_diff"]
-            for r in self._history[t.name]
+            for r in self._series(part)[0][t.name]
             if r["verdict"] is not None and math.isfinite(r["judged_rel_diff"])
         ][-self.drift_window :]
         median = float(statistics.median(recent))
         limit = max(baseline, _ZERO_BASELINE) * 10.0 ** self.drift_decades
         if median < limit or median < self.bands[0]:
-            self._alerted.pop((t.name, "drift"), None)
+            self._alerted.pop((t.name, _key_kind("drift", part)), None)
             return []
+        if part == "training":
+            msg = (
+                f"{t.name} at step {step} (training): the live .grad drifted away from the objective's gradient, "
+                f"judged rel_diff {_fmt(median)} (median of the last {len(recent)} checks) against a baseline of "
+                f"{_fmt(baseline)}; verdict now {t.verdict.value.upper()}"
+            )
+            if t.diagnosis:
+                msg += f"; {t.diagnosis}"
+            msg += " — something in the training loop changed around this step (loss terms, scaling, hooks, precision)"
+            return self._fire(t.name, "drift", step, median, baseline, msg, part=part)
         if baseline > _ZERO_BASELINE:
             rise = f"{math.log10(median / baseline):.1f} decades above its baseline {_fmt(baseline)}"
         else:

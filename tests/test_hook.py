@@ -87,15 +87,18 @@ def batches(n: int, seed: int = 1):
         yield torch.rand(32, 4, generator=g) * 2 - 1, torch.randint(0, 3, (32,), generator=g)
 
 
-def train(model, watch, steps, *, scale_at=SCALE_AT, start=0, lr=0.01, weight_decay=0.0, data=None):
-    """A plain loop; returns {step: report} for the steps that ran a check."""
+def train(model, watch, steps, *, scale_at=SCALE_AT, start=0, lr=0.01, weight_decay=0.0, data=None, l2=0.0):
+    """A plain loop (``l2``: that L2 term in the training loss); returns {step: report} for the steps that ran a check."""
     opt = torch.optim.SGD(model.parameters(), lr=lr, weight_decay=weight_decay)
     data = list(batches(steps)) if data is None else data
     reports = {}
     for step in range(start, steps):
         batch = data[step]
         opt.zero_grad()
-        loss_fn(model, batch).backward()
+        loss = loss_fn(model, batch)
+        if l2:
+            loss = loss + l2 * sum(p.pow(2).sum() for p in model.parameters())
+        loss.backward()
         report = watch.step(batch)
         if report is not None:
             reports[step] = report
@@ -180,14 +183,19 @@ def test_correct_activation_no_alert_in_200_steps_with_dropout_batchnorm_l2(capl
     caplog.set_level(logging.WARNING, logger="gradwatch")
     model = make_model(fixed=True, batchnorm=True, dropout=0.3)
     watch = GradWatch(model, loss_fn, every=EVERY, coords=4, directions=2, regularizers={"l2": 1e-4})
-    # the same run as the late bug (weights scaled up mid-run), but with the right backward
-    reports = train(model, watch, 200, scale_at=100, lr=0.05, weight_decay=0.0)
+    # the same run as the late bug (weights scaled up mid-run), but with the right backward; training's
+    # loss has the objective's L2 term (the training part would see it missing otherwise)
+    reports = train(model, watch, 200, scale_at=100, lr=0.05, weight_decay=0.0, l2=1e-4)
     watch.close()
     assert len(reports) == 200 // EVERY
     assert watch.alerts == []
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
     assert all(r.ok for r in reports.values())
     assert all(r.terms.keys() == {"loss", "l2"} for r in reports.values())
+    # both verdicts ran on every check: the live .grad (with dropout masks replayed) is the objective's
+    names = {n for n, _ in model.named_parameters()}
+    assert all(set(r.training) == names for r in reports.values())
+    assert all(t.verdict is gradwatch.Verdict.EXCELLENT for r in reports.values() for t in r.training.values())
     assert set(watch.coverage.values()) == {200 // EVERY}
 
 

@@ -45,6 +45,7 @@ def make_report(nan: bool = False) -> CheckReport:
 TOP_KEYS = {
     "type", "step", "time", "seconds", "overhead_fraction", "evaluations", "objective", "terms", "dtype",
     "seed", "ok", "nondeterministic", "nonfinite", "kinks", "notes", "tensors", "summary", "coverage",
+    "training", "training_note",
 }
 TENSOR_KEYS = {
     "rel_diff", "directional_rel_diff", "max_rel_error", "judged_rel_diff", "verdict", "kinks",
@@ -85,7 +86,8 @@ def test_check_record_nonfinite_values_are_strings_and_skipped_in_summary():
 
 def test_summary_none_without_finite_values():
     rec = check_record(1, CheckReport(tensors={}), seconds=0.1, overhead_fraction=None)
-    assert rec["summary"] == {"rel_diff_median": None, "rel_diff_p95": None, "rel_diff_max": None}
+    assert rec["summary"] == {"rel_diff_median": None, "rel_diff_p95": None, "rel_diff_max": None,
+                              "training_rel_diff_max": None}
     assert [tag for tag, _ in scalars_from_check(rec)] == ["gradwatch/overhead/seconds"]
 
 
@@ -129,7 +131,7 @@ def test_alert_record():
     rec = alert_record(alert, wall_time=1.0)
     assert rec == {
         "type": "alert", "time": 1.0, "step": 7, "tensor": "fc.bias", "kind": "band", "severity": "error",
-        "value": "inf", "baseline": None, "message": "fc.bias: WRONG",
+        "value": "inf", "baseline": None, "message": "fc.bias: WRONG", "part": "backward",
     }
     assert list(rec)[:2] == ["type", "time"]
     json.dumps(rec, allow_nan=False)
@@ -157,9 +159,10 @@ def test_custom_scalars_layout():
     assert list(layout) == ["gradwatch"]
     charts = layout["gradwatch"]
     regexes = {r for kind, tags in charts.values() for r in tags if kind == "Multiline"}
-    assert len(regexes) == len(charts) == 7
+    assert len(regexes) == len(charts) == 9
     for tag in ("gradwatch/rel_diff/fc.weight", "gradwatch/directional_rel_diff/fc.weight",
                 "gradwatch/max_rel_error/fc.weight", "gradwatch/judged_rel_diff/fc.weight",
+                "gradwatch/training/rel_diff/fc.weight", "gradwatch/training/judged_rel_diff/fc.weight",
                 "gradwatch/summary/rel_diff_p95", "gradwatch/overhead/seconds", "gradwatch/alerts/count"):
         assert any(re.fullmatch(r, tag) for r in regexes), tag
 

@@ -205,7 +205,7 @@ def test_alert_to_dict_is_json_safe():
     a = Alert(step=1, tensor="*", kind="error", severity="error", value=math.nan, baseline=None, message="m")
     d = a.to_dict()
     assert d == {"step": 1, "tensor": "*", "kind": "error", "severity": "error", "value": "nan", "baseline": None,
-                 "message": "m"}
+                 "message": "m", "part": "backward"}
     json.loads(json.dumps(d, allow_nan=False))
 
 

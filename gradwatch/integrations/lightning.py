@@ -1,8 +1,11 @@
 """Lightning adapter: :class:`GradWatchCallback`, a thin layer over :class:`gradwatch.GradWatch`.
 
-The check runs in ``on_before_optimizer_step`` (gradients complete, weights
-not yet updated; once per optimizer step under gradient accumulation) on the
-batch kept from ``on_train_batch_start``. Importing this module imports
+The check runs in ``on_before_optimizer_step`` (gradients complete and
+unscaled, not yet clipped, weights not yet updated; once per optimizer step
+under gradient accumulation) on the batch kept from ``on_train_batch_start``.
+Each micro-batch is handed to :meth:`GradWatch.accumulate` in
+``on_after_backward``, so the training part compares ``.grad`` with the mean of
+the objective's gradients over the step's micro-batches. Importing this module imports
 ``lightning``; ``import gradwatch`` alone never does.
 """
 
@@ -206,8 +209,16 @@ class GradWatchCallback(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch = batch
+        if self.watch is not None:
+            self.watch.start_batch()  # training_step follows with no random draw in between: the replay starts here
+
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Every micro-batch (accumulate_grad_batches): the training part averages their gradients, as Lightning does.
+        if self.watch is not None and self._batch is not None:
+            self.watch.accumulate(self._batch)
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        # Before gradient clipping, after Lightning's AMP unscaling: .grad is the gradient of the training loss.
         if self.watch is None or self._batch is None:
             return
         self.watch.step(self._batch, global_step=trainer.global_step)

@@ -1,0 +1,72 @@
+"""Measure how far the live ``.grad`` of *correct* training runs lies from the training part's reference.
+
+The training part of a check replays the objective on the live model; a faithful replay of the same
+computation gives the same bits. What remains on correct runs is rounding from a different
+summation order: gradient accumulation (``loss / k`` over k micro-batches, summed into ``.grad``),
+a training loss summed in one expression while the objective sums its terms one by one, and autocast.
+This script trains small correct models those ways under ``GradWatch(every=1)`` and prints the largest
+training ``rel_diff`` seen per compute dtype: :data:`gradwatch.training.TOLERANCE` is set about 30x above.
+
+Run: ``.venv/bin/python benchmarks/training_tolerance.py`` (about a minute on 2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+import gradwatch
+
+
+def models():
+    yield "mlp", lambda: nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.Tanh(),
+                                       nn.Linear(64, 5)), (16,)
+    yield "cnn", lambda: nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
+                                       nn.Flatten(), nn.Linear(8 * 36, 5)), (64,)
+    yield "transformer", lambda: nn.Sequential(nn.Unflatten(1, (4, 16)),
+                                               nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True),
+                                               nn.Flatten(), nn.Linear(64, 5)), (64,)
+
+
+def run(make, shape, autocast, accumulate, seed, steps=4):
+    torch.manual_seed(seed)
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    loss_fn = lambda m, b: nn.functional.cross_entropy(m(b[0]).float(), b[1])  # noqa: E731
+    watch = gradwatch.GradWatch(model, loss_fn, every=1, regularizers={"l2": 1e-3}, tensorboard=False, jsonl=False,
+                                coords=1, directions=0)
+    gen = torch.Generator().manual_seed(seed)
+    ctx = (lambda: torch.autocast("cpu", dtype=autocast)) if autocast else contextlib.nullcontext
+    worst = 0.0
+    for _ in range(steps):
+        opt.zero_grad()
+        k = accumulate
+        for i in range(k):
+            batch = (torch.randn(32, *shape, generator=gen), torch.randint(0, 5, (32,), generator=gen))
+            with ctx():
+                loss = loss_fn(model, batch) + 1e-3 * sum(p.pow(2).sum() for p in model.parameters())
+            (loss / k).backward()
+            if k > 1:
+                watch.accumulate(batch)
+        report = watch.step(None if k > 1 else batch)
+        for t in report.training.values():
+            worst = max(worst, t.rel_diff)
+    watch.close()
+    return worst
+
+
+def main() -> None:
+    print(f"{'model':12} {'compute dtype':14} {'accumulate':>10} {'largest training rel_diff':>26}")
+    for name, make, shape in models():
+        for autocast in (None, torch.bfloat16, torch.float16):
+            for accumulate in (1, 3):
+                worst = max(run(make, shape, autocast, accumulate, seed) for seed in range(3))
+                dtype = str(autocast or torch.float32).replace("torch.", "")
+                print(f"{name:12} {dtype:14} {accumulate:>10} {worst:>26.2e}")
+    print("tolerances in use:", {str(k).replace("torch.", ""): v for k, v in gradwatch.training.TOLERANCE.items()})
+
+
+if __name__ == "__main__":
+    main()

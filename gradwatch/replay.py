@@ -1,0 +1,452 @@
+"""Replay training's forward faithfully, to recompute the gradient training applied.
+
+The *training* part of a check compares the live ``.grad`` with the
+objective's gradient recomputed the way training computed it: on the live
+model, in its own dtype and device, through the same (eager or compiled)
+module, with the same dropout masks and the same autocast state. To make
+that possible a :class:`ForwardRecorder` sits on the live model:
+
+- a forward pre-hook on the root module records, for every forward run with
+  grad enabled, torch's RNG state (CPU and initialized CUDA devices), the
+  autocast state, and references to the tensors the forward received (no copy);
+- :meth:`ForwardRecorder.mark` remembers where a micro-batch starts: the
+  states of every generator (torch, CUDA, numpy, ``random``) at that moment.
+
+A replay tries two ways to reproduce the RNG stream, and *verifies* each one
+instead of trusting it:
+
+1. ``"forward"``: at the k-th forward of the replay, torch's generator is set
+   to the state training's k-th forward started from. Faithful when the
+   replay makes as many forwards as training did and each receives equal
+   inputs (dropout masks are then drawn from the same state).
+2. ``"start"``: every generator is set to its state at the start of the
+   micro-batch, and ``loss_fn`` draws from there (random augmentation inside
+   ``loss_fn``). Faithful when each forward then receives equal inputs and
+   starts from the same torch RNG state training's did.
+
+When no forward of the root module was seen (the training code calls
+submodules directly), ``"start"`` is trusted when the start was marked by an
+integration right before the forward (``exact_start``), when training's loss
+is known and equal to the replay's, or when the objective draws no random
+numbers at all (two evaluations under different seeds agree).
+
+Nothing of training is changed: the replay restores every generator, puts
+back any buffer it changed (BatchNorm running stats), never writes ``.grad``
+(``torch.autograd.grad``) and runs with the parameters' own gradient hooks
+detached, so the reference is the objective's gradient, not a hooked one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from .context import BufferGuard, preserved_rng
+
+#: Forwards recorded per micro-batch at most; beyond, the replay cannot be verified.
+MAX_RECORDS = 64
+#: Autocast device types whose state is recorded and replayed.
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _cuda_states() -> Optional[List[torch.Tensor]]:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.get_rng_state_all()
+    return None
+
+
+def autocast_state() -> Tuple[Tuple[str, bool, torch.dtype], ...]:
+    """``(device, enabled, dtype)`` for each device type whose autocast is enabled now.
+
+    Example:
+        >>> autocast_state()
+        ()
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     autocast_state()
+        (('cpu', True, torch.bfloat16),)
+    """
+    out = []
+    for dev in AUTOCAST_DEVICES:
+        try:
+            if torch.is_autocast_enabled(dev):
+                out.append((dev, True, torch.get_autocast_dtype(dev)))
+        except (RuntimeError, TypeError, AttributeError):  # torch < 2.4 spells it per device
+            continue
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def autocast_as(state: Sequence[Tuple[str, bool, torch.dtype]]) -> Iterator[None]:
+    """Enter the autocast regions recorded by :func:`autocast_state` (none: plain precision)."""
+    with contextlib.ExitStack() as stack:
+        for dev, enabled, dtype in state:
+            stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
+        yield
+
+
+def _tensors(args: tuple, kwargs: Mapping[str, Any]) -> List[torch.Tensor]:
+    """The tensors among a forward's positional and keyword arguments (one level deep)."""
+    out = [a for a in args if isinstance(a, torch.Tensor)]
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            out.extend(v for v in a if isinstance(v, torch.Tensor))
+        elif isinstance(a, Mapping):
+            out.extend(v for v in a.values() if isinstance(v, torch.Tensor))
+    out.extend(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+def same_inputs(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+    """True when two forwards received equal tensors (same object, or same shape, dtype and values).
+
+    Example:
+        >>> x = torch.ones(2)
+        >>> same_inputs([x], [x.clone()]), same_inputs([x], [x + 1])
+        (True, False)
+    """
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x is y:
+            continue
+        if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device or not torch.equal(x, y):
+            return False
+    return True
+
+
+@dataclass
+class ForwardRecord:
+    """What training's forward started from: torch RNG states, autocast state, its input tensors."""
+
+    rng: torch.Tensor
+    cuda: Optional[List[torch.Tensor]]
+    autocast: Tuple[Tuple[str, bool, torch.dtype], ...]
+    inputs: List[torch.Tensor]
+
+
+@dataclass
+class StartState:
+    """Every generator's state where a micro-batch started (see :meth:`ForwardRecorder.mark`)."""
+
+    rng: torch.Tensor
+    cuda: Optional[List[torch.Tensor]]
+    numpy: Any
+    python: Any
+    exact: bool = False
+
+    @classmethod
+    def now(cls, exact: bool = False) -> "StartState":
+        return cls(torch.get_rng_state(), _cuda_states(), np.random.get_state(), random.getstate(), exact)
+
+    def apply(self) -> None:
+        torch.set_rng_state(self.rng)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        np.random.set_state(self.numpy)
+        random.setstate(self.python)
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of an optimizer step, as training saw it."""
+
+    batch: Any
+    loss: Optional[float]
+    start: StartState
+    records: List[ForwardRecord] = field(default_factory=list)
+    overflow: bool = False
+
+
+class _RecordHook:
+    """The forward pre-hook: shared by deep copies (the check's shadow) and pickled as a no-op."""
+
+    def __init__(self, recorder: "ForwardRecorder") -> None:
+        self.recorder: Optional[ForwardRecorder] = recorder
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        rec = self.recorder
+        if rec is not None and module is rec.root and not rec.paused and torch.is_grad_enabled():
+            rec.record(args, kwargs)
+        return None
+
+    def __deepcopy__(self, memo: dict) -> "_RecordHook":
+        return self  # a deep copy of the model (the check's shadow) keeps the same hook, which ignores it
+
+    def __getstate__(self) -> dict:
+        return {}  # torch.save(model) pickles an inert hook, never the recorded tensors
+
+    def __setstate__(self, state: dict) -> None:
+        self.recorder = None
+
+
+class ForwardRecorder:
+    """Records the state each training forward of ``root`` starts from (see the module docstring).
+
+    Args:
+        root: The live model (the module training calls).
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5))
+        >>> rec = ForwardRecorder(model)
+        >>> _ = model(torch.ones(1, 2))
+        >>> len(rec.take(batch=None).micro[0].records)
+        1
+        >>> rec.close()
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        self.paused = False
+        self._hook = _RecordHook(self)
+        self._handle = root.register_forward_pre_hook(self._hook, with_kwargs=True)
+        self._records: List[ForwardRecord] = []
+        self._overflow = False
+        self._start = StartState.now()
+        self._pending: List[MicroBatch] = []
+
+    def record(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
+        """Called by the pre-hook for every training forward of the root module."""
+        if len(self._records) >= MAX_RECORDS:
+            self._overflow = True
+            return
+        self._records.append(ForwardRecord(torch.get_rng_state(), _cuda_states(), autocast_state(), _tensors(args, kwargs)))
+
+    def mark(self, exact: bool = False) -> None:
+        """A micro-batch starts now: forget the forwards seen so far and remember every generator's state.
+
+        Args:
+            exact: The caller knows the forward follows with no other random draw in between
+                (an integration's batch-start hook).
+        """
+        self._records = []
+        self._overflow = False
+        self._start = StartState.now(exact)
+
+    def close_micro_batch(self, batch: Any, loss: Optional[float]) -> None:
+        """A micro-batch's backward is done (gradient accumulation): keep it for the coming step."""
+        self._pending.append(MicroBatch(batch, loss, self._start, self._records, self._overflow))
+        self.mark()
+
+    def take(self, batch: Any = None, loss: Optional[float] = None) -> "Step":
+        """Everything since the last step: the kept micro-batches plus this one; then start afresh.
+
+        ``batch`` is the step's (last) micro-batch; None when every micro-batch was kept
+        with :meth:`close_micro_batch` already.
+        """
+        micro = list(self._pending)
+        if batch is not None and not (micro and micro[-1].batch is batch):
+            micro.append(MicroBatch(batch, loss, self._start, self._records, self._overflow))
+        elif batch is None and not micro:
+            micro.append(MicroBatch(None, loss, self._start, self._records, self._overflow))
+        self._pending = []
+        self.mark()
+        return Step(micro)
+
+    def discard(self) -> None:
+        """A step without a check: drop what was recorded for it."""
+        self._pending = []
+        self.mark()
+
+    def close(self) -> None:
+        """Remove the hook from the model."""
+        self._hook.recorder = None
+        self._handle.remove()
+        self._records = []
+        self._pending = []
+
+
+@dataclass
+class Step:
+    """The micro-batches of one optimizer step."""
+
+    micro: List[MicroBatch]
+
+
+@dataclass
+class Replay:
+    """The objective's gradient recomputed as training computed it (or why it could not be)."""
+
+    grads: Optional[Dict[str, torch.Tensor]]
+    objective: Optional[float]
+    how: Optional[str]
+    reason: Optional[str] = None
+    loss_gap: Optional[Tuple[float, float]] = None  # (training's loss, the replay's objective) when they differ
+    forwards: Tuple[int, int] = (0, 0)  # (training's, the replay's) forwards of one micro-batch
+    autocast: Tuple[Tuple[str, bool, torch.dtype], ...] = ()  # the autocast state training's forward ran in
+
+
+class _Probe:
+    """Temporary pre-hook of one replay: sets or compares the RNG state and compares inputs per forward."""
+
+    def __init__(self, records: List[ForwardRecord], mode: str) -> None:
+        self.records = records
+        self.mode = mode
+        self.count = 0
+        self.faithful = True
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        k = self.count
+        self.count += 1
+        if k >= len(self.records):
+            self.faithful = False
+            return None
+        rec = self.records[k]
+        if not same_inputs(rec.inputs, _tensors(args, kwargs)):
+            self.faithful = False
+        if self.mode == "forward":
+            torch.set_rng_state(rec.rng)
+            if rec.cuda is not None:
+                torch.cuda.set_rng_state_all(rec.cuda)
+        elif not torch.equal(torch.get_rng_state(), rec.rng):
+            self.faithful = False
+        return None
+
+
+@contextlib.contextmanager
+def _hooks_detached(params: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Disable the tensor hooks (``p.register_hook``) of ``params`` for the duration."""
+    saved = []
+    for p in params:
+        hooks = getattr(p, "_backward_hooks", None)
+        if hooks:
+            saved.append((hooks, dict(hooks)))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in saved:
+            hooks.update(items)
+
+
+Evaluate = Callable[[nn.Module, Any], Dict[str, torch.Tensor]]
+GradOf = Callable[[torch.Tensor, Any], Dict[str, torch.Tensor]]
+
+
+def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of: GradOf, mb: MicroBatch,
+         mode: str, params: Dict[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tensor], float, _Probe]:
+    """One replay of one micro-batch; restores generators and buffers, never writes ``.grad``."""
+    probe = _Probe(mb.records, mode)
+    guard = BufferGuard(root)
+    autocast = mb.records[0].autocast if mb.records else ()
+    recorder.paused = True
+    handle = root.register_forward_pre_hook(probe, with_kwargs=True, prepend=True)
+    try:
+        with preserved_rng():
+            if mode == "start":
+                mb.start.apply()
+            with torch.enable_grad(), autocast_as(autocast), _hooks_detached(list(params.values())):
+                total = evaluate(root, mb.batch)
+                grads = grad_of(total, mb.batch)
+            value = float(total.detach())
+    finally:
+        handle.remove()
+        recorder.paused = False
+        guard.restore_changed()
+    return grads, value, probe
+
+
+def as_float(value: Any) -> Optional[float]:
+    """A loss given as a tensor or number, as a float (read only when a check runs: no sync per step)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().float().reshape(-1)[0]) if value.numel() == 1 else None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def rng_free(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, mb: MicroBatch) -> bool:
+    """True when the objective on this batch does not depend on torch's generator (two seeds agree)."""
+    values = []
+    recorder.paused = True
+    guard = BufferGuard(root)
+    try:
+        with preserved_rng(), torch.no_grad():
+            for seed in (12345, 54321):
+                torch.manual_seed(seed)
+                values.append(float(evaluate(root, mb.batch).detach()))
+    finally:
+        recorder.paused = False
+        guard.restore_changed()
+    return values[0] == values[1]
+
+
+def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate: Evaluate, grad_of: GradOf,
+                params: Dict[str, torch.Tensor], loss_tolerance: float) -> Replay:
+    """Recompute the objective's gradient of a whole optimizer step (mean over its micro-batches).
+
+    Args:
+        root: The live model.
+        recorder: Its :class:`ForwardRecorder` (paused during the replay).
+        step: The micro-batches of the step (:meth:`ForwardRecorder.take`).
+        evaluate: ``evaluate(model, batch) -> scalar``: the training objective (loss and regularizers,
+            not coupled weight decay, which the optimizer adds after ``.grad``).
+        grad_of: ``grad_of(total, batch) -> {name: grad}`` of the live parameters.
+        params: The live parameters the gradient is taken for.
+        loss_tolerance: Relative difference under which training's loss and the replay's agree.
+
+    Returns:
+        A :class:`Replay`; ``grads`` is None (with ``reason``) when no replay could be verified.
+    """
+    sums: Dict[str, torch.Tensor] = {}
+    objective = 0.0
+    hows = []
+    gaps = []
+    forwards = (0, 0)
+    for i, mb in enumerate(step.micro):
+        mb.loss = as_float(mb.loss)
+        if mb.batch is None:
+            return Replay(None, None, None, "no batch was given for this step")
+        if mb.overflow:
+            return Replay(None, None, None, f"training ran more than {MAX_RECORDS} forwards of the model in this step")
+        done = None
+        tried = []
+        modes = ("forward", "start") if mb.records else ("start",)
+        for mode in modes:
+            grads, value, probe = _one(root, recorder, evaluate, grad_of, mb, mode, params)
+            forwards = (len(mb.records), probe.count)
+            loss_agrees = mb.loss is not None and abs(value - mb.loss) <= loss_tolerance * max(abs(value), abs(mb.loss), 1e-30)
+            if mb.records:
+                ok = probe.faithful and probe.count == len(mb.records)
+            else:
+                ok = mb.start.exact or loss_agrees or rng_free(root, recorder, evaluate, mb)
+            if ok:
+                done = (grads, value, mode)
+                break
+            tried.append((mode, probe.count, probe.faithful))
+        if done is None:
+            n_train = len(mb.records)
+            if mb.records and all(count and n_train > count and n_train % count == 0 for _, count, _ in tried):
+                k = n_train // tried[0][1]
+                return Replay(None, None, None,
+                              f"skipped: accumulating ({n_train} forwards of the model since the last step, while one "
+                              f"replay of the step's batch makes {tried[0][1]}: {k} micro-batches?) — call "
+                              "watch.accumulate(micro_batch) after each micro-batch's backward", forwards=(n_train, tried[0][1]))
+            if not mb.records:
+                why = ("no forward of the model was seen since the last step and the objective draws random numbers; "
+                       "pass loss= to watch.step so the replay can be verified")
+            else:
+                why = (f"the replay could not reproduce training's forward (training ran {n_train} forwards; the replays "
+                       f"ran {', '.join(str(c) for _, c, _ in tried)}, with other inputs or another RNG state): random "
+                       "augmentation drawing from torch's generator inside loss_fn after other draws since the last step, "
+                       "or loss_fn is not the function training calls")
+            return Replay(None, None, None, why, forwards=forwards)
+        grads, value, mode = done
+        hows.append(mode)
+        objective += value
+        if mb.loss is not None and abs(value - mb.loss) > loss_tolerance * max(abs(value), abs(mb.loss), 1e-30):
+            gaps.append((mb.loss, value))
+        for n, g in grads.items():
+            sums[n] = g if i == 0 else sums[n] + g
+    count = len(step.micro)
+    mean = {n: g / count for n, g in sums.items()} if count > 1 else sums
+    gap = (sum(a for a, _ in gaps) / len(gaps), sum(b for _, b in gaps) / len(gaps)) if gaps else None
+    return Replay(mean, objective / count, "+".join(sorted(set(hows))), loss_gap=gap, forwards=forwards)

@@ -1,0 +1,250 @@
+"""The training part of a check: judge the live ``.grad`` against the objective's gradient.
+
+Pure math on tensors: no model, no hook, no I/O. The reference gradient comes
+from :mod:`gradwatch.replay` (the objective recomputed as training computed
+it); this module compares it with the gradient training applied, over every
+element of the tensor, and says in words what differs.
+
+The comparison is exact up to rounding: a faithful replay of a deterministic
+computation gives the very same bits, and what remains for a correct run is
+the rounding of a different summation order (gradient accumulation, a loss
+summed in one expression in training and term by term in the objective,
+DDP's averaging). :data:`TOLERANCE` is that rounding, per compute dtype,
+measured on correct runs (``benchmarks`` of the README's "training" section);
+a relative difference within it counts as 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from .numeric import DEFAULT_BANDS, Verdict
+from .report import TrainingCheck
+
+#: Relative difference ``||live - ref|| / (||live|| + ||ref||)`` that correct runs stay below, per compute
+#: dtype: about 30x the largest seen on correct runs with a different summation order (float32: 3e-8
+#: measured, bfloat16 autocast: 1.2e-4, float16 autocast: 1.5e-5). Within it, a difference counts as 0.
+TOLERANCE = {
+    torch.float64: 1e-13,
+    torch.float32: 1e-6,
+    torch.float16: 5e-4,
+    torch.bfloat16: 4e-3,
+}
+#: Misfit of a least-squares explanation (ratio, or ratio plus a multiple of the parameter) that still counts as exact.
+FIT_TOLERANCE = 1e-2
+
+
+def tolerance_for(dtype: torch.dtype) -> float:
+    """The training tolerance of a compute dtype (float32's for an unknown one).
+
+    Example:
+        >>> tolerance_for(torch.bfloat16) > tolerance_for(torch.float32)
+        True
+    """
+    return TOLERANCE.get(dtype, TOLERANCE[torch.float32])
+
+
+def compute_dtype(param_dtype: torch.dtype, autocast: Sequence[Tuple[str, bool, torch.dtype]] = ()) -> torch.dtype:
+    """The precision training computed in: the autocast dtype when autocast was on, else the parameter's.
+
+    Example:
+        >>> compute_dtype(torch.float32, [("cpu", True, torch.bfloat16)])
+        torch.bfloat16
+    """
+    low = [dtype for _, enabled, dtype in autocast if enabled]
+    if low:
+        return max(low, key=tolerance_for)
+    return param_dtype
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.dot(a, b))
+
+
+def judge_training(
+    name: str,
+    live: Optional[torch.Tensor],
+    ref: torch.Tensor,
+    param: torch.Tensor,
+    dtype: torch.dtype,
+    bands: Sequence[float] = DEFAULT_BANDS,
+    fail_at: Verdict = Verdict.SUSPICIOUS,
+) -> TrainingCheck:
+    """Compare the gradient training applied (``live``) with the objective's (``ref``), element by element.
+
+    Args:
+        name: Parameter name.
+        live: The parameter's ``.grad`` (None when training left none).
+        ref: The objective's gradient, recomputed as training computed it.
+        param: The parameter (for the "proportional to the parameter" diagnosis).
+        dtype: The compute dtype training ran in (sets the tolerance).
+        bands: Verdict bands for the judged relative difference.
+        fail_at: Verdict from which the tensor fails.
+
+    Returns:
+        A :class:`~gradwatch.report.TrainingCheck`.
+
+    Example:
+        >>> p = torch.tensor([1.0, -2.0, 3.0])
+        >>> ref = torch.tensor([0.5, 0.1, -0.3])
+        >>> judge_training("w", ref * 3, ref, p, torch.float32).diagnosis.split(":")[0]
+        "training's gradient is 3.00x the objective's (constant ratio)"
+        >>> judge_training("w", ref + 0.1 * p, ref, p, torch.float32).diagnosis.split(":")[0]
+        "training's gradient has an extra 0.1 * p"
+    """
+    tol = tolerance_for(dtype)
+    check = TrainingCheck(name=name, shape=tuple(param.shape), dtype=str(dtype).replace("torch.", ""), tolerance=tol)
+    r = ref.detach().reshape(-1).to(torch.float64)
+    if live is None:
+        check.live_grad = False
+        if not bool(torch.isfinite(r).all()):
+            check.inconclusive = "the objective's gradient is not finite (NaN or inf): no training verdict"
+            return check
+        norm = float(torch.linalg.vector_norm(r))
+        check.rel_diff = check.judged_rel_diff = 0.0 if norm == 0.0 else 1.0
+        check.max_rel_error = check.rel_diff
+        if norm > 0.0:
+            check.diagnosis = (
+                "training left no .grad where the objective's gradient is not zero: the parameter is detached "
+                "(.detach(), .data, torch.no_grad) or unused in training's forward, or .grad was cleared before "
+                "watch.step"
+            )
+        return _verdict(check, bands, fail_at)
+    if live.is_sparse or getattr(live, "layout", torch.strided) != torch.strided:
+        live = live.to_dense()
+    g = live.detach().reshape(-1).to(device=r.device, dtype=torch.float64)
+    if not bool(torch.isfinite(g).all()):
+        check.inconclusive = (
+            "training's .grad has NaN or inf entries (a GradScaler step that overflowed, which the scaler skips, "
+            "or an overflow in training): no training verdict"
+        )
+        return check
+    if not bool(torch.isfinite(r).all()):
+        check.inconclusive = "the objective's gradient recomputed on the live model is not finite: no training verdict"
+        return check
+    diff = g - r
+    ng, nr, nd = (float(torch.linalg.vector_norm(v)) for v in (g, r, diff))
+    check.rel_diff = 0.0 if nd == 0.0 else min(1.0, nd / (ng + nr))
+    denom = float(torch.max(g.abs() + r.abs())) if g.numel() else 0.0
+    check.max_rel_error = float(diff.abs().max()) / max(denom, 1e-8) if g.numel() else 0.0
+    check.judged_rel_diff = check.rel_diff if check.rel_diff > tol else 0.0
+    _verdict(check, bands, fail_at)
+    if check.judged_rel_diff > 0.0:
+        p = param.detach().reshape(-1).to(device=r.device, dtype=torch.float64)
+        check.ratio, check.param_coef, check.diagnosis = diagnose_training(g, r, p, tol)
+    return check
+
+
+def _verdict(check: TrainingCheck, bands: Sequence[float], fail_at: Verdict) -> TrainingCheck:
+    check.verdict = Verdict.from_value(check.judged_rel_diff, bands)
+    check.failed = check.verdict.is_failure(fail_at)
+    return check
+
+
+def _fit(g: torch.Tensor, r: torch.Tensor, p: torch.Tensor) -> Tuple[float, float, float, float, float]:
+    """Least squares ``g ~ a*r`` and ``g ~ a2*r + b*p``: ``(a, misfit, a2, b, misfit2)`` (misfits relative to ||g||)."""
+    gg, rr, pp = _dot(g, g), _dot(r, r), _dot(p, p)
+    rg, pg, rp = _dot(r, g), _dot(p, g), _dot(r, p)
+    ng = math.sqrt(gg) if gg > 0 else 1e-300
+    a = rg / rr if rr > 0 else 0.0
+    mis = math.sqrt(max(gg - 2 * a * rg + a * a * rr, 0.0)) / ng
+    det = rr * pp - rp * rp
+    if rr > 0 and pp > 0 and det > 1e-12 * rr * pp:
+        a2 = (rg * pp - pg * rp) / det
+        b = (pg * rr - rg * rp) / det
+        res = gg - 2 * a2 * rg - 2 * b * pg + a2 * a2 * rr + 2 * a2 * b * rp + b * b * pp
+        mis2 = math.sqrt(max(res, 0.0)) / ng
+    else:
+        a2, b, mis2 = a, 0.0, mis
+    # Cancellation in the expanded residuals: recompute the chosen one directly when it looks small.
+    if mis < 1e-3:
+        mis = float(torch.linalg.vector_norm(g - a * r)) / ng
+    if mis2 < 1e-3:
+        mis2 = float(torch.linalg.vector_norm(g - a2 * r - b * p)) / ng
+    return a, mis, a2, b, mis2
+
+
+def _ratio_words(a: float) -> str:
+    """What a constant ratio between training's gradient and the objective's usually means."""
+    if a > 0:
+        k = round(a)
+        if a >= 128 and abs(math.log2(a) - round(math.log2(a))) < 1e-6:
+            return (f"the GradScaler scale ({a:.0f} = 2**{round(math.log2(a))}); call scaler.unscale_(optimizer) "
+                    "before watch.step")
+        inv = round(1 / a)
+        if k >= 2 and abs(a - k) <= 1e-2 * k:
+            return (f"a loss multiplied by {k}: gradient accumulation over {k} micro-batches without dividing each "
+                    f"loss by {k}? (or a .grad edit / gradient hook scaling it)")
+        if inv >= 2 and abs(1 / a - inv) <= 1e-2 * inv:
+            return (f"a loss divided by {inv} once too often: gradient accumulation dividing by {inv} where the "
+                    f"objective already averages, or over {inv} micro-batches the watch did not see (call "
+                    "watch.accumulate for each)? Gradient clipping before watch.step also shrinks it")
+        if a < 1:
+            return ("gradient clipping before watch.step (call it before clip_grad_norm_), a loss scaled down, or a "
+                    ".grad edit / gradient hook")
+        return "a factor in the training loss, a .grad edit or a gradient hook"
+    if abs(a + 1) <= 1e-2:
+        return "a sign flip in the training loss or a gradient hook"
+    return "a negative factor in the training loss or a gradient hook"
+
+
+def diagnose_training(g: torch.Tensor, r: torch.Tensor, p: torch.Tensor, tol: float) -> Tuple[Optional[float], Optional[float], str]:
+    """Explain a training mismatch: ``(ratio, coefficient of p, words)``.
+
+    Args:
+        g: Training's gradient (flat, float64).
+        r: The objective's gradient (flat, float64).
+        p: The parameter (flat, float64).
+        tol: The dtype's tolerance (fits within it count as exact).
+
+    Example:
+        >>> r = torch.tensor([0.5, 0.1, -0.3], dtype=torch.float64)
+        >>> p = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64)
+        >>> diagnose_training(r + 0.1 * p, r, p, 1e-6)[2].split(";")[0]
+        "training's gradient has an extra 0.1 * p: training's loss has an L2 term of about 0.05 * ||p||^2 that the objective lacks"
+    """
+    fit_tol = max(FIT_TOLERANCE, 10 * tol)
+    n = g.numel()
+    zero_g = float(torch.linalg.vector_norm(g)) == 0.0
+    zero_r = float(torch.linalg.vector_norm(r)) == 0.0
+    if zero_g and not zero_r:
+        return 0.0, None, (
+            "training's gradient is zero where the objective's is not: a detach (.detach(), .data, torch.no_grad) or "
+            "a frozen path in training's forward, or a hook or .grad edit zeroing it"
+        )
+    if zero_r and not zero_g:
+        return None, None, (
+            "training has a gradient where the objective's is zero: the training loss has a term the objective lacks "
+            "(pass it as regularizers=), or a hook or .grad edit adds to it"
+        )
+    a, mis, a2, b, mis2 = _fit(g, r, p)
+    if mis <= fit_tol:
+        return a, 0.0, f"training's gradient is {a:.2f}x the objective's (constant ratio): {_ratio_words(a)}"
+    if mis2 <= fit_tol and b != 0.0:
+        coef = b / 2.0
+        if abs(a2 - 1.0) <= fit_tol:
+            if coef > 0:
+                words = (f"training's gradient has an extra {b:.3g} * p: training's loss has an L2 term of about "
+                         f"{coef:.3g} * ||p||^2 that the objective lacks; add it to the objective: "
+                         f"regularizers={{'l2': {coef:.3g}}}")
+            else:
+                words = (f"training's gradient lacks {-b:.3g} * p: the objective has an L2 term of about {-coef:.3g} * "
+                         "||p||^2 (a regularizer, or coupled weight decay) that training's loss does not; remove it "
+                         "from regularizers, or add it to the training loss")
+            return 1.0, b, words
+        return a2, b, (f"training's gradient is {a2:.2f}x the objective's plus {b:.3g} * p: a factor of {a2:.2f} "
+                       "(a scaled loss, a .grad edit or a gradient hook) and an L2 term of about "
+                       f"{coef / a2:.3g} * ||p||^2 that the objective lacks")
+    d = (g - r).abs()
+    bad = d > fit_tol * (g.abs() + r.abs())
+    k = int(bad.sum())
+    i = int(torch.argmax(d))
+    return None, None, (
+        f"training's gradient differs from the objective's at {k} of {n} entries, neither by a constant factor nor "
+        f"by a multiple of the parameter (worst: training {float(g[i]):.6g} vs objective {float(r[i]):.6g}): a .grad "
+        "edit or gradient hook, a term only the training loss has, or a training forward that differs from "
+        "loss_fn (.detach()/.data, another kernel or compiled graph)"
+    )
