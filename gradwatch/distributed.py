@@ -252,6 +252,15 @@ class DistributedCoordinator:
         watch._attach_training(merged, replay, averaged)
         merged.training_note = ((merged.training_note + "; ") if merged.training_note else "") + (
             f"the reference is averaged over {self.world_size} ranks, as DDP averages .grad")
+        # A gradient DDP did not synchronize differs from rank to rank: every rank takes rank 0's judgement,
+        # so trends and alerts stay identical everywhere.
+        try:
+            shared = [(merged.training, merged.training_note) if self.rank == 0 else None]
+            dist.broadcast_object_list(shared, src=0, group=self.group)
+            merged.training, merged.training_note = shared[0]
+        except Exception as exc:  # noqa: BLE001
+            merged.training = {}
+            merged.training_note = f"not judged: sharing rank 0's training verdicts failed ({type(exc).__name__}: {exc})"
 
     def _gather(self, payload: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
         """``all_gather_object`` behind a monitored barrier; None (and ``broken`` set) when a rank is missing."""

@@ -163,6 +163,9 @@ class GradWatch:
         # Training part: a forward pre-hook records what each training forward started from.
         self._recorder: Optional[ForwardRecorder] = ForwardRecorder(model) if self.config.training else None
         self._last_micro: Any = None  # training=False: the last batch given to accumulate()
+        #: For integrations: ``() -> context manager`` that training's loss runs in (e.g. Lightning's
+        #: precision context with its autocast); the training part's replay runs in it too.
+        self.replay_context: Optional[Callable[[], Any]] = None
         self.sinks.write_run(run_record(self.config.to_dict(), _version))
 
     # ------------------------------------------------------------------ construction
@@ -403,10 +406,8 @@ class GradWatch:
         records = [r for mb in pending.micro for r in mb.records]
         autocast = records[0].autocast if records else ()
         worst = compute_dtype(max((p.dtype for p in plist), key=tolerance_for, default=torch.float32), autocast)
-        replay = replay_step(model, self._recorder, pending, self.objective.training_total, grad_of, params,
-                             loss_tolerance=10 * tolerance_for(worst))
-        replay.autocast = autocast
-        return replay
+        return replay_step(model, self._recorder, pending, self.objective.training_total, grad_of, params,
+                           loss_tolerance=10 * tolerance_for(worst), context=self.replay_context)
 
     def _attach_training(self, report: CheckReport, replay: Optional[Replay],
                          grads: Optional[Dict[str, torch.Tensor]] = None) -> None:

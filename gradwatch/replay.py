@@ -328,19 +328,28 @@ Evaluate = Callable[[nn.Module, Any], Dict[str, torch.Tensor]]
 GradOf = Callable[[torch.Tensor, Any], Dict[str, torch.Tensor]]
 
 
+Context = Optional[Callable[[], Any]]
+
+
 def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of: GradOf, mb: MicroBatch,
-         mode: str, params: Dict[str, torch.Tensor]) -> Tuple[Dict[str, torch.Tensor], float, _Probe]:
-    """One replay of one micro-batch; restores generators and buffers, never writes ``.grad``."""
+         mode: str, params: Dict[str, torch.Tensor], context: Context = None) -> Tuple[Dict[str, torch.Tensor], float, _Probe, tuple]:
+    """One replay of one micro-batch; restores generators and buffers, never writes ``.grad``.
+
+    ``context`` (an integration's, e.g. Lightning's precision context around ``training_step``)
+    wraps the replay; without one, the autocast state training's first forward ran in does.
+    Returns the gradients, the objective, the probe and the autocast state the replay ran in.
+    """
     probe = _Probe(mb.records, mode)
     guard = BufferGuard(root)
-    autocast = mb.records[0].autocast if mb.records else ()
+    region = context() if context is not None else autocast_as(mb.records[0].autocast if mb.records else ())
     recorder.paused = True
     handle = root.register_forward_pre_hook(probe, with_kwargs=True, prepend=True)
     try:
         with preserved_rng():
             if mode == "start":
                 mb.start.apply()
-            with torch.enable_grad(), autocast_as(autocast), _hooks_detached(list(params.values())):
+            with torch.enable_grad(), region, _hooks_detached(list(params.values())):
+                autocast = autocast_state()
                 total = evaluate(root, mb.batch)
                 grads = grad_of(total, mb.batch)
             value = float(total.detach())
@@ -348,7 +357,7 @@ def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of
         handle.remove()
         recorder.paused = False
         guard.restore_changed()
-    return grads, value, probe
+    return grads, value, probe, autocast
 
 
 def as_float(value: Any) -> Optional[float]:
@@ -380,7 +389,7 @@ def rng_free(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, mb:
 
 
 def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate: Evaluate, grad_of: GradOf,
-                params: Dict[str, torch.Tensor], loss_tolerance: float) -> Replay:
+                params: Dict[str, torch.Tensor], loss_tolerance: float, context: Context = None) -> Replay:
     """Recompute the objective's gradient of a whole optimizer step (mean over its micro-batches).
 
     Args:
@@ -392,6 +401,8 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
         grad_of: ``grad_of(total, batch) -> {name: grad}`` of the live parameters.
         params: The live parameters the gradient is taken for.
         loss_tolerance: Relative difference under which training's loss and the replay's agree.
+        context: Optional ``context() -> context manager`` training's loss ran in (an integration's
+            precision context); the replay runs in it too.
 
     Returns:
         A :class:`Replay`; ``grads`` is None (with ``reason``) when no replay could be verified.
@@ -411,7 +422,7 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
         tried = []
         modes = ("forward", "start") if mb.records else ("start",)
         for mode in modes:
-            grads, value, probe = _one(root, recorder, evaluate, grad_of, mb, mode, params)
+            grads, value, probe, autocast = _one(root, recorder, evaluate, grad_of, mb, mode, params, context)
             forwards = (len(mb.records), probe.count)
             loss_agrees = mb.loss is not None and abs(value - mb.loss) <= loss_tolerance * max(abs(value), abs(mb.loss), 1e-30)
             if mb.records:
@@ -419,7 +430,7 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
             else:
                 ok = mb.start.exact or loss_agrees or rng_free(root, recorder, evaluate, mb)
             if ok:
-                done = (grads, value, mode)
+                done = (grads, value, mode, autocast)
                 break
             tried.append((mode, probe.count, probe.faithful))
         if done is None:
@@ -439,7 +450,7 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
                        "augmentation drawing from torch's generator inside loss_fn after other draws since the last step, "
                        "or loss_fn is not the function training calls")
             return Replay(None, None, None, why, forwards=forwards)
-        grads, value, mode = done
+        grads, value, mode, ran_in = done
         hows.append(mode)
         objective += value
         if mb.loss is not None and abs(value - mb.loss) > loss_tolerance * max(abs(value), abs(mb.loss), 1e-30):
@@ -449,4 +460,4 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
     count = len(step.micro)
     mean = {n: g / count for n, g in sums.items()} if count > 1 else sums
     gap = (sum(a for a, _ in gaps) / len(gaps), sum(b for _, b in gaps) / len(gaps)) if gaps else None
-    return Replay(mean, objective / count, "+".join(sorted(set(hows))), loss_gap=gap, forwards=forwards)
+    return Replay(mean, objective / count, "+".join(sorted(set(hows))), loss_gap=gap, forwards=forwards, autocast=ran_in)

@@ -167,6 +167,20 @@ def _fit(g: torch.Tensor, r: torch.Tensor, p: torch.Tensor) -> Tuple[float, floa
     return a, mis, a2, b, mis2
 
 
+#: Largest micro-batch count a ratio is read as (gradient accumulation): beyond, a ratio is just a factor.
+MAX_ACCUMULATION = 64
+
+
+def ratio_text(a: float) -> str:
+    """A ratio for people: two decimals in the usual range, three significant digits outside it.
+
+    Example:
+        >>> ratio_text(3.0), ratio_text(0.0024853), ratio_text(65536.0)
+        ('3.00', '0.00249', '6.55e+04')
+    """
+    return f"{a:.2f}" if 0.1 <= abs(a) < 1000 else f"{a:.3g}"
+
+
 def _ratio_words(a: float) -> str:
     """What a constant ratio between training's gradient and the objective's usually means."""
     if a > 0:
@@ -175,10 +189,10 @@ def _ratio_words(a: float) -> str:
             return (f"the GradScaler scale ({a:.0f} = 2**{round(math.log2(a))}); call scaler.unscale_(optimizer) "
                     "before watch.step")
         inv = round(1 / a)
-        if k >= 2 and abs(a - k) <= 1e-2 * k:
+        if 2 <= k <= MAX_ACCUMULATION and abs(a - k) <= 1e-2 * k:
             return (f"a loss multiplied by {k}: gradient accumulation over {k} micro-batches without dividing each "
                     f"loss by {k}? (or a .grad edit / gradient hook scaling it)")
-        if inv >= 2 and abs(1 / a - inv) <= 1e-2 * inv:
+        if 2 <= inv <= MAX_ACCUMULATION and abs(1 / a - inv) <= 1e-2 * inv:
             return (f"a loss divided by {inv} once too often: gradient accumulation dividing by {inv} where the "
                     f"objective already averages, or over {inv} micro-batches the watch did not see (call "
                     "watch.accumulate for each)? Gradient clipping before watch.step also shrinks it")
@@ -221,8 +235,14 @@ def diagnose_training(g: torch.Tensor, r: torch.Tensor, p: torch.Tensor, tol: fl
             "(pass it as regularizers=), or a hook or .grad edit adds to it"
         )
     a, mis, a2, b, mis2 = _fit(g, r, p)
+    if mis <= fit_tol and abs(a - 1.0) <= fit_tol:
+        return a, 0.0, (
+            f"training's gradient is within {fit_tol:.0%} of the objective's but beyond the tolerance of the compute "
+            "dtype: training computed in lower precision than the replay (an autocast region the watch did not see?), "
+            "or a small term only one of them has"
+        )
     if mis <= fit_tol:
-        return a, 0.0, f"training's gradient is {a:.2f}x the objective's (constant ratio): {_ratio_words(a)}"
+        return a, 0.0, f"training's gradient is {ratio_text(a)}x the objective's (constant ratio): {_ratio_words(a)}"
     if mis2 <= fit_tol and b != 0.0:
         coef = b / 2.0
         if abs(a2 - 1.0) <= fit_tol:
@@ -235,7 +255,7 @@ def diagnose_training(g: torch.Tensor, r: torch.Tensor, p: torch.Tensor, tol: fl
                          "||p||^2 (a regularizer, or coupled weight decay) that training's loss does not; remove it "
                          "from regularizers, or add it to the training loss")
             return 1.0, b, words
-        return a2, b, (f"training's gradient is {a2:.2f}x the objective's plus {b:.3g} * p: a factor of {a2:.2f} "
+        return a2, b, (f"training's gradient is {ratio_text(a2)}x the objective's plus {b:.3g} * p: a factor of {ratio_text(a2)} "
                        "(a scaled loss, a .grad edit or a gradient hook) and an L2 term of about "
                        f"{coef / a2:.3g} * ||p||^2 that the objective lacks")
     d = (g - r).abs()

@@ -203,6 +203,9 @@ class GradWatchCallback(Callback):
             )
         except (ConfigError, ValueError, TypeError) as err:
             raise MisconfigurationException(f"GradWatchCallback: {err}") from err
+        # training_step runs inside the precision plugin's context (autocast under "bf16-mixed"/"16-mixed"):
+        # the training part replays it there too.
+        self.watch.replay_context = trainer.precision_plugin.train_step_context
         if self._pending_state is not None:
             self.watch.load_state_dict(self._pending_state)
             self._pending_state = None
