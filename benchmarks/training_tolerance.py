@@ -30,13 +30,23 @@ def models():
                                                nn.Flatten(), nn.Linear(64, 5)), (64,)
 
 
-def run(make, shape, autocast, accumulate, seed, steps=4):
+def l2_pow(model):
+    return 1e-3 * sum(p.pow(2).sum() for p in model.parameters())
+
+
+def l2_norm(model):
+    """The same L2 term written another way: its gradient rounds differently from the objective's."""
+    return 1e-3 * sum(torch.linalg.vector_norm(p) ** 2 for p in model.parameters())
+
+
+def run(make, shape, autocast, accumulate, seed, steps=4, l2=l2_pow, scaler=False):
     torch.manual_seed(seed)
     model = make()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     loss_fn = lambda m, b: nn.functional.cross_entropy(m(b[0]).float(), b[1])  # noqa: E731
+    grad_scaler = torch.amp.GradScaler("cpu")
     watch = gradwatch.GradWatch(model, loss_fn, every=1, regularizers={"l2": 1e-3}, tensorboard=False, jsonl=False,
-                                coords=1, directions=0)
+                                coords=1, directions=0, grad_scaler=grad_scaler if scaler == "given" else None)
     gen = torch.Generator().manual_seed(seed)
     ctx = (lambda: torch.autocast("cpu", dtype=autocast)) if autocast else contextlib.nullcontext
     worst = 0.0
@@ -46,11 +56,16 @@ def run(make, shape, autocast, accumulate, seed, steps=4):
         for i in range(k):
             batch = (torch.randn(32, *shape, generator=gen), torch.randint(0, 5, (32,), generator=gen))
             with ctx():
-                loss = loss_fn(model, batch) + 1e-3 * sum(p.pow(2).sum() for p in model.parameters())
-            (loss / k).backward()
+                loss = loss_fn(model, batch) + l2(model)
+            (grad_scaler.scale(loss / k) if scaler else loss / k).backward()
             if k > 1:
                 watch.accumulate(batch)
+        if scaler:
+            grad_scaler.unscale_(opt)
         report = watch.step(None if k > 1 else batch)
+        if scaler:
+            grad_scaler.step(opt)
+            grad_scaler.update()
         for t in report.training.values():
             worst = max(worst, t.rel_diff)
     watch.close()
@@ -58,13 +73,18 @@ def run(make, shape, autocast, accumulate, seed, steps=4):
 
 
 def main() -> None:
-    print(f"{'model':12} {'compute dtype':14} {'accumulate':>10} {'largest training rel_diff':>26}")
+    print(f"{'model':12} {'compute dtype':14} {'accumulate':>10} {'variant':22} {'largest training rel_diff':>26}")
+    variants = {"same ops": {}, "L2 written as a norm": {"l2": l2_norm}, "GradScaler, not given": {"scaler": True},
+                "GradScaler, given": {"scaler": "given"}}
     for name, make, shape in models():
         for autocast in (None, torch.bfloat16, torch.float16):
             for accumulate in (1, 3):
-                worst = max(run(make, shape, autocast, accumulate, seed) for seed in range(3))
-                dtype = str(autocast or torch.float32).replace("torch.", "")
-                print(f"{name:12} {dtype:14} {accumulate:>10} {worst:>26.2e}")
+                for variant, kw in variants.items():
+                    if kw.get("scaler") and autocast is not torch.float16:
+                        continue
+                    worst = max(run(make, shape, autocast, accumulate, seed, **kw) for seed in range(3))
+                    dtype = str(autocast or torch.float32).replace("torch.", "")
+                    print(f"{name:12} {dtype:14} {accumulate:>10} {variant:22} {worst:>26.2e}")
     print("tolerances in use:", {str(k).replace("torch.", ""): v for k, v in gradwatch.training.TOLERANCE.items()})
 
 

@@ -35,13 +35,13 @@ from .sampling import coverage as coverage_of
 from .sampling import match_names, rotate
 from .schedule import Schedule
 from .sinks import SinkSet, build_sinks
-from .training import compute_dtype, judge_training, tolerance_for
+from .training import compute_dtype, gradient_scale, judge_training, tolerance_for
 from .trend import Alert
 
 logger = logging.getLogger("gradwatch")
 
 #: Option names that are Python objects, never YAML keys.
-OBJECT_OPTIONS = ("optimizer", "grad_fn", "on_alert", "writer", "distributed", "distributed_timeout")
+OBJECT_OPTIONS = ("optimizer", "grad_fn", "on_alert", "writer", "distributed", "distributed_timeout", "grad_scaler")
 
 
 def _alert_from_dict(d: Mapping[str, Any]) -> Alert:
@@ -87,6 +87,9 @@ class GradWatch:
             initialized with 2+ ranks (see :mod:`gradwatch.distributed`); ``False``: act as a
             single process. A DDP/DataParallel wrapper is always unwrapped (``model.module``).
         distributed_timeout: Seconds gradwatch's own collectives wait for a missing rank.
+        grad_scaler: Optional ``torch.amp.GradScaler`` of a float16 AMP loop. The training part then
+            replays ``scaler.scale(loss).backward()`` and the unscaling as training ran them (the same
+            bits), so call :meth:`step` after ``scaler.unscale_(optimizer)``.
         **options: Every option of :class:`~gradwatch.config.GradWatchConfig`
             (``every``, ``overhead_budget``, ``tensors_per_check``, ``raise_on``,
             ``log_dir``, ``coords``, ``directions``, ``regularizers``, ...).
@@ -118,6 +121,7 @@ class GradWatch:
         writer: Any = None,
         distributed: Any = "auto",
         distributed_timeout: float = DEFAULT_TIMEOUT,
+        grad_scaler: Any = None,
         **options: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -135,6 +139,9 @@ class GradWatch:
         self.grad_fn = grad_fn
         self.on_alert = on_alert
         self.optimizer = optimizer
+        if grad_scaler is not None and not (callable(getattr(grad_scaler, "scale", None)) and callable(getattr(grad_scaler, "get_scale", None))):
+            raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
+        self.grad_scaler = grad_scaler
         self._check_options = self.config.check_options()
         names = trainable_names(model)
         if not names:
@@ -393,6 +400,8 @@ class GradWatch:
                                             "before the first backward)")
         model = self.model
 
+        scaler = self.grad_scaler if self.grad_scaler is not None and self.grad_scaler.is_enabled() else None
+
         def grad_of(total: torch.Tensor, batch: Any) -> Dict[str, torch.Tensor]:
             if self.grad_fn is not None:
                 from .check import _validate_grads
@@ -400,8 +409,14 @@ class GradWatch:
                 return _validate_grads(self.grad_fn(model, batch), params, "grad_fn")
             if not total.requires_grad:
                 return {n: torch.zeros_like(p) for n, p in params.items()}
-            gs = torch.autograd.grad(total, plist, allow_unused=True)
-            return {n: torch.zeros_like(p) if g is None else g.detach() for (n, p), g in zip(params.items(), gs)}
+            if scaler is None:
+                gs = torch.autograd.grad(total, plist, allow_unused=True)
+                return {n: torch.zeros_like(p) if g is None else g.detach() for (n, p), g in zip(params.items(), gs)}
+            # scaler.scale(loss).backward(), then unscale_: multiply by the float32 reciprocal of the scale
+            inv = torch.tensor(float(scaler.get_scale()), dtype=torch.float64).reciprocal().float()
+            gs = torch.autograd.grad(scaler.scale(total), plist, allow_unused=True)
+            return {n: torch.zeros_like(p) if g is None else g.detach() * inv.to(g.device)
+                    for (n, p), g in zip(params.items(), gs)}
 
         records = [r for mb in pending.micro for r in mb.records]
         autocast = records[0].autocast if records else ()
@@ -418,9 +433,10 @@ class GradWatch:
             report.training_note = replay.reason
             return
         grads = grads if grads is not None else replay.grads
+        scale = gradient_scale(list(grads.values()))
         for n, p in self._training_params().items():
             report.training[n] = judge_training(n, p.grad, grads[n], p, compute_dtype(p.dtype, replay.autocast),
-                                                self._check_options.bands, self._check_options.fail_at)
+                                                self._check_options.bands, self._check_options.fail_at, scale=scale)
         notes = [f"replayed from the {replay.how} RNG state" if replay.how else ""]
         if replay.loss_gap is not None:
             given, replayed = replay.loss_gap

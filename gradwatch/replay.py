@@ -348,9 +348,10 @@ def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of
         with preserved_rng():
             if mode == "start":
                 mb.start.apply()
-            with torch.enable_grad(), region, _hooks_detached(list(params.values())):
-                autocast = autocast_state()
-                total = evaluate(root, mb.batch)
+            with torch.enable_grad(), _hooks_detached(list(params.values())):
+                with region:  # the forward in training's autocast region; backward outside it, as training's
+                    autocast = autocast_state()
+                    total = evaluate(root, mb.batch)
                 grads = grad_of(total, mb.batch)
             value = float(total.detach())
     finally:
@@ -392,6 +393,10 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
                 params: Dict[str, torch.Tensor], loss_tolerance: float, context: Context = None) -> Replay:
     """Recompute the objective's gradient of a whole optimizer step (mean over its micro-batches).
 
+    The mean is formed as training forms it under gradient accumulation: the gradient of each
+    micro-batch's objective divided by their count, summed in order, so that a correct run gives
+    the very same bits.
+
     Args:
         root: The live model.
         recorder: Its :class:`ForwardRecorder` (paused during the replay).
@@ -409,6 +414,10 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
     """
     sums: Dict[str, torch.Tensor] = {}
     objective = 0.0
+    count = len(step.micro)
+    if count > 1:
+        base = evaluate
+        evaluate = lambda model, batch: base(model, batch) / count  # noqa: E731 - as training's loss / k
     hows = []
     gaps = []
     forwards = (0, 0)
@@ -424,7 +433,8 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
         for mode in modes:
             grads, value, probe, autocast = _one(root, recorder, evaluate, grad_of, mb, mode, params, context)
             forwards = (len(mb.records), probe.count)
-            loss_agrees = mb.loss is not None and abs(value - mb.loss) <= loss_tolerance * max(abs(value), abs(mb.loss), 1e-30)
+            whole = value * count  # the micro-batch's own objective
+            loss_agrees = mb.loss is not None and abs(whole - mb.loss) <= loss_tolerance * max(abs(whole), abs(mb.loss), 1e-30)
             if mb.records:
                 ok = probe.faithful and probe.count == len(mb.records)
             else:
@@ -451,13 +461,16 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
                        "or loss_fn is not the function training calls")
             return Replay(None, None, None, why, forwards=forwards)
         grads, value, mode, ran_in = done
+        value *= count  # the micro-batch's own objective (its gradient stays divided, as training's)
         hows.append(mode)
         objective += value
         if mb.loss is not None and abs(value - mb.loss) > loss_tolerance * max(abs(value), abs(mb.loss), 1e-30):
             gaps.append((mb.loss, value))
         for n, g in grads.items():
-            sums[n] = g if i == 0 else sums[n] + g
-    count = len(step.micro)
-    mean = {n: g / count for n, g in sums.items()} if count > 1 else sums
+            if i == 0:
+                sums[n] = g
+            else:
+                sums[n].add_(g)  # as autograd accumulates into .grad
+    mean = sums
     gap = (sum(a for a, _ in gaps) / len(gaps), sum(b for _, b in gaps) / len(gaps)) if gaps else None
     return Replay(mean, objective / count, "+".join(sorted(set(hows))), loss_gap=gap, forwards=forwards, autocast=ran_in)

@@ -7,11 +7,10 @@ element of the tensor, and says in words what differs.
 
 The comparison is exact up to rounding: a faithful replay of a deterministic
 computation gives the very same bits, and what remains for a correct run is
-the rounding of a different summation order (gradient accumulation, a loss
-summed in one expression in training and term by term in the objective,
-DDP's averaging). :data:`TOLERANCE` is that rounding, per compute dtype,
-measured on correct runs (``benchmarks`` of the README's "training" section);
-a relative difference within it counts as 0.
+the rounding of the same gradient computed another way (a loss term written
+differently, DDP's averaging, a float16 GradScaler the watch was not given).
+:data:`TOLERANCE` is that rounding, per compute dtype, measured on correct runs
+(``benchmarks/training_tolerance.py``); a relative difference within it counts as 0.
 """
 
 from __future__ import annotations
@@ -24,13 +23,16 @@ import torch
 from .numeric import DEFAULT_BANDS, Verdict
 from .report import TrainingCheck
 
-#: Relative difference ``||live - ref|| / (||live|| + ||ref||)`` that correct runs stay below, per compute
-#: dtype: about 30x the largest seen on correct runs with a different summation order (float32: 3e-8
-#: measured, bfloat16 autocast: 1.2e-4, float16 autocast: 1.5e-5). Within it, a difference counts as 0.
+#: Relative difference ``||live - ref|| / (||live|| + ||ref||)`` that rounding alone can cause, per compute dtype.
+#: A faithful replay of the same ops gives the same bits (measured: 0 on an MLP, a CNN with BatchNorm and a
+#: transformer layer, with dropout, in float32 and under bfloat16/float16 autocast, with and without gradient
+#: accumulation; ``benchmarks/training_tolerance.py``). What is left for a correct run is a term written another
+#: way in training than in the objective (largest seen: 3.7e-8, an L2 term computed as a norm) and, in float16,
+#: a GradScaler the watch was not given (``grad_scaler=``): its scaled backward rounds differently (4.2e-3).
 TOLERANCE = {
     torch.float64: 1e-13,
     torch.float32: 1e-6,
-    torch.float16: 5e-4,
+    torch.float16: 1e-2,
     torch.bfloat16: 4e-3,
 }
 #: Misfit of a least-squares explanation (ratio, or ratio plus a multiple of the parameter) that still counts as exact.
@@ -60,6 +62,20 @@ def compute_dtype(param_dtype: torch.dtype, autocast: Sequence[Tuple[str, bool, 
     return param_dtype
 
 
+def gradient_scale(grads: Sequence[torch.Tensor]) -> float:
+    """Root-mean-square entry over several gradients (the ``scale`` of :func:`judge_training`).
+
+    Example:
+        >>> gradient_scale([torch.ones(3), torch.zeros(1)])
+        0.8660254037844386
+    """
+    n = sum(g.numel() for g in grads)
+    if n == 0:
+        return 0.0
+    total = sum(float(torch.linalg.vector_norm(g.detach().to(torch.float64)) ** 2) for g in grads)
+    return math.sqrt(total / n)
+
+
 def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.dot(a, b))
 
@@ -72,6 +88,7 @@ def judge_training(
     dtype: torch.dtype,
     bands: Sequence[float] = DEFAULT_BANDS,
     fail_at: Verdict = Verdict.SUSPICIOUS,
+    scale: float = 0.0,
 ) -> TrainingCheck:
     """Compare the gradient training applied (``live``) with the objective's (``ref``), element by element.
 
@@ -83,6 +100,10 @@ def judge_training(
         dtype: The compute dtype training ran in (sets the tolerance).
         bands: Verdict bands for the judged relative difference.
         fail_at: Verdict from which the tensor fails.
+        scale: Root-mean-square entry of the objective's gradient over every checked tensor. A
+            difference within ``tolerance * (||live|| + ||ref|| + scale * sqrt(n))`` is rounding:
+            a tensor whose gradient nearly cancels (a bias before a norm layer) carries rounding
+            of the size of the model's gradients, not of its own.
 
     Returns:
         A :class:`~gradwatch.report.TrainingCheck`.
@@ -130,7 +151,8 @@ def judge_training(
     check.rel_diff = 0.0 if nd == 0.0 else min(1.0, nd / (ng + nr))
     denom = float(torch.max(g.abs() + r.abs())) if g.numel() else 0.0
     check.max_rel_error = float(diff.abs().max()) / max(denom, 1e-8) if g.numel() else 0.0
-    check.judged_rel_diff = check.rel_diff if check.rel_diff > tol else 0.0
+    allowed = tol * (ng + nr + scale * math.sqrt(g.numel()))
+    check.judged_rel_diff = check.rel_diff if nd > allowed else 0.0
     _verdict(check, bands, fail_at)
     if check.judged_rel_diff > 0.0:
         p = param.detach().reshape(-1).to(device=r.device, dtype=torch.float64)

@@ -289,19 +289,25 @@ def test_grad_scaler_scale_is_named_and_unscaled_grads_agree():
     assert t.failed and t.ratio == pytest.approx(4096.0, rel=1e-3) and "GradScaler scale" in t.diagnosis
     assert "scaler.unscale_(optimizer) before watch.step" in t.diagnosis
 
-    watch = GradWatch(model, ce, **quiet())
-    reports = []
-    for batch in data(3, seed=4):
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = ce(model, batch)
-        scaler.scale(loss).backward()
-        scaler.unscale_(opt)
-        reports.append(watch.step(batch))  # the right place: after unscale_, before scaler.step
-        scaler.step(opt)
-        scaler.update()
-    assert all(not r.training_failures for r in reports) and watch.alerts == []
-    assert all(t.dtype == "float16" for t in reports[0].training.values())
+    for given in (None, scaler):
+        watch = GradWatch(model, ce, grad_scaler=given, **quiet())
+        reports = []
+        for batch in data(3, seed=4):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = ce(model, batch)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            reports.append(watch.step(batch))  # the right place: after unscale_, before scaler.step
+            scaler.step(opt)
+            scaler.update()
+        watch.close()
+        assert all(not r.training_failures for r in reports) and watch.alerts == []
+        assert all(t.dtype == "float16" for t in reports[0].training.values())
+        if given is not None:  # the scaled backward replayed as training ran it: the same bits
+            assert all(t.rel_diff == 0.0 for r in reports for t in r.training.values())
+    with pytest.raises(TypeError, match="grad_scaler must be a torch.amp.GradScaler, got float"):
+        GradWatch(model, ce, grad_scaler=2.0 ** 16)
 
 
 # ---------------------------------------------------------------------------- clipping

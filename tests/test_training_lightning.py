@@ -82,3 +82,18 @@ def test_lightning_bf16_mixed_precision_agrees(tmp_path):
     history = training_records(cb)
     assert all(len(h) == 3 and all(r["verdict"] == Verdict.EXCELLENT.value for r in h) for h in history.values())
     assert cb.watch.alerts == []
+
+
+def test_lightning_16_mixed_unscales_before_the_check_and_its_scaler_is_replayed(tmp_path):
+    """Lightning's "16-mixed" scales the loss with a GradScaler and unscales before on_before_optimizer_step."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    torch.manual_seed(0)
+    # Trainer(precision="16-mixed") falls back to bf16 on CPU; the plugin itself runs float16 autocast and a GradScaler.
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    cb, _ = fit(Net(), tmp_path, plugins=[plugin])
+    assert cb.watch.grad_scaler is not None and cb.watch.grad_scaler.get_scale() > 1  # the loss really was scaled
+    history = training_records(cb)
+    assert all(len(h) == 3 and all(r["verdict"] == "excellent" and r["rel_diff"] == 0.0 for r in h)
+               for h in history.values())  # .grad was unscaled, and the replay gave the same bits
+    assert cb.watch.alerts == []

@@ -206,6 +206,7 @@ class GradWatchCallback(Callback):
         # training_step runs inside the precision plugin's context (autocast under "bf16-mixed"/"16-mixed"):
         # the training part replays it there too.
         self.watch.replay_context = trainer.precision_plugin.train_step_context
+        self.watch.grad_scaler = getattr(trainer.precision_plugin, "scaler", None)  # "16-mixed": its GradScaler
         if self._pending_state is not None:
             self.watch.load_state_dict(self._pending_state)
             self._pending_state = None
