@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .context import BufferGuard, Reseeder, Shadow, dropout_off, frozen_batchnorm_stats, preserved_rng, restore_params, seed_everything, snapshot_params, cast_floats
+from .errors import blame
 from .engine import EngineSettings, Evaluator, NOISE_FACTOR, check_tensor, total
 from .numeric import machine_eps
 from .objective import Objective, coupled_weight_decay
@@ -124,7 +125,7 @@ def _validate_grads(grads: Any, params: Mapping[str, torch.Tensor], source: str)
         g = torch.as_tensor(np.asarray(g)) if not isinstance(g, torch.Tensor) else g
         if tuple(g.shape) != tuple(p.shape):
             raise ValueError(f"{source}: gradient for {n!r} has shape {tuple(g.shape)}, but the parameter has shape {tuple(p.shape)}")
-        out[n] = g.detach().to(p.device)
+        out[n] = _dense(g.detach().to(p.device))
     return out
 
 
@@ -210,13 +211,17 @@ def run_model_check(
         def terms_no_grad() -> Dict[str, torch.Tensor]:
             try:
                 return objective.terms(target, batch)
-            except Exception:
+            except Exception as first:
                 # A module that needed no input cast in the first evaluation needs one now: put the hooks back.
+                casts = casting.casts() if casting is not None else 0
                 if casting is None or not casting.restore_cast_hooks():
                     raise
                 guard.restore_changed()
                 reseed()
-                return objective.terms(target, batch)
+                terms = objective.terms(target, batch)
+                if casting.casts() == casts:
+                    raise first  # no module needed the cast: the user's code itself raised, retrying hid it
+                return terms
 
         def evaluate() -> Dict[str, float]:
             reseed()
@@ -274,8 +279,12 @@ def _analytic(objective, terms_t, total_t, params, target, batch, grad_fn, per_t
     plist = list(params.values())
     out: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n in params}
     if grad_fn is not None:
-        with torch.enable_grad():
-            given = _validate_grads(grad_fn(target, batch), params, "grad_fn")
+        try:
+            with torch.enable_grad():
+                given = _validate_grads(grad_fn(target, batch), params, "grad_fn")
+        except Exception as exc:
+            blame(exc, "grad_fn")
+            raise
         for n in params:
             out[n]["total"] = given[n]
     else:
@@ -294,7 +303,12 @@ def _grad(value: torch.Tensor, plist: List[torch.Tensor], retain: bool) -> List[
     if not value.requires_grad:
         return [torch.zeros_like(p) for p in plist]
     gs = torch.autograd.grad(value, plist, retain_graph=retain, allow_unused=True)
-    return [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(gs, plist)]
+    return [torch.zeros_like(p) if g is None else _dense(g.detach()) for g, p in zip(gs, plist)]
+
+
+def _dense(g: torch.Tensor) -> torch.Tensor:
+    """A gradient in strided layout: ``Embedding(sparse=True)`` and ``grad_fn`` may give sparse ones."""
+    return g if g.layout == torch.strided else g.to_dense()
 
 
 def _judge_all(report: CheckReport, params: Dict[str, torch.Tensor], grads, evaluator: Evaluator, opts: CheckOptions,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import itertools
 import random
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -182,9 +183,17 @@ class BufferGuard:
     def __init__(self, model: nn.Module) -> None:
         self._buffers = [(b, b.detach().clone(), b._version) for _, b in model.named_buffers() if b is not None]
         self._clean = [0] * len(self._buffers)
+        self._owners = [(m, k, b) for m in model.modules() for k, b in m._buffers.items() if b is not None]
 
     def restore_changed(self) -> None:
-        """Copy the saved value back into every buffer whose version or value moved."""
+        """Copy the saved value back into every buffer whose version or value moved.
+
+        A buffer the forward replaced by another tensor (``self.cache = torch.zeros(n)``, a
+        shape that follows the batch) is put back too: the module holds the original again.
+        """
+        for m, key, buf in self._owners:
+            if m._buffers.get(key) is not buf:
+                m._buffers[key] = buf
         for i, (buf, saved, version) in enumerate(self._buffers):
             if buf._version != version or not torch.equal(buf, saved):
                 with torch.no_grad():
@@ -298,8 +307,9 @@ def _cast_inputs_hook(dtype: torch.dtype, needed: Optional[set] = None):
 
 
 def param_signature(model: nn.Module) -> Tuple:
-    """Names and shapes of parameters and buffers: when it changes, a shadow must be rebuilt."""
-    return tuple((n, tuple(t.shape), str(t.device)) for n, t in model.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor))
+    """Names, shapes and devices of parameters and buffers (non-persistent ones too): when it changes, a shadow must be rebuilt."""
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+    return tuple((n, tuple(t.shape), str(t.device)) for n, t in tensors if isinstance(t, torch.Tensor))
 
 
 class Shadow:
@@ -341,6 +351,10 @@ class Shadow:
                 self._hooks[id(m)] = m.register_forward_pre_hook(_cast_inputs_hook(self.dtype, self._needed), with_kwargs=True)
                 missing = True
         return missing
+
+    def casts(self) -> int:
+        """How many modules of the copy have needed an input cast since it was built."""
+        return len(self._needed)
 
     def trim_cast_hooks(self) -> None:
         """Remove the casting hooks of modules that have needed no cast so far (until the next refresh).

@@ -24,7 +24,7 @@ from .check import GradFn, run_model_check, trainable_names
 from .config import GradWatchConfig, load_config
 from .context import Shadow
 from .distributed import DEFAULT_TIMEOUT, DistributedCoordinator, unwrap_model
-from .errors import GradientDriftError
+from .errors import GradientDriftError, blamed
 from .numeric import Verdict
 from .objective import Objective, coupled_weight_decay
 from .records import check_record, run_record
@@ -201,7 +201,18 @@ class GradWatch:
         return min(1.0, (self._monitor_seconds + seconds) / wall) if wall > 0 else None
 
     def _watched_names(self) -> List[str]:
-        return match_names(trainable_names(self.model), self._check_options.tensors)
+        # Not strict: a pattern may stop matching when its tensors are frozen mid-run (checked at construction).
+        return match_names(trainable_names(self.model), self._check_options.tensors, strict=False)
+
+    def _names_to_check(self) -> List[str]:
+        names = self._watched_names()
+        if not names:
+            raise ValueError(
+                f"tensors: {self._check_options.tensors!r} match no trainable parameter any more (frozen with "
+                f"requires_grad=False since the watch started?); trainable now: {trainable_names(self.model)[:8]}; "
+                "no tensor was checked — change the tensors option to follow the parameters you train"
+            )
+        return names
 
     # ------------------------------------------------------------------ the loop
     def step(self, batch: Any, *, global_step: Optional[int] = None) -> Optional[CheckReport]:
@@ -251,10 +262,10 @@ class GradWatch:
             raise RuntimeError("GradWatch is closed; create a new one to keep monitoring")
         if self.dist is not None:
             return self.dist.run(self, step, batch, scheduled=scheduled)
-        names = rotate(self._watched_names(), self.config.tensors_per_check, self._counts)
         opts = dataclasses.replace(self._check_options, seed=self._check_options.seed + self._checks)
         start = time.perf_counter()
         try:
+            names = rotate(self._names_to_check(), self.config.tensors_per_check, self._counts)
             if self._check_options.dtype is not None and (self._shadow is None or not self._shadow.matches(self.model)):
                 self._shadow = Shadow(self.model, self._check_options.dtype)
             report = run_model_check(self.model, self.objective, batch, opts, grad_fn=self.grad_fn, names=names, shadow=self._shadow)
@@ -262,7 +273,7 @@ class GradWatch:
             seconds = time.perf_counter() - start
             self.schedule.record_check(step, seconds, scheduled)
             logger.error("gradwatch: the check at step %d raised; training goes on:\n%s", step, traceback.format_exc())
-            alert = self.tracker.error(step, exc)
+            alert = self.tracker.error(step, exc, where=blamed(exc))
             self._emit(step, None, [alert] if alert is not None else [], seconds)
             return None
         seconds = time.perf_counter() - start

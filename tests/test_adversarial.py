@@ -1,0 +1,215 @@
+"""The adversarial pass (issue 12): each hostile input is a clear error or handled, and nothing leaks into training."""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradwatch import ConfigError, GradWatch, check_model
+from gradwatch.sinks import read_jsonl
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+
+
+def mse(model, batch):
+    return F.mse_loss(model(batch[0]), batch[1])
+
+
+def batch(n: int = 6):
+    return torch.randn(n, 3), torch.randn(n, 1)
+
+
+def train(model, watch, loss_fn, batches, lr: float = 0.01):
+    """A plain SGD loop; returns what ``watch.step`` returned at each step."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    reports = []
+    for b in batches:
+        opt.zero_grad()
+        loss_fn(model, b).backward()
+        reports.append(watch.step(b))
+        opt.step()
+    return reports
+
+
+SMALL = dict(every=1, log_dir=None, coords=3, directions=1)
+
+
+# ---------------------------------------------------------------- 3. sparse embeddings
+
+
+@pytest.mark.parametrize("dtype", ["float64", None], ids=["shadow", "in_place"])
+def test_sparse_embedding_is_checked(dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(8, 1))
+    batches = [(torch.randint(0, 10, (5, 2)), torch.randn(5, 1)) for _ in range(2)]
+    watch = GradWatch(model, mse, dtype=dtype, **SMALL)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)  # SGD takes sparse gradients
+    for b in batches:
+        opt.zero_grad()
+        mse(model, b).backward()
+        report = watch.step(b)
+        opt.step()
+        assert report is not None and report.ok, str(report)
+        assert "0.weight" in report.tensors and report.tensors["0.weight"].verdict is not None
+    assert watch.alerts == []
+
+
+# ---------------------------------------------------------------- 5. buffers that follow the batch
+
+
+class PositionTable(nn.Module):
+    """A non-persistent buffer rebuilt whenever the batch size changes (a cache that follows the batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+        self.register_buffer("pos", torch.zeros(0), persistent=False)
+
+    def forward(self, x):
+        if self.pos.shape[0] != x.shape[0]:
+            self.pos = torch.arange(x.shape[0], dtype=x.dtype) / 10
+        return self.lin(x) + self.pos[:, None]
+
+
+@pytest.mark.parametrize("dtype", ["float64", None], ids=["shadow", "in_place"])
+def test_non_persistent_buffer_that_changes_shape_with_the_batch(dtype):
+    torch.manual_seed(0)
+    model = PositionTable()
+    watch = GradWatch(model, mse, dtype=dtype, **SMALL)
+    for n in (4, 6, 4, 6):
+        b = batch(n)
+        mse(model, b).backward()
+        report = watch.step(b)
+        assert report is not None and report.ok, (n, watch.alerts)
+        assert model.pos.shape == (n,)  # the live model keeps the buffer its own forward made
+    assert watch.alerts == []
+
+
+# ---------------------------------------------------------------- 6. loss_fn raising once during a check
+
+
+def test_loss_fn_raising_once_inside_a_check_is_reported_not_retried():
+    calls = []
+
+    def flaky(model, b):
+        calls.append(1)
+        if len(calls) == 3:  # the 2nd evaluation of the first check (the first one after the analytic pass)
+            raise KeyError("flaky data source")
+        return mse(model, b)
+
+    model = mlp()
+    watch = GradWatch(model, flaky, **SMALL)
+    reports = [watch.check(batch()), watch.check(batch())]
+    assert reports[0] is None and reports[1] is not None and reports[1].ok
+    (alert,) = watch.alerts
+    assert alert.kind == "error" and "KeyError" in alert.message and "flaky data source" in alert.message
+    assert "(in loss_fn)" in alert.message
+    calls.clear()
+    calls.append(1)  # the next call is the 2nd: check_model's first evaluation after the analytic pass raises
+    with pytest.raises(KeyError, match="flaky data source"):
+        check_model(mlp(), flaky, batch(), batched=False)
+
+
+# ---------------------------------------------------------------- 7. nonsense options and losses
+
+
+@pytest.mark.parametrize("eps", [1e6, 0.5, math.inf, math.nan])
+def test_eps_too_large_or_not_finite_is_refused(eps):
+    with pytest.raises(ConfigError, match=rf"eps: got {eps!r}, expected a number > 0 and <= 0.1"):
+        GradWatch(mlp(), mse, eps=eps)
+    with pytest.raises(ConfigError, match="eps: got"):
+        check_model(mlp(), mse, batch(), eps=eps)
+
+
+def test_empty_tensors_list_is_refused():
+    with pytest.raises(ConfigError, match=r"tensors: got \[\], expected a non-empty list .* or null"):
+        GradWatch(mlp(), mse, tensors=[])
+    with pytest.raises(ConfigError, match=r"tensors: got \[\]"):
+        check_model(mlp(), mse, batch(), tensors=[])
+
+
+def test_integer_loss_names_its_dtype():
+    def count_loss(model, b):
+        return (model(b[0]) > 0).sum()  # an integer count: no gradient
+
+    with pytest.raises(TypeError, match="loss_fn must return a real floating-point scalar tensor, got a int64 tensor"):
+        check_model(mlp(), count_loss, batch())
+    model = mlp()
+    watch = GradWatch(model, count_loss, **SMALL)
+    assert watch.check(batch()) is None
+    (alert,) = watch.alerts
+    assert "int64" in alert.message and "(in loss_fn)" in alert.message
+
+
+# ---------------------------------------------------------------- 8. watched tensors frozen mid-run
+
+
+def test_watched_tensors_frozen_mid_run_do_not_stop_training():
+    model = mlp()
+    watch = GradWatch(model, mse, tensors=["0.*"], **SMALL)
+    assert train(model, watch, mse, [batch()])[0].ok
+    model[0].requires_grad_(False)  # fine-tuning schedule: the watched layer is frozen
+    reports = train(model, watch, mse, [batch(), batch()])  # raise_on is None: training goes on
+    assert reports == [None, None]
+    (alert,) = watch.alerts  # deduplicated: one alert for the persisting problem
+    assert alert.kind == "error"
+    assert "tensors: ['0.*'] match no trainable parameter any more" in alert.message
+    assert "2.weight" in alert.message and "(in loss_fn)" not in alert.message
+
+
+def test_partly_frozen_patterns_check_what_still_trains():
+    model = mlp()
+    watch = GradWatch(model, mse, tensors=["0.*", "2.*"], **SMALL)
+    model[0].requires_grad_(False)
+    (report,) = train(model, watch, mse, [batch()])
+    assert report is not None and report.ok and sorted(report.tensors) == ["2.bias", "2.weight"]
+
+
+# ---------------------------------------------------------------- 9. who raised
+
+
+def test_errors_name_the_regularizer_or_grad_fn_that_raised():
+    def bad_reg(model):
+        raise ValueError("no such layer 'encoder'")
+
+    model = mlp()
+    watch = GradWatch(model, mse, regularizers={"sparsity": bad_reg}, **SMALL)
+    assert watch.check(batch()) is None
+    (alert,) = watch.alerts
+    assert "(in regularizer 'sparsity')" in alert.message and "in loss_fn" not in alert.message
+
+    def bad_grad_fn(model, b):
+        return {"0.weight": torch.zeros(4, 3)}  # misses tensors
+
+    watch = GradWatch(model, mse, grad_fn=bad_grad_fn, **SMALL)
+    assert watch.check(batch()) is None
+    (alert,) = watch.alerts
+    assert "(in grad_fn)" in alert.message and "grad_fn returned no gradient for" in alert.message
+
+
+# ---------------------------------------------------------------- 11. log directory deleted mid-run
+
+
+def test_log_dir_deleted_mid_run_warns_and_keeps_later_records(tmp_path, caplog):
+    run = tmp_path / "run"
+    model = mlp()
+    watch = GradWatch(model, mse, every=1, log_dir=run, coords=2, directions=1, tensorboard=False)
+    train(model, watch, mse, [batch()])
+    shutil.rmtree(run)
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        train(model, watch, mse, [batch(), batch()])
+    watch.close()
+    assert "checks.jsonl was deleted or moved" in caplog.text and "are lost" in caplog.text
+    records, problems = read_jsonl(run)
+    assert problems == []
+    assert [r["type"] for r in records] == ["run", "check", "check"]
+    assert [r["step"] for r in records[1:]] == [1, 2]
