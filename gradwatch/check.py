@@ -6,15 +6,17 @@ import contextlib
 import inspect
 import math
 import time
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from .context import BufferGuard, Reseeder, Shadow, dropout_off, frozen_batchnorm_stats, preserved_rng, restore_params, seed_everything, snapshot_params, cast_floats
-from .errors import blame
+from .context import BufferGuard, Reseeder, Shadow, dropout_off, frozen_batchnorm_stats, frozen_power_iteration, preserved_rng, restore_params, seed_everything, snapshot_params, cast_floats
 from .engine import EngineSettings, Evaluator, NOISE_FACTOR, check_tensor, total
+from .errors import blame
+from .graph import CHECKPOINT_NO_GRAD_WARNING, grad_by_backward, reentrant_checkpoint_leaves
 from .numeric import machine_eps
 from .objective import Objective, coupled_weight_decay
 from .options import CheckOptions
@@ -134,7 +136,7 @@ def _evaluation_context(target: nn.Module, in_place: bool, params: Dict[str, tor
     saved = snapshot_params(params) if in_place else None
     guard = BufferGuard(target)
     try:
-        with preserved_rng(), dropout_off(target):
+        with preserved_rng(), dropout_off(target), frozen_power_iteration(target):
             yield guard
     finally:
         guard.restore_changed()
@@ -197,7 +199,11 @@ def run_model_check(
                 )
             report.seconds = time.perf_counter() - start
             return report
-        grads = _analytic(objective, terms_t, total_t, params, target, batch, grad_fn, opts.per_term)
+        # A reentrant checkpoint hides the parameters inside it from autograd.grad: go through backward().
+        leaves = reentrant_checkpoint_leaves(total_t) if total_t.requires_grad else None
+        if leaves is not None:
+            leaves += [p for p in target.parameters() if p.requires_grad]
+        grads = _analytic(objective, terms_t, total_t, params, target, batch, grad_fn, opts.per_term, leaves)
         del terms_t, total_t
         # Only now: a train-mode BatchNorm saves its running stats for backward, and restoring them
         # (the forward above updated them) bumps their version counters.
@@ -225,7 +231,11 @@ def run_model_check(
 
         def evaluate() -> Dict[str, float]:
             reseed()
-            if torch.is_grad_enabled():
+            if leaves is not None:  # checkpoint(use_reentrant=True) warns at every evaluation without grad
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=CHECKPOINT_NO_GRAD_WARNING)
+                    terms = terms_no_grad() if not torch.is_grad_enabled() else _no_grad(terms_no_grad)
+            elif torch.is_grad_enabled():
                 with torch.no_grad():
                     terms = terms_no_grad()
             else:  # the engine probes under no_grad already; entering it again costs more than the check
@@ -251,6 +261,11 @@ def run_model_check(
     return report
 
 
+def _no_grad(fn: Callable[[], Any]) -> Any:
+    with torch.no_grad():
+        return fn()
+
+
 def all_finite(t: torch.Tensor) -> bool:
     """True when no entry is NaN or infinite: one min/max pass (NaN propagates), 5x cheaper than ``isfinite``.
 
@@ -274,8 +289,8 @@ def _floats(terms: Mapping[str, torch.Tensor]) -> Dict[str, float]:
     return dict(zip(terms, torch.stack([v.detach().to(dev, torch.float64).reshape(()) for v in terms.values()]).tolist()))
 
 
-def _analytic(objective, terms_t, total_t, params, target, batch, grad_fn, per_term) -> Dict[str, Dict[str, torch.Tensor]]:
-    """``{tensor: {"total": grad, term: grad, ...}}``."""
+def _analytic(objective, terms_t, total_t, params, target, batch, grad_fn, per_term, leaves=None) -> Dict[str, Dict[str, torch.Tensor]]:
+    """``{tensor: {"total": grad, term: grad, ...}}``; through ``backward()`` into ``leaves`` when given (see :mod:`gradwatch.graph`)."""
     plist = list(params.values())
     out: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n in params}
     if grad_fn is not None:
@@ -288,21 +303,25 @@ def _analytic(objective, terms_t, total_t, params, target, batch, grad_fn, per_t
         for n in params:
             out[n]["total"] = given[n]
     else:
-        gs = _grad(total_t, plist, retain=per_term)
+        gs = _grad(total_t, plist, retain=per_term, leaves=leaves)
         for n, g in zip(params, gs):
             out[n]["total"] = g
     if per_term:
         for term in sorted(terms_t):
-            gs = _grad(terms_t[term], plist, retain=True)
+            gs = _grad(terms_t[term], plist, retain=True, leaves=leaves)
             for n, g in zip(params, gs):
                 out[n][term] = g
     return out
 
 
-def _grad(value: torch.Tensor, plist: List[torch.Tensor], retain: bool) -> List[torch.Tensor]:
+def _grad(value: torch.Tensor, plist: List[torch.Tensor], retain: bool,
+          leaves: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:
     if not value.requires_grad:
         return [torch.zeros_like(p) for p in plist]
-    gs = torch.autograd.grad(value, plist, retain_graph=retain, allow_unused=True)
+    if leaves is not None:  # see gradwatch.graph
+        gs = grad_by_backward(value, plist, leaves, retain)
+    else:
+        gs = torch.autograd.grad(value, plist, retain_graph=retain, allow_unused=True)
     return [torch.zeros_like(p) if g is None else _dense(g.detach()) for g, p in zip(gs, plist)]
 
 

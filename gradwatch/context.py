@@ -6,6 +6,8 @@
 - Dropout: all ``nn.Dropout*``/``AlphaDropout``/``FeatureAlphaDropout``
   modules are switched to eval, and the ``dropout`` probability of
   ``nn.MultiheadAttention`` and RNN modules is set to 0, for the check only.
+- ``parametrizations.spectral_norm``: the power iteration is off during a check
+  (``u``, ``v`` constant, as torch defines the gradient).
 - BatchNorm stays in train mode (the function training differentiates);
   any buffer an evaluation changes (running stats, ``num_batches_tracked``,
   power-iteration vectors) is put back after that evaluation.
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
+from torch.nn.utils.parametrizations import _SpectralNorm
 
 
 @contextlib.contextmanager
@@ -246,6 +249,34 @@ def frozen_batchnorm_stats(model: nn.Module) -> Iterator[None]:
     finally:
         for m in frozen:
             m.track_running_stats = True
+
+
+@contextlib.contextmanager
+def frozen_power_iteration(model: nn.Module) -> Iterator[None]:
+    """``parametrizations.spectral_norm`` in train mode: ``u``, ``v`` held constant, as torch differentiates.
+
+    In train mode each forward runs a power-iteration step that moves ``u``, ``v`` with the
+    weight, but backprop treats them as constants. Finite differences would see them move and
+    disagree (a false SUSPICIOUS or WRONG); with the power iteration off for the check (the
+    ``_SpectralNorm`` parametrizations in eval mode), the check objective keeps the ``u``, ``v``
+    the last training forward left, the ones training's gradient used. Flags are restored after.
+
+    Example:
+        >>> lin = nn.utils.parametrizations.spectral_norm(nn.Linear(3, 2))
+        >>> u = lin.parametrizations.weight[0]._u.clone()
+        >>> with frozen_power_iteration(lin):
+        ...     _ = lin(torch.randn(4, 3))
+        >>> bool(torch.equal(u, lin.parametrizations.weight[0]._u)), lin.parametrizations.weight[0].training
+        (True, True)
+    """
+    frozen = [m for m in model.modules() if isinstance(m, _SpectralNorm) and m.training]
+    for m in frozen:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in frozen:
+            m.training = True
 
 
 def cast_floats(obj: Any, dtype: torch.dtype) -> Any:

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from gradwatch import ConfigError, GradWatch, check_model
 from gradwatch.sinks import read_jsonl
@@ -213,3 +214,69 @@ def test_log_dir_deleted_mid_run_warns_and_keeps_later_records(tmp_path, caplog)
     assert problems == []
     assert [r["type"] for r in records] == ["run", "check", "check"]
     assert [r["step"] for r in records[1:]] == [1, 2]
+
+
+# ---------------------------------------------------------------- 10. reentrant checkpointing, spectral_norm
+
+
+class Checkpointed(nn.Module):
+    """The middle layer runs under ``checkpoint(..., use_reentrant=True)``, as memory-saving code does."""
+
+    def __init__(self, act=torch.tanh) -> None:
+        super().__init__()
+        self.a0, self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 4), nn.Linear(4, 1)
+        self.act = act
+
+    def forward(self, x):
+        return self.b(checkpoint(lambda h: self.act(self.a(h)), self.a0(x), use_reentrant=True))
+
+
+@pytest.mark.parametrize("dtype", ["float64", None], ids=["shadow", "in_place"])
+@pytest.mark.parametrize("tensors", [None, ["a.*"]], ids=["all", "inside_only"])
+def test_reentrant_checkpoint_is_checked_through_backward(dtype, tensors):
+    torch.manual_seed(0)
+    model = Checkpointed()
+    b = batch()
+    mse(model, b).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    report = check_model(model, mse, b, dtype=dtype, tensors=tensors, coords=3, directions=1)
+    assert report.ok, str(report)
+    assert {"a.weight", "a.bias"} <= set(report.tensors)
+    assert all(report.tensors[n].judged_rel_diff == 0 for n in ("a.weight", "a.bias"))
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())  # .grad untouched
+
+
+def test_reentrant_checkpoint_still_finds_a_wrong_backward_inside(buggy_sigmoid):
+    torch.manual_seed(0)
+    model = Checkpointed(act=buggy_sigmoid.apply)
+    report = check_model(model, mse, batch(), tensors=["a.*"], coords=3, directions=1)
+    assert not report.ok and report.tensors["a.weight"].failed
+    assert "analytic gradient is zero" not in (report.tensors["a.weight"].diagnosis or "")
+
+
+def spectral_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(6, 5)), nn.Tanh(), nn.Linear(5, 1))
+    with torch.no_grad():  # weights far from the ones u, v converged on: the power iteration still moves them
+        model[0].parametrizations.weight.original.normal_()
+    return model.train()
+
+
+def test_spectral_norm_in_train_mode_agrees_and_keeps_its_vectors():
+    model = spectral_model()
+    sn = model[0].parametrizations.weight[0]
+    b = (torch.randn(7, 6), torch.randn(7, 1))
+    u, v = sn._u.clone(), sn._v.clone()
+    for dtype in ("float64", None):
+        report = check_model(model, mse, b, dtype=dtype)
+        assert report.ok, str(report)
+        assert torch.equal(sn._u, u) and torch.equal(sn._v, v) and sn.training
+
+
+def test_spectral_norm_training_run_raises_no_alert():
+    model = spectral_model()
+    watch = GradWatch(model, mse, every=1, log_dir=None)
+    batches = [(torch.randn(7, 6), torch.randn(7, 1)) for _ in range(4)]
+    reports = train(model, watch, mse, batches, lr=0.1)
+    assert all(r is not None and r.ok for r in reports), [str(r) for r in reports]
+    assert watch.alerts == []
