@@ -28,8 +28,13 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def trainable_names(model: nn.Module) -> List[str]:
-    """Names of floating parameters that require grad, in model order (tied parameters once)."""
-    return [n for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
+    """Names of floating (or complex) parameters that require grad, in model order (tied parameters once)."""
+    return [n for n, p in model.named_parameters() if p.requires_grad and (p.is_floating_point() or p.is_complex())]
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real view ``(..., 2)`` (real, imaginary): perturbed in place, it perturbs ``t``."""
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def check_model(
@@ -176,7 +181,9 @@ def run_model_check(
         shadow.refresh(model)
         target = shadow.module
         batch = cast_floats(batch, opts.dtype)
-    params = {n: p for n, p in target.named_parameters() if n in set(chosen)}
+    leaves = {n: p for n, p in target.named_parameters() if n in set(chosen)}
+    params = {n: _real(p) for n, p in leaves.items()}  # what the engine perturbs: complex ones as (re, im) pairs
+    batched = batched and all(p is leaves[n] for n, p in params.items())
     eval_seed = opts.seed
     report = CheckReport(tensors={}, fail_at=opts.fail_at, seed=opts.seed)
 
@@ -200,10 +207,12 @@ def run_model_check(
             report.seconds = time.perf_counter() - start
             return report
         # A reentrant checkpoint hides the parameters inside it from autograd.grad: go through backward().
-        leaves = reentrant_checkpoint_leaves(total_t) if total_t.requires_grad else None
-        if leaves is not None:
-            leaves += [p for p in target.parameters() if p.requires_grad]
-        grads = _analytic(objective, terms_t, total_t, params, target, batch, grad_fn, opts.per_term, leaves)
+        graph_leaves = reentrant_checkpoint_leaves(total_t) if total_t.requires_grad else None
+        if graph_leaves is not None:
+            graph_leaves += [p for p in target.parameters() if p.requires_grad]
+        grads = _analytic(objective, terms_t, total_t, leaves, target, batch, grad_fn, opts.per_term, graph_leaves)
+        # torch's gradient of a real loss by a complex z = x + iy is dJ/dx + i dJ/dy: as a real view, (dJ/dx, dJ/dy).
+        grads = {n: {k: _real(g) for k, g in by_term.items()} for n, by_term in grads.items()}
         del terms_t, total_t
         # Only now: a train-mode BatchNorm saves its running stats for backward, and restoring them
         # (the forward above updated them) bumps their version counters.
@@ -231,7 +240,7 @@ def run_model_check(
 
         def evaluate() -> Dict[str, float]:
             reseed()
-            if leaves is not None:  # checkpoint(use_reentrant=True) warns at every evaluation without grad
+            if graph_leaves is not None:  # checkpoint(use_reentrant=True) warns at every evaluation without grad
                 with warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message=CHECKPOINT_NO_GRAD_WARNING)
                     terms = terms_no_grad() if not torch.is_grad_enabled() else _no_grad(terms_no_grad)

@@ -337,6 +337,10 @@ def _cast_inputs_hook(dtype: torch.dtype, needed: Optional[set] = None):
     return hook
 
 
+#: Complex dtype a shadow gives complex tensors, per real shadow dtype.
+_COMPLEX_OF = {torch.float64: torch.complex128, torch.float32: torch.complex64}
+
+
 def param_signature(model: nn.Module) -> Tuple:
     """Names, shapes and devices of parameters and buffers (non-persistent ones too): when it changes, a shadow must be rebuilt."""
     tensors = itertools.chain(model.named_parameters(), model.named_buffers())
@@ -367,7 +371,9 @@ class Shadow:
                 f"cannot make a {dtype} shadow copy of {type(model).__name__} (copy.deepcopy failed: {err}); "
                 "pass dtype=None to check in place in the model's own dtype"
             ) from err
-        self.module.to(dtype)
+        complex_dtype = _COMPLEX_OF.get(dtype)
+        # module.to(dtype) would cast complex tensors to real ones too, discarding their imaginary part.
+        self.module._apply(lambda t: t.to(dtype) if t.is_floating_point() else (t.to(complex_dtype) if t.is_complex() and complex_dtype else t))
         for p in self.module.parameters():
             p.grad = None
         self._needed: set = set()

@@ -280,3 +280,62 @@ def test_spectral_norm_training_run_raises_no_alert():
     reports = train(model, watch, mse, batches, lr=0.1)
     assert all(r is not None and r.ok for r in reports), [str(r) for r in reports]
     assert watch.alerts == []
+
+
+# ---------------------------------------------------------------- 4. complex parameters
+
+
+class ComplexMul(torch.autograd.Function):
+    """``x * w`` for complex tensors; ``conj=False`` forgets the conjugate in w's gradient (a classic bug)."""
+
+    @staticmethod
+    def forward(ctx, x, w, conj):
+        ctx.save_for_backward(x, w)
+        ctx.conj = conj
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w.conj(), g * (x.conj() if ctx.conj else x), None
+
+
+class ComplexFilter(nn.Module):
+    def __init__(self, conj: bool = True) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, dtype=torch.complex64))
+        self.out = nn.Linear(3, 1)
+        self.conj = conj
+
+    def forward(self, z):
+        return self.out(ComplexMul.apply(z, self.w, self.conj).abs())
+
+
+def complex_batch():
+    return torch.randn(5, 3, dtype=torch.complex64), torch.randn(5, 1)
+
+
+@pytest.mark.parametrize("dtype", ["float64", None], ids=["shadow", "in_place"])
+def test_complex_parameters_are_checked_as_real_and_imaginary_parts(dtype, recwarn):
+    torch.manual_seed(0)
+    model = ComplexFilter()
+    w = model.w.detach().clone()
+    report = check_model(model, mse, complex_batch(), dtype=dtype)
+    assert report.ok, str(report)
+    assert report.tensors["w"].shape == (3, 2) and report.tensors["w"].verdict is not None
+    assert not [str(r.message) for r in recwarn if "imaginary" in str(r.message)]
+    assert model.w.dtype == torch.complex64 and torch.equal(model.w, w)
+
+
+def test_complex_gradient_missing_its_conjugate_is_wrong():
+    torch.manual_seed(0)
+    report = check_model(ComplexFilter(conj=False), mse, complex_batch())
+    assert report.tensors["w"].failed and not report.tensors["out.weight"].failed
+
+
+def test_complex_model_in_a_training_run():
+    torch.manual_seed(0)
+    model = ComplexFilter()
+    watch = GradWatch(model, mse, **SMALL)
+    reports = train(model, watch, mse, [complex_batch(), complex_batch()])
+    assert all(r is not None and r.ok for r in reports) and watch.alerts == []
