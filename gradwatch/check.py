@@ -7,7 +7,7 @@ import inspect
 import math
 import time
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -16,6 +16,7 @@ from torch import nn
 from .context import BufferGuard, Reseeder, Shadow, dropout_off, frozen_batchnorm_stats, frozen_power_iteration, preserved_rng, restore_params, seed_everything, snapshot_params, cast_floats
 from .engine import EngineSettings, Evaluator, NOISE_FACTOR, check_tensor, total
 from .errors import blame
+from .generators import HeldGenerators
 from .graph import CHECKPOINT_NO_GRAD_WARNING, grad_by_backward, reentrant_checkpoint_leaves
 from .numeric import machine_eps
 from .objective import Objective, coupled_weight_decay
@@ -137,13 +138,16 @@ def _validate_grads(grads: Any, params: Mapping[str, torch.Tensor], source: str)
 
 
 @contextlib.contextmanager
-def _evaluation_context(target: nn.Module, in_place: bool, params: Dict[str, torch.Tensor]) -> Iterator[BufferGuard]:
+def _evaluation_context(target: nn.Module, in_place: bool, params: Dict[str, torch.Tensor],
+                        roots: Sequence[Any]) -> Iterator[Tuple[BufferGuard, HeldGenerators]]:
     saved = snapshot_params(params) if in_place else None
     guard = BufferGuard(target)
+    held = HeldGenerators([target, *roots])
     try:
         with preserved_rng(), dropout_off(target), frozen_power_iteration(target):
-            yield guard
+            yield guard, held
     finally:
+        held.reset()
         guard.restore_changed()
         if saved is not None:
             restore_params(params, saved)
@@ -187,7 +191,8 @@ def run_model_check(
     eval_seed = opts.seed
     report = CheckReport(tensors={}, fail_at=opts.fail_at, seed=opts.seed)
 
-    with _evaluation_context(target, in_place, params) as guard:
+    roots = [model, objective.loss_fn, *objective.regularizers.values(), grad_fn]
+    with _evaluation_context(target, in_place, params, roots) as (guard, held):
         # Analytic side: one forward with grad, then autograd.grad (never .grad).
         seed_everything(eval_seed)
         with torch.enable_grad():
@@ -218,7 +223,7 @@ def run_model_check(
         # (the forward above updated them) bumps their version counters.
         guard.restore_changed()
 
-        reseed = Reseeder(eval_seed)
+        reseed = Reseeder(eval_seed, held)
         casting = shadow if not in_place else None
         if casting is not None:
             casting.trim_cast_hooks()
@@ -427,8 +432,11 @@ def check_numpy(
     takes_params = _takes_argument(loss_fn)
     regs = dict(regularizers or {})
 
+    held = HeldGenerators([loss_fn, *regs.values()])
+
     def evaluate() -> Dict[str, float]:
         seed_everything(opts.seed)
+        held.reset()
         out = {"loss": _as_float(loss_fn(params) if takes_params else loss_fn(), "loss_fn")}
         for name, reg in regs.items():
             out[name] = _as_float(reg(params), f"regularizer {name!r}")
@@ -454,6 +462,7 @@ def check_numpy(
                 _judge_all(report, views, analytic, evaluator, opts, magnitude=sum(abs(v) for v in values.values()),
                            eval_eps=eps, objective_dtype_eps=eps)
     finally:
+        held.reset()
         restore_params(views, saved)
     report.evaluations = evaluator.count
     report.seconds = time.perf_counter() - start

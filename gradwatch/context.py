@@ -73,7 +73,9 @@ class Reseeder:
 
     The generator states right after seeding are captured once and put back on
     each call (``torch.set_rng_state`` and ``random.setstate`` are cheaper than
-    re-seeding; numpy's ``seed`` is cheaper than its ``set_state``). ``random``
+    re-seeding; numpy's ``seed`` is cheaper than its ``set_state``). Generators held by the
+    model or the loss (:class:`~gradwatch.generators.HeldGenerators`, ``held``) are put back in
+    their saved state on each call. ``random``
     and ``numpy.random`` are reseeded only if one of the first :attr:`WATCH`
     evaluations drew from them (most objectives use torch's generator alone).
 
@@ -88,8 +90,9 @@ class Reseeder:
     #: Evaluations watched for use of ``random`` and ``numpy.random`` before an unused one stops being reseeded.
     WATCH = 2
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, held: Any = None) -> None:
         self.seed = int(seed)
+        self._held = held if held else None  # HeldGenerators: reset before every evaluation too
         seed_everything(self.seed)
         self._torch = torch.get_rng_state()
         self._py = random.getstate()
@@ -100,6 +103,8 @@ class Reseeder:
 
     def __call__(self) -> None:
         torch.set_rng_state(self._torch)
+        if self._held is not None:
+            self._held.reset()
         if torch.cuda.is_initialized():
             torch.cuda.manual_seed_all(self.seed)
         if 0 < self._calls <= self.WATCH:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import shutil
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -339,3 +341,66 @@ def test_complex_model_in_a_training_run():
     watch = GradWatch(model, mse, **SMALL)
     reports = train(model, watch, mse, [complex_batch(), complex_batch()])
     assert all(r is not None and r.ok for r in reports) and watch.alerts == []
+
+
+# ---------------------------------------------------------------- 1. generators held by the model or the loss
+
+
+class NoisyNet(nn.Module):
+    """Draws from a torch.Generator and a random.Random of its own in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(3, 8), nn.Linear(8, 1)
+        self.gen = torch.Generator().manual_seed(1)
+        self.py_rng = random.Random(2)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        h = h + 0.01 * torch.randn(h.shape, generator=self.gen, dtype=h.dtype)
+        return self.fc2(h) * (1.0 + 0.01 * self.py_rng.random())
+
+
+def noisy_run(watch_options):
+    torch.manual_seed(0)
+    model = NoisyNet()
+    np_rng = np.random.default_rng(3)
+
+    def loss_fn(m, b):
+        jitter = torch.as_tensor(np_rng.normal(0.0, 0.01, size=b[1].shape), dtype=b[1].dtype)
+        return F.mse_loss(m(b[0]), b[1] + jitter)
+
+    watch = GradWatch(model, loss_fn, **watch_options) if watch_options is not None else None
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    reports = []
+    for step in range(4):
+        b = (torch.randn(6, 3), torch.randn(6, 1))
+        opt.zero_grad()
+        loss_fn(model, b).backward()
+        if watch is not None:
+            reports.append(watch.step(b))
+        opt.step()
+    state = [p.detach().clone() for p in model.parameters()]
+    draws = (torch.rand(3, generator=model.gen), model.py_rng.random(), np_rng.normal())
+    return state, draws, reports
+
+
+@pytest.mark.parametrize("dtype", ["float64", None], ids=["shadow", "in_place"])
+def test_generators_held_by_model_and_loss_are_not_advanced(dtype):
+    plain, plain_draws, _ = noisy_run(None)
+    watched, watched_draws, reports = noisy_run(dict(every=1, log_dir=None, coords=3, directions=1, dtype=dtype))
+    assert all(r is not None and r.ok and not r.nondeterministic for r in reports), [str(r) for r in reports]
+    assert all(torch.equal(a, b) for a, b in zip(plain, watched))  # bit-identical training
+    assert torch.equal(plain_draws[0], watched_draws[0])
+    assert plain_draws[1:] == watched_draws[1:]
+
+
+def test_check_numpy_leaves_a_generator_of_the_loss_where_it_was():
+    from gradwatch import check_numpy
+
+    rng = np.random.default_rng(5)
+    w = {"w": np.array([1.0, -2.0, 0.5])}
+    before = rng.bit_generator.state
+    report = check_numpy(lambda: float((w["w"] ** 2).sum() + 1e-3 * rng.normal()), w, {"w": 2 * w["w"]})
+    assert report.ok and not report.nondeterministic, str(report)
+    assert rng.bit_generator.state == before
