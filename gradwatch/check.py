@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .context import BufferGuard, Reseeder, Shadow, dropout_off, frozen_batchnorm_stats, frozen_power_iteration, preserved_rng, restore_params, seed_everything, snapshot_params, cast_floats
+from .context import BufferGuard, Reseeder, Shadow, dropout_off, frozen_batchnorm_stats, frozen_power_iteration, preserved_rng, restore_params, seed_everything, snapshot_params, cast_floats, suspended_hooks
 from .engine import EngineSettings, Evaluator, NOISE_FACTOR, check_tensor, total
 from .errors import blame
 from .generators import HeldGenerators
@@ -139,18 +139,30 @@ def _validate_grads(grads: Any, params: Mapping[str, torch.Tensor], source: str)
 
 @contextlib.contextmanager
 def _evaluation_context(target: nn.Module, in_place: bool, params: Dict[str, torch.Tensor],
-                        roots: Sequence[Any]) -> Iterator[Tuple[BufferGuard, HeldGenerators]]:
+                        roots: Sequence[Any]) -> Iterator[Tuple[BufferGuard, HeldGenerators, List[str]]]:
     saved = snapshot_params(params) if in_place else None
-    guard = BufferGuard(target)
     held = HeldGenerators([target, *roots])
     try:
-        with preserved_rng(), dropout_off(target), frozen_power_iteration(target):
-            yield guard, held
+        with preserved_rng(), dropout_off(target), frozen_power_iteration(target), suspended_hooks(target) as hooks:
+            # Inside: the attributes dropout_off switched are saved as switched (see AttributeGuard).
+            guard = BufferGuard(target, attributes=True)
+            try:
+                yield guard, held, hooks
+            finally:
+                guard.restore_changed()
     finally:
         held.reset()
-        guard.restore_changed()
         if saved is not None:
             restore_params(params, saved)
+
+
+def _hooks_note(hooks: List[str]) -> str:
+    shown = "; ".join(hooks[:3]) + (f"; and {len(hooks) - 3} more" if len(hooks) > 3 else "")
+    return (
+        f"the check did not run {len(hooks)} hook(s) your code registered on the model ({shown}): at every "
+        "evaluation of a check they would run again and their side effects would reach training; if one changes "
+        "what its module returns, the check objective differs from the training loss (move that into forward())"
+    )
 
 
 def run_model_check(
@@ -192,7 +204,10 @@ def run_model_check(
     report = CheckReport(tensors={}, fail_at=opts.fail_at, seed=opts.seed)
 
     roots = [model, objective.loss_fn, *objective.regularizers.values(), grad_fn]
-    with _evaluation_context(target, in_place, params, roots) as (guard, held):
+    with _evaluation_context(target, in_place, params, roots) as (guard, held, hooks):
+        if hooks:
+            report.notes.append(_hooks_note(hooks))
+            warnings.warn(report.notes[-1], stacklevel=3)  # shown once per distinct text by the default filter
         # Analytic side: one forward with grad, then autograd.grad (never .grad).
         seed_everything(eval_seed)
         with torch.enable_grad():

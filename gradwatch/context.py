@@ -19,8 +19,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import itertools
 import random
+import types
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -188,10 +190,12 @@ class BufferGuard:
     #: Value comparisons in a row that found a buffer unchanged before :meth:`restore_fast` trusts its version counter.
     TRUST_AFTER = 2
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, attributes: bool = False) -> None:
         self._buffers = [(b, b.detach().clone(), b._version) for _, b in model.named_buffers() if b is not None]
         self._clean = [0] * len(self._buffers)
         self._owners = [(m, k, b) for m in model.modules() for k, b in m._buffers.items() if b is not None]
+        #: With ``attributes``, plain attributes a forward changes (counters) are put back too (:class:`AttributeGuard`).
+        self._attrs = AttributeGuard(model) if attributes else None
 
     def restore_changed(self) -> None:
         """Copy the saved value back into every buffer whose version or value moved.
@@ -202,6 +206,8 @@ class BufferGuard:
         for m, key, buf in self._owners:
             if m._buffers.get(key) is not buf:
                 m._buffers[key] = buf
+        if self._attrs is not None:
+            self._attrs.restore()
         for i, (buf, saved, version) in enumerate(self._buffers):
             if buf._version != version or not torch.equal(buf, saved):
                 with torch.no_grad():
@@ -219,6 +225,8 @@ class BufferGuard:
         comparisons in a row): with :func:`frozen_batchnorm_stats` in effect, no buffer of a
         standard module does. Call :meth:`restore_changed` once at the end for an exact restore.
         """
+        if self._attrs is not None:
+            self._attrs.restore()
         for i, (buf, saved, version) in enumerate(self._buffers):
             if buf._version != version or (self._clean[i] < self.TRUST_AFTER and not torch.equal(buf, saved)):
                 with torch.no_grad():
@@ -227,6 +235,120 @@ class BufferGuard:
                 self._clean[i] = 0
             elif self._clean[i] < self.TRUST_AFTER:
                 self._clean[i] += 1
+
+
+#: Hook dicts of a module, with the words a note uses for them.
+_HOOK_KINDS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook",
+               "_backward_pre_hooks": "backward pre-hook", "_backward_hooks": "backward hook"}
+#: Top-level packages whose hooks are part of the function a module computes (weight_norm, pruning, ...).
+_LIBRARY_HOOKS = ("torch", "gradwatch")
+
+
+def _library_hook(hook: Any) -> bool:
+    fn = hook.func if isinstance(hook, functools.partial) else hook
+    fn = getattr(fn, "__func__", fn)  # a bound method: where its function is defined
+    where = fn.__module__ if isinstance(fn, (types.FunctionType, types.BuiltinFunctionType)) else type(fn).__module__
+    return isinstance(where, str) and where.split(".")[0] in _LIBRARY_HOOKS
+
+
+def _hook_name(hook: Any) -> str:
+    fn = hook.func if isinstance(hook, functools.partial) else hook
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+@contextlib.contextmanager
+def suspended_hooks(model: nn.Module) -> Iterator[List[str]]:
+    """Module hooks registered by user code do not run for the duration; yields what was suspended.
+
+    A hook on the live model (or its deep copy, whose hooks are the same functions) would run
+    at every evaluation of a check: a recorder of activations would fill up, a counter rise,
+    by dozens per check. Hooks defined by torch (``weight_norm``, pruning, ``spectral_norm``)
+    and gradwatch's own are part of what a module computes and keep running. Global module
+    hooks (``register_module_forward_hook``) are suspended by the same rule. Each hook is put
+    back in its place afterwards.
+
+    Example:
+        >>> lin = nn.Linear(2, 1)
+        >>> seen = []
+        >>> _ = lin.register_forward_hook(lambda m, i, o: seen.append(1))
+        >>> with suspended_hooks(lin) as names:
+        ...     _ = lin(torch.ones(2))
+        >>> len(seen), names, len(lin._forward_hooks)
+        (0, ['forward hook <lambda> on the model'], 1)
+    """
+    from torch.nn.modules import module as torch_module
+
+    places = [(name or "the model", m.__dict__) for name, m in model.named_modules()]
+    places.append(("every module (global)", {k: getattr(torch_module, "_global" + k, None) for k in _HOOK_KINDS}))
+    removed: List[Tuple[Any, List[Any], Dict[Any, Any]]] = []
+    names: List[str] = []
+    for where, attrs in places:
+        for key, kind in _HOOK_KINDS.items():
+            hooks = attrs.get(key)
+            if not hooks:
+                continue
+            user = {k: h for k, h in hooks.items() if not _library_hook(h)}
+            if user:
+                removed.append((hooks, list(hooks), user))
+                names.extend(f"{kind} {_hook_name(h)} on {where}" for h in user.values())
+                for k in user:
+                    del hooks[k]
+    try:
+        yield names
+    finally:
+        for hooks, order, user in removed:
+            current = dict(hooks)  # hooks gradwatch added or removed meanwhile (its casting hooks) stay as they are
+            merged = [(k, user.get(k, current.get(k))) for k in order if k in user or k in current]
+            known = set(order)
+            merged += [(k, v) for k, v in current.items() if k not in known]
+            hooks.clear()
+            hooks.update(merged)
+
+
+#: Attributes every ``nn.Module`` has (``training``, parameter, buffer and hook dicts).
+MODULE_KEYS = frozenset(vars(nn.Module()))
+_SCALARS = (int, float, bool, str, complex, type(None))
+
+
+class AttributeGuard:
+    """Puts back plain attributes of modules that a forward changes: a call counter, a flag.
+
+    Attributes holding a number, string, boolean or None (not those every ``nn.Module`` has)
+    are saved at construction. The first :meth:`restore` (after the check's first, analytic
+    evaluation) finds those the forward changed and puts them back; later calls put back only
+    those, so gradwatch's own switches between evaluations (BatchNorm's
+    ``track_running_stats`` during a check) are left alone. Lists, dicts and other objects a
+    forward mutates are not guarded.
+
+    Example:
+        >>> class Counting(nn.Linear):
+        ...     calls = 0
+        ...     def forward(self, x):
+        ...         self.calls += 1
+        ...         return super().forward(x)
+        >>> m = Counting(2, 1); m.calls = 0
+        >>> guard = AttributeGuard(m)
+        >>> _ = m(torch.ones(2)); guard.restore(); m.calls
+        0
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._saved = []
+        for m in model.modules():
+            attrs = m.__dict__
+            self._saved.extend((attrs, k, attrs[k]) for k in attrs.keys() - MODULE_KEYS if type(attrs[k]) in _SCALARS)
+        self._changed: Optional[list] = None
+
+    def restore(self) -> None:
+        """Put back the attributes the forward changed (found on the first call)."""
+        if self._changed is None:
+            self._changed = [(attrs, k, v) for attrs, k, v in self._saved
+                             if not (attrs.get(k, _MISSING) is v or (type(attrs.get(k)) is type(v) and attrs.get(k) == v))]
+        for attrs, k, v in self._changed:
+            attrs[k] = v
+
+
+_MISSING = object()
 
 
 @contextlib.contextmanager

@@ -187,8 +187,8 @@ def _scalar(what: str, value: Any) -> torch.Tensor:
     if isinstance(value, torch.Tensor) and not value.is_floating_point():
         raise TypeError(
             f"{what} must return a real floating-point scalar tensor, got a {str(value.dtype).replace('torch.', '')} "
-            "tensor: an integer, boolean or complex value has no gradient to check (return e.g. the float loss, "
-            "or .float() it before reducing)"
+            "tensor: an integer or boolean value has no gradient, and a complex one is no loss to minimize "
+            "(return a real floating-point loss: .float() a count, .abs() or .real a complex value)"
         )
     if not isinstance(value, torch.Tensor):
         if isinstance(value, (int, float)):

@@ -12,9 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import prune
 from torch.utils.checkpoint import checkpoint
 
 from gradwatch import ConfigError, GradWatch, check_model
+from gradwatch.context import Shadow
 from gradwatch.sinks import read_jsonl
 
 
@@ -140,6 +142,13 @@ def test_empty_tensors_list_is_refused():
         check_model(mlp(), mse, batch(), tensors=[])
 
 
+@pytest.mark.parametrize("make, dtype", [(lambda out: (out > 0).any(), "bool"),
+                                         (lambda out: out.sum() * (1 + 1j), "complex128")], ids=["bool", "complex"])
+def test_boolean_or_complex_loss_names_its_dtype(make, dtype):
+    with pytest.raises(TypeError, match=f"loss_fn must return a real floating-point scalar tensor, got a {dtype} tensor"):
+        check_model(mlp(), lambda m, b: make(m(b[0])), batch())
+
+
 def test_integer_loss_names_its_dtype():
     def count_loss(model, b):
         return (model(b[0]) > 0).sum()  # an integer count: no gradient
@@ -248,6 +257,28 @@ def test_reentrant_checkpoint_is_checked_through_backward(dtype, tensors):
     assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())  # .grad untouched
 
 
+def test_reentrant_checkpoint_without_inputs_requiring_grad_is_a_true_wrong():
+    class RawInput(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 1)
+
+        def forward(self, x):  # x does not require grad: torch's reentrant checkpoint drops a's gradient
+            return self.b(checkpoint(lambda h: torch.tanh(self.a(h)), x, use_reentrant=True))
+
+    torch.manual_seed(0)
+    model = RawInput()
+    b = batch()
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"):
+        mse(model, b).backward()
+    assert model.a.weight.grad is None  # training itself gets no gradient for a
+    with pytest.warns(UserWarning):
+        report = check_model(model, mse, b, coords=3, directions=1)
+    assert report.tensors["a.weight"].verdict.value == "wrong"
+    assert "analytic gradient is zero" in report.tensors["a.weight"].diagnosis
+    assert report.tensors["b.weight"].verdict.value == "excellent"
+
+
 def test_reentrant_checkpoint_still_finds_a_wrong_backward_inside(buggy_sigmoid):
     torch.manual_seed(0)
     model = Checkpointed(act=buggy_sigmoid.apply)
@@ -327,6 +358,8 @@ def test_complex_parameters_are_checked_as_real_and_imaginary_parts(dtype, recwa
     assert report.tensors["w"].shape == (3, 2) and report.tensors["w"].verdict is not None
     assert not [str(r.message) for r in recwarn if "imaginary" in str(r.message)]
     assert model.w.dtype == torch.complex64 and torch.equal(model.w, w)
+    if dtype is not None:
+        assert Shadow(model, torch.float64).module.w.dtype == torch.complex128
 
 
 def test_complex_gradient_missing_its_conjugate_is_wrong():
@@ -404,3 +437,53 @@ def test_check_numpy_leaves_a_generator_of_the_loss_where_it_was():
     report = check_numpy(lambda: float((w["w"] ** 2).sum() + 1e-3 * rng.normal()), w, {"w": 2 * w["w"]})
     assert report.ok and not report.nondeterministic, str(report)
     assert rng.bit_generator.state == before
+
+
+# ---------------------------------------------------------------- 2. hooks and Python side effects
+
+
+class Counting(nn.Module):
+    """Counts its forwards in a plain attribute (a step counter, a warm-up flag)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 1)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("dtype", ["float64", None], ids=["shadow", "in_place"])
+def test_hooks_and_counters_of_the_live_model_do_not_run_in_checks(dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(Counting(), nn.Linear(1, 1))
+    recorded, globally = [], []
+    model[0].lin.register_forward_hook(lambda m, args, out: recorded.append(out.shape))
+    model[1].register_full_backward_hook(lambda m, gin, gout: recorded.append("backward"))
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, args, out: globally.append(type(m)))
+    try:
+        watch = GradWatch(model, mse, **dict(SMALL, dtype=dtype))
+        with pytest.warns(UserWarning, match=r"did not run 3 hook\(s\)"):
+            reports = train(model, watch, mse, [batch(), batch()])
+        runs_per_step = len(globally) // 2
+    finally:
+        handle.remove()
+    assert all(r is not None and r.ok for r in reports)
+    assert model[0].calls == 2  # the training forwards only
+    assert recorded.count("backward") == 2 and len(recorded) == 4  # one forward and one backward per step
+    assert runs_per_step == 4  # Sequential, Counting, Linear, Linear: once per training forward
+    note = reports[0].notes[-1]
+    assert "forward hook <lambda> on 0.lin" in note and "backward hook <lambda> on 1" in note
+    assert "every module (global)" in note and "move that into forward()" in note
+    assert len(model[0].lin._forward_hooks) == 1 and len(model[1]._backward_hooks) == 1  # put back
+
+
+def test_torch_hooks_keep_running_in_checks():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    prune.random_unstructured(model[0], "weight", amount=0.5)  # a forward pre-hook defined by torch
+    report = check_model(model, mse, batch(), dtype=None)  # (a pruned model cannot be deep-copied)
+    assert report.ok and not report.notes, str(report)
+    assert "0.weight_orig" in report.tensors
