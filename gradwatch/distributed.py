@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 import torch.distributed as dist
 from torch import nn
 
+from .errors import blamed
 from .report import CheckReport
 from .sampling import rotate
 from .trend import WHOLE_CHECK, Alert
@@ -165,12 +166,13 @@ class DistributedCoordinator:
         from .context import Shadow
 
         per_rank = watch.config.tensors_per_check
-        names = rotate(watch._watched_names(), per_rank * self.world_size if per_rank > 0 else 0, watch._counts)
-        mine = self.share(names)
         opts = dataclasses.replace(watch._check_options, seed=watch._check_options.seed + watch._checks)
         payload: Dict[str, Any] = {"rank": self.rank, "report": None, "error": None}
         start = time.perf_counter()
+        names: List[str] = []
         try:
+            names = rotate(watch._names_to_check(), per_rank * self.world_size if per_rank > 0 else 0, watch._counts)
+            mine = self.share(names)
             if mine:
                 if opts.dtype is not None and (watch._shadow is None or not watch._shadow.matches(watch.model)):
                     watch._shadow = Shadow(watch.model, opts.dtype)
@@ -181,6 +183,7 @@ class DistributedCoordinator:
             logger.error("gradwatch: the check at step %d raised on rank %d; training goes on:\n%s",
                          step, self.rank, traceback.format_exc())
             payload["error"] = f"{type(exc).__name__}: {exc}"
+            payload["where"] = blamed(exc) or "the check"
         seconds = time.perf_counter() - start
         watch.schedule.record_check(step, seconds, scheduled)
         payload["seconds"] = seconds
@@ -206,7 +209,7 @@ class DistributedCoordinator:
                 watch._counts[n] = watch._counts.get(n, 0) + 1
             alerts.extend(watch.tracker.update(step, merged))
         if errors:
-            where = "loss_fn on " + ", ".join(e.split(":", 1)[0] for e in errors)
+            where = "; ".join(f"{g.get('where', 'loss_fn')} on rank {g['rank']}" for g in gathered if g["error"] is not None)
             alert = watch.tracker.error(step, DistributedCheckError("; ".join(errors)), where=where)
             alerts.extend([alert] if alert is not None else [])
         watch._emit(step, merged, alerts, seconds)

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.utils import prune
 from torch.utils.checkpoint import checkpoint
 
-from gradwatch import ConfigError, GradWatch, check_model
+from gradwatch import ConfigError, GradWatch, check_backward, check_model
 from gradwatch.context import Shadow
 from gradwatch.sinks import read_jsonl
 
@@ -133,6 +133,9 @@ def test_eps_too_large_or_not_finite_is_refused(eps):
         GradWatch(mlp(), mse, eps=eps)
     with pytest.raises(ConfigError, match="eps: got"):
         check_model(mlp(), mse, batch(), eps=eps)
+    if not 0 < eps < math.inf:  # check_backward's eps is absolute (Chainer's): only non-finite ones are refused
+        with pytest.raises(ValueError, match=f"eps must be > 0 and finite, got {eps!r}"):
+            check_backward(torch.tanh, np.ones(2), np.ones(2), eps=eps)
 
 
 def test_empty_tensors_list_is_refused():
