@@ -141,7 +141,7 @@ def _validate_grads(grads: Any, params: Mapping[str, torch.Tensor], source: str)
 def _evaluation_context(target: nn.Module, in_place: bool, params: Dict[str, torch.Tensor],
                         roots: Sequence[Any]) -> Iterator[Tuple[BufferGuard, HeldGenerators, List[str]]]:
     saved = snapshot_params(params) if in_place else None
-    held = HeldGenerators([target, *roots])
+    held = HeldGenerators([*roots, target])
     try:
         with preserved_rng(), dropout_off(target), frozen_power_iteration(target), suspended_hooks(target) as hooks:
             # Inside: the attributes dropout_off switched are saved as switched (see AttributeGuard).
@@ -203,12 +203,12 @@ def run_model_check(
     eval_seed = opts.seed
     report = CheckReport(tensors={}, fail_at=opts.fail_at, seed=opts.seed)
 
-    roots = [model, objective.loss_fn, *objective.regularizers.values(), grad_fn]
+    roots = [objective.loss_fn, *objective.regularizers.values(), grad_fn, model]
     with _evaluation_context(target, in_place, params, roots) as (guard, held, hooks):
         if hooks:
             report.notes.append(_hooks_note(hooks))
             warnings.warn(report.notes[-1], stacklevel=3)  # shown once per distinct text by the default filter
-        # Analytic side: one forward with grad, then autograd.grad (never .grad).
+        # Analytic side: one forward with grad, then autograd.grad (never the caller's .grad).
         seed_everything(eval_seed)
         with torch.enable_grad():
             terms_t = objective.terms(target, batch)

@@ -241,10 +241,12 @@ class BufferGuard:
 _HOOK_KINDS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook",
                "_backward_pre_hooks": "backward pre-hook", "_backward_hooks": "backward hook"}
 #: Top-level packages whose hooks are part of the function a module computes (weight_norm, pruning, ...).
-_LIBRARY_HOOKS = ("torch", "gradwatch")
+_LIBRARY_HOOKS = ("torch",)
 
 
 def _library_hook(hook: Any) -> bool:
+    if getattr(hook, "_gradwatch_hook", False):  # gradwatch's own (the shadow's input casting)
+        return True
     fn = hook.func if isinstance(hook, functools.partial) else hook
     fn = getattr(fn, "__func__", fn)  # a bound method: where its function is defined
     where = fn.__module__ if isinstance(fn, (types.FunctionType, types.BuiltinFunctionType)) else type(fn).__module__
@@ -461,6 +463,7 @@ def _cast_inputs_hook(dtype: torch.dtype, needed: Optional[set] = None):
             needed.add(id(module))
         return cast_floats(args, dtype), cast_floats(kwargs, dtype)
 
+    hook._gradwatch_hook = True  # kept by suspended_hooks
     return hook
 
 

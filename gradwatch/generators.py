@@ -12,7 +12,7 @@ evaluation and restores it after the check.
 Where it looks (:func:`find_generators`): attributes of every module of the
 model; the closure, defaults and referenced globals of ``loss_fn``, each
 regularizer and ``grad_fn`` (and of the functions and bound methods those
-reach, two levels deep); attributes of objects and items of lists, tuples and
+reach, three levels deep); attributes of objects and items of lists, tuples and
 dicts met on the way (one level deeper). A generator only reachable otherwise
 (a global of a module the loss imports, a generator created inside ``forward``
 from a global seed counter) is not found.
@@ -21,6 +21,7 @@ from a global seed counter) is not found.
 from __future__ import annotations
 
 import functools
+import itertools
 import random
 import types
 from typing import Any, Iterable, List
@@ -36,6 +37,8 @@ _MODULE_KEYS = frozenset(vars(nn.Module()))
 _MAX_ITEMS = 64
 #: Levels of functions, objects and containers followed from each root.
 MAX_DEPTH = 3
+#: Most objects looked at outside the model's modules (a loss closing over a trainer reaches many).
+MAX_VISITS = 20000
 
 
 def _is_global(g: Any) -> bool:
@@ -60,13 +63,21 @@ def find_generators(roots: Iterable[Any], depth: int = MAX_DEPTH) -> List[Any]:
     """
     found: List[Any] = []
     seen = set()
+    budget = [MAX_VISITS]
 
     def visit(obj: Any, depth: int) -> None:
         if obj is None or isinstance(obj, (str, bytes, int, float, complex, bool, torch.Tensor, np.ndarray, type, types.ModuleType)):
             return
-        if id(obj) in seen:
+        if id(obj) in seen or budget[0] <= 0:
             return
         seen.add(id(obj))
+        budget[0] -= 1
+        try:
+            look_into(obj, depth)
+        except Exception:  # noqa: BLE001 - an object that resists inspection holds no generator we can reset
+            pass
+
+    def look_into(obj: Any, depth: int) -> None:
         if isinstance(obj, GENERATOR_TYPES):
             if not _is_global(obj):
                 found.append(obj)
@@ -97,15 +108,15 @@ def find_generators(roots: Iterable[Any], depth: int = MAX_DEPTH) -> List[Any]:
             for value in (obj.func, *obj.args, *obj.keywords.values()):
                 visit(value, depth - 1)
         elif isinstance(obj, (list, tuple, set, frozenset)):
-            for value in list(obj)[:_MAX_ITEMS]:
+            for value in list(itertools.islice(obj, _MAX_ITEMS)):
                 visit(value, depth - 1)
         elif isinstance(obj, dict):
-            for value in list(obj.values())[:_MAX_ITEMS]:
+            for value in list(itertools.islice(obj.values(), _MAX_ITEMS)):
                 visit(value, depth - 1)
         else:
             attrs = getattr(obj, "__dict__", None)
             if isinstance(attrs, dict):
-                for value in list(attrs.values())[:_MAX_ITEMS]:
+                for value in list(itertools.islice(attrs.values(), _MAX_ITEMS)):
                     visit(value, depth - 1)
             call = getattr(type(obj), "__call__", None)
             if isinstance(call, types.FunctionType):
