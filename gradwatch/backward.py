@@ -95,8 +95,8 @@ def check_backward(
         >>> gy = np.random.randn(3, 4)
         >>> _ = check_backward(torch.tanh, x, gy, dtype=torch.float64)
     """
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps!r}")
+    if not 0 < eps < float("inf"):
+        raise ValueError(f"eps must be > 0 and finite, got {eps!r}")
     if atol < 0 or rtol < 0:
         raise ValueError(f"atol and rtol must be >= 0, got atol={atol!r}, rtol={rtol!r}")
     if not callable(func):

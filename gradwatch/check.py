@@ -6,14 +6,18 @@ import contextlib
 import inspect
 import math
 import time
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from torch import nn
 
-from .context import BufferGuard, Reseeder, Shadow, dropout_off, frozen_batchnorm_stats, preserved_rng, restore_params, seed_everything, snapshot_params, cast_floats
+from .context import BufferGuard, Reseeder, Shadow, dropout_off, frozen_batchnorm_stats, frozen_power_iteration, preserved_rng, restore_params, seed_everything, snapshot_params, cast_floats, suspended_hooks
 from .engine import EngineSettings, Evaluator, NOISE_FACTOR, check_tensor, total
+from .errors import blame
+from .generators import HeldGenerators
+from .graph import CHECKPOINT_NO_GRAD_WARNING, grad_by_backward, reentrant_checkpoint_leaves
 from .numeric import machine_eps
 from .objective import Objective, coupled_weight_decay
 from .options import CheckOptions
@@ -25,8 +29,13 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def trainable_names(model: nn.Module) -> List[str]:
-    """Names of floating parameters that require grad, in model order (tied parameters once)."""
-    return [n for n, p in model.named_parameters() if p.requires_grad and p.is_floating_point()]
+    """Names of floating (or complex) parameters that require grad, in model order (tied parameters once)."""
+    return [n for n, p in model.named_parameters() if p.requires_grad and (p.is_floating_point() or p.is_complex())]
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real view ``(..., 2)`` (real, imaginary): perturbed in place, it perturbs ``t``."""
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def check_model(
@@ -124,21 +133,36 @@ def _validate_grads(grads: Any, params: Mapping[str, torch.Tensor], source: str)
         g = torch.as_tensor(np.asarray(g)) if not isinstance(g, torch.Tensor) else g
         if tuple(g.shape) != tuple(p.shape):
             raise ValueError(f"{source}: gradient for {n!r} has shape {tuple(g.shape)}, but the parameter has shape {tuple(p.shape)}")
-        out[n] = g.detach().to(p.device)
+        out[n] = _dense(g.detach().to(p.device))
     return out
 
 
 @contextlib.contextmanager
-def _evaluation_context(target: nn.Module, in_place: bool, params: Dict[str, torch.Tensor]) -> Iterator[BufferGuard]:
+def _evaluation_context(target: nn.Module, in_place: bool, params: Dict[str, torch.Tensor],
+                        roots: Sequence[Any]) -> Iterator[Tuple[BufferGuard, HeldGenerators, List[str]]]:
     saved = snapshot_params(params) if in_place else None
-    guard = BufferGuard(target)
+    held = HeldGenerators([*roots, target])
     try:
-        with preserved_rng(), dropout_off(target):
-            yield guard
+        with preserved_rng(), dropout_off(target), frozen_power_iteration(target), suspended_hooks(target) as hooks:
+            # Inside: the attributes dropout_off switched are saved as switched (see AttributeGuard).
+            guard = BufferGuard(target, attributes=True)
+            try:
+                yield guard, held, hooks
+            finally:
+                guard.restore_changed()
     finally:
-        guard.restore_changed()
+        held.reset()
         if saved is not None:
             restore_params(params, saved)
+
+
+def _hooks_note(hooks: List[str]) -> str:
+    shown = "; ".join(hooks[:3]) + (f"; and {len(hooks) - 3} more" if len(hooks) > 3 else "")
+    return (
+        f"the check did not run {len(hooks)} hook(s) your code registered on the model ({shown}): at every "
+        "evaluation of a check they would run again and their side effects would reach training; if one changes "
+        "what its module returns, the check objective differs from the training loss (move that into forward())"
+    )
 
 
 def run_model_check(
@@ -173,12 +197,18 @@ def run_model_check(
         shadow.refresh(model)
         target = shadow.module
         batch = cast_floats(batch, opts.dtype)
-    params = {n: p for n, p in target.named_parameters() if n in set(chosen)}
+    leaves = {n: p for n, p in target.named_parameters() if n in set(chosen)}
+    params = {n: _real(p) for n, p in leaves.items()}  # what the engine perturbs: complex ones as (re, im) pairs
+    batched = batched and all(p is leaves[n] for n, p in params.items())
     eval_seed = opts.seed
     report = CheckReport(tensors={}, fail_at=opts.fail_at, seed=opts.seed)
 
-    with _evaluation_context(target, in_place, params) as guard:
-        # Analytic side: one forward with grad, then autograd.grad (never .grad).
+    roots = [objective.loss_fn, *objective.regularizers.values(), grad_fn, model]
+    with _evaluation_context(target, in_place, params, roots) as (guard, held, hooks):
+        if hooks:
+            report.notes.append(_hooks_note(hooks))
+            warnings.warn(report.notes[-1], stacklevel=3)  # shown once per distinct text by the default filter
+        # Analytic side: one forward with grad, then autograd.grad (never the caller's .grad).
         seed_everything(eval_seed)
         with torch.enable_grad():
             terms_t = objective.terms(target, batch)
@@ -196,13 +226,19 @@ def run_model_check(
                 )
             report.seconds = time.perf_counter() - start
             return report
-        grads = _analytic(objective, terms_t, total_t, params, target, batch, grad_fn, opts.per_term)
+        # A reentrant checkpoint hides the parameters inside it from autograd.grad: go through backward().
+        graph_leaves = reentrant_checkpoint_leaves(total_t) if total_t.requires_grad else None
+        if graph_leaves is not None:
+            graph_leaves += [p for p in target.parameters() if p.requires_grad]
+        grads = _analytic(objective, terms_t, total_t, leaves, target, batch, grad_fn, opts.per_term, graph_leaves)
+        # torch's gradient of a real loss by a complex z = x + iy is dJ/dx + i dJ/dy: as a real view, (dJ/dx, dJ/dy).
+        grads = {n: {k: _real(g) for k, g in by_term.items()} for n, by_term in grads.items()}
         del terms_t, total_t
         # Only now: a train-mode BatchNorm saves its running stats for backward, and restoring them
         # (the forward above updated them) bumps their version counters.
         guard.restore_changed()
 
-        reseed = Reseeder(eval_seed)
+        reseed = Reseeder(eval_seed, held)
         casting = shadow if not in_place else None
         if casting is not None:
             casting.trim_cast_hooks()
@@ -210,17 +246,25 @@ def run_model_check(
         def terms_no_grad() -> Dict[str, torch.Tensor]:
             try:
                 return objective.terms(target, batch)
-            except Exception:
+            except Exception as first:
                 # A module that needed no input cast in the first evaluation needs one now: put the hooks back.
+                casts = casting.casts() if casting is not None else 0
                 if casting is None or not casting.restore_cast_hooks():
                     raise
                 guard.restore_changed()
                 reseed()
-                return objective.terms(target, batch)
+                terms = objective.terms(target, batch)
+                if casting.casts() == casts:
+                    raise first  # no module needed the cast: the user's code itself raised, retrying hid it
+                return terms
 
         def evaluate() -> Dict[str, float]:
             reseed()
-            if torch.is_grad_enabled():
+            if graph_leaves is not None:  # checkpoint(use_reentrant=True) warns at every evaluation without grad
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=CHECKPOINT_NO_GRAD_WARNING)
+                    terms = terms_no_grad() if not torch.is_grad_enabled() else _no_grad(terms_no_grad)
+            elif torch.is_grad_enabled():
                 with torch.no_grad():
                     terms = terms_no_grad()
             else:  # the engine probes under no_grad already; entering it again costs more than the check
@@ -246,6 +290,11 @@ def run_model_check(
     return report
 
 
+def _no_grad(fn: Callable[[], Any]) -> Any:
+    with torch.no_grad():
+        return fn()
+
+
 def all_finite(t: torch.Tensor) -> bool:
     """True when no entry is NaN or infinite: one min/max pass (NaN propagates), 5x cheaper than ``isfinite``.
 
@@ -269,32 +318,45 @@ def _floats(terms: Mapping[str, torch.Tensor]) -> Dict[str, float]:
     return dict(zip(terms, torch.stack([v.detach().to(dev, torch.float64).reshape(()) for v in terms.values()]).tolist()))
 
 
-def _analytic(objective, terms_t, total_t, params, target, batch, grad_fn, per_term) -> Dict[str, Dict[str, torch.Tensor]]:
-    """``{tensor: {"total": grad, term: grad, ...}}``."""
+def _analytic(objective, terms_t, total_t, params, target, batch, grad_fn, per_term, leaves=None) -> Dict[str, Dict[str, torch.Tensor]]:
+    """``{tensor: {"total": grad, term: grad, ...}}``; through ``backward()`` into ``leaves`` when given (see :mod:`gradwatch.graph`)."""
     plist = list(params.values())
     out: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n in params}
     if grad_fn is not None:
-        with torch.enable_grad():
-            given = _validate_grads(grad_fn(target, batch), params, "grad_fn")
+        try:
+            with torch.enable_grad():
+                given = _validate_grads(grad_fn(target, batch), params, "grad_fn")
+        except Exception as exc:
+            blame(exc, "grad_fn")
+            raise
         for n in params:
             out[n]["total"] = given[n]
     else:
-        gs = _grad(total_t, plist, retain=per_term)
+        gs = _grad(total_t, plist, retain=per_term, leaves=leaves)
         for n, g in zip(params, gs):
             out[n]["total"] = g
     if per_term:
         for term in sorted(terms_t):
-            gs = _grad(terms_t[term], plist, retain=True)
+            gs = _grad(terms_t[term], plist, retain=True, leaves=leaves)
             for n, g in zip(params, gs):
                 out[n][term] = g
     return out
 
 
-def _grad(value: torch.Tensor, plist: List[torch.Tensor], retain: bool) -> List[torch.Tensor]:
+def _grad(value: torch.Tensor, plist: List[torch.Tensor], retain: bool,
+          leaves: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:
     if not value.requires_grad:
         return [torch.zeros_like(p) for p in plist]
-    gs = torch.autograd.grad(value, plist, retain_graph=retain, allow_unused=True)
-    return [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(gs, plist)]
+    if leaves is not None:  # see gradwatch.graph
+        gs = grad_by_backward(value, plist, leaves, retain)
+    else:
+        gs = torch.autograd.grad(value, plist, retain_graph=retain, allow_unused=True)
+    return [torch.zeros_like(p) if g is None else _dense(g.detach()) for g, p in zip(gs, plist)]
+
+
+def _dense(g: torch.Tensor) -> torch.Tensor:
+    """A gradient in strided layout: ``Embedding(sparse=True)`` and ``grad_fn`` may give sparse ones."""
+    return g if g.layout == torch.strided else g.to_dense()
 
 
 def _judge_all(report: CheckReport, params: Dict[str, torch.Tensor], grads, evaluator: Evaluator, opts: CheckOptions,
@@ -385,8 +447,11 @@ def check_numpy(
     takes_params = _takes_argument(loss_fn)
     regs = dict(regularizers or {})
 
+    held = HeldGenerators([loss_fn, *regs.values()])
+
     def evaluate() -> Dict[str, float]:
         seed_everything(opts.seed)
+        held.reset()
         out = {"loss": _as_float(loss_fn(params) if takes_params else loss_fn(), "loss_fn")}
         for name, reg in regs.items():
             out[name] = _as_float(reg(params), f"regularizer {name!r}")
@@ -412,6 +477,7 @@ def check_numpy(
                 _judge_all(report, views, analytic, evaluator, opts, magnitude=sum(abs(v) for v in values.values()),
                            eval_eps=eps, objective_dtype_eps=eps)
     finally:
+        held.reset()
         restore_params(views, saved)
     report.evaluations = evaluator.count
     report.seconds = time.perf_counter() - start

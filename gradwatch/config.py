@@ -30,7 +30,7 @@ from .trend import TrendTracker
 OPTION_DOCS: Dict[str, str] = {
     "coords": "coordinates sampled per checked tensor (half largest |grad|, half random); >= 1",
     "directions": "random Rademacher directions per checked tensor; >= 0",
-    "eps": "finite-difference step; null picks eps(dtype)**(1/3) scaled by |theta|",
+    "eps": "finite-difference step relative to |theta|, 0 < eps <= 0.1; null picks eps(dtype)**(1/3) scaled by |theta|",
     "bands": "upper bounds of EXCELLENT, ACCEPTABLE, SUSPICIOUS for the judged rel_diff",
     "fail_at": "verdict from which a tensor counts as failing: suspicious or wrong",
     "seed": "base sampling seed (changes every check so coverage accumulates); >= 0",

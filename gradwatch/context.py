@@ -6,6 +6,8 @@
 - Dropout: all ``nn.Dropout*``/``AlphaDropout``/``FeatureAlphaDropout``
   modules are switched to eval, and the ``dropout`` probability of
   ``nn.MultiheadAttention`` and RNN modules is set to 0, for the check only.
+- ``parametrizations.spectral_norm``: the power iteration is off during a check
+  (``u``, ``v`` constant, as torch defines the gradient).
 - BatchNorm stays in train mode (the function training differentiates);
   any buffer an evaluation changes (running stats, ``num_batches_tracked``,
   power-iteration vectors) is put back after that evaluation.
@@ -17,13 +19,17 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
+import itertools
 import random
+import types
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
+from torch.nn.utils.parametrizations import _SpectralNorm
 
 
 @contextlib.contextmanager
@@ -69,7 +75,9 @@ class Reseeder:
 
     The generator states right after seeding are captured once and put back on
     each call (``torch.set_rng_state`` and ``random.setstate`` are cheaper than
-    re-seeding; numpy's ``seed`` is cheaper than its ``set_state``). ``random``
+    re-seeding; numpy's ``seed`` is cheaper than its ``set_state``). Generators held by the
+    model or the loss (:class:`~gradwatch.generators.HeldGenerators`, ``held``) are put back in
+    their saved state on each call. ``random``
     and ``numpy.random`` are reseeded only if one of the first :attr:`WATCH`
     evaluations drew from them (most objectives use torch's generator alone).
 
@@ -84,8 +92,9 @@ class Reseeder:
     #: Evaluations watched for use of ``random`` and ``numpy.random`` before an unused one stops being reseeded.
     WATCH = 2
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, held: Any = None) -> None:
         self.seed = int(seed)
+        self._held = held if held else None  # HeldGenerators: reset before every evaluation too
         seed_everything(self.seed)
         self._torch = torch.get_rng_state()
         self._py = random.getstate()
@@ -96,6 +105,8 @@ class Reseeder:
 
     def __call__(self) -> None:
         torch.set_rng_state(self._torch)
+        if self._held is not None:
+            self._held.reset()
         if torch.cuda.is_initialized():
             torch.cuda.manual_seed_all(self.seed)
         if 0 < self._calls <= self.WATCH:
@@ -179,12 +190,24 @@ class BufferGuard:
     #: Value comparisons in a row that found a buffer unchanged before :meth:`restore_fast` trusts its version counter.
     TRUST_AFTER = 2
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, attributes: bool = False) -> None:
         self._buffers = [(b, b.detach().clone(), b._version) for _, b in model.named_buffers() if b is not None]
         self._clean = [0] * len(self._buffers)
+        self._owners = [(m, k, b) for m in model.modules() for k, b in m._buffers.items() if b is not None]
+        #: With ``attributes``, plain attributes a forward changes (counters) are put back too (:class:`AttributeGuard`).
+        self._attrs = AttributeGuard(model) if attributes else None
 
     def restore_changed(self) -> None:
-        """Copy the saved value back into every buffer whose version or value moved."""
+        """Copy the saved value back into every buffer whose version or value moved.
+
+        A buffer the forward replaced by another tensor (``self.cache = torch.zeros(n)``, a
+        shape that follows the batch) is put back too: the module holds the original again.
+        """
+        for m, key, buf in self._owners:
+            if m._buffers.get(key) is not buf:
+                m._buffers[key] = buf
+        if self._attrs is not None:
+            self._attrs.restore()
         for i, (buf, saved, version) in enumerate(self._buffers):
             if buf._version != version or not torch.equal(buf, saved):
                 with torch.no_grad():
@@ -202,6 +225,8 @@ class BufferGuard:
         comparisons in a row): with :func:`frozen_batchnorm_stats` in effect, no buffer of a
         standard module does. Call :meth:`restore_changed` once at the end for an exact restore.
         """
+        if self._attrs is not None:
+            self._attrs.restore()
         for i, (buf, saved, version) in enumerate(self._buffers):
             if buf._version != version or (self._clean[i] < self.TRUST_AFTER and not torch.equal(buf, saved)):
                 with torch.no_grad():
@@ -210,6 +235,122 @@ class BufferGuard:
                 self._clean[i] = 0
             elif self._clean[i] < self.TRUST_AFTER:
                 self._clean[i] += 1
+
+
+#: Hook dicts of a module, with the words a note uses for them.
+_HOOK_KINDS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook",
+               "_backward_pre_hooks": "backward pre-hook", "_backward_hooks": "backward hook"}
+#: Top-level packages whose hooks are part of the function a module computes (weight_norm, pruning, ...).
+_LIBRARY_HOOKS = ("torch",)
+
+
+def _library_hook(hook: Any) -> bool:
+    if getattr(hook, "_gradwatch_hook", False):  # gradwatch's own (the shadow's input casting)
+        return True
+    fn = hook.func if isinstance(hook, functools.partial) else hook
+    fn = getattr(fn, "__func__", fn)  # a bound method: where its function is defined
+    where = fn.__module__ if isinstance(fn, (types.FunctionType, types.BuiltinFunctionType)) else type(fn).__module__
+    return isinstance(where, str) and where.split(".")[0] in _LIBRARY_HOOKS
+
+
+def _hook_name(hook: Any) -> str:
+    fn = hook.func if isinstance(hook, functools.partial) else hook
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+@contextlib.contextmanager
+def suspended_hooks(model: nn.Module) -> Iterator[List[str]]:
+    """Module hooks registered by user code do not run for the duration; yields what was suspended.
+
+    A hook on the live model (or its deep copy, whose hooks are the same functions) would run
+    at every evaluation of a check: a recorder of activations would fill up, a counter rise,
+    by dozens per check. Hooks defined by torch (``weight_norm``, pruning, ``spectral_norm``)
+    and gradwatch's own are part of what a module computes and keep running. Global module
+    hooks (``register_module_forward_hook``) are suspended by the same rule. Each hook is put
+    back in its place afterwards.
+
+    Example:
+        >>> lin = nn.Linear(2, 1)
+        >>> seen = []
+        >>> _ = lin.register_forward_hook(lambda m, i, o: seen.append(1))
+        >>> with suspended_hooks(lin) as names:
+        ...     _ = lin(torch.ones(2))
+        >>> len(seen), names, len(lin._forward_hooks)
+        (0, ['forward hook <lambda> on the model'], 1)
+    """
+    from torch.nn.modules import module as torch_module
+
+    places = [(name or "the model", m.__dict__) for name, m in model.named_modules()]
+    places.append(("every module (global)", {k: getattr(torch_module, "_global" + k, None) for k in _HOOK_KINDS}))
+    removed: List[Tuple[Any, List[Any], Dict[Any, Any]]] = []
+    names: List[str] = []
+    for where, attrs in places:
+        for key, kind in _HOOK_KINDS.items():
+            hooks = attrs.get(key)
+            if not hooks:
+                continue
+            user = {k: h for k, h in hooks.items() if not _library_hook(h)}
+            if user:
+                removed.append((hooks, list(hooks), user))
+                names.extend(f"{kind} {_hook_name(h)} on {where}" for h in user.values())
+                for k in user:
+                    del hooks[k]
+    try:
+        yield names
+    finally:
+        for hooks, order, user in removed:
+            current = dict(hooks)  # hooks gradwatch added or removed meanwhile (its casting hooks) stay as they are
+            merged = [(k, user.get(k, current.get(k))) for k in order if k in user or k in current]
+            known = set(order)
+            merged += [(k, v) for k, v in current.items() if k not in known]
+            hooks.clear()
+            hooks.update(merged)
+
+
+#: Attributes every ``nn.Module`` has (``training``, parameter, buffer and hook dicts).
+MODULE_KEYS = frozenset(vars(nn.Module()))
+_SCALARS = (int, float, bool, str, complex, type(None))
+
+
+class AttributeGuard:
+    """Puts back plain attributes of modules that a forward changes: a call counter, a flag.
+
+    Attributes holding a number, string, boolean or None (not those every ``nn.Module`` has)
+    are saved at construction. The first :meth:`restore` (after the check's first, analytic
+    evaluation) finds those the forward changed and puts them back; later calls put back only
+    those, so gradwatch's own switches between evaluations (BatchNorm's
+    ``track_running_stats`` during a check) are left alone. Lists, dicts and other objects a
+    forward mutates are not guarded.
+
+    Example:
+        >>> class Counting(nn.Linear):
+        ...     calls = 0
+        ...     def forward(self, x):
+        ...         self.calls += 1
+        ...         return super().forward(x)
+        >>> m = Counting(2, 1); m.calls = 0
+        >>> guard = AttributeGuard(m)
+        >>> _ = m(torch.ones(2)); guard.restore(); m.calls
+        0
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._saved = []
+        for m in model.modules():
+            attrs = m.__dict__
+            self._saved.extend((attrs, k, attrs[k]) for k in attrs.keys() - MODULE_KEYS if type(attrs[k]) in _SCALARS)
+        self._changed: Optional[list] = None
+
+    def restore(self) -> None:
+        """Put back the attributes the forward changed (found on the first call)."""
+        if self._changed is None:
+            self._changed = [(attrs, k, v) for attrs, k, v in self._saved
+                             if not (attrs.get(k, _MISSING) is v or (type(attrs.get(k)) is type(v) and attrs.get(k) == v))]
+        for attrs, k, v in self._changed:
+            attrs[k] = v
+
+
+_MISSING = object()
 
 
 @contextlib.contextmanager
@@ -237,6 +378,34 @@ def frozen_batchnorm_stats(model: nn.Module) -> Iterator[None]:
     finally:
         for m in frozen:
             m.track_running_stats = True
+
+
+@contextlib.contextmanager
+def frozen_power_iteration(model: nn.Module) -> Iterator[None]:
+    """``parametrizations.spectral_norm`` in train mode: ``u``, ``v`` held constant, as torch differentiates.
+
+    In train mode each forward runs a power-iteration step that moves ``u``, ``v`` with the
+    weight, but backprop treats them as constants. Finite differences would see them move and
+    disagree (a false SUSPICIOUS or WRONG); with the power iteration off for the check (the
+    ``_SpectralNorm`` parametrizations in eval mode), the check objective keeps the ``u``, ``v``
+    the last training forward left, the ones training's gradient used. Flags are restored after.
+
+    Example:
+        >>> lin = nn.utils.parametrizations.spectral_norm(nn.Linear(3, 2))
+        >>> u = lin.parametrizations.weight[0]._u.clone()
+        >>> with frozen_power_iteration(lin):
+        ...     _ = lin(torch.randn(4, 3))
+        >>> bool(torch.equal(u, lin.parametrizations.weight[0]._u)), lin.parametrizations.weight[0].training
+        (True, True)
+    """
+    frozen = [m for m in model.modules() if isinstance(m, _SpectralNorm) and m.training]
+    for m in frozen:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in frozen:
+            m.training = True
 
 
 def cast_floats(obj: Any, dtype: torch.dtype) -> Any:
@@ -294,12 +463,18 @@ def _cast_inputs_hook(dtype: torch.dtype, needed: Optional[set] = None):
             needed.add(id(module))
         return cast_floats(args, dtype), cast_floats(kwargs, dtype)
 
+    hook._gradwatch_hook = True  # kept by suspended_hooks
     return hook
 
 
+#: Complex dtype a shadow gives complex tensors, per real shadow dtype.
+_COMPLEX_OF = {torch.float64: torch.complex128, torch.float32: torch.complex64}
+
+
 def param_signature(model: nn.Module) -> Tuple:
-    """Names and shapes of parameters and buffers: when it changes, a shadow must be rebuilt."""
-    return tuple((n, tuple(t.shape), str(t.device)) for n, t in model.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor))
+    """Names, shapes and devices of parameters and buffers (non-persistent ones too): when it changes, a shadow must be rebuilt."""
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+    return tuple((n, tuple(t.shape), str(t.device)) for n, t in tensors if isinstance(t, torch.Tensor))
 
 
 class Shadow:
@@ -326,7 +501,9 @@ class Shadow:
                 f"cannot make a {dtype} shadow copy of {type(model).__name__} (copy.deepcopy failed: {err}); "
                 "pass dtype=None to check in place in the model's own dtype"
             ) from err
-        self.module.to(dtype)
+        complex_dtype = _COMPLEX_OF.get(dtype)
+        # module.to(dtype) would cast complex tensors to real ones too, discarding their imaginary part.
+        self.module._apply(lambda t: t.to(dtype) if t.is_floating_point() else (t.to(complex_dtype) if t.is_complex() and complex_dtype else t))
         for p in self.module.parameters():
             p.grad = None
         self._needed: set = set()
@@ -341,6 +518,10 @@ class Shadow:
                 self._hooks[id(m)] = m.register_forward_pre_hook(_cast_inputs_hook(self.dtype, self._needed), with_kwargs=True)
                 missing = True
         return missing
+
+    def casts(self) -> int:
+        """How many modules of the copy have needed an input cast since it was built."""
+        return len(self._needed)
 
     def trim_cast_hooks(self) -> None:
         """Remove the casting hooks of modules that have needed no cast so far (until the next refresh).

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 import torch.distributed as dist
 from torch import nn
 
+from .errors import blamed
 from .report import CheckReport
 from .sampling import rotate
 from .trend import WHOLE_CHECK, Alert
@@ -170,13 +171,14 @@ class DistributedCoordinator:
         from .context import Shadow
 
         per_rank = watch.config.tensors_per_check
-        names = rotate(watch._watched_names(), per_rank * self.world_size if per_rank > 0 else 0, watch._counts)
-        mine = self.share(names)
         opts = dataclasses.replace(watch._check_options, seed=watch._check_options.seed + watch._checks)
         payload: Dict[str, Any] = {"rank": self.rank, "report": None, "error": None, "training": None}
         start = time.perf_counter()
+        names: List[str] = []
         replay = None
         try:
+            names = rotate(watch._names_to_check(), per_rank * self.world_size if per_rank > 0 else 0, watch._counts)
+            mine = self.share(names)
             replay = watch._training_replay(pending)
             if replay is not None:
                 payload["training"] = (replay.grads is not None, replay.reason)
@@ -191,6 +193,7 @@ class DistributedCoordinator:
             logger.error("gradwatch: the check at step %d raised on rank %d; training goes on:\n%s",
                          step, self.rank, traceback.format_exc())
             payload["error"] = f"{type(exc).__name__}: {exc}"
+            payload["where"] = blamed(exc) or "the check"
         seconds = time.perf_counter() - start
         watch.schedule.record_check(step, seconds, scheduled)
         payload["seconds"] = seconds
@@ -218,7 +221,7 @@ class DistributedCoordinator:
                 watch._counts[n] = watch._counts.get(n, 0) + 1
             alerts.extend(watch.tracker.update(step, merged))
         if errors:
-            where = "loss_fn on " + ", ".join(e.split(":", 1)[0] for e in errors)
+            where = "; ".join(f"{g.get('where', 'loss_fn')} on rank {g['rank']}" for g in gathered if g["error"] is not None)
             alert = watch.tracker.error(step, DistributedCheckError("; ".join(errors)), where=where)
             alerts.extend([alert] if alert is not None else [])
         watch._emit(step, merged, alerts, seconds)

@@ -6,6 +6,11 @@ acted on without reading gradwatch's source.
 
 from __future__ import annotations
 
+from typing import Optional
+
+#: Attribute set on an exception raised by the user's code during a check: which function raised it.
+WHERE_ATTR = "gradwatch_where"
+
 
 class GradWatchError(Exception):
     """Base class of every error gradwatch raises on purpose.
@@ -63,3 +68,28 @@ class GradientDriftError(GradWatchError):
     def __init__(self, message: str, alerts: list | None = None) -> None:
         super().__init__(message)
         self.alerts = list(alerts or [])
+
+
+def blame(exc: BaseException, where: str) -> BaseException:
+    """Mark ``exc`` as raised in the user's ``where`` (``"loss_fn"``, ``"regularizer 'l2'"``); the first mark wins.
+
+    Example:
+        >>> blamed(blame(KeyError("x"), "grad_fn"))
+        'grad_fn'
+    """
+    if getattr(exc, WHERE_ATTR, None) is None:
+        try:
+            setattr(exc, WHERE_ATTR, where)
+        except (AttributeError, TypeError):  # an exception type that takes no attributes: left unmarked
+            pass
+    return exc
+
+
+def blamed(exc: BaseException) -> Optional[str]:
+    """What :func:`blame` marked ``exc`` with (None: not raised by the user's code).
+
+    Example:
+        >>> blamed(ValueError("x")) is None
+        True
+    """
+    return getattr(exc, WHERE_ATTR, None)

@@ -25,7 +25,7 @@ from .check import GradFn, run_model_check, trainable_names
 from .config import GradWatchConfig, load_config
 from .context import Shadow
 from .distributed import DEFAULT_TIMEOUT, DistributedCoordinator, unwrap_model
-from .errors import GradientDriftError
+from .errors import GradientDriftError, blamed
 from .numeric import Verdict
 from .objective import Objective, coupled_weight_decay
 from .records import check_record, run_record
@@ -42,6 +42,12 @@ logger = logging.getLogger("gradwatch")
 
 #: Option names that are Python objects, never YAML keys.
 OBJECT_OPTIONS = ("optimizer", "grad_fn", "on_alert", "writer", "distributed", "distributed_timeout", "grad_scaler")
+
+
+def _dense(g: torch.Tensor) -> torch.Tensor:
+    """A gradient as a strided tensor (``Embedding(sparse=True)`` gives sparse ones)."""
+    g = g.detach()
+    return g.to_dense() if g.layout != torch.strided else g
 
 
 def _alert_from_dict(d: Mapping[str, Any]) -> Alert:
@@ -227,7 +233,18 @@ class GradWatch:
         return min(1.0, (self._monitor_seconds + seconds) / wall) if wall > 0 else None
 
     def _watched_names(self) -> List[str]:
-        return match_names(trainable_names(self.model), self._check_options.tensors)
+        # Not strict: a pattern may stop matching when its tensors are frozen mid-run (checked at construction).
+        return match_names(trainable_names(self.model), self._check_options.tensors, strict=False)
+
+    def _names_to_check(self) -> List[str]:
+        names = self._watched_names()
+        if not names:
+            raise ValueError(
+                f"tensors: {self._check_options.tensors!r} match no trainable parameter any more (frozen with "
+                f"requires_grad=False since the watch started?); trainable now: {trainable_names(self.model)[:8]}; "
+                "no tensor was checked — change the tensors option to follow the parameters you train"
+            )
+        return names
 
     # ------------------------------------------------------------------ the loop
     def step(self, batch: Any = None, *, loss: Any = None, global_step: Optional[int] = None) -> Optional[CheckReport]:
@@ -342,10 +359,10 @@ class GradWatch:
             raise RuntimeError("GradWatch is closed; create a new one to keep monitoring")
         if self.dist is not None:
             return self.dist.run(self, step, batch, scheduled=scheduled, pending=pending)
-        names = rotate(self._watched_names(), self.config.tensors_per_check, self._counts)
         opts = dataclasses.replace(self._check_options, seed=self._check_options.seed + self._checks)
         start = time.perf_counter()
         try:
+            names = rotate(self._names_to_check(), self.config.tensors_per_check, self._counts)
             replay = self._training_replay(pending)
             with self._recorder_paused():
                 if self._check_options.dtype is not None and (self._shadow is None or not self._shadow.matches(self.model)):
@@ -356,7 +373,7 @@ class GradWatch:
             seconds = time.perf_counter() - start
             self.schedule.record_check(step, seconds, scheduled)
             logger.error("gradwatch: the check at step %d raised; training goes on:\n%s", step, traceback.format_exc())
-            alert = self.tracker.error(step, exc)
+            alert = self.tracker.error(step, exc, where=blamed(exc))
             self._emit(step, None, [alert] if alert is not None else [], seconds)
             return None
         seconds = time.perf_counter() - start
@@ -411,18 +428,19 @@ class GradWatch:
                 return {n: torch.zeros_like(p) for n, p in params.items()}
             if scaler is None:
                 gs = torch.autograd.grad(total, plist, allow_unused=True)
-                return {n: torch.zeros_like(p) if g is None else g.detach() for (n, p), g in zip(params.items(), gs)}
+                return {n: torch.zeros_like(p) if g is None else _dense(g) for (n, p), g in zip(params.items(), gs)}
             # scaler.scale(loss).backward(), then unscale_: multiply by the float32 reciprocal of the scale
             inv = torch.tensor(float(scaler.get_scale()), dtype=torch.float64).reciprocal().float()
             gs = torch.autograd.grad(scaler.scale(total), plist, allow_unused=True)
-            return {n: torch.zeros_like(p) if g is None else g.detach() * inv.to(g.device)
+            return {n: torch.zeros_like(p) if g is None else _dense(g) * inv.to(g.device)
                     for (n, p), g in zip(params.items(), gs)}
 
         records = [r for mb in pending.micro for r in mb.records]
         autocast = records[0].autocast if records else ()
         worst = compute_dtype(max((p.dtype for p in plist), key=tolerance_for, default=torch.float32), autocast)
+        roots = [self.objective.loss_fn, *self.objective.regularizers.values(), self.grad_fn]
         return replay_step(model, self._recorder, pending, self.objective.training_total, grad_of, params,
-                           loss_tolerance=10 * tolerance_for(worst), context=self.replay_context)
+                           loss_tolerance=10 * tolerance_for(worst), context=self.replay_context, roots=roots)
 
     def _attach_training(self, report: CheckReport, replay: Optional[Replay],
                          grads: Optional[Dict[str, torch.Tensor]] = None) -> None:

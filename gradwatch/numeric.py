@@ -278,8 +278,8 @@ def numerical_grad(
     """
     single = not isinstance(inputs, (tuple, list))
     arrays = (inputs,) if single else tuple(inputs)
-    if eps is not None and not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps!r}")
+    if eps is not None and not 0 < eps < math.inf:
+        raise ValueError(f"eps must be > 0 and finite, got {eps!r}")
 
     def scalar() -> float:
         out = f()

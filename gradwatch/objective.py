@@ -11,6 +11,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from .errors import blame
+
 Regularizer = Callable[[nn.Module], torch.Tensor]
 RegularizerSpec = Union[None, Mapping[str, Union[float, Regularizer]], Sequence[Regularizer]]
 
@@ -155,7 +157,11 @@ class Objective:
 
     def terms(self, model: nn.Module, batch: Any) -> Dict[str, torch.Tensor]:
         """Evaluate each term: ``"loss"``, each regularizer, and ``"weight_decay"`` when present."""
-        out = {"loss": _scalar("loss_fn", self.loss_fn(model, batch))}
+        try:
+            out = {"loss": _scalar("loss_fn", self.loss_fn(model, batch))}
+        except Exception as exc:
+            blame(exc, "loss_fn")
+            raise
         if self.regularizers or self.weight_decay:
             out.update(self.param_terms(model))
         return out
@@ -181,7 +187,11 @@ class Objective:
         """The terms that read only the parameters: each regularizer, and ``"weight_decay"`` when present."""
         out: Dict[str, torch.Tensor] = {}
         for name, reg in self.regularizers.items():
-            out[name] = _scalar(f"regularizer {name!r}", reg(model))
+            try:
+                out[name] = _scalar(f"regularizer {name!r}", reg(model))
+            except Exception as exc:
+                blame(exc, f"regularizer {name!r}")
+                raise
         if self.weight_decay:
             params = dict(model.named_parameters())
             out["weight_decay"] = sum(0.5 * wd * params[n].pow(2).sum() for n, wd in self.weight_decay.items())
@@ -189,8 +199,14 @@ class Objective:
 
 
 def _scalar(what: str, value: Any) -> torch.Tensor:
-    if type(value) is torch.Tensor and value.dim() == 0:
+    if type(value) is torch.Tensor and value.dim() == 0 and value.is_floating_point():
         return value
+    if isinstance(value, torch.Tensor) and not value.is_floating_point():
+        raise TypeError(
+            f"{what} must return a real floating-point scalar tensor, got a {str(value.dtype).replace('torch.', '')} "
+            "tensor: an integer or boolean value has no gradient, and a complex one is no loss to minimize "
+            "(return a real floating-point loss: .float() a count, .abs() or .real a complex value)"
+        )
     if not isinstance(value, torch.Tensor):
         if isinstance(value, (int, float)):
             return torch.tensor(float(value), dtype=torch.float64)

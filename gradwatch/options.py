@@ -14,6 +14,10 @@ import torch
 from .errors import ConfigError
 from .numeric import DEFAULT_BANDS, Verdict, validate_bands
 
+#: Largest ``eps`` accepted: the step is relative to ``|theta|``, and a central difference over a larger
+#: one measures the curvature of the objective rather than its gradient.
+MAX_EPS = 0.1
+
 _DTYPE_NAMES = {
     "float64": torch.float64,
     "double": torch.float64,
@@ -90,8 +94,11 @@ class CheckOptions:
         self.coords = _int("coords", self.coords, 1)
         self.directions = _int("directions", self.directions, 0)
         if self.eps is not None:
-            if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not self.eps > 0:
-                raise ConfigError(f"eps: got {self.eps!r}, expected a number > 0 or None (step chosen from the dtype)")
+            if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not 0 < self.eps <= MAX_EPS:
+                raise ConfigError(
+                    f"eps: got {self.eps!r}, expected a number > 0 and <= {MAX_EPS:g} (a relative step: larger steps "
+                    "measure curvature, not the gradient) or None (step chosen from the dtype)"
+                )
             self.eps = float(self.eps)
         try:
             self.bands = validate_bands(self.bands)
@@ -113,6 +120,9 @@ class CheckOptions:
                 self.tensors = [self.tensors]
             if not all(isinstance(t, str) for t in self.tensors):
                 raise ConfigError(f"tensors: got {self.tensors!r}, expected a list of name patterns like 'encoder.*'")
+            if not self.tensors:
+                raise ConfigError("tensors: got [], expected a non-empty list of name patterns like 'encoder.*', "
+                                  "or null to check every trainable parameter")
             self.tensors = list(self.tensors)
 
     @classmethod

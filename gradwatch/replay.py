@@ -47,7 +47,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .context import BufferGuard, preserved_rng
+from .context import BufferGuard, frozen_power_iteration, preserved_rng, suspended_hooks
+from .generators import HeldGenerators
 
 #: Forwards recorded per micro-batch at most; beyond, the replay cannot be verified.
 MAX_RECORDS = 64
@@ -165,6 +166,8 @@ class MicroBatch:
 
 class _RecordHook:
     """The forward pre-hook: shared by deep copies (the check's shadow) and pickled as a no-op."""
+
+    _gradwatch_hook = True  # gradwatch's own: checks leave it in place (it ignores what is not training)
 
     def __init__(self, recorder: "ForwardRecorder") -> None:
         self.recorder: Optional[ForwardRecorder] = recorder
@@ -284,11 +287,14 @@ class Replay:
 class _Probe:
     """Temporary pre-hook of one replay: sets or compares the RNG state and compares inputs per forward."""
 
+    _gradwatch_hook = True
+
     def __init__(self, records: List[ForwardRecord], mode: str) -> None:
         self.records = records
         self.mode = mode
         self.count = 0
         self.faithful = True
+        self.private = False  # the replay drew from a generator held by the model or the loss
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         k = self.count
@@ -332,33 +338,63 @@ Context = Optional[Callable[[], Any]]
 
 
 def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of: GradOf, mb: MicroBatch,
-         mode: str, params: Dict[str, torch.Tensor], context: Context = None) -> Tuple[Dict[str, torch.Tensor], float, _Probe, tuple]:
-    """One replay of one micro-batch; restores generators and buffers, never writes ``.grad``.
+         mode: str, params: Dict[str, torch.Tensor], context: Context = None,
+         roots: Sequence[Any] = ()) -> Tuple[Dict[str, torch.Tensor], float, _Probe, tuple]:
+    """One replay of one micro-batch; restores generators, buffers and attributes, never writes ``.grad``.
 
     ``context`` (an integration's, e.g. Lightning's precision context around ``training_step``)
-    wraps the replay; without one, the autocast state training's first forward ran in does.
+    wraps the forward; without one, the autocast state training's first forward ran in does.
+    Hooks your code registered on the model do not run (as in the backward part), the power
+    iteration of ``spectral_norm`` is off (training's forward already updated its vectors), and
+    generators held by the model or the loss (``roots``) are put back; a replay that drew from
+    one cannot reproduce training's draws and is marked unfaithful.
     Returns the gradients, the objective, the probe and the autocast state the replay ran in.
     """
     probe = _Probe(mb.records, mode)
-    guard = BufferGuard(root)
     region = context() if context is not None else autocast_as(mb.records[0].autocast if mb.records else ())
+    held = HeldGenerators([*roots, root])
     recorder.paused = True
     handle = root.register_forward_pre_hook(probe, with_kwargs=True, prepend=True)
     try:
-        with preserved_rng():
-            if mode == "start":
-                mb.start.apply()
-            with torch.enable_grad(), _hooks_detached(list(params.values())):
-                with region:  # the forward in training's autocast region; backward outside it, as training's
-                    autocast = autocast_state()
-                    total = evaluate(root, mb.batch)
-                grads = grad_of(total, mb.batch)
-            value = float(total.detach())
+        with preserved_rng(), frozen_power_iteration(root), suspended_hooks(root):
+            guard = BufferGuard(root, attributes=True)
+            try:
+                if mode == "start":
+                    mb.start.apply()
+                with torch.enable_grad(), _hooks_detached(list(params.values())):
+                    with region:  # the forward in training's autocast region; backward outside it, as training's
+                        autocast = autocast_state()
+                        total = evaluate(root, mb.batch)
+                    grads = grad_of(total, mb.batch)
+                value = float(total.detach())
+            finally:
+                guard.restore_changed()
     finally:
         handle.remove()
         recorder.paused = False
-        guard.restore_changed()
+        if held.moved():
+            probe.faithful = False
+            probe.private = True
+        held.reset()
     return grads, value, probe, autocast
+
+
+def rng_free(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, mb: MicroBatch) -> bool:
+    """True when the objective on this batch does not depend on torch's generator (two seeds agree)."""
+    values = []
+    recorder.paused = True
+    try:
+        with preserved_rng(), torch.no_grad(), frozen_power_iteration(root), suspended_hooks(root):
+            guard = BufferGuard(root, attributes=True)
+            try:
+                for seed in (12345, 54321):
+                    torch.manual_seed(seed)
+                    values.append(float(evaluate(root, mb.batch).detach()))
+            finally:
+                guard.restore_changed()
+    finally:
+        recorder.paused = False
+    return values[0] == values[1]
 
 
 def as_float(value: Any) -> Optional[float]:
@@ -373,24 +409,11 @@ def as_float(value: Any) -> Optional[float]:
         return None
 
 
-def rng_free(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, mb: MicroBatch) -> bool:
-    """True when the objective on this batch does not depend on torch's generator (two seeds agree)."""
-    values = []
-    recorder.paused = True
-    guard = BufferGuard(root)
-    try:
-        with preserved_rng(), torch.no_grad():
-            for seed in (12345, 54321):
-                torch.manual_seed(seed)
-                values.append(float(evaluate(root, mb.batch).detach()))
-    finally:
-        recorder.paused = False
-        guard.restore_changed()
-    return values[0] == values[1]
 
 
 def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate: Evaluate, grad_of: GradOf,
-                params: Dict[str, torch.Tensor], loss_tolerance: float, context: Context = None) -> Replay:
+                params: Dict[str, torch.Tensor], loss_tolerance: float, context: Context = None,
+                roots: Sequence[Any] = ()) -> Replay:
     """Recompute the objective's gradient of a whole optimizer step (mean over its micro-batches).
 
     The mean is formed as training forms it under gradient accumulation: the gradient of each
@@ -408,6 +431,7 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
         loss_tolerance: Relative difference under which training's loss and the replay's agree.
         context: Optional ``context() -> context manager`` training's loss ran in (an integration's
             precision context); the replay runs in it too.
+        roots: What holds generators of the objective (``loss_fn``, regularizers, ``grad_fn``).
 
     Returns:
         A :class:`Replay`; ``grads`` is None (with ``reason``) when no replay could be verified.
@@ -431,7 +455,11 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
         tried = []
         modes = ("forward", "start") if mb.records else ("start",)
         for mode in modes:
-            grads, value, probe, autocast = _one(root, recorder, evaluate, grad_of, mb, mode, params, context)
+            grads, value, probe, autocast = _one(root, recorder, evaluate, grad_of, mb, mode, params, context, roots)
+            if probe.private:
+                return Replay(None, None, None, "the model or loss_fn draws from a random generator of its own "
+                              "(torch.Generator, numpy Generator, random.Random): the replay cannot reproduce training's "
+                              "draws, so the training part is not judged", forwards=(len(mb.records), probe.count))
             forwards = (len(mb.records), probe.count)
             whole = value * count  # the micro-batch's own objective
             loss_agrees = mb.loss is not None and abs(whole - mb.loss) <= loss_tolerance * max(abs(whole), abs(mb.loss), 1e-30)

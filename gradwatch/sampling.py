@@ -144,8 +144,11 @@ def rademacher(numel: int, count: int, gen: torch.Generator, dtype: torch.dtype 
     return rademacher_signs(numel, count, gen).to(dtype) / (numel**0.5)
 
 
-def match_names(names: Sequence[str], patterns: Optional[Iterable[str]]) -> List[str]:
-    """Names matching any glob pattern (``None`` keeps all). Raises ValueError for a pattern matching nothing.
+def match_names(names: Sequence[str], patterns: Optional[Iterable[str]], strict: bool = True) -> List[str]:
+    """Names matching any glob pattern (``None`` keeps all).
+
+    With ``strict`` (the default), a pattern matching nothing raises ValueError (a typo); without,
+    it is ignored (the tensors it matched were frozen since).
 
     Example:
         >>> match_names(["fc1.weight", "fc1.bias", "fc2.weight"], ["*.weight"])
@@ -157,7 +160,7 @@ def match_names(names: Sequence[str], patterns: Optional[Iterable[str]]) -> List
         patterns = [patterns]
     patterns = list(patterns)
     chosen = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
-    for p in patterns:
+    for p in patterns if strict else ():
         if not any(fnmatch.fnmatchcase(n, p) for n in names):
             shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
             raise ValueError(f"tensors: pattern {p!r} matches no trainable parameter; parameters are: {shown}")

@@ -89,25 +89,55 @@ class JsonlSink(Sink):
         if p.is_dir():
             p = p / JSONL_NAME
         self.path = p
+        self._file = self._open()
+        self._lock = threading.Lock()
+        self._run_line: Optional[str] = None
+
+    def _open(self):
         try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(p, "a", encoding="utf-8")
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            return open(self.path, "a", encoding="utf-8")
         except OSError as err:
             raise LogDirError(
-                f"gradwatch cannot write its log file {str(p)!r}: {err.strerror or err} "
+                f"gradwatch cannot write its log file {str(self.path)!r}: {err.strerror or err} "
                 f"(pass a writable log_dir, or log_dir=None to log to `logging` only)"
             ) from err
-        self._lock = threading.Lock()
+
+    def _moved(self) -> bool:
+        """True when the open file is no longer at :attr:`path` (deleted, or its directory removed or renamed)."""
+        try:
+            here, ours = os.stat(self.path), os.fstat(self._file.fileno())
+        except (OSError, ValueError):  # ValueError: the file was closed after a failed reopen
+            return True
+        return (here.st_dev, here.st_ino) != (ours.st_dev, ours.st_ino)
 
     def write(self, record: Mapping[str, Any]) -> None:
-        """Append ``record`` as one line, then flush and fsync."""
+        """Append ``record`` as one line, then flush and fsync.
+
+        If the file was deleted since it was opened (a log directory removed mid-run), a WARNING
+        says so and the file is created again, starting with the ``"run"`` record, so later
+        records are kept; the records written before are lost with the deleted file.
+        """
         line = json.dumps(to_jsonable(record), allow_nan=False, separators=(",", ":"))
         with self._lock:
+            if self._moved():
+                self._reopen()
             self._file.write(line + "\n")
             self._file.flush()
             os.fsync(self._file.fileno())
 
+    def _reopen(self) -> None:
+        _log.warning(
+            "gradwatch: %s was deleted or moved during the run (its directory removed?); the records written to it "
+            "so far are lost with it; creating it again and writing the next records there", self.path,
+        )
+        self._file.close()
+        self._file = self._open()
+        if self._run_line is not None:
+            self._file.write(self._run_line + "\n")
+
     def write_run(self, record: Mapping[str, Any]) -> None:
+        self._run_line = json.dumps(to_jsonable(record), allow_nan=False, separators=(",", ":"))
         self.write(record)
 
     def write_check(self, record: Mapping[str, Any], alert_count: int) -> None:

@@ -62,6 +62,14 @@ def compute_dtype(param_dtype: torch.dtype, autocast: Sequence[Tuple[str, bool, 
     return param_dtype
 
 
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """Complex tensors as (real, imaginary) pairs, the way the backward part checks them; others as they are."""
+    t = t.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 def gradient_scale(grads: Sequence[torch.Tensor]) -> float:
     """Root-mean-square entry over several gradients (the ``scale`` of :func:`judge_training`).
 
@@ -69,6 +77,7 @@ def gradient_scale(grads: Sequence[torch.Tensor]) -> float:
         >>> gradient_scale([torch.ones(3), torch.zeros(1)])
         0.8660254037844386
     """
+    grads = [_real(g) for g in grads]
     n = sum(g.numel() for g in grads)
     if n == 0:
         return 0.0
@@ -118,6 +127,8 @@ def judge_training(
     """
     tol = tolerance_for(dtype)
     check = TrainingCheck(name=name, shape=tuple(param.shape), dtype=str(dtype).replace("torch.", ""), tolerance=tol)
+    ref, param = _real(ref), _real(param)
+    live = _real(live) if live is not None else None
     r = ref.detach().reshape(-1).to(torch.float64)
     if live is None:
         check.live_grad = False
@@ -134,8 +145,6 @@ def judge_training(
                 "watch.step"
             )
         return _verdict(check, bands, fail_at)
-    if live.is_sparse or getattr(live, "layout", torch.strided) != torch.strided:
-        live = live.to_dense()
     g = live.detach().reshape(-1).to(device=r.device, dtype=torch.float64)
     if not bool(torch.isfinite(g).all()):
         check.inconclusive = (

@@ -277,13 +277,14 @@ class TrendTracker:
             self._alerted.pop((WHOLE_CHECK, "nondeterministic"), None)
         return alerts
 
-    def error(self, step: int, exc: BaseException, where: str = "loss_fn") -> Optional[Alert]:
+    def error(self, step: int, exc: BaseException, where: Optional[str] = "loss_fn") -> Optional[Alert]:
         """Record a check that raised; return its alert, or None while it is deduplicated.
 
         Args:
             step: Training step of the check.
             exc: The exception the check raised.
-            where: What raised it (``"loss_fn"``, ``"grad_fn"``, ``"regularizer 'l2'"``...).
+            where: What raised it (``"loss_fn"``, ``"grad_fn"``, ``"regularizer 'l2'"``...); None when it was
+                not the user's code (the exception's message then says what to change).
 
         Example:
             >>> alert = TrendTracker().error(7, ValueError("bad shape"))
@@ -293,10 +294,11 @@ class TrendTracker:
             True
         """
         self._checks += 1
-        msg = (
-            f"step {step}: the gradient check raised {type(exc).__name__}: {exc} (in {where}) — "
-            f"the check was skipped and training continues; make {where} work on the watched batch"
-        )
+        msg = f"step {step}: the gradient check raised {type(exc).__name__}: {exc}"
+        if where is None:
+            msg += " — the check was skipped and training continues"
+        else:
+            msg += f" (in {where}) — the check was skipped and training continues; make {where} work on the watched batch"
         fired = self._fire(WHOLE_CHECK, "error", int(step), math.nan, None, msg)
         return fired[0] if fired else None
 
