@@ -37,6 +37,9 @@ from .trend import Alert
 
 logger = logging.getLogger("gradwatch")
 
+#: Consecutive failed checks after which the watch pauses its checks (see :meth:`GradWatch.pause`).
+MAX_CONSECUTIVE_FAILURES = 3
+
 #: Option names that are Python objects, never YAML keys.
 OBJECT_OPTIONS = ("optimizer", "grad_fn", "on_alert", "writer", "distributed", "distributed_timeout")
 
@@ -147,6 +150,11 @@ class GradWatch:
         self._wall_before = 0.0
         self._shadow: Optional[Shadow] = None
         self._closed = False
+        self._checking = False  # a check is running: a step() from inside it (the objective stepping an optimizer) is ignored
+        self._failures = 0  # consecutive failed checks
+        self._failure_counts: Dict[str, int] = {}  # "Type: message" -> how many checks failed so
+        #: Why the checks are paused (None while they run); see :meth:`pause` and :meth:`resume`.
+        self.paused: Optional[str] = None
         self.sinks.write_run(run_record(self.config.to_dict(), _version))
 
     # ------------------------------------------------------------------ construction
@@ -222,6 +230,8 @@ class GradWatch:
             self._started = now
         elif self._last_call is not None:
             self.schedule.record_step_seconds(now - self._last_call)
+        if self._checking or self.paused is not None:
+            return None
         step = self._step if global_step is None else int(global_step)
         self._step = step + 1
         try:
@@ -254,6 +264,7 @@ class GradWatch:
         names = rotate(self._watched_names(), self.config.tensors_per_check, self._counts)
         opts = dataclasses.replace(self._check_options, seed=self._check_options.seed + self._checks)
         start = time.perf_counter()
+        self._checking = True
         try:
             if self._check_options.dtype is not None and (self._shadow is None or not self._shadow.matches(self.model)):
                 self._shadow = Shadow(self.model, self._check_options.dtype)
@@ -261,11 +272,12 @@ class GradWatch:
         except Exception as exc:  # noqa: BLE001 - the user's code raised: log it, keep training
             seconds = time.perf_counter() - start
             self.schedule.record_check(step, seconds, scheduled)
-            logger.error("gradwatch: the check at step %d raised; training goes on:\n%s", step, traceback.format_exc())
-            alert = self.tracker.error(step, exc)
-            self._emit(step, None, [alert] if alert is not None else [], seconds)
+            self._failed(step, exc, seconds)
             return None
+        finally:
+            self._checking = False
         seconds = time.perf_counter() - start
+        self._failures = 0
         report.notes[:0] = self.notes
         self._checks += 1
         for n in report.tensors:
@@ -274,6 +286,53 @@ class GradWatch:
         alerts = self.tracker.update(step, report)
         self._emit(step, report, alerts, seconds)
         return report
+
+    def _failed(self, step: int, exc: Exception, seconds: float) -> None:
+        """A check raised: log its cause once per kind of failure, count it, and pause after a few in a row."""
+        self._failures += 1
+        key = f"{type(exc).__name__}: {exc}"[:500]
+        seen = self._failure_counts.get(key, 0)
+        self._failure_counts[key] = seen + 1
+        if seen == 0:  # the cause and the fix; the alert below says it in one line
+            logger.error(
+                "gradwatch: the check at step %d raised %s (in loss_fn); the check is skipped and training goes on. "
+                "Fix: make loss_fn(model, batch) compute the training loss of the batch without side effects "
+                "(no backward, no optimizer step). Later failures like this one are counted, not printed.\n%s",
+                step, key, "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())
+        else:
+            logger.debug("gradwatch: the check at step %d failed again (%d times): %s", step, seen + 1, key)
+        alert = self.tracker.error(step, exc)
+        self._emit(step, None, [alert] if alert is not None else [], seconds)
+        if self._failures >= MAX_CONSECUTIVE_FAILURES and self.paused is None:
+            self.pause(f"{self._failures} checks in a row failed (last: {key})", step=step)
+
+    def pause(self, reason: str, *, step: Optional[int] = None) -> None:
+        """Stop scheduled checks (``step`` returns None at once), with one ``paused`` alert (a warning).
+
+        Called by the watch itself after :data:`MAX_CONSECUTIVE_FAILURES` failed checks in a row, and by
+        integrations that find the check objective changing training. :meth:`resume` starts checking again.
+
+        Example:
+            >>> watch = GradWatch(nn.Linear(2, 1), lambda m, b: m(b).sum(), every=1)
+            >>> watch.pause("testing")
+            >>> watch.step(torch.zeros(3, 2)) is None, watch.paused
+            (True, 'testing')
+            >>> watch.resume(); watch.step(torch.zeros(3, 2)) is not None
+            True
+        """
+        if self.paused is not None:
+            return
+        self.paused = str(reason)
+        step = self._step if step is None else int(step)
+        message = (f"step {step}: gradwatch paused its checks: {reason}. Training goes on unchecked; "
+                   "fix the cause and call watch.resume() (or restart the run) to check again")
+        self._emit(step, None, [Alert(step=step, tensor="*", kind="paused", severity="warning", value=math.nan,
+                                      baseline=None, message=message)], 0.0)
+
+    def resume(self) -> None:
+        """Undo :meth:`pause`: scheduled checks run again."""
+        self.paused = None
+        self._failures = 0
 
     def _emit(self, step: int, report: Optional[CheckReport], alerts: List[Alert], seconds: float) -> None:
         if report is not None:
