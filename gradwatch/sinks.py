@@ -308,6 +308,10 @@ class SinkSet:
         self.sinks: List[Sink] = list(sinks)
         self.errors: Dict[int, int] = {}
 
+    def add(self, sink: Sink) -> None:
+        """Add a sink after construction (an integration's own, e.g. a Lightning logger)."""
+        self.sinks.append(sink)
+
     def write_run(self, record: Mapping[str, Any]) -> None:
         """Write the ``"run"`` record to every sink."""
         for sink in self.sinks:
