@@ -285,6 +285,40 @@ def load_config(path: Union[str, os.PathLike]) -> GradWatchConfig:
         >>> cfg.every, cfg.overhead_budget
         (25, 0.01)
     """
+    section, source, prefix = _read_section(path)
+    return GradWatchConfig() if section is None else _from_mapping(section, source, prefix)
+
+
+def config_problems(path: Union[str, os.PathLike]) -> List[str]:
+    """Every problem of a YAML config, one message per bad key (empty when :func:`load_config` accepts it).
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "gw.yaml"
+        >>> _ = p.write_text("every: 0\\nevry: 5\\ncoords: 4\\n")
+        >>> [m.split(": ", 1)[1][:30] for m in config_problems(p)]
+        ['every: got 0, expected an inte', 'evry: unknown option, did you ']
+    """
+    try:
+        load_config(path)
+        return []
+    except ConfigError as err:
+        first = str(err)
+    try:
+        section, source, prefix = _read_section(path)
+    except ConfigError as err:
+        return [str(err)]
+    problems = []
+    for key, value in (section or {}).items():
+        try:
+            _from_mapping({key: value}, source, prefix)
+        except ConfigError as err:
+            problems.append(str(err))
+    return problems or [first]  # a problem between options, none alone
+
+
+def _read_section(path: Union[str, os.PathLike]) -> Tuple[Optional[Mapping[str, Any]], str, str]:
+    """``(options mapping or None for all defaults, source name, key prefix)`` of a YAML config file."""
     source = os.fspath(path)
     try:
         with open(source, encoding="utf-8") as fh:
@@ -298,7 +332,7 @@ def load_config(path: Union[str, os.PathLike]) -> GradWatchConfig:
     except yaml.YAMLError as err:
         raise ConfigError(f"{source}: invalid YAML{_yaml_problem(err)}") from None
     if data is None:
-        return GradWatchConfig()
+        return None, source, ""
     if not isinstance(data, Mapping):
         raise ConfigError(
             f"{source}: expected a mapping of option: value at the top level, got {type(data).__name__} ({data!r:.60})"
@@ -306,11 +340,11 @@ def load_config(path: Union[str, os.PathLike]) -> GradWatchConfig:
     if "gradwatch" in data:
         section = data["gradwatch"]
         if section is None:
-            return GradWatchConfig()
+            return None, source, "gradwatch."
         if not isinstance(section, Mapping):
             raise ConfigError(f"{source}: gradwatch: got {type(section).__name__}, expected a mapping of option: value")
-        return _from_mapping(section, source, "gradwatch.")
-    return _from_mapping(data, source, "")
+        return section, source, "gradwatch."
+    return data, source, ""
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:
