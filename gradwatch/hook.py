@@ -13,6 +13,7 @@ import logging
 import math
 import time
 import traceback
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
@@ -155,6 +156,13 @@ class GradWatch:
         self._failure_counts: Dict[str, int] = {}  # "Type: message" -> how many checks failed so
         #: Why the checks are paused (None while they run); see :meth:`pause` and :meth:`resume`.
         self.paused: Optional[str] = None
+        #: Names this run in every record; kept in the state, so a resumed run goes on under the same id.
+        self.run_id = uuid.uuid4().hex[:12]
+        self.sinks.run_id = self.run_id
+        for sink in self.sinks:
+            if getattr(sink, "appending", False):
+                logger.warning("gradwatch: %s already holds records; this run's (run_id %s) are appended, and "
+                               "`gradwatch report` keeps the runs apart (or joins a resumed run)", sink.path, self.run_id)
         self.sinks.write_run(run_record(self.config.to_dict(), _version))
 
     # ------------------------------------------------------------------ construction
@@ -370,6 +378,7 @@ class GradWatch:
         """Everything needed to resume: schedule, trends, coverage, counters."""
         return {
             "version": 1,
+            "run_id": self.run_id,
             "step": self._step,
             "checks": self._checks,
             "counts": dict(self._counts),
@@ -394,6 +403,10 @@ class GradWatch:
         self._wall_before = float(state.get("wall_seconds", 0.0))
         self._started = None
         self._last_call = None
+        run_id = state.get("run_id")
+        if run_id and str(run_id) != self.run_id:  # a resumed run: its records go on under its id
+            self.run_id = self.sinks.run_id = str(run_id)
+            self.sinks.write_run({**run_record(self.config.to_dict(), _version), "resumed_at_step": self._step})
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
