@@ -24,6 +24,7 @@ from .errors import ConfigError
 from .numeric import DEFAULT_BANDS
 from .objective import parse_regularizers
 from .options import CheckOptions
+from .schedule import parse_max_interval
 from .trend import TrendTracker
 
 #: One-line meaning of each option (README options table, CLI help).
@@ -40,6 +41,7 @@ OPTION_DOCS: Dict[str, str] = {
     "tensors": "glob patterns of parameter names to check (e.g. ['encoder.*']); null checks all trainable",
     "every": "check every N training steps (integer >= 1), or auto to follow overhead_budget",
     "overhead_budget": "with every: auto, fraction of training time the checks may take; 0 < x <= 1",
+    "max_interval": "with every: auto, longest gap between checks: steps (500) or a time ('30 min', '2 h'); null: no cap",
     "tensors_per_check": "parameter tensors checked per check, rotating through all; 0 checks all",
     "baseline_checks": "first checks of a tensor whose median is its baseline; >= 1",
     "drift_window": "checks in the rolling median compared with the baseline; >= 1",
@@ -108,6 +110,7 @@ class GradWatchConfig:
     tensors: Optional[List[str]] = None
     every: Union[int, str] = "auto"
     overhead_budget: float = 0.02
+    max_interval: Optional[Union[int, str]] = None
     tensors_per_check: int = 0
     baseline_checks: int = 3
     drift_window: int = 3
@@ -144,6 +147,10 @@ class GradWatchConfig:
         if not _is_number(budget) or not 0 < budget <= 1:
             raise ConfigError(f"overhead_budget: got {budget!r}, expected a number with 0 < x <= 1 (0.02 = 2%)")
         self.overhead_budget = float(budget)
+        try:
+            parse_max_interval(self.max_interval)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         tpc = self.tensors_per_check
         if isinstance(tpc, bool) or not isinstance(tpc, int) or tpc < 0:
             raise ConfigError(f"tensors_per_check: got {tpc!r}, expected an integer >= 0 (0 = all tensors)")

@@ -32,7 +32,7 @@ from .records import check_record, run_record
 from .report import CheckReport
 from .sampling import coverage as coverage_of
 from .sampling import match_names, rotate
-from .schedule import Schedule
+from .schedule import ANNOUNCE_AS_WARNING_ABOVE, Schedule
 from .sinks import SinkSet, build_sinks
 from .trend import Alert
 
@@ -134,7 +134,7 @@ class GradWatch:
         weight_decay, notes = coupled_weight_decay(model, optimizer)
         self.notes: List[str] = notes
         self.objective = Objective(loss_fn, self.config.regularizers, weight_decay)
-        self.schedule = Schedule(self.config.every, self.config.overhead_budget)
+        self.schedule = Schedule(self.config.every, self.config.overhead_budget, max_interval=self.config.max_interval)
         self.tracker = self.config.trend_tracker()
         # Distributed (an initialized group of 2+ ranks): a coordinator, and file sinks on rank 0 only.
         self.dist = DistributedCoordinator.create(model, distributed, distributed_timeout)
@@ -156,6 +156,8 @@ class GradWatch:
         self._failure_counts: Dict[str, int] = {}  # "Type: message" -> how many checks failed so
         #: Why the checks are paused (None while they run); see :meth:`pause` and :meth:`resume`.
         self.paused: Optional[str] = None
+        self._explained = False  # every="auto": its interval announced once both a check and a step were timed
+        self._baseline_seconds: Optional[float] = None  # the first check's time (the baseline, at the first step)
         #: Names this run in every record; kept in the state, so a resumed run goes on under the same id.
         self.run_id = uuid.uuid4().hex[:12]
         self.sinks.run_id = self.run_id
@@ -203,7 +205,8 @@ class GradWatch:
 
     @property
     def overhead_fraction(self) -> Optional[float]:
-        """Share of wall time spent in the monitor since the first step."""
+        """Share of wall time spent in the monitor since the first step, the baseline check at the first step
+        included (with ``every="auto"`` it dominates short runs; see :attr:`overhead_fraction_after_baseline`)."""
         if self._started is None:
             return None
         wall = self._wall_before + (time.perf_counter() - self._started)
@@ -215,6 +218,30 @@ class GradWatch:
             return None
         wall = self._wall_before + (time.perf_counter() - self._started)
         return min(1.0, (self._monitor_seconds + seconds) / wall) if wall > 0 else None
+
+    @property
+    def overhead_fraction_after_baseline(self) -> Optional[float]:
+        """:attr:`overhead_fraction` leaving out the baseline check at the first step (what ``overhead_budget`` governs)."""
+        if self._started is None or self._baseline_seconds is None:
+            return None
+        wall = self._wall_before + (time.perf_counter() - self._started) - self._baseline_seconds
+        return max(0.0, self._monitor_seconds - self._baseline_seconds) / wall if wall > 0 else None
+
+    def _after_baseline_with(self, seconds: float) -> Optional[float]:
+        """:attr:`overhead_fraction_after_baseline` counting a check in progress (None at the baseline check)."""
+        if self._started is None or self._baseline_seconds is None or self._checks <= 1:
+            return None
+        wall = self._wall_before + (time.perf_counter() - self._started) - self._baseline_seconds
+        return min(1.0, max(0.0, self._monitor_seconds + seconds - self._baseline_seconds) / wall) if wall > 0 else None
+
+    def _announce_interval(self) -> None:
+        """Say once which interval ``every="auto"`` chose and why (a warning when checks are far apart)."""
+        text = self.schedule.explain()
+        if text is None:
+            return
+        self._explained = True
+        far = self.schedule.interval() > ANNOUNCE_AS_WARNING_ABOVE
+        logger.log(logging.WARNING if far else logging.INFO, "gradwatch: %s", text)
 
     def _watched_names(self) -> List[str]:
         return match_names(trainable_names(self.model), self._check_options.tensors)
@@ -238,6 +265,8 @@ class GradWatch:
             self._started = now
         elif self._last_call is not None:
             self.schedule.record_step_seconds(now - self._last_call)
+            if not self._explained:
+                self._announce_interval()
         if self._checking or self.paused is not None:
             return None
         step = self._step if global_step is None else int(global_step)
@@ -286,6 +315,8 @@ class GradWatch:
             self._checking = False
         seconds = time.perf_counter() - start
         self._failures = 0
+        if self._baseline_seconds is None:
+            self._baseline_seconds = seconds
         report.notes[:0] = self.notes
         self._checks += 1
         for n in report.tensors:
@@ -346,6 +377,7 @@ class GradWatch:
         if report is not None:
             record = check_record(step, report, seconds=seconds, overhead_fraction=self._fraction_with(seconds),
                                   coverage=self.coverage)
+            record["overhead_fraction_after_baseline"] = self._after_baseline_with(seconds)
             self.sinks.write_check(record, alerts)
         elif alerts:
             self.sinks.write_alerts(alerts)
@@ -386,6 +418,7 @@ class GradWatch:
             "tracker": self.tracker.state_dict(),
             "alerts": [a.to_dict() for a in self.alerts],
             "monitor_seconds": self._monitor_seconds,
+            "baseline_seconds": self._baseline_seconds,
             "wall_seconds": self._wall_before + ((time.perf_counter() - self._started) if self._started else 0.0),
         }
 
@@ -401,6 +434,8 @@ class GradWatch:
         self.alerts = [_alert_from_dict(a) for a in state.get("alerts", [])]
         self._monitor_seconds = float(state.get("monitor_seconds", 0.0))
         self._wall_before = float(state.get("wall_seconds", 0.0))
+        baseline = state.get("baseline_seconds")
+        self._baseline_seconds = None if baseline is None else float(baseline)
         self._started = None
         self._last_call = None
         run_id = state.get("run_id")
