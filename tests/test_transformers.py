@@ -28,7 +28,7 @@ from gradwatch.sinks import read_jsonl  # noqa: E402
 class RandomIds(torch.utils.data.Dataset):
     def __init__(self, n: int = 80, seq: int = 12) -> None:
         g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, 50, (n, seq), generator=g)
+        self.ids = torch.randint(1, 50, (n, seq), generator=g)  # 0 is the padding id
         self.labels = torch.randint(0, 2, (n,), generator=g)
 
     def __len__(self) -> int:
