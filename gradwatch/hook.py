@@ -260,6 +260,8 @@ class GradWatch:
         Raises:
             GradientDriftError: After logging, when ``raise_on`` matches an alert.
         """
+        if self._checking:  # called from inside a check (e.g. the objective stepped an optimizer): never re-enter
+            return None
         now = time.perf_counter()
         if self._started is None:
             self._started = now
@@ -267,10 +269,10 @@ class GradWatch:
             self.schedule.record_step_seconds(now - self._last_call)
             if not self._explained:
                 self._announce_interval()
-        if self._checking or self.paused is not None:
-            return None
         step = self._step if global_step is None else int(global_step)
         self._step = step + 1
+        if self.paused is not None:
+            return None
         try:
             if not (self.schedule.due(step) if self.dist is None else self.dist.due(step, self.schedule)):
                 return None
