@@ -153,7 +153,7 @@ class GradWatch:
         self._closed = False
         self._checking = False  # a check is running: a step() from inside it (the objective stepping an optimizer) is ignored
         self._failures = 0  # consecutive failed checks
-        self._failure_counts: Dict[str, int] = {}  # "Type: message" -> how many checks failed so
+        self._failure_counts: Dict[str, int] = {}  # "Type: message" -> how many checks failed with it
         #: Why the checks are paused (None while they run); see :meth:`pause` and :meth:`resume`.
         self.paused: Optional[str] = None
         self._explained = False  # every="auto": its interval announced once both a check and a step were timed
