@@ -162,3 +162,24 @@ def test_bad_options_name_the_option():
         GradWatchCallback(evry=5)
     with pytest.raises(ValueError, match="on_alert"):
         GradWatchCallback(on_alert="print")
+
+
+def test_reporting_integrations_get_the_scalars_through_on_log(tmp_path):
+    from transformers import TrainerControl, TrainerState
+    from transformers.integrations import TensorBoardCallback
+
+    from gradwatch.integrations.transformers import ReportingSink
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    reporter = TensorBoardCallback()
+    reporter.logging_dir = str(tmp_path / "tb")
+
+    state = TrainerState(global_step=7)
+    assert state.is_world_process_zero
+    sink = ReportingSink([reporter], lambda: (args, state, TrainerControl()))
+    sink.write_check({"step": 7, "tensors": {"w": {"rel_diff": 1e-9, "judged_rel_diff": 0.0}}, "summary": {}}, 1)
+    reporter.tb_writer.close()
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/gradwatch/alerts/count")] == [(7, 1.0)]
+    assert "train/gradwatch/judged_rel_diff/w" in acc.Tags()["scalars"]
