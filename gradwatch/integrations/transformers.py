@@ -107,7 +107,16 @@ def model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
 
 
 class ReportingSink(Sink):
-    """Sends each check's scalars to Trainer reporting callbacks (wandb, MLflow, ...) through their ``on_log``."""
+    """Sends each check's scalars to Trainer reporting callbacks (wandb, MLflow, ...) through their ``on_log``.
+
+    Example:
+        >>> class Printer:  # any reporting callback
+        ...     def on_log(self, args, state, control, logs=None):
+        ...         print(sorted(logs))
+        >>> sink = ReportingSink([Printer()], lambda: (None, None, None))
+        >>> sink.write_check({"step": 0, "tensors": {"w": {"rel_diff": 1e-9}}, "summary": {}}, 0)
+        ['gradwatch/alerts/count', 'gradwatch/rel_diff/w']
+    """
 
     def __init__(self, callbacks: List[Any], context: Callable[[], Tuple[Any, Any, Any]]) -> None:
         self.callbacks = callbacks
