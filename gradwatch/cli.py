@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import yaml
 
 from ._version import __version__
-from .config import GradWatchConfig, load_config, option_names, options_table
+from .config import GradWatchConfig, config_problems, load_config, option_names, options_table
 from .errors import ConfigError, GradWatchError
 
 EXIT_OK, EXIT_ALERTS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -30,7 +30,7 @@ EXIT_OK, EXIT_ALERTS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 EXIT_CODES_TEXT = """exit codes:
   0    fine
   1    alerts found and the command was asked to fail on them{extra}
-  2    usage error: bad flag or value, invalid config, nothing to read"""
+  2    usage error: bad flag or value, invalid config, nothing readable"""
 
 #: Options that the demo handles with its own flags (``--seed``, ``--log-dir``).
 _DEMO_OWN_OPTIONS = ("seed", "log_dir")
@@ -157,16 +157,21 @@ def _add_report(sub: Any) -> None:
             "alerts, one mark per check) and the alerts of a run. Reads LOGDIR/checks.jsonl (a\n"
             "truncated last line is skipped with a warning); without it, the TensorBoard event files\n"
             "(scalars gradwatch/judged_rel_diff/*, alert text gradwatch/alerts). LOGDIR may also be\n"
-            "the checks.jsonl file, or a directory holding exactly one run below it (e.g. Lightning's\n"
-            "version_0/)."
+            "the checks.jsonl file, or a folder of runs (e.g. Lightning's lightning_logs/ with its\n"
+            "version_N/). Records are grouped by run id: a run resumed in a new folder reads as one\n"
+            "run; runs appended to one folder are reported apart. Nothing readable exits 2;\n"
+            "--fail-on-alerts passes (0) only when checks were read and none alerted."
         ),
         epilog=EXIT_CODES_TEXT.format(extra=" (--fail-on-alerts)"),
     )
-    p.add_argument("logdir", metavar="LOGDIR", help="run directory (the log_dir of GradWatch), or its checks.jsonl")
+    p.add_argument("logdir", metavar="LOGDIR", nargs="+",
+                   help="run directory (the log_dir of GradWatch), its checks.jsonl, or a folder of runs; several "
+                   "LOGDIRs are read together (a run resumed in a new folder is one run)")
     p.add_argument("--format", choices=("text", "json"), default="text", help="text for people, json for machines (default: text)")
     p.add_argument("--source", choices=("auto", "jsonl", "events"), default="auto",
                    help="read checks.jsonl or the event files; auto prefers checks.jsonl (default: auto)")
-    p.add_argument("--fail-on-alerts", action="store_true", help="exit 1 when the run has any alert")
+    p.add_argument("--fail-on-alerts", action="store_true",
+                   help="exit 1 when a run has any alert, 2 when no check was recorded")
     p.add_argument("-v", "--verbose", action="store_true", help="print every alert's full message (default: the first one)")
     p.set_defaults(func=cmd_report)
 
@@ -222,10 +227,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
             keys = _raw_keys(path)
         except ConfigError as err:
             status = EXIT_USAGE
+            problems = config_problems(path) or [str(err)]
             if args.format == "json":
-                docs.append({"path": path, "valid": False, "error": str(err)})
+                docs.append({"path": path, "valid": False, "error": problems[0], "errors": problems})
             else:
-                print(f"gradwatch validate: error: {err}", file=sys.stderr)
+                for problem in problems:
+                    print(f"gradwatch validate: error: {problem}", file=sys.stderr)
             continue
         options = cfg.to_dict()
         if args.format == "json":
@@ -246,32 +253,40 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from . import summary
-    from .sinks import read_jsonl
 
     try:
-        kind, path = summary.find_run(args.logdir, args.source)
+        found = summary.find_runs(args.logdir, args.source)
     except summary.RunNotFound as err:
         return _fail("report", str(err))
-    if kind == "jsonl":
-        try:
-            records, warnings = read_jsonl(path)
-        except OSError as err:
-            return _fail("report", f"cannot read {path}: {err.strerror or err}")
-        data = summary.from_records(records, path=str(path), warnings=warnings)
-    else:
-        try:
-            data = summary.from_event_files(path)
-        except Exception as err:  # noqa: BLE001 - a corrupt event file: say so, no traceback
-            return _fail("report", f"cannot read TensorBoard events in {path}: {type(err).__name__}: {err}")
-    for w in data.warnings:
+    try:
+        runs, warnings = summary.read_runs(found)
+    except OSError as err:
+        return _fail("report", f"cannot read {getattr(err, 'filename', None) or args.logdir}: {err.strerror or err}")
+    except Exception as err:  # noqa: BLE001 - a corrupt event file: say so, no traceback
+        return _fail("report", f"cannot read TensorBoard events in {', '.join(str(p) for _, p in found)}: "
+                               f"{type(err).__name__}: {err}")
+    for w in warnings:
         print(f"gradwatch report: warning: {w}", file=sys.stderr)
-    rows = summary.summarize(data)
-    if args.format == "json":
-        print(json.dumps(summary.to_json(data, rows), indent=2, allow_nan=False))
-    else:
+    places = ", ".join(str(p) for _, p in found)
+    if not runs:
+        return _fail("report", f"{places}: nothing readable (empty, or no gradwatch record in it)")
+    docs = []
+    for i, data in enumerate(runs):
+        rows = summary.summarize(data)
+        if args.format == "json":
+            docs.append({"run_id": data.run_id, **summary.to_json(data, rows)})
+            continue
+        if len(runs) > 1:
+            print(f"{'' if i == 0 else chr(10)}=== run {i + 1} of {len(runs)}"
+                  f"{f' (run_id {data.run_id})' if data.run_id else ''} ===")
         _print_report(data, rows, verbose=args.verbose)
-    if args.fail_on_alerts and data.alerts:
-        return EXIT_ALERTS
+    if args.format == "json":
+        print(json.dumps(docs[0] if len(docs) == 1 else {"runs": docs}, indent=2, allow_nan=False))
+    if args.fail_on_alerts:
+        if any(data.alerts for data in runs):
+            return EXIT_ALERTS
+        if not any(data.check_steps for data in runs):
+            return _fail("report", f"--fail-on-alerts: {places} holds no check, so there is nothing to pass")
     return EXIT_OK
 
 

@@ -24,6 +24,7 @@ from .errors import ConfigError
 from .numeric import DEFAULT_BANDS
 from .objective import parse_regularizers
 from .options import CheckOptions
+from .schedule import parse_max_interval
 from .trend import TrendTracker
 
 #: One-line meaning of each option (README options table, CLI help).
@@ -40,6 +41,7 @@ OPTION_DOCS: Dict[str, str] = {
     "tensors": "glob patterns of parameter names to check (e.g. ['encoder.*']); null checks all trainable",
     "every": "check every N training steps (integer >= 1), or auto to follow overhead_budget",
     "overhead_budget": "with every: auto, fraction of training time the checks may take; 0 < x <= 1",
+    "max_interval": "with every: auto, longest gap between checks: steps (500) or a time ('30 min', '2 h'); null: no cap",
     "tensors_per_check": "parameter tensors checked per check, rotating through all; 0 checks all",
     "baseline_checks": "first checks of a tensor whose median is its baseline; >= 1",
     "drift_window": "checks in the rolling median compared with the baseline; >= 1",
@@ -110,6 +112,7 @@ class GradWatchConfig:
     tensors: Optional[List[str]] = None
     every: Union[int, str] = "auto"
     overhead_budget: float = 0.02
+    max_interval: Optional[Union[int, str]] = None
     tensors_per_check: int = 0
     baseline_checks: int = 3
     drift_window: int = 3
@@ -147,6 +150,10 @@ class GradWatchConfig:
         if not _is_number(budget) or not 0 < budget <= 1:
             raise ConfigError(f"overhead_budget: got {budget!r}, expected a number with 0 < x <= 1 (0.02 = 2%)")
         self.overhead_budget = float(budget)
+        try:
+            parse_max_interval(self.max_interval)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         tpc = self.tensors_per_check
         if isinstance(tpc, bool) or not isinstance(tpc, int) or tpc < 0:
             raise ConfigError(f"tensors_per_check: got {tpc!r}, expected an integer >= 0 (0 = all tensors)")
@@ -288,6 +295,40 @@ def load_config(path: Union[str, os.PathLike]) -> GradWatchConfig:
         >>> cfg.every, cfg.overhead_budget
         (25, 0.01)
     """
+    section, source, prefix = _read_section(path)
+    return GradWatchConfig() if section is None else _from_mapping(section, source, prefix)
+
+
+def config_problems(path: Union[str, os.PathLike]) -> List[str]:
+    """Every problem of a YAML config, one message per bad key (empty when :func:`load_config` accepts it).
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "gw.yaml"
+        >>> _ = p.write_text("every: 0\\nevry: 5\\ncoords: 4\\n")
+        >>> [m.split(": ", 1)[1][:30] for m in config_problems(p)]
+        ['every: got 0, expected an inte', 'evry: unknown option, did you ']
+    """
+    try:
+        load_config(path)
+        return []
+    except ConfigError as err:
+        first = str(err)
+    try:
+        section, source, prefix = _read_section(path)
+    except ConfigError as err:
+        return [str(err)]
+    problems = []
+    for key, value in (section or {}).items():
+        try:
+            _from_mapping({key: value}, source, prefix)
+        except ConfigError as err:
+            problems.append(str(err))
+    return problems or [first]  # a problem between options, none alone
+
+
+def _read_section(path: Union[str, os.PathLike]) -> Tuple[Optional[Mapping[str, Any]], str, str]:
+    """``(options mapping or None for all defaults, source name, key prefix)`` of a YAML config file."""
     source = os.fspath(path)
     try:
         with open(source, encoding="utf-8") as fh:
@@ -301,7 +342,7 @@ def load_config(path: Union[str, os.PathLike]) -> GradWatchConfig:
     except yaml.YAMLError as err:
         raise ConfigError(f"{source}: invalid YAML{_yaml_problem(err)}") from None
     if data is None:
-        return GradWatchConfig()
+        return None, source, ""
     if not isinstance(data, Mapping):
         raise ConfigError(
             f"{source}: expected a mapping of option: value at the top level, got {type(data).__name__} ({data!r:.60})"
@@ -309,11 +350,11 @@ def load_config(path: Union[str, os.PathLike]) -> GradWatchConfig:
     if "gradwatch" in data:
         section = data["gradwatch"]
         if section is None:
-            return GradWatchConfig()
+            return None, source, "gradwatch."
         if not isinstance(section, Mapping):
             raise ConfigError(f"{source}: gradwatch: got {type(section).__name__}, expected a mapping of option: value")
-        return _from_mapping(section, source, "gradwatch.")
-    return _from_mapping(data, source, "")
+        return section, source, "gradwatch."
+    return data, source, ""
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:

@@ -14,6 +14,7 @@ import logging
 import math
 import time
 import traceback
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Union
 
@@ -33,12 +34,15 @@ from .replay import ForwardRecorder, Replay, Step, replay_step
 from .report import CheckReport, TrainingCheck
 from .sampling import coverage as coverage_of
 from .sampling import match_names, rotate
-from .schedule import Schedule
+from .schedule import ANNOUNCE_AS_WARNING_ABOVE, Schedule
 from .sinks import SinkSet, build_sinks
 from .training import compute_dtype, gradient_scale, judge_training, tolerance_for
 from .trend import Alert
 
 logger = logging.getLogger("gradwatch")
+
+#: Consecutive failed checks after which the watch pauses its checks (see :meth:`GradWatch.pause`).
+MAX_CONSECUTIVE_FAILURES = 3
 
 #: Option names that are Python objects, never YAML keys.
 OBJECT_OPTIONS = ("optimizer", "grad_fn", "on_alert", "writer", "distributed", "distributed_timeout", "grad_scaler")
@@ -156,7 +160,7 @@ class GradWatch:
         weight_decay, notes = coupled_weight_decay(model, optimizer)
         self.notes: List[str] = notes
         self.objective = Objective(loss_fn, self.config.regularizers, weight_decay)
-        self.schedule = Schedule(self.config.every, self.config.overhead_budget)
+        self.schedule = Schedule(self.config.every, self.config.overhead_budget, max_interval=self.config.max_interval)
         self.tracker = self.config.trend_tracker()
         # Distributed (an initialized group of 2+ ranks): a coordinator, and file sinks on rank 0 only.
         self.dist = DistributedCoordinator.create(model, distributed, distributed_timeout)
@@ -179,6 +183,20 @@ class GradWatch:
         #: For integrations: ``() -> context manager`` that training's loss runs in (e.g. Lightning's
         #: precision context with its autocast); the training part's replay runs in it too.
         self.replay_context: Optional[Callable[[], Any]] = None
+        self._checking = False  # a check is running: a step() from inside it (the objective stepping an optimizer) is ignored
+        self._failures = 0  # consecutive failed checks
+        self._failure_counts: Dict[str, int] = {}  # "Type: message" -> how many checks failed with it
+        #: Why the checks are paused (None while they run); see :meth:`pause` and :meth:`resume`.
+        self.paused: Optional[str] = None
+        self._explained = False  # every="auto": its interval announced once both a check and a step were timed
+        self._baseline_seconds: Optional[float] = None  # the first check's time (the baseline, at the first step)
+        #: Names this run in every record; kept in the state, so a resumed run goes on under the same id.
+        self.run_id = uuid.uuid4().hex[:12]
+        self.sinks.run_id = self.run_id
+        for sink in self.sinks:
+            if getattr(sink, "appending", False):
+                logger.warning("gradwatch: %s already holds records; this run's (run_id %s) are appended, and "
+                               "`gradwatch report` keeps the runs apart (or joins a resumed run)", sink.path, self.run_id)
         self.sinks.write_run(run_record(self.config.to_dict(), _version))
 
     # ------------------------------------------------------------------ construction
@@ -219,7 +237,8 @@ class GradWatch:
 
     @property
     def overhead_fraction(self) -> Optional[float]:
-        """Share of wall time spent in the monitor since the first step."""
+        """Share of wall time spent in the monitor since the first step, the baseline check at the first step
+        included (with ``every="auto"`` it dominates short runs; see :attr:`overhead_fraction_after_baseline`)."""
         if self._started is None:
             return None
         wall = self._wall_before + (time.perf_counter() - self._started)
@@ -231,6 +250,30 @@ class GradWatch:
             return None
         wall = self._wall_before + (time.perf_counter() - self._started)
         return min(1.0, (self._monitor_seconds + seconds) / wall) if wall > 0 else None
+
+    @property
+    def overhead_fraction_after_baseline(self) -> Optional[float]:
+        """:attr:`overhead_fraction` leaving out the baseline check at the first step (what ``overhead_budget`` governs)."""
+        if self._started is None or self._baseline_seconds is None:
+            return None
+        wall = self._wall_before + (time.perf_counter() - self._started) - self._baseline_seconds
+        return max(0.0, self._monitor_seconds - self._baseline_seconds) / wall if wall > 0 else None
+
+    def _after_baseline_with(self, seconds: float) -> Optional[float]:
+        """:attr:`overhead_fraction_after_baseline` counting a check in progress (None at the baseline check)."""
+        if self._started is None or self._baseline_seconds is None or self._checks <= 1:
+            return None
+        wall = self._wall_before + (time.perf_counter() - self._started) - self._baseline_seconds
+        return min(1.0, max(0.0, self._monitor_seconds + seconds - self._baseline_seconds) / wall) if wall > 0 else None
+
+    def _announce_interval(self) -> None:
+        """Say once which interval ``every="auto"`` chose and why (a warning when checks are far apart)."""
+        text = self.schedule.explain()
+        if text is None:
+            return
+        self._explained = True
+        far = self.schedule.interval() > ANNOUNCE_AS_WARNING_ABOVE
+        logger.log(logging.WARNING if far else logging.INFO, "gradwatch: %s", text)
 
     def _watched_names(self) -> List[str]:
         # Not strict: a pattern may stop matching when its tensors are frozen mid-run (checked at construction).
@@ -268,15 +311,19 @@ class GradWatch:
         Raises:
             GradientDriftError: After logging, when ``raise_on`` matches an alert.
         """
+        if self._checking:  # called from inside a check (e.g. the objective stepped an optimizer): never re-enter
+            return None
         now = time.perf_counter()
         if self._started is None:
             self._started = now
         elif self._last_call is not None:
             self.schedule.record_step_seconds(now - self._last_call)
+            if not self._explained:
+                self._announce_interval()
         step = self._step if global_step is None else int(global_step)
         self._step = step + 1
         try:
-            if not (self.schedule.due(step) if self.dist is None else self.dist.due(step, self.schedule)):
+            if self.paused is not None or not (self.schedule.due(step) if self.dist is None else self.dist.due(step, self.schedule)):
                 if self._recorder is not None:
                     self._recorder.discard()
                 return None
@@ -361,6 +408,7 @@ class GradWatch:
             return self.dist.run(self, step, batch, scheduled=scheduled, pending=pending)
         opts = dataclasses.replace(self._check_options, seed=self._check_options.seed + self._checks)
         start = time.perf_counter()
+        self._checking = True
         try:
             names = rotate(self._names_to_check(), self.config.tensors_per_check, self._counts)
             replay = self._training_replay(pending)
@@ -372,11 +420,14 @@ class GradWatch:
         except Exception as exc:  # noqa: BLE001 - the user's code raised: log it, keep training
             seconds = time.perf_counter() - start
             self.schedule.record_check(step, seconds, scheduled)
-            logger.error("gradwatch: the check at step %d raised; training goes on:\n%s", step, traceback.format_exc())
-            alert = self.tracker.error(step, exc, where=blamed(exc))
-            self._emit(step, None, [alert] if alert is not None else [], seconds)
+            self._failed(step, exc, seconds)
             return None
+        finally:
+            self._checking = False
         seconds = time.perf_counter() - start
+        self._failures = 0
+        if self._baseline_seconds is None:
+            self._baseline_seconds = seconds
         report.notes[:0] = self.notes
         self._checks += 1
         for n in report.tensors:
@@ -464,10 +515,58 @@ class GradWatch:
             )
         report.training_note = "; ".join(n for n in notes if n) or None
 
+    def _failed(self, step: int, exc: Exception, seconds: float) -> None:
+        """A check raised: log its cause once per kind of failure, count it, and pause after a few in a row."""
+        self._failures += 1
+        key = f"{type(exc).__name__}: {exc}"[:500]
+        seen = self._failure_counts.get(key, 0)
+        self._failure_counts[key] = seen + 1
+        if seen == 0:  # the cause and the fix; the alert below says it in one line
+            logger.error(
+                "gradwatch: the check at step %d raised %s (in %s); the check is skipped and training goes on. "
+                "Fix: make loss_fn(model, batch) compute the training loss of the batch without side effects "
+                "(no backward, no optimizer step). Later failures like this one are counted, not printed.\n%s",
+                step, key, blamed(exc) or "gradwatch", "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())
+        else:
+            logger.debug("gradwatch: the check at step %d failed again (%d times): %s", step, seen + 1, key)
+        alert = self.tracker.error(step, exc, where=blamed(exc))
+        self._emit(step, None, [alert] if alert is not None else [], seconds)
+        if self._failures >= MAX_CONSECUTIVE_FAILURES and self.paused is None:
+            self.pause(f"{self._failures} checks in a row failed (last: {key})", step=step)
+
+    def pause(self, reason: str, *, step: Optional[int] = None) -> None:
+        """Stop scheduled checks (``step`` returns None at once), with one ``paused`` alert (a warning).
+
+        Called by the watch itself after :data:`MAX_CONSECUTIVE_FAILURES` failed checks in a row, and by
+        integrations that find the check objective changing training. :meth:`resume` starts checking again.
+
+        Example:
+            >>> watch = GradWatch(nn.Linear(2, 1), lambda m, b: m(b).sum(), every=1)
+            >>> watch.pause("testing")
+            >>> watch.step(torch.zeros(3, 2)) is None, watch.paused
+            (True, 'testing')
+            >>> watch.resume(); watch.step(torch.zeros(3, 2)) is not None
+            True
+        """
+        if self.paused is not None:
+            return
+        self.paused = str(reason)
+        step = self._step if step is None else int(step)
+        message = (f"step {step}: gradwatch paused its checks: {reason}. Training goes on unchecked; "
+                   "fix the cause and call watch.resume() (or restart the run) to check again")
+        self._emit(step, None, [Alert(step=step, tensor="*", kind="paused", severity="warning", value=math.nan,
+                                      baseline=None, message=message)], 0.0)
+
+    def resume(self) -> None:
+        """Undo :meth:`pause`: scheduled checks run again."""
+        self.paused = None
+        self._failures = 0
+
     def _emit(self, step: int, report: Optional[CheckReport], alerts: List[Alert], seconds: float) -> None:
         if report is not None:
             record = check_record(step, report, seconds=seconds, overhead_fraction=self._fraction_with(seconds),
                                   coverage=self.coverage)
+            record["overhead_fraction_after_baseline"] = self._after_baseline_with(seconds)
             self.sinks.write_check(record, alerts)
         elif alerts:
             self.sinks.write_alerts(alerts)
@@ -500,6 +599,7 @@ class GradWatch:
         """Everything needed to resume: schedule, trends, coverage, counters."""
         return {
             "version": 1,
+            "run_id": self.run_id,
             "step": self._step,
             "checks": self._checks,
             "counts": dict(self._counts),
@@ -507,6 +607,7 @@ class GradWatch:
             "tracker": self.tracker.state_dict(),
             "alerts": [a.to_dict() for a in self.alerts],
             "monitor_seconds": self._monitor_seconds,
+            "baseline_seconds": self._baseline_seconds,
             "wall_seconds": self._wall_before + ((time.perf_counter() - self._started) if self._started else 0.0),
         }
 
@@ -522,8 +623,14 @@ class GradWatch:
         self.alerts = [_alert_from_dict(a) for a in state.get("alerts", [])]
         self._monitor_seconds = float(state.get("monitor_seconds", 0.0))
         self._wall_before = float(state.get("wall_seconds", 0.0))
+        baseline = state.get("baseline_seconds")
+        self._baseline_seconds = None if baseline is None else float(baseline)
         self._started = None
         self._last_call = None
+        run_id = state.get("run_id")
+        if run_id and str(run_id) != self.run_id:  # a resumed run: its records go on under its id
+            self.run_id = self.sinks.run_id = str(run_id)
+            self.sinks.write_run({**run_record(self.config.to_dict(), _version), "resumed_at_step": self._step})
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

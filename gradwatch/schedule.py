@@ -6,12 +6,43 @@ Pure bookkeeping: the hook feeds it step and check durations; it never reads a c
 from __future__ import annotations
 
 import math
+import re
 from collections import deque
 from statistics import fmean, median
-from typing import Any, Deque, Dict, Optional, Union
+from typing import Any, Deque, Dict, Optional, Tuple, Union
 
 #: Longest gap between two checks in "auto" mode, in steps.
 MAX_AUTO_INTERVAL = 100_000
+#: An ``auto`` interval longer than this many steps is announced as a warning (shorter ones at INFO).
+ANNOUNCE_AS_WARNING_ABOVE = 100
+
+_INTERVAL_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(steps?|min|mins|minutes?|m|h|hours?)\s*$", re.I)
+
+
+def parse_max_interval(value: Any) -> Tuple[Optional[int], Optional[float]]:
+    """``max_interval`` as ``(steps, seconds)``: an integer is steps; ``"N steps"``, ``"N min"`` or ``"N h"`` too.
+
+    Raises:
+        ValueError: Anything else, naming what is accepted.
+
+    Example:
+        >>> parse_max_interval(500), parse_max_interval("30 min"), parse_max_interval(None)
+        ((500, None), (None, 1800.0), (None, None))
+    """
+    if value is None:
+        return None, None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return int(value), None
+    m = _INTERVAL_RE.match(value) if isinstance(value, str) else None
+    if m is not None and float(m.group(1)) > 0:
+        number, unit = float(m.group(1)), m.group(2).lower()
+        if unit.startswith("step"):
+            if number.is_integer():
+                return int(number), None
+        else:
+            return None, number * (3600.0 if unit.startswith("h") else 60.0)
+    raise ValueError(f"max_interval: got {value!r}, expected null, a number of steps >= 1 (500), "
+                     "or a time such as '30 min' or '2 h'")
 
 
 class Schedule:
@@ -24,7 +55,9 @@ class Schedule:
     the median of recent step durations (robust to the odd slow step: a
     validation loop, a checkpoint) and the mean of recent check durations
     (checks of a rotating tensor subset differ in cost; the budget is about
-    their total).
+    their total). ``max_interval`` (steps, or a time converted to steps with
+    the median step duration) caps the auto gap, so a long run is never
+    unchecked for longer than the user allows.
 
     Example:
         >>> s = Schedule(every=10)
@@ -38,7 +71,8 @@ class Schedule:
         490
     """
 
-    def __init__(self, every: Union[int, str] = "auto", overhead_budget: float = 0.02, window: int = 20) -> None:
+    def __init__(self, every: Union[int, str] = "auto", overhead_budget: float = 0.02, window: int = 20,
+                 max_interval: Any = None) -> None:
         if isinstance(every, str) and every.lower() == "auto":
             every = "auto"
         elif isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -49,6 +83,8 @@ class Schedule:
             raise ValueError(f"window: got {window!r}, expected an integer >= 1")
         self.every = every
         self.overhead_budget = float(overhead_budget)
+        self.max_interval = max_interval
+        self._max_steps, self._max_seconds = parse_max_interval(max_interval)
         self.last_check_step: Optional[int] = None
         self.first_step: Optional[int] = None
         self._step_seconds: Deque[float] = deque(maxlen=window)
@@ -87,7 +123,41 @@ class Schedule:
             return 1
         c, t, b = fmean(self._check_seconds), median(self._step_seconds), self.overhead_budget
         gap = c * (1.0 - b) / (b * max(t, 1e-9))
-        return int(min(MAX_AUTO_INTERVAL, max(1, math.ceil(gap * (1 - 1e-12)))))  # float noise: a gap of 45.000000001 is 45
+        gap = int(min(MAX_AUTO_INTERVAL, max(1, math.ceil(gap * (1 - 1e-12)))))  # float noise: a gap of 45.000000001 is 45
+        return min(gap, self._cap(t))
+
+    def _cap(self, step_seconds: float) -> int:
+        """The longest gap ``max_interval`` allows, in steps (``MAX_AUTO_INTERVAL`` without one)."""
+        cap = MAX_AUTO_INTERVAL
+        if self._max_steps is not None:
+            cap = min(cap, self._max_steps)
+        if self._max_seconds is not None:
+            cap = min(cap, max(1, int(self._max_seconds / max(step_seconds, 1e-9))))
+        return cap
+
+    def explain(self) -> Optional[str]:
+        """Why ``auto`` checks every :meth:`interval` steps (None before a check and a step were timed).
+
+        Example:
+            >>> a = Schedule(every="auto", overhead_budget=0.02, max_interval=200)
+            >>> a.record_check(0, 1.0); a.record_step_seconds(0.1)
+            >>> print(a.explain())
+            every='auto' checks every 200 steps: a check takes 1 s and a training step 100 ms, so the 2% overhead_budget allows one check per 490 steps; max_interval=200 caps it at 200 steps
+        """
+        if self.every != "auto" or not self._check_seconds or not self._step_seconds:
+            return None
+        c, t = fmean(self._check_seconds), median(self._step_seconds)
+        n = self.interval()
+        free = Schedule("auto", self.overhead_budget)
+        free._check_seconds, free._step_seconds = self._check_seconds, self._step_seconds
+        budget_gap = free.interval()
+        text = (f"every='auto' checks every {n} steps: a check takes {_duration(c)} and a training step {_duration(t)}, "
+                f"so the {self.overhead_budget * 100:g}% overhead_budget allows one check per {budget_gap} steps")
+        if n < budget_gap:
+            text += f"; max_interval={self.max_interval} caps it at {n} steps"
+        elif self.max_interval is None and n > ANNOUNCE_AS_WARNING_ABOVE:
+            text += "; set max_interval (e.g. max_interval='30 min') or every=N to check more often"
+        return text
 
     def due(self, step: int) -> bool:
         """True when a check should run at ``step``.
@@ -114,6 +184,7 @@ class Schedule:
         return {
             "every": self.every,
             "overhead_budget": self.overhead_budget,
+            "max_interval": self.max_interval,
             "last_check_step": self.last_check_step,
             "first_step": self.first_step,
             "step_seconds": list(self._step_seconds),
@@ -128,3 +199,17 @@ class Schedule:
         self._step_seconds.extend(state.get("step_seconds", []))
         self._check_seconds.clear()
         self._check_seconds.extend(state.get("check_seconds", []))
+
+
+def _duration(seconds: float) -> str:
+    """``1 s``, ``100 ms``, ``250 us`` (three significant digits).
+
+    Example:
+        >>> _duration(0.1), _duration(2.5), _duration(0.00025)
+        ('100 ms', '2.5 s', '250 us')
+    """
+    if seconds >= 1:
+        return f"{seconds:.3g} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} us"

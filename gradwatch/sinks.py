@@ -28,6 +28,8 @@ from .records import (
 PathLike = Union[str, "os.PathLike[str]"]
 
 JSONL_NAME = "checks.jsonl"
+#: TensorBoard text tag holding ``run_id <id>`` (written when a run starts or resumes).
+RUN_TEXT_TAG = "gradwatch/run"
 
 _log = logging.getLogger("gradwatch")
 
@@ -89,6 +91,8 @@ class JsonlSink(Sink):
         if p.is_dir():
             p = p / JSONL_NAME
         self.path = p
+        #: The file already held records (of another run, or of the run this one resumes).
+        self.appending = p.is_file() and p.stat().st_size > 0
         self._file = self._open()
         self._lock = threading.Lock()
         self._run_line: Optional[str] = None
@@ -219,6 +223,12 @@ class TensorBoardSink(Sink):
         self._layout_written = False
         self._closed = False
 
+    def write_run(self, record: Mapping[str, Any]) -> None:
+        if record.get("run_id"):  # lets `gradwatch report` tell runs apart in event files too
+            step = record.get("resumed_at_step")
+            self.writer.add_text(RUN_TEXT_TAG, f"run_id {record['run_id']}", global_step=int(step or 0),
+                                 walltime=record.get("time"))
+
     @property
     def log_dir(self) -> Optional[str]:
         """Directory the writer writes to (None if the writer does not say)."""
@@ -337,9 +347,19 @@ class SinkSet:
     def __init__(self, sinks: Sequence[Sink] = ()) -> None:
         self.sinks: List[Sink] = list(sinks)
         self.errors: Dict[int, int] = {}
+        #: Written as ``"run_id"`` in every record when set (the hook sets it).
+        self.run_id: Optional[str] = None
+
+    def _stamp(self, record: Mapping[str, Any]) -> Mapping[str, Any]:
+        return record if self.run_id is None or "run_id" in record else {**record, "run_id": self.run_id}
+
+    def add(self, sink: Sink) -> None:
+        """Add a sink after construction (an integration's own, e.g. a Lightning logger)."""
+        self.sinks.append(sink)
 
     def write_run(self, record: Mapping[str, Any]) -> None:
         """Write the ``"run"`` record to every sink."""
+        record = self._stamp(record)
         for sink in self.sinks:
             self._call(sink, "write_run", record)
 
@@ -349,7 +369,8 @@ class SinkSet:
         Each sink gets the check (with the alert count) and then one alert record per alert.
         ``alerts`` are :class:`gradwatch.Alert` objects (or alert records).
         """
-        alert_records = [alert_record(a, wall_time=record.get("time")) for a in alerts]
+        alert_records = [dict(self._stamp(alert_record(a, wall_time=record.get("time")))) for a in alerts]
+        record = self._stamp(record)
         for sink in self.sinks:
             self._call(sink, "write_check", record, len(alert_records))
             for a in alert_records:
@@ -358,7 +379,7 @@ class SinkSet:
 
     def write_alerts(self, alerts: Sequence[Any], wall_time: Optional[float] = None) -> List[Dict[str, Any]]:
         """Write alerts raised outside a completed check (e.g. ``loss_fn`` raised)."""
-        alert_records = [alert_record(a, wall_time=wall_time) for a in alerts]
+        alert_records = [dict(self._stamp(alert_record(a, wall_time=wall_time))) for a in alerts]
         for sink in self.sinks:
             for a in alert_records:
                 self._call(sink, "write_alert", a)

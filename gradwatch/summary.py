@@ -7,6 +7,12 @@ A run is read into a :class:`RunData` from one of three places:
   and ``gradwatch/rel_diff/<param>`` scalars, alerts from the text plugin);
 - a live :class:`~gradwatch.GradWatch` (:func:`from_watch`).
 
+:func:`find_runs` and :func:`read_runs` turn one or more LOGDIRs into runs:
+records are grouped by their ``run_id``, so one run resumed across folders
+(Lightning's ``version_0``, ``version_1``) reads as one history, and runs
+appended to one folder stay apart (each event file is one writer, so the
+event-file view splits them the same way).
+
 :func:`summarize` turns it into one row per tensor (first / last / worst
 judged rel_diff, last verdict, alert count, a verdict strip), and the
 ``format_*`` helpers print rows and alerts the same way for every command.
@@ -24,7 +30,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from .numeric import DEFAULT_BANDS, Verdict
 from .records import ALERTS_TEXT_TAG, to_jsonable
-from .sinks import JSONL_NAME
+from .sinks import JSONL_NAME, RUN_TEXT_TAG, read_jsonl
 
 #: ``{tensor: [{"step", "judged_rel_diff", "rel_diff", "verdict"}, ...]}`` (the TrendTracker's history shape).
 History = Dict[str, List[Dict[str, Any]]]
@@ -54,6 +60,7 @@ class RunData:
         warnings: Problems met while reading (truncated lines, ...).
         bands: Verdict bands of the run (from its ``run`` record; defaults otherwise).
         check_steps: Steps at which a check completed.
+        run_id: The run's id (from its records), when known.
     """
 
     history: History
@@ -66,6 +73,7 @@ class RunData:
     check_steps: List[int] = field(default_factory=list)
     #: The training part's history (live ``.grad`` against the objective's gradient), same shape as ``history``.
     training: History = field(default_factory=dict)
+    run_id: Optional[str] = None
 
 
 # --------------------------------------------------------------------- reading
@@ -98,12 +106,13 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
     details: Dict[Tuple[int, str], Dict[str, Any]] = {}
     bands = DEFAULT_BANDS
     steps: List[int] = []
-    runs = 0
     notes = list(warnings)
     training: History = {}
+    run_id = None
     for number, rec in enumerate(records, start=1):
+        run_id = run_id or rec.get("run_id")
         try:
-            runs += _add_record(rec, history, alerts, details, steps)
+            _add_record(rec, history, alerts, details, steps)
             if rec.get("type") == "check":
                 _add_training(rec, training, details)
         except (TypeError, ValueError, AttributeError, KeyError) as err:
@@ -114,9 +123,7 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
             opt_bands = (rec.get("options") or {}).get("bands")
             if isinstance(opt_bands, (list, tuple)) and len(opt_bands) == 3 and all(_num(b) for b in opt_bands):
                 bands = tuple(float(b) for b in opt_bands)  # type: ignore[assignment]
-    if runs > 1:
-        notes.append(f"{path or 'the log'} holds {runs} runs (appended or resumed); all of them are reported")
-    return RunData(history, alerts, details, "jsonl", path, notes, bands, steps, training)
+    return RunData(history, alerts, details, "jsonl", path, notes, bands, steps, training, run_id)
 
 
 def _add_training(rec: Mapping[str, Any], training: History, details: Dict[Tuple[int, str], Dict[str, Any]]) -> None:
@@ -200,14 +207,20 @@ def from_event_files(path: os.PathLike, bands: Tuple[float, float, float] = DEFA
             all_steps.add(int(e.step))
         history[name] = entries
     alerts: List[Dict[str, Any]] = []
+    run_id = None
     for tag in tags.get(ea.TENSORS, []):
+        if tag == RUN_TEXT_TAG or tag.startswith(RUN_TEXT_TAG + "/"):
+            texts = [raw.decode("utf-8", "replace") for e in acc.Tensors(tag) for raw in e.tensor_proto.string_val]
+            ids = [t.split(" ", 1)[1].strip() for t in texts if t.startswith("run_id ")]
+            run_id = ids[-1] if ids else run_id  # a resumed run writes its restored id last
+            continue
         if tag != ALERTS_TEXT_TAG and not tag.startswith(ALERTS_TEXT_TAG + "/"):
             continue
         for e in acc.Tensors(tag):
             for raw in e.tensor_proto.string_val:
                 alerts.append(_alert_from_text(int(e.step), raw.decode("utf-8", "replace")))
     alerts.sort(key=lambda a: a["step"])
-    return RunData(history, alerts, {}, "events", os.fspath(path), [], bands, sorted(all_steps))
+    return RunData(history, alerts, {}, "events", os.fspath(path), [], bands, sorted(all_steps), run_id=run_id)
 
 
 _NUMBER = r"([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf))"
@@ -234,38 +247,151 @@ def _alert_from_text(step: int, text: str) -> Dict[str, Any]:
             "value": value, "baseline": baseline, "message": message}
 
 
-def find_run(logdir: os.PathLike, source: str = "auto") -> Tuple[str, Path]:
-    """Where a run's data is: ``("jsonl", file)`` or ``("events", directory or file)``.
+def _natural(path: Path) -> List[Any]:
+    """Sort key: ``version_2`` before ``version_10``."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(path))]
 
-    Looks at ``logdir`` itself, then (when it holds neither) at its
-    subdirectories, where Lightning's ``version_N`` runs live.
+
+def find_runs(logdirs: Sequence[os.PathLike], source: str = "auto") -> List[Tuple[str, Path]]:
+    """Where the runs' data is: ``("jsonl", file)`` or ``("events", directory or file)`` per place, in order.
+
+    Each LOGDIR is a ``checks.jsonl`` or event file, a run directory, or a parent
+    directory whose subdirectories hold runs (Lightning's ``version_N``, in
+    numeric order); a directory with data of its own is not searched further.
 
     Raises:
-        RunNotFound: Nothing there, or several runs to choose from.
+        RunNotFound: A LOGDIR does not exist or holds no gradwatch data here or below.
     """
-    p = Path(logdir)
-    if not p.exists():
-        raise RunNotFound(f"{p}: no such file or directory")
-    if p.is_file():
-        if p.name.startswith(_EVENT_PREFIX) and source in ("auto", "events"):
-            return "events", p
-        if source in ("auto", "jsonl") and not p.name.startswith(_EVENT_PREFIX):
-            return "jsonl", p
-        raise RunNotFound(f"{p}: not a {source} source")
-    candidates: List[Tuple[str, Path]] = []
-    for d in [p] + sorted(q for q in p.rglob("*") if q.is_dir()):
-        found = _run_in(d, source)
-        if found is not None:
-            if d == p:
-                return found
-            candidates.append(found)
-    if len(candidates) == 1:
-        return candidates[0]
+    found: List[Tuple[str, Path]] = []
     what = {"auto": f"{JSONL_NAME} or TensorBoard event files", "jsonl": JSONL_NAME, "events": "TensorBoard event files"}[source]
-    if not candidates:
-        raise RunNotFound(f"{p}: no {what} here or below (is this the --log-dir of a gradwatch run?)")
-    listed = "\n  ".join(str(c[1]) for c in candidates[:10])
-    raise RunNotFound(f"{p} holds {len(candidates)} runs; report one of them:\n  {listed}")
+    for logdir in logdirs:
+        p = Path(logdir)
+        if not p.exists():
+            raise RunNotFound(f"{p}: no such file or directory")
+        if p.is_file():
+            if p.name.startswith(_EVENT_PREFIX) and source in ("auto", "events"):
+                found.append(("events", p))
+            elif source in ("auto", "jsonl") and not p.name.startswith(_EVENT_PREFIX):
+                found.append(("jsonl", p))
+            else:
+                raise RunNotFound(f"{p}: not a {source} source")
+            continue
+        own = _run_in(p, source)
+        if own is not None:
+            found.append(own)
+            continue
+        below = [r for r in (_run_in(d, source) for d in sorted((q for q in p.rglob("*") if q.is_dir()), key=_natural))
+                 if r is not None]
+        if not below:
+            raise RunNotFound(f"{p}: no {what} here or below (is this the --log-dir of a gradwatch run?)")
+        found.extend(below)
+    return found
+
+
+_KNOWN_TYPES = ("run", "check", "alert")
+
+
+def split_runs(records: Sequence[Mapping[str, Any]], path: str) -> List[Tuple[str, List[Mapping[str, Any]]]]:
+    """Group a log's records by ``run_id`` (records of older logs, without one: by ``run`` record), in order.
+
+    Example:
+        >>> recs = [{"type": "run", "run_id": "a"}, {"type": "check", "run_id": "a", "step": 0},
+        ...         {"type": "run", "run_id": "b"}, {"type": "check", "run_id": "b", "step": 0}]
+        >>> [(key, len(group)) for key, group in split_runs(recs, "x")]
+        [('a', 2), ('b', 2)]
+    """
+    groups: Dict[str, List[Mapping[str, Any]]] = {}
+    legacy, current = 0, None
+    for rec in records:
+        if rec.get("type") not in _KNOWN_TYPES:
+            continue
+        key = rec.get("run_id")
+        if key is None:
+            if rec.get("type") == "run" or current is None:
+                legacy += 1
+                current = f"{path}#{legacy}"
+            key = current
+        groups.setdefault(str(key), []).append(rec)
+    return list(groups.items())
+
+
+def merge_runs(parts: Sequence[RunData]) -> RunData:
+    """One run read from several places (a run resumed in a new folder): histories joined in step order.
+
+    Example:
+        >>> a = RunData({"w": [{"step": 0, "judged_rel_diff": 0.0, "rel_diff": 0.0, "verdict": "excellent"}]}, [],
+        ...             check_steps=[0], path="v0")
+        >>> b = RunData({"w": [{"step": 4, "judged_rel_diff": 0.0, "rel_diff": 0.0, "verdict": "excellent"}]}, [],
+        ...             check_steps=[4], path="v1")
+        >>> m = merge_runs([a, b])
+        >>> m.check_steps, len(m.history["w"]), m.path
+        ([0, 4], 2, 'v0, v1')
+    """
+    if len(parts) == 1:
+        return parts[0]
+    history: History = {}
+    training: History = {}
+    alerts: List[Dict[str, Any]] = []
+    details: Dict[Tuple[int, str], Dict[str, Any]] = {}
+    steps: List[int] = []
+    warnings: List[str] = []
+    for part in parts:
+        for name, entries in part.history.items():
+            history.setdefault(name, []).extend(entries)
+        for name, entries in part.training.items():
+            training.setdefault(name, []).extend(entries)
+        alerts.extend(part.alerts)
+        details.update(part.details)
+        steps.extend(part.check_steps)
+        warnings.extend(part.warnings)
+    for entries in [*history.values(), *training.values()]:
+        entries.sort(key=lambda e: e["step"])
+    alerts.sort(key=lambda a: -1 if a.get("step") is None else a["step"])
+    sources = {p.source for p in parts}
+    paths = list(dict.fromkeys(str(p.path) for p in parts))
+    return RunData(history, alerts, details, sources.pop() if len(sources) == 1 else "mixed", ", ".join(paths),
+                   warnings, parts[0].bands, sorted(steps), training, parts[0].run_id)
+
+
+def read_runs(found: Sequence[Tuple[str, Path]]) -> Tuple[List[RunData], List[str]]:
+    """Read the places :func:`find_runs` returned into runs, one :class:`RunData` per ``run_id``.
+
+    A run resumed across folders is joined into one; runs appended to one folder stay apart;
+    each event file is read on its own (one writer, one run). A run that recorded nothing
+    (it was resumed at once under its old id) is left out when another run has data.
+
+    Returns:
+        ``(runs, warnings)``; no runs when nothing readable was found.
+
+    Raises:
+        OSError: A ``checks.jsonl`` cannot be read. Corrupt event files raise what TensorBoard raises.
+    """
+    parts: List[Tuple[str, RunData]] = []
+    warnings: List[str] = []
+    for kind, path in found:
+        if kind == "jsonl":
+            records, warns = read_jsonl(path)
+            warnings.extend(warns)
+            groups = split_runs(records, str(path))
+            if len(groups) > 1:
+                warnings.append(f"{path} holds {len(groups)} runs (appended to one log); each is reported on its own")
+            for key, recs in groups:
+                parts.append((key, from_records(recs, path=str(path))))
+        else:
+            files = event_files(path) if path.is_dir() else [path]
+            for file in files:
+                data = from_event_files(file)
+                if data.history or data.alerts or data.run_id:
+                    parts.append((data.run_id or str(file), data))
+    for _, data in parts:
+        warnings.extend(data.warnings)
+        data.warnings = []
+    grouped: Dict[str, List[RunData]] = {}
+    for key, data in parts:
+        grouped.setdefault(key, []).append(data)
+    runs = [merge_runs(group) for group in grouped.values()]
+    with_data = [r for r in runs if r.check_steps or r.alerts]
+    return (with_data or runs[:1]), warnings
 
 
 def _run_in(d: Path, source: str) -> Optional[Tuple[str, Path]]:

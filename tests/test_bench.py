@@ -54,6 +54,14 @@ def test_no_false_alarm_on_the_correct_twins(result):
     assert result["targets"]["no_false_alarm"] is True
 
 
+def test_quick_labels_full_size_targets_as_not_applicable(result, capsys):
+    for key in bench.FULL_SIZE_TARGETS:
+        assert result["targets"][key] == "n/a (full size only)", key
+    print(bench.format_result(result))
+    out = capsys.readouterr().out
+    assert "overhead_at_most_1.02=n/a (full size only)" in out and "=False" not in out.split("targets:")[1]
+
+
 def test_figures_are_consistent(result):
     for r in result["time_to_verdict"]:
         if r["status"] == "timeout":

@@ -1,11 +1,18 @@
 """Lightning adapter: :class:`GradWatchCallback`, a thin layer over :class:`gradwatch.GradWatch`.
 
-The check runs in ``on_before_optimizer_step`` (gradients complete and
-unscaled, not yet clipped, weights not yet updated; once per optimizer step
-under gradient accumulation) on the batch kept from ``on_train_batch_start``.
-Each micro-batch is handed to :meth:`GradWatch.accumulate` in
-``on_after_backward``, so the training part compares ``.grad`` with the mean of
-the objective's gradients over the step's micro-batches. Importing this module imports
+The check runs in ``on_before_optimizer_step`` (gradients complete, weights
+not yet updated; once per optimizer step under gradient accumulation, once per
+batch under manual optimization) on the batch kept from
+``on_train_batch_start``. While it runs, the trainer's optimizers refuse
+``step()``/``zero_grad()``, and afterwards ``global_step``, the live weights,
+their ``.grad`` and ``requires_grad`` are compared with their state before: a
+check objective that would change training pauses the watch instead.
+Scalars go through every logger of the trainer (``log_metrics``);
+``checks.jsonl`` goes to ``trainer.log_dir``. Under automatic optimization each
+micro-batch is handed to :meth:`GradWatch.accumulate` in ``on_after_backward``, so the
+training part compares ``.grad`` (unscaled, not yet clipped) with the mean of the
+objective's gradients over the step's micro-batches; under manual optimization
+the training part is off. Importing this module imports
 ``lightning``; ``import gradwatch`` alone never does.
 """
 
@@ -13,14 +20,15 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 
 try:
     from lightning.pytorch import LightningModule, Trainer
     from lightning.pytorch.callbacks import Callback
-    from lightning.pytorch.loggers import TensorBoardLogger
+    from lightning.pytorch.loggers import Logger, TensorBoardLogger
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 except ImportError as err:  # pragma: no cover - exercised only without lightning
     raise ImportError(
@@ -29,8 +37,10 @@ except ImportError as err:  # pragma: no cover - exercised only without lightnin
     ) from err
 
 from ..config import GradWatchConfig, load_config
-from ..errors import ConfigError
+from ..errors import ConfigError, GradWatchError
 from ..hook import GradWatch
+from ..records import ALERTS_COUNT_TAG, scalars_from_check
+from ..sinks import JsonlSink, Sink, TensorBoardSink
 
 LossFn = Callable[[LightningModule, Any], torch.Tensor]
 
@@ -98,8 +108,102 @@ def borrowed_trainer(module: LightningModule, live: LightningModule) -> Iterator
         module.__dict__["_trainer"] = None
 
 
-def check_loss_fn(loss_fn: LossFn, live: LightningModule) -> LossFn:
-    """``loss_fn`` as a check runs it: ``self.log`` silenced, the live module's trainer reachable.
+class CheckTouchedTraining(GradWatchError, RuntimeError):
+    """The check objective tried to change training (step an optimizer, zero its gradients, run a backward).
+
+    Example:
+        >>> isinstance(CheckTouchedTraining("SGD.step()"), RuntimeError)
+        True
+    """
+
+
+def _refuse(what: str, refused: Optional[List[str]] = None) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        if refused is not None:
+            refused.append(what)
+        raise CheckTouchedTraining(
+            f"the check objective called {what}, which would change training; gradwatch refused it. "
+            "Pass GradWatchCallback(loss_fn=(module, batch) -> loss) that only computes the loss "
+            "(no manual_backward, no optimizer calls)"
+        )
+
+    return refuse
+
+
+@contextlib.contextmanager
+def no_backward(module: LightningModule, refused: Optional[List[str]] = None) -> Iterator[None]:
+    """Make ``module.manual_backward`` raise :class:`CheckTouchedTraining` for the duration."""
+    had = "manual_backward" in module.__dict__
+    saved = module.__dict__.get("manual_backward")
+    module.manual_backward = _refuse(f"{type(module).__name__}.manual_backward()", refused)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if had:
+            module.manual_backward = saved  # type: ignore[method-assign]
+        else:
+            del module.manual_backward
+
+
+@contextlib.contextmanager
+def optimizers_locked(trainer: Trainer, refused: Optional[List[str]] = None) -> Iterator[None]:
+    """While a check runs, ``step()`` and ``zero_grad()`` of the trainer's optimizers (and their
+    ``LightningOptimizer`` wrappers) raise :class:`CheckTouchedTraining` instead of acting.
+
+    Example:
+        >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0)
+        >>> class FakeTrainer: optimizers = [opt]; strategy = None
+        >>> with optimizers_locked(FakeTrainer()):
+        ...     try:
+        ...         opt.step()
+        ...     except CheckTouchedTraining as err:
+        ...         print("refused:", str(err).split(",")[0])
+        refused: the check objective called SGD.step()
+        >>> "step" in vars(opt)
+        False
+    """
+    targets = list(trainer.optimizers) + list(getattr(trainer.strategy, "_lightning_optimizers", None) or [])
+    saved: List[Tuple[Any, str, bool, Any]] = []
+    try:
+        for opt in targets:
+            name = type(getattr(opt, "_optimizer", opt)).__name__
+            for method in ("step", "zero_grad"):
+                saved.append((opt, method, method in vars(opt), vars(opt).get(method)))
+                setattr(opt, method, _refuse(f"{name}.{method}()", refused))
+        yield
+    finally:
+        for opt, method, had, old in reversed(saved):
+            if had:
+                setattr(opt, method, old)
+            else:
+                delattr(opt, method)
+
+
+def training_state(trainer: Trainer, module: LightningModule) -> Tuple[Any, ...]:
+    """What a check must leave as it found it: ``global_step``, and per parameter its in-place version
+    counter, its ``.grad`` (object and version) and ``requires_grad``. Cheap: no tensor is read.
+    """
+    params = tuple(
+        (p._version, p.requires_grad, id(p.grad), -1 if p.grad is None else p.grad._version) for p in module.parameters()
+    )
+    return (trainer.global_step, params)
+
+
+def _changes(before: Tuple[Any, ...], after: Tuple[Any, ...], module: LightningModule) -> List[str]:
+    changes = []
+    if before[0] != after[0]:
+        changes.append(f"global_step {before[0]} -> {after[0]}")
+    names = [n for n, _ in module.named_parameters()]
+    for name, b, a in zip(names, before[1], after[1]):
+        if b != a:
+            what = ("weights" if a[0] != b[0] else "requires_grad" if a[1] != b[1] else ".grad")
+            changes.append(f"{name} {what}")
+    return changes
+
+
+def check_loss_fn(loss_fn: LossFn, live: LightningModule, refused: Optional[List[str]] = None) -> LossFn:
+    """``loss_fn`` as a check runs it: ``self.log`` silenced, ``manual_backward`` refused, the
+    live module's trainer reachable.
 
     The check evaluates ``loss_fn`` many times on a shadow copy of ``live``; logging from
     there would warn at every evaluation (the copy has no trainer) or log check values.
@@ -108,26 +212,59 @@ def check_loss_fn(loss_fn: LossFn, live: LightningModule) -> LossFn:
     def loss_for_check(module: Any, batch: Any) -> torch.Tensor:
         if not isinstance(module, LightningModule):
             return loss_fn(module, batch)
-        with silenced_logging(module), borrowed_trainer(module, live):
+        with silenced_logging(module), no_backward(module, refused), borrowed_trainer(module, live):
             return loss_fn(module, batch)
 
     loss_for_check.__wrapped__ = loss_fn  # type: ignore[attr-defined]
     return loss_for_check
 
 
+class LoggerSink(Sink):
+    """Sends each check's scalars through a Lightning logger's ``log_metrics`` (then ``save()``), so they
+    land in ``metrics.csv``, wandb, MLflow, TensorBoard... like the trainer's own metrics.
+
+    Example:
+        >>> import tempfile
+        >>> from lightning.pytorch.loggers import CSVLogger
+        >>> lg = CSVLogger(tempfile.mkdtemp())
+        >>> LoggerSink(lg).write_check({"step": 3, "tensors": {"w": {"rel_diff": 1e-9}}, "summary": {}}, 0)
+        >>> "gradwatch/rel_diff/w" in open(lg.experiment.metrics_file_path).readline()
+        True
+    """
+
+    def __init__(self, logger: Logger) -> None:
+        self.logger = logger
+
+    def write_check(self, record: Mapping[str, Any], alert_count: int) -> None:
+        metrics = dict(scalars_from_check(record))
+        metrics[ALERTS_COUNT_TAG] = float(alert_count)
+        self.logger.log_metrics(metrics, step=int(record["step"]))
+        self.logger.save()
+
+    def __repr__(self) -> str:
+        return f"LoggerSink({type(self.logger).__name__})"
+
+
 class GradWatchCallback(Callback):
     """Watch a Lightning fit for wrong gradients.
 
     Args:
-        loss_fn: ``loss_fn(pl_module, batch) -> scalar``; default: the loss returned by
-            ``training_step``. ``self.log``/``self.log_dict`` are silenced during checks either way.
+        loss_fn: ``loss_fn(pl_module, batch) -> scalar``, the training loss of ``batch`` computed
+            without backward or optimizer calls; default: the loss returned by ``training_step``
+            (automatic optimization only: a module with ``automatic_optimization = False`` must
+            pass one). ``self.log``/``self.log_dict`` are silenced during checks either way.
         config: Optional YAML file with GradWatch options; keyword options win.
         **options: Any :class:`~gradwatch.config.GradWatchConfig` option (``every``,
             ``coords``, ``raise_on``, ...) and ``on_alert``/``grad_fn``.
 
-    Logs through the trainer's ``TensorBoardLogger`` (its writer, at
-    ``trainer.global_step``; ``checks.jsonl`` in its ``log_dir``) when there is
-    one, else to ``log_dir``. Its state is saved in checkpoints: a run resumed
+    Scalars go through every logger of the trainer (``log_metrics`` at
+    ``trainer.global_step``, rank zero): ``metrics.csv``, wandb, MLflow alike.
+    A ``TensorBoardLogger`` is written through its own writer, with the
+    custom-scalars layout and the alert text. ``checks.jsonl`` goes to
+    ``log_dir`` when set, else to ``trainer.log_dir`` (``default_root_dir``
+    with ``logger=False``). The check never steps an optimizer, never re-enters
+    itself and never moves ``global_step``; a check objective that tries pauses
+    the watch with one warning. Its state is saved in checkpoints: a run resumed
     with ``ckpt_path=`` and a new callback continues the schedule, trends and
     coverage. Bad options raise ``MisconfigurationException`` naming the option.
 
@@ -157,6 +294,9 @@ class GradWatchCallback(Callback):
             raise MisconfigurationException(f"GradWatchCallback: {err}") from err
         self.watch: Optional[GradWatch] = None
         self._batch: Any = None
+        self._batch_checked = False
+        self._checking = False
+        self._refused: List[str] = []  # what the check objective tried and was refused, during one check
         self._pending_state: Optional[Dict[str, Any]] = None
 
     def _make_config(self) -> GradWatchConfig:
@@ -174,6 +314,13 @@ class GradWatchCallback(Callback):
             return
         if not callable(self.loss_fn):
             raise MisconfigurationException(f"GradWatchCallback: loss_fn must be callable, got {type(self.loss_fn).__name__}")
+        if not pl_module.automatic_optimization and self.loss_fn is training_step_loss:
+            raise MisconfigurationException(
+                f"GradWatchCallback: {type(pl_module).__name__} optimizes manually (automatic_optimization = False): "
+                "its training_step runs backward and steps the optimizers, so it cannot be the check objective. "
+                "Pass loss_fn=(module, batch) -> loss that computes the same loss without manual_backward or "
+                "optimizer calls, e.g. GradWatchCallback(loss_fn=lambda module, batch: module.compute_loss(batch))"
+            )
         if not any(p.requires_grad for p in pl_module.parameters()):
             raise MisconfigurationException(f"GradWatchCallback: {type(pl_module).__name__} has no trainable parameters to watch")
 
@@ -186,23 +333,40 @@ class GradWatchCallback(Callback):
                 self._pending_state = self.watch.state_dict()
             self.watch.close()
             self.watch = None
-        writer, log_dir = None, self.config.log_dir
+        zero = trainer.is_global_zero
+        root = trainer.log_dir  # every rank: it broadcasts
+        log_dir = self.config.log_dir or root or trainer.default_root_dir
         tb = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
-        if tb is not None and trainer.is_global_zero:
-            writer = tb.experiment
-            log_dir = log_dir or tb.log_dir
+        writer = tb.experiment if tb is not None and zero and self.config.tensorboard else None
+        # TensorBoard events through the logger's writer, or in a log_dir the user named; never a new event file
+        # in another logger's folder.
+        tensorboard = self.config.tensorboard and (writer is not None or self.config.log_dir is not None)
         optimizer = trainer.optimizers[0] if len(trainer.optimizers) == 1 else None
         try:
             self.watch = GradWatch(
                 pl_module,
-                check_loss_fn(self.loss_fn, pl_module),
+                check_loss_fn(self.loss_fn, pl_module, self._refused),
                 optimizer=optimizer,
                 writer=writer,
-                config=self.config.replace(log_dir=log_dir if trainer.is_global_zero else None),
+                # Manual optimization: what each optimizer applies is the module's own business (a GAN's two losses),
+                # so the training part (live .grad against the objective's gradient) is off.
+                config=self.config.replace(log_dir=log_dir if zero else None, tensorboard=tensorboard,
+                                           training=self.config.training and pl_module.automatic_optimization),
                 **self._objects,
             )
         except (ConfigError, ValueError, TypeError) as err:
             raise MisconfigurationException(f"GradWatchCallback: {err}") from err
+        if zero:
+            for lg in trainer.loggers:
+                if lg is not tb or (writer is None and self.config.tensorboard):
+                    self.watch.sinks.add(LoggerSink(lg))
+            kept = [s for s in self.watch.sinks if isinstance(s, (JsonlSink, TensorBoardSink, LoggerSink))]
+            if not kept and self.watch.dist is None:
+                rank_zero_warn(
+                    "GradWatchCallback: nothing of the checks will be kept (jsonl and tensorboard are off and the "
+                    "trainer has no logger); alerts go to the 'gradwatch' Python logger only. Set jsonl=True, "
+                    "log_dir=..., or give the Trainer a logger."
+                )
         # training_step runs inside the precision plugin's context (autocast under "bf16-mixed"/"16-mixed"):
         # the training part replays it there too.
         self.watch.replay_context = trainer.precision_plugin.train_step_context
@@ -213,19 +377,37 @@ class GradWatchCallback(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch = batch
+        self._batch_checked = False
         if self.watch is not None:
             self.watch.start_batch()  # training_step follows with no random draw in between: the replay starts here
 
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Every micro-batch (accumulate_grad_batches): the training part averages their gradients, as Lightning does.
-        if self.watch is not None and self._batch is not None:
+        if self.watch is not None and self._batch is not None and pl_module.automatic_optimization:
             self.watch.accumulate(self._batch)
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer) -> None:
+        # Once per batch: several optimizers (manual optimization) step on one batch, and a check is never re-entered.
         # Before gradient clipping, after Lightning's AMP unscaling: .grad is the gradient of the training loss.
-        if self.watch is None or self._batch is None:
+        if self.watch is None or self._batch is None or self._checking or self._batch_checked:
             return
-        self.watch.step(self._batch, global_step=trainer.global_step)
+        self._batch_checked = True
+        before = training_state(trainer, pl_module)
+        self._checking = True
+        self._refused.clear()
+        try:
+            with optimizers_locked(trainer, self._refused):
+                self.watch.step(self._batch, global_step=trainer.global_step)
+        finally:
+            self._checking = False
+        changes = _changes(before, training_state(trainer, pl_module), pl_module)
+        if self._refused or changes:
+            what = f"called {self._refused[0]} (refused)" if self._refused else f"changed training ({', '.join(changes[:5])})"
+            self.watch.pause(
+                f"the check objective {what}; pass GradWatchCallback(loss_fn=(module, batch) -> loss) "
+                "that only computes the loss",
+                step=trainer.global_step,
+            )
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.watch is not None:

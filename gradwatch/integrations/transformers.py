@@ -1,0 +1,303 @@
+"""Hugging Face adapter: :class:`GradWatchCallback` for ``transformers.Trainer``, a thin layer over :class:`gradwatch.GradWatch`.
+
+What the Trainer does not hand a callback, the callback finds itself:
+
+- **The batch.** Callbacks never receive it; a forward pre-hook on the model keeps the
+  inputs of the latest training forward (under gradient accumulation: the last
+  micro-batch of the optimizer step). The check objective is the loss the model
+  returns for them (``outputs.loss``), or ``loss_fn(model, inputs)``.
+- **Once per optimizer step.** The check runs in ``on_pre_optimizer_step`` at
+  ``state.global_step``, after all micro-batches of the step.
+- **Clipping.** The Trainer clips ``.grad`` (``max_grad_norm``, on by default) right after
+  the last backward, before any callback runs. When clipping is on and a check is due,
+  the gradients are copied at the end of that backward (an autograd callback) and put
+  back in ``.grad`` for the duration of the check, so the check reads them as backprop
+  left them; the clipped tensors are restored untouched before the optimizer steps.
+- **Reporting.** With ``report_to`` including TensorBoard, the check scalars, the
+  custom-scalars layout and the alert text go through the ``TensorBoardCallback``'s
+  writer (its ``logging_dir``); every other reporting integration (wandb, MLflow, ...)
+  gets the scalars through its ``on_log``. ``checks.jsonl`` goes next to the TensorBoard
+  events, else to ``args.logging_dir`` or ``args.output_dir``.
+- **Checkpoints.** The watch state is written as ``gradwatch_state.json`` in each
+  ``checkpoint-N`` folder and read back on ``train(resume_from_checkpoint=...)``: the
+  schedule, trends, coverage and run id go on, so ``gradwatch report OUTPUT_DIR`` reads
+  one run.
+- **Ranks.** Every rank checks (see :mod:`gradwatch.distributed`); files, reporting and the
+  state file are written on the world's process zero only.
+
+The Trainer is not passed to callbacks either: it is found once, in ``on_train_begin``,
+as the caller of the callback handler (for its reporting callbacks and the checkpoint it
+resumes from). Importing this module imports ``transformers``; ``import gradwatch`` alone never does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+try:
+    import transformers
+    from transformers import TrainerCallback
+except ImportError as err:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "gradwatch.integrations.transformers needs the optional dependency 'transformers': "
+        "pip install 'gradwatch[hf]'"
+    ) from err
+
+from ..config import GradWatchConfig, load_config
+from ..errors import ConfigError
+from ..hook import GradWatch
+from ..records import ALERTS_COUNT_TAG, scalars_from_check
+from ..sinks import Sink
+
+logger = logging.getLogger("gradwatch")
+
+#: File holding the watch state in each ``checkpoint-N`` folder.
+STATE_NAME = "gradwatch_state.json"
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+class ModelCall:
+    """The positional and keyword inputs of one model call (when there are positional ones).
+
+    Example:
+        >>> ModelCall((1,), {"a": 2}).kwargs
+        {'a': 2}
+    """
+
+    def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        self.args, self.kwargs = args, kwargs
+
+
+def model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The loss a Hugging Face model returns for ``batch`` (the inputs the Trainer passed it).
+
+    Example:
+        >>> class M(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__(); self.lin = nn.Linear(2, 1)
+        ...     def forward(self, x, labels=None):
+        ...         return {"loss": (self.lin(x).squeeze(-1) - labels).pow(2).mean()}
+        >>> float(model_loss(M(), {"x": torch.zeros(3, 2), "labels": torch.zeros(3)}).detach()) >= 0
+        True
+    """
+    if isinstance(batch, ModelCall):
+        out = model(*batch.args, **batch.kwargs)
+    elif isinstance(batch, Mapping):
+        out = model(**batch)
+    else:
+        out = model(batch)
+    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    if loss is None and isinstance(out, (tuple, list)) and out:
+        loss = out[0]
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(
+            f"{type(model).__name__} returned no loss for the watched batch (keys: {sorted(batch) if isinstance(batch, Mapping) else '?'}); "
+            "give the batch labels, or pass GradWatchCallback(loss_fn=(model, inputs) -> loss)"
+        )
+    return loss
+
+
+class ReportingSink(Sink):
+    """Sends each check's scalars to Trainer reporting callbacks (wandb, MLflow, ...) through their ``on_log``.
+
+    Example:
+        >>> class Printer:  # any reporting callback
+        ...     def on_log(self, args, state, control, logs=None):
+        ...         print(sorted(logs))
+        >>> sink = ReportingSink([Printer()], lambda: (None, None, None))
+        >>> sink.write_check({"step": 0, "tensors": {"w": {"rel_diff": 1e-9}}, "summary": {}}, 0)
+        ['gradwatch/alerts/count', 'gradwatch/rel_diff/w']
+    """
+
+    def __init__(self, callbacks: List[Any], context: Callable[[], Tuple[Any, Any, Any]]) -> None:
+        self.callbacks = callbacks
+        self._context = context  # () -> (args, state, control) of the running Trainer
+
+    def write_check(self, record: Mapping[str, Any], alert_count: int) -> None:
+        logs = dict(scalars_from_check(record))
+        logs[ALERTS_COUNT_TAG] = float(alert_count)
+        args, state, control = self._context()
+        for cb in self.callbacks:
+            cb.on_log(args, state, control, logs=dict(logs))
+
+    def __repr__(self) -> str:
+        return f"ReportingSink({[type(cb).__name__ for cb in self.callbacks]})"
+
+
+def _find_trainer() -> Tuple[Any, Optional[str]]:
+    """The ``transformers.Trainer`` up the call stack, and its ``resume_from_checkpoint`` there."""
+    frame = sys._getframe(1)
+    for _ in range(12):
+        frame = frame.f_back
+        if frame is None:
+            break
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, transformers.Trainer):
+            resume = frame.f_locals.get("resume_from_checkpoint")
+            return obj, resume if isinstance(resume, (str, os.PathLike)) else None
+    return None, None
+
+
+class GradWatchCallback(TrainerCallback):
+    """Watch a Hugging Face ``Trainer`` run for wrong gradients.
+
+    Args:
+        loss_fn: ``loss_fn(model, inputs) -> scalar`` on the inputs the Trainer passed the
+            model; default: the ``loss`` the model returns (the batch needs labels).
+        config: Optional YAML file with GradWatch options; keyword options win.
+        **options: Any :class:`~gradwatch.config.GradWatchConfig` option (``every``,
+            ``coords``, ``raise_on``, ...) and ``on_alert``/``grad_fn``.
+
+    ``callback.watch`` is the :class:`~gradwatch.GradWatch` it drives (from the start of
+    training). Bad options raise ``ValueError`` naming the option. See the module
+    docstring for where it checks, logs and keeps its state.
+
+    Example:
+        >>> cb = GradWatchCallback(every=10, coords=4)
+        >>> cb.config.every, cb.watch
+        (10, None)
+    """
+
+    def __init__(self, loss_fn: Optional[LossFn] = None, *, config: Union[str, Path, None] = None, **options: Any) -> None:
+        if loss_fn is not None and not callable(loss_fn):
+            raise ValueError(f"GradWatchCallback: loss_fn must be callable loss_fn(model, inputs) -> loss, got {type(loss_fn).__name__}")
+        self.loss_fn = loss_fn if loss_fn is not None else model_loss
+        self._objects = {k: options.pop(k) for k in ("on_alert", "grad_fn") if k in options}
+        for key, value in self._objects.items():
+            if value is not None and not callable(value):
+                raise ValueError(f"GradWatchCallback: {key} must be callable, got {type(value).__name__}")
+        try:
+            base = load_config(config) if config is not None else GradWatchConfig()
+            self.config = base.replace(**options) if options else base
+        except ConfigError as err:
+            raise ValueError(f"GradWatchCallback: {err}") from err
+        self.watch: Optional[GradWatch] = None
+        self._model: Optional[nn.Module] = None
+        self._batch: Any = None
+        self._hooks: List[Any] = []
+        self._checking = False
+        self._snapshot_wanted = False
+        self._pre_clip: Optional[List[Tuple[nn.Parameter, torch.Tensor]]] = None
+        self._context: Tuple[Any, Any, Any] = (None, None, None)
+
+    # -- lifecycle -------------------------------------------------------------
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Optional[nn.Module] = None,
+                       optimizer: Any = None, **kwargs: Any) -> None:
+        trainer, resume = _find_trainer()
+        pending = None
+        if self.watch is not None:  # a second train() with this callback: go on from its state
+            pending = self.watch.state_dict()
+            self._close()
+        if resume is not None and (Path(resume) / STATE_NAME).is_file():
+            pending = json.loads((Path(resume) / STATE_NAME).read_text(encoding="utf-8"))
+        if model is None:
+            raise ValueError("GradWatchCallback: the Trainer passed no model to on_train_begin")
+        zero = bool(state.is_world_process_zero)
+        reporters = [cb for cb in (trainer.callback_handler.callbacks if trainer is not None else [])
+                     if type(cb).__module__.startswith("transformers.integrations") and hasattr(cb, "on_log")]
+        tb = next((cb for cb in reporters if type(cb).__name__ == "TensorBoardCallback"), None)
+        writer = getattr(tb, "tb_writer", None) if zero and self.config.tensorboard else None
+        log_dir = (self.config.log_dir or (getattr(tb, "logging_dir", None) if writer is not None else None)
+                   or getattr(args, "logging_dir", None) or args.output_dir)
+        tensorboard = self.config.tensorboard and (writer is not None or self.config.log_dir is not None)
+        self._model = model
+        self.watch = GradWatch(
+            model, self.loss_fn, optimizer=getattr(optimizer, "optimizer", optimizer), writer=writer,
+            config=self.config.replace(log_dir=log_dir if zero else None, tensorboard=tensorboard), **self._objects,
+        )
+        others = [cb for cb in reporters if cb is not tb or writer is None and self.config.tensorboard]
+        if zero and others:
+            self.watch.sinks.add(ReportingSink(others, lambda: self._context))
+        if pending is not None:
+            self.watch.load_state_dict(pending)
+        self._hooks.append(model.register_forward_pre_hook(self._capture_hook(), with_kwargs=True))
+        if getattr(args, "max_grad_norm", 0) and args.max_grad_norm > 0:
+            self._hooks.append(model.register_forward_hook(self._pre_clip_hook()))
+
+    def _capture_hook(self) -> Callable[..., None]:
+        # A plain function, not a bound method: copy.deepcopy (the check's shadow model) keeps functions as they are.
+        def capture(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+            if module is self._model and module.training and torch.is_grad_enabled() and not self._checking:
+                self._batch = ModelCall(tuple(args), dict(kwargs)) if args else dict(kwargs)
+
+        return capture
+
+    def _pre_clip_hook(self) -> Callable[..., None]:
+        def after_forward(module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
+            if module is not self._model or not self._snapshot_wanted or self._checking or not torch.is_grad_enabled():
+                return
+            tensor = _first_grad_tensor(output)
+            if tensor is not None:
+                tensor.register_hook(lambda grad: torch.autograd.Variable._execution_engine.queue_callback(snapshot))
+
+        def snapshot() -> None:  # runs when the backward has finished: every .grad complete, nothing clipped yet
+            model = self._model
+            if model is not None:
+                self._pre_clip = [(p, p.grad.detach().clone()) for p in model.parameters() if p.grad is not None]
+
+        return after_forward
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        watch = self.watch
+        self._pre_clip = None
+        self._snapshot_wanted = bool(
+            watch is not None and watch.paused is None and len(self._hooks) > 1
+            and (watch.dist is not None or watch.schedule.due(int(state.global_step)))
+        )
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.watch is None or self._batch is None or self._checking:
+            return
+        self._context = (args, state, control)
+        swapped = [(p, p.grad) for p, _ in self._pre_clip or ()]
+        self._checking = True
+        try:
+            for p, grad in self._pre_clip or ():
+                p.grad = grad  # the check reads .grad as backprop left it, before the Trainer clipped it
+            self.watch.step(self._batch, global_step=int(state.global_step))
+        finally:
+            for p, clipped in swapped:
+                p.grad = clipped  # the very tensors the optimizer would have stepped with
+            self._pre_clip = None
+            self._checking = False
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.watch is None or not state.is_world_process_zero:
+            return
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if folder.is_dir():
+            (folder / STATE_NAME).write_text(json.dumps(self.watch.state_dict(), allow_nan=False), encoding="utf-8")
+        else:
+            logger.debug("gradwatch: no checkpoint folder %s to save the watch state in", folder)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.watch is not None:
+            self._context = (args, state, control)
+            self._close()
+
+    def _close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self._batch = None
+        self._pre_clip = None
+        if self.watch is not None:
+            self.watch.close()
+
+
+def _first_grad_tensor(output: Any) -> Optional[torch.Tensor]:
+    """The model output's ``loss`` if it has one needing a gradient, else its first tensor that does."""
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        return loss
+    values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else [output]
+    return next((v for v in values if isinstance(v, torch.Tensor) and v.requires_grad), None)

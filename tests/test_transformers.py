@@ -1,0 +1,185 @@
+"""GradWatchCallback in real ``transformers.Trainer`` runs on CPU: a tiny random BertConfig, random ids.
+
+The callback captures the batch itself, checks once per optimizer step under gradient
+accumulation, reads ``.grad`` before the Trainer clips it (and leaves training bit-identical),
+writes through the TensorBoard reporting callback and ``checks.jsonl``, names a planted wrong
+backward, and keeps one run across ``resume_from_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments  # noqa: E402
+
+from gradwatch import cli  # noqa: E402
+from gradwatch.integrations.transformers import STATE_NAME, GradWatchCallback  # noqa: E402
+from gradwatch.sinks import read_jsonl  # noqa: E402
+
+
+class RandomIds(torch.utils.data.Dataset):
+    def __init__(self, n: int = 80, seq: int = 12) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(1, 50, (n, seq), generator=g)  # 0 is the padding id
+        self.labels = torch.randint(0, 2, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i]), "labels": self.labels[i]}
+
+
+class WrongGeluFunction(torch.autograd.Function):
+    """GELU whose backward is 1.5x the true derivative."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return nn.functional.gelu(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        cdf = 0.5 * (1 + torch.erf(x / math.sqrt(2)))
+        pdf = torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+        return grad * 1.5 * (cdf + x * pdf)
+
+
+class WrongGelu(nn.Module):
+    def forward(self, x):
+        return WrongGeluFunction.apply(x)
+
+
+def tiny_bert(buggy: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=16, num_labels=2)
+    model = BertForSequenceClassification(config)
+    if buggy:
+        model.bert.encoder.layer[0].intermediate.intermediate_act_fn = WrongGelu()
+    return model
+
+
+def train(output_dir, callbacks=(), *, model=None, max_steps=20, resume=None, **kwargs):
+    args = TrainingArguments(output_dir=str(output_dir), max_steps=max_steps, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=2, use_cpu=True, disable_tqdm=True, seed=0,
+                             logging_steps=5, **{"report_to": [], "save_strategy": "no", **kwargs})
+    trainer = Trainer(model=model if model is not None else tiny_bert(), args=args, train_dataset=RandomIds(),
+                      callbacks=list(callbacks))
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def check_steps(path):
+    records, _ = read_jsonl(path)
+    return [r["step"] for r in records if r["type"] == "check"]
+
+
+class SeesGrad(GradWatchCallback):
+    """Records the gradient norm the check saw and the one the optimizer steps with (the clipped one)."""
+
+    seen: list = []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        model = kwargs["model"]
+        stepped = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters() if p.grad is not None))
+        original = self.watch.step
+
+        def step(batch, global_step=None):
+            norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters() if p.grad is not None))
+            report = original(batch, global_step=global_step)
+            if report is not None:
+                self.seen.append((global_step, float(norm), float(stepped)))
+            return report
+
+        self.watch.step = step
+        try:
+            super().on_pre_optimizer_step(args, state, control, **kwargs)
+        finally:
+            del self.watch.step
+
+
+def test_checks_every_n_steps_before_clipping_bit_identical_and_through_tensorboard(tmp_path):
+    plain = train(tmp_path / "plain", max_grad_norm=0.01).model
+    callback = SeesGrad(every=5, coords=2, directions=1)
+    callback.seen = []
+    watched = train(tmp_path / "watched", [callback], max_grad_norm=0.01, report_to=["tensorboard"]).model
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), watched.state_dict().values()))
+
+    watch = callback.watch
+    assert watch.alerts == [] and watch.paused is None
+    assert sorted({r["step"] for h in watch.history.values() for r in h}) == [0, 5, 10, 15]
+    # the check read .grad as backprop left it; the optimizer stepped with the clipped gradients
+    assert [s for s, _, _ in callback.seen] == [0, 5, 10, 15]
+    assert all(seen > 0.05 and stepped == pytest.approx(0.01, rel=1e-3) for _, seen, stepped in callback.seen)
+
+    [jsonl] = list((tmp_path / "watched").rglob("checks.jsonl"))
+    assert check_steps(jsonl) == [0, 5, 10, 15]
+    [events] = list(jsonl.parent.glob("events.out.tfevents*"))  # the TensorBoardCallback's own event file
+    acc = EventAccumulator(str(events), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert "train/loss" in tags and "gradwatch/judged_rel_diff/classifier.weight" in tags
+    assert [e.step for e in acc.Scalars("gradwatch/rel_diff/bert.encoder.layer.0.intermediate.dense.weight")] == [0, 5, 10, 15]
+
+
+def test_a_planted_wrong_backward_is_named(tmp_path):
+    callback = GradWatchCallback(every=10, coords=4, directions=2)
+    train(tmp_path, [callback], model=tiny_bert(buggy=True))
+    named = {a.tensor for a in callback.watch.alerts if a.kind == "threshold"}
+    assert "bert.encoder.layer.0.intermediate.dense.weight" in named
+    assert not any(name.startswith(("classifier.", "bert.pooler.", "bert.encoder.layer.0.output.")) for name in named)
+    assert check_steps(tmp_path / "checks.jsonl") == [0, 10]  # no TensorBoard: output_dir
+
+
+def test_resume_from_checkpoint_keeps_one_run(tmp_path, capsys):
+    first = GradWatchCallback(every=5, coords=2, directions=1)
+    train(tmp_path, [first], max_steps=10, save_strategy="steps", save_steps=10)
+    saved = json.loads((tmp_path / "checkpoint-10" / STATE_NAME).read_text())
+    assert saved["checks"] == 2 and saved["run_id"] == first.watch.run_id
+
+    second = GradWatchCallback(every=5, coords=2, directions=1)
+    train(tmp_path, [second], max_steps=20, resume=True)
+    assert second.watch.run_id == first.watch.run_id
+    assert second.watch.state_dict()["checks"] == 4
+    capsys.readouterr()  # the Trainer's own log lines
+    code = cli.main(["report", str(tmp_path), "--format", "json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0 and doc["checks"] == 4 and (doc["first_step"], doc["last_step"]) == (0, 15)
+
+
+def test_bad_options_name_the_option():
+    with pytest.raises(ValueError, match="evry"):
+        GradWatchCallback(evry=5)
+    with pytest.raises(ValueError, match="on_alert"):
+        GradWatchCallback(on_alert="print")
+
+
+def test_reporting_integrations_get_the_scalars_through_on_log(tmp_path):
+    from transformers import TrainerControl, TrainerState
+    from transformers.integrations import TensorBoardCallback
+
+    from gradwatch.integrations.transformers import ReportingSink
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    reporter = TensorBoardCallback()
+    reporter.logging_dir = str(tmp_path / "tb")
+
+    state = TrainerState(global_step=7)
+    assert state.is_world_process_zero
+    sink = ReportingSink([reporter], lambda: (args, state, TrainerControl()))
+    sink.write_check({"step": 7, "tensors": {"w": {"rel_diff": 1e-9, "judged_rel_diff": 0.0}}, "summary": {}}, 1)
+    reporter.tb_writer.close()
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/gradwatch/alerts/count")] == [(7, 1.0)]
+    assert "train/gradwatch/judged_rel_diff/w" in acc.Tags()["scalars"]
