@@ -229,6 +229,7 @@ class GradWatchCallback(TrainerCallback):
             if module is self._model and module.training and torch.is_grad_enabled() and not self._checking:
                 self._batch = ModelCall(tuple(args), dict(kwargs)) if args else dict(kwargs)
 
+        capture._gradwatch_hook = True  # type: ignore[attr-defined]  # gradwatch's own: it ignores check forwards
         return capture
 
     def _pre_clip_hook(self) -> Callable[..., None]:
@@ -244,6 +245,7 @@ class GradWatchCallback(TrainerCallback):
             if model is not None:
                 self._pre_clip = [(p, p.grad.detach().clone()) for p in model.parameters() if p.grad is not None]
 
+        after_forward._gradwatch_hook = True  # type: ignore[attr-defined]
         return after_forward
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
