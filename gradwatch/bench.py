@@ -63,9 +63,10 @@ from .hook import GradWatch
 from .objective import Objective
 from .options import CheckOptions
 from .records import to_jsonable
+from .report import CheckReport
 
 MODEL_NAMES = ("mlp", "cnn", "transformer")
-SECTIONS = ("time_to_verdict", "detection", "efficiency", "training_overhead", "scaling")
+SECTIONS = ("time_to_verdict", "detection", "efficiency", "training_part", "training_overhead", "scaling")
 
 #: What each size runs: (default, quick).
 _SIZES = {
@@ -517,6 +518,42 @@ def measure_overhead(case: Case, steps: int) -> Dict[str, Any]:
     }
 
 
+def measure_training_part(case: Case, repeats: int) -> Dict[str, Any]:
+    """The training part's cost next to one forward and backward of the live model, interleaved.
+
+    Per repeat: one training step's forward and backward (timed), then the training part alone on it
+    (the replay of the objective on the live model and the comparison of every watched tensor's
+    ``.grad``; timed), on the correct twin. The ratio of the medians is what a check adds for it.
+    """
+    model = copy.deepcopy(case.model)
+    watch = GradWatch(model, case.loss_fn, log_dir=None, every=1)
+    t_fb: List[float] = []
+    t_part: List[float] = []
+    verdicts = set()
+    try:
+        for i in range(repeats + 2):
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            case.loss_fn(model, case.batch).backward()
+            fb = time.perf_counter() - start
+            pending = watch._take(case.batch, None)
+            start = time.perf_counter()
+            report = CheckReport(tensors={})
+            watch._attach_training(report, watch._training_replay(pending))
+            part = time.perf_counter() - start
+            if i >= 2:  # the first two warm up
+                t_fb.append(fb)
+                t_part.append(part)
+            verdicts.update(t.verdict.value if t.verdict else None for t in report.training.values())
+    finally:
+        watch.close()
+    return {
+        "model": case.name, "repeats": repeats, "forward_backward_seconds": _median(t_fb),
+        "training_part_seconds": _median(t_part), "ratio": _median(t_part) / _median(t_fb),
+        "verdicts": sorted(v or "inconclusive" for v in verdicts),
+    }
+
+
 def measure_scaling(widths: Sequence[int], repeats: int) -> List[Dict[str, Any]]:
     rows = []
     for w in widths:
@@ -555,7 +592,8 @@ def run_benchmark(models: Sequence[str] = MODEL_NAMES, quick: bool = False, time
             "cpu_count": os.cpu_count(), "quick": quick, "time_cap_seconds": time_cap, "steps": steps, "repeats": repeats,
             "models": list(models), "command": "gradwatch bench" + (" --quick" if quick else ""),
         },
-        "time_to_verdict": [], "detection": [], "efficiency": [], "training_overhead": [], "scaling": [],
+        "time_to_verdict": [], "detection": [], "efficiency": [], "training_part": [], "training_overhead": [],
+        "scaling": [],
     }
     for name in models:
         buggy, twin = make_case(name, True, quick), make_case(name, False, quick)
@@ -590,8 +628,15 @@ def run_benchmark(models: Sequence[str] = MODEL_NAMES, quick: bool = False, time
             })
         say(f"{name}: efficiency")
         out["efficiency"].extend(measure_efficiency(twin, repeats))
+        say(f"{name}: training part")
+        out["training_part"].append(measure_training_part(twin, max(repeats, 20)))
         say(f"{name}: training overhead ({steps} steps)")
         out["training_overhead"].append(measure_overhead(twin, steps))
+    if "mlp" in models:
+        say("training part: a 1M-parameter MLP")
+        big = scaling_case(max(_SIZES["scaling_widths"][size]))
+        big.name = f"mlp {big.n_params:,} params"
+        out["training_part"].append(measure_training_part(big, max(repeats, 20)))
     if scaling:
         widths = _SIZES["scaling_widths"][size]
         say(f"scaling: widths {', '.join(map(str, widths))}")
@@ -603,7 +648,7 @@ def run_benchmark(models: Sequence[str] = MODEL_NAMES, quick: bool = False, time
 
 #: Pass/fail targets set for the default (full) sizes; ``--quick`` models are too small for them to mean anything.
 FULL_SIZE_TARGETS = ("overhead_at_most_1.02", "efficiency_loop_at_most_1.3", "efficiency_batched_below_1",
-                     "at_least_100x_fewer_evaluations")
+                     "at_least_100x_fewer_evaluations", "training_part_at_most_1.2")
 NOT_APPLICABLE = "n/a (full size only)"
 
 
@@ -634,7 +679,10 @@ def _targets(result: Dict[str, Any]) -> Dict[str, Any]:
     loop = [e["efficiency"] for e in eff if e["path"] == "loop"]
     batched = [e["efficiency"] for e in eff if e["path"] == "batched"]
     scale = [r["check_over_forward"] for r in result.get("scaling", []) if r["path"] == "loop"]
+    part = [t["ratio"] for t in result.get("training_part", [])]
     return {
+        "training_part_ratio_max": max(part, default=None),
+        "training_part_at_most_1.2": all(r <= 1.2 for r in part) if part else None,
         "overhead_median_ratio_max": max((o["median_ratio"] for o in over), default=None),
         "overhead_at_most_1.02": all(o["median_ratio"] <= 1.02 for o in over) if over else None,
         "efficiency_loop_max": max(loop, default=None),
@@ -706,6 +754,11 @@ def format_result(result: Dict[str, Any]) -> str:
                      f"{e['efficiency']:.2f}"))
     parts.append("\n3. check efficiency = check time / (evaluations x one float64 evaluation)\n"
                  + _table(("model", "path", "check", "evaluations", "one eval", "efficiency"), rows))
+    rows = [(t["model"], f"{t['forward_backward_seconds'] * 1e3:.2f} ms", f"{t['training_part_seconds'] * 1e3:.2f} ms",
+             f"{t['ratio']:.2f}", ", ".join(t["verdicts"])) for t in result.get("training_part", [])]
+    if rows:
+        parts.append("\n3b. training part (live .grad vs the objective's gradient) against one forward+backward, correct twins\n"
+                     + _table(("model", "forward+backward", "training part", "ratio", "verdicts"), rows))
     rows = [(o["model"], o["steps"], f"{o['median_step_seconds'] * 1e3:.2f} ms", f"{o['median_ratio']:.3f}x",
              f"{o['total_ratio']:.3f}x", o["checks"]) for o in result["training_overhead"]]
     parts.append("\n4. training overhead, GradWatch default config (ratio of median step times; total incl. checks)\n"

@@ -323,13 +323,13 @@ class GradWatch:
         step = self._step if global_step is None else int(global_step)
         self._step = step + 1
         try:
-            if self.paused is not None or not (self.schedule.due(step) if self.dist is None else self.dist.due(step, self.schedule)):
-                if self._recorder is not None:
-                    self._recorder.discard()
+            if self.paused is not None or not self._due(step):
                 return None
             pending = self._take(batch, loss)
             return self._run(step, pending.micro[-1].batch, pending=pending)
         finally:
+            if self._recorder is not None:  # a new step starts: forget this one's forwards
+                self._recorder.discard(full=self._due(step + 1))  # every generator's state only if it is checked
             end = time.perf_counter()
             self._monitor_seconds += end - now
             self._last_call = end
@@ -385,7 +385,7 @@ class GradWatch:
         :mod:`gradwatch.replay`), even when training never calls the model's own forward.
         """
         if self._recorder is not None:
-            self._recorder.mark(exact=True)
+            self._recorder.mark(exact=True, full=self.paused is None and self._due(self._step))
 
     def _take(self, batch: Any, loss: Any) -> Step:
         """The step's micro-batches for a check (the recorded ones, or just ``batch``)."""
@@ -400,6 +400,9 @@ class GradWatch:
         if pending.micro[-1].batch is None:
             raise TypeError("GradWatch.step() needs the batch (or GradWatch.accumulate(micro_batch) calls before it)")
         return pending
+
+    def _due(self, step: int) -> bool:
+        return self.schedule.due(step) if self.dist is None else self.dist.due(step, self.schedule)
 
     def _run(self, step: int, batch: Any, scheduled: bool = True, pending: Optional[Step] = None) -> Optional[CheckReport]:
         if self._closed:
@@ -490,8 +493,10 @@ class GradWatch:
         autocast = records[0].autocast if records else ()
         worst = compute_dtype(max((p.dtype for p in plist), key=tolerance_for, default=torch.float32), autocast)
         roots = [self.objective.loss_fn, *self.objective.regularizers.values(), self.grad_fn]
-        return replay_step(model, self._recorder, pending, self.objective.training_total, grad_of, params,
-                           loss_tolerance=10 * tolerance_for(worst), context=self.replay_context, roots=roots)
+        replay = replay_step(model, self._recorder, pending, self.objective.training_total, grad_of, params,
+                             loss_tolerance=10 * tolerance_for(worst), context=self.replay_context, roots=roots)
+        replay.params = params
+        return replay
 
     def _attach_training(self, report: CheckReport, replay: Optional[Replay],
                          grads: Optional[Dict[str, torch.Tensor]] = None) -> None:
@@ -502,8 +507,15 @@ class GradWatch:
             report.training_note = replay.reason
             return
         grads = grads if grads is not None else replay.grads
-        scale = gradient_scale(list(grads.values()))
-        for n, p in self._training_params().items():
+        params = replay.params if replay.params is not None else self._training_params()
+        scales: List[float] = []  # computed only if some tensor's .grad is not bitwise the replayed gradient
+
+        def scale() -> float:
+            if not scales:
+                scales.append(gradient_scale(list(grads.values())))
+            return scales[0]
+
+        for n, p in params.items():
             report.training[n] = judge_training(n, p.grad, grads[n], p, compute_dtype(p.dtype, replay.autocast),
                                                 self._check_options.bands, self._check_options.fail_at, scale=scale)
         notes = [f"replayed from the {replay.how} RNG state" if replay.how else ""]

@@ -56,8 +56,13 @@ MAX_RECORDS = 64
 AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
+_CUDA: List[bool] = []  # torch.cuda.is_available(), asked once (it costs microseconds on every forward)
+
+
 def _cuda_states() -> Optional[List[torch.Tensor]]:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if not _CUDA:
+        _CUDA.append(torch.cuda.is_available())
+    if _CUDA[0] and torch.cuda.is_initialized():
         return torch.cuda.get_rng_state_all()
     return None
 
@@ -142,15 +147,20 @@ class StartState:
     exact: bool = False
 
     @classmethod
-    def now(cls, exact: bool = False) -> "StartState":
+    def now(cls, exact: bool = False, full: bool = True) -> "StartState":
+        """The states now; ``full=False`` keeps torch's alone (numpy's and ``random``'s cost 60 us to read)."""
+        if not full:
+            return cls(torch.get_rng_state(), _cuda_states(), None, None, exact)
         return cls(torch.get_rng_state(), _cuda_states(), np.random.get_state(), random.getstate(), exact)
 
     def apply(self) -> None:
         torch.set_rng_state(self.rng)
         if self.cuda is not None:
             torch.cuda.set_rng_state_all(self.cuda)
-        np.random.set_state(self.numpy)
-        random.setstate(self.python)
+        if self.numpy is not None:
+            np.random.set_state(self.numpy)
+        if self.python is not None:
+            random.setstate(self.python)
 
 
 @dataclass
@@ -174,7 +184,7 @@ class _RecordHook:
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         rec = self.recorder
-        if rec is not None and module is rec.root and not rec.paused and torch.is_grad_enabled():
+        if rec is not None and rec.active and module is rec.root and not rec.paused and torch.is_grad_enabled():
             rec.record(args, kwargs)
         return None
 
@@ -206,6 +216,8 @@ class ForwardRecorder:
     def __init__(self, root: nn.Module) -> None:
         self.root = root
         self.paused = False
+        #: Record forwards (True while the coming step may be checked; see :meth:`mark`).
+        self.active = True
         self._hook = _RecordHook(self)
         self._handle = root.register_forward_pre_hook(self._hook, with_kwargs=True)
         self._records: List[ForwardRecord] = []
@@ -220,19 +232,25 @@ class ForwardRecorder:
             return
         self._records.append(ForwardRecord(torch.get_rng_state(), _cuda_states(), autocast_state(), _tensors(args, kwargs)))
 
-    def mark(self, exact: bool = False) -> None:
+    def mark(self, exact: bool = False, full: bool = True) -> None:
         """A micro-batch starts now: forget the forwards seen so far and remember every generator's state.
 
         Args:
             exact: The caller knows the forward follows with no other random draw in between
                 (an integration's batch-start hook).
+            full: The coming step may be checked: record its forwards and every generator's state.
+                False: record nothing until the next mark (a step without a check costs the
+                training loop one attribute test per forward).
         """
         self._records = []
         self._overflow = False
-        self._start = StartState.now(exact)
+        self.active = full
+        self._start = StartState.now(exact, full) if full else None
 
     def close_micro_batch(self, batch: Any, loss: Optional[float]) -> None:
         """A micro-batch's backward is done (gradient accumulation): keep it for the coming step."""
+        if not self.active:
+            return
         self._pending.append(MicroBatch(batch, loss, self._start, self._records, self._overflow))
         self.mark()
 
@@ -243,18 +261,20 @@ class ForwardRecorder:
         with :meth:`close_micro_batch` already.
         """
         micro = list(self._pending)
+        if self._start is None:  # a check the recorder did not expect (GradWatch.check between scheduled steps)
+            self._start = StartState.now(full=False)
         if batch is not None and not (micro and micro[-1].batch is batch):
             micro.append(MicroBatch(batch, loss, self._start, self._records, self._overflow))
         elif batch is None and not micro:
             micro.append(MicroBatch(None, loss, self._start, self._records, self._overflow))
         self._pending = []
-        self.mark()
+        self.mark(full=False)  # until GradWatch.step says the next step is checked
         return Step(micro)
 
-    def discard(self) -> None:
-        """A step without a check: drop what was recorded for it."""
+    def discard(self, full: bool = True) -> None:
+        """A step without a check: drop what was recorded for it (``full``: see :meth:`mark`)."""
         self._pending = []
-        self.mark()
+        self.mark(full=full)
 
     def close(self) -> None:
         """Remove the hook from the model."""
@@ -282,6 +302,7 @@ class Replay:
     loss_gap: Optional[Tuple[float, float]] = None  # (training's loss, the replay's objective) when they differ
     forwards: Tuple[int, int] = (0, 0)  # (training's, the replay's) forwards of one micro-batch
     autocast: Tuple[Tuple[str, bool, torch.dtype], ...] = ()  # the autocast state training's forward ran in
+    params: Optional[Dict[str, torch.Tensor]] = None  # the live parameters the gradients are of
 
 
 class _Probe:

@@ -16,7 +16,7 @@ differently, DDP's averaging, a float16 GradScaler the watch was not given).
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -97,7 +97,7 @@ def judge_training(
     dtype: torch.dtype,
     bands: Sequence[float] = DEFAULT_BANDS,
     fail_at: Verdict = Verdict.SUSPICIOUS,
-    scale: float = 0.0,
+    scale: Union[float, Callable[[], float]] = 0.0,
 ) -> TrainingCheck:
     """Compare the gradient training applied (``live``) with the objective's (``ref``), element by element.
 
@@ -109,7 +109,8 @@ def judge_training(
         dtype: The compute dtype training ran in (sets the tolerance).
         bands: Verdict bands for the judged relative difference.
         fail_at: Verdict from which the tensor fails.
-        scale: Root-mean-square entry of the objective's gradient over every checked tensor. A
+        scale: Root-mean-square entry of the objective's gradient over every checked tensor (or a
+            function returning it, called only when the two gradients are not the same bits). A
             difference within ``tolerance * (||live|| + ||ref|| + scale * sqrt(n))`` is rounding:
             a tensor whose gradient nearly cancels (a bias before a norm layer) carries rounding
             of the size of the model's gradients, not of its own.
@@ -129,6 +130,12 @@ def judge_training(
     check = TrainingCheck(name=name, shape=tuple(param.shape), dtype=str(dtype).replace("torch.", ""), tolerance=tol)
     ref, param = _real(ref), _real(param)
     live = _real(live) if live is not None else None
+    if live is not None and live.shape == ref.shape and live.dtype == ref.dtype and live.device == ref.device \
+            and torch.equal(live, ref):
+        # The same bits (a faithful replay of a correct step): nothing more to measure. (NaN never compares
+        # equal; an inf the replay reproduces is training's own, and the backward part reports it.)
+        check.rel_diff = check.max_rel_error = check.judged_rel_diff = 0.0
+        return _verdict(check, bands, fail_at)
     r = ref.detach().reshape(-1).to(torch.float64)
     if live is None:
         check.live_grad = False
@@ -160,7 +167,8 @@ def judge_training(
     check.rel_diff = 0.0 if nd == 0.0 else min(1.0, nd / (ng + nr))
     denom = float(torch.max(g.abs() + r.abs())) if g.numel() else 0.0
     check.max_rel_error = float(diff.abs().max()) / max(denom, 1e-8) if g.numel() else 0.0
-    allowed = tol * (ng + nr + scale * math.sqrt(g.numel()))
+    rms = scale() if callable(scale) else scale
+    allowed = tol * (ng + nr + rms * math.sqrt(g.numel()))
     check.judged_rel_diff = check.rel_diff if nd > allowed else 0.0
     _verdict(check, bands, fail_at)
     if check.judged_rel_diff > 0.0:
