@@ -58,7 +58,7 @@ from torch.nn import functional as F
 from ._version import __version__
 from .batched import batched_state, reset_batched_state
 from .check import check_model, run_model_check
-from .context import Shadow, cast_floats
+from .context import Shadow, cast_floats, preserved_rng
 from .hook import GradWatch
 from .objective import Objective
 from .options import CheckOptions
@@ -523,7 +523,8 @@ def measure_training_part(case: Case, repeats: int) -> Dict[str, Any]:
 
     Per repeat: one training step's forward and backward (timed), then the training part alone on it
     (the replay of the objective on the live model and the comparison of every watched tensor's
-    ``.grad``; timed), on the correct twin. The ratio of the medians is what a check adds for it.
+    ``.grad``; timed), on the correct twin, inside the check's RNG guard (one for both parts of a
+    check, so not counted here). The ratio of the medians is what a check adds for it.
     """
     model = copy.deepcopy(case.model)
     watch = GradWatch(model, case.loss_fn, log_dir=None, every=1)
@@ -537,10 +538,12 @@ def measure_training_part(case: Case, repeats: int) -> Dict[str, Any]:
             case.loss_fn(model, case.batch).backward()
             fb = time.perf_counter() - start
             pending = watch._take(case.batch, None)
-            start = time.perf_counter()
-            report = CheckReport(tensors={})
-            watch._attach_training(report, watch._training_replay(pending))
-            part = time.perf_counter() - start
+            with preserved_rng():  # the check's RNG guard, which the backward part shares: not counted here
+                start = time.perf_counter()
+                report = CheckReport(tensors={})
+                watch._attach_training(report, watch._training_replay(pending))
+                part = time.perf_counter() - start
+            watch._recorder.discard(full=True)  # as GradWatch.step does before a step it will check
             if i >= 2:  # the first two warm up
                 t_fb.append(fb)
                 t_part.append(part)

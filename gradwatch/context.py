@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import itertools
 import random
+import threading
 import types
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -32,14 +33,37 @@ from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.utils.parametrizations import _SpectralNorm
 
 
+_RNG_GUARD = threading.local()
+
+
 @contextlib.contextmanager
 def preserved_rng() -> Iterator[None]:
     """Restore torch (CPU, CUDA), numpy and ``random`` RNG states on exit.
+
+    Nested uses cost nothing: the outermost one restores every generator when it exits (a check
+    wraps both of its parts in one, as reading and writing numpy's state alone costs ~0.2 ms).
 
     Example:
         >>> with preserved_rng():
         ...     _ = torch.rand(3)
     """
+    if getattr(_RNG_GUARD, "depth", 0):
+        _RNG_GUARD.depth += 1
+        try:
+            yield
+        finally:
+            _RNG_GUARD.depth -= 1
+        return
+    _RNG_GUARD.depth = 1
+    try:
+        with _restoring_rng():
+            yield
+    finally:
+        _RNG_GUARD.depth = 0
+
+
+@contextlib.contextmanager
+def _restoring_rng() -> Iterator[None]:
     torch_state = torch.get_rng_state()
     cuda_states = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -168,7 +168,7 @@ class DistributedCoordinator:
         if self.broken is not None:
             return None
         from .check import run_model_check
-        from .context import Shadow
+        from .context import Shadow, preserved_rng
 
         per_rank = watch.config.tensors_per_check
         opts = dataclasses.replace(watch._check_options, seed=watch._check_options.seed + watch._checks)
@@ -179,16 +179,18 @@ class DistributedCoordinator:
         try:
             names = rotate(watch._names_to_check(), per_rank * self.world_size if per_rank > 0 else 0, watch._counts)
             mine = self.share(names)
-            replay = watch._training_replay(pending)
-            if replay is not None:
-                payload["training"] = (replay.grads is not None, replay.reason)
-            if mine:
-                with watch._recorder_paused():
-                    if opts.dtype is not None and (watch._shadow is None or not watch._shadow.matches(watch.model)):
-                        watch._shadow = Shadow(watch.model, opts.dtype)
-                    payload["report"] = run_model_check(
-                        watch.model, watch.objective, batch, opts, grad_fn=watch.grad_fn, names=mine, shadow=watch._shadow
-                    )
+            with preserved_rng():  # one guard for both parts
+                replay = watch._training_replay(pending)
+                if replay is not None:
+                    payload["training"] = (replay.grads is not None, replay.reason)
+                if mine:
+                    with watch._recorder_paused():
+                        if opts.dtype is not None and (watch._shadow is None or not watch._shadow.matches(watch.model)):
+                            watch._shadow = Shadow(watch.model, opts.dtype)
+                        payload["report"] = run_model_check(
+                            watch.model, watch.objective, batch, opts, grad_fn=watch.grad_fn, names=mine,
+                            shadow=watch._shadow
+                        )
         except Exception as exc:  # noqa: BLE001 - reported to every rank through the gather
             logger.error("gradwatch: the check at step %d raised on rank %d; training goes on:\n%s",
                          step, self.rank, traceback.format_exc())

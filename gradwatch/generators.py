@@ -187,6 +187,14 @@ class HeldGenerators:
         self.generators = find_generators(roots)
         self._states = [_state(g) for g in self.generators]
 
+    @classmethod
+    def of(cls, generators: Iterable[Any]) -> "HeldGenerators":
+        """Hold generators found earlier (no search), with their states now."""
+        held = cls.__new__(cls)
+        held.generators = list(generators)
+        held._states = [_state(g) for g in held.generators]
+        return held
+
     def moved(self) -> bool:
         """True when some generator was drawn from since construction (or the last :meth:`reset`).
 

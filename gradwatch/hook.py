@@ -24,14 +24,15 @@ from torch import nn
 from ._version import __version__ as _version
 from .check import GradFn, run_model_check, trainable_names
 from .config import GradWatchConfig, load_config
-from .context import Shadow
+from .context import Shadow, preserved_rng
 from .distributed import DEFAULT_TIMEOUT, DistributedCoordinator, unwrap_model
 from .errors import GradientDriftError, blamed
 from .numeric import Verdict
 from .objective import Objective, coupled_weight_decay
 from .records import check_record, run_record
+from .generators import find_generators
 from .replay import ForwardRecorder, Replay, Step, replay_step
-from .report import CheckReport, TrainingCheck
+from .report import CheckReport
 from .sampling import coverage as coverage_of
 from .sampling import match_names, rotate
 from .schedule import ANNOUNCE_AS_WARNING_ABOVE, Schedule
@@ -183,6 +184,7 @@ class GradWatch:
         #: For integrations: ``() -> context manager`` that training's loss runs in (e.g. Lightning's
         #: precision context with its autocast); the training part's replay runs in it too.
         self.replay_context: Optional[Callable[[], Any]] = None
+        self._generator_cache: Optional[Any] = None  # (checks when searched, generators) for the replay
         self._checking = False  # a check is running: a step() from inside it (the objective stepping an optimizer) is ignored
         self._failures = 0  # consecutive failed checks
         self._failure_counts: Dict[str, int] = {}  # "Type: message" -> how many checks failed with it
@@ -414,11 +416,13 @@ class GradWatch:
         self._checking = True
         try:
             names = rotate(self._names_to_check(), self.config.tensors_per_check, self._counts)
-            replay = self._training_replay(pending)
-            with self._recorder_paused():
-                if self._check_options.dtype is not None and (self._shadow is None or not self._shadow.matches(self.model)):
-                    self._shadow = Shadow(self.model, self._check_options.dtype)
-                report = run_model_check(self.model, self.objective, batch, opts, grad_fn=self.grad_fn, names=names, shadow=self._shadow)
+            with preserved_rng():  # one guard for both parts: every generator as training left it afterwards
+                replay = self._training_replay(pending)
+                with self._recorder_paused():
+                    if self._check_options.dtype is not None and (self._shadow is None or not self._shadow.matches(self.model)):
+                        self._shadow = Shadow(self.model, self._check_options.dtype)
+                    report = run_model_check(self.model, self.objective, batch, opts, grad_fn=self.grad_fn, names=names,
+                                             shadow=self._shadow)
             self._attach_training(report, replay)
         except Exception as exc:  # noqa: BLE001 - the user's code raised: log it, keep training
             seconds = time.perf_counter() - start
@@ -492,11 +496,22 @@ class GradWatch:
         records = [r for mb in pending.micro for r in mb.records]
         autocast = records[0].autocast if records else ()
         worst = compute_dtype(max((p.dtype for p in plist), key=tolerance_for, default=torch.float32), autocast)
-        roots = [self.objective.loss_fn, *self.objective.regularizers.values(), self.grad_fn]
         replay = replay_step(model, self._recorder, pending, self.objective.training_total, grad_of, params,
-                             loss_tolerance=10 * tolerance_for(worst), context=self.replay_context, roots=roots)
+                             loss_tolerance=10 * tolerance_for(worst), context=self.replay_context,
+                             generators=self._held_generators())
         replay.params = params
         return replay
+
+    #: Checks between two searches for generators held by the model or the objective (a search walks closures).
+    GENERATOR_SEARCH_EVERY = 16
+
+    def _held_generators(self) -> List[Any]:
+        """Generators the model, ``loss_fn``, regularizers or ``grad_fn`` hold (searched again every few checks)."""
+        cached = self._generator_cache
+        if cached is None or self._checks - cached[0] >= self.GENERATOR_SEARCH_EVERY:
+            roots = [self.objective.loss_fn, *self.objective.regularizers.values(), self.grad_fn, self.model]
+            cached = self._generator_cache = (self._checks, find_generators(roots))
+        return cached[1]
 
     def _attach_training(self, report: CheckReport, replay: Optional[Replay],
                          grads: Optional[Dict[str, torch.Tensor]] = None) -> None:

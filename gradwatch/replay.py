@@ -360,7 +360,7 @@ Context = Optional[Callable[[], Any]]
 
 def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of: GradOf, mb: MicroBatch,
          mode: str, params: Dict[str, torch.Tensor], context: Context = None,
-         roots: Sequence[Any] = ()) -> Tuple[Dict[str, torch.Tensor], float, _Probe, tuple]:
+         generators: Sequence[Any] = ()) -> Tuple[Dict[str, torch.Tensor], float, _Probe, tuple]:
     """One replay of one micro-batch; restores generators, buffers and attributes, never writes ``.grad``.
 
     ``context`` (an integration's, e.g. Lightning's precision context around ``training_step``)
@@ -368,12 +368,13 @@ def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of
     Hooks your code registered on the model do not run (as in the backward part), the power
     iteration of ``spectral_norm`` is off (training's forward already updated its vectors), and
     generators held by the model or the loss (``roots``) are put back; a replay that drew from
-    one cannot reproduce training's draws and is marked unfaithful.
+    one (``generators``, see :func:`gradwatch.generators.find_generators`) cannot reproduce
+    training's draws and is marked unfaithful.
     Returns the gradients, the objective, the probe and the autocast state the replay ran in.
     """
     probe = _Probe(mb.records, mode)
     region = context() if context is not None else autocast_as(mb.records[0].autocast if mb.records else ())
-    held = HeldGenerators([*roots, root])
+    held = HeldGenerators.of(generators)
     recorder.paused = True
     handle = root.register_forward_pre_hook(probe, with_kwargs=True, prepend=True)
     try:
@@ -434,7 +435,7 @@ def as_float(value: Any) -> Optional[float]:
 
 def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate: Evaluate, grad_of: GradOf,
                 params: Dict[str, torch.Tensor], loss_tolerance: float, context: Context = None,
-                roots: Sequence[Any] = ()) -> Replay:
+                generators: Sequence[Any] = ()) -> Replay:
     """Recompute the objective's gradient of a whole optimizer step (mean over its micro-batches).
 
     The mean is formed as training forms it under gradient accumulation: the gradient of each
@@ -452,7 +453,7 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
         loss_tolerance: Relative difference under which training's loss and the replay's agree.
         context: Optional ``context() -> context manager`` training's loss ran in (an integration's
             precision context); the replay runs in it too.
-        roots: What holds generators of the objective (``loss_fn``, regularizers, ``grad_fn``).
+        generators: Generators the model or the objective hold (put back after each replay).
 
     Returns:
         A :class:`Replay`; ``grads`` is None (with ``reason``) when no replay could be verified.
@@ -476,7 +477,7 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
         tried = []
         modes = ("forward", "start") if mb.records else ("start",)
         for mode in modes:
-            grads, value, probe, autocast = _one(root, recorder, evaluate, grad_of, mb, mode, params, context, roots)
+            grads, value, probe, autocast = _one(root, recorder, evaluate, grad_of, mb, mode, params, context, generators)
             if probe.private:
                 return Replay(None, None, None, "the model or loss_fn draws from a random generator of its own "
                               "(torch.Generator, numpy Generator, random.Random): the replay cannot reproduce training's "

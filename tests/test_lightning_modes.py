@@ -130,6 +130,11 @@ def test_training_is_bit_identical_and_global_step_unchanged(tmp_path, module_cl
     assert sorted({r["step"] for h in watch.history.values() for r in h}) == checked_steps
     records, _ = read_jsonl(Path(tmp_path / "watched" / "checks.jsonl"))  # logger=False: default_root_dir
     assert [r["step"] for r in records if r["type"] == "check"] == checked_steps
+    checks = [r for r in records if r["type"] == "check"]
+    if module_cls is Net:  # automatic optimization: the training verdict ran, and agrees
+        assert all(c["training"] and all(t["verdict"] == "excellent" for t in c["training"].values()) for c in checks)
+    else:  # manual optimization: the training verdict is off (no hook on the module)
+        assert all(c["training"] == {} for c in checks) and not watched._forward_pre_hooks
 
 
 def test_manual_optimization_without_loss_fn_fails_at_setup_naming_the_fix(tmp_path):

@@ -23,7 +23,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-import gradwatch
 from gradwatch import GradWatch, Verdict
 from gradwatch.sinks import read_jsonl
 from gradwatch.training import diagnose_training, judge_training
@@ -525,3 +524,23 @@ def test_ddp_reference_is_averaged_and_an_unsynchronized_gradient_is_caught(tmp_
         assert all(v[0] == "excellent" for n, v in first.items() if n != "3.bias")
         assert ["3.bias", "training", "threshold"] in rank["alerts"]
     assert unsynced[0]["training"] == unsynced[1]["training"]  # rank 0's judgement on every rank
+
+
+# ---------------------------------------------------------------------------- the demo story and the report
+def test_demo_missing_l2_story_and_report_show_the_training_verdict(tmp_path, capsys):
+    from gradwatch.cli import main
+
+    log_dir = tmp_path / "run"
+    assert main(["demo", "--bug", "missing-l2", "--steps", "20", "--log-dir", str(log_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "fc1.weight  training/threshold" in out and "3.00x the objective's plus 0.3 * p" in out
+    assert "regularizers={'l2': 0.05}" in out
+    first = next(line for line in out.splitlines() if line.startswith("      0 "))
+    assert first.split()[-2:] == ["excellent", "WRONG"]  # backward clean, training wrong
+    assert main(["report", str(log_dir)]) == 0
+    report = capsys.readouterr().out
+    backward, training = report.split("training (the live .grad against the objective's gradient):")
+    assert "backward (backprop against finite differences" in backward and "WRONG" not in backward
+    table = training.split("values:")[0]  # the legend and the alerts follow the table
+    rows = [line.split() for line in table.splitlines() if line.strip().startswith(("fc1.", "fc2.", "out.", "bn."))]
+    assert len(rows) == 8 and all("WRONG" in row for row in rows)

@@ -117,6 +117,10 @@ def test_checks_every_n_steps_before_clipping_bit_identical_and_through_tensorbo
 
     watch = callback.watch
     assert watch.alerts == [] and watch.paused is None
+    # gradient_accumulation_steps=2: transformers scales such losses per model, so the training verdict skips
+    assert all(r.startswith("skipped: accumulating") for r in
+               [c["training_note"] for c in read_jsonl(next((tmp_path / "watched").rglob("checks.jsonl")))[0]
+                if c["type"] == "check"])
     assert sorted({r["step"] for h in watch.history.values() for r in h}) == [0, 5, 10, 15]
     # the check read .grad as backprop left it; the optimizer stepped with the clipped gradients
     assert [s for s, _, _ in callback.seen] == [0, 5, 10, 15]
