@@ -14,7 +14,7 @@ from .errors import ConfigError, GradientCheckError, GradientDriftError, GradWat
 from .hook import GradWatch
 from .numeric import Verdict, max_rel_error, numerical_grad, rel_diff
 from .options import CheckOptions
-from .report import CheckReport, TensorCheck
+from .report import CheckReport, TensorCheck, TrainingCheck
 from .trend import Alert, TrendTracker
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "GradientCheckError",
     "GradientDriftError",
     "TensorCheck",
+    "TrainingCheck",
     "TrendTracker",
     "Verdict",
     "__version__",

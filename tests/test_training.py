@@ -544,3 +544,25 @@ def test_demo_missing_l2_story_and_report_show_the_training_verdict(tmp_path, ca
     table = training.split("values:")[0]  # the legend and the alerts follow the table
     rows = [line.split() for line in table.splitlines() if line.strip().startswith(("fc1.", "fc2.", "out.", "bn."))]
     assert len(rows) == 8 and all("WRONG" in row for row in rows)
+
+
+def test_trend_follows_the_training_verdict_and_survives_a_state_round_trip():
+    import json
+
+    from gradwatch.report import CheckReport, TrainingCheck
+    from gradwatch.trend import TrendTracker
+
+    def report(value):
+        t = TrainingCheck(name="w", shape=(3,), tolerance=1e-6, rel_diff=value, max_rel_error=value,
+                          judged_rel_diff=value, verdict=Verdict.from_value(value))
+        return CheckReport(tensors={}, training={"w": t})
+
+    tracker = TrendTracker()
+    alerts = [a for s, v in enumerate([0.0, 0.0, 0.0, 5e-6, 5e-6]) for a in tracker.update(s, report(v))]
+    assert [(a.kind, a.part, a.tensor) for a in alerts] == [("drift", "training", "w")]
+    assert "(training)" in alerts[0].message and tracker.history == {}  # the backward history is apart
+    resumed = TrendTracker()
+    resumed.load_state_dict(json.loads(json.dumps(tracker.state_dict())))
+    assert resumed.training_history == tracker.training_history and resumed.baseline("w", "training") == 0.0
+    wrong = tracker.update(5, report(0.5))
+    assert [(a.kind, a.part, a.severity) for a in wrong] == [("threshold", "training", "error")]
