@@ -185,6 +185,7 @@ class GradWatch:
         #: precision context with its autocast); the training part's replay runs in it too.
         self.replay_context: Optional[Callable[[], Any]] = None
         self._generator_cache: Optional[Any] = None  # (checks when searched, generators) for the replay
+        self._watched_cache: Optional[Any] = None  # (trainable names, the watched ones among them)
         self._checking = False  # a check is running: a step() from inside it (the objective stepping an optimizer) is ignored
         self._failures = 0  # consecutive failed checks
         self._failure_counts: Dict[str, int] = {}  # "Type: message" -> how many checks failed with it
@@ -458,8 +459,13 @@ class GradWatch:
             self._recorder.paused = False
 
     def _training_params(self) -> Dict[str, torch.Tensor]:
-        named = dict(self.model.named_parameters())
-        return {n: named[n] for n in self._watched_names()}
+        """The watched live parameters (the patterns are matched again only when the trainable set changes)."""
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad and p.is_floating_point()]
+        key = tuple(n for n, _ in named)
+        if self._watched_cache is None or self._watched_cache[0] != key:
+            self._watched_cache = (key, set(match_names(list(key), self._check_options.tensors, strict=False)))
+        watched = self._watched_cache[1]
+        return {n: p for n, p in named if n in watched}
 
     def _training_replay(self, pending: Optional[Step]) -> Optional[Replay]:
         """The objective's gradient recomputed as training computed it (None when the part is off).
