@@ -16,17 +16,7 @@ from gradwatch import ConfigError, GradWatch, load_config
 from gradwatch.sinks import read_jsonl
 
 
-def mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
-
-
-def mse(model, batch):
-    return F.mse_loss(model(batch[0]), batch[1])
-
-
-def batch(n: int = 6):
-    return torch.randn(n, 3), torch.randn(n, 1)
+from helpers import batch, mlp, mse
 
 
 def train(model, watch, loss_fn, batches):
