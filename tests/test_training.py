@@ -566,3 +566,13 @@ def test_trend_follows_the_training_verdict_and_survives_a_state_round_trip():
     assert resumed.training_history == tracker.training_history and resumed.baseline("w", "training") == 0.0
     wrong = tracker.update(5, report(0.5))
     assert [(a.kind, a.part, a.severity) for a in wrong] == [("threshold", "training", "error")]
+
+
+def test_a_wrong_backward_formula_leaves_the_training_verdict_clean():
+    """The demo's late bug: training applies exactly the (wrong) gradient its backward computes."""
+    from gradwatch.demo import DemoSettings, demo_config, run_demo
+
+    result = run_demo(DemoSettings(bug="late", steps=40), demo_config({"every": 10, "jsonl": False, "tensorboard": False}))
+    assert result.alerts and all(a.part == "backward" for a in result.alerts)  # the backward verdict caught it
+    history = result.watch.tracker.training_history
+    assert len(history["fc1.weight"]) == 4 and all(r["verdict"] == "excellent" for h in history.values() for r in h)
