@@ -544,6 +544,11 @@ def test_demo_missing_l2_story_and_report_show_the_training_verdict(tmp_path, ca
     table = training.split("values:")[0]  # the legend and the alerts follow the table
     rows = [line.split() for line in table.splitlines() if line.strip().startswith(("fc1.", "fc2.", "out.", "bn."))]
     assert len(rows) == 8 and all("WRONG" in row for row in rows)
+    assert main(["report", str(log_dir), "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    doc = doc["runs"][0] if "runs" in doc else doc
+    assert {r["tensor"]: r["verdict"] for r in doc["training"]}["fc1.weight"] == "wrong"
+    assert all(r["verdict"] == "excellent" for r in doc["tensors"])
 
 
 def test_trend_follows_the_training_verdict_and_survives_a_state_round_trip():
