@@ -215,11 +215,14 @@ class BufferGuard:
     TRUST_AFTER = 2
 
     def __init__(self, model: nn.Module, attributes: bool = False) -> None:
-        self._buffers = [(b, b.detach().clone(), b._version) for _, b in model.named_buffers() if b is not None]
+        modules = list(model.modules())  # one walk for buffers, owners and attributes
+        self._owners = [(m, k, b) for m in modules for k, b in m._buffers.items() if b is not None]
+        seen = set()
+        unique = [b for _, _, b in self._owners if not (id(b) in seen or seen.add(id(b)))]  # a shared buffer once
+        self._buffers = [(b, b.detach().clone(), b._version) for b in unique]
         self._clean = [0] * len(self._buffers)
-        self._owners = [(m, k, b) for m in model.modules() for k, b in m._buffers.items() if b is not None]
         #: With ``attributes``, plain attributes a forward changes (counters) are put back too (:class:`AttributeGuard`).
-        self._attrs = AttributeGuard(model) if attributes else None
+        self._attrs = AttributeGuard(model, modules) if attributes else None
 
     def restore_changed(self) -> None:
         """Copy the saved value back into every buffer whose version or value moved.
@@ -282,6 +285,10 @@ def _hook_name(hook: Any) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
+def _has_hooks(attrs: Dict[str, Any]) -> bool:
+    return any(attrs.get(key) for key in _HOOK_KINDS)
+
+
 @contextlib.contextmanager
 def suspended_hooks(model: nn.Module) -> Iterator[List[str]]:
     """Module hooks registered by user code do not run for the duration; yields what was suspended.
@@ -304,11 +311,16 @@ def suspended_hooks(model: nn.Module) -> Iterator[List[str]]:
     """
     from torch.nn.modules import module as torch_module
 
-    places = [(name or "the model", m.__dict__) for name, m in model.named_modules()]
+    places: List[Tuple[Any, Dict[str, Any]]] = [(m, m.__dict__) for m in model.modules() if _has_hooks(m.__dict__)]
     places.append(("every module (global)", {k: getattr(torch_module, "_global" + k, None) for k in _HOOK_KINDS}))
     removed: List[Tuple[Any, List[Any], Dict[Any, Any]]] = []
     names: List[str] = []
+    module_names: Dict[int, str] = {}  # built once, only when a user hook needs naming
     for where, attrs in places:
+        if isinstance(where, nn.Module):
+            if not module_names:
+                module_names = {id(m): name or "the model" for name, m in model.named_modules()}
+            where = module_names.get(id(where), "the model")
         for key, kind in _HOOK_KINDS.items():
             hooks = attrs.get(key)
             if not hooks:
@@ -358,9 +370,9 @@ class AttributeGuard:
         0
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, modules: Optional[List[nn.Module]] = None) -> None:
         self._saved = []
-        for m in model.modules():
+        for m in (model.modules() if modules is None else modules):
             attrs = m.__dict__
             self._saved.extend((attrs, k, attrs[k]) for k in attrs.keys() - MODULE_KEYS if type(attrs[k]) in _SCALARS)
         self._changed: Optional[list] = None
