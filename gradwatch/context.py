@@ -214,8 +214,8 @@ class BufferGuard:
     #: Value comparisons in a row that found a buffer unchanged before :meth:`restore_fast` trusts its version counter.
     TRUST_AFTER = 2
 
-    def __init__(self, model: nn.Module, attributes: bool = False) -> None:
-        modules = list(model.modules())  # one walk for buffers, owners and attributes
+    def __init__(self, model: nn.Module, attributes: bool = False, modules: Optional[List[nn.Module]] = None) -> None:
+        modules = list(model.modules()) if modules is None else modules  # one walk for buffers, owners, attributes
         self._owners = [(m, k, b) for m in modules for k, b in m._buffers.items() if b is not None]
         seen = set()
         unique = [b for _, _, b in self._owners if not (id(b) in seen or seen.add(id(b)))]  # a shared buffer once
@@ -290,7 +290,7 @@ def _has_hooks(attrs: Dict[str, Any]) -> bool:
 
 
 @contextlib.contextmanager
-def suspended_hooks(model: nn.Module) -> Iterator[List[str]]:
+def suspended_hooks(model: nn.Module, modules: Optional[List[nn.Module]] = None) -> Iterator[List[str]]:
     """Module hooks registered by user code do not run for the duration; yields what was suspended.
 
     A hook on the live model (or its deep copy, whose hooks are the same functions) would run
@@ -311,7 +311,8 @@ def suspended_hooks(model: nn.Module) -> Iterator[List[str]]:
     """
     from torch.nn.modules import module as torch_module
 
-    places: List[Tuple[Any, Dict[str, Any]]] = [(m, m.__dict__) for m in model.modules() if _has_hooks(m.__dict__)]
+    places: List[Tuple[Any, Dict[str, Any]]] = [
+        (m, m.__dict__) for m in (model.modules() if modules is None else modules) if _has_hooks(m.__dict__)]
     places.append(("every module (global)", {k: getattr(torch_module, "_global" + k, None) for k in _HOOK_KINDS}))
     removed: List[Tuple[Any, List[Any], Dict[Any, Any]]] = []
     names: List[str] = []
@@ -417,7 +418,7 @@ def frozen_batchnorm_stats(model: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def frozen_power_iteration(model: nn.Module) -> Iterator[None]:
+def frozen_power_iteration(model: nn.Module, modules: Optional[List[nn.Module]] = None) -> Iterator[None]:
     """``parametrizations.spectral_norm`` in train mode: ``u``, ``v`` held constant, as torch differentiates.
 
     In train mode each forward runs a power-iteration step that moves ``u``, ``v`` with the
@@ -434,7 +435,7 @@ def frozen_power_iteration(model: nn.Module) -> Iterator[None]:
         >>> bool(torch.equal(u, lin.parametrizations.weight[0]._u)), lin.parametrizations.weight[0].training
         (True, True)
     """
-    frozen = [m for m in model.modules() if isinstance(m, _SpectralNorm) and m.training]
+    frozen = [m for m in (model.modules() if modules is None else modules) if isinstance(m, _SpectralNorm) and m.training]
     for m in frozen:
         m.training = False
     try:

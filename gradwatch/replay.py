@@ -378,8 +378,9 @@ def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of
     recorder.paused = True
     handle = root.register_forward_pre_hook(probe, with_kwargs=True, prepend=True)
     try:
-        with preserved_rng(), frozen_power_iteration(root), suspended_hooks(root):
-            guard = BufferGuard(root, attributes=True)
+        modules = list(root.modules())  # one walk for the guards below
+        with preserved_rng(), frozen_power_iteration(root, modules), suspended_hooks(root, modules):
+            guard = BufferGuard(root, attributes=True, modules=modules)
             try:
                 if mode == "start":
                     mb.start.apply()
