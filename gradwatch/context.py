@@ -4,8 +4,10 @@
   states are saved before a check and restored after it; every evaluation
   starts from the same seed.
 - Dropout: all ``nn.Dropout*``/``AlphaDropout``/``FeatureAlphaDropout``
-  modules are switched to eval, and the ``dropout`` probability of
-  ``nn.MultiheadAttention`` and RNN modules is set to 0, for the check only.
+  modules are switched to eval, the ``dropout`` probability of
+  ``nn.MultiheadAttention`` and RNN modules is set to 0, and functional dropout
+  (``F.dropout``, ``scaled_dot_product_attention(dropout_p=...)``, ...) runs with
+  training off, for the check only (:mod:`gradwatch.dropout`).
 - ``parametrizations.spectral_norm``: the power iteration is off during a check
   (``u``, ``v`` constant, as torch defines the gradient).
 - BatchNorm stays in train mode (the function training differentiates);
@@ -24,13 +26,16 @@ import itertools
 import random
 import threading
 import types
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.utils.parametrizations import _SpectralNorm
+
+if TYPE_CHECKING:
+    from .dropout import DropoutRecord
 
 
 _RNG_GUARD = threading.local()
@@ -163,28 +168,46 @@ def _has_dropout_prob(module: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def dropout_off(model: nn.Module) -> Iterator[None]:
+def dropout_off(model: nn.Module) -> Iterator["DropoutRecord"]:
     """Switch every dropout off for the duration, restoring flags and probabilities after.
+
+    Dropout modules go to eval, ``MultiheadAttention``/RNN ``dropout`` probabilities to 0, and
+    functional dropout calls made meanwhile in this thread run with training off
+    (:class:`gradwatch.dropout.FunctionalDropoutOff`). Yields a
+    :class:`gradwatch.dropout.DropoutRecord` of what was switched off; call its ``settle()``
+    after the first forward (the counts are per forward). A module attribute ``layerdrop`` > 0
+    (transformers' convention) is recorded as staying on.
 
     Example:
         >>> m = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5)).train()
-        >>> with dropout_off(m):
+        >>> with dropout_off(m) as record:
         ...     m[1].training
         False
-        >>> m[1].training
-        True
+        >>> m[1].training, record.modules
+        (True, 1)
     """
+    from .dropout import DropoutRecord, FunctionalDropoutOff
+
+    record = DropoutRecord()
     flags: List[Tuple[nn.Module, bool]] = []
     probs: List[Tuple[nn.Module, float]] = []
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, _DropoutNd):
+            if module.training and float(module.p) > 0:
+                record.modules += 1
             flags.append((module, module.training))
             module.training = False
         elif _has_dropout_prob(module):
+            record.probabilities += 1
             probs.append((module, module.dropout))
             module.dropout = 0.0
+        layerdrop = getattr(module, "layerdrop", None)
+        if module.training and isinstance(layerdrop, (int, float)) and not isinstance(layerdrop, bool) and layerdrop > 0:
+            record.stays_on.append(f"layerdrop {layerdrop:g} in `{name or type(module).__name__}`")
+    mode = FunctionalDropoutOff(record)
     try:
-        yield
+        with mode:
+            yield record
     finally:
         for module, flag in flags:
             module.training = flag

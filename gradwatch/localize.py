@@ -43,6 +43,7 @@ from .context import (BufferGuard, Reseeder, Shadow, cast_floats, dropout_off, f
 from .engine import EngineSettings, Evaluator, check_tensor, total
 from .numeric import machine_eps
 from .options import CheckOptions
+from .padding import padding_rows_constant
 from .report import TensorCheck, json_float
 from .sampling import generator, tensor_seed
 
@@ -446,7 +447,7 @@ def localize(
         return check_module(n, named[n], args, kwargs, opts, calls.get(n, 1), params=_owned(named[n], calls, n))
 
     try:
-        with preserved_rng(), dropout_off(target):
+        with preserved_rng(), dropout_off(target) as dropout, padding_rows_constant(target):
             if names is None:
                 # One forward to see which modules run and which call others, one to capture inputs.
                 _, calls = capture([])
@@ -455,6 +456,7 @@ def localize(
             else:
                 default = False
             captured, calls = capture(names)
+            dropout.settle()
             first = [n for n in named if n in captured]
             results = [run(n, captured, calls) for n in first]
             if default and enclosing and not any(r.failed for r in results):

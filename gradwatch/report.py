@@ -162,6 +162,8 @@ class CheckReport:
         nonfinite: The objective or a gradient was NaN or infinite.
         notes: Warnings a person should read (decoupled weight decay, kinks, ...).
         term_checks: With ``per_term=True``: term -> tensor name -> :class:`TensorCheck`.
+        dropout: What the backward check switched off (dropout modules, functional dropout calls
+            per forward) and what randomness stayed on, reseeded (:class:`gradwatch.dropout.DropoutRecord`).
 
     Example:
         >>> report = CheckReport(tensors={})
@@ -184,6 +186,7 @@ class CheckReport:
     localized: List[Any] = field(default_factory=list)
     training: Dict[str, TrainingCheck] = field(default_factory=dict)
     training_note: Optional[str] = None
+    dropout: Optional[Any] = None
 
     @property
     def training_failures(self) -> List[TrainingCheck]:
@@ -238,6 +241,7 @@ class CheckReport:
             "training": {name: t.to_dict() for name, t in self.training.items()},
             "training_note": self.training_note,
             "training_failures": [t.name for t in self.training_failures],
+            "dropout": self.dropout.to_dict() if hasattr(self.dropout, "to_dict") else self.dropout,
         }
 
     def raise_for_failures(self) -> "CheckReport":

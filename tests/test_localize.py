@@ -245,3 +245,57 @@ def test_check_module_can_be_called_directly():
     res = check_module("act", act, (torch.randn(4, 3, dtype=torch.float64),), {}, CheckOptions())
     assert res.failed and res.failures == ["input"]
     assert res.to_dict()["summary"] == res.summary()
+
+
+class PaddedBag(nn.Module):
+    """An Embedding with padding_idx whose padding row is not zero (loaded weights, or it drifted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 6, padding_idx=0)
+        with torch.no_grad():
+            self.emb.weight[0].normal_()  # the forward reads this row; torch gives it a zero gradient by design
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids).mean(1))
+
+
+def padded_batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 10, (8, 5), generator=g)
+    ids[:, 0] = 0
+    return ids, torch.randint(0, 3, (8,), generator=g)
+
+
+@pytest.mark.parametrize("dtype", ["float64", None])
+def test_an_embedding_padding_row_is_held_constant_not_judged_wrong(dtype):
+    torch.manual_seed(0)
+    model = PaddedBag()
+    before = model.emb.weight.detach().clone()
+    report = check_model(model, ce, padded_batch(), localize=True, dtype=dtype, coords=12, directions=4)
+    assert report.ok, str(report)
+    assert report.tensors["emb.weight"].verdict is not None and not report.tensors["emb.weight"].failed
+    assert any("emb.weight row 0 (padding_idx)" in n for n in report.notes)
+    assert not any(c.failed for c in localize(model, ce, padded_batch(), dtype=dtype))
+    assert "forward" not in vars(model.emb) and torch.equal(model.emb.weight, before)
+
+
+def test_a_wrong_embedding_gradient_outside_the_padding_row_is_still_caught():
+    class Doubled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * g
+
+    class Net(PaddedBag):
+        def forward(self, ids):
+            return self.fc(Doubled.apply(self.emb(ids)).mean(1))
+
+    torch.manual_seed(0)
+    report = check_model(Net(), ce, padded_batch(), coords=12, directions=4)
+    assert report.tensors["emb.weight"].failed
+    assert "2.00x" in report.tensors["emb.weight"].diagnosis
