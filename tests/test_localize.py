@@ -299,3 +299,127 @@ def test_a_wrong_embedding_gradient_outside_the_padding_row_is_still_caught():
     report = check_model(Net(), ce, padded_batch(), coords=12, directions=4)
     assert report.tensors["emb.weight"].failed
     assert "2.00x" in report.tensors["emb.weight"].diagnosis
+
+
+class Float32Norm(nn.Module):
+    """A correct RMSNorm that computes its variance in float32 (a float32 island in the float64 shadow)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(1.0 + 0.1 * torch.randn(d))
+
+    def forward(self, x):
+        var = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + 1e-6)).to(x.dtype)
+
+
+class SoftmaxMissingTerm(torch.autograd.Function):
+    """Softmax whose backward lacks ``- sum(y * g)``: a bug in the attention module's own code."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.softmax(-1)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return y * g
+
+
+class Attention(nn.Module):
+    def __init__(self, d, buggy):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.buggy = buggy
+
+    def forward(self, x):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2) / x.shape[-1] ** 0.5
+        weights = SoftmaxMissingTerm.apply(scores) if self.buggy else scores.softmax(-1)
+        return self.o(weights @ self.v(x))
+
+
+class Block(nn.Module):
+    def __init__(self, d, buggy, norm):
+        super().__init__()
+        self.norm = norm(d)
+        self.attn = Attention(d, buggy)
+
+    def forward(self, x):
+        return x + self.attn(self.norm(x))
+
+
+class Stack(nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.blocks = nn.Sequential(Block(8, False, norm), Block(8, True, norm))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(x).mean(1))
+
+
+def seq_batch():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(4, 5, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+def test_a_falsely_failing_leaf_does_not_hide_the_attention_layer_whose_own_code_is_wrong():
+    # The float32-island norms fail alone in the float64 shadow (or come out inconclusive, once the
+    # check measures precision): either way localization goes on and names the attention module.
+    torch.manual_seed(0)
+    model = Stack(Float32Norm)
+    report = check_model(model, ce, seq_batch(), localize=True, coords=4, directions=2)
+    assert not report.ok
+    checked = {c.name: c for c in report.localized}
+    assert checked["blocks.1.attn"].failed and checked["blocks.1.attn"].type == "Attention"
+    assert "SoftmaxMissingTerm" in checked["blocks.1.attn"].functions
+    assert not checked["blocks.0.attn"].failed
+    for leaf in ("q", "k", "v", "o"):
+        assert not checked[f"blocks.1.attn.{leaf}"].failed
+    assert "localized: `blocks.1.attn` (Attention, autograd.Function SoftmaxMissingTerm)" in str(report)
+
+
+class NeedsItsLayer(nn.Module):
+    """Correct, but reads a value its enclosing layer hands over for one call: it cannot be replayed alone."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.scale = None
+
+    def forward(self, x):
+        scale, self.scale = self.scale, None
+        return self.lin(x) * scale
+
+
+class HandOff(nn.Module):
+    def __init__(self, d, buggy):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.inner = NeedsItsLayer(d)
+        self.attn = Attention(d, buggy)
+
+    def forward(self, x):
+        self.inner.scale = 0.5
+        return self.attn(self.inner(self.norm(x)))
+
+
+def test_an_inconclusive_leaf_does_not_stop_localization_and_the_enclosing_layer_is_named():
+    torch.manual_seed(0)
+    model = nn.Sequential(HandOff(8, buggy=True), nn.Flatten(), nn.Linear(40, 3))
+    report = check_model(model, ce, seq_batch(), localize=True, coords=4, directions=2)
+    assert not report.ok
+    checked = {c.name: c for c in report.localized}
+    assert checked["0.inner"].inconclusive and not checked["0.inner"].failed
+    assert [c.name for c in report.localized if c.failed] == ["0.attn"]
+
+
+def test_a_constant_ratio_is_a_typed_field_of_the_tensor_check():
+    buggy, _ = twins()
+    act = [c for c in localize(buggy, ce, data()) if c.failed][0]
+    assert act.tensors["input"].ratio == pytest.approx(FACTOR, rel=1e-3)
+    assert act.to_dict()["tensors"]["input"]["ratio"] == pytest.approx(FACTOR, rel=1e-3)
+    report = check_model(buggy, ce, data())
+    assert all(t.ratio is None for t in report.tensors.values() if not t.failed)
