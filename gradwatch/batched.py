@@ -286,7 +286,7 @@ class BatchedProbe(BatchProbe):
 
 
 def compiled_modules(model: nn.Module) -> List[str]:
-    """Names of the modules compiled with ``torch.compile`` (a wrapper, or ``module.compile()``) in ``model``.
+    """Names of the modules compiled with ``torch.compile`` (its wrapper, or ``module.compile()``) in ``model``.
 
     Such a model is evaluated one perturbation at a time: under ``vmap`` dynamo recompiles the
     module's code, hits a graph break it cannot resume from and marks that code to be skipped,

@@ -244,12 +244,15 @@ def _counting_backend(runs):
     return backend
 
 
-@pytest.mark.parametrize("dtype", ["float64", None])
-def test_a_compiled_model_keeps_its_compiled_graph_and_grads_after_a_batched_check(caplog, dtype):
+@pytest.mark.parametrize("dtype,how", [("float64", "wrapper"), (None, "wrapper"), ("float64", "submodule")])
+def test_a_compiled_model_keeps_its_compiled_graph_and_grads_after_a_batched_check(caplog, dtype, how):
     torch._dynamo.reset()
     runs = {"n": 0}
     model = nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 2))
-    compiled = torch.compile(model, backend=_counting_backend(runs))
+    if how == "wrapper":
+        compiled = torch.compile(model, backend=_counting_backend(runs))
+    else:  # an eager model holding a compiled block
+        model = compiled = nn.Sequential(torch.compile(model, backend=_counting_backend(runs)), nn.Tanh())
     batch = data()
 
     def live_step():

@@ -172,3 +172,48 @@ def test_bert_with_sdpa_attention_dropout_checks_with_every_dropout_off():
     with torch.no_grad():
         assert report.objective == pytest.approx(float(loss(ref, batch)), rel=1e-12, abs=0)
     assert model.training and all(m.training for m in model.modules())
+
+
+FUNCTIONAL = [
+    ("F.dropout", lambda x: F.dropout(x, 0.5, training=True)),
+    ("F.dropout1d", lambda x: F.dropout1d(x, 0.5, training=True)),
+    ("F.dropout2d", lambda x: F.dropout2d(x.unsqueeze(-1), 0.5, True).squeeze(-1)),
+    ("F.dropout3d", lambda x: F.dropout3d(x.unsqueeze(-1).unsqueeze(-1), p=0.5).squeeze(-1).squeeze(-1)),
+    ("F.alpha_dropout", lambda x: F.alpha_dropout(x, 0.5, training=True)),
+    ("F.feature_alpha_dropout", lambda x: F.feature_alpha_dropout(x, 0.5, True)),
+    ("torch.dropout", lambda x: torch.dropout(x, 0.5, True)),
+    ("torch.dropout_", lambda x: torch.dropout_(x.clone(), 0.5, train=True)),
+    ("torch.alpha_dropout", lambda x: torch.alpha_dropout(x, 0.5, True)),
+    ("torch.feature_dropout", lambda x: torch.feature_dropout(x, 0.5, True)),
+    ("torch.feature_alpha_dropout", lambda x: torch.feature_alpha_dropout(x, 0.5, True)),
+    ("torch.native_dropout", lambda x: torch.native_dropout(x, 0.5, True)[0]),
+    ("scaled_dot_product_attention(dropout_p)",
+     lambda x: F.scaled_dot_product_attention(x, x, x, None, 0.5) - F.scaled_dot_product_attention(x, x, x) + x),
+]
+
+
+@pytest.mark.parametrize("label,fn", FUNCTIONAL, ids=[f[0] for f in FUNCTIONAL])
+def test_each_functional_dropout_form_is_switched_off_and_counted(label, fn):
+    x = torch.randn(4, 6, 8, dtype=torch.float64)
+    assert not torch.equal(fn(x), x)  # on outside a check
+    record = DropoutRecord()
+    with FunctionalDropoutOff(record):
+        assert torch.equal(fn(x), x)
+    assert record.functional == {label: 1}
+
+
+def test_multi_head_attention_forward_called_functionally_has_its_dropout_off():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, dropout=0.5)
+    x = torch.randn(5, 3, 8)
+
+    def call(training):
+        return F.multi_head_attention_forward(
+            x, x, x, 8, 2, mha.in_proj_weight, mha.in_proj_bias, None, None, False, 0.5,
+            mha.out_proj.weight, mha.out_proj.bias, training=training, need_weights=False)[0]
+
+    reference = call(False)
+    record = DropoutRecord()
+    with FunctionalDropoutOff(record):
+        assert torch.equal(call(True), reference)
+    assert record.functional == {"F.multi_head_attention_forward(dropout_p)": 1}

@@ -423,3 +423,22 @@ def test_a_constant_ratio_is_a_typed_field_of_the_tensor_check():
     assert act.to_dict()["tensors"]["input"]["ratio"] == pytest.approx(FACTOR, rel=1e-3)
     report = check_model(buggy, ce, data())
     assert all(t.ratio is None for t in report.tensors.values() if not t.failed)
+
+
+def test_bert_with_padding_tokens_checks_clean_and_its_padding_row_is_named_as_held():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=24, max_position_embeddings=16, num_labels=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(cfg)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 30, (3, 8), generator=g)
+    ids[:, -2:] = 0  # padding tokens, attended to (no attention mask)
+    labels = torch.randint(0, 2, (3,), generator=g)
+
+    def loss(m, b):
+        return F.cross_entropy(m(input_ids=b[0]).logits, b[1])
+
+    report = check_model(model, loss, (ids, labels), tensors=["*word_embeddings*"], coords=8, directions=4)
+    assert report.ok, str(report)
+    assert any("bert.embeddings.word_embeddings.weight row 0 (padding_idx)" in n for n in report.notes)
