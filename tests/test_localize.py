@@ -442,3 +442,19 @@ def test_bert_with_padding_tokens_checks_clean_and_its_padding_row_is_named_as_h
     report = check_model(model, loss, (ids, labels), tensors=["*word_embeddings*"], coords=8, directions=4)
     assert report.ok, str(report)
     assert any("bert.embeddings.word_embeddings.weight row 0 (padding_idx)" in n for n in report.notes)
+
+
+def test_an_embedding_bag_skips_its_padding_entries_and_needs_no_held_row():
+    class Bag(PaddedBag):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.EmbeddingBag(10, 6, mode="mean", padding_idx=0)
+            with torch.no_grad():
+                self.emb.weight[0].normal_()
+
+        def forward(self, ids):
+            return self.fc(self.emb(ids))
+
+    torch.manual_seed(0)
+    report = check_model(Bag(), ce, padded_batch(), coords=12, directions=4)
+    assert report.ok and not any("padding_idx" in n for n in report.notes)
