@@ -157,8 +157,9 @@ class FunctionalDropoutOff(TorchFunctionMode):
 
     Counting stops at :meth:`settle` (called after the check's first forward: the counts are per
     forward); interception goes on until the mode exits, unless that forward met no dropout
-    function at all, in which case :meth:`settle` takes the mode off (a mode costs a Python call
-    per torch function).
+    call that would have dropped something (``nn.Dropout`` modules switched to eval call
+    ``F.dropout`` with training off), in which case :meth:`settle` takes the mode off: a mode
+    costs a Python call per torch function.
 
     Args:
         record: Where counts go.
@@ -191,7 +192,6 @@ class FunctionalDropoutOff(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         spec = _SPECS.get(func)
         if spec is not None:
-            self.needed = True
             p = _get(args, kwargs, spec.p)
             on = spec.flag is None or _get(args, kwargs, spec.flag) in (True, None)
             try:
@@ -199,6 +199,7 @@ class FunctionalDropoutOff(TorchFunctionMode):
             except (TypeError, ValueError):
                 dropping = on
             if dropping:
+                self.needed = True
                 args = list(args)
                 if spec.flag is not None:
                     _set(args, kwargs, spec.flag, False)

@@ -217,3 +217,22 @@ def test_multi_head_attention_forward_called_functionally_has_its_dropout_off():
     with FunctionalDropoutOff(record):
         assert torch.equal(call(True), reference)
     assert record.functional == {"F.multi_head_attention_forward(dropout_p)": 1}
+
+
+def test_the_interception_ends_after_the_first_forward_when_nothing_functional_drops():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).train()  # its F.dropout call runs with training off
+    record = DropoutRecord()
+    mode = FunctionalDropoutOff(record)
+    with mode:
+        model[1].eval()
+        model(torch.randn(2, 4))
+        record.settle()
+        assert not mode.active
+        assert (F.dropout(torch.ones(1000), 0.5, training=True) == 0).any()
+    record = DropoutRecord()
+    mode = FunctionalDropoutOff(record)
+    with mode:
+        F.dropout(torch.ones(3), 0.5, training=True)
+        record.settle()
+        assert mode.active and torch.equal(F.dropout(torch.ones(3), 0.5, training=True), torch.ones(3))
+    assert record.functional == {"F.dropout": 1}  # counted in the first forward only
