@@ -167,6 +167,26 @@ def _has_dropout_prob(module: nn.Module) -> bool:
     return isinstance(module, (nn.MultiheadAttention, nn.RNNBase)) and float(getattr(module, "dropout", 0.0)) > 0
 
 
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def _layerdrop(name: str, module: nn.Module, configs: set) -> List[str]:
+    """Layerdrop a module in train mode applies: its ``layerdrop`` attribute, or its (transformers) config's
+    ``*layerdrop`` fields (each config once)."""
+    where = name or type(module).__name__
+    found = []
+    if _positive(getattr(module, "layerdrop", None)):
+        found.append(f"layerdrop {module.layerdrop:g} in `{where}`")
+    config = module.__dict__.get("config")
+    if config is not None and id(config) not in configs:
+        configs.add(id(config))
+        fields = getattr(config, "__dict__", {})
+        found.extend(f"layerdrop {v:g} (config.{k} of `{where}`)" for k, v in fields.items()
+                     if k.endswith("layerdrop") and _positive(v))
+    return found
+
+
 @contextlib.contextmanager
 def dropout_off(model: nn.Module) -> Iterator["DropoutRecord"]:
     """Switch every dropout off for the duration, restoring flags and probabilities after.
@@ -175,8 +195,9 @@ def dropout_off(model: nn.Module) -> Iterator["DropoutRecord"]:
     functional dropout calls made meanwhile in this thread run with training off
     (:class:`gradwatch.dropout.FunctionalDropoutOff`). Yields a
     :class:`gradwatch.dropout.DropoutRecord` of what was switched off; call its ``settle()``
-    after the first forward (the counts are per forward). A module attribute ``layerdrop`` > 0
-    (transformers' convention) is recorded as staying on.
+    after the first forward (the counts are per forward). Layerdrop (a module attribute
+    ``layerdrop`` > 0, or a transformers config's ``layerdrop``/``encoder_layerdrop``/... fields)
+    is recorded as staying on.
 
     Example:
         >>> m = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5)).train()
@@ -189,6 +210,7 @@ def dropout_off(model: nn.Module) -> Iterator["DropoutRecord"]:
     from .dropout import DropoutRecord, FunctionalDropoutOff
 
     record = DropoutRecord()
+    configs: set = set()
     flags: List[Tuple[nn.Module, bool]] = []
     probs: List[Tuple[nn.Module, float]] = []
     for name, module in model.named_modules():
@@ -201,9 +223,8 @@ def dropout_off(model: nn.Module) -> Iterator["DropoutRecord"]:
             record.probabilities += 1
             probs.append((module, module.dropout))
             module.dropout = 0.0
-        layerdrop = getattr(module, "layerdrop", None)
-        if module.training and isinstance(layerdrop, (int, float)) and not isinstance(layerdrop, bool) and layerdrop > 0:
-            record.stays_on.append(f"layerdrop {layerdrop:g} in `{name or type(module).__name__}`")
+        if module.training:
+            record.stays_on.extend(_layerdrop(name, module, configs))
     mode = FunctionalDropoutOff(record)
     try:
         with mode:

@@ -236,3 +236,26 @@ def test_the_interception_ends_after_the_first_forward_when_nothing_functional_d
         record.settle()
         assert mode.active and torch.equal(F.dropout(torch.ones(3), 0.5, training=True), torch.ones(3))
     assert record.functional == {"F.dropout": 1}  # counted in the first forward only
+
+
+def test_a_speech_model_with_layerdrop_in_its_config_reports_it_as_staying_on():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Wav2Vec2Config(
+        vocab_size=10, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+        conv_dim=(8, 8), conv_stride=(4, 4), conv_kernel=(8, 8), num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2, layerdrop=0.5, num_labels=2, hidden_dropout=0.1, attention_dropout=0.1,
+        activation_dropout=0.1, feat_proj_dropout=0.1, mask_time_prob=0.0, classifier_proj_size=8)
+    torch.manual_seed(0)
+    model = transformers.Wav2Vec2ForSequenceClassification(cfg).train()
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(2, 400, generator=g), torch.tensor([0, 1]))
+
+    def loss(m, b):
+        return F.cross_entropy(m(input_values=b[0]).logits, b[1])
+
+    report = check_model(model, loss, batch, coords=1, directions=1, tensors=["classifier.*"])
+    assert report.ok and not report.nondeterministic, str(report)
+    rec = report.dropout
+    assert rec.stays_on == ["layerdrop 0.5 (config.layerdrop of `Wav2Vec2ForSequenceClassification`)"]
+    assert rec.random_draws == {"torch.rand": cfg.num_hidden_layers}  # one layerdrop draw per layer, reseeded
+    assert rec.modules > 0
