@@ -163,6 +163,13 @@ class FunctionalDropoutOff(TorchFunctionMode):
 
     Args:
         record: Where counts go.
+
+    Example:
+        >>> q = torch.randn(1, 2, 3, 4)
+        >>> with FunctionalDropoutOff(DropoutRecord()) as mode:
+        ...     out = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+        >>> torch.equal(out, F.scaled_dot_product_attention(q, q, q)), mode.record.functional_calls
+        (True, 1)
     """
 
     def __init__(self, record: DropoutRecord) -> None:

@@ -57,6 +57,16 @@ def padding_rows_constant(model: nn.Module) -> Iterator[List[str]]:
     Yields one line per held row (``"emb.weight row 0 (padding_idx)"``) for the report.
     The row's value is taken when the context is entered: enter it before any parameter
     is perturbed. Each module's ``forward`` is put back exactly as it was on exit.
+
+    Example:
+        >>> emb = nn.Embedding(3, 2, padding_idx=0)
+        >>> ids = torch.tensor([0, 1])
+        >>> with padding_rows_constant(emb):
+        ...     with torch.no_grad():
+        ...         _ = emb.weight.add_(1.0)  # a perturbation of the check
+        ...     moved = emb(ids).detach()
+        >>> torch.equal(moved[0], emb.weight[0] - 1.0), torch.equal(moved[1], emb.weight[1])
+        (True, True)
     """
     changed: List[Tuple[nn.Module, object]] = []
     held: List[str] = []
