@@ -15,7 +15,8 @@ in-place updates of buffers or inputs, ops without a batching rule). The
 first batch of each tensor of a model is therefore checked against one loop
 evaluation; on any exception or any mismatch beyond the noise floor the
 check falls back to the loop, silently, and the decision is remembered for
-the model: one ``logger.info`` line, no warnings. The same comparison is
+the model: one ``logger.info`` line, no warnings. A model compiled with
+``torch.compile`` is evaluated in the loop from the start (:func:`compiled_modules`). The same comparison is
 timed (after the model's first batch, which pays vmap's one-time costs):
 a tensor whose batched evaluation costs more per perturbation than a loop
 evaluation (ops that vmap runs one by one, a perturbation that makes every
@@ -162,6 +163,10 @@ class BatchedProbe(BatchProbe):
         self.owners = _owners(target)
         self.param_terms = bool(objective.regularizers or objective.weight_decay)
         self.loss_key = _loss_key(objective.loss_fn)
+        compiled = compiled_modules(target)
+        if compiled:
+            self.disable(f"{compiled[0]} is compiled with torch.compile: traced under vmap, dynamo gives up on its "
+                         "code and the live model would stop running its compiled graph after the check")
 
     @property
     def enabled(self) -> bool:
@@ -278,6 +283,25 @@ class BatchedProbe(BatchProbe):
                 self.disable(f"the batched value of {k!r} ({b!r}) differs from a loop evaluation ({v!r})")
                 return None
         return loop_seconds
+
+
+def compiled_modules(model: nn.Module) -> List[str]:
+    """Names of the modules compiled with ``torch.compile`` (its wrapper, or ``module.compile()``) in ``model``.
+
+    Such a model is evaluated one perturbation at a time: under ``vmap`` dynamo recompiles the
+    module's code, hits a graph break it cannot resume from and marks that code to be skipped,
+    for the live model too (the frames are shared), which then runs eagerly for the rest of
+    training. Functions compiled with ``torch.compile`` inside ``forward`` are not detected.
+
+    Example:
+        >>> compiled_modules(nn.Linear(2, 1))
+        []
+    """
+    names = []
+    for name, m in model.named_modules():
+        if getattr(m, "_compiled_call_impl", None) is not None or type(m).__name__ == "OptimizedModule":
+            names.append(f"`{name}`" if name else f"the model ({type(m).__name__})")
+    return names
 
 
 def _first_line(err: Any) -> str:

@@ -21,6 +21,7 @@ from .graph import CHECKPOINT_NO_GRAD_WARNING, grad_by_backward, reentrant_check
 from .numeric import machine_eps
 from .objective import Objective, coupled_weight_decay
 from .options import CheckOptions
+from .padding import padding_note, padding_rows_constant
 from .report import CheckReport, TensorCheck
 from .sampling import match_names
 
@@ -139,15 +140,16 @@ def _validate_grads(grads: Any, params: Mapping[str, torch.Tensor], source: str)
 
 @contextlib.contextmanager
 def _evaluation_context(target: nn.Module, in_place: bool, params: Dict[str, torch.Tensor],
-                        roots: Sequence[Any]) -> Iterator[Tuple[BufferGuard, HeldGenerators, List[str]]]:
+                        roots: Sequence[Any]) -> Iterator[Tuple[BufferGuard, HeldGenerators, List[str], Any, List[str]]]:
     saved = snapshot_params(params) if in_place else None
     held = HeldGenerators([*roots, target])
     try:
-        with preserved_rng(), dropout_off(target), frozen_power_iteration(target), suspended_hooks(target) as hooks:
+        with preserved_rng(), dropout_off(target) as dropout, frozen_power_iteration(target), \
+                padding_rows_constant(target) as padding, suspended_hooks(target) as hooks:
             # Inside: the attributes dropout_off switched are saved as switched (see AttributeGuard).
             guard = BufferGuard(target, attributes=True)
             try:
-                yield guard, held, hooks
+                yield guard, held, hooks, dropout, padding
             finally:
                 guard.restore_changed()
     finally:
@@ -204,7 +206,10 @@ def run_model_check(
     report = CheckReport(tensors={}, fail_at=opts.fail_at, seed=opts.seed)
 
     roots = [objective.loss_fn, *objective.regularizers.values(), grad_fn, model]
-    with _evaluation_context(target, in_place, params, roots) as (guard, held, hooks):
+    with _evaluation_context(target, in_place, params, roots) as (guard, held, hooks, dropout, padding):
+        report.dropout = dropout
+        if padding:
+            report.notes.append(padding_note(padding))
         if hooks:
             report.notes.append(_hooks_note(hooks))
             warnings.warn(report.notes[-1], stacklevel=3)  # shown once per distinct text by the default filter
@@ -238,6 +243,9 @@ def run_model_check(
         # (the forward above updated them) bumps their version counters.
         guard.restore_changed()
 
+        dropout.settle()  # counts are per forward; the interception stays on only where the forward needs it
+        if dropout.functional or dropout.stays_on or dropout.random_draws:
+            report.notes.append(dropout.summary())
         reseed = Reseeder(eval_seed, held)
         casting = shadow if not in_place else None
         if casting is not None:

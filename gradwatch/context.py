@@ -4,8 +4,10 @@
   states are saved before a check and restored after it; every evaluation
   starts from the same seed.
 - Dropout: all ``nn.Dropout*``/``AlphaDropout``/``FeatureAlphaDropout``
-  modules are switched to eval, and the ``dropout`` probability of
-  ``nn.MultiheadAttention`` and RNN modules is set to 0, for the check only.
+  modules are switched to eval, the ``dropout`` probability of
+  ``nn.MultiheadAttention`` and RNN modules is set to 0, and functional dropout
+  (``F.dropout``, ``scaled_dot_product_attention(dropout_p=...)``, ...) runs with
+  training off, for the check only (:mod:`gradwatch.dropout`).
 - ``parametrizations.spectral_norm``: the power iteration is off during a check
   (``u``, ``v`` constant, as torch defines the gradient).
 - BatchNorm stays in train mode (the function training differentiates);
@@ -24,13 +26,16 @@ import itertools
 import random
 import threading
 import types
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.utils.parametrizations import _SpectralNorm
+
+if TYPE_CHECKING:
+    from .dropout import DropoutRecord
 
 
 _RNG_GUARD = threading.local()
@@ -162,29 +167,68 @@ def _has_dropout_prob(module: nn.Module) -> bool:
     return isinstance(module, (nn.MultiheadAttention, nn.RNNBase)) and float(getattr(module, "dropout", 0.0)) > 0
 
 
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def _layerdrop(name: str, module: nn.Module, configs: set) -> List[str]:
+    """Layerdrop a module in train mode applies: its ``layerdrop`` attribute, or its (transformers) config's
+    ``*layerdrop`` fields (each config once)."""
+    where = name or type(module).__name__
+    found = []
+    if _positive(getattr(module, "layerdrop", None)):
+        found.append(f"layerdrop {module.layerdrop:g} in `{where}`")
+    config = module.__dict__.get("config")
+    if config is not None and id(config) not in configs:
+        configs.add(id(config))
+        fields = getattr(config, "__dict__", {})
+        found.extend(f"layerdrop {v:g} (config.{k} of `{where}`)" for k, v in fields.items()
+                     if k.endswith("layerdrop") and _positive(v))
+    return found
+
+
 @contextlib.contextmanager
-def dropout_off(model: nn.Module) -> Iterator[None]:
+def dropout_off(model: nn.Module) -> Iterator["DropoutRecord"]:
     """Switch every dropout off for the duration, restoring flags and probabilities after.
+
+    Dropout modules go to eval, ``MultiheadAttention``/RNN ``dropout`` probabilities to 0, and
+    functional dropout calls made meanwhile in this thread run with training off
+    (:class:`gradwatch.dropout.FunctionalDropoutOff`). Yields a
+    :class:`gradwatch.dropout.DropoutRecord` of what was switched off; call its ``settle()``
+    after the first forward (the counts are per forward). Layerdrop (a module attribute
+    ``layerdrop`` > 0, or a transformers config's ``layerdrop``/``encoder_layerdrop``/... fields)
+    is recorded as staying on.
 
     Example:
         >>> m = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5)).train()
-        >>> with dropout_off(m):
+        >>> with dropout_off(m) as record:
         ...     m[1].training
         False
-        >>> m[1].training
-        True
+        >>> m[1].training, record.modules
+        (True, 1)
     """
+    from .dropout import DropoutRecord, FunctionalDropoutOff
+
+    record = DropoutRecord()
+    configs: set = set()
     flags: List[Tuple[nn.Module, bool]] = []
     probs: List[Tuple[nn.Module, float]] = []
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, _DropoutNd):
+            if module.training and float(module.p) > 0:
+                record.modules += 1
             flags.append((module, module.training))
             module.training = False
         elif _has_dropout_prob(module):
+            record.probabilities += 1
             probs.append((module, module.dropout))
             module.dropout = 0.0
+        if module.training:
+            record.stays_on.extend(_layerdrop(name, module, configs))
+    mode = FunctionalDropoutOff(record)
     try:
-        yield
+        with mode:
+            yield record
     finally:
         for module, flag in flags:
             module.training = flag

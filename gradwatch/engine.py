@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .numeric import Verdict, max_rel_error, rel_diff
-from .report import TensorCheck, diagnose
+from .report import TensorCheck, constant_ratio, diagnose
 from .sampling import choose_coords, generator, rademacher_signs, tensor_seed
 
 Terms = Dict[str, float]
@@ -560,4 +560,5 @@ def _summarize(name, shape, samples: List[Sample], outcomes: List[Outcome], term
     check.failed = check.verdict.is_failure(settings.fail_at)
     if check.failed:
         check.diagnosis = diagnose(np.array(ca + da), np.array(cn + dn), check.noise_floor)
+        check.ratio = constant_ratio(ca + da, cn + dn, check.noise_floor)
     return check

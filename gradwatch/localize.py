@@ -43,11 +43,11 @@ from .context import (BufferGuard, Reseeder, Shadow, cast_floats, dropout_off, f
 from .engine import EngineSettings, Evaluator, check_tensor, total
 from .numeric import machine_eps
 from .options import CheckOptions
+from .padding import padding_rows_constant
 from .report import TensorCheck, json_float
 from .sampling import generator, tensor_seed
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
-_RATIO = re.compile(r"analytic is (-?[0-9.]+)x numeric")
 
 
 @dataclass
@@ -111,7 +111,7 @@ class ModuleCheck:
             if key.startswith("input["):
                 what = f"input gradient {key[5:]}"
             verdict = t.verdict.value if t.verdict is not None else "inconclusive"
-            parts.append(f"{what} {verdict}, {_short(t.diagnosis, t.judged_rel_diff)}")
+            parts.append(f"{what} {verdict}, {_short(t)}")
         return f"{self.label}: " + "; ".join(parts)
 
     def __str__(self) -> str:
@@ -134,13 +134,13 @@ class ModuleCheck:
         }
 
 
-def _short(diagnosis: Optional[str], judged: float) -> str:
-    if diagnosis:
-        m = _RATIO.search(diagnosis)
-        if m:
-            return f"analytic {float(m.group(1)):.2f}x numeric"
-        return diagnosis
-    return f"judged rel_diff {json_float(judged)}"
+def _short(check: TensorCheck) -> str:
+    ratio = check.ratio
+    if ratio is not None and abs(ratio + 1.0) > 1e-2:  # a plain sign flip keeps its words
+        return f"analytic {ratio:.2f}x numeric"
+    if check.diagnosis:
+        return check.diagnosis
+    return f"judged rel_diff {json_float(check.judged_rel_diff)}"
 
 
 # --------------------------------------------------------------------------- trees of tensors
@@ -385,6 +385,27 @@ def _input_keys(paths: List[str]) -> List[str]:
     return out
 
 
+def _ancestors(name: str) -> List[str]:
+    """``"a.b.c"`` -> ``["a.b", "a", ""]`` (the model itself is ``""``)."""
+    parts = name.split(".") if name else []
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1)]
+
+
+def _enclosing_to_check(named: Dict[str, nn.Module], calls: Dict[str, int], done: set, failing: List[str]) -> List[str]:
+    """Enclosing modules to check after the leaves, innermost first.
+
+    Modules that hold a failing leaf are left out: they fail with it, whether its failure is
+    genuine or not. Every other called module is a candidate even when some leaf failed: a leaf
+    can fail alone falsely (a float32 island it cannot resolve in isolation, a forward that needs
+    its enclosing module's state), and that must not hide a bug in another layer's own code.
+    """
+    holding = {a for leaf in failing for a in _ancestors(leaf)}
+    order = list(named)
+    parents = [n for n in named if calls.get(n, 0) and n not in done and n not in holding]
+    parents.sort(key=lambda n: (-(n.count(".") + 1) if n else 0, order.index(n)))
+    return parents
+
+
 # --------------------------------------------------------------------------- public entry point
 
 
@@ -406,9 +427,11 @@ def localize(
         modules: Names (glob patterns allowed) or module objects to check. Default: every
             module the forward calls that calls no other module itself (leaf modules, and
             modules like ``MultiheadAttention`` that use a submodule's weights directly).
-        enclosing: With the default ``modules``: when none of those fails, check the
-            enclosing modules next, innermost first, until one fails (a bug in a module's
-            own code outside its submodules, e.g. a custom Function applied in ``forward``).
+        enclosing: With the default ``modules``: check the enclosing modules next, innermost
+            first, until one fails (a bug in a module's own code outside its submodules, e.g. a
+            wrong custom softmax in an attention module's ``forward``). Modules that hold a failing
+            leaf are skipped (they fail with it), but a failing leaf does not end the search: a
+            leaf can fail alone falsely, and the layer with the bug is still named.
             ``check_model(..., localize=True)`` sets it: the end-to-end check failed.
         **options: ``coords``, ``directions``, ``eps``, ``bands``, ``fail_at``, ``seed``,
             ``dtype`` (float64 shadow copy by default; None: in place), ``detect_kinks``.
@@ -446,7 +469,7 @@ def localize(
         return check_module(n, named[n], args, kwargs, opts, calls.get(n, 1), params=_owned(named[n], calls, n))
 
     try:
-        with preserved_rng(), dropout_off(target):
+        with preserved_rng(), dropout_off(target) as dropout, padding_rows_constant(target):
             if names is None:
                 # One forward to see which modules run and which call others, one to capture inputs.
                 _, calls = capture([])
@@ -455,12 +478,11 @@ def localize(
             else:
                 default = False
             captured, calls = capture(names)
+            dropout.settle()
             first = [n for n in named if n in captured]
             results = [run(n, captured, calls) for n in first]
-            if default and enclosing and not any(r.failed for r in results):
-                done = set(first)
-                parents = [n for n in named if calls.get(n, 0) and n not in done]
-                parents.sort(key=lambda n: (-(n.count(".") + 1) if n else 0, list(named).index(n)))
+            if default and enclosing:
+                parents = _enclosing_to_check(named, calls, set(first), [r.name for r in results if r.failed])
                 if parents:
                     captured, calls = capture(parents)
                 for n in parents:

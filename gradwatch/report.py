@@ -33,6 +33,8 @@ class TensorCheck:
         step: Finite-difference step used.
         kinks: Sampled points found non-differentiable and excluded from the verdict.
         diagnosis: What a person should check next, when the tensor failed.
+        ratio: Analytic over numeric, when the tensor failed and one constant factor explains it
+            (:func:`constant_ratio`; the diagnosis then says "analytic is 2.00x numeric").
         inconclusive: Why no verdict could be given (non-finite values, nondeterminism).
         coords: Indices of the sampled coordinates.
         analytic: Analytic gradient at ``coords``.
@@ -64,6 +66,7 @@ class TensorCheck:
     numeric: List[float] = field(default_factory=list)
     dir_analytic: List[float] = field(default_factory=list)
     dir_numeric: List[float] = field(default_factory=list)
+    ratio: Optional[float] = None
 
     def to_dict(self, samples: bool = True) -> Dict[str, Any]:
         """JSON-serializable dict (``samples=False`` drops the per-coordinate values)."""
@@ -162,6 +165,8 @@ class CheckReport:
         nonfinite: The objective or a gradient was NaN or infinite.
         notes: Warnings a person should read (decoupled weight decay, kinks, ...).
         term_checks: With ``per_term=True``: term -> tensor name -> :class:`TensorCheck`.
+        dropout: What the backward check switched off (dropout modules, functional dropout calls
+            per forward) and what randomness stayed on, reseeded (:class:`gradwatch.dropout.DropoutRecord`).
 
     Example:
         >>> report = CheckReport(tensors={})
@@ -184,6 +189,7 @@ class CheckReport:
     localized: List[Any] = field(default_factory=list)
     training: Dict[str, TrainingCheck] = field(default_factory=dict)
     training_note: Optional[str] = None
+    dropout: Optional[Any] = None
 
     @property
     def training_failures(self) -> List[TrainingCheck]:
@@ -238,6 +244,7 @@ class CheckReport:
             "training": {name: t.to_dict() for name, t in self.training.items()},
             "training_note": self.training_note,
             "training_failures": [t.name for t in self.training_failures],
+            "dropout": self.dropout.to_dict() if hasattr(self.dropout, "to_dict") else self.dropout,
         }
 
     def raise_for_failures(self) -> "CheckReport":
@@ -391,6 +398,30 @@ def describe_failure(t: TensorCheck, limit: int = 4) -> str:
     return "; ".join(parts)
 
 
+def constant_ratio(analytic: Sequence[float], numeric: Sequence[float], floor: float, tolerance: float = 1e-2) -> Optional[float]:
+    """``analytic / numeric`` when one constant factor (other than 1) explains the disagreement, else None.
+
+    The same fit :func:`diagnose` words as "analytic is 2.00x numeric" (or a sign flip).
+
+    Example:
+        >>> constant_ratio([2.0, 4.0, -6.0], [1.0, 2.0, -3.0], floor=1e-9)
+        2.0
+        >>> constant_ratio([1.0, 2.0], [1.0, 2.5], floor=1e-9) is None
+        True
+    """
+    a = np.asarray(analytic, dtype=np.float64).reshape(-1)
+    n = np.asarray(numeric, dtype=np.float64).reshape(-1)
+    if a.size == 0 or not (np.all(np.isfinite(a)) and np.all(np.isfinite(n))):
+        return None
+    zero_floor = max(floor, 1e-300)
+    nn = float(n @ n)
+    if nn <= 0 or np.all(np.abs(n) <= zero_floor) or np.all(np.abs(a) <= zero_floor):
+        return None
+    ratio = float(a @ n) / nn
+    misfit = float(np.linalg.norm(a - ratio * n)) / max(float(np.linalg.norm(a)), zero_floor)
+    return ratio if misfit <= tolerance and abs(ratio - 1.0) > tolerance else None
+
+
 def diagnose(analytic: Sequence[float], numeric: Sequence[float], floor: float, tolerance: float = 1e-2) -> Optional[str]:
     """Say in words how analytic and numeric disagree, or None if they agree.
 
@@ -432,16 +463,13 @@ def diagnose(analytic: Sequence[float], numeric: Sequence[float], floor: float, 
         )
     if not np.any(np.abs(a - n) > zero_floor):
         return None
-    nn = float(n @ n)
-    if nn > 0:
-        ratio = float(a @ n) / nn
-        misfit = float(np.linalg.norm(a - ratio * n)) / max(float(np.linalg.norm(a)), zero_floor)
-        if misfit <= tolerance and abs(ratio - 1.0) > tolerance:
-            if abs(ratio + 1.0) <= tolerance:
-                return "sign flip: analytic is the negative of numeric"
-            if ratio < 0:
-                return f"sign flip and scale: analytic is {ratio:.2f}x numeric"
-            return f"analytic is {ratio:.2f}x numeric (constant ratio): a factor in backward is wrong"
+    ratio = constant_ratio(a, n, floor, tolerance)
+    if ratio is not None:
+        if abs(ratio + 1.0) <= tolerance:
+            return "sign flip: analytic is the negative of numeric"
+        if ratio < 0:
+            return f"sign flip and scale: analytic is {ratio:.2f}x numeric"
+        return f"analytic is {ratio:.2f}x numeric (constant ratio): a factor in backward is wrong"
     partial_zero = a_zero & ~n_zero
     if np.any(partial_zero):
         return (

@@ -229,3 +229,72 @@ def test_slow_batching_goes_back_to_the_loop_per_tensor(monkeypatch, caplog):
     calls = state["batches"]
     check_model(model, mse, data(), seed=3)
     assert batched_state(model)["batches"] == calls  # no more batches: every tensor uses the loop
+
+
+def _counting_backend(runs):
+    """A real torch.compile backend that counts how often its compiled graph runs."""
+
+    def backend(gm, example_inputs):
+        def run(*args):
+            runs["n"] += 1
+            return gm.forward(*args)
+
+        return run
+
+    return backend
+
+
+@pytest.mark.parametrize("dtype,how", [("float64", "wrapper"), (None, "wrapper"), ("float64", "submodule")])
+def test_a_compiled_model_keeps_its_compiled_graph_and_grads_after_a_batched_check(caplog, dtype, how):
+    torch._dynamo.reset()
+    runs = {"n": 0}
+    model = nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 2))
+    if how == "wrapper":
+        compiled = torch.compile(model, backend=_counting_backend(runs))
+    else:  # an eager model holding a compiled block
+        model = compiled = nn.Sequential(torch.compile(model, backend=_counting_backend(runs)), nn.Tanh())
+    batch = data()
+
+    def live_step():
+        before = runs["n"]
+        for p in model.parameters():
+            p.grad = None
+        mse(compiled, batch).backward()
+        return runs["n"] - before, [p.grad.clone() for p in model.parameters()]
+
+    ran, grads = live_step()
+    assert ran == 1
+    try:
+        with caplog.at_level(logging.INFO, logger="gradwatch"):
+            for seed in range(2):
+                report = check_model(compiled, mse, batch, batched=True, seed=seed, dtype=dtype)
+                assert report.ok, str(report)
+                assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))  # .grad untouched
+                ran, again = live_step()
+                assert ran == 1  # the live model still runs its compiled graph, not eager kernels
+                assert all(torch.equal(a, b) for a, b in zip(again, grads))
+        state = batched_state(compiled)
+        assert not state["enabled"] and "torch.compile" in state["reason"] and state["batches"] == 0
+        assert sum(FALLBACK in r.getMessage() for r in caplog.records) == 1
+    finally:
+        torch._dynamo.reset()
+
+
+def test_training_a_compiled_model_is_bit_identical_with_and_without_the_watch():
+    def run(watched):
+        torch._dynamo.reset()
+        model = mlp()
+        compiled = torch.compile(model, backend="aot_eager")
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        watch = GradWatch(compiled, mse, every=1, tensorboard=False, jsonl=False, coords=2, directions=1) if watched else None
+        for seed in range(3):
+            batch = data(seed=seed)
+            opt.zero_grad()
+            mse(compiled, batch).backward()
+            if watch is not None:
+                assert watch.step(batch).ok
+            opt.step()
+        torch._dynamo.reset()
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))

@@ -245,3 +245,216 @@ def test_check_module_can_be_called_directly():
     res = check_module("act", act, (torch.randn(4, 3, dtype=torch.float64),), {}, CheckOptions())
     assert res.failed and res.failures == ["input"]
     assert res.to_dict()["summary"] == res.summary()
+
+
+class PaddedBag(nn.Module):
+    """An Embedding with padding_idx whose padding row is not zero (loaded weights, or it drifted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 6, padding_idx=0)
+        with torch.no_grad():
+            self.emb.weight[0].normal_()  # the forward reads this row; torch gives it a zero gradient by design
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids).mean(1))
+
+
+def padded_batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 10, (8, 5), generator=g)
+    ids[:, 0] = 0
+    return ids, torch.randint(0, 3, (8,), generator=g)
+
+
+@pytest.mark.parametrize("dtype", ["float64", None])
+def test_an_embedding_padding_row_is_held_constant_not_judged_wrong(dtype):
+    torch.manual_seed(0)
+    model = PaddedBag()
+    before = model.emb.weight.detach().clone()
+    report = check_model(model, ce, padded_batch(), localize=True, dtype=dtype, coords=12, directions=4)
+    assert report.ok, str(report)
+    assert report.tensors["emb.weight"].verdict is not None and not report.tensors["emb.weight"].failed
+    assert any("emb.weight row 0 (padding_idx)" in n for n in report.notes)
+    assert not any(c.failed for c in localize(model, ce, padded_batch(), dtype=dtype))
+    assert "forward" not in vars(model.emb) and torch.equal(model.emb.weight, before)
+
+
+def test_a_wrong_embedding_gradient_outside_the_padding_row_is_still_caught():
+    class Doubled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * g
+
+    class Net(PaddedBag):
+        def forward(self, ids):
+            return self.fc(Doubled.apply(self.emb(ids)).mean(1))
+
+    torch.manual_seed(0)
+    report = check_model(Net(), ce, padded_batch(), coords=12, directions=4)
+    assert report.tensors["emb.weight"].failed
+    assert "2.00x" in report.tensors["emb.weight"].diagnosis
+
+
+class Float32Norm(nn.Module):
+    """A correct RMSNorm that computes its variance in float32 (a float32 island in the float64 shadow)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(1.0 + 0.1 * torch.randn(d))
+
+    def forward(self, x):
+        var = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + 1e-6)).to(x.dtype)
+
+
+class SoftmaxMissingTerm(torch.autograd.Function):
+    """Softmax whose backward lacks ``- sum(y * g)``: a bug in the attention module's own code."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.softmax(-1)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return y * g
+
+
+class Attention(nn.Module):
+    def __init__(self, d, buggy):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.buggy = buggy
+
+    def forward(self, x):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2) / x.shape[-1] ** 0.5
+        weights = SoftmaxMissingTerm.apply(scores) if self.buggy else scores.softmax(-1)
+        return self.o(weights @ self.v(x))
+
+
+class Block(nn.Module):
+    def __init__(self, d, buggy, norm):
+        super().__init__()
+        self.norm = norm(d)
+        self.attn = Attention(d, buggy)
+
+    def forward(self, x):
+        return x + self.attn(self.norm(x))
+
+
+class Stack(nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.blocks = nn.Sequential(Block(8, False, norm), Block(8, True, norm))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(x).mean(1))
+
+
+def seq_batch():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(4, 5, 8, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+def test_a_falsely_failing_leaf_does_not_hide_the_attention_layer_whose_own_code_is_wrong():
+    # The float32-island norms fail alone in the float64 shadow (or come out inconclusive, once the
+    # check measures precision): either way localization goes on and names the attention module.
+    torch.manual_seed(0)
+    model = Stack(Float32Norm)
+    report = check_model(model, ce, seq_batch(), localize=True, coords=4, directions=2)
+    assert not report.ok
+    checked = {c.name: c for c in report.localized}
+    assert checked["blocks.1.attn"].failed and checked["blocks.1.attn"].type == "Attention"
+    assert "SoftmaxMissingTerm" in checked["blocks.1.attn"].functions
+    assert not checked["blocks.0.attn"].failed
+    for leaf in ("q", "k", "v", "o"):
+        assert not checked[f"blocks.1.attn.{leaf}"].failed
+    assert "localized: `blocks.1.attn` (Attention, autograd.Function SoftmaxMissingTerm)" in str(report)
+
+
+class NeedsItsLayer(nn.Module):
+    """Correct, but reads a value its enclosing layer hands over for one call: it cannot be replayed alone."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.scale = None
+
+    def forward(self, x):
+        scale, self.scale = self.scale, None
+        return self.lin(x) * scale
+
+
+class HandOff(nn.Module):
+    def __init__(self, d, buggy):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.inner = NeedsItsLayer(d)
+        self.attn = Attention(d, buggy)
+
+    def forward(self, x):
+        self.inner.scale = 0.5
+        return self.attn(self.inner(self.norm(x)))
+
+
+def test_an_inconclusive_leaf_does_not_stop_localization_and_the_enclosing_layer_is_named():
+    torch.manual_seed(0)
+    model = nn.Sequential(HandOff(8, buggy=True), nn.Flatten(), nn.Linear(40, 3))
+    report = check_model(model, ce, seq_batch(), localize=True, coords=4, directions=2)
+    assert not report.ok
+    checked = {c.name: c for c in report.localized}
+    assert checked["0.inner"].inconclusive and not checked["0.inner"].failed
+    assert [c.name for c in report.localized if c.failed] == ["0.attn"]
+
+
+def test_a_constant_ratio_is_a_typed_field_of_the_tensor_check():
+    buggy, _ = twins()
+    act = [c for c in localize(buggy, ce, data()) if c.failed][0]
+    assert act.tensors["input"].ratio == pytest.approx(FACTOR, rel=1e-3)
+    assert act.to_dict()["tensors"]["input"]["ratio"] == pytest.approx(FACTOR, rel=1e-3)
+    report = check_model(buggy, ce, data())
+    assert all(t.ratio is None for t in report.tensors.values() if not t.failed)
+
+
+def test_bert_with_padding_tokens_checks_clean_and_its_padding_row_is_named_as_held():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=24, max_position_embeddings=16, num_labels=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(cfg)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 30, (3, 8), generator=g)
+    ids[:, -2:] = 0  # padding tokens, attended to (no attention mask)
+    labels = torch.randint(0, 2, (3,), generator=g)
+
+    def loss(m, b):
+        return F.cross_entropy(m(input_ids=b[0]).logits, b[1])
+
+    report = check_model(model, loss, (ids, labels), tensors=["*word_embeddings*"], coords=8, directions=4)
+    assert report.ok, str(report)
+    assert any("bert.embeddings.word_embeddings.weight row 0 (padding_idx)" in n for n in report.notes)
+
+
+def test_an_embedding_bag_skips_its_padding_entries_and_needs_no_held_row():
+    class Bag(PaddedBag):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.EmbeddingBag(10, 6, mode="mean", padding_idx=0)
+            with torch.no_grad():
+                self.emb.weight[0].normal_()
+
+        def forward(self, ids):
+            return self.fc(self.emb(ids))
+
+    torch.manual_seed(0)
+    report = check_model(Bag(), ce, padded_batch(), coords=12, directions=4)
+    assert report.ok and not any("padding_idx" in n for n in report.notes)
