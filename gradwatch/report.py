@@ -162,6 +162,8 @@ class CheckReport:
         nonfinite: The objective or a gradient was NaN or infinite.
         notes: Warnings a person should read (decoupled weight decay, kinks, ...).
         term_checks: With ``per_term=True``: term -> tensor name -> :class:`TensorCheck`.
+        precision: On a shadow copy: what precision the objective really computed in
+            (:meth:`gradwatch.precision.ShadowPrecision.summary`, plus the base ``step``).
 
     Example:
         >>> report = CheckReport(tensors={})
@@ -184,6 +186,7 @@ class CheckReport:
     localized: List[Any] = field(default_factory=list)
     training: Dict[str, TrainingCheck] = field(default_factory=dict)
     training_note: Optional[str] = None
+    precision: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def training_failures(self) -> List[TrainingCheck]:
@@ -229,6 +232,7 @@ class CheckReport:
             "worst": worst.name if worst is not None else None,
             "failures": [t.name for t in self.failures],
             "notes": list(self.notes),
+            "precision": dict(self.precision),
             "tensors": {name: t.to_dict(samples) for name, t in self.tensors.items()},
             "term_checks": {
                 term: {name: t.to_dict(samples) for name, t in checks.items()}
