@@ -165,8 +165,11 @@ class ShadowPrecision(TorchFunctionMode):
                 h.remove()
 
     def _where(self, func: Any) -> str:
-        module = self._stack[-1] if self._stack else "the loss function"
-        return f"{module}: {_op_name(func)}"
+        op = _op_name(func)
+        if not self._trace:  # a later evaluation: the module the first forward found it in
+            known = [k for k in self.fallbacks if k.endswith(f": {op}")]
+            return known[0] if known else f"an evaluation after the first: {op}"
+        return f"{self._stack[-1] if self._stack else 'the loss function'}: {op}"
 
     # -- the mode -------------------------------------------------------------------------------------------------
 
