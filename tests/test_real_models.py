@@ -124,7 +124,12 @@ def test_architecture_checks_clean_at_default_options_on_three_seeds(name):
 
 
 def test_float32_casts_inside_the_shadow_are_named_and_kept_in_float64():
-    report = gradwatch.check_model(build("t5", 0), hf_loss, make_batch("s2s", 0))
+    model = build("t5", 0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    report = gradwatch.check_model(model, hf_loss, make_batch("s2s", 0))
+    # The live model is untouched: same bits, still float32 (its norms still cast when it trains), no .grad.
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.float32 and p.grad is None and torch.equal(p, before[n]), n
     kept = report.precision["kept_in_shadow_dtype"]
     assert "encoder.block.0.layer.0.layer_norm: Tensor.to -> float32" in kept
     assert any("kept them in float64" in n for n in report.notes)
@@ -295,8 +300,11 @@ def test_an_op_without_a_float64_kernel_runs_in_float32_and_is_judged_in_float32
     model = GroupedExperts()
     x = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(1))
     loss = lambda m, b: (m(b) ** 2).mean()  # noqa: E731
-    with pytest.warns(RuntimeWarning, match="GroupedExperts: torch._grouped_mm has no float64 kernel"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         report = gradwatch.check_model(model, loss, x)
+    said = [str(w.message) for w in caught if "no float64 kernel" in str(w.message)]
+    assert said == ["gradwatch: GroupedExperts: torch._grouped_mm has no float64 kernel; the check evaluates it in float32"]
     assert report.precision["low_precision"] == {"GroupedExperts: torch._grouped_mm": "float32"}
     assert report.precision["step"] == pytest.approx(torch.finfo(torch.float32).eps ** (1 / 3))
     assert not report.failures, str(report)  # no false alarm from float32 rounding
@@ -316,3 +324,46 @@ def test_shadow_precision_leaves_bit_views_and_constants_alone():
         assert torch.softmax(x, 0, dtype=torch.float32).dtype == torch.float64
     assert x.float().dtype == torch.float32  # only while the mode is active
     assert mode.upcasts  # counted even outside tracing
+
+
+class WeaklyCoupledExperts(GroupedExperts):
+    """The parameters of ``inp`` move the float32 ``grouped_mm``'s input by 1e-3 of its size: rounding swamps them."""
+
+    def forward(self, x):
+        h = 1.0 + 1e-3 * torch.tanh(self.inp(x))
+        return nn.functional.grouped_mm(h.float(), self.experts.float()).to(x.dtype)
+
+
+def test_what_float32_rounding_cannot_resolve_is_inconclusive_naming_the_op():
+    x = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        report = gradwatch.check_model(WeaklyCoupledExperts(), lambda m, b: (m(b) ** 2).mean(), x)
+    weight = report.tensors["inp.weight"]
+    assert weight.verdict is None and not weight.failed
+    assert "rounding noise of the low-precision part of the objective (WeaklyCoupledExperts: torch._grouped_mm)" \
+        in weight.inconclusive
+    assert "INCONCLUSIVE" in str(report)
+    assert report.tensors["experts"].verdict is not None  # its own slopes are large: judged as usual
+
+
+def test_in_place_checks_change_and_measure_nothing():
+    model = build("llama", 0)
+    report = gradwatch.check_model(model, hf_loss, make_batch("lm", 0), dtype=None)
+    assert report.precision == {}
+    assert report.dtype == "float32"  # logits.float(): the objective stays what the model computes
+
+
+class WrongSiLUBeforeExperts(GroupedExperts):
+    def forward(self, x):
+        h = SiLUOff.apply(self.inp(x))
+        return nn.functional.grouped_mm(h.float(), self.experts.float()).to(x.dtype)
+
+
+def test_a_one_percent_error_next_to_a_float32_op_is_still_caught():
+    x = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        report = gradwatch.check_model(WrongSiLUBeforeExperts(), lambda m, b: (m(b) ** 2).mean(), x)
+    assert report.precision["low_precision"] == {"WrongSiLUBeforeExperts: torch._grouped_mm": "float32"}
+    assert {t.name for t in report.failures} == {"inp.weight", "inp.bias"}, str(report)
