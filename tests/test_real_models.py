@@ -367,3 +367,30 @@ def test_a_one_percent_error_next_to_a_float32_op_is_still_caught():
         report = gradwatch.check_model(WrongSiLUBeforeExperts(), lambda m, b: (m(b) ** 2).mean(), x)
     assert report.precision["low_precision"] == {"WrongSiLUBeforeExperts: torch._grouped_mm": "float32"}
     assert {t.name for t in report.failures} == {"inp.weight", "inp.bias"}, str(report)
+
+
+def test_the_readme_names_the_architectures_this_file_checks():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("`tests/test_real_models.py` checks"):][:600]
+    flat = section.replace("-", "").replace("\n", " ").lower()
+    assert f"checks {len(ARCHS)} architectures" in flat
+    assert all(name in flat for name in ARCHS), [n for n in ARCHS if n not in flat]
+
+
+def test_gradwatch_on_a_training_llama_raises_no_alert():
+    model = build("llama", 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    watch = gradwatch.GradWatch(model, hf_loss, every=1)
+    reports = []
+    for step in range(2):
+        batch = make_batch("lm", step)
+        opt.zero_grad()
+        hf_loss(model, batch).backward()
+        reports.append(watch.step(batch))
+        opt.step()
+    watch.close()
+    assert watch.alerts == []
+    assert all(r.ok and not r.failures for r in reports)
+    assert all(r.precision["kept_in_shadow_dtype"] for r in reports)  # measured at every check, not once
