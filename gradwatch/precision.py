@@ -78,6 +78,13 @@ class ShadowPrecision(TorchFunctionMode):
         upcasts: ``{where: count}`` of casts down that were kept in ``dtype`` (where: ``module: op -> dtype``).
         fallbacks: ``{where: how}`` for ops without a kernel in ``dtype``.
         islands: ``{where: dtype}`` of parameter-dependent ops still computed in a lower precision.
+
+    Example:
+        >>> x = torch.ones(2, dtype=torch.float64)
+        >>> with ShadowPrecision(torch.float64):
+        ...     y = torch.softmax(x, 0, dtype=torch.float32) + x.float()
+        >>> y.dtype
+        torch.float64
     """
 
     def __init__(self, dtype: torch.dtype = torch.float64) -> None:
