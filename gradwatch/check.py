@@ -22,6 +22,7 @@ from .numeric import machine_eps
 from .objective import Objective, coupled_weight_decay
 from .options import CheckOptions
 from .padding import padding_note, padding_rows_constant
+from .precision import ShadowPrecision
 from .report import CheckReport, TensorCheck
 from .sampling import match_names
 
@@ -214,8 +215,10 @@ def run_model_check(
             report.notes.append(_hooks_note(hooks))
             warnings.warn(report.notes[-1], stacklevel=3)  # shown once per distinct text by the default filter
         # Analytic side: one forward with grad, then autograd.grad (never the caller's .grad).
+        # On a shadow it also measures the precision the objective really computes in (gradwatch.precision).
+        precision = ShadowPrecision(opts.dtype) if not in_place else None
         seed_everything(eval_seed)
-        with torch.enable_grad():
+        with torch.enable_grad(), (precision.tracing(target) if precision is not None else contextlib.nullcontext()):
             terms_t = objective.terms(target, batch)
             total_t = sum(terms_t[k] for k in sorted(terms_t))
         values = {k: float(v.detach()) for k, v in terms_t.items()}
@@ -247,11 +250,18 @@ def run_model_check(
         if dropout.functional or dropout.stays_on or dropout.random_draws:
             report.notes.append(dropout.summary())
         reseed = Reseeder(eval_seed, held)
+        mode = precision if precision is not None and precision.needed else None
         casting = shadow if not in_place else None
         if casting is not None:
             casting.trim_cast_hooks()
 
         def terms_no_grad() -> Dict[str, torch.Tensor]:
+            if mode is not None:
+                with mode:
+                    return _terms_no_grad()
+            return _terms_no_grad()
+
+        def _terms_no_grad() -> Dict[str, torch.Tensor]:
             try:
                 return objective.terms(target, batch)
             except Exception as first:
@@ -283,6 +293,14 @@ def run_model_check(
         evaluator = Evaluator(evaluate)
         magnitude = sum(abs(v) for v in values.values())
         eval_eps = max(machine_eps(t.dtype) for t in params.values()) if params else 0.0
+        coarse = None
+        if precision is not None:
+            # The step and the noise floor follow the coarsest precision a parameter-dependent op ran in.
+            eval_eps = max(eval_eps, precision.eps())
+            coarse = precision.island_text() or None
+            report.precision = precision.summary()
+            report.precision["step"] = opts.eps if opts.eps is not None else eval_eps ** (1.0 / 3.0)
+            report.notes.extend(precision.notes(report.precision["step"]))
         objective_dtype_eps = machine_eps(getattr(torch, report.dtype))
         probe = None
         if batched:
@@ -290,12 +308,31 @@ def run_model_check(
 
             tolerance = 2 * NOISE_FACTOR * max(eval_eps, objective_dtype_eps) * max(magnitude, 1e-30)
             probe = BatchedProbe(model, target, objective, batch, reseed, guard, evaluator, tolerance)
+            if mode is not None:
+                probe = _InMode(probe, mode)
         with frozen_batchnorm_stats(target):
             _judge_all(report, params, grads, evaluator, opts, magnitude=magnitude, eval_eps=eval_eps,
-                       objective_dtype_eps=objective_dtype_eps, probe_batch=probe)
+                       objective_dtype_eps=objective_dtype_eps, probe_batch=probe, coarse=coarse)
     report.evaluations = evaluator.count + 1
     report.seconds = time.perf_counter() - start
     return report
+
+
+class _InMode:
+    """A batched probe whose evaluations run inside a :class:`ShadowPrecision` mode."""
+
+    def __init__(self, probe: Any, mode: ShadowPrecision) -> None:
+        self._probe, self._mode = probe, mode
+
+    def wants(self, name: str) -> bool:
+        return self._probe.wants(name)
+
+    def chunk(self, p: torch.Tensor) -> int:
+        return self._probe.chunk(p)
+
+    def __call__(self, *args: Any) -> Any:
+        with self._mode:
+            return self._probe(*args)
 
 
 def _no_grad(fn: Callable[[], Any]) -> Any:
@@ -369,7 +406,7 @@ def _dense(g: torch.Tensor) -> torch.Tensor:
 
 def _judge_all(report: CheckReport, params: Dict[str, torch.Tensor], grads, evaluator: Evaluator, opts: CheckOptions,
                magnitude: float, eval_eps: float, objective_dtype_eps: float, exhaustive: bool = False,
-               probe_batch: Any = None) -> None:
+               probe_batch: Any = None, coarse: Optional[str] = None) -> None:
     """Determinism check, then :func:`check_tensor` for each tensor; fills ``report``."""
     j_a = evaluator()
     j_b = evaluator()
@@ -387,6 +424,7 @@ def _judge_all(report: CheckReport, params: Dict[str, torch.Tensor], grads, eval
     settings = EngineSettings(
         coords=opts.coords, directions=opts.directions, eps=opts.eps, bands=opts.bands, fail_at=opts.fail_at,
         detect_kinks=opts.detect_kinks, eval_eps=eps, magnitude=magnitude, jitter=jitter, exhaustive=exhaustive,
+        coarse=coarse,
     )
     j0 = total(j_a)
     for n, p in params.items():

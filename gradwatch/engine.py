@@ -108,6 +108,8 @@ class EngineSettings:
     magnitude: float
     jitter: float = 0.0
     exhaustive: bool = False
+    #: Where the objective computes in a lower precision than the tensors (see :mod:`gradwatch.precision`).
+    coarse: Optional[str] = None
 
 
 def total(terms: Terms) -> float:
@@ -547,6 +549,15 @@ def _summarize(name, shape, samples: List[Sample], outcomes: List[Outcome], term
         return check
     verdict = Verdict.from_value(judged, settings.bands)
     unresolved = sum(o.unresolved for o in outcomes)
+    raw = max(rel_diff(ca, cn) if ca else 0.0, rel_diff(da, dn) if da else 0.0)
+    if settings.coarse and not verdict.is_failure(settings.fail_at) and (
+            unresolved or Verdict.from_value(raw, settings.bands).is_failure(settings.fail_at)):
+        # Only the rounding of the low-precision part could explain the disagreement: it cannot be judged.
+        check.inconclusive = (
+            f"the sampled slopes disagree by {raw:.1e}, within the rounding noise of the low-precision part of "
+            f"the objective ({settings.coarse}); a gradient error of that size cannot be told from it"
+        )
+        return check
     if unresolved and not verdict.is_failure(settings.fail_at):
         # The resolvable samples pass, but some disagreed by less than this precision can resolve.
         # (No "finite" in this text: the trend tracker reads that word as a NaN/inf problem.)

@@ -28,6 +28,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import fnmatch
 import math
 import re
@@ -44,6 +46,7 @@ from .engine import EngineSettings, Evaluator, check_tensor, total
 from .numeric import machine_eps
 from .options import CheckOptions
 from .padding import padding_rows_constant
+from .precision import ShadowPrecision
 from .report import TensorCheck, json_float
 from .sampling import generator, tensor_seed
 
@@ -226,7 +229,9 @@ def _capture(target: nn.Module, loss_fn: LossFn, batch: Any, chosen: Sequence[st
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             calls[name] = calls.get(name, 0) + 1
             if keep and name not in captured:
-                captured[name] = (_map(args, lambda t: t.detach().clone()), _map(kwargs, lambda t: t.detach().clone()))
+                # Opaque inputs (a KV cache) are copied as they are now: the rest of the forward mutates them.
+                captured[name] = _call_inputs(_map(args, lambda t: t.detach().clone()),
+                                              _map(kwargs, lambda t: t.detach().clone()))
 
         return hook
 
@@ -309,7 +314,8 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
             reseed()
             leaves = {id(t): t.detach().clone().requires_grad_(True) for t in work.values()}
             a_g, k_g = _map((args_w, kwargs_w), lambda t: leaves.get(id(t), t))
-            out = _float_outputs(module(*_map(a_g, _fresh), **_map(k_g, _fresh)))
+            a_c, k_c = _call_inputs(a_g, k_g)
+            out = _float_outputs(module(*a_c, **k_c))
             if not out:
                 result.inconclusive = "the module has no floating output"
                 return result
@@ -334,7 +340,8 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
     def evaluate() -> Dict[str, float]:
         reseed()
         with torch.no_grad():
-            outs = _float_outputs(module(*_map(args_w, _fresh), **_map(kwargs_w, _fresh)))
+            a_c, k_c = _call_inputs(args_w, kwargs_w)
+            outs = _float_outputs(module(*a_c, **k_c))
             value = sum(float((o * c).sum()) for o, c in zip(outs, cot))
         guard.restore_fast()
         return {"loss": value}
@@ -360,6 +367,8 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
                     continue
                 check, _ = check_tensor(f"{name}:{key}", t, {"total": g}, evaluator, total(j_a), settings, opts.seed)
                 result.tensors[key] = check
+    except Exception as err:  # noqa: BLE001 - as above: a module whose evaluations raise is reported, not fatal
+        result.inconclusive = f"evaluating the module alone raised {type(err).__name__}: {err}"
     finally:
         restore_params(params, saved)
         guard.restore_changed()
@@ -370,6 +379,34 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
 
 def _fresh(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.is_floating_point() else t
+
+
+def _opaque(obj: Any) -> bool:
+    """An input that is not a tensor, a standard container or a plain value (a KV cache, a config)."""
+    if isinstance(obj, (torch.Tensor, str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)):
+        return False
+    if isinstance(obj, (list, tuple)):
+        return any(_opaque(v) for v in obj)
+    if isinstance(obj, dict):
+        return any(_opaque(v) for v in obj.values())
+    return True
+
+
+def _call_inputs(args: Any, kwargs: Any) -> Tuple[Any, Any]:
+    """Fresh inputs for one call of a module: tensors cloned, opaque objects deep-copied.
+
+    A module may mutate an object it is given (a transformers ``Cache`` appends keys and
+    values at every call): each evaluation gets its own copy of the captured one, so every
+    evaluation computes the same function. Objects that cannot be copied are passed as they are.
+    """
+    fresh = _map((args, kwargs), _fresh)
+    if not _opaque(fresh):
+        return fresh
+    memo = {id(t): t for _, t in _leaves(fresh)}  # the tensors themselves: already fresh clones
+    try:
+        return copy.deepcopy(fresh, memo)
+    except Exception:  # noqa: BLE001 - an object that refuses copying: passed as captured
+        return fresh
 
 
 def _input_keys(paths: List[str]) -> List[str]:
@@ -469,7 +506,10 @@ def localize(
         return check_module(n, named[n], args, kwargs, opts, calls.get(n, 1), params=_owned(named[n], calls, n))
 
     try:
-        with preserved_rng(), dropout_off(target) as dropout, padding_rows_constant(target):
+        # On a shadow, casts down stay in its dtype (as in check_model): a norm computing in float32 inside a
+        # float64 copy would otherwise fail alone, falsely (gradwatch.precision).
+        precision = ShadowPrecision(opts.dtype) if opts.dtype is not None else contextlib.nullcontext()
+        with preserved_rng(), dropout_off(target) as dropout, padding_rows_constant(target), precision:
             if names is None:
                 # One forward to see which modules run and which call others, one to capture inputs.
                 _, calls = capture([])

@@ -61,7 +61,8 @@ class CheckOptions:
     Attributes:
         coords: Coordinates sampled per tensor (half the largest ``|grad|``, half random); >= 1.
         directions: Random Rademacher directions per tensor; >= 0.
-        eps: Finite-difference step; ``None`` picks ``machine_eps(dtype) ** (1/3)`` scaled by ``|θ|``.
+        eps: Finite-difference step; ``None`` picks ``machine_eps ** (1/3)`` scaled by ``|θ|``, of the coarsest
+            precision the objective measurably computes in (see :mod:`gradwatch.precision`).
         bands: Upper bounds of EXCELLENT, ACCEPTABLE, SUSPICIOUS (the chapter's 1e-7, 1e-4, 1e-2).
         fail_at: Verdict from which a tensor counts as failing ("suspicious" or "wrong").
         seed: Sampling seed.

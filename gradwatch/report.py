@@ -167,6 +167,8 @@ class CheckReport:
         term_checks: With ``per_term=True``: term -> tensor name -> :class:`TensorCheck`.
         dropout: What the backward check switched off (dropout modules, functional dropout calls
             per forward) and what randomness stayed on, reseeded (:class:`gradwatch.dropout.DropoutRecord`).
+        precision: On a shadow copy: what precision the objective really computed in
+            (:meth:`gradwatch.precision.ShadowPrecision.summary`, plus the base ``step``).
 
     Example:
         >>> report = CheckReport(tensors={})
@@ -190,6 +192,7 @@ class CheckReport:
     training: Dict[str, TrainingCheck] = field(default_factory=dict)
     training_note: Optional[str] = None
     dropout: Optional[Any] = None
+    precision: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def training_failures(self) -> List[TrainingCheck]:
@@ -235,6 +238,7 @@ class CheckReport:
             "worst": worst.name if worst is not None else None,
             "failures": [t.name for t in self.failures],
             "notes": list(self.notes),
+            "precision": dict(self.precision),
             "tensors": {name: t.to_dict(samples) for name, t in self.tensors.items()},
             "term_checks": {
                 term: {name: t.to_dict(samples) for name, t in checks.items()}

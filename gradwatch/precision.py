@@ -1,0 +1,305 @@
+"""What precision the check objective really computes in, measured on the shadow copy.
+
+A float64 shadow copy is not float64 everywhere: models cast down inside
+(a LayerNorm/RMSNorm computing its variance after ``.to(torch.float32)``, a
+loss on ``logits.float()``, ``softmax(..., dtype=torch.float32)``), and some
+ops have no float64 kernel (``torch._grouped_mm`` on the CPU). Judging such
+an objective with the float64 step and noise floor raises false alarms on
+float32 rounding noise; judging it with a float32 step hides 1% errors.
+
+:class:`ShadowPrecision` is a ``TorchFunctionMode`` active while the check
+evaluates the shadow. It
+
+- keeps casts of shadow-dtype tensors to a lower-precision float in the
+  shadow dtype (``Tensor.to/.float/.half/.bfloat16/.type`` and ``dtype=``
+  arguments of ops such as ``softmax``): autograd's derivative of a cast is
+  the identity, so the function its backward differentiates is the one
+  without the rounding, and that is the one the check then evaluates;
+- runs ops without a float64 kernel in float64 where it has an exact
+  implementation (grouped matmul), else in float32 (cast in, cast back);
+- records, during the check's first (analytic) forward, every op whose
+  output depends on the parameters and is still of lower precision than
+  the shadow (an *island*), with the module it ran in.
+
+The check then takes its step and noise floor from the coarsest precision
+recorded (see :meth:`ShadowPrecision.eps`) and names the islands in the report.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> class CastNorm(nn.Module):
+    ...     def forward(self, x):
+    ...         return (x.to(torch.float32) ** 2).mean().to(x.dtype)
+    >>> model, x = CastNorm(), torch.randn(3, dtype=torch.float64, requires_grad=True)
+    >>> mode = ShadowPrecision(torch.float64)
+    >>> with mode.tracing(model):
+    ...     y = model(x)
+    >>> y.dtype, list(mode.upcasts), mode.islands
+    (torch.float64, ['CastNorm: Tensor.to -> float32'], {})
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+_CAST_METHODS = {torch.Tensor.float: torch.float32, torch.Tensor.half: torch.float16,
+                 torch.Tensor.bfloat16: torch.bfloat16}
+_TYPE_NAMES = {"torch.FloatTensor": torch.float32, "torch.HalfTensor": torch.float16,
+               "torch.BFloat16Tensor": torch.bfloat16}
+#: Ops whose ``dtype`` argument reinterprets bits instead of converting values: never touched.
+_BIT_VIEWS = {torch.Tensor.view}
+_GROUPED_MM = tuple(f for f in (getattr(torch, "_grouped_mm", None), getattr(nn.functional, "grouped_mm", None)) if f)
+#: How many islands / casts a report names at most.
+SHOWN = 4
+
+
+def _op_name(func: Any) -> str:
+    name = getattr(func, "__name__", None) or repr(func)
+    for prefix, owner in (("Tensor.", torch.Tensor), ("torch.", torch), ("F.", nn.functional)):
+        if getattr(owner, name, None) is func:
+            return prefix + name
+    return name
+
+
+class ShadowPrecision(TorchFunctionMode):
+    """Keeps a shadow copy in its dtype inside, and records where it cannot (see the module docstring).
+
+    Args:
+        dtype: The shadow's dtype (float64 by default; float32 for a ``dtype=float32`` check).
+
+    Attributes:
+        upcasts: ``{where: count}`` of casts down that were kept in ``dtype`` (where: ``module: op -> dtype``).
+        fallbacks: ``{where: how}`` for ops without a kernel in ``dtype``.
+        islands: ``{where: dtype}`` of parameter-dependent ops still computed in a lower precision.
+
+    Example:
+        >>> x = torch.ones(2, dtype=torch.float64)
+        >>> with ShadowPrecision(torch.float64):
+        ...     y = torch.softmax(x, 0, dtype=torch.float32) + x.float()
+        >>> y.dtype
+        torch.float64
+    """
+
+    def __init__(self, dtype: torch.dtype = torch.float64) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self._eps = torch.finfo(dtype).eps
+        self.upcasts: Dict[str, int] = {}
+        self.fallbacks: Dict[str, str] = {}
+        self.islands: Dict[str, torch.dtype] = {}
+        self._trace = False
+        self._stack: List[str] = []
+
+    # -- what was found -------------------------------------------------------------------------------------------
+
+    @property
+    def needed(self) -> bool:
+        """True when an evaluation without the mode would compute something else (a cast or a fallback happened)."""
+        return bool(self.upcasts or self.fallbacks)
+
+    def eps(self) -> float:
+        """Unit roundoff of the coarsest precision a parameter-dependent op ran in (the shadow's when none lower)."""
+        return max([self._eps] + [torch.finfo(d).eps for d in self.islands.values()])
+
+    def summary(self) -> Dict[str, Any]:
+        """The findings, JSON-serializable (``report.precision``)."""
+        return {
+            "shadow": str(self.dtype).replace("torch.", ""),
+            "eps": self.eps(),
+            "kept_in_shadow_dtype": dict(self.upcasts),
+            "fallbacks": dict(self.fallbacks),
+            "low_precision": {k: str(v).replace("torch.", "") for k, v in self.islands.items()},
+        }
+
+    def notes(self, step: float) -> List[str]:
+        """Sentences for ``report.notes``: what was kept in the shadow dtype, what fell back, what stays coarse."""
+        name = str(self.dtype).replace("torch.", "")
+        out = []
+        if self.upcasts:
+            out.append(
+                f"precision: the model casts {name} values down in {_listed(self.upcasts)}; the check kept them in {name} "
+                "(a cast's derivative is 1, so backward differentiates the function without that rounding, and the "
+                "check evaluates that function)"
+            )
+        if self.fallbacks:
+            out.append(f"precision: ops without a {name} kernel: " + "; ".join(f"{k} ({v})" for k, v in self.fallbacks.items()))
+        if self.islands:
+            coarse = str(max(self.islands.values(), key=lambda d: torch.finfo(d).eps)).replace("torch.", "")
+            out.append(
+                f"precision: the objective still computes in {coarse} in {_listed(self.islands)}; the step "
+                f"({step:.1e}) and the noise floor follow {coarse} (eps {self.eps():.1e}), and a tensor whose "
+                "disagreement only that rounding could explain is INCONCLUSIVE"
+            )
+        return out
+
+    def island_text(self) -> str:
+        """Names of the low-precision islands, for an INCONCLUSIVE reason."""
+        return _listed(self.islands)
+
+    # -- tracing (first forward) ----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def tracing(self, model: nn.Module) -> Iterator["ShadowPrecision"]:
+        """Be active and record islands, naming each by the innermost module of ``model`` it ran in."""
+        names = {id(m): (n or type(m).__name__) for n, m in model.named_modules()}
+        handles = []
+
+        def enter(module, args):
+            self._stack.append(names.get(id(module), type(module).__name__))
+
+        def leave(module, args, out):
+            if self._stack:
+                self._stack.pop()
+
+        for m in model.modules():
+            handles.append(m.register_forward_pre_hook(enter))
+            handles.append(m.register_forward_hook(leave, always_call=True))
+        self._trace = True
+        try:
+            with self:
+                yield self
+        finally:
+            self._trace = False
+            self._stack.clear()
+            for h in handles:
+                h.remove()
+
+    def _where(self, func: Any) -> str:
+        op = _op_name(func)
+        if not self._trace:  # a later evaluation: the module the first forward found it in
+            known = [k for k in self.fallbacks if k.endswith(f": {op}")]
+            return known[0] if known else f"an evaluation after the first: {op}"
+        return f"{self._stack[-1] if self._stack else 'the loss function'}: {op}"
+
+    # -- the mode -------------------------------------------------------------------------------------------------
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _CAST_METHODS and self._high(args[0]) and self._low(_CAST_METHODS[func]):
+            self._note_upcast(func, _CAST_METHODS[func])
+            return args[0]
+        changed = self._keep_dtype(func, args, kwargs)
+        if changed is not None:
+            args, kwargs = changed
+        try:
+            out = func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError, TypeError) as err:
+            out = self._fallback(func, args, kwargs, err)
+        if self._trace and torch.is_grad_enabled():
+            self._record_islands(func, out)
+        return out
+
+    def _high(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.dtype == self.dtype
+
+    def _low(self, dtype: Any) -> bool:
+        return isinstance(dtype, torch.dtype) and dtype.is_floating_point and torch.finfo(dtype).eps > self._eps
+
+    def _note_upcast(self, func: Any, dtype: torch.dtype) -> None:
+        if self._trace:
+            key = f"{self._where(func)} -> {str(dtype).replace('torch.', '')}"
+            self.upcasts[key] = self.upcasts.get(key, 0) + 1
+        elif not self.upcasts:
+            self.upcasts["a later evaluation"] = 1
+
+    def _keep_dtype(self, func: Any, args: tuple, kwargs: dict) -> Optional[Tuple[tuple, dict]]:
+        """New ``(args, kwargs)`` with a cast of a shadow-dtype tensor down replaced by the shadow dtype; None if none."""
+        if func in _BIT_VIEWS:
+            return None
+        if func is torch.Tensor.to and args and self._high(args[0]):
+            new = list(args)
+            for i, a in enumerate(args[1:], start=1):
+                if self._low(a):
+                    self._note_upcast(func, a)
+                    new[i] = self.dtype
+                elif isinstance(a, torch.Tensor) and self._low(a.dtype):
+                    self._note_upcast(func, a.dtype)
+                    new[i] = a.device
+            kw = dict(kwargs)
+            if self._low(kw.get("dtype")):
+                self._note_upcast(func, kw["dtype"])
+                kw["dtype"] = self.dtype
+            return (tuple(new), kw) if (new != list(args) or kw != kwargs) else None
+        if func is torch.Tensor.type and args and self._high(args[0]):
+            target = args[1] if len(args) > 1 else kwargs.get("dtype")
+            target = _TYPE_NAMES.get(target, target) if isinstance(target, str) else target
+            if self._low(target):
+                self._note_upcast(func, target)
+                return (args[0], self.dtype), {}
+            return None
+        if self._low(kwargs.get("dtype")) and any(self._high(t) for t in tree_flatten(args)[0]):
+            self._note_upcast(func, kwargs["dtype"])
+            return args, {**kwargs, "dtype": self.dtype}
+        return None
+
+    def _fallback(self, func: Any, args: tuple, kwargs: dict, err: Exception) -> Any:
+        """Run an op that has no kernel in the shadow dtype: exactly where possible, else in float32."""
+        message = str(err)
+        flat = tree_flatten((args, kwargs))[0]
+        if not any(self._high(t) for t in flat) or not any(s in message for s in ("Double", "double", "float64", "Float64")):
+            raise err
+        where = self._where(func)
+        if func in _GROUPED_MM and _grouped_shapes(args, kwargs):
+            out = _grouped_mm(*args, **kwargs)
+            self.fallbacks.setdefault(where, f"no {_name(self.dtype)} kernel; evaluated by an exact per-group matmul loop")
+            return out
+        low = torch.float32
+
+        def down(t: Any) -> Any:
+            return t.to(low) if self._high(t) else t
+
+        try:
+            out = func(*tree_map(down, args), **tree_map(down, kwargs))
+        except Exception:  # noqa: BLE001 - the float32 retry failed too: the original error is the one to show
+            raise err from None
+        if where not in self.fallbacks:
+            self.fallbacks[where] = f"no {_name(self.dtype)} kernel ({message.splitlines()[0][:80]}); evaluated in float32"
+            warnings.warn(f"gradwatch: {where} has no {_name(self.dtype)} kernel; the check evaluates it in float32",
+                          RuntimeWarning, stacklevel=2)
+        if self._trace:
+            self.islands.setdefault(where, low)
+        return tree_map(lambda t: t.to(self.dtype) if isinstance(t, torch.Tensor) and t.dtype == low else t, out)
+
+    def _record_islands(self, func: Any, out: Any) -> None:
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad and self._low(t.dtype):
+                self.islands.setdefault(self._where(func), t.dtype)
+                return
+
+
+def _listed(found: Dict[str, Any]) -> str:
+    keys = list(found)
+    shown = ", ".join(keys[:SHOWN])
+    return shown + (f" and {len(keys) - SHOWN} more" if len(keys) > SHOWN else "")
+
+
+def _grouped_shapes(args: tuple, kwargs: dict) -> bool:
+    a = args[0] if args else kwargs.get("mat_a")
+    b = args[1] if len(args) > 1 else kwargs.get("mat_b")
+    offs = kwargs.get("offs")
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == 2 and b.dim() == 3
+            and isinstance(offs, torch.Tensor) and offs.dim() == 1 and offs.numel() == b.shape[0])
+
+
+def _grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, *, offs: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                out_dtype: Any = None) -> torch.Tensor:
+    """``grouped_mm`` of a 2D ``mat_a`` (rows grouped by ``offs``, cumulative ends) and a 3D ``mat_b``, differentiably."""
+    parts, start = [], 0
+    for i, end in enumerate(offs.tolist()):
+        part = mat_a[start:end] @ mat_b[i]
+        parts.append(part + bias[i] if bias is not None else part)
+        start = end
+    if start < mat_a.shape[0]:
+        parts.append(mat_a.new_zeros(mat_a.shape[0] - start, mat_b.shape[-1]))
+    return torch.cat(parts)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
