@@ -362,16 +362,16 @@ def suspended_hooks(model: nn.Module, modules: Optional[List[nn.Module]] = None)
     names: List[str] = []
     module_names: Dict[int, str] = {}  # built once, only when a user hook needs naming
     for where, attrs in places:
-        if isinstance(where, nn.Module):
-            if not module_names:
-                module_names = {id(m): name or "the model" for name, m in model.named_modules()}
-            where = module_names.get(id(where), "the model")
         for key, kind in _HOOK_KINDS.items():
             hooks = attrs.get(key)
             if not hooks:
                 continue
             user = {k: h for k, h in hooks.items() if not _library_hook(h)}
             if user:
+                if isinstance(where, nn.Module):
+                    if not module_names:
+                        module_names = {id(m): name or "the model" for name, m in model.named_modules()}
+                    where = module_names.get(id(where), "the model")
                 removed.append((hooks, list(hooks), user))
                 names.extend(f"{kind} {_hook_name(h)} on {where}" for h in user.values())
                 for k in user:
