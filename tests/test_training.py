@@ -581,3 +581,25 @@ def test_a_wrong_backward_formula_leaves_the_training_verdict_clean():
     assert result.alerts and all(a.part == "backward" for a in result.alerts)  # the backward verdict caught it
     history = result.watch.tracker.training_history
     assert len(history["fc1.weight"]) == 4 and all(r["verdict"] == "excellent" for h in history.values() for r in h)
+
+
+def test_training_part_follows_parameters_frozen_or_replaced_between_checks():
+    model = mlp()
+    watch = GradWatch(model, ce, **quiet())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    seen = []
+    for i, batch in enumerate(data(4)):
+        if i == 2:
+            model[0].bias.requires_grad_(False)  # frozen mid-run (the reused parameter list must notice at once)
+            model[2].bias = nn.Parameter(torch.zeros(3))  # replaced: the new tensor is the one judged
+            opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+        opt.zero_grad()
+        ce(model, batch).backward()
+        report = watch.step(batch)
+        seen.append(sorted(report.training))
+        opt.step()
+    assert seen[0] == seen[1] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert seen[2] == seen[3] == ["0.weight", "2.bias", "2.weight"]
+    assert watch._training_params()["2.bias"] is model[2].bias
+    assert all(t.verdict is Verdict.EXCELLENT for t in report.training.values())
+    watch.close()
