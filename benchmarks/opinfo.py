@@ -32,7 +32,9 @@ took. Not part of the test run.
 
 Run: ``.venv/bin/python benchmarks/opinfo.py`` (needs the ``bench`` extra:
 ``expecttest``; about 10 minutes on 2 CPU cores). ``--only NAME`` restricts to
-operators whose name contains NAME; ``--json PATH`` writes every row.
+operators whose name contains NAME; ``--samples K`` takes the first K samples
+of each operator (named ``op#1``, ``op#2``, ...); ``--json PATH`` writes every
+row with its times.
 """
 
 from __future__ import annotations
@@ -132,8 +134,9 @@ def _grad_test_disabled(op) -> bool:
                for d in op.decorators)
 
 
-def collect(only: Optional[str] = None) -> List[Dict[str, Any]]:
-    """The deterministic subset: one float64 sample per operator that supports backward in float64 on the CPU."""
+def collect(only: Optional[str] = None, per_op: int = 1) -> List[Dict[str, Any]]:
+    """The deterministic subset: the first ``per_op`` float64 samples of each operator that supports backward
+    in float64 on the CPU."""
     from torch.testing._internal.common_methods_invocations import op_db
 
     cases = []
@@ -148,26 +151,31 @@ def collect(only: Optional[str] = None) -> List[Dict[str, Any]]:
         if _grad_test_disabled(op):
             continue
         torch.manual_seed(zlib.crc32(name.encode()))
-        try:
-            sample = next(iter(op.sample_inputs("cpu", torch.float64, requires_grad=True)))
-        except StopIteration:
-            continue
-        xs = _tensors_requiring_grad(sample)
-        if not xs or any(x.dtype != torch.float64 for x in xs):
-            continue
-        fn = make_fn(op, sample)
-        outs = fn(*xs)
-        flat = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
-        if any(isinstance(o, torch.Tensor) and o.is_complex() for o in flat):
-            continue
-        # Only the differentiable outputs are compared (as gradcheck does): e.g. native_layer_norm's
-        # mean and rstd are outputs its backward ignores by design.
-        keep = [k for k, o in enumerate(float_outputs(outs)) if o.requires_grad]
-        if not keep:
-            continue
-        cases.append({"name": name, "op": op, "sample": sample, "xs": [x.detach() for x in xs],
-                      "fn": _select(fn, keep)})
+        for k, sample in enumerate(op.sample_inputs("cpu", torch.float64, requires_grad=True)):
+            if k >= per_op:
+                break
+            case = _case(op, name if k == 0 else f"{name}#{k}", sample)
+            if case is not None:
+                cases.append(case)
     return cases
+
+
+def _case(op, name: str, sample) -> Optional[Dict[str, Any]]:
+    """One benchmark case from a sample, or None when it has no float64 input to check."""
+    xs = _tensors_requiring_grad(sample)
+    if not xs or any(x.dtype != torch.float64 for x in xs):
+        return None
+    fn = make_fn(op, sample)
+    outs = fn(*xs)
+    flat = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
+    if any(isinstance(o, torch.Tensor) and o.is_complex() for o in flat):
+        return None
+    # Only the differentiable outputs are compared (as gradcheck does): e.g. native_layer_norm's
+    # mean and rstd are outputs its backward ignores by design.
+    keep = [k for k, o in enumerate(float_outputs(outs)) if o.requires_grad]
+    if not keep:
+        return None
+    return {"name": name, "op": op, "sample": sample, "xs": [x.detach() for x in xs], "fn": _select(fn, keep)}
 
 
 def _select(fn: Callable[..., Any], keep: Sequence[int]) -> Callable[..., Any]:
@@ -263,7 +271,7 @@ def run_case(case: Dict[str, Any], tools: Sequence[str], times: Dict[str, float]
     with torch.no_grad():
         outs = fn(*xs)
     gys = y_grads(name, outs)
-    row: Dict[str, Any] = {"name": name, "numel": sum(x.numel() for x in xs), "correct": {}, "mutant": {}}
+    row: Dict[str, Any] = {"name": name, "numel": sum(x.numel() for x in xs), "correct": {}, "mutant": {}, "seconds": {}}
     mutation = choose_mutation(name, fn, xs, gys)
     row["mutation"] = mutation
     nondet = case["op"].gradcheck_nondet_tol
@@ -278,7 +286,9 @@ def run_case(case: Dict[str, Any], tools: Sequence[str], times: Dict[str, float]
                 res = run_check_backward(f, xs, gys)
             else:
                 res = run_gradcheck(f, xs, tool == "gradcheck_fast", nondet)
-            times[tool] += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            times[tool] += seconds
+            row["seconds"][f"{kind}/{tool}"] = round(seconds, 4)
             row[kind][tool] = res
     return row
 
@@ -286,7 +296,7 @@ def run_case(case: Dict[str, Any], tools: Sequence[str], times: Dict[str, float]
 def summarize(rows: List[Dict[str, Any]], times: Dict[str, float], tools: Sequence[str]) -> str:
     n = len(rows)
     mutants = [r for r in rows if r["mutation"] is not None]
-    lines = [f"{n} samples ({len({r['name'] for r in rows})} operators), {len(mutants)} mutants "
+    lines = [f"{n} samples ({len({r['name'].split('#')[0] for r in rows})} operators), {len(mutants)} mutants "
              f"(backward 1% off in one element)", ""]
     lines.append(f"{'tool':<16} {'false alarms':>12} {'errors':>7} {'mutants caught':>15} {'seconds':>8}")
     for tool in tools:
@@ -320,6 +330,7 @@ def summarize(rows: List[Dict[str, Any]], times: Dict[str, float], tools: Sequen
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", help="only operators whose full name contains this")
+    p.add_argument("--samples", type=int, default=1, help="samples per operator (default 1: the first)")
     p.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated subset of {','.join(TOOLS)}")
     p.add_argument("--json", help="write every row to this file")
     p.add_argument("-v", "--verbose", action="store_true", help="print each sample as it runs")
@@ -330,7 +341,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             p.error(f"--tools: unknown tool {t!r}; expected some of {', '.join(TOOLS)}")
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    cases = collect(args.only)
+    cases = collect(args.only, args.samples)
     times = {t: 0.0 for t in tools}
     rows = []
     for case in cases:

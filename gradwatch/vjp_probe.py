@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -29,16 +29,17 @@ REFINE_SCALES = (0.1, 0.01, 0.001)
 
 @dataclass
 class Line:
-    """A line through one array: flat ``index`` (long) and a unit direction ``unit`` (float64) on it.
+    """A line through one array: one element (``index`` an int, ``coordinate=True``), or flat indices
+    ``index`` (long tensor) with a unit direction ``unit`` (float64) on them.
 
     Example:
-        >>> Line(label=(0,), index=torch.tensor([0]), unit=torch.ones(1, dtype=torch.float64), coordinate=True).coordinate
+        >>> Line(label=(0,), index=0, coordinate=True).coordinate
         True
     """
 
     label: tuple
-    index: torch.Tensor
-    unit: torch.Tensor
+    index: Union[int, torch.Tensor]
+    unit: Optional[torch.Tensor] = None
     coordinate: bool = False
 
 
@@ -81,15 +82,16 @@ class OutputProbe:
     Example:
         >>> x = torch.tensor([1.0, 2.0], dtype=torch.float64)
         >>> probe = OutputProbe(lambda: (x * x,), [torch.ones(2)], [torch.float64])
-        >>> line = Line(label=(1,), index=torch.tensor([1]), unit=torch.ones(1, dtype=torch.float64), coordinate=True)
+        >>> line = Line(label=(1,), index=1, coordinate=True)
         >>> v = probe.judge(x.view(-1), torch.tensor([2.0, 4.0], dtype=torch.float64), line, 1e-3, 1e-5, 1e-4)
         >>> v.ok, round(v.numeric, 6)
         (True, 4.0)
     """
 
     def __init__(self, outputs: Callable[[], Sequence[torch.Tensor]], weights: Optional[Sequence[Optional[torch.Tensor]]],
-                 out_dtypes: Sequence[torch.dtype]) -> None:
+                 out_dtypes: Sequence[torch.dtype], inputs: Sequence[torch.Tensor] = ()) -> None:
         self._outputs = outputs
+        self._input_storages = {t.untyped_storage().data_ptr() for t in inputs}
         self.count = 0
         self._keep = [0] if weights is None else [k for k, w in enumerate(weights) if w is not None]
         self.y0 = self._eval()
@@ -97,65 +99,112 @@ class OutputProbe:
             self._w = [torch.ones_like(self.y0[0])]
         else:
             self._w = [weights[k].detach().to(torch.float64) for k in self._keep]
+        self._w = [w.reshape(-1).expand_as(y).contiguous() for w, y in zip(self._w, self.y0)]
+        self._w_abs = [w.abs() for w in self._w]
         floating = [d for d in out_dtypes if d.is_floating_point]
         self.eps_out = max([machine_eps(d) for d in floating] or [machine_eps(torch.float64)])
-        self.objective = float(sum(float((w * y).sum()) for w, y in zip(self._w, self.y0)))
+        self.objective = float(sum(float(torch.dot(w, y)) for w, y in zip(self._w, self.y0)))
 
     def _eval(self) -> List[torch.Tensor]:
         self.count += 1
         ys = self._outputs()
         if not isinstance(ys, (tuple, list)):
             ys = (ys,)
-        return [ys[k].detach().to(torch.float64, copy=True) for k in self._keep]
+        return [self._own(ys[k].detach()) for k in self._keep]
 
-    def _diff(self, ya: Sequence[torch.Tensor], yb: Sequence[torch.Tensor]) -> Tuple[float, float, bool]:
+    def _own(self, y: torch.Tensor) -> torch.Tensor:
+        """``y`` as a flat float64 tensor that perturbing the inputs cannot change (copied only when it could)."""
+        if y.dtype != torch.float64 or y._is_view() or y.untyped_storage().data_ptr() in self._input_storages:
+            y = y.to(torch.float64, copy=True)
+        return y.reshape(-1)
+
+    def _diff(self, ya: Sequence[torch.Tensor], yb: Sequence[torch.Tensor], noise: bool = True) -> Tuple[float, float, bool]:
         """``sum <ya - yb, w>`` over the elements that differ, ``sum |w| (|ya| + |yb|)`` over them, and
         whether an output is NaN on both sides (left out of the sums: it says nothing about a slope)."""
         total, magnitude, undefined = 0.0, 0.0, False
-        for w, a, b in zip(self._w, ya, yb):
-            both_nan = torch.isnan(a) & torch.isnan(b)
-            changed = (a != b) & ~both_nan
-            undefined = undefined or bool(both_nan.any())
-            if not bool(changed.any()):
+        for w, w_abs, a, b in zip(self._w, self._w_abs, ya, yb):
+            d = a - b
+            part = float(torch.dot(w, d))
+            if math.isfinite(part):  # the common case: unchanged elements add exact zeros
+                total += part
+                if noise:
+                    magnitude += float(torch.dot(w_abs, (a.abs() + b.abs()) * (d != 0)))
                 continue
-            total += float(torch.where(changed, w * (a - b), 0.0).sum())
-            magnitude += float(torch.where(changed, w.abs() * (a.abs() + b.abs()), 0.0).sum())
+            both_nan = torch.isnan(a) & torch.isnan(b)
+            changed = (a != b) & ~both_nan  # equal infinities are unchanged too
+            undefined = undefined or bool(both_nan.any())
+            total += float(torch.where(changed, w * d, 0.0).sum())
+            magnitude += float(torch.where(changed, w_abs * (a.abs() + b.abs()), 0.0).sum())
         return total, magnitude, undefined
 
-    def slopes(self, flat: torch.Tensor, g: torch.Tensor, line: Line, t: float) -> Slopes:
-        """Analytic and numeric slopes along ``line`` at step ``t``; ``flat`` is written and restored exactly."""
+    def _perturbed(self, flat: torch.Tensor, line: Line, t: float):
+        """Outputs at ``x + t u`` and ``x - t u``, with the displacements actually stored (rounded to the dtype)."""
+        if line.coordinate:
+            view = flat[line.index]  # a 0-d view: cheaper than index tensors for one element
+            saved = view.clone()
+            s = float(saved)
+            try:
+                view.fill_(s + t)
+                dp = float(view) - s
+                yp = self._eval()
+                view.fill_(s - t)
+                dm = float(view) - s
+                ym = self._eval()
+            finally:
+                view.copy_(saved)
+            dp, dm = (0.0 if math.isnan(dp) else dp), (0.0 if math.isnan(dm) else dm)  # inf - inf: it did not move
+            return yp, ym, torch.tensor([dp], dtype=torch.float64), torch.tensor([dm], dtype=torch.float64)
         idx, u = line.index, line.unit
         saved = flat[idx].clone()
         s64 = saved.to(torch.float64)
+        try:
+            flat[idx] = (s64 + t * u).to(flat.dtype)
+            dp = torch.nan_to_num(flat[idx].to(torch.float64) - s64, nan=0.0)
+            yp = self._eval()
+            flat[idx] = (s64 - t * u).to(flat.dtype)
+            dm = torch.nan_to_num(flat[idx].to(torch.float64) - s64, nan=0.0)
+            ym = self._eval()
+        finally:
+            flat[idx] = saved
+        return yp, ym, dp, dm
+
+    def slopes(self, flat: torch.Tensor, g: torch.Tensor, line: Line, t: float, one_sided: bool = False,
+               noise: bool = True) -> Slopes:
+        """Analytic and numeric slopes along ``line`` at step ``t``; ``flat`` is written and restored exactly.
+
+        The one-sided slopes are computed only when asked for, the noise only unless told not to
+        (``nan`` otherwise): each costs passes over the outputs.
+        """
         with torch.no_grad():
-            try:
-                flat[idx] = (s64 + t * u).to(flat.dtype)
-                dp = torch.nan_to_num(flat[idx].to(torch.float64) - s64, nan=0.0)  # inf - inf: it did not move
-                yp = self._eval()
-                flat[idx] = (s64 - t * u).to(flat.dtype)
-                dm = torch.nan_to_num(flat[idx].to(torch.float64) - s64, nan=0.0)
-                ym = self._eval()
-            finally:
-                flat[idx] = saved
-        gi = g[idx]
-        central, magnitude, undefined = self._diff(yp, ym)
+            yp, ym, dp, dm = self._perturbed(flat, line, t)
+        central, magnitude, undefined = self._diff(yp, ym, noise)
         # The steps actually taken (rounded to the array's dtype), not the nominal ones.
-        analytic = float(torch.dot(gi, dp - dm)) / (2 * t)
-        right = self._diff(yp, self.y0)[0]
-        left = self._diff(self.y0, ym)[0]
-        tp, tm = float(torch.dot(dp, u)), -float(torch.dot(dm, u))
+        if line.coordinate:
+            analytic = float(g[line.index]) * float(dp[0] - dm[0]) / (2 * t)
+            tp, tm = float(dp[0]), -float(dm[0])
+        else:
+            analytic = float(torch.dot(g[line.index], dp - dm)) / (2 * t)
+            tp, tm = float(torch.dot(dp, line.unit)), -float(torch.dot(dm, line.unit))
+        right = left = math.nan
+        if one_sided:
+            right = self._diff(yp, self.y0, False)[0] / tp if tp > 0 else math.nan
+            left = self._diff(self.y0, ym, False)[0] / tm if tm > 0 else math.nan
         return Slopes(
             analytic=analytic,
             numeric=central / (2 * t),
-            noise=NOISE_FACTOR * self.eps_out * magnitude / (2 * t),
-            right=right / tp if tp > 0 else math.nan,
-            left=left / tm if tm > 0 else math.nan,
+            noise=NOISE_FACTOR * self.eps_out * magnitude / (2 * t) if noise else math.nan,
+            right=right,
+            left=left,
             undefined=undefined,
         )
 
-    def judge(self, flat: torch.Tensor, g: torch.Tensor, line: Line, eps: float, atol: float, rtol: float) -> LineVerdict:
-        """Pass when ``|numeric - analytic| <= atol + rtol * |analytic|``, or when the line is not smooth at ``eps``."""
-        base = self.slopes(flat, g, line, eps)
+    def judge(self, flat: torch.Tensor, g: torch.Tensor, line: Line, eps: float, atol: float, rtol: float,
+              noise: bool = False) -> LineVerdict:
+        """Pass when ``|numeric - analytic| <= atol + rtol * |analytic|``, or when the line is not smooth at ``eps``.
+
+        The rounding noise is measured on a failing line, or when ``noise`` asks for it.
+        """
+        base = self.slopes(flat, g, line, eps, noise=noise)
         a, n = base.analytic, base.numeric
         if not (math.isfinite(a) and math.isfinite(n)):
             # Undefined here on both sides (numpy's equal_nan, as Chainer): a non-finite analytic slope
@@ -164,6 +213,7 @@ class OutputProbe:
             return LineVerdict(a, n, base.noise, ok=both, excluded=both)
         if abs(n - a) <= atol + rtol * abs(a):
             return LineVerdict(a, n, base.noise, ok=True)
+        base = self.slopes(flat, g, line, eps, one_sided=True)  # the same point again, with noise and both sides
         if self._not_smooth(flat, g, line, base, eps, atol, rtol):
             return LineVerdict(a, n, base.noise, ok=True, excluded=True)
         return LineVerdict(a, n, base.noise, ok=False)
@@ -187,7 +237,7 @@ class OutputProbe:
         seen: List[Tuple[float, Slopes]] = []
         for scale in REFINE_SCALES:
             t = eps * scale
-            s = self.slopes(flat, g, line, t)
+            s = self.slopes(flat, g, line, t, one_sided=True)
             if not s.finite() or s.noise > 0.5 * gap_at_eps:
                 break
             if abs(s.numeric - s.analytic) <= atol + rtol * abs(s.analytic) + s.noise:
