@@ -159,3 +159,16 @@ def test_bad_dtype_is_named():
         check_backward(torch.tanh, x, x, dtype=np.int32)
     with pytest.raises(TypeError, match="dtype must be a floating dtype.*object"):
         check_backward(torch.tanh, x, x, dtype=object())
+
+
+def test_a_one_percent_error_below_atol_passes_at_the_defaults_and_fails_with_a_smaller_atol():
+    """Chainer's contract: |numeric - analytic| <= atol + rtol*|analytic|. A 1% error in an element whose
+    gradient (for this y_grad) is 1e-4 is 1e-6, inside the default atol of 1e-5 (what the OpInfo benchmark's
+    mutants avoid by choosing elements with gradients of at least 1e-3)."""
+    x = _data((4, 5))
+    gy = _data((5, 4), seed=1)
+    gy[1, 2] = 1e-4  # transpose: the gradient of x[2, 1] is gy[1, 2]
+    index = 2 * 5 + 1
+    check_backward(one_element_off(LAYOUT_AND_ACTIVATIONS["transpose"], index), x, gy)
+    with pytest.raises(GradientCheckError, match=r"at \(2, 1\)"):
+        check_backward(one_element_off(LAYOUT_AND_ACTIVATIONS["transpose"], index), x, gy, atol=1e-9)
