@@ -34,8 +34,9 @@ took. Not part of the test run.
 Run: ``.venv/bin/python benchmarks/opinfo.py`` (needs the ``bench`` extra:
 ``expecttest``; about 10 minutes on 2 CPU cores). ``--only NAME`` restricts to
 operators whose name contains NAME; ``--samples K`` takes the first K samples
-of each operator (named ``op#1``, ``op#2``, ...); ``--json PATH`` writes every
-row with its times.
+of each operator (named ``op#1``, ``op#2``, ...); ``--any-element`` draws the
+mutated element among every element with a nonzero gradient; ``--json PATH``
+writes every row with its times.
 """
 
 from __future__ import annotations
@@ -219,8 +220,9 @@ def y_grads(name: str, outs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
 
 
 def choose_mutation(name: str, fn: Callable[..., Any], xs: Sequence[torch.Tensor],
-                    gys: Sequence[torch.Tensor]) -> Optional[Tuple[int, int]]:
-    """(input, flat element) to make 1% off: drawn among elements whose gradient is >= 1e-3 and >= 1% of the largest."""
+                    gys: Sequence[torch.Tensor], any_element: bool = False) -> Optional[Tuple[int, int]]:
+    """(input, flat element) to make 1% off: drawn among elements whose gradient is >= 1e-3 and >= 1% of the
+    largest (``any_element``: among every element with a nonzero gradient)."""
     leaves = [x.detach().clone().requires_grad_(True) for x in xs]
     outs = float_outputs(fn(*leaves))
     pairs = [(o, g) for o, g in zip(outs, gys) if o.requires_grad]
@@ -234,7 +236,8 @@ def choose_mutation(name: str, fn: Callable[..., Any], xs: Sequence[torch.Tensor
         a = g.detach().abs().reshape(-1)
         if a.numel() == 0:
             continue
-        ok = (a >= 1e-3) & (a >= 1e-2 * a.max()) & torch.isfinite(a)
+        ok = (a > 0) if any_element else (a >= 1e-3) & (a >= 1e-2 * a.max())
+        ok = ok & torch.isfinite(a)
         candidates += [(k, int(i)) for i in torch.nonzero(ok).reshape(-1).tolist()]
     if not candidates:
         return None
@@ -270,13 +273,14 @@ def run_gradcheck(fn, xs, fast: bool, nondet_tol: float) -> str:
 TOOLS = ("check_backward", "gradcheck_fast", "gradcheck_slow")
 
 
-def run_case(case: Dict[str, Any], tools: Sequence[str], times: Dict[str, float]) -> Dict[str, Any]:
+def run_case(case: Dict[str, Any], tools: Sequence[str], times: Dict[str, float],
+             any_element: bool = False) -> Dict[str, Any]:
     name, xs, fn = case["name"], case["xs"], _float_fn(case["fn"])
     with torch.no_grad():
         outs = fn(*xs)
     gys = y_grads(name, outs)
     row: Dict[str, Any] = {"name": name, "numel": sum(x.numel() for x in xs), "correct": {}, "mutant": {}, "seconds": {}}
-    mutation = choose_mutation(name, fn, xs, gys)
+    mutation = choose_mutation(name, fn, xs, gys, any_element)
     row["mutation"] = mutation
     nondet = case["op"].gradcheck_nondet_tol
     for tool in tools:
@@ -336,6 +340,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--only", help="only operators whose full name contains this")
     p.add_argument("--samples", type=int, default=1, help="samples per operator (default 1: the first)")
     p.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated subset of {','.join(TOOLS)}")
+    p.add_argument("--any-element", action="store_true",
+                   help="draw each mutant's element among every element with a nonzero gradient (a 1%% error there "
+                        "can be inside the tools' atol)")
     p.add_argument("--json", help="write every row to this file")
     p.add_argument("-v", "--verbose", action="store_true", help="print each sample as it runs")
     args = p.parse_args(argv)
@@ -349,7 +356,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     times = {t: 0.0 for t in tools}
     rows = []
     for case in cases:
-        row = run_case(case, tools, times)
+        row = run_case(case, tools, times, args.any_element)
         rows.append(row)
         if args.verbose:
             print(row["name"], row["numel"], row["correct"], row["mutant"], flush=True)
