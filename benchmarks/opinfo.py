@@ -1,0 +1,372 @@
+"""``check_backward`` against PyTorch's own operator database (OpInfo), next to ``torch.autograd.gradcheck``.
+
+Walks ``torch.testing._internal.common_methods_invocations.op_db`` and takes, for
+every operator that supports backward in float64 on the CPU, its first float64
+sample input (drawn under a seed made from the operator's name, so the subset is
+the same on every run of one torch version). Left out: random operators
+(dropout, ``rrelu``, ``normal``, ``bernoulli``, fractional max pooling, the
+low-rank SVDs), operators with complex inputs or outputs (``fft.*``,
+``view_as_complex``, ``polar``, ``linalg.eig``, ...), sparse ones, dtype casts
+(``float``, ``half``, ...), operators whose own gradient test in PyTorch
+(``test_fn_grad``) is skipped or expected to fail on CPU float64 (e.g.
+``as_strided_scatter``, ``max_unpool3d`` with repeated indices: their backward
+does not match their forward), samples with no float64 input that requires
+grad or that cannot run on fresh copies of their inputs, and outputs that are
+not differentiable (compared only over the differentiable outputs, as gradcheck
+does). On each sample it runs:
+
+* ``gradwatch.check_backward`` at its defaults on the correct operator: any
+  ``GradientCheckError`` is a false alarm, any other exception an error;
+* the same on a mutant whose backward is 1% off in ONE element: an
+  ``autograd.Function`` whose backward computes the true vector-Jacobian
+  product and multiplies one element of one input's gradient by 1.01 (the
+  input and element drawn at random among elements whose gradient is at least
+  1e-3 and at least 1% of that input's largest, so that a 1% error exceeds
+  gradcheck's default tolerances there);
+* ``torch.autograd.gradcheck`` in fast mode and in slow mode on both
+  (defaults, ``check_batched_grad=False``, the operator's own
+  ``gradcheck_nondet_tol`` and ``gradcheck_wrapper``).
+
+It prints false alarms, errors and mutants caught for each tool, the mutants
+slow gradcheck catches that ``check_backward`` misses, and the time each tool
+took. Not part of the test run.
+
+Run: ``.venv/bin/python benchmarks/opinfo.py`` (needs the ``bench`` extra:
+``expecttest``; about 10 minutes on 2 CPU cores). ``--only NAME`` restricts to
+operators whose name contains NAME; ``--samples K`` takes the first K samples
+of each operator (named ``op#1``, ``op#2``, ...); ``--any-element`` draws the
+mutated element among every element with a nonzero gradient; ``--json PATH``
+writes every row with its times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+import zlib
+from itertools import chain
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # measure the checkout this script sits in
+import gradwatch  # noqa: E402
+
+#: Operators left out by name (substring match on the full name ``name.variant``): random, complex,
+#: sparse, dtype casts.
+SKIP = (
+    "dropout", "rrelu", "normal", "bernoulli", "fractional_max_pool", "svd_lowrank", "pca_lowrank",
+    "sparse", "fft.", "stft", "view_as_complex", "complex", "polar", "linalg.eig", "linalg.eigvals",
+    "cdouble", "cfloat", "chalf", "bfloat16", "half",
+)
+#: Exact names left out: dtype casts (their outputs are not float64).
+SKIP_EXACT = ("float", "double", "to")
+
+
+def full_name(op) -> str:
+    return op.name + ("." + op.variant_test_name if op.variant_test_name else "")
+
+
+def _tensors_requiring_grad(sample) -> List[torch.Tensor]:
+    from torch.testing._internal.common_utils import is_iterable_of_tensors
+
+    inp = list(sample.input) if is_iterable_of_tensors(sample.input) else [sample.input]
+    return [x for x in chain(inp, sample.args, sample.kwargs.values()) if isinstance(x, torch.Tensor) and x.requires_grad]
+
+
+def make_fn(op, sample) -> Callable[..., Any]:
+    """The op as a function of the sample's tensors that require grad (as torch's own gradient tests build it)."""
+    from torch.testing._internal.common_utils import is_iterable_of_tensors
+
+    variant = op.get_op()
+
+    def recompose(inputs, inp, k):
+        if is_iterable_of_tensors(inp):
+            out = []
+            for x in inp:
+                if isinstance(x, torch.Tensor) and x.requires_grad:
+                    out.append(inputs[k])
+                    k += 1
+                else:
+                    out.append(x)
+            return out, k
+        if isinstance(inp, torch.Tensor) and inp.requires_grad:
+            return inputs[k], k + 1
+        return inp, k
+
+    def fn(*inputs):
+        args, k = [], 0
+        for x in (sample.input, *sample.args):
+            v, k = recompose(inputs, x, k)
+            args.append(v)
+        kwargs = {}
+        for key, x in sample.kwargs.items():
+            kwargs[key], k = recompose(inputs, x, k)
+        out = op.gradcheck_wrapper(variant, *args, **kwargs)
+        if sample.output_process_fn_grad is not None:
+            out = sample.output_process_fn_grad(out)
+        return out
+
+    return fn
+
+
+def float_outputs(out: Any) -> Tuple[torch.Tensor, ...]:
+    """The floating tensors among an op's outputs (integer outputs such as indices get no gradient)."""
+    if isinstance(out, torch.Tensor):
+        out = (out,)
+    flat = []
+    for o in out:
+        if isinstance(o, torch.Tensor):
+            flat.append(o)
+        elif isinstance(o, (tuple, list)):
+            flat.extend(t for t in o if isinstance(t, torch.Tensor))
+    return tuple(o for o in flat if o.is_floating_point())
+
+
+def _grad_test_disabled(op) -> bool:
+    """True when PyTorch's own gradient test (``test_fn_grad``) skips or expects a failure on CPU float64."""
+    from torch.testing._internal.opinfo.core import DecorateInfo
+
+    return any(isinstance(d, DecorateInfo) and d.is_active("TestBwdGradients", "test_fn_grad", "cpu", torch.float64, {})
+               for d in op.decorators)
+
+
+def collect(only: Optional[str] = None, per_op: int = 1) -> List[Dict[str, Any]]:
+    """The deterministic subset: the first ``per_op`` float64 samples of each operator that supports backward
+    in float64 on the CPU."""
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    cases = []
+    for op in sorted(op_db, key=full_name):
+        name = full_name(op)
+        if only is not None and only not in name:
+            continue
+        if not op.supports_autograd or torch.float64 not in op.supported_backward_dtypes("cpu"):
+            continue
+        if name in SKIP_EXACT or any(s in name for s in SKIP):
+            continue
+        if _grad_test_disabled(op):
+            continue
+        torch.manual_seed(zlib.crc32(name.encode()))
+        for k, sample in enumerate(op.sample_inputs("cpu", torch.float64, requires_grad=True)):
+            if k >= per_op:
+                break
+            case = _case(op, name if k == 0 else f"{name}#{k}", sample)
+            if case is not None:
+                cases.append(case)
+    return cases
+
+
+def _case(op, name: str, sample) -> Optional[Dict[str, Any]]:
+    """One benchmark case from a sample, or None when it has no float64 input to check."""
+    xs = _tensors_requiring_grad(sample)
+    if not xs or any(x.dtype != torch.float64 for x in xs):
+        return None
+    fn = make_fn(op, sample)
+    try:  # on fresh copies, as every tool gets them (as_strided samples that rely on a larger storage fail)
+        outs = fn(*[x.detach().clone().requires_grad_(True) for x in xs])
+    except RuntimeError:
+        return None
+    flat = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
+    if any(isinstance(o, torch.Tensor) and o.is_complex() for o in flat):
+        return None
+    # Only the differentiable outputs are compared (as gradcheck does): e.g. native_layer_norm's
+    # mean and rstd are outputs its backward ignores by design.
+    keep = [k for k, o in enumerate(float_outputs(outs)) if o.requires_grad]
+    if not keep:
+        return None
+    return {"name": name, "op": op, "sample": sample, "xs": [x.detach() for x in xs], "fn": _select(fn, keep)}
+
+
+def _select(fn: Callable[..., Any], keep: Sequence[int]) -> Callable[..., Any]:
+    def selected(*xs):
+        outs = float_outputs(fn(*xs))
+        return tuple(outs[k] for k in keep)
+
+    return selected
+
+
+def mutant(fn: Callable[..., Any], which: int, index: int, factor: float = 1.01) -> Callable[..., Any]:
+    """``fn`` (floating outputs only) whose backward multiplies element ``index`` of input ``which``'s gradient."""
+
+    class Mutant(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *xs):
+            ctx.save_for_backward(*xs)
+            return tuple(o.detach().clone() for o in float_outputs(fn(*xs)))
+
+        @staticmethod
+        def backward(ctx, *gys):
+            xs = [x.detach().requires_grad_(True) for x in ctx.saved_tensors]
+            with torch.enable_grad():
+                outs = float_outputs(fn(*xs))
+                pairs = [(o, g) for o, g in zip(outs, gys) if o.requires_grad and g is not None]
+                grads = torch.autograd.grad([o for o, _ in pairs], xs, [g for _, g in pairs], allow_unused=True) if pairs else [None] * len(xs)
+            grads = [torch.zeros_like(x) if g is None else g.clone() for g, x in zip(grads, xs)]
+            grads[which].view(-1)[index] *= factor
+            return tuple(grads)
+
+    return lambda *xs: Mutant.apply(*xs)
+
+
+def y_grads(name: str, outs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()) + 1)
+    return [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in outs]
+
+
+def choose_mutation(name: str, fn: Callable[..., Any], xs: Sequence[torch.Tensor],
+                    gys: Sequence[torch.Tensor], any_element: bool = False) -> Optional[Tuple[int, int]]:
+    """(input, flat element) to make 1% off: drawn among elements whose gradient is >= 1e-3 and >= 1% of the
+    largest (``any_element``: among every element with a nonzero gradient)."""
+    leaves = [x.detach().clone().requires_grad_(True) for x in xs]
+    outs = float_outputs(fn(*leaves))
+    pairs = [(o, g) for o, g in zip(outs, gys) if o.requires_grad]
+    if not pairs:
+        return None
+    grads = torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
+    candidates = []
+    for k, g in enumerate(grads):
+        if g is None:
+            continue
+        a = g.detach().abs().reshape(-1)
+        if a.numel() == 0:
+            continue
+        ok = (a > 0) if any_element else (a >= 1e-3) & (a >= 1e-2 * a.max())
+        ok = ok & torch.isfinite(a)
+        candidates += [(k, int(i)) for i in torch.nonzero(ok).reshape(-1).tolist()]
+    if not candidates:
+        return None
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()) + 2)
+    return candidates[int(torch.randint(len(candidates), (1,), generator=gen))]
+
+
+def _float_fn(fn):
+    return lambda *xs: float_outputs(fn(*xs))
+
+
+def run_check_backward(fn, xs, gys) -> str:
+    """'ok', 'alarm' (GradientCheckError) or 'error: ...'."""
+    try:
+        gradwatch.check_backward(fn, tuple(x.clone() for x in xs), tuple(gys))
+        return "ok"
+    except gradwatch.GradientCheckError:
+        return "alarm"
+    except Exception as e:  # noqa: BLE001 - an error is a result here
+        return f"error: {type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"
+
+
+def run_gradcheck(fn, xs, fast: bool, nondet_tol: float) -> str:
+    inputs = tuple(x.detach().clone().requires_grad_(True) for x in xs)
+    try:
+        ok = torch.autograd.gradcheck(fn, inputs, fast_mode=fast, raise_exception=False, check_batched_grad=False,
+                                      nondet_tol=nondet_tol)
+        return "ok" if ok else "alarm"
+    except Exception as e:  # noqa: BLE001
+        return f"error: {type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}"
+
+
+TOOLS = ("check_backward", "gradcheck_fast", "gradcheck_slow")
+
+
+def run_case(case: Dict[str, Any], tools: Sequence[str], times: Dict[str, float],
+             any_element: bool = False) -> Dict[str, Any]:
+    name, xs, fn = case["name"], case["xs"], _float_fn(case["fn"])
+    with torch.no_grad():
+        outs = fn(*xs)
+    gys = y_grads(name, outs)
+    row: Dict[str, Any] = {"name": name, "numel": sum(x.numel() for x in xs), "correct": {}, "mutant": {}, "seconds": {}}
+    mutation = choose_mutation(name, fn, xs, gys, any_element)
+    row["mutation"] = mutation
+    nondet = case["op"].gradcheck_nondet_tol
+    for tool in tools:
+        for kind in ("correct", "mutant"):
+            if kind == "mutant" and mutation is None:
+                continue
+            f = fn if kind == "correct" else mutant(fn, *mutation)
+            t0 = time.perf_counter()
+            torch.manual_seed(0)
+            if tool == "check_backward":
+                res = run_check_backward(f, xs, gys)
+            else:
+                res = run_gradcheck(f, xs, tool == "gradcheck_fast", nondet)
+            seconds = time.perf_counter() - t0
+            times[tool] += seconds
+            row["seconds"][f"{kind}/{tool}"] = round(seconds, 4)
+            row[kind][tool] = res
+    return row
+
+
+def summarize(rows: List[Dict[str, Any]], times: Dict[str, float], tools: Sequence[str]) -> str:
+    n = len(rows)
+    mutants = [r for r in rows if r["mutation"] is not None]
+    lines = [f"{n} samples ({len({r['name'].split('#')[0] for r in rows})} operators), {len(mutants)} mutants "
+             f"(backward 1% off in one element)", ""]
+    lines.append(f"{'tool':<16} {'false alarms':>12} {'errors':>7} {'mutants caught':>15} {'seconds':>8}")
+    for tool in tools:
+        alarms = sum(r["correct"].get(tool) == "alarm" for r in rows)
+        errors = sum(str(r["correct"].get(tool, "")).startswith("error") for r in rows)
+        caught = sum(r["mutant"].get(tool) in ("alarm",) or str(r["mutant"].get(tool, "")).startswith("error")
+                     for r in mutants)
+        lines.append(f"{tool:<16} {alarms:>12} {errors:>7} {f'{caught}/{len(mutants)}':>15} {times[tool]:>8.1f}")
+    lines.append("")
+    if "check_backward" in tools:
+        bad = [r for r in rows if r["correct"].get("check_backward") != "ok"]
+        for r in bad:
+            lines.append(f"  check_backward on correct {r['name']}: {r['correct']['check_backward']}")
+        if "gradcheck_slow" in tools:
+            missed = [r for r in mutants if r["mutant"].get("gradcheck_slow") != "ok" and r["mutant"].get("check_backward") == "ok"]
+            lines.append(f"mutants slow gradcheck catches and check_backward misses: {len(missed)}")
+            for r in missed:
+                lines.append(f"  {r['name']} (input {r['mutation'][0]}, element {r['mutation'][1]}, {r['numel']} elements)")
+        else:
+            missed = [r for r in mutants if r["mutant"].get("check_backward") == "ok"]
+            lines.append(f"mutants check_backward misses: {len(missed)}")
+            for r in missed:
+                lines.append(f"  {r['name']} (input {r['mutation'][0]}, element {r['mutation'][1]}, {r['numel']} elements)")
+    if "gradcheck_slow" in tools:
+        for r in rows:
+            if r["correct"].get("gradcheck_slow") != "ok":
+                lines.append(f"  slow gradcheck on correct {r['name']}: {r['correct']['gradcheck_slow']}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", help="only operators whose full name contains this")
+    p.add_argument("--samples", type=int, default=1, help="samples per operator (default 1: the first)")
+    p.add_argument("--tools", default=",".join(TOOLS), help=f"comma-separated subset of {','.join(TOOLS)}")
+    p.add_argument("--any-element", action="store_true",
+                   help="draw each mutant's element among every element with a nonzero gradient (a 1%% error there "
+                        "can be inside the tools' atol)")
+    p.add_argument("--json", help="write every row to this file")
+    p.add_argument("-v", "--verbose", action="store_true", help="print each sample as it runs")
+    args = p.parse_args(argv)
+    tools = [t for t in args.tools.split(",") if t]
+    for t in tools:
+        if t not in TOOLS:
+            p.error(f"--tools: unknown tool {t!r}; expected some of {', '.join(TOOLS)}")
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    cases = collect(args.only, args.samples)
+    times = {t: 0.0 for t in tools}
+    rows = []
+    for case in cases:
+        row = run_case(case, tools, times, args.any_element)
+        rows.append(row)
+        if args.verbose:
+            print(row["name"], row["numel"], row["correct"], row["mutant"], flush=True)
+    print(f"torch {torch.__version__}, gradwatch {gradwatch.__version__}")
+    print(summarize(rows, times, tools))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "seconds": times}, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
