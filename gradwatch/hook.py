@@ -16,7 +16,7 @@ import time
 import traceback
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -62,6 +62,17 @@ def _alert_from_dict(d: Mapping[str, Any]) -> Alert:
     if fields.get("baseline") is not None:
         fields["baseline"] = float(fields["baseline"])
     return Alert(**fields)
+
+
+def _same_tree(tree: List[Tuple[Dict[str, Any], Tuple[Tuple[str, Any], ...]]]) -> bool:
+    """Every ``_modules``/``_parameters`` dict still holds exactly the items it held (by identity)."""
+    for d, items in tree:
+        if len(d) != len(items):
+            return False
+        for k, v in items:
+            if d.get(k) is not v:
+                return False
+    return True
 
 
 class GradWatch:
@@ -458,33 +469,36 @@ class GradWatch:
         finally:
             self._recorder.paused = False
 
-    #: Checks between two full walks of the model for the training part's parameters (see :meth:`_training_params`).
-    PARAMS_WALK_EVERY = 16
-
     def _training_params(self) -> Dict[str, torch.Tensor]:
         """The watched live parameters (the patterns are matched again only when the trainable set changes).
 
-        The model is walked again every :attr:`PARAMS_WALK_EVERY` checks; in between, the last walk's
-        parameters are reused while each is still its module's parameter and still trainable (a frozen
-        or replaced parameter, or a ``.to()`` that moved one, makes the next check walk at once; a module
-        added mid-run is seen within that many checks). A walk costs 30-50 us on a small model.
+        The last walk's result is reused while the module tree is the same: every module still holds
+        the same submodules and parameters (compared by identity, with nothing added or removed) and
+        each still has its ``requires_grad``. A replaced layer, a frozen, unfrozen or new parameter makes the next
+        check walk again. Checking that costs a few microseconds; a walk costs 30-50 us on a small model.
         """
         cached = getattr(self, "_params_cache", None)
-        if cached is not None and self._checks - cached[0] < self.PARAMS_WALK_EVERY and all(
-                owner._parameters.get(attr) is p and p.requires_grad for owner, attr, p in cached[2]):
-            return cached[1]
-        owners = {}
+        if cached is not None and _same_tree(cached[1]) and all(p.requires_grad == flag for p, flag in cached[2]):
+            return cached[0]
+        tree = []
+        named = []
+        flags = []  # every parameter's requires_grad: one frozen or unfrozen changes the watched set
+        seen = set()
         for mname, module in self.model.named_modules():
+            tree.append((module._modules, tuple(module._modules.items())))
+            tree.append((module._parameters, tuple(module._parameters.items())))
             for attr, p in module._parameters.items():
-                if p is not None and id(p) not in owners:
-                    owners[id(p)] = (f"{mname}.{attr}" if mname else attr, module, attr, p)
-        named = [(n, p) for n, _, _, p in owners.values() if p.requires_grad and p.is_floating_point()]
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    flags.append((p, p.requires_grad))
+                    if p.requires_grad and p.is_floating_point():
+                        named.append((f"{mname}.{attr}" if mname else attr, p))
         key = tuple(n for n, _ in named)
         if self._watched_cache is None or self._watched_cache[0] != key:
             self._watched_cache = (key, set(match_names(list(key), self._check_options.tensors, strict=False)))
         watched = self._watched_cache[1]
         params = {n: p for n, p in named if n in watched}
-        self._params_cache = (self._checks, params, [(m, a, p) for n, m, a, p in owners.values() if n in params])
+        self._params_cache = (params, tree, flags)
         return params
 
     def _training_replay(self, pending: Optional[Step]) -> Optional[Replay]:

@@ -603,3 +603,23 @@ def test_training_part_follows_parameters_frozen_or_replaced_between_checks():
     assert watch._training_params()["2.bias"] is model[2].bias
     assert all(t.verdict is Verdict.EXCELLENT for t in report.training.values())
     watch.close()
+
+
+def test_training_part_follows_a_replaced_layer_and_an_unfrozen_parameter():
+    model = mlp()
+    model[0].bias.requires_grad_(False)
+    watch = GradWatch(model, ce, **quiet())
+    seen = []
+    for i, batch in enumerate(data(3)):
+        if i == 1:
+            model[0].bias.requires_grad_(True)  # unfrozen
+        if i == 2:
+            model[2] = nn.Linear(16, 3)  # a layer replaced: same names, new tensors
+        model.zero_grad()
+        ce(model, batch).backward()
+        report = watch.step(batch)
+        seen.append(sorted(report.training))
+        assert all(t.verdict is Verdict.EXCELLENT for t in report.training.values()), report.training
+    assert seen == [["0.weight", "2.bias", "2.weight"]] + [["0.bias", "0.weight", "2.bias", "2.weight"]] * 2
+    assert watch._training_params()["2.weight"] is model[2].weight
+    watch.close()
