@@ -12,7 +12,7 @@ from torch import nn
 from .context import preserved_rng, seed_everything
 from .errors import GradientCheckError
 from .numeric import Verdict, max_rel_error, rel_diff
-from .options import parse_dtype
+from .options import parse_dtype, torch_dtype_of_numpy
 from .report import CheckReport, TensorCheck, diagnose
 from .sampling import choose_coords, generator, tensor_seed
 from .vjp_probe import Line, OutputProbe
@@ -44,14 +44,13 @@ def _parse_dtype(dtype: Any) -> Optional[torch.dtype]:
     """``dtype=`` as Chainer takes it: a torch dtype, a numpy dtype or type (``numpy.float64``), a name, or None."""
     if dtype is None or isinstance(dtype, (torch.dtype, str)):
         return parse_dtype(dtype)
-    try:
-        npd = np.dtype(dtype)
-    except TypeError:
+    converted = torch_dtype_of_numpy(dtype)
+    if converted is None:
         raise TypeError(f"dtype must be a floating dtype (torch.float64, numpy.float64, 'float64') or None, "
-                        f"got {dtype!r}") from None
-    if npd.kind != "f":
+                        f"got {dtype!r}")
+    if not converted.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype (float16, float32, float64) or None, got {dtype!r}")
-    return torch.from_numpy(np.empty(0, dtype=npd)).dtype
+    return converted
 
 
 def _params_tuple(params: Any) -> List[Tuple[str, torch.Tensor]]:

@@ -35,7 +35,7 @@ OPTION_DOCS: Dict[str, str] = {
     "bands": "upper bounds of EXCELLENT, ACCEPTABLE, SUSPICIOUS for the judged rel_diff",
     "fail_at": "verdict from which a tensor counts as failing: suspicious or wrong",
     "seed": "base sampling seed (changes every check so coverage accumulates); >= 0",
-    "dtype": "evaluate the check on a shadow copy in this dtype (float64, float32); null checks in place",
+    "dtype": "evaluate the check on a shadow copy in this dtype (float64, float32; in Python also torch.float64 or numpy.float64); null checks in place",
     "detect_kinks": "re-examine disagreeing samples for non-differentiable points before calling them wrong",
     "per_term": "also check each term of the objective (loss, each regularizer) on its own",
     "tensors": "glob patterns of parameter names to check (e.g. ['encoder.*']); null checks all trainable",

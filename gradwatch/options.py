@@ -27,7 +27,7 @@ _DTYPE_NAMES = {
 
 
 def parse_dtype(value: Any) -> Optional[torch.dtype]:
-    """``torch.float64``/``"float64"`` -> float64, ``"float32"`` -> float32, ``None``/``"none"`` -> in place.
+    """``torch.float64``/``numpy.float64``/``"float64"`` -> float64, ``"float32"`` -> float32, ``None``/``"none"`` -> in place.
 
     Example:
         >>> parse_dtype("float64")
@@ -43,7 +43,33 @@ def parse_dtype(value: Any) -> Optional[torch.dtype]:
         return value
     if isinstance(value, str) and value.lower().replace("torch.", "") in _DTYPE_NAMES:
         return _DTYPE_NAMES[value.lower().replace("torch.", "")]
-    raise ConfigError(f"dtype: got {value!r}, expected 'float64', 'float32' or None (check in place)")
+    converted = torch_dtype_of_numpy(value)
+    if converted is not None:
+        if not converted.is_floating_point:
+            raise ConfigError(f"dtype: got {value!r}, expected a floating dtype (float64, float32) or None for in place")
+        return converted
+    raise ConfigError(f"dtype: got {value!r}, expected 'float64', 'float32', torch.float64, numpy.float64 "
+                      "or None (check in place)")
+
+
+def torch_dtype_of_numpy(value: Any) -> Optional[torch.dtype]:
+    """The torch dtype of a numpy dtype or scalar type (``numpy.float64``), None for anything else.
+
+    Example:
+        >>> import numpy
+        >>> torch_dtype_of_numpy(numpy.float64), torch_dtype_of_numpy("float64")
+        (torch.float64, None)
+    """
+    if isinstance(value, (str, bytes)) or value is None:
+        return None
+    import numpy as np
+
+    if not (isinstance(value, np.dtype) or (isinstance(value, type) and issubclass(value, np.generic))):
+        return None
+    try:
+        return torch.from_numpy(np.empty(0, dtype=np.dtype(value))).dtype
+    except TypeError:  # a numpy dtype torch has no counterpart for (strings, objects)
+        return None
 
 
 def _int(name: str, value: Any, minimum: int) -> int:

@@ -6,6 +6,7 @@ import json
 import pathlib
 
 import pytest
+import torch
 import yaml
 
 from gradwatch.config import OPTION_DOCS, GradWatchConfig, load_config, option_names, options_table
@@ -195,3 +196,21 @@ def test_callable_regularizers_allowed_from_python():
 def test_trend_tracker_uses_config_settings():
     tracker = GradWatchConfig(bands=(1e-6, 1e-3, 1e-1), drift_window=5, alert_cooldown=0).trend_tracker()
     assert (tracker.bands, tracker.drift_window, tracker.alert_cooldown) == ((1e-6, 1e-3, 1e-1), 5, 0)
+
+
+def test_numpy_dtypes_are_accepted_wherever_dtype_is():
+    import numpy as np
+    from torch import nn
+
+    from gradwatch import GradWatch, check_model
+    from gradwatch.options import parse_dtype
+
+    assert parse_dtype(np.float64) is torch.float64 and parse_dtype(np.dtype("float32")) is torch.float32
+    with pytest.raises(ConfigError, match="int64"):
+        parse_dtype(np.int64)
+    model = nn.Linear(3, 1)
+    report = check_model(model, lambda m, b: m(b).pow(2).sum(), torch.randn(4, 3), dtype=np.float64)
+    assert report.ok and report.dtype == "float64"
+    watch = GradWatch(model, lambda m, b: m(b).pow(2).sum(), dtype=np.float32, log_dir=None)
+    assert watch._check_options.dtype is torch.float32
+    watch.close()
