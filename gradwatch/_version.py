@@ -1,1 +1,3 @@
+"""The package version: its one source (pyproject.toml reads it from here)."""
+
 __version__ = "0.1.0"

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 import torch.distributed as dist
 from torch import nn
 
-from .errors import blamed
+from .errors import GradWatchError, blamed
 from .report import CheckReport
 from .sampling import rotate
 from .trend import WHOLE_CHECK, Alert
@@ -64,7 +64,7 @@ DEFAULT_TIMEOUT = 300.0
 _WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
 
 
-class DistributedCheckError(RuntimeError):
+class DistributedCheckError(GradWatchError, RuntimeError):
     """A check failed on another rank, or a rank did not take part in gradwatch's collectives."""
 
 

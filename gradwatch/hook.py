@@ -64,6 +64,10 @@ def _alert_from_dict(d: Mapping[str, Any]) -> Alert:
     return Alert(**fields)
 
 
+#: Version of :meth:`GradWatch.state_dict`'s layout (raise it when a key changes meaning; older ones still load).
+STATE_VERSION = 1
+
+
 def _same_tree(tree: List[Tuple[Dict[str, Any], Tuple[Tuple[str, Any], ...]]]) -> bool:
     """Every ``_modules``/``_parameters`` dict still holds exactly the items it held (by identity)."""
     for d, items in tree:
@@ -665,7 +669,7 @@ class GradWatch:
     def state_dict(self) -> Dict[str, Any]:
         """Everything needed to resume: schedule, trends, coverage, counters."""
         return {
-            "version": 1,
+            "version": STATE_VERSION,
             "run_id": self.run_id,
             "step": self._step,
             "checks": self._checks,
@@ -682,6 +686,11 @@ class GradWatch:
         """Resume from :meth:`state_dict`: the schedule and trends continue as if uninterrupted."""
         if not isinstance(state, Mapping) or "tracker" not in state:
             raise ValueError("load_state_dict expects a dict produced by GradWatch.state_dict()")
+        version = state.get("version", 1)
+        if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= STATE_VERSION:
+            raise ValueError(f"load_state_dict: the state has version {version!r}, this gradwatch "
+                             f"({_version}) reads versions 1 to {STATE_VERSION}: a checkpoint written by a newer "
+                             "gradwatch; upgrade gradwatch, or drop the 'gradwatch' entry to start the watch afresh")
         self._step = int(state["step"])
         self._checks = int(state["checks"])
         self._counts = dict(state["counts"])

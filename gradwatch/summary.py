@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
+from .errors import GradWatchError
 from .numeric import DEFAULT_BANDS, Verdict
 from .records import ALERTS_TEXT_TAG, to_jsonable
 from .sinks import JSONL_NAME, RUN_TEXT_TAG, read_jsonl
@@ -43,7 +44,7 @@ _EVENT_PREFIX = "events.out.tfevents"
 _TEXT_RE = re.compile(r"^\*\*(?P<severity>[^*]*)\*\* `(?P<kind>[^`]*)` on `(?P<tensor>[^`]*)`: (?P<message>.*)$", re.S)
 
 
-class RunNotFound(Exception):
+class RunNotFound(GradWatchError):
     """No gradwatch data where the user pointed (the CLI exits 2 with this message)."""
 
 

@@ -477,3 +477,18 @@ def test_step_leaves_training_untouched():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(torch.equal(grads[n], p.grad) for n, p in model.named_parameters())
     assert model.training and model[3].training
+
+
+def test_a_state_from_a_newer_gradwatch_is_refused_with_its_version():
+    from gradwatch.errors import GradWatchError
+    from gradwatch.distributed import DistributedCheckError
+    from gradwatch.summary import RunNotFound
+
+    model = nn.Linear(3, 1)
+    watch = GradWatch(model, lambda m, b: m(b).sum(), log_dir=None, every=1)
+    state = watch.state_dict()
+    watch.load_state_dict(state)  # its own version loads
+    with pytest.raises(ValueError, match="version 99"):
+        watch.load_state_dict({**state, "version": 99})
+    watch.close()
+    assert issubclass(DistributedCheckError, GradWatchError) and issubclass(RunNotFound, GradWatchError)
