@@ -23,7 +23,7 @@ from .objective import Objective, coupled_weight_decay
 from .options import CheckOptions
 from .padding import padding_note, padding_rows_constant
 from .precision import ShadowPrecision
-from .report import CheckReport, TensorCheck
+from .report import CheckReport, InconclusiveKind, TensorCheck
 from .sampling import match_names
 
 GradFn = Callable[[nn.Module, Any], Mapping[str, torch.Tensor]]
@@ -231,6 +231,7 @@ def run_model_check(
                 report.tensors[n] = TensorCheck(
                     name=n, shape=tuple(p.shape), rel_diff=float("nan"), max_rel_error=float("nan"),
                     inconclusive=f"objective is not finite ({report.objective}); gradients not checked",
+                    inconclusive_kind=InconclusiveKind.NONFINITE,
                 )
             report.seconds = time.perf_counter() - start
             return report
@@ -419,6 +420,7 @@ def _judge_all(report: CheckReport, params: Dict[str, torch.Tensor], grads, eval
             report.tensors[n] = TensorCheck(
                 name=n, shape=tuple(p.shape), rel_diff=float("nan"), max_rel_error=float("nan"),
                 inconclusive=f"objective is nondeterministic (two evaluations differ by {jitter:.3g})",
+                inconclusive_kind=InconclusiveKind.NONDETERMINISTIC,
             )
         return
     settings = EngineSettings(
@@ -434,6 +436,7 @@ def _judge_all(report: CheckReport, params: Dict[str, torch.Tensor], grads, eval
             report.tensors[n] = TensorCheck(
                 name=n, shape=tuple(p.shape), rel_diff=float("nan"), max_rel_error=float("nan"),
                 inconclusive="analytic gradient has non-finite values (NaN or inf)",
+                inconclusive_kind=InconclusiveKind.NONFINITE,
             )
             continue
         main, per_term = check_tensor(n, p, g, evaluator, j0, settings, opts.seed,
@@ -516,7 +519,8 @@ def check_numpy(
                 report.nonfinite = True
                 for n, v in views.items():
                     report.tensors[n] = TensorCheck(name=n, shape=tuple(v.shape), rel_diff=float("nan"), max_rel_error=float("nan"),
-                                                    inconclusive=f"objective is not finite ({report.objective})")
+                                                    inconclusive=f"objective is not finite ({report.objective})",
+                                                    inconclusive_kind=InconclusiveKind.NONFINITE)
             else:
                 analytic = {n: {"total": g} for n, g in given.items()}
                 eps = max(machine_eps(v.dtype) for v in views.values())

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .numeric import Verdict, max_rel_error, rel_diff
-from .report import TensorCheck, constant_ratio, diagnose
+from .report import InconclusiveKind, TensorCheck, constant_ratio, diagnose
 from .sampling import choose_coords, generator, rademacher_signs, tensor_seed
 
 Terms = Dict[str, float]
@@ -545,6 +545,7 @@ def _summarize(name, shape, samples: List[Sample], outcomes: List[Outcome], term
     )
     if not all(map(math.isfinite, ca + cn + da + dn)):
         check.inconclusive = "non-finite values in the objective or gradient along the sampled points"
+        check.inconclusive_kind = InconclusiveKind.NONFINITE
         check.judged_rel_diff = float("nan")
         return check
     verdict = Verdict.from_value(judged, settings.bands)
@@ -557,15 +558,16 @@ def _summarize(name, shape, samples: List[Sample], outcomes: List[Outcome], term
             f"the sampled slopes disagree by {raw:.1e}, within the rounding noise of the low-precision part of "
             f"the objective ({settings.coarse}); a gradient error of that size cannot be told from it"
         )
+        check.inconclusive_kind = InconclusiveKind.LOW_PRECISION
         return check
     if unresolved and not verdict.is_failure(settings.fail_at):
         # The resolvable samples pass, but some disagreed by less than this precision can resolve.
-        # (No "finite" in this text: the trend tracker reads that word as a NaN/inf problem.)
         check.inconclusive = (
             f"{unresolved} of {len(outcomes)} samples disagree by less than low-precision central differences "
             f"can resolve (a ReLU/max-pool/abs kink within the step {samples[0].step:.1e}, or a small gradient "
             "error); check with dtype=float64 (the default shadow copy) to judge them"
         )
+        check.inconclusive_kind = InconclusiveKind.UNRESOLVED
         return check
     check.verdict = verdict
     check.failed = check.verdict.is_failure(settings.fail_at)

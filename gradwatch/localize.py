@@ -47,7 +47,7 @@ from .numeric import machine_eps
 from .options import CheckOptions
 from .padding import padding_rows_constant
 from .precision import ShadowPrecision
-from .report import TensorCheck, json_float
+from .report import InconclusiveKind, TensorCheck, json_float
 from .sampling import generator, tensor_seed
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -363,7 +363,8 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
                 g = g_of[id(t)]
                 if not (math.isfinite(total(j_a)) and bool(torch.isfinite(g).all())):
                     result.tensors[key] = TensorCheck(name=f"{name}:{key}", shape=tuple(t.shape), rel_diff=float("nan"),
-                                                      max_rel_error=float("nan"), inconclusive="non-finite values")
+                                                      max_rel_error=float("nan"), inconclusive="non-finite values",
+                                                      inconclusive_kind=InconclusiveKind.NONFINITE)
                     continue
                 check, _ = check_tensor(f"{name}:{key}", t, {"total": g}, evaluator, total(j_a), settings, opts.seed)
                 result.tensors[key] = check

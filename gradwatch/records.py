@@ -31,6 +31,8 @@ TENSOR_FIELDS = (
     "noise_floor",
     "diagnosis",
     "inconclusive",
+    "inconclusive_kind",
+    "ratio",
     "shape",
 )
 
@@ -94,6 +96,8 @@ def check_record(
             "noise_floor": json_float(t.noise_floor),
             "diagnosis": t.diagnosis,
             "inconclusive": t.inconclusive,
+            "inconclusive_kind": t.inconclusive_kind.value if t.inconclusive_kind is not None else None,
+            "ratio": json_float(t.ratio),
             "shape": [int(s) for s in t.shape],
         }
         if t.rel_diff is not None and math.isfinite(t.rel_diff):

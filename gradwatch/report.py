@@ -7,12 +7,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
 from .errors import GradientCheckError
 from .numeric import Verdict
+
+
+class InconclusiveKind(str, Enum):
+    """Why a tensor got no verdict, as a typed field (``TensorCheck.inconclusive_kind``); the text says it in words.
+
+    Example:
+        >>> InconclusiveKind.NONFINITE.value
+        'nonfinite'
+    """
+
+    NONFINITE = "nonfinite"  #: NaN or inf in the objective or a gradient
+    NONDETERMINISTIC = "nondeterministic"  #: two evaluations of the same point differ
+    LOW_PRECISION = "low_precision"  #: within the rounding of a part of the objective computed in lower precision
+    UNRESOLVED = "unresolved"  #: some samples differ by less than central differences can resolve
 
 
 @dataclass
@@ -35,7 +50,8 @@ class TensorCheck:
         diagnosis: What a person should check next, when the tensor failed.
         ratio: Analytic over numeric, when the tensor failed and one constant factor explains it
             (:func:`constant_ratio`; the diagnosis then says "analytic is 2.00x numeric").
-        inconclusive: Why no verdict could be given (non-finite values, nondeterminism).
+        inconclusive: Why no verdict could be given (non-finite values, nondeterminism), in words.
+        inconclusive_kind: The same as an :class:`InconclusiveKind` (what alerts and localization read).
         coords: Indices of the sampled coordinates.
         analytic: Analytic gradient at ``coords``.
         numeric: Numerical gradient at ``coords``.
@@ -67,12 +83,14 @@ class TensorCheck:
     dir_analytic: List[float] = field(default_factory=list)
     dir_numeric: List[float] = field(default_factory=list)
     ratio: Optional[float] = None
+    inconclusive_kind: Optional[InconclusiveKind] = None
 
     def to_dict(self, samples: bool = True) -> Dict[str, Any]:
         """JSON-serializable dict (``samples=False`` drops the per-coordinate values)."""
         d = asdict(self)
         d["shape"] = list(self.shape)
         d["verdict"] = self.verdict.value if self.verdict is not None else None
+        d["inconclusive_kind"] = self.inconclusive_kind.value if self.inconclusive_kind is not None else None
         d["coords"] = [list(c) for c in self.coords]
         for key in ("rel_diff", "max_rel_error", "directional_rel_diff", "judged_rel_diff"):
             d[key] = json_float(d[key])

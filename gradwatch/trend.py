@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .errors import ConfigError
 from .numeric import DEFAULT_BANDS, Verdict, validate_bands
-from .report import CheckReport, TensorCheck, json_float
+from .report import CheckReport, InconclusiveKind, TensorCheck, json_float
 
 #: Alert kinds, in the order they are reported within one check.
 ALERT_KINDS = ("threshold", "drift", "nonfinite", "nondeterministic", "error")
@@ -251,8 +251,7 @@ class TrendTracker:
             alerts.extend(self._drift(step, t))
             bad = (
                 t.verdict is None
-                and t.inconclusive is not None
-                and "finite" in t.inconclusive.lower()
+                and t.inconclusive_kind == InconclusiveKind.NONFINITE
                 and not objective_nonfinite
             )
             tensor_nonfinite |= bad

@@ -49,7 +49,7 @@ TOP_KEYS = {
 }
 TENSOR_KEYS = {
     "rel_diff", "directional_rel_diff", "max_rel_error", "judged_rel_diff", "verdict", "kinks",
-    "noise_floor", "diagnosis", "inconclusive", "shape",
+    "noise_floor", "diagnosis", "inconclusive", "inconclusive_kind", "ratio", "shape",
 }
 
 
@@ -173,3 +173,17 @@ def test_to_jsonable():
     assert to_jsonable({"a": np.float32(1.5), "b": np.int64(2), "c": [float("-inf")], "d": np.bool_(True)}) == {
         "a": 1.5, "b": 2, "c": ["-inf"], "d": True,
     }
+
+
+def test_tensor_records_carry_the_typed_kind_and_ratio():
+    import math as _math
+
+    from gradwatch.records import check_record
+    from gradwatch.report import CheckReport, InconclusiveKind, TensorCheck
+
+    nan = TensorCheck(name="a", shape=(2,), rel_diff=_math.nan, max_rel_error=_math.nan, inconclusive="NaN",
+                      inconclusive_kind=InconclusiveKind.NONFINITE)
+    off = TensorCheck(name="b", shape=(2,), rel_diff=0.3, max_rel_error=0.3, ratio=2.0)
+    rec = check_record(3, CheckReport(tensors={"a": nan, "b": off}), seconds=0.1, overhead_fraction=0.01)
+    assert rec["tensors"]["a"]["inconclusive_kind"] == "nonfinite" and rec["tensors"]["a"]["ratio"] is None
+    assert rec["tensors"]["b"]["inconclusive_kind"] is None and rec["tensors"]["b"]["ratio"] == 2.0

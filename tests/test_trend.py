@@ -9,16 +9,19 @@ import pytest
 
 from gradwatch.errors import ConfigError
 from gradwatch.numeric import Verdict
-from gradwatch.report import CheckReport, TensorCheck
+from gradwatch.report import CheckReport, InconclusiveKind, TensorCheck
 from gradwatch.trend import Alert, TrendTracker
 
 
-def tc(name: str, value: float, diagnosis: str | None = None, inconclusive: str | None = None) -> TensorCheck:
+def tc(name: str, value: float, diagnosis: str | None = None, inconclusive: str | None = None,
+       kind: InconclusiveKind | None = None) -> TensorCheck:
     verdict = None if inconclusive else Verdict.from_value(value)
+    if inconclusive and kind is None and "finite" in inconclusive:
+        kind = InconclusiveKind.NONFINITE  # as the check sets it for these texts
     return TensorCheck(
         name=name, shape=(4,), rel_diff=value, max_rel_error=value, directional_rel_diff=value,
         judged_rel_diff=value, verdict=verdict, failed=verdict is not None and verdict.rank >= 2,
-        diagnosis=diagnosis, inconclusive=inconclusive,
+        diagnosis=diagnosis, inconclusive=inconclusive, inconclusive_kind=kind,
     )
 
 
@@ -158,6 +161,16 @@ def test_nonfinite_objective_is_one_whole_check_alert():
     assert tracker.update(6, bad) == []  # deduplicated
     assert tracker.update(7, report(tc("a", 1e-9))) == []  # recovers
     assert [x.kind for x in tracker.update(8, bad)] == ["nonfinite"]  # relapse
+
+
+def test_alerts_follow_the_typed_kind_not_the_wording():
+    tracker = TrendTracker()
+    reworded = tc("b", math.nan, inconclusive="NaN in the gradient", kind=InconclusiveKind.NONFINITE)
+    alerts = tracker.update(3, report(tc("a", 1e-9), reworded, nonfinite=True))
+    assert [(a.tensor, a.kind) for a in alerts] == [("b", "nonfinite")]
+    # A text that happens to say "finite" but is another kind raises no NaN alert for the tensor.
+    other = tc("c", math.nan, inconclusive="not resolvable by finite differences", kind=InconclusiveKind.UNRESOLVED)
+    assert TrendTracker().update(3, report(tc("a", 1e-9), other)) == []
 
 
 def test_nonfinite_gradient_names_the_tensor():
