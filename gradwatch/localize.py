@@ -230,8 +230,7 @@ def _capture(target: nn.Module, loss_fn: LossFn, batch: Any, chosen: Sequence[st
             calls[name] = calls.get(name, 0) + 1
             if keep and name not in captured:
                 # Opaque inputs (a KV cache) are copied as they are now: the rest of the forward mutates them.
-                captured[name] = _call_inputs(_map(args, lambda t: t.detach().clone()),
-                                              _map(kwargs, lambda t: t.detach().clone()))
+                captured[name] = _copy_opaque(_map((args, kwargs), lambda t: t.detach().clone()))
 
         return hook
 
@@ -394,20 +393,27 @@ def _opaque(obj: Any) -> bool:
 
 
 def _call_inputs(args: Any, kwargs: Any) -> Tuple[Any, Any]:
-    """Fresh inputs for one call of a module: tensors cloned, opaque objects deep-copied.
+    """Fresh inputs for one call of a module: floating tensors cloned, opaque objects deep-copied.
 
-    A module may mutate an object it is given (a transformers ``Cache`` appends keys and
-    values at every call): each evaluation gets its own copy of the captured one, so every
-    evaluation computes the same function. Objects that cannot be copied are passed as they are.
+    A module may work in place on its input (``ReLU(inplace=True)``) or mutate an object it is
+    given (a transformers ``Cache`` appends keys and values at every call): each evaluation gets
+    its own copies, so every evaluation computes the same function.
     """
-    fresh = _map((args, kwargs), _fresh)
-    if not _opaque(fresh):
-        return fresh
-    memo = {id(t): t for _, t in _leaves(fresh)}  # the tensors themselves: already fresh clones
+    return _copy_opaque(_map((args, kwargs), _fresh))
+
+
+def _copy_opaque(obj: Any) -> Any:
+    """``obj`` with its opaque parts deep-copied; the tensors in its standard containers stay as they are.
+
+    Objects that cannot be copied are kept as they are.
+    """
+    if not _opaque(obj):
+        return obj
+    memo = {id(t): t for _, t in _leaves(obj)}  # deepcopy keeps these tensors
     try:
-        return copy.deepcopy(fresh, memo)
+        return copy.deepcopy(obj, memo)
     except Exception:  # noqa: BLE001 - an object that refuses copying: passed as captured
-        return fresh
+        return obj
 
 
 def _input_keys(paths: List[str]) -> List[str]:

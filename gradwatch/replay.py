@@ -358,6 +358,23 @@ GradOf = Callable[[torch.Tensor, Any], Dict[str, torch.Tensor]]
 Context = Optional[Callable[[], Any]]
 
 
+@contextlib.contextmanager
+def _isolated(root: nn.Module, recorder: ForwardRecorder) -> Iterator[None]:
+    """The live model as a replay runs it: the recorder paused, hooks your code registered and the
+    ``spectral_norm`` power iteration off; generators, buffers and plain attributes put back after."""
+    recorder.paused = True
+    try:
+        modules = list(root.modules())  # one walk for the guards below
+        with preserved_rng(), frozen_power_iteration(root, modules), suspended_hooks(root, modules):
+            guard = BufferGuard(root, attributes=True, modules=modules)
+            try:
+                yield
+            finally:
+                guard.restore_changed()
+    finally:
+        recorder.paused = False
+
+
 def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of: GradOf, mb: MicroBatch,
          mode: str, params: Dict[str, torch.Tensor], context: Context = None,
          generators: Sequence[Any] = ()) -> Tuple[Dict[str, torch.Tensor], float, _Probe, tuple]:
@@ -375,26 +392,19 @@ def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of
     probe = _Probe(mb.records, mode)
     region = context() if context is not None else autocast_as(mb.records[0].autocast if mb.records else ())
     held = HeldGenerators.of(generators)
-    recorder.paused = True
     handle = root.register_forward_pre_hook(probe, with_kwargs=True, prepend=True)
     try:
-        modules = list(root.modules())  # one walk for the guards below
-        with preserved_rng(), frozen_power_iteration(root, modules), suspended_hooks(root, modules):
-            guard = BufferGuard(root, attributes=True, modules=modules)
-            try:
-                if mode == "start":
-                    mb.start.apply()
-                with torch.enable_grad(), _hooks_detached(list(params.values())):
-                    with region:  # the forward in training's autocast region; backward outside it, as training's
-                        autocast = autocast_state()
-                        total = evaluate(root, mb.batch)
-                    grads = grad_of(total, mb.batch)
-                value = float(total.detach())
-            finally:
-                guard.restore_changed()
+        with _isolated(root, recorder):
+            if mode == "start":
+                mb.start.apply()
+            with torch.enable_grad(), _hooks_detached(list(params.values())):
+                with region:  # the forward in training's autocast region; backward outside it, as training's
+                    autocast = autocast_state()
+                    total = evaluate(root, mb.batch)
+                grads = grad_of(total, mb.batch)
+            value = float(total.detach())
     finally:
         handle.remove()
-        recorder.paused = False
         if held.moved():
             probe.faithful = False
             probe.private = True
@@ -405,18 +415,10 @@ def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of
 def rng_free(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, mb: MicroBatch) -> bool:
     """True when the objective on this batch does not depend on torch's generator (two seeds agree)."""
     values = []
-    recorder.paused = True
-    try:
-        with preserved_rng(), torch.no_grad(), frozen_power_iteration(root), suspended_hooks(root):
-            guard = BufferGuard(root, attributes=True)
-            try:
-                for seed in (12345, 54321):
-                    torch.manual_seed(seed)
-                    values.append(float(evaluate(root, mb.batch).detach()))
-            finally:
-                guard.restore_changed()
-    finally:
-        recorder.paused = False
+    with _isolated(root, recorder), torch.no_grad():
+        for seed in (12345, 54321):
+            torch.manual_seed(seed)
+            values.append(float(evaluate(root, mb.batch).detach()))
     return values[0] == values[1]
 
 

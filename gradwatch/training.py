@@ -102,10 +102,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         if _MEMCMP is not None:
             size = a.numel() * a.element_size()
             return size == 0 or a.data_ptr() == b.data_ptr() or _MEMCMP(a.data_ptr(), b.data_ptr(), size) == 0
-    if a.device.type == "cpu" and a.is_contiguous() and b.is_contiguous() and a.element_size() in _INT_OF_SIZE \
-            and not a.is_complex():
-        as_int = _INT_OF_SIZE[a.element_size()]
-        return bool(np.array_equal(a.detach().view(as_int).numpy(), b.detach().view(as_int).numpy()))
+        if a.element_size() in _INT_OF_SIZE and not a.is_complex():
+            as_int = _INT_OF_SIZE[a.element_size()]
+            return bool(np.array_equal(a.detach().view(as_int).numpy(), b.detach().view(as_int).numpy()))
     return bool(torch.equal(a, b))
 
 
