@@ -1,33 +1,40 @@
-"""GradWatch under ``torch.distributed`` (DistributedDataParallel, Lightning's DDP strategies).
+"""GradWatch under ``torch.distributed``: DDP, Lightning's DDP strategies, and FSDP2 (``fully_shard``).
 
-What changes when the process group has more than one rank:
+:class:`DistributedCoordinator` shares, gathers and merges; it runs no check.
+:class:`gradwatch.GradWatch` runs its own check and calls it at fixed points,
+the same on every rank:
 
-- **The check never calls a collective.** It runs on the unwrapped module
-  (``model.module`` of a DDP/DataParallel wrapper), through the ``loss_fn``'s
-  model argument, so DDP's forward buffer broadcast and backward all-reduce
-  hooks never fire inside a check.
-- **Every rank decides alike when to check.** ``every=N`` is a pure function
-  of the step count. ``every="auto"`` is agreed: after each check, rank 0's
-  next interval (from its own timings) travels with the gathered results, and
-  every rank follows it. So the only collectives gradwatch makes are the ones
-  right after a check, at the same point on every rank, and none on the steps
-  between checks.
-- **Each rank checks its share.** The rotating subset of tensors is chosen
-  alike on every rank (``tensors_per_check`` tensors per rank), then split
-  round-robin: rank ``r`` checks tensors ``r, r + W, ...`` on its own batch.
-  A check's cost is per sampled point (one forward each), not per element, so
-  splitting by tensor balances the work.
-- **Rank 0 writes.** Results are gathered (``all_gather_object``) on a
-  separate gloo group created with a timeout. Every rank merges them into the
-  same report, so trends, alerts, ``raise_on`` and the next schedule decision
-  are identical everywhere; only rank 0 builds file sinks (TensorBoard, JSONL)
-  and logs.
-- **Nobody waits forever.** An exception in one rank's check is caught there
-  and sent with the results (an ``error`` alert naming the rank). A rank that
-  does not arrive at all (crashed, hung in its ``loss_fn``) is detected by a
-  ``monitored_barrier`` within ``distributed_timeout`` seconds: the others
-  raise an ``error`` alert naming the missing ranks, stop checking (their
-  group is no longer usable) and return to training.
+1. **Agree on the schedule** (:meth:`~DistributedCoordinator.due`). ``every=N``
+   is a pure function of the step count; ``every="auto"`` follows rank 0's
+   interval, which travels with the gathered results of each check.
+2. **Agree on a sharded model's layout** (:meth:`~DistributedCoordinator.same_everywhere`),
+   FSDP2 only: every rank then gathers the same parameters in the same order
+   into its replica (:mod:`gradwatch.sharded`), the only collectives of the
+   model's own group a check makes.
+3. **Share the tensors** (:meth:`~DistributedCoordinator.share`). The rotating
+   subset is chosen alike on every rank (:meth:`~DistributedCoordinator.tensors_per_check`
+   tensors in all), then split round-robin: rank ``r`` checks tensors
+   ``r, r + W, ...`` on its own batch. A check's cost is per sampled point,
+   not per element, so splitting by tensor balances the work. The check itself
+   runs on the unwrapped module (DDP) or on the gathered replica (FSDP2): it
+   makes no collective, so ranks whose checks differ in length never send
+   mismatched collectives.
+4. **Gather and merge** (:meth:`~DistributedCoordinator.gather`,
+   :func:`merge_results`): each rank's :class:`RankResult` (its report, or the
+   exception its check raised) travels to every rank behind a monitored
+   barrier, on a separate gloo group created with a timeout; every rank merges
+   them into the same report, so trends, alerts, ``raise_on`` and the next
+   schedule decision are identical everywhere. Only rank 0 writes files.
+5. **The training part across ranks** (:meth:`~DistributedCoordinator.average`,
+   :meth:`~DistributedCoordinator.from_main`): the replayed gradients are
+   averaged over the ranks, as DDP and FSDP average ``.grad``, and every rank
+   takes rank 0's verdicts.
+
+**Nobody waits forever.** A rank that does not arrive at a gather (crashed,
+hung in its ``loss_fn``) is detected by a ``monitored_barrier`` within
+``distributed_timeout`` seconds: the others mark the coordinator broken, raise
+an ``error`` alert naming the missing ranks, stop checking (their group is no
+longer usable) and return to training.
 
 Example:
     >>> unwrap_model(nn.DataParallel(nn.Linear(2, 1))).__class__.__name__
@@ -42,20 +49,14 @@ import dataclasses
 import datetime
 import logging
 import math
-import time
-import traceback
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import GradWatchError, blamed
+from .errors import GradWatchError
 from .report import CheckReport
-from .sampling import rotate
-from .trend import WHOLE_CHECK, Alert
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .hook import GradWatch
 
 logger = logging.getLogger("gradwatch")
 
@@ -89,11 +90,63 @@ def _mode(distributed: Any) -> Optional[bool]:
     raise ValueError(f"distributed: got {distributed!r}, expected 'auto', True or False")
 
 
+@dataclasses.dataclass
+class RankResult:
+    """What one rank sends after its share of a check.
+
+    Attributes:
+        rank: The sender.
+        report: Its share's :class:`CheckReport` (None when it checked nothing or its check raised).
+        error: ``"Type: message"`` of the exception its check raised, if any.
+        where: What raised it (``"loss_fn"``...; see :func:`gradwatch.errors.blamed`).
+        seconds: How long its check took.
+        interval: Its schedule's next interval (rank 0's is the one every rank follows).
+        training: ``(replayed, reason)`` of its training part; None when that part did not run.
+
+    Example:
+        >>> RankResult(rank=1, error="KeyError: 'labels'").failed
+        True
+    """
+
+    rank: int
+    report: Optional[CheckReport] = None
+    error: Optional[str] = None
+    where: Optional[str] = None
+    seconds: float = 0.0
+    interval: int = 1
+    training: Optional[Tuple[bool, Optional[str]]] = None
+
+    @property
+    def failed(self) -> bool:
+        """True when this rank's check raised."""
+        return self.error is not None
+
+
+@dataclasses.dataclass
+class MergedCheck:
+    """The ranks' results of one check merged alike on every rank (:func:`merge_results`).
+
+    Attributes:
+        report: One report of every rank's tensors (None when no rank has one).
+        error: A :class:`DistributedCheckError` naming every rank whose check raised, or None.
+        where: What raised on each of those ranks (``"loss_fn on rank 1"``).
+        seconds: The slowest rank's time.
+        training: Each rank's ``(replayed, reason)`` of the training part, by rank.
+    """
+
+    report: Optional[CheckReport]
+    error: Optional[DistributedCheckError]
+    where: Optional[str]
+    seconds: float
+    training: List[Optional[Tuple[bool, Optional[str]]]]
+
+
 class DistributedCoordinator:
-    """The distributed half of :class:`gradwatch.GradWatch`: schedule agreement, sharding, gathering.
+    """The distributed seam of :class:`gradwatch.GradWatch`: schedule agreement, sharing, gathering, merging.
 
     Build it with :meth:`create`, on every rank at the same point of the program
-    (it creates a process group, itself a collective).
+    (it creates a process group, itself a collective). It holds no reference to the
+    watch: GradWatch calls it at the points listed in :mod:`gradwatch.distributed`.
 
     Args:
         timeout: Seconds gradwatch's collectives wait for the other ranks.
@@ -111,7 +164,9 @@ class DistributedCoordinator:
         self.group = group if group is not None else dist.new_group(
             backend="gloo", timeout=datetime.timedelta(seconds=self.timeout)
         )
+        #: The agreed interval of ``every="auto"`` (rank 0's, from the last gather).
         self.interval = 1
+        #: Why this coordinator gave up (a rank missing at a gather); None while it works.
         self.broken: Optional[str] = None
 
     @classmethod
@@ -119,7 +174,8 @@ class DistributedCoordinator:
         """A coordinator when running distributed (``distributed="auto"``: an initialized group of 2+ ranks), else None.
 
         Raises:
-            ValueError: ``distributed=True`` without an initialized process group, or a bad value.
+            ValueError: ``distributed=True`` without an initialized process group, ``distributed=False``
+                for a model sharded over 2+ ranks (its ranks must gather it together), or a bad value.
         """
         mode = _mode(distributed)
         active = dist.is_available() and dist.is_initialized()
@@ -128,6 +184,15 @@ class DistributedCoordinator:
                 "distributed=True, but torch.distributed is not initialized: call "
                 "torch.distributed.init_process_group() first (or leave distributed='auto')"
             )
+        if mode is False and active and dist.get_world_size() > 1:
+            from .sharded import is_sharded
+
+            if is_sharded(model):
+                raise ValueError(
+                    f"distributed=False, but {type(model).__name__} is sharded (FSDP2 / DTensor parameters) over "
+                    f"{dist.get_world_size()} ranks: its ranks must gather it together at every check; leave "
+                    "distributed='auto'"
+                )
         if mode is False or not active or (mode is None and dist.get_world_size() < 2):
             return None
         return cls(timeout)
@@ -137,7 +202,7 @@ class DistributedCoordinator:
         """True on rank 0, the only rank that writes TensorBoard and JSONL."""
         return self.rank == 0
 
-    # ------------------------------------------------------------------ schedule
+    # ------------------------------------------------------------------ 1. schedule
     def due(self, step: int, schedule: Any) -> bool:
         """The agreed decision: ``every=N`` by step count; ``"auto"`` by rank 0's last interval."""
         if self.broken is not None:
@@ -149,123 +214,71 @@ class DistributedCoordinator:
             return True
         return int(step) - last >= self.interval
 
-    # ------------------------------------------------------------------ one check
+    # ------------------------------------------------------------------ 2. agreement before collectives
+    def same_everywhere(self, value: Any, what: str) -> None:
+        """Gather ``value`` from every rank; return when all are equal.
+
+        Raises:
+            DistributedCheckError: The ranks differ (naming them and ``what``), or a rank did not
+                arrive within ``distributed_timeout`` (the coordinator is then broken). Every rank
+                that arrived raises alike.
+        """
+        gathered = self._gather({"phase": "agree", "rank": self.rank, "value": value})
+        if gathered is None:
+            raise DistributedCheckError(self.broken or "a rank did not arrive")
+        differ = [g["rank"] for g in gathered if g["value"] != gathered[0]["value"]]
+        if differ:
+            raise DistributedCheckError(
+                f"the ranks disagree on {what}: rank(s) {differ} differ from rank 0, so they cannot gather the "
+                f"same tensors (rank 0: {_short(gathered[0]['value'])}; rank {differ[0]}: "
+                f"{_short(gathered[differ[0]]['value'])})"
+            )
+
+    # ------------------------------------------------------------------ 3. sharing
+    def tensors_per_check(self, per_rank: int) -> int:
+        """How many tensors one check rotates in: ``tensors_per_check`` per rank (0: all)."""
+        return per_rank * self.world_size if per_rank > 0 else 0
+
     def share(self, names: Sequence[str]) -> List[str]:
         """This rank's round-robin share of the tensors chosen for a check."""
         return list(names[self.rank :: self.world_size])
 
-    def run(self, watch: "GradWatch", step: int, batch: Any, scheduled: bool = True, pending: Any = None) -> Optional[CheckReport]:
-        """One distributed check: local share, gather, merge, then the usual trend/sink/alert path.
+    # ------------------------------------------------------------------ 4. gathering
+    def gather(self, result: RankResult) -> Optional[List[RankResult]]:
+        """Every rank's :class:`RankResult`, by rank; None when a rank is missing (``broken`` is then set).
 
-        The backward part is sharded by tensor. The training part runs on every rank for every
-        watched tensor (one forward and backward of the local batch): the replayed gradients are
-        averaged over the ranks, as DDP averages the live ``.grad``, so a gradient that was not
-        synchronized differs from the reference.
-
-        Every rank must call it at the same step (``GradWatch.step`` ensures that; a direct
-        ``GradWatch.check`` must be called on every rank alike).
+        Also takes rank 0's ``interval`` as the agreed one.
         """
         if self.broken is not None:
             return None
-        from .check import run_model_check
-        from .context import Shadow, preserved_rng
-
-        per_rank = watch.config.tensors_per_check
-        opts = dataclasses.replace(watch._check_options, seed=watch._check_options.seed + watch._checks)
-        payload: Dict[str, Any] = {"rank": self.rank, "report": None, "error": None, "training": None}
-        start = time.perf_counter()
-        names: List[str] = []
-        replay = None
-        try:
-            names = rotate(watch._names_to_check(), per_rank * self.world_size if per_rank > 0 else 0, watch._counts)
-            mine = self.share(names)
-            with preserved_rng():  # one guard for both parts
-                replay = watch._training_replay(pending)
-                if replay is not None:
-                    payload["training"] = (replay.grads is not None, replay.reason)
-                if mine:
-                    with watch._recorder_paused():
-                        if opts.dtype is not None and (watch._shadow is None or not watch._shadow.matches(watch.model)):
-                            watch._shadow = Shadow(watch.model, opts.dtype)
-                        payload["report"] = run_model_check(
-                            watch.model, watch.objective, batch, opts, grad_fn=watch.grad_fn, names=mine,
-                            shadow=watch._shadow
-                        )
-        except Exception as exc:  # noqa: BLE001 - reported to every rank through the gather
-            logger.error("gradwatch: the check at step %d raised on rank %d; training goes on:\n%s",
-                         step, self.rank, traceback.format_exc())
-            payload["error"] = f"{type(exc).__name__}: {exc}"
-            payload["where"] = blamed(exc) or "the check"
-        seconds = time.perf_counter() - start
-        watch.schedule.record_check(step, seconds, scheduled)
-        payload["seconds"] = seconds
-        payload["interval"] = watch.schedule.interval()
-
-        gathered = self._gather(payload)
-        if gathered is None:  # once: this coordinator is broken and checks no more
-            alert = Alert(step=int(step), tensor=WHOLE_CHECK, kind="error", severity="error", value=math.nan,
-                          baseline=None, message=f"step {step}: {self.broken}; training continues")
-            watch._emit(step, None, [alert], seconds)
+        gathered = self._gather({"phase": "result", "rank": self.rank, "result": result})
+        if gathered is None:
             return None
+        results = sorted((g["result"] for g in gathered), key=lambda r: r.rank)
+        self.interval = int(results[0].interval)
+        return results
 
-        self.interval = int(gathered[0]["interval"])
-        seconds = max(float(g["seconds"]) for g in gathered)
-        watch._checks += 1
-        reports = [(g["rank"], g["report"]) for g in gathered if g["report"] is not None]
-        errors = [f"rank {g['rank']}: {g['error']}" for g in gathered if g["error"] is not None]
-        merged = merge_reports(reports, names, opts) if reports else None
-        if merged is not None:
-            self._training(watch, merged, replay, [g.get("training") for g in gathered])
-        alerts = []
-        if merged is not None:
-            merged.notes[:0] = watch.notes
-            for n in merged.tensors:
-                watch._counts[n] = watch._counts.get(n, 0) + 1
-            alerts.extend(watch.tracker.update(step, merged))
-        if errors:
-            where = "; ".join(f"{g.get('where', 'loss_fn')} on rank {g['rank']}" for g in gathered if g["error"] is not None)
-            alert = watch.tracker.error(step, DistributedCheckError("; ".join(errors)), where=where)
-            alerts.extend([alert] if alert is not None else [])
-        watch._emit(step, merged, alerts, seconds)
-        return merged
+    # ------------------------------------------------------------------ 5. training part
+    def average(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The mean over ranks of each tensor (in float64 on the CPU, returned in each tensor's dtype and device).
 
-    def _training(self, watch: "GradWatch", merged: CheckReport, replay: Any, statuses: List[Any]) -> None:
-        """The training part on every rank alike: average the replayed gradients, judge the live ``.grad``."""
-        if replay is None or any(s is None for s in statuses):
-            if any(s is not None for s in statuses):
-                merged.training_note = "not judged: the replay failed on another rank"
-            return
-        failed = [(rank, s[1]) for rank, s in enumerate(statuses) if not s[0]]
-        if failed:
-            rank, reason = failed[0]
-            merged.training_note = f"rank {rank}: {reason}"
-            return
-        import torch
+        Raises:
+            Exception: The all-reduce failed (the caller records it; training goes on).
+        """
+        flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in tensors.values()])
+        dist.all_reduce(flat, group=self.group)
+        flat /= self.world_size
+        out, offset = {}, 0
+        for name, t in tensors.items():
+            out[name] = flat[offset:offset + t.numel()].reshape(t.shape).to(t.device, t.dtype)
+            offset += t.numel()
+        return out
 
-        grads = replay.grads
-        try:
-            flat = torch.cat([g.detach().reshape(-1).to("cpu", torch.float64) for g in grads.values()])
-            dist.all_reduce(flat, group=self.group)
-            flat /= self.world_size
-        except Exception as exc:  # noqa: BLE001 - a collective that fails must not stop training
-            merged.training_note = f"not judged: averaging the replayed gradients over the ranks failed ({type(exc).__name__}: {exc})"
-            return
-        averaged, offset = {}, 0
-        for name, g in grads.items():
-            averaged[name] = flat[offset:offset + g.numel()].reshape(g.shape).to(g.device, g.dtype)
-            offset += g.numel()
-        watch._attach_training(merged, replay, averaged)
-        merged.training_note = ((merged.training_note + "; ") if merged.training_note else "") + (
-            f"the reference is averaged over {self.world_size} ranks, as DDP averages .grad")
-        # A gradient DDP did not synchronize differs from rank to rank: every rank takes rank 0's judgement,
-        # so trends and alerts stay identical everywhere.
-        try:
-            shared = [(merged.training, merged.training_note) if self.rank == 0 else None]
-            dist.broadcast_object_list(shared, src=0, group=self.group)
-            merged.training, merged.training_note = shared[0]
-        except Exception as exc:  # noqa: BLE001
-            merged.training = {}
-            merged.training_note = f"not judged: sharing rank 0's training verdicts failed ({type(exc).__name__}: {exc})"
+    def from_main(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (a broadcast; every rank must call it)."""
+        shared = [value if self.rank == 0 else None]
+        dist.broadcast_object_list(shared, src=0, group=self.group)
+        return shared[0]
 
     def _gather(self, payload: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
         """``all_gather_object`` behind a monitored barrier; None (and ``broken`` set) when a rank is missing."""
@@ -273,15 +286,22 @@ class DistributedCoordinator:
             dist.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=self.timeout), wait_all_ranks=True)
             out: List[Any] = [None] * self.world_size
             dist.all_gather_object(out, payload, group=self.group)
-            return out
         except Exception as exc:  # noqa: BLE001 - a missing rank must not stop training here
+            text = str(exc).strip()
             self.broken = (
                 f"rank {self.rank} waited {self.timeout:g}s (distributed_timeout) for the other ranks after a check and "
-                f"gave up: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''} — a rank "
+                f"gave up: {type(exc).__name__}: {text.splitlines()[0] if text else ''} — a rank "
                 "crashed or hung in its check (look at that rank's log); gradwatch stops checking in this process"
             )
             logger.error("gradwatch: %s", self.broken)
             return None
+        phases = {g.get("phase") for g in out}
+        if len(phases) > 1:  # the ranks are at different points of a check: nothing gathered can be trusted
+            self.broken = (f"the ranks reached different points of a check ({sorted(map(str, phases))}); "
+                           "gradwatch stops checking in this process")
+            logger.error("gradwatch: %s", self.broken)
+            return None
+        return out
 
     def close(self) -> None:
         """Release the process group (best effort)."""
@@ -291,6 +311,32 @@ class DistributedCoordinator:
                 dist.destroy_process_group(group)
             except Exception:  # noqa: BLE001
                 pass
+
+
+def _short(value: Any, limit: int = 160) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def merge_results(results: Sequence[RankResult], order: Sequence[str], opts: Any) -> MergedCheck:
+    """Merge the ranks' results of one check (the same on every rank, as every rank has them all).
+
+    Example:
+        >>> merged = merge_results([RankResult(0), RankResult(1, error="KeyError: 'y'", where="loss_fn")], [], None)
+        >>> merged.report is None, str(merged.error), merged.where
+        (True, "rank 1: KeyError: 'y'", 'loss_fn on rank 1')
+    """
+    reports = [(r.rank, r.report) for r in results if r.report is not None]
+    failed = [r for r in results if r.failed]
+    error = DistributedCheckError("; ".join(f"rank {r.rank}: {r.error}" for r in failed)) if failed else None
+    where = "; ".join(f"{r.where or 'the check'} on rank {r.rank}" for r in failed) if failed else None
+    return MergedCheck(
+        report=merge_reports(reports, order, opts) if reports else None,
+        error=error,
+        where=where,
+        seconds=max((float(r.seconds) for r in results), default=0.0),
+        training=[r.training for r in results],
+    )
 
 
 def merge_reports(reports: Sequence[Any], order: Sequence[str], opts: Any) -> CheckReport:

@@ -22,10 +22,11 @@ import torch
 from torch import nn
 
 from ._version import __version__ as _version
-from .check import GradFn, run_model_check, trainable_names
+from . import check as _check
+from .check import GradFn, trainable_names
 from .config import GradWatchConfig, load_config
 from .context import Shadow, preserved_rng
-from .distributed import DEFAULT_TIMEOUT, DistributedCoordinator, unwrap_model
+from .distributed import DEFAULT_TIMEOUT, DistributedCoordinator, RankResult, merge_results, unwrap_model
 from .errors import GradientDriftError, blamed
 from .numeric import Verdict
 from .objective import Objective, coupled_weight_decay
@@ -35,10 +36,11 @@ from .replay import ForwardRecorder, Replay, Step, replay_step
 from .report import CheckReport
 from .sampling import coverage as coverage_of
 from .sampling import match_names, rotate
+from .sharded import REPLICA_NOTE, Replica, is_sharded, layout, live_forward_forbidden
 from .schedule import ANNOUNCE_AS_WARNING_ABOVE, Schedule
 from .sinks import SinkSet, build_sinks
 from .training import compute_dtype, gradient_scale, judge_training, tolerance_for
-from .trend import Alert
+from .trend import WHOLE_CHECK, Alert
 
 logger = logging.getLogger("gradwatch")
 
@@ -192,6 +194,11 @@ class GradWatch:
         self._started: Optional[float] = None
         self._wall_before = 0.0
         self._shadow: Optional[Shadow] = None
+        # A sharded (FSDP2) model is checked on a plain replica gathered at each check (see gradwatch.sharded).
+        self._sharded = is_sharded(model)
+        self._replica: Optional[Replica] = None  # built at the first check
+        if self._sharded:
+            self.notes.append(REPLICA_NOTE)
         self._closed = False
         # Training part: a forward pre-hook records what each training forward started from.
         self._recorder: Optional[ForwardRecorder] = ForwardRecorder(model) if self.config.training else None
@@ -423,42 +430,158 @@ class GradWatch:
         return self.schedule.due(step) if self.dist is None else self.dist.due(step, self.schedule)
 
     def _run(self, step: int, batch: Any, scheduled: bool = True, pending: Optional[Step] = None) -> Optional[CheckReport]:
+        try:
+            return self._run_check(step, batch, scheduled, pending)
+        finally:
+            if self._replica is not None:
+                self._replica.release()  # the gathered .grad lives for one check only
+
+    def _run_check(self, step: int, batch: Any, scheduled: bool, pending: Optional[Step]) -> Optional[CheckReport]:
+        """One check: both parts on this process's model (or its share, distributed), then trends, sinks, alerts.
+
+        Distributed, it calls the coordinator at fixed points, the same on every rank: the layout of a
+        sharded model agreed and gathered first (before anything that may raise), then this rank's share
+        of the tensors, then every rank's result gathered and merged (:meth:`_finish_distributed`).
+        """
         if self._closed:
             raise RuntimeError("GradWatch is closed; create a new one to keep monitoring")
-        if self.dist is not None:
-            return self.dist.run(self, step, batch, scheduled=scheduled, pending=pending)
+        coord = self.dist
+        if coord is not None and coord.broken is not None:
+            return None
         opts = dataclasses.replace(self._check_options, seed=self._check_options.seed + self._checks)
         start = time.perf_counter()
         self._checking = True
+        report: Optional[CheckReport] = None
+        replay: Optional[Replay] = None
+        error: Optional[Exception] = None
+        names: List[str] = []
         try:
-            names = rotate(self._names_to_check(), self.config.tensors_per_check, self._counts)
             with preserved_rng():  # one guard for both parts: every generator as training left it afterwards
-                replay = self._training_replay(pending)
-                with self._recorder_paused():
-                    if self._check_options.dtype is not None and (self._shadow is None or not self._shadow.matches(self.model)):
-                        self._shadow = Shadow(self.model, self._check_options.dtype)
-                    report = run_model_check(self.model, self.objective, batch, opts, grad_fn=self.grad_fn, names=names,
-                                             shadow=self._shadow)
-            self._attach_training(report, replay)
+                target = self._check_target()  # the model, or the replica gathered from a sharded one
+                per_check = self.config.tensors_per_check
+                names = rotate(self._names_to_check(), coord.tensors_per_check(per_check) if coord else per_check,
+                               self._counts)
+                mine = coord.share(names) if coord is not None else names
+                with live_forward_forbidden(self.model) if self._sharded else contextlib.nullcontext():
+                    replay = self._training_replay(pending, target)
+                    if mine:
+                        with self._recorder_paused():
+                            if opts.dtype is not None and (self._shadow is None or not self._shadow.matches(target)):
+                                self._shadow = Shadow(target, opts.dtype)
+                            # through the module: a spy on gradwatch.check.run_model_check sees every check
+                            report = _check.run_model_check(target, self.objective, batch, opts,
+                                                            grad_fn=self.grad_fn, names=mine, shadow=self._shadow)
+            if coord is None:
+                self._attach_training(report, replay)
         except Exception as exc:  # noqa: BLE001 - the user's code raised: log it, keep training
-            seconds = time.perf_counter() - start
-            self.schedule.record_check(step, seconds, scheduled)
-            self._failed(step, exc, seconds)
-            return None
+            error = exc
         finally:
             self._checking = False
         seconds = time.perf_counter() - start
+        self.schedule.record_check(step, seconds, scheduled)
+        if coord is not None:
+            return self._finish_distributed(step, names, opts, report, replay, error, seconds)
+        if error is not None:
+            self._failed(step, error, seconds)
+            return None
+        assert report is not None
         self._failures = 0
         if self._baseline_seconds is None:
             self._baseline_seconds = seconds
+        self._emit(step, report, self._completed(step, report), seconds)
+        return report
+
+    def _completed(self, step: int, report: CheckReport) -> List[Alert]:
+        """A check that has a report: notes, counters and coverage, then its trends' alerts."""
         report.notes[:0] = self.notes
         self._checks += 1
         for n in report.tensors:
             self._counts[n] = self._counts.get(n, 0) + 1
-        self.schedule.record_check(step, seconds, scheduled)
-        alerts = self.tracker.update(step, report)
-        self._emit(step, report, alerts, seconds)
-        return report
+        return self.tracker.update(step, report)
+
+    def _check_target(self) -> nn.Module:
+        """The module a check evaluates: the model, or for a sharded (FSDP2) model its gathered replica.
+
+        A sharded model's layout is agreed with the other ranks first, so that every rank gathers the
+        same parameters in the same order (the only collectives of the model's group in a check).
+        """
+        if not self._sharded:
+            return self.model
+        if self.dist is not None:
+            self.dist.same_everywhere(layout(self.model), "the parameters to gather (name, shape, dtype, has .grad)")
+        if self._replica is None or not self._replica.matches(self.model):
+            self._replica = Replica(self.model)
+        return self._replica.refresh(self.model)
+
+    def _finish_distributed(self, step: int, names: List[str], opts: Any, report: Optional[CheckReport],
+                            replay: Optional[Replay], error: Optional[Exception], seconds: float) -> Optional[CheckReport]:
+        """This rank's share gathered with the others' and merged alike on every rank; trends, sinks, alerts."""
+        coord = self.dist
+        assert coord is not None
+        result = RankResult(rank=coord.rank, report=report, seconds=seconds, interval=self.schedule.interval(),
+                            training=None if replay is None else (replay.grads is not None, replay.reason))
+        if error is not None:
+            logger.error("gradwatch: the check at step %d raised on rank %d; training goes on:\n%s", step, coord.rank,
+                         "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip())
+            result.error, result.where = f"{type(error).__name__}: {error}", blamed(error)
+        results = coord.gather(result)
+        if results is None:  # once: the coordinator is broken and checks no more
+            alert = Alert(step=int(step), tensor=WHOLE_CHECK, kind="error", severity="error", value=math.nan,
+                          baseline=None, message=f"step {step}: {coord.broken}; training continues")
+            self._emit(step, None, [alert], seconds)
+            return None
+        merged = merge_results(results, names, opts)
+        alerts: List[Alert] = []
+        if merged.report is not None:
+            self._training_across_ranks(merged.report, replay, merged.training)
+            alerts = self._completed(step, merged.report)
+        else:
+            self._checks += 1
+        if merged.error is not None:
+            alert = self.tracker.error(step, merged.error, where=merged.where)
+            alerts.extend([alert] if alert is not None else [])
+        self._emit(step, merged.report, alerts, merged.seconds)
+        return merged.report
+
+    def _training_across_ranks(self, merged: CheckReport, replay: Optional[Replay],
+                               statuses: List[Optional[Tuple[bool, Optional[str]]]]) -> None:
+        """The training part on every rank alike: the replayed gradients averaged over the ranks (as DDP and
+        FSDP average ``.grad``), the live ``.grad`` judged against them, and rank 0's verdicts taken everywhere.
+
+        Every branch depends on the gathered ``statuses`` only, so every rank makes the same collectives.
+        """
+        coord = self.dist
+        assert coord is not None
+        if any(s is None for s in statuses):
+            if any(s is not None for s in statuses):
+                merged.training_note = "not judged: the replay failed on another rank"
+            return
+        failed = [(rank, s[1]) for rank, s in enumerate(statuses) if s is not None and not s[0]]
+        if failed:
+            rank, reason = failed[0]
+            merged.training_note = f"rank {rank}: {reason}"
+            return
+        assert replay is not None and replay.grads is not None
+        try:
+            averaged = coord.average(replay.grads)
+        except Exception as exc:  # noqa: BLE001 - a collective that fails must not stop training
+            merged.training_note = (f"not judged: averaging the replayed gradients over the ranks failed "
+                                    f"({type(exc).__name__}: {exc})")
+            return
+        try:
+            self._attach_training(merged, replay, averaged)
+            merged.training_note = ((merged.training_note + "; ") if merged.training_note else "") + (
+                f"the reference is averaged over {coord.world_size} ranks, as DDP and FSDP average .grad")
+        except Exception as exc:  # noqa: BLE001 - the broadcast below must still happen on every rank
+            merged.training = {}
+            merged.training_note = f"not judged on rank {coord.rank}: {type(exc).__name__}: {exc}"
+        # A gradient DDP did not synchronize differs from rank to rank: every rank takes rank 0's judgement,
+        # so trends and alerts stay identical everywhere.
+        try:
+            merged.training, merged.training_note = coord.from_main((merged.training, merged.training_note))
+        except Exception as exc:  # noqa: BLE001
+            merged.training = {}
+            merged.training_note = f"not judged: sharing rank 0's training verdicts failed ({type(exc).__name__}: {exc})"
 
     # ------------------------------------------------------------------ the training part
     @contextlib.contextmanager
@@ -473,22 +596,25 @@ class GradWatch:
         finally:
             self._recorder.paused = False
 
-    def _training_params(self) -> Dict[str, torch.Tensor]:
-        """The watched live parameters (the patterns are matched again only when the trainable set changes).
+    def _training_params(self, model: Optional[nn.Module] = None) -> Dict[str, torch.Tensor]:
+        """The watched live parameters of ``model`` (default: the model; a sharded one's replica has the
+        same names); the patterns are matched again only when the trainable set changes.
 
         The last walk's result is reused while the module tree is the same: every module still holds
         the same submodules and parameters (compared by identity, with nothing added or removed) and
         each still has its ``requires_grad``. A replaced layer, a frozen, unfrozen or new parameter makes the next
         check walk again. Checking that costs a few microseconds; a walk costs 30-50 us on a small model.
         """
+        model = self.model if model is None else model
         cached = getattr(self, "_params_cache", None)
-        if cached is not None and _same_tree(cached[1]) and all(p.requires_grad == flag for p, flag in cached[2]):
+        if (cached is not None and cached[3] is model and _same_tree(cached[1])
+                and all(p.requires_grad == flag for p, flag in cached[2])):
             return cached[0]
         tree = []
         named = []
         flags = []  # every parameter's requires_grad: one frozen or unfrozen changes the watched set
         seen = set()
-        for mname, module in self.model.named_modules():
+        for mname, module in model.named_modules():
             tree.append((module._modules, tuple(module._modules.items())))
             tree.append((module._parameters, tuple(module._parameters.items())))
             for attr, p in module._parameters.items():
@@ -502,22 +628,24 @@ class GradWatch:
             self._watched_cache = (key, set(match_names(list(key), self._check_options.tensors, strict=False)))
         watched = self._watched_cache[1]
         params = {n: p for n, p in named if n in watched}
-        self._params_cache = (params, tree, flags)
+        self._params_cache = (params, tree, flags, model)
         return params
 
-    def _training_replay(self, pending: Optional[Step]) -> Optional[Replay]:
+    def _training_replay(self, pending: Optional[Step], model: Optional[nn.Module] = None) -> Optional[Replay]:
         """The objective's gradient recomputed as training computed it (None when the part is off).
 
-        An exception of ``loss_fn`` in the replay propagates: the check is skipped with an error alert.
+        ``model`` is the module the replay runs (default: the model; a sharded model's gathered replica,
+        whose parameters hold the gathered ``.grad``). An exception of ``loss_fn`` in the replay
+        propagates: the check is skipped with an error alert.
         """
         if self._recorder is None or pending is None:
             return None
-        params = self._training_params()
+        model = self.model if model is None else model
+        params = self._training_params(model)
         plist = list(params.values())
         if all(p.grad is None for p in plist):
             return Replay(None, None, None, "not judged: no watched parameter has a .grad yet (watch.step or check "
                                             "before the first backward)")
-        model = self.model
 
         scaler = self.grad_scaler if self.grad_scaler is not None and self.grad_scaler.is_enabled() else None
 

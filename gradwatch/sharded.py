@@ -1,0 +1,254 @@
+"""Sharded models (FSDP2's ``fully_shard``, DTensor parameters): a plain replica gathered for the check.
+
+A model sharded with ``torch.distributed.fsdp.fully_shard`` cannot be deep-copied,
+and its forward all-gathers parameters: a check that evaluated it would issue
+collectives, and two ranks whose checks evaluate it a different number of
+times (each checks its own share of the tensors; a kink or a failure changes
+the count) would send mismatched collectives, which gloo answers with an abort
+of the process. So gradwatch never evaluates the live sharded model in a check:
+
+- :class:`Replica` is a plain copy of the model, the same module classes
+  without FSDP (its hooks and state left out), holding the *full* parameters
+  gathered with ``DTensor.full_tensor()``, one parameter at a time in
+  ``named_parameters()`` order, the same on every rank, and their gathered
+  ``.grad``. It is refreshed in place at every check; everything after the
+  gather (both parts of the check) runs on it with no collective at all.
+- :func:`live_forward_forbidden` makes a forward of the live sharded model
+  during a check raise at once, before its all-gather: a ``loss_fn`` that
+  calls the model from its closure instead of the one it is given becomes an
+  error record, not a collective on one rank only.
+
+Example:
+    >>> is_sharded(nn.Linear(2, 1))
+    False
+    >>> live = nn.Linear(2, 1)
+    >>> replica = Replica(live)  # the structure only; refresh() fills it (gathers a sharded model)
+    >>> type(replica.refresh(live)).__name__, torch.equal(replica.module.weight, live.weight)
+    ('Linear', True)
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+try:  # torch >= 2.6
+    from torch.distributed.fsdp import FSDPModule as _FSDPModule
+except ImportError:  # pragma: no cover - an older torch or one built without distributed
+    _FSDPModule = None
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # pragma: no cover
+    _DTensor = None
+
+#: Module attributes that belong to FSDP (state, flags), never copied into a replica.
+_FSDP_KEYS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
+#: Hook dicts of a module, and the dicts keyed like them that flag a hook's kind.
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
+               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks")
+_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def is_dtensor(t: Any) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor`` (a sharded or replicated parameter or gradient)."""
+    return _DTensor is not None and isinstance(t, _DTensor)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when ``model`` holds an FSDP2 module (``fully_shard``) or a DTensor parameter.
+
+    Example:
+        >>> is_sharded(nn.Sequential(nn.Linear(2, 2)))
+        False
+    """
+    if _FSDPModule is not None and any(isinstance(m, _FSDPModule) for m in model.modules()):
+        return True
+    return any(is_dtensor(p) for p in model.parameters())
+
+
+def layout(model: nn.Module) -> List[Tuple[str, Tuple[int, ...], str, bool]]:
+    """``(name, global shape, dtype, has .grad)`` of every parameter, in the order the gather follows.
+
+    Every rank must gather the same tensors in the same order; comparing the ranks' layouts before
+    a gather (:meth:`gradwatch.distributed.DistributedCoordinator.same_everywhere`) makes sure of it.
+
+    Example:
+        >>> layout(nn.Linear(2, 1))
+        [('weight', (1, 2), 'torch.float32', False), ('bias', (1,), 'torch.float32', False)]
+    """
+    return [(n, tuple(p.shape), str(p.dtype), p.grad is not None) for n, p in model.named_parameters()]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor's ``full_tensor()`` (a collective), a plain one's detached copy."""
+    with torch.no_grad():
+        if is_dtensor(t):
+            full = t.full_tensor()
+            wait = getattr(full, "wait", None)  # an AsyncCollectiveTensor: its values, as a plain tensor
+            if callable(wait) and type(full) is not torch.Tensor:
+                full = wait()
+            return full.detach().contiguous()
+        return t.detach().clone()
+
+
+def _plain_class(module: nn.Module) -> type:
+    """The module's own class: the one ``fully_shard`` subclassed (``FSDPLinear`` -> ``Linear``)."""
+    cls = type(module)
+    if _FSDPModule is not None and isinstance(module, _FSDPModule):
+        for base in cls.__mro__[1:]:
+            if not issubclass(base, _FSDPModule):
+                return base
+    return cls
+
+
+def _distributed_hook(hook: Any) -> bool:
+    """True for a hook that torch.distributed registered (FSDP's pre/post forward, DTensor's input/output)."""
+    fn = getattr(hook, "func", hook)
+    owner = getattr(fn, "__self__", None)
+    fn = getattr(fn, "__func__", fn)
+    where = getattr(fn, "__module__", None) or type(fn).__module__
+    owner_where = type(owner).__module__ if owner is not None else ""
+    return any(isinstance(w, str) and w.startswith("torch.distributed") for w in (where, owner_where))
+
+
+class Replica:
+    """A plain, unsharded copy of a (sharded) model in its own dtype, refreshed from it in place.
+
+    Building makes no collective (the parameters are allocated, not filled). :meth:`refresh` gathers
+    every parameter and every ``.grad`` with ``DTensor.full_tensor()``: collectives on the model's own
+    process group, so every rank must refresh its replica at the same point, for a model of the same
+    :func:`layout`. Parameters that are not DTensors are copied as they are; buffers are copied. The replica's
+    modules are the model's classes without FSDP; hooks torch.distributed registered are left out,
+    other hooks are kept (the check suspends user hooks, as on any model).
+
+    Args:
+        model: The live model (sharded or not).
+
+    Example:
+        >>> live = nn.Linear(3, 1)
+        >>> module = Replica(live).refresh(live)
+        >>> module.weight is live.weight, torch.equal(module.weight, live.weight)
+        (False, True)
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.signature = _signature(model)
+        memo: Dict[int, Any] = {}
+        for _, p in model.named_parameters():
+            memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.device), requires_grad=p.requires_grad)
+        for _, b in model.named_buffers():
+            memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device=b.device)
+        self.module: nn.Module = _copy_module(model, memo)
+        self._params = [p for _, p in self.module.named_parameters()]
+
+    def matches(self, model: nn.Module) -> bool:
+        """True while the live model has the same parameters and buffers (names, shapes, dtypes, devices)."""
+        return _signature(model) == self.signature
+
+    @torch.no_grad()
+    def refresh(self, model: nn.Module) -> nn.Module:
+        """Gather the live parameters and gradients into the replica (in place); returns the replica module.
+
+        One ``full_tensor()`` per parameter, then one per gradient that exists, in
+        ``named_parameters()`` order: the same collectives on every rank when the layouts agree.
+        """
+        for (_, src), dst in zip(model.named_parameters(), self._params):
+            dst.copy_(_full(src))
+            dst.requires_grad_(src.requires_grad)
+            dst.grad = None if src.grad is None else _full(src.grad)
+        for (_, dst), (_, src) in zip(self.module.named_buffers(), model.named_buffers()):
+            if dst is not None and src is not None:
+                dst.copy_(_full(src))
+        for dst, src in zip(self.module.modules(), model.modules()):
+            dst.training = src.training
+        return self.module
+
+    def release(self) -> None:
+        """Drop the gathered gradients (between checks the replica holds the parameters only)."""
+        for p in self._params:
+            p.grad = None
+
+
+def _signature(model: nn.Module) -> Tuple:
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    return tuple((n, tuple(t.shape), t.dtype, str(t.device)) for n, t in tensors)
+
+
+def _copy_module(module: nn.Module, memo: Dict[int, Any]) -> nn.Module:
+    """``module`` rebuilt in its plain class: parameters and buffers from ``memo``, children likewise,
+    other attributes deep-copied (with ``memo``, so tied tensors and shared submodules stay shared)."""
+    if id(module) in memo:
+        return memo[id(module)]
+    cls = _plain_class(module)
+    new = cls.__new__(cls)
+    memo[id(module)] = new
+    state: Dict[str, Any] = {}
+    dropped: set = set()
+    for key, value in module.__dict__.items():
+        if key.startswith("__composable_api") or key in _FSDP_KEYS:
+            continue
+        if key == "_modules":
+            state[key] = {n: None if c is None else _copy_module(c, memo) for n, c in value.items()}
+        elif key in ("_parameters", "_buffers"):
+            state[key] = {n: None if t is None else memo[id(t)] for n, t in value.items()}
+        elif key in _HOOK_DICTS:
+            kept = collections.OrderedDict()
+            for hid, hook in value.items():
+                if _distributed_hook(hook):
+                    dropped.add(hid)
+                else:
+                    kept[hid] = hook
+            state[key] = kept
+        elif key in _HOOK_FLAGS:
+            state[key] = value  # filtered below, once every dropped hook id is known
+        else:
+            state[key] = copy.deepcopy(value, memo)
+    for key in _HOOK_FLAGS:
+        if key in state:
+            state[key] = collections.OrderedDict((k, v) for k, v in state[key].items() if k not in dropped)
+    new.__dict__.update(state)
+    return new
+
+
+class LiveForwardInCheck(RuntimeError):
+    """The live sharded model ran a forward during a check (``loss_fn`` used a model from its closure)."""
+
+
+@contextlib.contextmanager
+def live_forward_forbidden(model: nn.Module) -> Iterator[None]:
+    """A forward of the live FSDP model (any of its FSDP units) raises for the duration, before it all-gathers.
+
+    Example:
+        >>> with live_forward_forbidden(nn.Linear(2, 1)):  # not sharded: nothing to guard
+        ...     pass
+    """
+    handles = []
+    if _FSDPModule is not None:
+
+        def refuse(module: nn.Module, args: tuple) -> None:
+            raise LiveForwardInCheck(
+                f"loss_fn ran the live FSDP-sharded {type(module).__name__} inside a gradwatch check; its forward "
+                "all-gathers parameters, a collective the other ranks are not making. Use the model loss_fn is "
+                "given (the check passes a gathered replica), not one from its closure"
+            )
+
+        refuse._gradwatch_hook = True  # type: ignore[attr-defined]
+        for m in model.modules():
+            if isinstance(m, _FSDPModule):
+                handles.append(m.register_forward_pre_hook(refuse, prepend=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+#: The note every report of a sharded model carries.
+REPLICA_NOTE = ("the model is sharded (FSDP2): the check ran on a replica gathered with DTensor.full_tensor() "
+                "on every rank, never on the live sharded model")

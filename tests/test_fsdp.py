@@ -1,0 +1,276 @@
+"""GradWatch on a model sharded with FSDP2 (``fully_shard``): 2 gloo ranks on 127.0.0.1, CPU.
+
+One pair of worker processes runs every scenario in turn (each with its own model and
+watch), under a hard timeout (the parent kills the workers), so a hang fails the test
+instead of blocking the suite and an abort inside gloo shows as an exit code. Each rank
+writes what it saw to a JSON file that the tests then read:
+
+- ``correct``: default check options (float64 replica, training part on) on a correct
+  model with dropout: no error, no alert, every tensor checked, and the parameters after
+  training bit-identical to a run without the watch;
+- ``planted``: a custom ``autograd.Function`` with a wrong backward: caught, named and
+  diagnosed in the same record on both ranks, although each rank checks its own tensors;
+- ``inplace``: ``dtype=None`` (before this, one rank aborted inside gloo): checks run;
+- ``errors``: ``loss_fn`` raises on rank 1 only, and at another check calls the live
+  sharded model from its closure on rank 0 only: an error record on every rank, no hang,
+  training completes bit-identical to a run without the watch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from gradwatch.sinks import read_jsonl
+
+pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch < 2.6
+    pytest.skip("needs torch.distributed.fsdp.fully_shard (FSDP2)", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_TIMEOUT = 120.0
+SCENARIOS = ("correct", "planted", "inplace", "errors")
+
+WORKER = textwrap.dedent(
+    r'''
+    import datetime, json, os, sys
+    import torch, torch.nn as nn, torch.nn.functional as F
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    scenarios = sys.argv[4].split(",")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+
+    from gradwatch import GradWatch
+
+
+    class WrongTanh(torch.autograd.Function):
+        """tanh whose backward forgets the square: 1 - y instead of 1 - y**2."""
+
+        @staticmethod
+        def forward(ctx, x):
+            y = torch.tanh(x)
+            ctx.save_for_backward(y)
+            return y
+
+        @staticmethod
+        def backward(ctx, gy):
+            (y,) = ctx.saved_tensors
+            return gy * (1 - y)
+
+
+    class Act(nn.Module):
+        def __init__(self, wrong=False):
+            super().__init__()
+            self.wrong = wrong
+
+        def forward(self, x):
+            return WrongTanh.apply(x) if self.wrong else torch.tanh(x)
+
+
+    def build(wrong=False):
+        torch.manual_seed(0)  # the same initial weights on both ranks
+        net = nn.Sequential(nn.Linear(6, 16), Act(wrong), nn.Dropout(0.2), nn.Linear(16, 16), nn.Tanh(),
+                            nn.Linear(16, 3))  # 3 rows: uneven shards over 2 ranks
+        for i in (0, 3, 5):
+            fully_shard(net[i])
+        fully_shard(net)
+        return net
+
+
+    NAMES = ["0.weight", "0.bias", "3.weight", "3.bias", "5.weight", "5.bias"]
+    state = {"step": -1, "net": None, "raise_on_rank": None, "closure_on_rank": None}
+
+
+    def loss_fn(m, batch):
+        if m is not state["net"]:  # a check: gradwatch passes its gathered replica
+            if state["raise_on_rank"] == (rank, state["step"]):
+                raise KeyError("'labels' missing on rank 1")
+            if state["closure_on_rank"] == (rank, state["step"]):
+                m = state["net"]  # the live sharded model from the closure: its forward would all-gather
+        return F.cross_entropy(m(batch[0]), batch[1])
+
+
+    def train(steps, watch_options=None, wrong=False):
+        net = build(wrong)
+        state["net"] = net
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        watch = GradWatch(net, loss_fn, optimizer=opt, **watch_options) if watch_options is not None else None
+        g = torch.Generator().manual_seed(100 + rank)  # each rank its own data shard
+        torch.manual_seed(1234)  # dropout masks: the same stream with and without the watch
+        checks = []
+        for step in range(steps):
+            state["step"] = step
+            batch = (torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g))
+            opt.zero_grad()
+            loss_fn(net, batch).backward()
+            if watch is not None:
+                report = watch.step(batch)
+                if report is not None:
+                    checks.append({
+                        "step": step, "ok": report.ok, "notes": report.notes, "training_note": report.training_note,
+                        "backward": {n: [t.verdict.value if t.verdict else None, t.rel_diff, t.diagnosis]
+                                     for n, t in report.tensors.items()},
+                        "training": {n: [t.verdict.value if t.verdict else None, t.rel_diff]
+                                     for n, t in report.training.items()},
+                    })
+            opt.step()
+        params = {n: p.to_local().detach().clone() for n, p in net.named_parameters()}
+        result = {"checks": checks}
+        if watch is not None:
+            result["alerts"] = [a.to_dict() for a in watch.alerts]
+            result["sinks"] = len(watch.sinks)
+            watch.close()
+        return params, result
+
+
+    def same(a, b):
+        return {n: bool(torch.equal(a[n], b[n])) for n in a}
+
+
+    results = {}
+    for scenario in scenarios:
+        run_dir = os.path.join(out, scenario)
+        if scenario == "correct":  # default check options
+            plain, _ = train(4)
+            watched, res = train(4, dict(every=1, log_dir=run_dir))
+            res["bit_identical"] = same(plain, watched)
+        elif scenario == "planted":
+            _, res = train(2, dict(every=1, log_dir=run_dir, coords=4, directions=1), wrong=True)
+        elif scenario == "inplace":
+            _, res = train(3, dict(every=1, log_dir=run_dir, coords=4, directions=1, dtype=None))
+        elif scenario == "errors":
+            plain, _ = train(6)
+            state["raise_on_rank"], state["closure_on_rank"] = (1, 2), (0, 4)
+            watched, res = train(6, dict(every=2, log_dir=run_dir, coords=4, directions=1))
+            state["raise_on_rank"] = state["closure_on_rank"] = None
+            res["bit_identical"] = same(plain, watched)
+        results[scenario] = res
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+    '''
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Run every scenario on 2 ranks once; (rank 0's results, rank 1's results, the output folder)."""
+    out = tmp_path_factory.mktemp("fsdp")
+    script = out / "worker.py"
+    script.write_text(WORKER)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, str(out), ",".join(SCENARIOS)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    deadline = time.monotonic() + RUN_TIMEOUT
+    logs = []
+    try:
+        for p in procs:
+            try:
+                logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                pytest.fail(f"the FSDP2 run did not finish within {RUN_TIMEOUT}s (killed): a hang")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    codes = tuple(p.returncode for p in procs)
+    # Every rank exits 0: no abort inside gloo (SIGABRT is -6), no exception out of the watch.
+    assert codes == (0, 0), f"exit codes {codes}\n" + "\n----\n".join(logs)
+    r0, r1 = (json.loads((out / f"rank{r}.json").read_text()) for r in range(2))
+    return r0, r1, out
+
+
+NAMES = ["0.weight", "0.bias", "3.weight", "3.bias", "5.weight", "5.bias"]
+
+
+def test_correct_fsdp2_model_default_options_no_alert_and_training_bit_identical(ranks):
+    r0, r1, out = ranks
+    for r in (r0["correct"], r1["correct"]):
+        assert r["alerts"] == []
+        assert [c["step"] for c in r["checks"]] == [0, 1, 2, 3]
+        for c in r["checks"]:
+            assert c["ok"], c
+            assert list(c["backward"]) == NAMES  # every tensor, each checked on one of the two ranks
+            assert all(v[0] in ("excellent", "acceptable") for v in c["backward"].values()), c["backward"]
+            assert sorted(c["training"]) == sorted(NAMES)
+            assert all(v[0] in ("excellent", "acceptable") for v in c["training"].values()), c["training"]
+            assert "averaged over 2 ranks" in c["training_note"]
+            assert any("sharded (FSDP2)" in n for n in c["notes"])
+        # Training left exactly as it would have been: every local shard bit-identical.
+        assert r["bit_identical"] == {n: True for n in NAMES}
+    assert r0["correct"]["checks"] == r1["correct"]["checks"]  # one merged record, the same on both ranks
+    assert r0["correct"]["sinks"] >= 2 and r1["correct"]["sinks"] == 0  # only rank 0 writes
+    records, warnings = read_jsonl(out / "correct")
+    assert warnings == []
+    assert [rec["step"] for rec in records if rec["type"] == "check"] == [0, 1, 2, 3]
+
+
+def test_planted_wrong_backward_is_caught_and_named_on_every_rank(ranks):
+    r0, r1, _ = ranks
+    for r in (r0["planted"], r1["planted"]):
+        for c in r["checks"]:
+            assert not c["ok"]
+            # The first layer's tensors feed the wrong tanh backward; the layers after it are right.
+            assert c["backward"]["0.weight"][0] == "wrong" and c["backward"]["0.bias"][0] == "wrong"
+            assert all(c["backward"][n][0] in ("excellent", "acceptable") for n in NAMES[2:]), c["backward"]
+            # The training part shares the wrong backward with training: it cannot see it, and says nothing.
+            assert all(v[0] in ("excellent", "acceptable") for v in c["training"].values()), c["training"]
+        wrong = {a["tensor"] for a in r["alerts"] if a["kind"] == "threshold" and a["part"] == "backward"}
+        assert wrong == {"0.weight", "0.bias"}, r["alerts"]
+    # 0.weight was checked on rank 0 and 0.bias on rank 1: both ranks hold both, in the same record.
+    assert r0["planted"]["checks"] == r1["planted"]["checks"]
+    assert r0["planted"]["alerts"] == r1["planted"]["alerts"]
+
+
+def test_dtype_none_under_fsdp2_runs_without_crashing_a_rank(ranks):
+    r0, r1, _ = ranks  # both ranks exited 0 (the fixture asserts it)
+    for r in (r0["inplace"], r1["inplace"]):
+        assert r["alerts"] == []
+        assert [c["step"] for c in r["checks"]] == [0, 1, 2]
+        for c in r["checks"]:
+            assert c["ok"] and list(c["backward"]) == NAMES, c
+            assert all(v[0] in ("excellent", "acceptable") for v in c["training"].values()), c["training"]
+
+
+def test_a_check_failing_on_one_rank_is_an_error_record_on_every_rank(ranks):
+    r0, r1, out = ranks
+    for r in (r0["errors"], r1["errors"]):
+        errors = [a for a in r["alerts"] if a["kind"] == "error"]
+        assert [a["step"] for a in errors] == [2, 4], errors
+        assert "rank 1: KeyError" in errors[0]["message"] and "labels" in errors[0]["message"]
+        # rank 0's loss_fn called the live sharded model: refused before its all-gather, named as such
+        assert "rank 0: LiveForwardInCheck" in errors[1]["message"] and "closure" in errors[1]["message"]
+        assert [c["step"] for c in r["checks"]] == [0, 2, 4]
+        step2, step4 = r["checks"][1], r["checks"][2]
+        assert list(step2["backward"]) == NAMES[0::2]  # rank 0's share still judged at step 2
+        assert list(step4["backward"]) == NAMES[1::2]  # and rank 1's at step 4
+        assert "replay failed on another rank" in step2["training_note"]
+        # Training went on to the end, bit-identical to a run without the watch.
+        assert r["bit_identical"] == {n: True for n in NAMES}
+    assert r0["errors"]["alerts"] == r1["errors"]["alerts"]
+    records, _ = read_jsonl(out / "errors")
+    assert sum(rec["type"] == "alert" and "rank 1: KeyError" in rec["message"] for rec in records) == 1
