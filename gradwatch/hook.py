@@ -484,6 +484,7 @@ class GradWatch:
         cached = getattr(self, "_params_cache", None)
         if cached is not None and _same_tree(cached[1]) and all(p.requires_grad == flag for p, flag in cached[2]):
             return cached[0]
+        self._modules_cache = list(self.model.modules())  # current while the tree is: the replay's guards walk it
         tree = []
         named = []
         flags = []  # every parameter's requires_grad: one frozen or unfrozen changes the watched set
@@ -542,7 +543,7 @@ class GradWatch:
         worst = compute_dtype(max((p.dtype for p in plist), key=tolerance_for, default=torch.float32), autocast)
         replay = replay_step(model, self._recorder, pending, self.objective.training_total, grad_of, params,
                              loss_tolerance=10 * tolerance_for(worst), context=self.replay_context,
-                             generators=self._held_generators())
+                             generators=self._held_generators(), modules=self._modules_cache)
         replay.params = params
         return replay
 
@@ -574,9 +575,11 @@ class GradWatch:
                 scales.append(gradient_scale(list(grads.values())))
             return scales[0]
 
+        bands, fail_at, autocast = self._check_options.bands, self._check_options.fail_at, replay.autocast
+        dtypes: Dict[torch.dtype, torch.dtype] = {}  # parameter dtype -> compute dtype, once per dtype
         for n, p in params.items():
-            report.training[n] = judge_training(n, p.grad, grads[n], p, compute_dtype(p.dtype, replay.autocast),
-                                                self._check_options.bands, self._check_options.fail_at, scale=scale)
+            dtype = dtypes.get(p.dtype) or dtypes.setdefault(p.dtype, compute_dtype(p.dtype, autocast))
+            report.training[n] = judge_training(n, p.grad, grads[n], p, dtype, bands, fail_at, scale=scale)
         notes = [f"replayed from the {replay.how} RNG state" if replay.how else ""]
         if replay.loss_gap is not None:
             given, replayed = replay.loss_gap

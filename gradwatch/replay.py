@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -87,9 +87,21 @@ def autocast_state() -> Tuple[Tuple[str, bool, torch.dtype], ...]:
     return tuple(out)
 
 
+def autocast_as(state: Sequence[Tuple[str, bool, torch.dtype]]) -> ContextManager[Any]:
+    """Enter the autocast regions recorded by :func:`autocast_state` (none: plain precision).
+
+    Example:
+        >>> with autocast_as((("cpu", True, torch.bfloat16),)):
+        ...     autocast_state()
+        (('cpu', True, torch.bfloat16),)
+    """
+    if not state:
+        return contextlib.nullcontext()  # the common case, at no cost
+    return _autocast_regions(state)
+
+
 @contextlib.contextmanager
-def autocast_as(state: Sequence[Tuple[str, bool, torch.dtype]]) -> Iterator[None]:
-    """Enter the autocast regions recorded by :func:`autocast_state` (none: plain precision)."""
+def _autocast_regions(state: Sequence[Tuple[str, bool, torch.dtype]]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for dev, enabled, dtype in state:
             stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
@@ -359,12 +371,15 @@ Context = Optional[Callable[[], Any]]
 
 
 @contextlib.contextmanager
-def _isolated(root: nn.Module, recorder: ForwardRecorder) -> Iterator[None]:
+def _isolated(root: nn.Module, recorder: ForwardRecorder, modules: Optional[List[nn.Module]] = None) -> Iterator[None]:
     """The live model as a replay runs it: the recorder paused, hooks your code registered and the
-    ``spectral_norm`` power iteration off; generators, buffers and plain attributes put back after."""
+    ``spectral_norm`` power iteration off; generators, buffers and plain attributes put back after.
+
+    ``modules``: ``list(root.modules())`` when the caller knows it is current (GradWatch keeps it
+    while the module tree is unchanged), else one walk here serves every guard."""
     recorder.paused = True
     try:
-        modules = list(root.modules())  # one walk for the guards below
+        modules = list(root.modules()) if modules is None else modules
         with preserved_rng(), frozen_power_iteration(root, modules), suspended_hooks(root, modules):
             guard = BufferGuard(root, attributes=True, modules=modules)
             try:
@@ -377,7 +392,8 @@ def _isolated(root: nn.Module, recorder: ForwardRecorder) -> Iterator[None]:
 
 def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of: GradOf, mb: MicroBatch,
          mode: str, params: Dict[str, torch.Tensor], context: Context = None,
-         generators: Sequence[Any] = ()) -> Tuple[Dict[str, torch.Tensor], float, _Probe, tuple]:
+         generators: Sequence[Any] = (), modules: Optional[List[nn.Module]] = None,
+         ) -> Tuple[Dict[str, torch.Tensor], float, _Probe, tuple]:
     """One replay of one micro-batch; restores generators, buffers and attributes, never writes ``.grad``.
 
     ``context`` (an integration's, e.g. Lightning's precision context around ``training_step``)
@@ -394,7 +410,7 @@ def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of
     held = HeldGenerators.of(generators)
     handle = root.register_forward_pre_hook(probe, with_kwargs=True, prepend=True)
     try:
-        with _isolated(root, recorder):
+        with _isolated(root, recorder, modules):
             if mode == "start":
                 mb.start.apply()
             with torch.enable_grad(), _hooks_detached(list(params.values())):
@@ -412,10 +428,11 @@ def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of
     return grads, value, probe, autocast
 
 
-def rng_free(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, mb: MicroBatch) -> bool:
+def rng_free(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, mb: MicroBatch,
+             modules: Optional[List[nn.Module]] = None) -> bool:
     """True when the objective on this batch does not depend on torch's generator (two seeds agree)."""
     values = []
-    with _isolated(root, recorder), torch.no_grad():
+    with _isolated(root, recorder, modules), torch.no_grad():
         for seed in (12345, 54321):
             torch.manual_seed(seed)
             values.append(float(evaluate(root, mb.batch).detach()))
@@ -438,7 +455,7 @@ def as_float(value: Any) -> Optional[float]:
 
 def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate: Evaluate, grad_of: GradOf,
                 params: Dict[str, torch.Tensor], loss_tolerance: float, context: Context = None,
-                generators: Sequence[Any] = ()) -> Replay:
+                generators: Sequence[Any] = (), modules: Optional[List[nn.Module]] = None) -> Replay:
     """Recompute the objective's gradient of a whole optimizer step (mean over its micro-batches).
 
     The mean is formed as training forms it under gradient accumulation: the gradient of each
@@ -457,6 +474,7 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
         context: Optional ``context() -> context manager`` training's loss ran in (an integration's
             precision context); the replay runs in it too.
         generators: Generators the model or the objective hold (put back after each replay).
+        modules: ``list(root.modules())``, when the caller knows it is current (saves a walk per replay).
 
     Returns:
         A :class:`Replay`; ``grads`` is None (with ``reason``) when no replay could be verified.
@@ -480,7 +498,8 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
         tried = []
         modes = ("forward", "start") if mb.records else ("start",)
         for mode in modes:
-            grads, value, probe, autocast = _one(root, recorder, evaluate, grad_of, mb, mode, params, context, generators)
+            grads, value, probe, autocast = _one(root, recorder, evaluate, grad_of, mb, mode, params, context, generators,
+                                                  modules)
             if probe.private:
                 return Replay(None, None, None, "the model or loss_fn draws from a random generator of its own "
                               "(torch.Generator, numpy Generator, random.Random): the replay cannot reproduce training's "
@@ -491,7 +510,7 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
             if mb.records:
                 ok = probe.faithful and probe.count == len(mb.records)
             else:
-                ok = mb.start.exact or loss_agrees or rng_free(root, recorder, evaluate, mb)
+                ok = mb.start.exact or loss_agrees or rng_free(root, recorder, evaluate, mb, modules)
             if ok:
                 done = (grads, value, mode, autocast)
                 break
