@@ -17,8 +17,8 @@ from torch.nn.utils import prune
 from torch.utils.checkpoint import checkpoint
 
 from gradwatch import ConfigError, GradWatch, check_backward, check_model
-from gradwatch.context import Shadow
-from gradwatch.sinks import read_jsonl
+from gradwatch.check.isolation import Shadow
+from gradwatch.io.sinks import read_jsonl
 
 
 from helpers import batch, mlp, mse

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from gradwatch import bench
+from gradwatch.cli import bench
 
 SECTIONS = ("time_to_verdict", "detection", "efficiency", "training_overhead", "scaling")
 
@@ -82,7 +82,7 @@ def test_unknown_models_are_a_usage_error(capsys):
 
 
 def test_the_cli_registers_bench():
-    cli = pytest.importorskip("gradwatch.cli")
+    cli = pytest.importorskip("gradwatch.cli.commands")
     parser = cli.build_parser(with_bench=True)
     args = parser.parse_args(["bench", "--quick", "--models", "mlp", "--time-cap", "3"])
     assert args.quick and args.models == "mlp" and args.time_cap == 3.0

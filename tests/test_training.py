@@ -24,8 +24,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from gradwatch import GradWatch, Verdict
-from gradwatch.sinks import read_jsonl
-from gradwatch.training import diagnose_training, judge_training
+from gradwatch.io.sinks import read_jsonl
+from gradwatch.check.training import diagnose_training, judge_training
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -554,8 +554,8 @@ def test_demo_missing_l2_story_and_report_show_the_training_verdict(tmp_path, ca
 def test_trend_follows_the_training_verdict_and_survives_a_state_round_trip():
     import json
 
-    from gradwatch.report import CheckReport, TrainingCheck
-    from gradwatch.trend import TrendTracker
+    from gradwatch.check.report import CheckReport, TrainingCheck
+    from gradwatch.watch.trend import TrendTracker
 
     def report(value):
         t = TrainingCheck(name="w", shape=(3,), tolerance=1e-6, rel_diff=value, max_rel_error=value,
@@ -575,7 +575,7 @@ def test_trend_follows_the_training_verdict_and_survives_a_state_round_trip():
 
 def test_a_wrong_backward_formula_leaves_the_training_verdict_clean():
     """The demo's late bug: training applies exactly the (wrong) gradient its backward computes."""
-    from gradwatch.demo import DemoSettings, demo_config, run_demo
+    from gradwatch.cli.demo import DemoSettings, demo_config, run_demo
 
     result = run_demo(DemoSettings(bug="late", steps=40), demo_config({"every": 10, "jsonl": False, "tensorboard": False}))
     assert result.alerts and all(a.part == "backward" for a in result.alerts)  # the backward verdict caught it

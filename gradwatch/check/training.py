@@ -1,7 +1,7 @@
 """The training part of a check: judge the live ``.grad`` against the objective's gradient.
 
 Pure math on tensors: no model, no hook, no I/O. The reference gradient comes
-from :mod:`gradwatch.replay` (the objective recomputed as training computed
+from :mod:`gradwatch.check.replay` (the objective recomputed as training computed
 it); this module compares it with the gradient training applied, over every
 element of the tensor, and says in words what differs.
 
@@ -168,7 +168,7 @@ def judge_training(
             of the size of the model's gradients, not of its own.
 
     Returns:
-        A :class:`~gradwatch.report.TrainingCheck`.
+        A :class:`~gradwatch.check.report.TrainingCheck`.
 
     Example:
         >>> p = torch.tensor([1.0, -2.0, 3.0])

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .context import BufferGuard, frozen_power_iteration, preserved_rng, suspended_hooks
+from .isolation import BufferGuard, frozen_power_iteration, preserved_rng, suspended_hooks
 from .generators import HeldGenerators
 
 #: Forwards recorded per micro-batch at most; beyond, the replay cannot be verified.
@@ -401,7 +401,7 @@ def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of
     Hooks your code registered on the model do not run (as in the backward part), the power
     iteration of ``spectral_norm`` is off (training's forward already updated its vectors), and
     generators held by the model or the loss (``roots``) are put back; a replay that drew from
-    one (``generators``, see :func:`gradwatch.generators.find_generators`) cannot reproduce
+    one (``generators``, see :func:`gradwatch.check.generators.find_generators`) cannot reproduce
     training's draws and is marked unfaithful.
     Returns the gradients, the objective, the probe and the autocast state the replay ran in.
     """

@@ -55,15 +55,15 @@ from torch import nn
 from torch.autograd.gradcheck import GradcheckError
 from torch.nn import functional as F
 
-from ._version import __version__
-from .batched import batched_state, reset_batched_state
-from .check import check_model, run_model_check
-from .context import Shadow, cast_floats, preserved_rng
-from .hook import GradWatch
-from .objective import Objective
-from .options import CheckOptions
-from .records import to_jsonable
-from .report import CheckReport
+from .._version import __version__
+from ..check.batched import batched_state, reset_batched_state
+from ..check.model import check_model, run_model_check
+from ..check.isolation import Shadow, cast_floats, preserved_rng
+from ..watch.gradwatch import GradWatch
+from ..check.objective import Objective
+from ..options import CheckOptions
+from ..io.records import to_jsonable
+from ..check.report import CheckReport
 
 MODEL_NAMES = ("mlp", "cnn", "transformer")
 SECTIONS = ("time_to_verdict", "detection", "efficiency", "training_part", "training_overhead", "scaling")
@@ -833,7 +833,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m gradwatch.bench``."""
+    """``python -m gradwatch.cli.bench``."""
     parser = argparse.ArgumentParser(prog="gradwatch bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

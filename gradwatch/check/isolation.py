@@ -7,7 +7,7 @@
   modules are switched to eval, the ``dropout`` probability of
   ``nn.MultiheadAttention`` and RNN modules is set to 0, and functional dropout
   (``F.dropout``, ``scaled_dot_product_attention(dropout_p=...)``, ...) runs with
-  training off, for the check only (:mod:`gradwatch.dropout`).
+  training off, for the check only (:mod:`gradwatch.check.dropout`).
 - ``parametrizations.spectral_norm``: the power iteration is off during a check
   (``u``, ``v`` constant, as torch defines the gradient).
 - BatchNorm stays in train mode (the function training differentiates);
@@ -105,7 +105,7 @@ class Reseeder:
     The generator states right after seeding are captured once and put back on
     each call (``torch.set_rng_state`` and ``random.setstate`` are cheaper than
     re-seeding; numpy's ``seed`` is cheaper than its ``set_state``). Generators held by the
-    model or the loss (:class:`~gradwatch.generators.HeldGenerators`, ``held``) are put back in
+    model or the loss (:class:`~gradwatch.check.generators.HeldGenerators`, ``held``) are put back in
     their saved state on each call. ``random``
     and ``numpy.random`` are reseeded only if one of the first :attr:`WATCH`
     evaluations drew from them (most objectives use torch's generator alone).
@@ -193,8 +193,8 @@ def dropout_off(model: nn.Module) -> Iterator["DropoutRecord"]:
 
     Dropout modules go to eval, ``MultiheadAttention``/RNN ``dropout`` probabilities to 0, and
     functional dropout calls made meanwhile in this thread run with training off
-    (:class:`gradwatch.dropout.FunctionalDropoutOff`). Yields a
-    :class:`gradwatch.dropout.DropoutRecord` of what was switched off; call its ``settle()``
+    (:class:`gradwatch.check.dropout.FunctionalDropoutOff`). Yields a
+    :class:`gradwatch.check.dropout.DropoutRecord` of what was switched off; call its ``settle()``
     after the first forward (the counts are per forward). Layerdrop (a module attribute
     ``layerdrop`` > 0, or a transformers config's ``layerdrop``/``encoder_layerdrop``/... fields)
     is recorded as staying on.

@@ -21,9 +21,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from ._version import __version__
-from .config import GradWatchConfig, config_problems, load_config, option_names, options_table
-from .errors import ConfigError, GradWatchError
+from .._version import __version__
+from ..config import GradWatchConfig, config_problems, load_config, option_names, options_table
+from ..errors import ConfigError, GradWatchError
 
 EXIT_OK, EXIT_ALERTS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -80,7 +80,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 # --------------------------------------------------------------------- parser
 
 def build_parser(with_bench: bool = False) -> argparse.ArgumentParser:
-    """The ``gradwatch`` argument parser (``with_bench``: let :mod:`gradwatch.bench` add its flags)."""
+    """The ``gradwatch`` argument parser (``with_bench``: let :mod:`gradwatch.cli.bench` add its flags)."""
     parser = argparse.ArgumentParser(
         prog="gradwatch",
         formatter_class=_Formatter,
@@ -193,7 +193,7 @@ def _add_validate(sub: Any) -> None:
     p.set_defaults(func=cmd_validate)
 
 
-BENCH_HELP = "measure what the checks cost (delegates to gradwatch.bench)"
+BENCH_HELP = "measure what the checks cost (delegates to gradwatch.cli.bench)"
 
 
 def _add_bench(sub: Any, with_bench: bool) -> None:
@@ -252,7 +252,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------- report
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from . import summary
+    from ..io import runs as summary
 
     try:
         found = summary.find_runs(args.logdir, args.source)
@@ -291,7 +291,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _print_report(data: Any, rows: List[Dict[str, Any]], verbose: bool) -> None:
-    from . import summary
+    from ..io import runs as summary
 
     uni = _unicode_ok()
     steps = data.check_steps
@@ -320,7 +320,7 @@ def _print_report(data: Any, rows: List[Dict[str, Any]], verbose: bool) -> None:
 
 def _print_alerts(alerts: List[Dict[str, Any]], bands: Any, details: Dict[Any, Any], *, verbose: bool,
                   title: str = "Alerts") -> None:
-    from . import summary
+    from ..io import runs as summary
 
     print()
     if not alerts:
@@ -438,7 +438,7 @@ class _DemoPrinter:
     @staticmethod
     def _training_text(report: Any) -> str:
         """The worst training verdict of a check (``-`` when the training part did not judge)."""
-        from . import summary
+        from ..io import runs as summary
 
         judged = [t for t in report.training.values() if t.verdict is not None]
         if not judged:
@@ -451,7 +451,7 @@ class _DemoPrinter:
                f"custom SiLU {ev.max_abs_before:.1f} -> {ev.max_abs_after:.1f}")
 
     def check(self, ev: Any) -> None:
-        from . import summary
+        from ..io import runs as summary
 
         report = ev.report
         if report is not None:
@@ -487,7 +487,7 @@ class _DemoPrinter:
 def cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
-    from . import summary
+    from ..io import runs as summary
     from .demo import DemoSettings, run_demo
 
     if args.steps < 1:
@@ -505,7 +505,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     settings = DemoSettings(bug=args.bug, steps=args.steps, seed=args.seed)
     from .demo import SpiralNet
 
-    from .sampling import match_names
+    from ..check.sampling import match_names
 
     names = [n for n, _ in SpiralNet(hidden=4).named_parameters()]
     try:

@@ -21,23 +21,23 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from ._version import __version__ as _version
-from .check import GradFn, run_model_check, trainable_names
-from .config import GradWatchConfig, load_config
-from .context import Shadow, preserved_rng
+from .._version import __version__ as _version
+from ..check.model import GradFn, run_model_check, trainable_names
+from ..config import GradWatchConfig, load_config
+from ..check.isolation import Shadow, preserved_rng
 from .distributed import DEFAULT_TIMEOUT, DistributedCoordinator, unwrap_model
-from .errors import GradientDriftError, blamed
-from .numeric import Verdict
-from .objective import Objective, coupled_weight_decay
-from .records import check_record, run_record
-from .generators import find_generators
-from .replay import ForwardRecorder, Replay, Step, replay_step
-from .report import CheckReport
-from .sampling import coverage as coverage_of
-from .sampling import match_names, rotate
+from ..errors import GradientDriftError, blamed
+from ..check.numeric import Verdict
+from ..check.objective import Objective, coupled_weight_decay
+from ..io.records import check_record, run_record
+from ..check.generators import find_generators
+from ..check.replay import ForwardRecorder, Replay, Step, replay_step
+from ..check.report import CheckReport
+from ..check.sampling import coverage as coverage_of
+from ..check.sampling import match_names, rotate
 from .schedule import ANNOUNCE_AS_WARNING_ABOVE, Schedule
-from .sinks import SinkSet, build_sinks
-from .training import compute_dtype, gradient_scale, judge_training, tolerance_for
+from ..io.sinks import SinkSet, build_sinks
+from ..check.training import compute_dtype, gradient_scale, judge_training, tolerance_for
 from .trend import Alert
 
 logger = logging.getLogger("gradwatch")
@@ -94,7 +94,7 @@ class GradWatch:
     - **training** (``training=True``, the default): every watched tensor's live
       ``.grad`` against the objective's gradient recomputed the way training
       computed it (live model and dtype, the same dropout masks and autocast
-      state; see :mod:`gradwatch.replay`): is the gradient training applies the
+      state; see :mod:`gradwatch.check.replay`): is the gradient training applies the
       gradient of the objective?
 
     Under gradient accumulation call :meth:`accumulate` after each micro-batch's
@@ -110,7 +110,7 @@ class GradWatch:
             logged and training goes on.
         writer: Optional existing ``SummaryWriter`` to log through (e.g. Lightning's).
         distributed: ``"auto"`` (default): coordinate the ranks when ``torch.distributed`` is
-            initialized with 2+ ranks (see :mod:`gradwatch.distributed`); ``False``: act as a
+            initialized with 2+ ranks (see :mod:`gradwatch.watch.distributed`); ``False``: act as a
             single process. A DDP/DataParallel wrapper is always unwrapped (``model.module``).
         distributed_timeout: Seconds gradwatch's own collectives wait for a missing rank.
         grad_scaler: Optional ``torch.amp.GradScaler`` of a float16 AMP loop. The training part then
@@ -245,7 +245,7 @@ class GradWatch:
     # ------------------------------------------------------------------ public state
     @property
     def history(self) -> Dict[str, List[Dict[str, Any]]]:
-        """Per-tensor history of checks (see :class:`~gradwatch.trend.TrendTracker`)."""
+        """Per-tensor history of checks (see :class:`~gradwatch.watch.trend.TrendTracker`)."""
         return self.tracker.history
 
     @property
@@ -400,7 +400,7 @@ class GradWatch:
         """For integrations: a micro-batch's ``loss_fn`` starts now, with no random draw before it.
 
         The replay of the training part can then start every generator from here (see
-        :mod:`gradwatch.replay`), even when training never calls the model's own forward.
+        :mod:`gradwatch.check.replay`), even when training never calls the model's own forward.
         """
         if self._recorder is not None:
             self._recorder.mark(exact=True, full=self.paused is None and self._due(self._step))
@@ -410,7 +410,7 @@ class GradWatch:
         if self._recorder is not None:
             pending = self._recorder.take(batch, loss)
         else:
-            from .replay import MicroBatch, StartState
+            from ..check.replay import MicroBatch, StartState
 
             last = batch if batch is not None else self._last_micro
             pending = Step([MicroBatch(last, loss, StartState.now())])
@@ -524,7 +524,7 @@ class GradWatch:
 
         def grad_of(total: torch.Tensor, batch: Any) -> Dict[str, torch.Tensor]:
             if self.grad_fn is not None:
-                from .check import _validate_grads
+                from ..check.model import _validate_grads
 
                 return _validate_grads(self.grad_fn(model, batch), params, "grad_fn")
             if not total.requires_grad:
