@@ -148,6 +148,18 @@ def test_module_dropout_is_replayed_with_training_masks():
     assert all(t.rel_diff == 0.0 for r in reports for t in r.training.values())  # the very same bits
 
 
+def test_replay_probe_falls_back_to_its_own_hook_when_user_code_cleared_the_model_hooks():
+    """The replay's probe runs from the recording pre-hook; if user code removed that hook, the probe
+    hooks the model itself and the replay is still verified (from the step start, loss given)."""
+    model = mlp(dropout=0.5)
+    watch = GradWatch(model, ce, **quiet())
+    model._forward_pre_hooks.clear()  # user code wiping the model's hooks after the watch attached
+    reports = train(model, watch, data(3), pass_loss=True)
+    assert all_excellent(reports) and watch.alerts == []
+    assert all("replayed from the start RNG state" in r.training_note for r in reports)
+    assert not model._forward_pre_hooks  # the fallback hook is removed after each replay
+
+
 class FunctionalDropout(nn.Module):
     def __init__(self) -> None:
         super().__init__()

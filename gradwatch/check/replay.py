@@ -196,7 +196,11 @@ class _RecordHook:
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         rec = self.recorder
-        if rec is not None and rec.active and module is rec.root and not rec.paused and torch.is_grad_enabled():
+        if rec is None or module is not rec.root:
+            return None
+        if rec.probe is not None:  # a replay runs: its probe takes training's place
+            rec.probe(module, args, kwargs)
+        elif rec.active and not rec.paused and torch.is_grad_enabled():
             rec.record(args, kwargs)
         return None
 
@@ -228,6 +232,8 @@ class ForwardRecorder:
     def __init__(self, root: nn.Module) -> None:
         self.root = root
         self.paused = False
+        #: The running replay's probe (:func:`replay_step`), called from this hook in the place training's forwards were recorded.
+        self.probe: Optional[Callable[[nn.Module, tuple, dict], None]] = None
         #: Record forwards (True while the coming step may be checked; see :meth:`mark`).
         self.active = True
         self._hook = _RecordHook(self)
@@ -236,6 +242,10 @@ class ForwardRecorder:
         self._overflow = False
         self._start = StartState.now()
         self._pending: List[MicroBatch] = []
+
+    def hooked(self) -> bool:
+        """True while the recording pre-hook is still in place on the root (user code may have cleared hooks)."""
+        return self._handle.id in self.root._forward_pre_hooks
 
     def record(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
         """Called by the pre-hook for every training forward of the root module."""
@@ -408,7 +418,11 @@ def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of
     probe = _Probe(mb.records, mode)
     region = context() if context is not None else autocast_as(mb.records[0].autocast if mb.records else ())
     held = HeldGenerators.of(generators)
-    handle = root.register_forward_pre_hook(probe, with_kwargs=True, prepend=True)
+    handle = None
+    if root is recorder.root and recorder.hooked():
+        recorder.probe = probe  # run by the recording hook, where training's forwards were recorded
+    else:
+        handle = root.register_forward_pre_hook(probe, with_kwargs=True, prepend=True)
     try:
         with _isolated(root, recorder, modules):
             if mode == "start":
@@ -420,7 +434,9 @@ def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of
                 grads = grad_of(total, mb.batch)
             value = float(total.detach())
     finally:
-        handle.remove()
+        recorder.probe = None
+        if handle is not None:
+            handle.remove()
         if held.moved():
             probe.faithful = False
             probe.private = True
