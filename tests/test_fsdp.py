@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from gradwatch.sinks import read_jsonl
+from gradwatch.io.sinks import read_jsonl
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
 fsdp = pytest.importorskip("torch.distributed.fsdp")

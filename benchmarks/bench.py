@@ -25,6 +25,10 @@ JSON:
 
 Figures are ratios from one run on one machine; nothing here asserts a time.
 
+This file ships with the source tree, not with the wheel (its planted-bug
+models are no part of the library): ``make bench``, ``python
+benchmarks/bench.py`` or ``gradwatch bench`` in a checkout run it.
+
 Example (as a test would run it)::
 
     >>> import argparse
@@ -55,15 +59,15 @@ from torch import nn
 from torch.autograd.gradcheck import GradcheckError
 from torch.nn import functional as F
 
-from ._version import __version__
-from .batched import batched_state, reset_batched_state
-from .check import check_model, run_model_check
-from .context import Shadow, cast_floats, preserved_rng
-from .hook import GradWatch
-from .objective import Objective
-from .options import CheckOptions
-from .records import to_jsonable
-from .report import CheckReport
+from gradwatch._version import __version__
+from gradwatch.check.batched import batched_state, reset_batched_state
+from gradwatch.check.isolation import Shadow, cast_floats, preserved_rng
+from gradwatch.check.model import check_model, run_model_check
+from gradwatch.check.objective import Objective
+from gradwatch.check.report import CheckReport
+from gradwatch.io.records import to_jsonable
+from gradwatch.options import CheckOptions
+from gradwatch.watch.gradwatch import GradWatch
 
 MODEL_NAMES = ("mlp", "cnn", "transformer")
 SECTIONS = ("time_to_verdict", "detection", "efficiency", "training_part", "training_overhead", "scaling")
@@ -833,7 +837,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m gradwatch.bench``."""
+    """``python benchmarks/bench.py [flags]`` (the same as ``gradwatch bench [flags]`` in a source checkout)."""
     parser = argparse.ArgumentParser(prog="gradwatch bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

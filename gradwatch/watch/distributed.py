@@ -9,7 +9,7 @@ the same on every rank:
    interval, which travels with the gathered results of each check.
 2. **Agree on a sharded model's layout** (:meth:`~DistributedCoordinator.same_everywhere`),
    FSDP2 only: every rank then gathers the same parameters in the same order
-   into its replica (:mod:`gradwatch.sharded`), the only collectives of the
+   into its replica (:mod:`gradwatch.watch.sharded`), the only collectives of the
    model's own group a check makes.
 3. **Share the tensors** (:meth:`~DistributedCoordinator.share`). The rotating
    subset is chosen alike on every rank (:meth:`~DistributedCoordinator.tensors_per_check`
@@ -55,8 +55,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import GradWatchError
-from .report import CheckReport
+from ..check.report import CheckReport
+from ..errors import GradWatchError
 
 logger = logging.getLogger("gradwatch")
 
@@ -146,7 +146,7 @@ class DistributedCoordinator:
 
     Build it with :meth:`create`, on every rank at the same point of the program
     (it creates a process group, itself a collective). It holds no reference to the
-    watch: GradWatch calls it at the points listed in :mod:`gradwatch.distributed`.
+    watch: GradWatch calls it at the points listed in :mod:`gradwatch.watch.distributed`.
 
     Args:
         timeout: Seconds gradwatch's collectives wait for the other ranks.

@@ -21,25 +21,25 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from ._version import __version__ as _version
-from . import check as _check
-from .check import GradFn, trainable_names
-from .config import GradWatchConfig, load_config
-from .context import Shadow, preserved_rng
+from .._version import __version__ as _version
+from ..check import model as _check
+from ..check.model import GradFn, trainable_names
+from ..config import GradWatchConfig, load_config
+from ..check.isolation import Shadow, preserved_rng
 from .distributed import DEFAULT_TIMEOUT, DistributedCoordinator, RankResult, merge_results, unwrap_model
-from .errors import GradientDriftError, blamed
-from .numeric import Verdict
-from .objective import Objective, coupled_weight_decay
-from .records import check_record, run_record
-from .generators import find_generators
-from .replay import ForwardRecorder, Replay, Step, replay_step
-from .report import CheckReport
-from .sampling import coverage as coverage_of
-from .sampling import match_names, rotate
-from .sharded import REPLICA_NOTE, Replica, is_sharded, layout, live_forward_forbidden
+from ..errors import GradientDriftError, blamed
+from ..check.numeric import Verdict
+from ..check.objective import Objective, coupled_weight_decay
+from ..io.records import check_record, run_record
+from ..check.generators import find_generators
+from ..check.replay import ForwardRecorder, Replay, Step, replay_step
+from ..check.report import CheckReport
+from ..check.sampling import coverage as coverage_of
+from ..check.sampling import match_names, rotate
 from .schedule import ANNOUNCE_AS_WARNING_ABOVE, Schedule
-from .sinks import SinkSet, build_sinks
-from .training import compute_dtype, gradient_scale, judge_training, tolerance_for
+from .sharded import REPLICA_NOTE, Replica, is_sharded, layout, live_forward_forbidden
+from ..io.sinks import SinkSet, build_sinks
+from ..check.training import compute_dtype, gradient_scale, judge_training, tolerance_for
 from .trend import WHOLE_CHECK, Alert
 
 logger = logging.getLogger("gradwatch")
@@ -96,7 +96,7 @@ class GradWatch:
     - **training** (``training=True``, the default): every watched tensor's live
       ``.grad`` against the objective's gradient recomputed the way training
       computed it (live model and dtype, the same dropout masks and autocast
-      state; see :mod:`gradwatch.replay`): is the gradient training applies the
+      state; see :mod:`gradwatch.check.replay`): is the gradient training applies the
       gradient of the objective?
 
     Under gradient accumulation call :meth:`accumulate` after each micro-batch's
@@ -112,7 +112,7 @@ class GradWatch:
             logged and training goes on.
         writer: Optional existing ``SummaryWriter`` to log through (e.g. Lightning's).
         distributed: ``"auto"`` (default): coordinate the ranks when ``torch.distributed`` is
-            initialized with 2+ ranks (see :mod:`gradwatch.distributed`); ``False``: act as a
+            initialized with 2+ ranks (see :mod:`gradwatch.watch.distributed`); ``False``: act as a
             single process. A DDP/DataParallel wrapper is always unwrapped (``model.module``).
         distributed_timeout: Seconds gradwatch's own collectives wait for a missing rank.
         grad_scaler: Optional ``torch.amp.GradScaler`` of a float16 AMP loop. The training part then
@@ -194,7 +194,7 @@ class GradWatch:
         self._started: Optional[float] = None
         self._wall_before = 0.0
         self._shadow: Optional[Shadow] = None
-        # A sharded (FSDP2) model is checked on a plain replica gathered at each check (see gradwatch.sharded).
+        # A sharded (FSDP2) model is checked on a plain replica gathered at each check (see gradwatch.watch.sharded).
         self._sharded = is_sharded(model)
         self._replica: Optional[Replica] = None  # built at the first check
         if self._sharded:
@@ -252,7 +252,7 @@ class GradWatch:
     # ------------------------------------------------------------------ public state
     @property
     def history(self) -> Dict[str, List[Dict[str, Any]]]:
-        """Per-tensor history of checks (see :class:`~gradwatch.trend.TrendTracker`)."""
+        """Per-tensor history of checks (see :class:`~gradwatch.watch.trend.TrendTracker`)."""
         return self.tracker.history
 
     @property
@@ -407,7 +407,7 @@ class GradWatch:
         """For integrations: a micro-batch's ``loss_fn`` starts now, with no random draw before it.
 
         The replay of the training part can then start every generator from here (see
-        :mod:`gradwatch.replay`), even when training never calls the model's own forward.
+        :mod:`gradwatch.check.replay`), even when training never calls the model's own forward.
         """
         if self._recorder is not None:
             self._recorder.mark(exact=True, full=self.paused is None and self._due(self._step))
@@ -417,7 +417,7 @@ class GradWatch:
         if self._recorder is not None:
             pending = self._recorder.take(batch, loss)
         else:
-            from .replay import MicroBatch, StartState
+            from ..check.replay import MicroBatch, StartState
 
             last = batch if batch is not None else self._last_micro
             pending = Step([MicroBatch(last, loss, StartState.now())])
@@ -468,7 +468,7 @@ class GradWatch:
                         with self._recorder_paused():
                             if opts.dtype is not None and (self._shadow is None or not self._shadow.matches(target)):
                                 self._shadow = Shadow(target, opts.dtype)
-                            # through the module: a spy on gradwatch.check.run_model_check sees every check
+                            # through the module: a spy on gradwatch.check.model.run_model_check sees every check
                             report = _check.run_model_check(target, self.objective, batch, opts,
                                                             grad_fn=self.grad_fn, names=mine, shadow=self._shadow)
             if coord is None:
@@ -610,6 +610,7 @@ class GradWatch:
         if (cached is not None and cached[3] is model and _same_tree(cached[1])
                 and all(p.requires_grad == flag for p, flag in cached[2])):
             return cached[0]
+        self._modules_cache = list(model.modules())  # current while the tree is: the replay's guards walk it
         tree = []
         named = []
         flags = []  # every parameter's requires_grad: one frozen or unfrozen changes the watched set
@@ -651,7 +652,7 @@ class GradWatch:
 
         def grad_of(total: torch.Tensor, batch: Any) -> Dict[str, torch.Tensor]:
             if self.grad_fn is not None:
-                from .check import _validate_grads
+                from ..check.model import _validate_grads
 
                 return _validate_grads(self.grad_fn(model, batch), params, "grad_fn")
             if not total.requires_grad:
@@ -670,7 +671,7 @@ class GradWatch:
         worst = compute_dtype(max((p.dtype for p in plist), key=tolerance_for, default=torch.float32), autocast)
         replay = replay_step(model, self._recorder, pending, self.objective.training_total, grad_of, params,
                              loss_tolerance=10 * tolerance_for(worst), context=self.replay_context,
-                             generators=self._held_generators())
+                             generators=self._held_generators(), modules=self._modules_cache)
         replay.params = params
         return replay
 
@@ -702,9 +703,11 @@ class GradWatch:
                 scales.append(gradient_scale(list(grads.values())))
             return scales[0]
 
+        bands, fail_at, autocast = self._check_options.bands, self._check_options.fail_at, replay.autocast
+        dtypes: Dict[torch.dtype, torch.dtype] = {}  # parameter dtype -> compute dtype, once per dtype
         for n, p in params.items():
-            report.training[n] = judge_training(n, p.grad, grads[n], p, compute_dtype(p.dtype, replay.autocast),
-                                                self._check_options.bands, self._check_options.fail_at, scale=scale)
+            dtype = dtypes.get(p.dtype) or dtypes.setdefault(p.dtype, compute_dtype(p.dtype, autocast))
+            report.training[n] = judge_training(n, p.grad, grads[n], p, dtype, bands, fail_at, scale=scale)
         notes = [f"replayed from the {replay.how} RNG state" if replay.how else ""]
         if replay.loss_gap is not None:
             given, replayed = replay.loss_gap

@@ -76,7 +76,7 @@ def layout(model: nn.Module) -> List[Tuple[str, Tuple[int, ...], str, bool]]:
     """``(name, global shape, dtype, has .grad)`` of every parameter, in the order the gather follows.
 
     Every rank must gather the same tensors in the same order; comparing the ranks' layouts before
-    a gather (:meth:`gradwatch.distributed.DistributedCoordinator.same_everywhere`) makes sure of it.
+    a gather (:meth:`gradwatch.watch.distributed.DistributedCoordinator.same_everywhere`) makes sure of it.
 
     Example:
         >>> layout(nn.Linear(2, 1))
