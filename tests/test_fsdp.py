@@ -11,9 +11,10 @@ writes what it saw to a JSON file that the tests then read:
 - ``planted``: a custom ``autograd.Function`` with a wrong backward: caught, named and
   diagnosed in the same record on both ranks, although each rank checks its own tensors;
 - ``inplace``: ``dtype=None`` (before this, one rank aborted inside gloo): checks run;
-- ``errors``: ``loss_fn`` raises on rank 1 only, and at another check calls the live
-  sharded model from its closure on rank 0 only: an error record on every rank, no hang,
-  training completes bit-identical to a run without the watch.
+- ``errors``: ``loss_fn`` raises on rank 1 only; at another check it calls the live
+  sharded model from its closure on rank 0 only; at a third, rank 1 has no ``.grad`` for
+  one tensor (the ranks would gather different tensors): each time an error record on
+  every rank, no hang, and training completes bit-identical to a run without the watch.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ SCENARIOS = ("correct", "planted", "inplace", "errors")
 
 WORKER = textwrap.dedent(
     r'''
-    import datetime, json, os, sys
+    import datetime, json, os, sys, time
     import torch, torch.nn as nn, torch.nn.functional as F
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -92,7 +93,7 @@ WORKER = textwrap.dedent(
 
 
     NAMES = ["0.weight", "0.bias", "3.weight", "3.bias", "5.weight", "5.bias"]
-    state = {"step": -1, "net": None, "raise_on_rank": None, "closure_on_rank": None}
+    state = {"step": -1, "net": None, "raise_on_rank": None, "closure_on_rank": None, "hide_grad_on_rank": None}
 
 
     def loss_fn(m, batch):
@@ -118,7 +119,12 @@ WORKER = textwrap.dedent(
             opt.zero_grad()
             loss_fn(net, batch).backward()
             if watch is not None:
+                hidden = None
+                if state["hide_grad_on_rank"] == (rank, step):  # this rank's 5.bias has no .grad at the check
+                    hidden, net[5].bias.grad = net[5].bias.grad, None
                 report = watch.step(batch)
+                if hidden is not None:
+                    net[5].bias.grad = hidden
                 if report is not None:
                     checks.append({
                         "step": step, "ok": report.ok, "notes": report.notes, "training_note": report.training_note,
@@ -143,6 +149,7 @@ WORKER = textwrap.dedent(
 
     results = {}
     for scenario in scenarios:
+        t0 = time.perf_counter()
         run_dir = os.path.join(out, scenario)
         if scenario == "correct":  # default check options
             plain, _ = train(4)
@@ -153,11 +160,12 @@ WORKER = textwrap.dedent(
         elif scenario == "inplace":
             _, res = train(3, dict(every=1, log_dir=run_dir, coords=4, directions=1, dtype=None))
         elif scenario == "errors":
-            plain, _ = train(6)
-            state["raise_on_rank"], state["closure_on_rank"] = (1, 2), (0, 4)
-            watched, res = train(6, dict(every=2, log_dir=run_dir, coords=4, directions=1))
-            state["raise_on_rank"] = state["closure_on_rank"] = None
+            plain, _ = train(10)
+            state["raise_on_rank"], state["closure_on_rank"], state["hide_grad_on_rank"] = (1, 2), (0, 4), (1, 8)
+            watched, res = train(10, dict(every=2, log_dir=run_dir, coords=4, directions=1))
+            state["raise_on_rank"] = state["closure_on_rank"] = state["hide_grad_on_rank"] = None
             res["bit_identical"] = same(plain, watched)
+        res["seconds"] = time.perf_counter() - t0
         results[scenario] = res
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
@@ -260,11 +268,16 @@ def test_a_check_failing_on_one_rank_is_an_error_record_on_every_rank(ranks):
     r0, r1, out = ranks
     for r in (r0["errors"], r1["errors"]):
         errors = [a for a in r["alerts"] if a["kind"] == "error"]
-        assert [a["step"] for a in errors] == [2, 4], errors
+        assert [a["step"] for a in errors] == [2, 4, 8], errors  # (a check completes at 6: alerts are per streak)
         assert "rank 1: KeyError" in errors[0]["message"] and "labels" in errors[0]["message"]
         # rank 0's loss_fn called the live sharded model: refused before its all-gather, named as such
         assert "rank 0: LiveForwardInCheck" in errors[1]["message"] and "closure" in errors[1]["message"]
-        assert [c["step"] for c in r["checks"]] == [0, 2, 4]
+        # rank 1 had no .grad for 5.bias: the ranks would gather different tensors, so none does
+        assert "ranks 0, 1: DistributedCheckError: the ranks disagree on the parameters to gather" in errors[2]["message"]
+        assert "('5.bias', (3,), 'torch.float32', True) on rank 0, ('5.bias', (3,), 'torch.float32', False) on rank 1" \
+            in errors[2]["message"]
+        assert [c["step"] for c in r["checks"]] == [0, 2, 4, 6]
+        assert r["checks"][3]["ok"] and list(r["checks"][3]["backward"]) == NAMES
         step2, step4 = r["checks"][1], r["checks"][2]
         assert list(step2["backward"]) == NAMES[0::2]  # rank 0's share still judged at step 2
         assert list(step4["backward"]) == NAMES[1::2]  # and rank 1's at step 4
@@ -274,3 +287,102 @@ def test_a_check_failing_on_one_rank_is_an_error_record_on_every_rank(ranks):
     assert r0["errors"]["alerts"] == r1["errors"]["alerts"]
     records, _ = read_jsonl(out / "errors")
     assert sum(rec["type"] == "alert" and "rank 1: KeyError" in rec["message"] for rec in records) == 1
+
+
+# ---------------------------------------------------------------- in-process pieces (one rank)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_replica_is_plain_full_and_keeps_ties_and_user_hooks(one_rank):
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from gradwatch.watch.sharded import LiveForwardInCheck, Replica, is_sharded, layout, live_forward_forbidden
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4), nn.BatchNorm1d(4))
+    seen = []
+    net[2].register_forward_hook(lambda m, i, o: seen.append(1))  # a user hook: kept (the check suspends it)
+    fully_shard(net[0])
+    fully_shard(net)
+    assert is_sharded(net) and isinstance(net[0].weight, DTensor) and isinstance(net, FSDPModule)
+    net(torch.randn(5, 3)).sum().backward()
+    replica = Replica(net)
+    module = replica.refresh(net)
+    assert type(module) is nn.Sequential and type(module[0]) is nn.Linear  # FSDP's classes left out
+    assert not any(isinstance(m, FSDPModule) for m in module.modules())
+    assert not any(k.startswith("__composable_api") for m in module.modules() for k in vars(m))
+    for (n, live), (_, mine) in zip(net.named_parameters(), module.named_parameters()):
+        assert type(mine) is nn.Parameter and not isinstance(mine, DTensor)
+        assert torch.equal(mine, live.full_tensor()) and torch.equal(mine.grad, live.grad.full_tensor()), n
+    assert torch.equal(module[3].running_mean, net[3].running_mean)
+    assert [h for h in module[2]._forward_hooks.values()] == [h for h in net[2]._forward_hooks.values()]
+    assert not module._forward_pre_hooks and not module[0]._forward_pre_hooks  # FSDP's pre/post forward hooks
+    assert layout(net) == [(n, tuple(p.shape), str(p.dtype), True) for n, p in net.named_parameters()]
+    out = module(torch.randn(5, 3))  # a plain forward: no collective
+    assert out.shape == (5, 4) and seen == [1, 1]
+    replica.release()
+    assert all(p.grad is None for p in module.parameters())
+    # During a check, the live sharded model refuses to run (before FSDP's all-gather), the replica runs.
+    with live_forward_forbidden(net):
+        with pytest.raises(LiveForwardInCheck, match="the model loss_fn is given"):
+            net(torch.randn(5, 3))
+        module(torch.randn(5, 3))
+    net(torch.randn(5, 3))  # and runs again afterwards
+
+
+def test_tied_parameters_stay_tied_in_the_replica(one_rank):
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from gradwatch.watch.sharded import Replica
+
+    emb = nn.Embedding(6, 4)
+    head = nn.Linear(4, 6, bias=False)
+    head.weight = emb.weight
+    net = nn.Sequential(emb, head)
+    fully_shard(net)
+    module = Replica(net).refresh(net)
+    assert module[0].weight is module[1].weight
+    assert torch.equal(module[0].weight, net[0].weight.full_tensor())
+
+
+def test_sharded_models_refused_where_they_cannot_be_checked(one_rank):
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+
+    import gradwatch
+    from gradwatch import GradWatch
+
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    fully_shard(net)
+    loss_fn = lambda m, b: m(b).pow(2).mean()  # noqa: E731
+    with pytest.raises(ValueError, match="check_model cannot check FSDPSequential: it is sharded"):
+        gradwatch.check_model(net, loss_fn, torch.randn(4, 3))
+    # One rank: nothing to coordinate; the replica is still what the check runs on.
+    with GradWatch(net, loss_fn, every=1, log_dir=None, coords=2, directions=1) as watch:
+        assert watch.dist is None
+        net.zero_grad()
+        batch = torch.randn(4, 3)
+        loss_fn(net, batch).backward()
+        report = watch.step(batch)
+        assert report.ok and sorted(report.tensors) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+        assert all(t.verdict.value == "excellent" for t in report.training.values()), report.training
+    # FSDP1 needs an accelerator to be built; the refusal looks at the wrapper's class only.
+    wrapped = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
+    nn.Module.__init__(wrapped)
+    wrapped.inner = nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="FullyShardedDataParallel \\(FSDP1\\), which gradwatch does not check"):
+        GradWatch(nn.Sequential(wrapped), loss_fn)

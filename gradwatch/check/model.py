@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .isolation import BufferGuard, Reseeder, Shadow, dropout_off, frozen_batchnorm_stats, frozen_power_iteration, preserved_rng, restore_params, seed_everything, snapshot_params, cast_floats, suspended_hooks
+from .isolation import BufferGuard, Reseeder, Shadow, dropout_off, frozen_batchnorm_stats, frozen_power_iteration, preserved_rng, restore_params, seed_everything, snapshot_params, cast_floats, is_sharded, suspended_hooks
 from .engine import EngineSettings, Evaluator, NOISE_FACTOR, check_tensor, total
 from ..errors import blame
 from .generators import HeldGenerators
@@ -91,6 +91,12 @@ def check_model(
     opts = CheckOptions(**options)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if is_sharded(model):
+        raise ValueError(
+            f"check_model cannot check {type(model).__name__}: it is sharded (FSDP2 fully_shard, DTensor "
+            "parameters), it cannot be copied, and evaluating it makes collectives the other ranks do not make. "
+            "Check the model before fully_shard, or use GradWatch, which gathers a replica on every rank at each check"
+        )
     weight_decay, notes = coupled_weight_decay(model, optimizer)
     objective = Objective(loss_fn, regularizers, weight_decay)
     report = run_model_check(model, objective, batch, opts, grad_fn=grad_fn, batched=batched)

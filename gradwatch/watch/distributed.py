@@ -228,10 +228,11 @@ class DistributedCoordinator:
             raise DistributedCheckError(self.broken or "a rank did not arrive")
         differ = [g["rank"] for g in gathered if g["value"] != gathered[0]["value"]]
         if differ:
+            first = _first_difference(gathered[0]["value"], gathered[differ[0]]["value"])
             raise DistributedCheckError(
-                f"the ranks disagree on {what}: rank(s) {differ} differ from rank 0, so they cannot gather the "
-                f"same tensors (rank 0: {_short(gathered[0]['value'])}; rank {differ[0]}: "
-                f"{_short(gathered[differ[0]]['value'])})"
+                f"the ranks disagree on {what}: rank {', '.join(map(str, differ))} differ{'s' if len(differ) == 1 else ''} "
+                f"from rank 0 ({first[0]!s} on rank 0, {first[1]!s} on rank {differ[0]}), so they cannot gather the "
+                "same tensors; nothing was gathered"
             )
 
     # ------------------------------------------------------------------ 3. sharing
@@ -313,9 +314,19 @@ class DistributedCoordinator:
                 pass
 
 
-def _short(value: Any, limit: int = 160) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
+def _first_difference(a: Any, b: Any) -> Tuple[Any, Any]:
+    """The first differing items of two sequences (or the lengths, or the values themselves).
+
+    Example:
+        >>> _first_difference([1, 2, 3], [1, 5, 3])
+        (2, 5)
+    """
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        for x, y in zip(a, b):
+            if x != y:
+                return x, y
+        return f"{len(a)} entries", f"{len(b)} entries"
+    return a, b
 
 
 def merge_results(results: Sequence[RankResult], order: Sequence[str], opts: Any) -> MergedCheck:
@@ -325,11 +336,20 @@ def merge_results(results: Sequence[RankResult], order: Sequence[str], opts: Any
         >>> merged = merge_results([RankResult(0), RankResult(1, error="KeyError: 'y'", where="loss_fn")], [], None)
         >>> merged.report is None, str(merged.error), merged.where
         (True, "rank 1: KeyError: 'y'", 'loss_fn on rank 1')
+        >>> str(merge_results([RankResult(0, error="E: x"), RankResult(1, error="E: x")], [], None).error)
+        'ranks 0, 1: E: x'
+
     """
     reports = [(r.rank, r.report) for r in results if r.report is not None]
     failed = [r for r in results if r.failed]
-    error = DistributedCheckError("; ".join(f"rank {r.rank}: {r.error}" for r in failed)) if failed else None
-    where = "; ".join(f"{r.where or 'the check'} on rank {r.rank}" for r in failed) if failed else None
+    by_error: Dict[str, List[int]] = {}  # the same error on several ranks: said once
+    for r in failed:
+        by_error.setdefault(str(r.error), []).append(r.rank)
+    error = DistributedCheckError("; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {text}" for text, ranks in by_error.items())
+    ) if failed else None
+    # What raised, where the user's code did (None when gradwatch itself refused: its message says why).
+    where = "; ".join(f"{r.where} on rank {r.rank}" for r in failed if r.where) or None
     return MergedCheck(
         report=merge_reports(reports, order, opts) if reports else None,
         error=error,

@@ -37,7 +37,7 @@ from ..check.report import CheckReport
 from ..check.sampling import coverage as coverage_of
 from ..check.sampling import match_names, rotate
 from .schedule import ANNOUNCE_AS_WARNING_ABOVE, Schedule
-from .sharded import REPLICA_NOTE, Replica, is_sharded, layout, live_forward_forbidden
+from .sharded import REPLICA_NOTE, Replica, is_sharded, layout, live_forward_forbidden, refuse_unsupported
 from ..io.sinks import SinkSet, build_sinks
 from ..check.training import compute_dtype, gradient_scale, judge_training, tolerance_for
 from .trend import WHOLE_CHECK, Alert
@@ -162,6 +162,7 @@ class GradWatch:
         if options:
             self.config = self.config.replace(**options)
         model = unwrap_model(model)  # DDP/DataParallel: check the inner module, so no collective fires in a check
+        refuse_unsupported(model)  # FSDP1; FSDP2 is checked on a gathered replica (see gradwatch.watch.sharded)
         self.model = model
         self.loss_fn = loss_fn
         self.grad_fn = grad_fn

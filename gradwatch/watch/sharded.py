@@ -37,14 +37,15 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..check.isolation import is_dtensor, is_sharded
+
 try:  # torch >= 2.6
     from torch.distributed.fsdp import FSDPModule as _FSDPModule
 except ImportError:  # pragma: no cover - an older torch or one built without distributed
     _FSDPModule = None
-try:
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # pragma: no cover
-    _DTensor = None
+
+__all__ = ["REPLICA_NOTE", "LiveForwardInCheck", "Replica", "is_dtensor", "is_sharded", "layout", "live_forward_forbidden",
+           "refuse_unsupported"]
 
 #: Module attributes that belong to FSDP (state, flags), never copied into a replica.
 _FSDP_KEYS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
@@ -53,23 +54,6 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_
                "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
                "_load_state_dict_post_hooks")
 _HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
-
-
-def is_dtensor(t: Any) -> bool:
-    """True for a ``torch.distributed.tensor.DTensor`` (a sharded or replicated parameter or gradient)."""
-    return _DTensor is not None and isinstance(t, _DTensor)
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """True when ``model`` holds an FSDP2 module (``fully_shard``) or a DTensor parameter.
-
-    Example:
-        >>> is_sharded(nn.Sequential(nn.Linear(2, 2)))
-        False
-    """
-    if _FSDPModule is not None and any(isinstance(m, _FSDPModule) for m in model.modules()):
-        return True
-    return any(is_dtensor(p) for p in model.parameters())
 
 
 def layout(model: nn.Module) -> List[Tuple[str, Tuple[int, ...], str, bool]]:
@@ -214,6 +198,25 @@ def _copy_module(module: nn.Module, memo: Dict[int, Any]) -> nn.Module:
             state[key] = collections.OrderedDict((k, v) for k, v in state[key].items() if k not in dropped)
     new.__dict__.update(state)
     return new
+
+
+def refuse_unsupported(model: nn.Module) -> None:
+    """Raise for a sharded form gradwatch does not check: FSDP1's ``FullyShardedDataParallel`` wrapper.
+
+    Example:
+        >>> refuse_unsupported(nn.Linear(2, 1))  # a plain model: fine
+    """
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover
+        return
+    found = next((name or "the model" for name, m in model.named_modules() if isinstance(m, FullyShardedDataParallel)), None)
+    if found is not None:
+        raise ValueError(
+            f"{found} is wrapped in FullyShardedDataParallel (FSDP1), which gradwatch does not check: its flat "
+            "parameters cannot be gathered one tensor at a time. Shard with torch.distributed.fsdp.fully_shard "
+            "(FSDP2) instead, or use DistributedDataParallel"
+        )
 
 
 class LiveForwardInCheck(RuntimeError):
