@@ -11,6 +11,8 @@ writes what it saw to a JSON file that the tests then read:
 - ``planted``: a custom ``autograd.Function`` with a wrong backward: caught, named and
   diagnosed in the same record on both ranks, although each rank checks its own tensors;
 - ``inplace``: ``dtype=None`` (before this, one rank aborted inside gloo): checks run;
+- ``mixed``: a bfloat16 ``MixedPrecisionPolicy``: the backward part checked, the training
+  part not judged, with the reason;
 - ``errors``: ``loss_fn`` raises on rank 1 only; at another check it calls the live
   sharded model from its closure on rank 0 only; at a third, rank 1 has no ``.grad`` for
   one tensor (the ranks would gather different tensors): each time an error record on
@@ -40,14 +42,14 @@ if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch < 2.6
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT = 120.0
-SCENARIOS = ("correct", "planted", "inplace", "errors")
+SCENARIOS = ("correct", "planted", "inplace", "errors", "mixed")
 
 WORKER = textwrap.dedent(
     r'''
     import datetime, json, os, sys, time
     import torch, torch.nn as nn, torch.nn.functional as F
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.set_num_threads(1)
     rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -82,13 +84,14 @@ WORKER = textwrap.dedent(
             return WrongTanh.apply(x) if self.wrong else torch.tanh(x)
 
 
-    def build(wrong=False):
+    def build(wrong=False, mixed=False):
         torch.manual_seed(0)  # the same initial weights on both ranks
         net = nn.Sequential(nn.Linear(6, 16), Act(wrong), nn.Dropout(0.2), nn.Linear(16, 16), nn.Tanh(),
                             nn.Linear(16, 3))  # 3 rows: uneven shards over 2 ranks
+        kw = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)) if mixed else {}
         for i in (0, 3, 5):
-            fully_shard(net[i])
-        fully_shard(net)
+            fully_shard(net[i], **kw)
+        fully_shard(net, **kw)
         return net
 
 
@@ -105,8 +108,8 @@ WORKER = textwrap.dedent(
         return F.cross_entropy(m(batch[0]), batch[1])
 
 
-    def train(steps, watch_options=None, wrong=False):
-        net = build(wrong)
+    def train(steps, watch_options=None, wrong=False, mixed=False):
+        net = build(wrong, mixed)
         state["net"] = net
         opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
         watch = GradWatch(net, loss_fn, optimizer=opt, **watch_options) if watch_options is not None else None
@@ -165,6 +168,8 @@ WORKER = textwrap.dedent(
             watched, res = train(10, dict(every=2, log_dir=run_dir, coords=4, directions=1))
             state["raise_on_rank"] = state["closure_on_rank"] = state["hide_grad_on_rank"] = None
             res["bit_identical"] = same(plain, watched)
+        elif scenario == "mixed":
+            _, res = train(2, dict(every=1, log_dir=run_dir, coords=4, directions=1), mixed=True)
         res["seconds"] = time.perf_counter() - t0
         results[scenario] = res
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -289,6 +294,16 @@ def test_a_check_failing_on_one_rank_is_an_error_record_on_every_rank(ranks):
     assert sum(rec["type"] == "alert" and "rank 1: KeyError" in rec["message"] for rec in records) == 1
 
 
+def test_mixed_precision_policy_backward_checked_training_part_says_why_not(ranks):
+    r0, r1, _ = ranks
+    for r in (r0["mixed"], r1["mixed"]):
+        assert r["alerts"] == [] and [c["step"] for c in r["checks"]] == [0, 1]
+        for c in r["checks"]:
+            assert c["ok"] and list(c["backward"]) == NAMES  # the float64 replica checks the backward formulas
+            assert c["training"] == {}
+            assert "MixedPrecisionPolicy (param_dtype=torch.bfloat16" in c["training_note"]
+
+
 # ---------------------------------------------------------------- in-process pieces (one rank)
 
 
@@ -344,7 +359,7 @@ def test_replica_is_plain_full_and_keeps_ties_and_user_hooks(one_rank):
 def test_tied_parameters_stay_tied_in_the_replica(one_rank):
     import torch
     from torch import nn
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from gradwatch.watch.sharded import Replica
 

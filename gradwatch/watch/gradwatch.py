@@ -37,7 +37,7 @@ from ..check.report import CheckReport
 from ..check.sampling import coverage as coverage_of
 from ..check.sampling import match_names, rotate
 from .schedule import ANNOUNCE_AS_WARNING_ABOVE, Schedule
-from .sharded import REPLICA_NOTE, Replica, is_sharded, layout, live_forward_forbidden, refuse_unsupported
+from .sharded import REPLICA_NOTE, Replica, is_sharded, layout, live_forward_forbidden, mixed_precision, refuse_unsupported
 from ..io.sinks import SinkSet, build_sinks
 from ..check.training import compute_dtype, gradient_scale, judge_training, tolerance_for
 from .trend import WHOLE_CHECK, Alert
@@ -198,6 +198,7 @@ class GradWatch:
         # A sharded (FSDP2) model is checked on a plain replica gathered at each check (see gradwatch.watch.sharded).
         self._sharded = is_sharded(model)
         self._replica: Optional[Replica] = None  # built at the first check
+        self._mixed: Optional[str] = mixed_precision(model) if self._sharded else None
         if self._sharded:
             self.notes.append(REPLICA_NOTE)
         self._closed = False
@@ -642,6 +643,10 @@ class GradWatch:
         """
         if self._recorder is None or pending is None:
             return None
+        if self._mixed is not None:
+            return Replay(None, None, None, f"not judged: FSDP2's MixedPrecisionPolicy ({self._mixed}) computes "
+                                            "training in another precision than the parameters'; the training part "
+                                            "does not replay it yet")
         model = self.model if model is None else model
         params = self._training_params(model)
         plist = list(params.values())

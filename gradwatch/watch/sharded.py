@@ -45,7 +45,7 @@ except ImportError:  # pragma: no cover - an older torch or one built without di
     _FSDPModule = None
 
 __all__ = ["REPLICA_NOTE", "LiveForwardInCheck", "Replica", "is_dtensor", "is_sharded", "layout", "live_forward_forbidden",
-           "refuse_unsupported"]
+           "mixed_precision", "refuse_unsupported"]
 
 #: Module attributes that belong to FSDP (state, flags), never copied into a replica.
 _FSDP_KEYS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
@@ -198,6 +198,35 @@ def _copy_module(module: nn.Module, memo: Dict[int, Any]) -> nn.Module:
             state[key] = collections.OrderedDict((k, v) for k, v in state[key].items() if k not in dropped)
     new.__dict__.update(state)
     return new
+
+
+def mixed_precision(model: nn.Module) -> Optional[str]:
+    """What FSDP2's ``MixedPrecisionPolicy`` changes in the model's compute, or None when nothing.
+
+    With a ``param_dtype`` (or ``reduce_dtype``) other than the parameters' own, training's forward
+    and backward run in another precision than the replica, and its inputs are cast: the training
+    part cannot replay them (not supported yet; it says so instead of judging).
+
+    Example:
+        >>> mixed_precision(nn.Linear(2, 1)) is None
+        True
+    """
+    if _FSDPModule is None:
+        return None
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # pragma: no cover
+        return None
+    for name, m in model.named_modules():
+        if not isinstance(m, _FSDPModule):
+            continue
+        policy = getattr(fully_shard.state(m), "_mp_policy", None)  # no public getter in torch 2.13
+        own = {p.dtype for p in m.parameters(recurse=False)} or {p.dtype for p in m.parameters()}
+        for field in ("param_dtype", "reduce_dtype"):
+            dtype = getattr(policy, field, None)
+            if dtype is not None and any(dtype != d for d in own):
+                return f"{field}={dtype} on {name or 'the model'}"
+    return None
 
 
 def refuse_unsupported(model: nn.Module) -> None:
