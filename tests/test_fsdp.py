@@ -162,6 +162,10 @@ WORKER = textwrap.dedent(
             _, res = train(2, dict(every=1, log_dir=run_dir, coords=4, directions=1), wrong=True)
         elif scenario == "inplace":
             _, res = train(3, dict(every=1, log_dir=run_dir, coords=4, directions=1, dtype=None))
+            try:  # its ranks must gather it together: distributed=False is refused at once
+                GradWatch(build(), loss_fn, distributed=False)
+            except ValueError as err:
+                res["refused"] = str(err)
         elif scenario == "errors":
             plain, _ = train(10)
             state["raise_on_rank"], state["closure_on_rank"], state["hide_grad_on_rank"] = (1, 2), (0, 4), (1, 8)
@@ -267,6 +271,7 @@ def test_dtype_none_under_fsdp2_runs_without_crashing_a_rank(ranks):
         for c in r["checks"]:
             assert c["ok"] and list(c["backward"]) == NAMES, c
             assert all(v[0] in ("excellent", "acceptable") for v in c["training"].values()), c["training"]
+        assert r["refused"].startswith("distributed=False, but FSDPSequential is sharded")
 
 
 def test_a_check_failing_on_one_rank_is_an_error_record_on_every_rank(ranks):
