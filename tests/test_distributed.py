@@ -403,3 +403,22 @@ def test_merge_reports_orders_tensors_and_keeps_nonfinite():
     bad.nonfinite = True
     merged = merge_reports([(0, report(["a"], 1.0, 1)), (1, bad)], ["a", "b"], None)
     assert merged.nonfinite and merged.objective != merged.objective and not merged.ok
+
+
+def test_coordinator_shares_gathers_and_merges_only():
+    """The seam of issue 13: the coordinator neither imports the GradWatch facade nor reaches into it."""
+    import ast
+    import inspect
+
+    import gradwatch.watch.distributed as coordinator
+    from gradwatch.watch.distributed import DistributedCoordinator
+
+    source = inspect.getsource(coordinator)
+    imported = [(node.level, node.module, [a.name for a in node.names])
+                for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ImportFrom)]
+    assert not [i for i in imported if i[1] in ("gradwatch", "hook") or "GradWatch" in i[2]], imported
+    assert "watch._" not in source and "GradWatch" not in [n for n in dir(coordinator)]
+    assert not hasattr(DistributedCoordinator, "run")  # the check loop is GradWatch's own
+    params = {n for name, fn in inspect.getmembers(DistributedCoordinator, inspect.isfunction)
+              for n in inspect.signature(fn).parameters}
+    assert "watch" not in params, params

@@ -327,7 +327,13 @@ def test_replica_is_plain_full_and_keeps_ties_and_user_hooks(one_rank):
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import DTensor
 
-    from gradwatch.watch.sharded import LiveForwardInCheck, Replica, is_sharded, layout, live_forward_forbidden
+    from gradwatch.watch.sharded import (
+        LiveForwardInCheck,
+        Replica,
+        is_sharded,
+        layout,
+        live_forward_forbidden,
+    )
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4), nn.BatchNorm1d(4))
@@ -364,7 +370,7 @@ def test_replica_is_plain_full_and_keeps_ties_and_user_hooks(one_rank):
 def test_tied_parameters_stay_tied_in_the_replica(one_rank):
     import torch
     from torch import nn
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     from gradwatch.watch.sharded import Replica
 
@@ -388,7 +394,7 @@ def test_sharded_models_refused_where_they_cannot_be_checked(one_rank):
 
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
     fully_shard(net)
-    loss_fn = lambda m, b: m(b).pow(2).mean()  # noqa: E731
+    loss_fn = lambda m, b: m(b).pow(2).mean()
     with pytest.raises(ValueError, match="check_model cannot check FSDPSequential: it is sharded"):
         gradwatch.check_model(net, loss_fn, torch.randn(4, 3))
     # One rank: nothing to coordinate; the replica is still what the check runs on.

@@ -475,6 +475,9 @@ class GradWatch:
                             report = _check.run_model_check(target, self.objective, batch, opts,
                                                             grad_fn=self.grad_fn, names=mine, shadow=self._shadow)
             if coord is None:
+                if report is None:
+                    raise ValueError(f"no tensor was chosen for the check at step {step} (tensors_per_check="
+                                     f"{self.config.tensors_per_check!r})")
                 self._attach_training(report, replay)
         except Exception as exc:  # noqa: BLE001 - the user's code raised: log it, keep training
             error = exc
@@ -529,9 +532,9 @@ class GradWatch:
             result.error, result.where = f"{type(error).__name__}: {error}", blamed(error)
         results = coord.gather(result)
         if results is None:  # once: the coordinator is broken and checks no more
-            alert = Alert(step=int(step), tensor=WHOLE_CHECK, kind="error", severity="error", value=math.nan,
-                          baseline=None, message=f"step {step}: {coord.broken}; training continues")
-            self._emit(step, None, [alert], seconds)
+            gave_up = Alert(step=int(step), tensor=WHOLE_CHECK, kind="error", severity="error", value=math.nan,
+                            baseline=None, message=f"step {step}: {coord.broken}; training continues")
+            self._emit(step, None, [gave_up], seconds)
             return None
         merged = merge_results(results, names, opts)
         alerts: List[Alert] = []

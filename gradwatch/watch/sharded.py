@@ -32,15 +32,18 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Type, cast
 
 import torch
 from torch import nn
 
 from ..check.isolation import is_dtensor, is_sharded
 
+_FSDPModule: Optional[type]
 try:  # torch >= 2.6
-    from torch.distributed.fsdp import FSDPModule as _FSDPModule
+    from torch.distributed.fsdp import FSDPModule
+
+    _FSDPModule = FSDPModule
 except ImportError:  # pragma: no cover - an older torch or one built without distributed
     _FSDPModule = None
 
@@ -73,7 +76,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor: a DTensor's ``full_tensor()`` (a collective), a plain one's detached copy."""
     with torch.no_grad():
         if is_dtensor(t):
-            full = t.full_tensor()
+            full = cast(Any, t).full_tensor()
             wait = getattr(full, "wait", None)  # an AsyncCollectiveTensor: its values, as a plain tensor
             if callable(wait) and type(full) is not torch.Tensor:
                 full = wait()
@@ -81,12 +84,12 @@ def _full(t: torch.Tensor) -> torch.Tensor:
         return t.detach().clone()
 
 
-def _plain_class(module: nn.Module) -> type:
+def _plain_class(module: nn.Module) -> Type[nn.Module]:
     """The module's own class: the one ``fully_shard`` subclassed (``FSDPLinear`` -> ``Linear``)."""
     cls = type(module)
     if _FSDPModule is not None and isinstance(module, _FSDPModule):
         for base in cls.__mro__[1:]:
-            if not issubclass(base, _FSDPModule):
+            if not issubclass(base, _FSDPModule) and issubclass(base, nn.Module):
                 return base
     return cls
 
@@ -142,15 +145,15 @@ class Replica:
         One ``full_tensor()`` per parameter, then one per gradient that exists, in
         ``named_parameters()`` order: the same collectives on every rank when the layouts agree.
         """
-        for (_, src), dst in zip(model.named_parameters(), self._params):
-            dst.copy_(_full(src))
-            dst.requires_grad_(src.requires_grad)
-            dst.grad = None if src.grad is None else _full(src.grad)
-        for (_, dst), (_, src) in zip(self.module.named_buffers(), model.named_buffers()):
-            if dst is not None and src is not None:
-                dst.copy_(_full(src))
-        for dst, src in zip(self.module.modules(), model.modules()):
-            dst.training = src.training
+        for (_, live), mine in zip(model.named_parameters(), self._params):
+            mine.copy_(_full(live))
+            mine.requires_grad_(live.requires_grad)
+            mine.grad = None if live.grad is None else _full(live.grad)
+        for (_, buf), (_, live_buf) in zip(self.module.named_buffers(), model.named_buffers()):
+            if buf is not None and live_buf is not None:
+                buf.copy_(_full(live_buf))
+        for copied, original in zip(self.module.modules(), model.modules()):
+            copied.training = original.training
         return self.module
 
     def release(self) -> None:
@@ -217,11 +220,12 @@ def mixed_precision(model: nn.Module) -> Optional[str]:
         from torch.distributed.fsdp import fully_shard
     except ImportError:  # pragma: no cover
         return None
-    for name, m in model.named_modules():
-        if not isinstance(m, _FSDPModule):
+    for name, module in model.named_modules():
+        if not isinstance(module, cast(type, _FSDPModule)):
             continue
-        policy = getattr(fully_shard.state(m), "_mp_policy", None)  # no public getter in torch 2.13
-        own = {p.dtype for p in m.parameters(recurse=False)} or {p.dtype for p in m.parameters()}
+        policy = getattr(cast(Any, fully_shard).state(module), "_mp_policy", None)  # no public getter in torch 2.13
+        unit = cast(nn.Module, module)
+        own = {p.dtype for p in unit.parameters(recurse=False)} or {p.dtype for p in unit.parameters()}
         for field in ("param_dtype", "reduce_dtype"):
             dtype = getattr(policy, field, None)
             if dtype is not None and any(dtype != d for d in own):
