@@ -1,11 +1,14 @@
 """Sharded models (FSDP2's ``fully_shard``, DTensor parameters): a plain replica gathered for the check.
 
 A model sharded with ``torch.distributed.fsdp.fully_shard`` cannot be deep-copied,
-and its forward all-gathers parameters: a check that evaluated it would issue
-collectives, and two ranks whose checks evaluate it a different number of
-times (each checks its own share of the tensors; a kink or a failure changes
-the count) would send mismatched collectives, which gloo answers with an abort
-of the process. So gradwatch never evaluates the live sharded model in a check:
+and everything a check does to it in place makes collectives: its forward
+all-gathers parameters, and an operation on a DTensor gradient (the ``topk`` that
+picks coordinates) all-gathers it. Each rank checks its own share of the tensors,
+so the ranks' collectives differ: with ``dtype=None``, rank 0 all-gathered
+``0.weight``'s gradient while rank 1 all-gathered ``0.bias``'s, and gloo aborted
+the process ("Received data size doesn't match expected size"); a kink, a failure
+or a different number of evaluations does the same. So gradwatch never evaluates
+the live sharded model in a check:
 
 - :class:`Replica` is a plain copy of the model, the same module classes
   without FSDP (its hooks and state left out), holding the *full* parameters
