@@ -466,14 +466,7 @@ class GradWatch:
                                self._counts)
                 mine = coord.share(names) if coord is not None else names
                 with live_forward_forbidden(self.model) if self._sharded else contextlib.nullcontext():
-                    replay = self._training_replay(pending, target)
-                    if mine:
-                        with self._recorder_paused():
-                            if opts.dtype is not None and (self._shadow is None or not self._shadow.matches(target)):
-                                self._shadow = Shadow(target, opts.dtype)
-                            # through the module: a spy on gradwatch.check.model.run_model_check sees every check
-                            report = _check.run_model_check(target, self.objective, batch, opts,
-                                                            grad_fn=self.grad_fn, names=mine, shadow=self._shadow)
+                    report, replay = self._check_locally(target, mine, batch, opts, pending)
             if coord is None:
                 if report is None:
                     raise ValueError(f"no tensor was chosen for the check at step {step} (tensors_per_check="
@@ -496,6 +489,21 @@ class GradWatch:
             self._baseline_seconds = seconds
         self._emit(step, report, self._completed(step, report), seconds)
         return report
+
+    def _check_locally(self, target: nn.Module, names: List[str], batch: Any, opts: Any,
+                       pending: Optional[Step]) -> Tuple[Optional[CheckReport], Optional[Replay]]:
+        """Both parts on this process, with no collective: the training part's replay of ``target`` (the
+        model, or a sharded model's replica), then the backward part on ``names`` (None when there are none)."""
+        replay = self._training_replay(pending, target)
+        if not names:
+            return None, replay
+        with self._recorder_paused():
+            if opts.dtype is not None and (self._shadow is None or not self._shadow.matches(target)):
+                self._shadow = Shadow(target, opts.dtype)
+            # through the module: a spy on gradwatch.check.model.run_model_check sees every check
+            report = _check.run_model_check(target, self.objective, batch, opts, grad_fn=self.grad_fn, names=names,
+                                            shadow=self._shadow)
+        return report, replay
 
     def _completed(self, step: int, report: CheckReport) -> List[Alert]:
         """A check that has a report: notes, counters and coverage, then its trends' alerts."""
