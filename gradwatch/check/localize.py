@@ -8,7 +8,7 @@ check batch (one forward of the float64 shadow), then for each module
     J(x, θ) = <module(x; θ), c>      with c a seeded random cotangent,
 
 is compared, by the same sampled two-sided differences as the end-to-end
-check (:func:`gradwatch.check.engine.check_tensor`: kink guard, noise floor), with
+check (:func:`gradwatch.check.engine.check_tensors`: determinism, kink guard, noise floor), with
 its vector-Jacobian products: the gradients of J with respect to the module's
 input (the input gradient the module passes back) and to its own parameters.
 One evaluation costs one module's forward, not the whole network's.
@@ -42,12 +42,12 @@ from torch import nn
 
 from .isolation import (BufferGuard, Reseeder, Shadow, cast_floats, dropout_off, frozen_batchnorm_stats, preserved_rng,
                       restore_params, snapshot_params)
-from .engine import EngineSettings, Evaluator, check_tensor, total
+from .engine import EngineSettings, Evaluator, check_tensors
 from .numeric import machine_eps
 from ..options import CheckOptions
 from .padding import padding_rows_constant
 from .precision import ShadowPrecision
-from .report import InconclusiveKind, TensorCheck, json_float
+from .report import TensorCheck, json_float
 from .sampling import generator, tensor_seed
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -349,24 +349,16 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
     saved = snapshot_params(params)
     try:
         with frozen_batchnorm_stats(module):
-            j_a, j_b = evaluator(), evaluator()
-            jitter = abs(total(j_a) - total(j_b))
             eps = max([machine_eps(t.dtype) for t in work.values()] + [machine_eps(p.dtype) for p in params.values()])
             settings = EngineSettings(
                 coords=opts.coords, directions=opts.directions, eps=opts.eps, bands=opts.bands, fail_at=opts.fail_at,
-                detect_kinks=opts.detect_kinks, eval_eps=eps, magnitude=magnitude, jitter=jitter,
+                detect_kinks=opts.detect_kinks, eval_eps=eps, magnitude=magnitude,
             )
-            targets = [(keys[i], t) for i, t in enumerate(work.values())] + list(params.items())
-            g_of = dict(zip([id(t) for t in list(work.values()) + list(params.values())], grads))
-            for key, t in targets:
-                g = g_of[id(t)]
-                if not (math.isfinite(total(j_a)) and bool(torch.isfinite(g).all())):
-                    result.tensors[key] = TensorCheck(name=f"{name}:{key}", shape=tuple(t.shape), rel_diff=float("nan"),
-                                                      max_rel_error=float("nan"), inconclusive="non-finite values",
-                                                      inconclusive_kind=InconclusiveKind.NONFINITE)
-                    continue
-                check, _ = check_tensor(f"{name}:{key}", t, {"total": g}, evaluator, total(j_a), settings, opts.seed)
-                result.tensors[key] = check
+            tensors = list(work.values()) + list(params.values())
+            keys_all = keys[:len(work)] + list(params)  # one key per distinct input tensor, as `work` holds them
+            targets = [(key, f"{name}:{key}", t, {"total": g}) for key, t, g in zip(keys_all, tensors, grads)]
+            for judged in check_tensors(targets, evaluator, settings, opts.seed):
+                result.tensors[judged.key] = judged.check
     except Exception as err:  # noqa: BLE001 - as above: a module whose evaluations raise is reported, not fatal
         result.inconclusive = f"evaluating the module alone raised {type(err).__name__}: {err}"
     finally:

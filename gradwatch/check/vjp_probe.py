@@ -18,6 +18,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .judge import within_tolerance
 from .numeric import machine_eps
 
 #: Rounding of one output element, in units of its dtype's eps times its magnitude (allows a few ulps
@@ -211,7 +212,7 @@ class OutputProbe:
             # where the numeric one is non-finite too, or where the function has NaN outputs.
             both = not math.isfinite(a) and (not math.isfinite(n) or base.undefined)
             return LineVerdict(a, n, base.noise, ok=both, excluded=both)
-        if abs(n - a) <= atol + rtol * abs(a):
+        if within_tolerance(a, n, atol, rtol):
             return LineVerdict(a, n, base.noise, ok=True)
         base = self.slopes(flat, g, line, eps, one_sided=True)  # the same point again, with noise and both sides
         if self._not_smooth(flat, g, line, base, eps, atol, rtol):
@@ -240,7 +241,7 @@ class OutputProbe:
             s = self.slopes(flat, g, line, t, one_sided=True)
             if not s.finite() or s.noise > 0.5 * gap_at_eps:
                 break
-            if abs(s.numeric - s.analytic) <= atol + rtol * abs(s.analytic) + s.noise:
+            if within_tolerance(s.analytic, s.numeric, atol, rtol, noise=s.noise):
                 return True
             seen.append((t, s))
         if not seen or not math.isfinite(base.right - base.left):

@@ -358,16 +358,8 @@ def _print_report(data: Any, rows: List[Dict[str, Any]], verbose: bool) -> None:
         print("(from event files: values are float32, verdicts re-derived with the default bands)")
     print()
     if rows:
-        print("backward (backprop against finite differences of the objective):")
-        for line in summary.format_table(rows, unicode=uni):
-            print("  " + line)
-        training = summary.summarize(data, "training")
-        if training:
-            print("training (the live .grad against the objective's gradient):")
-            for line in summary.format_table(training, unicode=uni):
-                print("  " + line)
-        for line in summary.legend(data.bands, unicode=uni):
-            print("  " + line)
+        for line in summary.verdict_tables(data, data.bands, unicode=uni, rows=rows):
+            print(line)
     else:
         print("  no checks recorded")
     _print_alerts(data.alerts, data.bands, data.details, verbose=verbose)

@@ -133,16 +133,8 @@ class DemoPrinter:
         stop = f", stopped at step {data.check_steps[-1] if data.check_steps else 0} by raise_on" if result.stopped_early else ""
         p(f"Summary: {result.steps} steps, {plural(result.checks, 'check')} in {result.seconds:.1f} s "
           f"(checks {self.check_seconds:.1f} s), accuracy {result.final_accuracy:.0%}{stop}")
-        p("  backward (backprop against finite differences of the objective):")
-        for line in runs.format_table(rows, unicode=uni):
-            p("  " + line)
-        training_rows = runs.summarize(data, "training")
-        if training_rows:
-            p("  training (the live .grad against the objective's gradient):")
-            for line in runs.format_table(training_rows, unicode=uni):
-                p("  " + line)
-        for line in runs.legend(self.cfg.bands, unicode=uni):
-            p("  " + line)
+        for line in runs.verdict_tables(data, self.cfg.bands, unicode=uni, heading_indent="  ", rows=rows):
+            p(line)
         p()
         alerts = data.alerts
         if alerts:
