@@ -9,11 +9,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from .isolation import preserved_rng, seed_everything
 from ..errors import GradientCheckError
+from ..options import parse_dtype, torch_dtype_of_numpy
+from .isolation import preserved_rng, seed_everything
 from .judge import Slope, ToleranceRule, judge
 from .numeric import Verdict
-from ..options import parse_dtype, torch_dtype_of_numpy
 from .report import CheckReport, TensorCheck
 from .sampling import choose_coords, generator, tensor_seed
 from .vjp_probe import Line, OutputProbe
@@ -146,11 +146,12 @@ def check_backward(
         ys = _to_tuple(func(*xs))
         loss = _weighted(ys, gys)
         wrt = [xs[i] for i in checked_x] + [p for _, p in plist]
+        raw: Sequence[Optional[torch.Tensor]]
         if loss.requires_grad and wrt:
-            grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+            raw = torch.autograd.grad(loss, wrt, allow_unused=True)
         else:
-            grads = [None] * len(wrt)
-    grads = [torch.zeros_like(t) if g is None else g.detach() for g, t in zip(grads, wrt)]
+            raw = [None] * len(wrt)
+    grads = [torch.zeros_like(t) if g is None else g.detach() for g, t in zip(raw, wrt)]
     names = [f"x[{i}]" for i in checked_x] + [n for n, _ in plist]
     out_dtypes = [y.dtype for y, g in zip(ys, gys if gys is not None else [None]) if gys is None or g is not None]
 
@@ -268,7 +269,7 @@ def _check_array(name: str, target: torch.Tensor, g: torch.Tensor, probe: Output
     if target.numel() <= 16 and not n_blocks:
         lines_out.append(f"    numeric:  {np.array2string(n_arr.reshape(shape), precision=6)}")
         lines_out.append(f"    analytic: {np.array2string(a_arr.reshape(shape), precision=6)}")
-    for i in sorted(bad, key=lambda i: -_gap(a_arr[i], n_arr[i]))[:5]:
+    for i in sorted(bad, key=lambda i: -_gap(float(a_arr[i]), float(n_arr[i])))[:5]:
         label = lines[i].label
         where = f"block {label[1]} ({label[2]} elements, random direction)" if not lines[i].coordinate else str(label)
         lines_out.append(f"    at {where}: numeric {n_arr[i]:.6g} vs analytic {a_arr[i]:.6g} "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -130,7 +130,7 @@ def _slope(saved: torch.Tensor, grads: Dict[str, torch.Tensor], sample: Sample) 
             s64 = sample.signs.reshape(-1).to(torch.float64)  # no copy when the signs are float64
             vals = [sample.scale * float(torch.dot(g.reshape(-1).to(torch.float64), s64)) for g in grads.values()]
         else:
-            u64 = sample.direction.reshape(-1).to(torch.float64)
+            u64 = cast(torch.Tensor, sample.direction).reshape(-1).to(torch.float64)
             vals = [float(torch.dot(g.reshape(-1).to(torch.float64), u64)) for g in grads.values()]
         sample.slope = dict(zip(grads, vals))
     return sample.slope
@@ -142,7 +142,7 @@ def _apply(p: torch.Tensor, saved: torch.Tensor, sample: Sample, t: float) -> Op
         if sample.base is None:
             sample.base = float(saved[sample.index])
         if p is sample.target:
-            view = sample.view  # indexed once per sample (the view's fill_ is 3x cheaper than p[index])
+            view = cast(torch.Tensor, sample.view)  # indexed once per sample (the view's fill_ is 3x cheaper than p[index])
         else:
             view = p[sample.index]
             sample.target, sample.view = p, view
@@ -152,14 +152,14 @@ def _apply(p: torch.Tensor, saved: torch.Tensor, sample: Sample, t: float) -> Op
     if sample.signs is not None:
         torch.add(saved, sample.signs.reshape(p.shape), alpha=t * sample.scale, out=p)
     else:
-        torch.add(saved, sample.direction.to(p.dtype), alpha=t, out=p)
+        torch.add(saved, cast(torch.Tensor, sample.direction).to(p.dtype), alpha=t, out=p)
     return None
 
 
 def _restore(p: torch.Tensor, saved: torch.Tensor, sample: Sample) -> None:
     if sample.index is not None:
         if sample.base is not None:
-            view = sample.view if p is sample.target else p[sample.index]
+            view = cast(torch.Tensor, sample.view) if p is sample.target else p[sample.index]
             view.fill_(sample.base)  # exact: a Python float holds any float32/16 value
         else:
             p[sample.index] = saved[sample.index]
@@ -183,7 +183,8 @@ def _lin(p: torch.Tensor, saved: torch.Tensor, grads: Dict[str, torch.Tensor], s
     return {k: float(torch.dot(g.reshape(-1).to(torch.float64), d64)) for k, g in grads.items()}
 
 
-def _probe(p: torch.Tensor, saved: torch.Tensor, grads: Dict[str, torch.Tensor], sample: Sample, t: float, evaluate: Evaluator) -> Tuple[Terms, Terms]:
+def _probe(p: torch.Tensor, saved: torch.Tensor, grads: Dict[str, torch.Tensor], sample: Sample, t: float,
+           evaluate: Evaluator) -> Tuple[Terms, Terms]:
     """Evaluate at ``θ + t·v`` and return (terms, analytic linear prediction per term); restores ``p`` exactly."""
     with torch.no_grad():
         try:
@@ -220,7 +221,8 @@ def _slopes(jp: Terms, jm: Terms, lp: Terms, lm: Terms, t: float) -> Tuple[Terms
     return analytic, numeric
 
 
-def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], j0: float, evaluate: Evaluator, settings: EngineSettings) -> bool:
+def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], j0: float, evaluate: Evaluator,
+                  settings: EngineSettings) -> bool:
     """Decide whether a disagreeing sample sits on a non-differentiable point.
 
     An equivalent of Chainer's ``detect_nondifferentiable`` built from the
@@ -259,7 +261,7 @@ def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Ter
         last = (jp, jm)
     if not seen:
         return False
-    t, fl, right, left, a = seen[-1]
+    t, fl, right, left, a_total = seen[-1]
     gap = right - left
     if not (abs(gap) > 4 * fl and abs(gap) > 0.3 * abs(gap0)):
         return False
@@ -273,7 +275,7 @@ def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Ter
         left = left - (left1 - left) * t / (t1 - t)
         tol = 2.0 * fl + fl1 * t / (t1 - t)
     lo, hi = min(left, right), max(left, right)
-    if lo - tol <= a <= hi + tol:
+    if lo - tol <= a_total <= hi + tol:
         return True
     jp, jm = last
     if len(jp) < 2:
@@ -284,7 +286,7 @@ def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Ter
     j0_terms = evaluate()
     lo = sum(min((jp[k] - j0_terms[k]) / t, (j0_terms[k] - jm[k]) / t) for k in jp)
     hi = sum(max((jp[k] - j0_terms[k]) / t, (j0_terms[k] - jm[k]) / t) for k in jp)
-    return lo - tol - fl <= a <= hi + tol + fl
+    return lo - tol - fl <= a_total <= hi + tol + fl
 
 
 def unresolvable(sample: Sample, analytic: float, numeric: float, settings: EngineSettings) -> bool:
@@ -351,7 +353,7 @@ def build_samples(name: str, p: torch.Tensor, g: torch.Tensor, settings: EngineS
         flat_list = flat.tolist()
         positions = [a.tolist() for a in np.unravel_index(flat.numpy(), shape)] if shape else None
         for j, value in enumerate(values):
-            pos = tuple(a[j] for a in positions) if shape else ()
+            pos = tuple(a[j] for a in positions) if positions is not None else ()
             samples.append(Sample(label=pos, step=h * max(1.0, abs(value)), index=pos, base=float(value), flat=flat_list[j]))
     if settings.directions and p.numel() > 1:
         n = p.numel()
@@ -551,7 +553,8 @@ def _probe_all(p, saved, grads, samples: List[Sample], bases, outcomes: List[Out
     genuine_streak = 0
     for i, sample in enumerate(samples):
         base = bases[i] if bases is not None else _central(p, saved, grads, sample, sample.step, evaluate)
-        a, n = _slopes(*base, sample.step)
+        jp, jm, lp, lm = base
+        a, n = _slopes(jp, jm, lp, lm, sample.step)
         fl = floor_at(settings, sample.step)
         out = Outcome(a, n, fl)
         finite = math.isfinite(a["total"]) and math.isfinite(n["total"])

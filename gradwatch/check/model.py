@@ -7,21 +7,34 @@ import inspect
 import math
 import time
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
 from torch import nn
 
-from .isolation import BufferGuard, Reseeder, Shadow, dropout_off, frozen_batchnorm_stats, frozen_power_iteration, preserved_rng, restore_params, seed_everything, snapshot_params, cast_floats, suspended_hooks
-from .engine import EngineSettings, Evaluator, check_tensors, total
 from ..errors import blame
+from ..options import CheckOptions
+from .engine import EngineSettings, Evaluator, check_tensors, total
 from .generators import HeldGenerators
-from .judge import NOISE_FACTOR, inconclusive
 from .graph import CHECKPOINT_NO_GRAD_WARNING, grad_by_backward, reentrant_checkpoint_leaves
+from .isolation import (
+    BufferGuard,
+    Reseeder,
+    Shadow,
+    cast_floats,
+    dropout_off,
+    frozen_batchnorm_stats,
+    frozen_power_iteration,
+    preserved_rng,
+    restore_params,
+    seed_everything,
+    snapshot_params,
+    suspended_hooks,
+)
+from .judge import NOISE_FACTOR, inconclusive
 from .numeric import machine_eps
 from .objective import Objective, coupled_weight_decay
-from ..options import CheckOptions
 from .padding import padding_note, padding_rows_constant
 from .precision import ShadowPrecision
 from .report import CheckReport, InconclusiveKind
@@ -192,20 +205,21 @@ def run_model_check(
     all_names = trainable_names(model)
     _validate_target(model, opts, all_names)
     chosen = list(names) if names is not None else match_names(all_names, opts.tensors)
-    in_place = opts.dtype is None
-    if in_place:
+    dtype = opts.torch_dtype
+    in_place = dtype is None
+    if dtype is None:
         target = model
     else:
-        if shadow is None or shadow.dtype != opts.dtype or not shadow.matches(model):
-            shadow = Shadow(model, opts.dtype)
+        if shadow is None or shadow.dtype != dtype or not shadow.matches(model):
+            shadow = Shadow(model, dtype)
         shadow.refresh(model)
         target = shadow.module
-        batch = cast_floats(batch, opts.dtype)
+        batch = cast_floats(batch, dtype)
     leaves = {n: p for n, p in target.named_parameters() if n in set(chosen)}
     params = {n: _real(p) for n, p in leaves.items()}  # what the engine perturbs: complex ones as (re, im) pairs
     batched = batched and all(p is leaves[n] for n, p in params.items())
     eval_seed = opts.seed
-    report = CheckReport(tensors={}, fail_at=opts.fail_at, seed=opts.seed)
+    report = CheckReport(tensors={}, fail_at=opts.fail_verdict, seed=opts.seed)
 
     roots = [objective.loss_fn, *objective.regularizers.values(), grad_fn, model]
     with _evaluation_context(target, in_place, params, roots) as (guard, held, hooks, dropout, padding):
@@ -217,11 +231,11 @@ def run_model_check(
             warnings.warn(report.notes[-1], stacklevel=3)  # shown once per distinct text by the default filter
         # Analytic side: one forward with grad, then autograd.grad (never the caller's .grad).
         # On a shadow it also measures the precision the objective really computes in (gradwatch.check.precision).
-        precision = ShadowPrecision(opts.dtype) if not in_place else None
+        precision = ShadowPrecision(dtype) if dtype is not None else None
         seed_everything(eval_seed)
         with torch.enable_grad(), (precision.tracing(target) if precision is not None else contextlib.nullcontext()):
             terms_t = objective.terms(target, batch)
-            total_t = sum(terms_t[k] for k in sorted(terms_t))
+            total_t = cast(torch.Tensor, sum(terms_t[k] for k in sorted(terms_t)))
         values = {k: float(v.detach()) for k, v in terms_t.items()}
         report.terms = values
         report.objective = float(total_t.detach())
@@ -298,7 +312,7 @@ def run_model_check(
             report.precision["step"] = opts.eps if opts.eps is not None else eval_eps ** (1.0 / 3.0)
             report.notes.extend(precision.notes(report.precision["step"]))
         objective_dtype_eps = machine_eps(getattr(torch, report.dtype))
-        probe = None
+        probe: Any = None
         if batched:
             from .batched import BatchedProbe
 
@@ -348,7 +362,8 @@ def _floats(terms: Mapping[str, torch.Tensor]) -> Dict[str, float]:
 
 
 def _analytic(objective, terms_t, total_t, params, target, batch, grad_fn, per_term, leaves=None) -> Dict[str, Dict[str, torch.Tensor]]:
-    """``{tensor: {"total": grad, term: grad, ...}}``; through ``backward()`` into ``leaves`` when given (see :mod:`gradwatch.check.graph`)."""
+    """``{tensor: {"total": grad, term: grad, ...}}``; through ``backward()`` into ``leaves`` when given
+    (see :mod:`gradwatch.check.graph`)."""
     plist = list(params.values())
     out: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n in params}
     if grad_fn is not None:
@@ -376,6 +391,7 @@ def _grad(value: torch.Tensor, plist: List[torch.Tensor], retain: bool,
           leaves: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:
     if not value.requires_grad:
         return [torch.zeros_like(p) for p in plist]
+    gs: Sequence[Optional[torch.Tensor]]
     if leaves is not None:  # see gradwatch.check.graph
         gs = grad_by_backward(value, plist, leaves, retain)
     else:
@@ -393,7 +409,7 @@ def _judge_all(report: CheckReport, params: Dict[str, torch.Tensor], grads, eval
                probe_batch: Any = None, coarse: Optional[str] = None) -> None:
     """Judge every tensor (:func:`gradwatch.check.engine.check_tensors`); fills ``report``."""
     settings = EngineSettings(
-        coords=opts.coords, directions=opts.directions, eps=opts.eps, bands=opts.bands, fail_at=opts.fail_at,
+        coords=opts.coords, directions=opts.directions, eps=opts.eps, bands=opts.bands, fail_at=opts.fail_verdict,
         detect_kinks=opts.detect_kinks, eval_eps=max(eval_eps, objective_dtype_eps), magnitude=magnitude,
         exhaustive=exhaustive, coarse=coarse,
     )
@@ -476,7 +492,8 @@ def check_numpy(
         return out
 
     start = time.perf_counter()
-    report = CheckReport(tensors={}, fail_at=opts.fail_at, seed=opts.seed, dtype=str(next(iter(views.values())).dtype).replace("torch.", ""))
+    dtype = str(next(iter(views.values())).dtype).replace("torch.", "")
+    report = CheckReport(tensors={}, fail_at=opts.fail_verdict, seed=opts.seed, dtype=dtype)
     saved = snapshot_params(views)
     try:
         with preserved_rng():

@@ -9,15 +9,15 @@ demo); 2 usage errors (bad flags, an invalid config, no run to report);
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
-import importlib.util
 import os
 import sys
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import yaml
 
@@ -90,7 +90,7 @@ def build_parser(with_bench: bool = False) -> argparse.ArgumentParser:
 
 
 def _add_demo(sub: Any) -> None:
-    from .demo import BUGS, DEMO_OPTIONS, DemoSettings, LATE_THRESHOLD, SCALE_FACTOR
+    from .demo import BUGS, DEMO_OPTIONS, LATE_THRESHOLD, SCALE_FACTOR, DemoSettings
 
     defaults = DemoSettings()
     p = sub.add_parser(
@@ -450,7 +450,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     cfg, error = _demo_config(args)
     if error is not None:
         return _fail("demo", error)
-    log_dir = Path(cfg.log_dir)
+    log_dir = Path(cast(str, cfg.log_dir))  # _demo_config always sets it
     if (log_dir / "checks.jsonl").exists() or summary.event_files(log_dir):
         return _fail("demo", f"--log-dir {log_dir} already holds a run; choose a new directory (or remove it)")
     try:

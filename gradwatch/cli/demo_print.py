@@ -63,7 +63,10 @@ class DemoPrinter:
         }[s.bug]
         regs = c.regularizers if isinstance(c.regularizers, dict) else None
         reg_text = ", ".join(f"{k} {v:g}" for k, v in regs.items()) if regs else "none"
-        every = ("every step" if c.every == 1 else f"every {c.every} steps") if isinstance(c.every, int) else f"within {c.overhead_budget:.1%} of the time (every: auto)"
+        if isinstance(c.every, int):
+            every = "every step" if c.every == 1 else f"every {c.every} steps"
+        else:
+            every = f"within {c.overhead_budget:.1%} of the time (every: auto)"
         tensors = "all tensors" if c.tensors_per_check == 0 else f"{c.tensors_per_check} tensors"
         self.p(f"gradwatch demo: a 2-{s.hidden}-{s.hidden}-3 network on 3-class spirals ({3 * s.points_per_class} "
                f"points), with BatchNorm, dropout {s.dropout:g},")

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from ..errors import GradWatchError
 from ..check.numeric import DEFAULT_BANDS, Verdict
+from ..errors import GradWatchError
 from .records import ALERTS_TEXT_TAG, to_jsonable
 from .sinks import JSONL_NAME, RUN_TEXT_TAG, read_jsonl
 
@@ -621,7 +621,7 @@ def format_alert(alert: Mapping[str, Any], *, bands: Sequence[float] = DEFAULT_B
     kind = str(alert.get("kind"))
     value = _num(alert.get("value"))
     baseline = _num(alert.get("baseline"))
-    if kind == "threshold" and _finite(value):
+    if kind == "threshold" and value is not None and _finite(value):
         what = f"{fmt(value)} {verdict_text(Verdict.from_value(value, bands).value)}"
     elif kind == "drift" and _finite(value):
         what = f"{fmt(value)} (recent median) vs baseline {fmt(baseline)}"
