@@ -44,14 +44,15 @@ import logging
 import math
 import time
 import traceback
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, cast
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import GradWatchError, blamed
 from ..check.report import CheckReport
 from ..check.sampling import rotate
+from ..errors import GradWatchError, blamed
 from .trend import WHOLE_CHECK, Alert
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -167,8 +168,8 @@ class DistributedCoordinator:
         """
         if self.broken is not None:
             return None
-        from ..check.model import run_model_check
         from ..check.isolation import Shadow, preserved_rng
+        from ..check.model import run_model_check
 
         per_rank = watch.config.tensors_per_check
         opts = dataclasses.replace(watch._check_options, seed=watch._check_options.seed + watch._checks)
@@ -186,7 +187,7 @@ class DistributedCoordinator:
                 if mine:
                     with watch._recorder_paused():
                         if opts.dtype is not None and (watch._shadow is None or not watch._shadow.matches(watch.model)):
-                            watch._shadow = Shadow(watch.model, opts.dtype)
+                            watch._shadow = Shadow(watch.model, cast(torch.dtype, opts.dtype))
                         payload["report"] = run_model_check(
                             watch.model, watch.objective, batch, opts, grad_fn=watch.grad_fn, names=mine,
                             shadow=watch._shadow
@@ -216,7 +217,7 @@ class DistributedCoordinator:
         merged = merge_reports(reports, names, opts) if reports else None
         if merged is not None:
             self._training(watch, merged, replay, [g.get("training") for g in gathered])
-        alerts = []
+        alerts: List[Alert] = []
         if merged is not None:
             merged.notes[:0] = watch.notes
             for n in merged.tensors:
@@ -224,8 +225,8 @@ class DistributedCoordinator:
             alerts.extend(watch.tracker.update(step, merged))
         if errors:
             where = "; ".join(f"{g.get('where', 'loss_fn')} on rank {g['rank']}" for g in gathered if g["error"] is not None)
-            alert = watch.tracker.error(step, DistributedCheckError("; ".join(errors)), where=where)
-            alerts.extend([alert] if alert is not None else [])
+            error_alert = watch.tracker.error(step, DistributedCheckError("; ".join(errors)), where=where)
+            alerts.extend([error_alert] if error_alert is not None else [])
         watch._emit(step, merged, alerts, seconds)
         return merged
 
@@ -262,7 +263,7 @@ class DistributedCoordinator:
         try:
             shared = [(merged.training, merged.training_note) if self.rank == 0 else None]
             dist.broadcast_object_list(shared, src=0, group=self.group)
-            merged.training, merged.training_note = shared[0]
+            merged.training, merged.training_note = cast(Tuple[Any, Any], shared[0])
         except Exception as exc:  # noqa: BLE001
             merged.training = {}
             merged.training_note = f"not judged: sharing rank 0's training verdicts failed ({type(exc).__name__}: {exc})"
