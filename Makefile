@@ -1,6 +1,6 @@
 # One command sets up and runs the demo, one sets up and runs the tests.
 #   make demo    create .venv, install gradwatch (torch pinned, see constraints.txt), run `gradwatch demo`
-#   make test    create .venv, install gradwatch with test extras, run the test suite
+#   make test    create .venv, install gradwatch with test extras, run ruff and mypy, then the test suite
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -21,6 +21,8 @@ demo: $(STAMP)
 	$(VENV)/bin/gradwatch demo $(ARGS)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m mypy gradwatch
 	$(PY) -m pytest -q $(ARGS)
 
 bench: $(STAMP)

@@ -48,9 +48,8 @@ import time
 import warnings
 import zlib
 from itertools import chain
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
-
 from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -206,7 +205,8 @@ def mutant(fn: Callable[..., Any], which: int, index: int, factor: float = 1.01)
             with torch.enable_grad():
                 outs = float_outputs(fn(*xs))
                 pairs = [(o, g) for o, g in zip(outs, gys) if o.requires_grad and g is not None]
-                grads = torch.autograd.grad([o for o, _ in pairs], xs, [g for _, g in pairs], allow_unused=True) if pairs else [None] * len(xs)
+                grads = (torch.autograd.grad([o for o, _ in pairs], xs, [g for _, g in pairs], allow_unused=True)
+                         if pairs else [None] * len(xs))
             grads = [torch.zeros_like(x) if g is None else g.clone() for g, x in zip(grads, xs)]
             grads[which].view(-1)[index] *= factor
             return tuple(grads)

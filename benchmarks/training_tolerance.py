@@ -53,7 +53,7 @@ def run(make, shape, autocast, accumulate, seed, steps=4, l2=l2_pow, scaler=Fals
     for _ in range(steps):
         opt.zero_grad()
         k = accumulate
-        for i in range(k):
+        for _ in range(k):
             batch = (torch.randn(32, *shape, generator=gen), torch.randint(0, 5, (32,), generator=gen))
             with ctx():
                 loss = loss_fn(model, batch) + l2(model)

@@ -25,12 +25,11 @@ import argparse
 import logging
 import tempfile
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-import lightning.pytorch as pl
-from lightning.pytorch.loggers import TensorBoardLogger
 
 from gradwatch.integrations.lightning import GradWatchCallback
 

@@ -9,12 +9,12 @@ Example:
 from ._version import __version__
 from .check.backward import check_backward
 from .check.model import check_model, check_numpy
+from .check.numeric import Verdict, max_rel_error, numerical_grad, rel_diff
+from .check.report import CheckReport, TensorCheck, TrainingCheck
 from .config import GradWatchConfig, load_config
 from .errors import ConfigError, GradientCheckError, GradientDriftError, GradWatchError
-from .watch.gradwatch import GradWatch
-from .check.numeric import Verdict, max_rel_error, numerical_grad, rel_diff
 from .options import CheckOptions
-from .check.report import CheckReport, TensorCheck, TrainingCheck
+from .watch.gradwatch import GradWatch
 from .watch.trend import Alert, TrendTracker
 
 __all__ = [

@@ -20,9 +20,9 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import yaml
 
-from .errors import ConfigError
 from .check.numeric import DEFAULT_BANDS
 from .check.objective import parse_regularizers
+from .errors import ConfigError
 from .options import CheckOptions
 from .watch.schedule import parse_max_interval
 from .watch.trend import TrendTracker
@@ -35,7 +35,8 @@ OPTION_DOCS: Dict[str, str] = {
     "bands": "upper bounds of EXCELLENT, ACCEPTABLE, SUSPICIOUS for the judged rel_diff",
     "fail_at": "verdict from which a tensor counts as failing: suspicious or wrong",
     "seed": "base sampling seed (changes every check so coverage accumulates); >= 0",
-    "dtype": "evaluate the check on a shadow copy in this dtype (float64, float32; in Python also torch.float64 or numpy.float64); null checks in place",
+    "dtype": "evaluate the check on a shadow copy in this dtype (float64, float32; in Python also torch.float64 or "
+             "numpy.float64); null checks in place",
     "detect_kinks": "re-examine disagreeing samples for non-differentiable points before calling them wrong",
     "per_term": "also check each term of the objective (loss, each regularizer) on its own",
     "tensors": "glob patterns of parameter names to check (e.g. ['encoder.*']); null checks all trainable",
@@ -134,7 +135,7 @@ class GradWatchConfig:
             raise ConfigError(f"bands: got {list(self.bands)!r}, expected three increasing positive numbers")
         opts = self.check_options()
         self.bands = opts.bands
-        self.fail_at = opts.fail_at.value
+        self.fail_at = opts.fail_verdict.value
         self.dtype = None if opts.dtype is None else str(opts.dtype).replace("torch.", "")
         self.eps, self.tensors = opts.eps, opts.tensors
         self._validate_hook_options()

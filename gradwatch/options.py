@@ -11,8 +11,8 @@ from typing import Any, List, Optional, Tuple, Union
 
 import torch
 
-from .errors import ConfigError
 from .check.numeric import DEFAULT_BANDS, Verdict, validate_bands
+from .errors import ConfigError
 
 #: Largest ``eps`` accepted: the step is relative to ``|theta|``, and a central difference over a larger
 #: one measures the curvature of the objective rather than its gradient.
@@ -151,6 +151,16 @@ class CheckOptions:
                 raise ConfigError("tensors: got [], expected a non-empty list of name patterns like 'encoder.*', "
                                   "or null to check every trainable parameter")
             self.tensors = list(self.tensors)
+
+    @property
+    def fail_verdict(self) -> Verdict:
+        """``fail_at`` as the :class:`Verdict` it is normalized to."""
+        return Verdict.parse(self.fail_at)
+
+    @property
+    def torch_dtype(self) -> Optional[torch.dtype]:
+        """``dtype`` as the ``torch.dtype`` it is normalized to (None: in place)."""
+        return parse_dtype(self.dtype)
 
     @classmethod
     def names(cls) -> List[str]:

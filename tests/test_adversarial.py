@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import batch, mlp, mse
 from torch import nn
 from torch.nn.utils import prune
 from torch.utils.checkpoint import checkpoint
@@ -19,9 +20,6 @@ from torch.utils.checkpoint import checkpoint
 from gradwatch import ConfigError, GradWatch, check_backward, check_model
 from gradwatch.check.isolation import Shadow
 from gradwatch.io.sinks import read_jsonl
-
-
-from helpers import batch, mlp, mse
 
 
 def train(model, watch, loss_fn, batches, lr: float = 0.01):
@@ -401,7 +399,7 @@ def noisy_run(watch_options):
     watch = GradWatch(model, loss_fn, **watch_options) if watch_options is not None else None
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     reports = []
-    for step in range(4):
+    for _ in range(4):
         b = (torch.randn(6, 3), torch.randn(6, 1))
         opt.zero_grad()
         loss_fn(model, b).backward()

@@ -125,7 +125,10 @@ def test_grad_fn_wrong_shapes(model_and_batch):
 
 def test_numpy_grads_wrong_names_and_shapes():
     params = {"W": np.ones((2, 3)), "b": np.zeros(3)}
-    loss = lambda: float(params["W"].sum() + params["b"].sum())
+
+    def loss():
+        return float(params["W"].sum() + params["b"].sum())
+
     with pytest.raises(ValueError, match=r"grads returned no gradient for \['b'\]"):
         check_numpy(loss, params, {"W": np.ones((2, 3)), "B": np.ones(3)})
     with pytest.raises(ValueError, match=r"'W' has shape \(3, 2\).*\(2, 3\)"):

@@ -5,13 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import CorrectSigmoid
 from torch import nn
 
 import gradwatch
 from gradwatch import Verdict, check_model
-
-from conftest import CorrectSigmoid
-
 
 
 def ce_loss(model, batch):

@@ -394,7 +394,10 @@ def test_sharded_models_refused_where_they_cannot_be_checked(one_rank):
 
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
     fully_shard(net)
-    loss_fn = lambda m, b: m(b).pow(2).mean()
+
+    def loss_fn(m, b):
+        return m(b).pow(2).mean()
+
     with pytest.raises(ValueError, match="check_model cannot check FSDPSequential: it is sharded"):
         gradwatch.check_model(net, loss_fn, torch.randn(4, 3))
     # One rank: nothing to coordinate; the replica is still what the check runs on.

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
 
 import gradwatch
 from gradwatch import GradientDriftError, GradWatch
@@ -481,8 +481,8 @@ def test_step_leaves_training_untouched():
 
 def test_a_state_from_a_newer_gradwatch_is_refused_with_its_version():
     from gradwatch.errors import GradWatchError
-    from gradwatch.watch.distributed import DistributedCheckError
     from gradwatch.io.runs import RunNotFound
+    from gradwatch.watch.distributed import DistributedCheckError
 
     model = nn.Linear(3, 1)
     watch = GradWatch(model, lambda m, b: m(b).sum(), log_dir=None, every=1)

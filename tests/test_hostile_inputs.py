@@ -10,13 +10,11 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import batch, mlp, mse
 from torch import nn
 
 from gradwatch import ConfigError, GradWatch, load_config
 from gradwatch.io.sinks import read_jsonl
-
-
-from helpers import batch, mlp, mse
 
 
 def train(model, watch, loss_fn, batches):

@@ -7,12 +7,10 @@ import math
 import re
 
 import pytest
-
 import torch
 from torch import nn
 
 import gradwatch
-from gradwatch.watch.trend import Alert
 from gradwatch import CheckReport, TensorCheck, Verdict
 from gradwatch.io.records import (
     alert_record,
@@ -22,8 +20,7 @@ from gradwatch.io.records import (
     scalars_from_check,
     to_jsonable,
 )
-
-
+from gradwatch.watch.trend import Alert
 
 
 def make_report(nan: bool = False) -> CheckReport:
@@ -178,8 +175,8 @@ def test_to_jsonable():
 def test_tensor_records_carry_the_typed_kind_and_ratio():
     import math as _math
 
-    from gradwatch.io.records import check_record
     from gradwatch.check.report import CheckReport, InconclusiveKind, TensorCheck
+    from gradwatch.io.records import check_record
 
     nan = TensorCheck(name="a", shape=(2,), rel_diff=_math.nan, max_rel_error=_math.nan, inconclusive="NaN",
                       inconclusive_kind=InconclusiveKind.NONFINITE)

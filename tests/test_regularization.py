@@ -12,7 +12,6 @@ from torch import nn
 
 from gradwatch import check_model, check_numpy
 
-
 # ---- NumPy: an L2 term in the loss that the hand-written gradient forgets -----------------
 
 

@@ -54,7 +54,7 @@ def test_noisy_objective_is_deterministic_within_a_check(kind):
 
     def loss_fn(m, batch):
         noise = _draw(kind)  # e.g. a random augmentation inside the loss
-        return ((m(batch + noise) ** 2)).mean()
+        return (m(batch + noise) ** 2).mean()
 
     report = check_model(model, loss_fn, x)
     assert not report.nondeterministic

@@ -8,11 +8,10 @@ import torch
 
 import gradwatch
 
-
 # ---- the tutorial's code, copied ------------------------------------------------
 
 
-class BrokenTwoLayerNet(object):
+class BrokenTwoLayerNet:
     def __init__(self, input_size, hidden_size, output_size, std=1e-4):
         self.params = {}
         self.params['W1'] = std * np.random.randn(input_size, hidden_size)

@@ -8,13 +8,11 @@ import math
 import os
 
 import pytest
-
 import torch
-from torch import nn
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
 
 import gradwatch
-from gradwatch.watch.trend import Alert
 from gradwatch import CheckReport, GradWatchError, TensorCheck, Verdict
 from gradwatch.io.records import check_record, run_record, scalars_from_check
 from gradwatch.io.sinks import (
@@ -27,8 +25,7 @@ from gradwatch.io.sinks import (
     build_sinks,
     read_jsonl,
 )
-
-
+from gradwatch.watch.trend import Alert
 
 
 def real_report(seed: int) -> CheckReport:

@@ -24,8 +24,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from gradwatch import GradWatch, Verdict
-from gradwatch.io.sinks import read_jsonl
 from gradwatch.check.training import diagnose_training, judge_training
+from gradwatch.io.sinks import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 

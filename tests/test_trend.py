@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from gradwatch.errors import ConfigError
 from gradwatch.check.numeric import Verdict
 from gradwatch.check.report import CheckReport, InconclusiveKind, TensorCheck
+from gradwatch.errors import ConfigError
 from gradwatch.watch.trend import Alert, TrendTracker
 
 

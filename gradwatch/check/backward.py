@@ -9,11 +9,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from .isolation import preserved_rng, seed_everything
 from ..errors import GradientCheckError
-from .numeric import Verdict, max_rel_error, rel_diff
 from ..options import parse_dtype, torch_dtype_of_numpy
-from .report import CheckReport, TensorCheck, diagnose
+from .isolation import preserved_rng, seed_everything
+from .judge import Slope, ToleranceRule, judge
+from .numeric import Verdict
+from .report import CheckReport, TensorCheck
 from .sampling import choose_coords, generator, tensor_seed
 from .vjp_probe import Line, OutputProbe
 
@@ -145,11 +146,12 @@ def check_backward(
         ys = _to_tuple(func(*xs))
         loss = _weighted(ys, gys)
         wrt = [xs[i] for i in checked_x] + [p for _, p in plist]
+        raw: Sequence[Optional[torch.Tensor]]
         if loss.requires_grad and wrt:
-            grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+            raw = torch.autograd.grad(loss, wrt, allow_unused=True)
         else:
-            grads = [None] * len(wrt)
-    grads = [torch.zeros_like(t) if g is None else g.detach() for g, t in zip(grads, wrt)]
+            raw = [None] * len(wrt)
+    grads = [torch.zeros_like(t) if g is None else g.detach() for g, t in zip(raw, wrt)]
     names = [f"x[{i}]" for i in checked_x] + [n for n, _ in plist]
     out_dtypes = [y.dtype for y, g in zip(ys, gys if gys is not None else [None]) if gys is None or g is not None]
 
@@ -247,49 +249,27 @@ def _check_array(name: str, target: torch.Tensor, g: torch.Tensor, probe: Output
     shape = tuple(target.shape)
     lines = _lines(name, target, g)
     g64 = g.detach().reshape(-1).to(torch.float64)
-    analytic, numeric, kinked, bad, noise = [], [], [], [], []
     flat = target.view(-1)
+    slopes: List[Slope] = []
     for k, line in enumerate(lines):
         verdict = probe.judge(flat, g64, line, eps, atol, rtol, noise=k == 0)  # noise: measured once, and where failing
-        analytic.append(verdict.analytic)
-        numeric.append(verdict.numeric)
-        kinked.append(verdict.excluded)
-        noise.append(verdict.noise)
-        if not verdict.ok:
-            bad.append(len(analytic) - 1)
-    a_arr, n_arr = np.array(analytic, dtype=np.float64), np.array(numeric, dtype=np.float64)
-    kinks = int(sum(kinked))
-    # Measures leave out the excluded entries (as check_model's do); the per-sample lists keep every one.
-    kept = ~np.array(kinked, dtype=bool)
-    coord_mask = np.array([line.coordinate for line in lines], dtype=bool)
-    c_kept, d_kept = coord_mask & kept, ~coord_mask & kept
-    finite_noise = [v for v in noise if np.isfinite(v)]
-    check = TensorCheck(
-        name=name, shape=shape,
-        rel_diff=rel_diff(a_arr[c_kept], n_arr[c_kept]),
-        max_rel_error=max_rel_error(a_arr[c_kept], n_arr[c_kept]),
-        directional_rel_diff=rel_diff(a_arr[d_kept], n_arr[d_kept]) if (~coord_mask).any() else None,
-        step=eps, kinks=kinks, noise_floor=max(finite_noise, default=0.0),
-        coords=[line.label for line in lines if line.coordinate],
-        analytic=list(a_arr[coord_mask]), numeric=list(n_arr[coord_mask]),
-        dir_analytic=list(a_arr[~coord_mask]), dir_numeric=list(n_arr[~coord_mask]),
-    )
-    check.judged_rel_diff = rel_diff(a_arr[kept], n_arr[kept])
-    check.verdict = Verdict.WRONG if bad else Verdict.from_value(check.judged_rel_diff)
-    if check.verdict in (Verdict.SUSPICIOUS, Verdict.WRONG) and not bad:
-        check.verdict = Verdict.ACCEPTABLE  # within the caller's atol/rtol
-    check.failed = bool(bad)
+        slopes.append(Slope(analytic=verdict.analytic, numeric=verdict.numeric, floor=verdict.noise,
+                            coordinate=line.coordinate, label=line.label, excluded=verdict.excluded,
+                            failed=not verdict.ok))
+    check = judge(name, shape, slopes, ToleranceRule(atol=atol, rtol=rtol), step=eps)
+    bad = [i for i, s in enumerate(slopes) if s.failed]
     if not bad:
         return check, None
-    check.diagnosis = diagnose(a_arr, n_arr, atol)
-    n_blocks = int((~coord_mask).sum())
+    a_arr = np.array([s.analytic for s in slopes], dtype=np.float64)
+    n_arr = np.array([s.numeric for s in slopes], dtype=np.float64)
+    n_blocks = sum(not line.coordinate for line in lines)
     lines_out = [f"  {name} (shape {shape}): {len(bad)} of {len(lines)} checked entries out of tolerance"
                  + (f" ({n_blocks} of them random blocks)" if n_blocks else "")
-                 + (f", {kinks} kinks excluded" if kinks else "")]
+                 + (f", {check.kinks} kinks excluded" if check.kinks else "")]
     if target.numel() <= 16 and not n_blocks:
         lines_out.append(f"    numeric:  {np.array2string(n_arr.reshape(shape), precision=6)}")
         lines_out.append(f"    analytic: {np.array2string(a_arr.reshape(shape), precision=6)}")
-    for i in sorted(bad, key=lambda i: -_gap(a_arr[i], n_arr[i]))[:5]:
+    for i in sorted(bad, key=lambda i: -_gap(float(a_arr[i]), float(n_arr[i])))[:5]:
         label = lines[i].label
         where = f"block {label[1]} ({label[2]} elements, random direction)" if not lines[i].coordinate else str(label)
         lines_out.append(f"    at {where}: numeric {n_arr[i]:.6g} vs analytic {a_arr[i]:.6g} "

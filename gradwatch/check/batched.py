@@ -239,12 +239,12 @@ class BatchedProbe(BatchProbe):
 
         def one(row: torch.Tensor) -> torch.Tensor:
             for m, key in owners:
-                m._parameters[key] = row
+                m._parameters[key] = row  # type: ignore[assignment]  # a plain tensor in the parameter's place, as functional_call
             try:
                 return _scalar("loss_fn", loss_fn(target, batch)).to(torch.float64)
             finally:
                 for m, key in owners:
-                    m._parameters[key] = p
+                    m._parameters[key] = p  # type: ignore[assignment]  # the parameter (or its shadow) put back
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

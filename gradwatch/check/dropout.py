@@ -207,11 +207,12 @@ class FunctionalDropoutOff(TorchFunctionMode):
                 dropping = on
             if dropping:
                 self.needed = True
-                args = list(args)
+                listed = list(args)
                 if spec.flag is not None:
-                    _set(args, kwargs, spec.flag, False)
+                    _set(listed, kwargs, spec.flag, False)
                 else:
-                    _set(args, kwargs, spec.p, 0.0)
+                    _set(listed, kwargs, spec.p, 0.0)
+                args = tuple(listed)
                 if self.counting:
                     self.record.functional[spec.label] = self.record.functional.get(spec.label, 0) + 1
         elif self.counting and func in _RANDOM:

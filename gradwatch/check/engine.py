@@ -7,26 +7,25 @@ random unit direction). Along it the engine evaluates the objective at
 (so rounding of ``θ + t·u`` in low precision does not count as error).
 
 Disagreeing samples are re-examined before they count (see
-:func:`classify_kink`), and every difference is judged against the
-rounding-noise floor of the finite differences.
+:func:`classify_kink`); :mod:`gradwatch.check.judge` then judges the slopes
+against the rounding-noise floor of the finite differences.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
 
-from .numeric import Verdict, max_rel_error, rel_diff
-from .report import InconclusiveKind, TensorCheck, constant_ratio, diagnose
+from .judge import NOISE_FACTOR, BandRule, Slope, agrees, allowed_jitter, base_point, inconclusive, judge
+from .numeric import Verdict
+from .report import InconclusiveKind, TensorCheck
 from .sampling import choose_coords, generator, rademacher_signs, tensor_seed
 
 Terms = Dict[str, float]
-#: Rounding slack on top of one ulp of the objective, for error accumulated inside it.
-NOISE_FACTOR = 32.0
 #: Smaller steps tried when a sample disagrees (fractions of the base step).
 KINK_SCALES = (0.1, 0.01)
 #: Evaluation precisions coarser than this (float32, half) can leave a disagreement unresolved.
@@ -131,7 +130,7 @@ def _slope(saved: torch.Tensor, grads: Dict[str, torch.Tensor], sample: Sample) 
             s64 = sample.signs.reshape(-1).to(torch.float64)  # no copy when the signs are float64
             vals = [sample.scale * float(torch.dot(g.reshape(-1).to(torch.float64), s64)) for g in grads.values()]
         else:
-            u64 = sample.direction.reshape(-1).to(torch.float64)
+            u64 = cast(torch.Tensor, sample.direction).reshape(-1).to(torch.float64)
             vals = [float(torch.dot(g.reshape(-1).to(torch.float64), u64)) for g in grads.values()]
         sample.slope = dict(zip(grads, vals))
     return sample.slope
@@ -143,7 +142,7 @@ def _apply(p: torch.Tensor, saved: torch.Tensor, sample: Sample, t: float) -> Op
         if sample.base is None:
             sample.base = float(saved[sample.index])
         if p is sample.target:
-            view = sample.view  # indexed once per sample (the view's fill_ is 3x cheaper than p[index])
+            view = cast(torch.Tensor, sample.view)  # indexed once per sample (the view's fill_ is 3x cheaper than p[index])
         else:
             view = p[sample.index]
             sample.target, sample.view = p, view
@@ -153,14 +152,14 @@ def _apply(p: torch.Tensor, saved: torch.Tensor, sample: Sample, t: float) -> Op
     if sample.signs is not None:
         torch.add(saved, sample.signs.reshape(p.shape), alpha=t * sample.scale, out=p)
     else:
-        torch.add(saved, sample.direction.to(p.dtype), alpha=t, out=p)
+        torch.add(saved, cast(torch.Tensor, sample.direction).to(p.dtype), alpha=t, out=p)
     return None
 
 
 def _restore(p: torch.Tensor, saved: torch.Tensor, sample: Sample) -> None:
     if sample.index is not None:
         if sample.base is not None:
-            view = sample.view if p is sample.target else p[sample.index]
+            view = cast(torch.Tensor, sample.view) if p is sample.target else p[sample.index]
             view.fill_(sample.base)  # exact: a Python float holds any float32/16 value
         else:
             p[sample.index] = saved[sample.index]
@@ -184,7 +183,8 @@ def _lin(p: torch.Tensor, saved: torch.Tensor, grads: Dict[str, torch.Tensor], s
     return {k: float(torch.dot(g.reshape(-1).to(torch.float64), d64)) for k, g in grads.items()}
 
 
-def _probe(p: torch.Tensor, saved: torch.Tensor, grads: Dict[str, torch.Tensor], sample: Sample, t: float, evaluate: Evaluator) -> Tuple[Terms, Terms]:
+def _probe(p: torch.Tensor, saved: torch.Tensor, grads: Dict[str, torch.Tensor], sample: Sample, t: float,
+           evaluate: Evaluator) -> Tuple[Terms, Terms]:
     """Evaluate at ``θ + t·v`` and return (terms, analytic linear prediction per term); restores ``p`` exactly."""
     with torch.no_grad():
         try:
@@ -221,12 +221,8 @@ def _slopes(jp: Terms, jm: Terms, lp: Terms, lm: Terms, t: float) -> Tuple[Terms
     return analytic, numeric
 
 
-def agrees(a: float, n: float, floor: float, rel: float) -> bool:
-    """True when ``|a - n|`` is within the noise floor plus ``rel`` of the magnitudes."""
-    return abs(a - n) - floor <= rel * (abs(a) + abs(n))
-
-
-def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], j0: float, evaluate: Evaluator, settings: EngineSettings) -> bool:
+def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], j0: float, evaluate: Evaluator,
+                  settings: EngineSettings) -> bool:
     """Decide whether a disagreeing sample sits on a non-differentiable point.
 
     An equivalent of Chainer's ``detect_nondifferentiable`` built from the
@@ -265,7 +261,7 @@ def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Ter
         last = (jp, jm)
     if not seen:
         return False
-    t, fl, right, left, a = seen[-1]
+    t, fl, right, left, a_total = seen[-1]
     gap = right - left
     if not (abs(gap) > 4 * fl and abs(gap) > 0.3 * abs(gap0)):
         return False
@@ -279,7 +275,7 @@ def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Ter
         left = left - (left1 - left) * t / (t1 - t)
         tol = 2.0 * fl + fl1 * t / (t1 - t)
     lo, hi = min(left, right), max(left, right)
-    if lo - tol <= a <= hi + tol:
+    if lo - tol <= a_total <= hi + tol:
         return True
     jp, jm = last
     if len(jp) < 2:
@@ -290,7 +286,7 @@ def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Ter
     j0_terms = evaluate()
     lo = sum(min((jp[k] - j0_terms[k]) / t, (j0_terms[k] - jm[k]) / t) for k in jp)
     hi = sum(max((jp[k] - j0_terms[k]) / t, (j0_terms[k] - jm[k]) / t) for k in jp)
-    return lo - tol - fl <= a <= hi + tol + fl
+    return lo - tol - fl <= a_total <= hi + tol + fl
 
 
 def unresolvable(sample: Sample, analytic: float, numeric: float, settings: EngineSettings) -> bool:
@@ -344,19 +340,6 @@ def resolve_low_precision(p, saved, grads, sample: Sample, analytic: float, nume
     return None
 
 
-def _judged(analytic: List[float], numeric: List[float], floors: List[float]) -> float:
-    """Relative difference after discounting each sample's noise floor (0 when every gap is within it)."""
-    if not analytic:
-        return 0.0
-    if not (all(map(math.isfinite, analytic)) and all(map(math.isfinite, numeric))):
-        return float("nan")
-    excess = [max(abs(a - n) - f, 0.0) for a, n, f in zip(analytic, numeric, floors)]
-    denom = math.hypot(*analytic) + math.hypot(*numeric)
-    if denom == 0.0:
-        return 0.0
-    return min(1.0, math.hypot(*excess) / denom)
-
-
 def build_samples(name: str, p: torch.Tensor, g: torch.Tensor, settings: EngineSettings, seed: int, h: float) -> List[Sample]:
     """The coordinates and directions to probe for one tensor (seeded per tensor)."""
     gen = generator(tensor_seed(seed, name))
@@ -370,7 +353,7 @@ def build_samples(name: str, p: torch.Tensor, g: torch.Tensor, settings: EngineS
         flat_list = flat.tolist()
         positions = [a.tolist() for a in np.unravel_index(flat.numpy(), shape)] if shape else None
         for j, value in enumerate(values):
-            pos = tuple(a[j] for a in positions) if shape else ()
+            pos = tuple(a[j] for a in positions) if positions is not None else ()
             samples.append(Sample(label=pos, step=h * max(1.0, abs(value)), index=pos, base=float(value), flat=flat_list[j]))
     if settings.directions and p.numel() > 1:
         n = p.numel()
@@ -399,6 +382,10 @@ def prepare_slopes(samples: List[Sample], saved: torch.Tensor, grads: Dict[str, 
 
 class BatchProbe:
     """What :func:`batched_bases` needs from a batched evaluator (see :mod:`gradwatch.check.batched`)."""
+
+    def wants(self, name: str) -> bool:
+        """True when tensor ``name`` should be tried in batches."""
+        return True
 
     def chunk(self, p: torch.Tensor) -> int:
         """How many perturbed copies of ``p`` to evaluate at once."""
@@ -488,13 +475,86 @@ def check_tensor(
     return main, per_term
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """True when no entry is NaN or infinite: one min/max pass (NaN propagates), 5x cheaper than ``isfinite``.
+
+    Example:
+        >>> all_finite(torch.tensor([1.0, 2.0])), all_finite(torch.tensor([1.0, float("nan")]))
+        (True, False)
+    """
+    if t.numel() == 0 or not t.is_floating_point():
+        return True
+    return bool(torch.isfinite(torch.stack(torch.aminmax(t.detach().reshape(-1)))).all())
+
+
+@dataclass
+class Judged:
+    """One tensor's outcome from :func:`check_tensors`.
+
+    Attributes:
+        key: The caller's key for the tensor.
+        check: Its :class:`TensorCheck`.
+        per_term: One check per term of the objective (when the gradients have more than ``"total"``).
+        before_sampling: Why no slope was taken at all (the objective at the base point is not finite
+            or not deterministic, or the analytic gradient is not finite); None when it was sampled.
+    """
+
+    key: str
+    check: TensorCheck
+    per_term: Dict[str, TensorCheck] = field(default_factory=dict)
+    before_sampling: Optional[InconclusiveKind] = None
+
+
+#: One tensor to check: its key, its name in the report, the tensor (perturbed in place), its gradient per term.
+Target = Tuple[str, str, torch.Tensor, Dict[str, torch.Tensor]]
+
+
+def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: EngineSettings, seed: int,
+                  probe_batch: Optional[BatchProbe] = None) -> Iterator[Judged]:
+    """Judge a set of tensors of one objective: the base point first, then :func:`check_tensor` for each.
+
+    The objective is evaluated twice at the unperturbed point: if the two values are not finite, or differ
+    by more than rounding allows (:func:`gradwatch.check.judge.base_point`), no tensor can be judged and
+    each is inconclusive with that kind. Otherwise their difference (the jitter) joins the noise floor.
+    A tensor whose analytic gradient is not finite is inconclusive without sampling.
+
+    Args:
+        targets: ``(key, name, tensor, {term: gradient})`` per tensor (``"total"`` is the full objective).
+        evaluate: Objective terms at the current parameters.
+        settings: Sample sizes, step, bands and noise model (``jitter`` is measured here).
+        seed: Sampling seed.
+        probe_batch: Evaluates the base probes of each tensor it ``wants`` in batches.
+
+    Yields:
+        A :class:`Judged` per tensor, in order (a caller keeps those judged before an evaluation raised).
+    """
+    j_a, j_b = evaluate(), evaluate()
+    jitter, kind, why = base_point(total(j_a), total(j_b), allowed_jitter(settings.eval_eps, settings.magnitude))
+    if kind is not None:
+        for key, name, p, _ in targets:
+            yield Judged(key, inconclusive(name, tuple(p.shape), kind, str(why)), before_sampling=kind)
+        return
+    settings = replace(settings, jitter=jitter)
+    j0 = total(j_a)
+    for key, name, p, grads in targets:
+        if not all(all_finite(t) for t in grads.values()):
+            why = "analytic gradient has non-finite values (NaN or inf)"
+            yield Judged(key, inconclusive(name, tuple(p.shape), InconclusiveKind.NONFINITE, why),
+                         before_sampling=InconclusiveKind.NONFINITE)
+            continue
+        batch = probe_batch if probe_batch is not None and probe_batch.wants(key) else None
+        main, per_term = check_tensor(name, p, grads, evaluate, j0, settings, seed, probe_batch=batch)
+        yield Judged(key, main, per_term)
+
+
 def _probe_all(p, saved, grads, samples: List[Sample], bases, outcomes: List[Outcome], evaluate: Evaluator, j0: float,
                settings: EngineSettings) -> None:
     """Probe every sample (or judge its batched base probes), re-examining disagreements; appends to ``outcomes``."""
     genuine_streak = 0
     for i, sample in enumerate(samples):
         base = bases[i] if bases is not None else _central(p, saved, grads, sample, sample.step, evaluate)
-        a, n = _slopes(*base, sample.step)
+        jp, jm, lp, lm = base
+        a, n = _slopes(jp, jm, lp, lm, sample.step)
         fl = floor_at(settings, sample.step)
         out = Outcome(a, n, fl)
         finite = math.isfinite(a["total"]) and math.isfinite(n["total"])
@@ -517,61 +577,11 @@ def _probe_all(p, saved, grads, samples: List[Sample], bases, outcomes: List[Out
 
 
 def _summarize(name, shape, samples: List[Sample], outcomes: List[Outcome], term: str, settings: EngineSettings) -> TensorCheck:
-    coords = [(s, o) for s, o in zip(samples, outcomes) if s.index is not None]
-    dirs = [(s, o) for s, o in zip(samples, outcomes) if s.index is None]
-
-    def lists(pairs):
-        kept = [o for _, o in pairs if not (o.kink or o.unresolved)]
-        return ([o.analytic[term] for o in kept], [o.numeric.get(term, 0.0) for o in kept], [o.floor for o in kept])
-
-    ca, cn, cf = lists(coords)
-    da, dn, df = lists(dirs)
-    judged = max(_judged(ca, cn, cf), _judged(da, dn, df))
-    check = TensorCheck(
-        name=name,
-        shape=shape,
-        rel_diff=rel_diff(ca, cn) if ca else 0.0,
-        max_rel_error=max_rel_error(ca, cn),
-        directional_rel_diff=rel_diff(da, dn) if da else None,
-        judged_rel_diff=judged,
-        noise_floor=float(max(cf + df, default=0.0)),
-        step=samples[0].step if samples else 0.0,
-        kinks=sum(o.kink for o in outcomes),
-        coords=[tuple(s.index) for s, _ in coords],
-        analytic=[o.analytic[term] for _, o in coords],
-        numeric=[o.numeric.get(term, 0.0) for _, o in coords],
-        dir_analytic=[o.analytic[term] for _, o in dirs],
-        dir_numeric=[o.numeric.get(term, 0.0) for _, o in dirs],
-    )
-    if not all(map(math.isfinite, ca + cn + da + dn)):
-        check.inconclusive = "non-finite values in the objective or gradient along the sampled points"
-        check.inconclusive_kind = InconclusiveKind.NONFINITE
-        check.judged_rel_diff = float("nan")
-        return check
-    verdict = Verdict.from_value(judged, settings.bands)
-    unresolved = sum(o.unresolved for o in outcomes)
-    raw = max(rel_diff(ca, cn) if ca else 0.0, rel_diff(da, dn) if da else 0.0)
-    if settings.coarse and not verdict.is_failure(settings.fail_at) and (
-            unresolved or Verdict.from_value(raw, settings.bands).is_failure(settings.fail_at)):
-        # Only the rounding of the low-precision part could explain the disagreement: it cannot be judged.
-        check.inconclusive = (
-            f"the sampled slopes disagree by {raw:.1e}, within the rounding noise of the low-precision part of "
-            f"the objective ({settings.coarse}); a gradient error of that size cannot be told from it"
-        )
-        check.inconclusive_kind = InconclusiveKind.LOW_PRECISION
-        return check
-    if unresolved and not verdict.is_failure(settings.fail_at):
-        # The resolvable samples pass, but some disagreed by less than this precision can resolve.
-        check.inconclusive = (
-            f"{unresolved} of {len(outcomes)} samples disagree by less than low-precision central differences "
-            f"can resolve (a ReLU/max-pool/abs kink within the step {samples[0].step:.1e}, or a small gradient "
-            "error); check with dtype=float64 (the default shadow copy) to judge them"
-        )
-        check.inconclusive_kind = InconclusiveKind.UNRESOLVED
-        return check
-    check.verdict = verdict
-    check.failed = check.verdict.is_failure(settings.fail_at)
-    if check.failed:
-        check.diagnosis = diagnose(np.array(ca + da), np.array(cn + dn), check.noise_floor)
-        check.ratio = constant_ratio(ca + da, cn + dn, check.noise_floor)
-    return check
+    """One term's slopes along every sample, judged by the bands (see :func:`gradwatch.check.judge.judge`)."""
+    slopes = [
+        Slope(analytic=o.analytic[term], numeric=o.numeric.get(term, 0.0), floor=o.floor, coordinate=s.index is not None,
+              label=tuple(s.index) if s.index is not None else s.label, excluded=o.kink, unresolved=o.unresolved)
+        for s, o in zip(samples, outcomes)
+    ]
+    rule = BandRule(bands=settings.bands, fail_at=settings.fail_at, coarse=settings.coarse)
+    return judge(name, shape, slopes, rule, step=samples[0].step if samples else 0.0)

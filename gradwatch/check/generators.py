@@ -114,11 +114,11 @@ def find_generators(roots: Iterable[Any], depth: int = MAX_DEPTH) -> List[Any]:
             for value in list(itertools.islice(obj.values(), _MAX_ITEMS)):
                 visit(value, depth - 1)
         else:
-            attrs = getattr(obj, "__dict__", None)
-            if isinstance(attrs, dict):
-                for value in list(itertools.islice(attrs.values(), _MAX_ITEMS)):
+            own = getattr(obj, "__dict__", None)
+            if isinstance(own, dict):
+                for value in list(itertools.islice(own.values(), _MAX_ITEMS)):
                     visit(value, depth - 1)
-            call = getattr(type(obj), "__call__", None)
+            call = getattr(type(obj), "__call__", None)  # noqa: B004 - the class's function object, not callability
             if isinstance(call, types.FunctionType):
                 visit(call, depth - 1)
 

@@ -10,7 +10,7 @@ computes the analytic side that way when the graph holds such a checkpoint: into
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, List, Optional
+from typing import Any, Iterable, Iterator, List, Optional, cast
 
 import torch
 
@@ -54,11 +54,12 @@ def reentrant_checkpoint_leaves(value: torch.Tensor) -> Optional[List[torch.Tens
         name = type(node).__name__
         found = found or name in REENTRANT_NODES
         if name == "AccumulateGrad":
-            leaves.append(node.variable)
+            leaves.append(cast(Any, node).variable)
     return leaves if found else None
 
 
-def grad_by_backward(value: torch.Tensor, plist: List[torch.Tensor], leaves: Iterable[torch.Tensor], retain: bool) -> List[Optional[torch.Tensor]]:
+def grad_by_backward(value: torch.Tensor, plist: List[torch.Tensor], leaves: Iterable[torch.Tensor],
+                     retain: bool) -> List[Optional[torch.Tensor]]:
     """Gradients of ``value`` with respect to ``plist`` through ``backward()`` (None where unused).
 
     ``.grad`` of every tensor in ``plist`` and ``leaves`` is set aside first and put back after

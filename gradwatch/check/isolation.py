@@ -26,7 +26,7 @@ import itertools
 import random
 import threading
 import types
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
 import numpy as np
 import torch
@@ -159,7 +159,7 @@ class Reseeder:
         self._used_np = self._used_np or not _same_np_state(np.random.get_state(), self._np)
 
 
-def _same_np_state(a: tuple, b: tuple) -> bool:
+def _same_np_state(a: Any, b: Any) -> bool:
     return a[0] == b[0] and a[2:] == b[2:] and bool(np.array_equal(a[1], b[1]))
 
 
@@ -212,7 +212,7 @@ def dropout_off(model: nn.Module) -> Iterator["DropoutRecord"]:
     record = DropoutRecord()
     configs: set = set()
     flags: List[Tuple[nn.Module, bool]] = []
-    probs: List[Tuple[nn.Module, float]] = []
+    probs: List[Tuple[Any, float]] = []  # modules with a float `dropout` attribute
     for name, module in model.named_modules():
         if isinstance(module, _DropoutNd):
             if module.training and float(module.p) > 0:
@@ -261,8 +261,12 @@ class BufferGuard:
     def __init__(self, model: nn.Module, attributes: bool = False, modules: Optional[List[nn.Module]] = None) -> None:
         modules = list(model.modules()) if modules is None else modules  # one walk for buffers, owners, attributes
         self._owners = [(m, k, b) for m in modules for k, b in m._buffers.items() if b is not None]
-        seen = set()
-        unique = [b for _, _, b in self._owners if not (id(b) in seen or seen.add(id(b)))]  # a shared buffer once
+        seen: Set[int] = set()
+        unique = []
+        for _, _, b in self._owners:  # a shared buffer once
+            if id(b) not in seen:
+                seen.add(id(b))
+                unique.append(b)
         self._buffers = [(b, b.detach().clone(), b._version) for b in unique]
         self._clean = [0] * len(self._buffers)
         #: With ``attributes``, plain attributes a forward changes (counters) are put back too (:class:`AttributeGuard`).
@@ -417,7 +421,7 @@ class AttributeGuard:
     """
 
     def __init__(self, model: nn.Module, modules: Optional[List[nn.Module]] = None) -> None:
-        self._saved = []
+        self._saved: List[Tuple[Dict[str, Any], str, Any]] = []
         for m in (model.modules() if modules is None else modules):
             attrs = m.__dict__
             if _STATELESS.get(type(m)) or (_STATELESS.get(type(m)) is None and _stateless(type(m))):
@@ -443,7 +447,7 @@ _STATELESS: Dict[type, bool] = {}
 
 
 def _stateless(cls: type) -> bool:
-    where = getattr(cls.forward, "__module__", None) or ""
+    where = getattr(getattr(cls, "forward", None), "__module__", None) or ""
     _STATELESS[cls] = where.startswith("torch.nn.modules.") and cls.__module__.startswith("torch.nn.modules.")
     return _STATELESS[cls]
 
@@ -558,7 +562,7 @@ def _cast_inputs_hook(dtype: torch.dtype, needed: Optional[set] = None):
             needed.add(id(module))
         return cast_floats(args, dtype), cast_floats(kwargs, dtype)
 
-    hook._gradwatch_hook = True  # kept by suspended_hooks
+    hook._gradwatch_hook = True  # type: ignore[attr-defined]  # a marker: suspended_hooks keeps this hook
     return hook
 
 
@@ -589,8 +593,8 @@ def is_sharded(model: nn.Module) -> bool:
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch < 2.6 or built without distributed
-        FSDPModule = None
-    if FSDPModule is not None and any(isinstance(m, FSDPModule) for m in model.modules()):
+        return any(is_dtensor(p) for p in model.parameters())
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
         return True
     return any(is_dtensor(p) for p in model.parameters())
 
@@ -631,7 +635,8 @@ class Shadow:
             ) from err
         complex_dtype = _COMPLEX_OF.get(dtype)
         # module.to(dtype) would cast complex tensors to real ones too, discarding their imaginary part.
-        self.module._apply(lambda t: t.to(dtype) if t.is_floating_point() else (t.to(complex_dtype) if t.is_complex() and complex_dtype else t))
+        self.module._apply(lambda t: t.to(dtype) if t.is_floating_point()
+                           else (t.to(complex_dtype) if t.is_complex() and complex_dtype else t))
         for p in self.module.parameters():
             p.grad = None
         self._needed: set = set()
@@ -670,21 +675,21 @@ class Shadow:
         for (_, dst), (_, src) in zip(self.module.named_parameters(), model.named_parameters()):
             dst.copy_(src.detach())
             dst.requires_grad_(src.requires_grad)
-        for (_, dst), (_, src) in zip(self.module.named_buffers(), model.named_buffers()):
-            if dst is not None and src is not None:
-                dst.copy_(src.detach())
-        for dst, src in zip(self.module.modules(), model.modules()):
-            dst.training = src.training
+        for (_, dbuf), (_, sbuf) in zip(self.module.named_buffers(), model.named_buffers()):
+            if dbuf is not None and sbuf is not None:
+                dbuf.copy_(sbuf.detach())
+        for dmod, smod in zip(self.module.modules(), model.modules()):
+            dmod.training = smod.training
         self.restore_cast_hooks()
 
 
-def snapshot_params(params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def snapshot_params(params: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Exact copies of parameter values, to restore after perturbing in place."""
     return {n: p.detach().clone() for n, p in params.items()}
 
 
 @torch.no_grad()
-def restore_params(params: Dict[str, torch.Tensor], saved: Dict[str, torch.Tensor]) -> None:
+def restore_params(params: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor]) -> None:
     """Copy saved values back bit for bit."""
     for n, p in params.items():
         p.copy_(saved[n])

@@ -8,7 +8,7 @@ check batch (one forward of the float64 shadow), then for each module
     J(x, θ) = <module(x; θ), c>      with c a seeded random cotangent,
 
 is compared, by the same sampled two-sided differences as the end-to-end
-check (:func:`gradwatch.check.engine.check_tensor`: kink guard, noise floor), with
+check (:func:`gradwatch.check.engine.check_tensors`: determinism, kink guard, noise floor), with
 its vector-Jacobian products: the gradients of J with respect to the module's
 input (the input gradient the module passes back) and to its own parameters.
 One evaluation costs one module's forward, not the whole network's.
@@ -35,19 +35,28 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import nn
 
-from .isolation import (BufferGuard, Reseeder, Shadow, cast_floats, dropout_off, frozen_batchnorm_stats, preserved_rng,
-                      restore_params, snapshot_params)
-from .engine import EngineSettings, Evaluator, check_tensor, total
-from .numeric import machine_eps
 from ..options import CheckOptions
+from .engine import EngineSettings, Evaluator, check_tensors
+from .isolation import (
+    BufferGuard,
+    Reseeder,
+    Shadow,
+    cast_floats,
+    dropout_off,
+    frozen_batchnorm_stats,
+    preserved_rng,
+    restore_params,
+    snapshot_params,
+)
+from .numeric import machine_eps
 from .padding import padding_rows_constant
 from .precision import ShadowPrecision
-from .report import InconclusiveKind, TensorCheck, json_float
+from .report import TensorCheck, json_float
 from .sampling import generator, tensor_seed
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -269,7 +278,7 @@ def _innermost(named: Dict[str, nn.Module], calls: Dict[str, int]) -> List[str]:
 def _custom_functions(root: Any, limit: int = 10_000) -> List[str]:
     """Custom autograd.Function classes in the backward graph below ``root`` (a grad_fn)."""
     names: List[str] = []
-    seen = set()
+    seen: Set[int] = set()
     stack = [root]
     while stack and len(seen) < limit:
         node = stack.pop()
@@ -323,6 +332,7 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
             j = sum(((o * c).sum() for o, c in zip(out, cot)), torch.zeros((), dtype=out[0].dtype, device=out[0].device))
             magnitude = float(sum(float((o.detach() * c).abs().sum()) for o, c in zip(out, cot)))
             wrt = list(leaves.values()) + list(params.values())
+            gs: Sequence[Optional[torch.Tensor]]
             if j.requires_grad and j.grad_fn is not None:
                 result.functions = _custom_functions(j.grad_fn)
                 gs = torch.autograd.grad(j, wrt, allow_unused=True)
@@ -349,24 +359,16 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
     saved = snapshot_params(params)
     try:
         with frozen_batchnorm_stats(module):
-            j_a, j_b = evaluator(), evaluator()
-            jitter = abs(total(j_a) - total(j_b))
             eps = max([machine_eps(t.dtype) for t in work.values()] + [machine_eps(p.dtype) for p in params.values()])
             settings = EngineSettings(
-                coords=opts.coords, directions=opts.directions, eps=opts.eps, bands=opts.bands, fail_at=opts.fail_at,
-                detect_kinks=opts.detect_kinks, eval_eps=eps, magnitude=magnitude, jitter=jitter,
+                coords=opts.coords, directions=opts.directions, eps=opts.eps, bands=opts.bands, fail_at=opts.fail_verdict,
+                detect_kinks=opts.detect_kinks, eval_eps=eps, magnitude=magnitude,
             )
-            targets = [(keys[i], t) for i, t in enumerate(work.values())] + list(params.items())
-            g_of = dict(zip([id(t) for t in list(work.values()) + list(params.values())], grads))
-            for key, t in targets:
-                g = g_of[id(t)]
-                if not (math.isfinite(total(j_a)) and bool(torch.isfinite(g).all())):
-                    result.tensors[key] = TensorCheck(name=f"{name}:{key}", shape=tuple(t.shape), rel_diff=float("nan"),
-                                                      max_rel_error=float("nan"), inconclusive="non-finite values",
-                                                      inconclusive_kind=InconclusiveKind.NONFINITE)
-                    continue
-                check, _ = check_tensor(f"{name}:{key}", t, {"total": g}, evaluator, total(j_a), settings, opts.seed)
-                result.tensors[key] = check
+            tensors = list(work.values()) + list(params.values())
+            keys_all = keys[:len(work)] + list(params)  # one key per distinct input tensor, as `work` holds them
+            targets = [(key, f"{name}:{key}", t, {"total": g}) for key, t, g in zip(keys_all, tensors, grads)]
+            for judged in check_tensors(targets, evaluator, settings, opts.seed):
+                result.tensors[judged.key] = judged.check
     except Exception as err:  # noqa: BLE001 - as above: a module whose evaluations raise is reported, not fatal
         result.inconclusive = f"evaluating the module alone raised {type(err).__name__}: {err}"
     finally:
@@ -489,19 +491,20 @@ def localize(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     names = list(_select(model, modules)) if modules is not None else None  # module objects given are the live ones
-    if opts.dtype is None:
+    dtype = opts.torch_dtype
+    if dtype is None:
         target = model
     else:
-        shadow = Shadow(model, opts.dtype)
+        shadow = Shadow(model, dtype)
         target = shadow.module
-        batch = cast_floats(batch, opts.dtype)
+        batch = cast_floats(batch, dtype)
     named = dict(target.named_modules())
     in_place_params = {n: p for n, p in target.named_parameters()} if opts.dtype is None else {}
     saved = snapshot_params(in_place_params)
     guard = BufferGuard(target)
     results: List[ModuleCheck] = []
 
-    def capture(chosen: Optional[Sequence[str]]) -> Tuple[Dict[str, Tuple[Any, Any]], Dict[str, int]]:
+    def capture(chosen: Sequence[str]) -> Tuple[Dict[str, Tuple[Any, Any]], Dict[str, int]]:
         Reseeder(opts.seed)()
         with frozen_batchnorm_stats(target):
             out = _capture(target, loss_fn, batch, chosen)
@@ -515,7 +518,7 @@ def localize(
     try:
         # On a shadow, casts down stay in its dtype (as in check_model): a norm computing in float32 inside a
         # float64 copy would otherwise fail alone, falsely (gradwatch.check.precision).
-        precision = ShadowPrecision(opts.dtype) if opts.dtype is not None else contextlib.nullcontext()
+        precision = ShadowPrecision(dtype) if dtype is not None else contextlib.nullcontext()
         with preserved_rng(), dropout_off(target) as dropout, padding_rows_constant(target), precision:
             if names is None:
                 # One forward to see which modules run and which call others, one to capture inputs.

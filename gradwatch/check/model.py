@@ -7,23 +7,38 @@ import inspect
 import math
 import time
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
 from torch import nn
 
-from .isolation import BufferGuard, Reseeder, Shadow, dropout_off, frozen_batchnorm_stats, frozen_power_iteration, preserved_rng, restore_params, seed_everything, snapshot_params, cast_floats, is_sharded, suspended_hooks
-from .engine import EngineSettings, Evaluator, NOISE_FACTOR, check_tensor, total
 from ..errors import blame
+from ..options import CheckOptions
+from .engine import EngineSettings, Evaluator, check_tensors, total
 from .generators import HeldGenerators
 from .graph import CHECKPOINT_NO_GRAD_WARNING, grad_by_backward, reentrant_checkpoint_leaves
+from .isolation import (
+    BufferGuard,
+    Reseeder,
+    Shadow,
+    cast_floats,
+    dropout_off,
+    frozen_batchnorm_stats,
+    frozen_power_iteration,
+    is_sharded,
+    preserved_rng,
+    restore_params,
+    seed_everything,
+    snapshot_params,
+    suspended_hooks,
+)
+from .judge import NOISE_FACTOR, inconclusive
 from .numeric import machine_eps
 from .objective import Objective, coupled_weight_decay
-from ..options import CheckOptions
 from .padding import padding_note, padding_rows_constant
 from .precision import ShadowPrecision
-from .report import CheckReport, InconclusiveKind, TensorCheck
+from .report import CheckReport, InconclusiveKind
 from .sampling import match_names
 
 GradFn = Callable[[nn.Module, Any], Mapping[str, torch.Tensor]]
@@ -197,20 +212,21 @@ def run_model_check(
     all_names = trainable_names(model)
     _validate_target(model, opts, all_names)
     chosen = list(names) if names is not None else match_names(all_names, opts.tensors)
-    in_place = opts.dtype is None
-    if in_place:
+    dtype = opts.torch_dtype
+    in_place = dtype is None
+    if dtype is None:
         target = model
     else:
-        if shadow is None or shadow.dtype != opts.dtype or not shadow.matches(model):
-            shadow = Shadow(model, opts.dtype)
+        if shadow is None or shadow.dtype != dtype or not shadow.matches(model):
+            shadow = Shadow(model, dtype)
         shadow.refresh(model)
         target = shadow.module
-        batch = cast_floats(batch, opts.dtype)
+        batch = cast_floats(batch, dtype)
     leaves = {n: p for n, p in target.named_parameters() if n in set(chosen)}
     params = {n: _real(p) for n, p in leaves.items()}  # what the engine perturbs: complex ones as (re, im) pairs
     batched = batched and all(p is leaves[n] for n, p in params.items())
     eval_seed = opts.seed
-    report = CheckReport(tensors={}, fail_at=opts.fail_at, seed=opts.seed)
+    report = CheckReport(tensors={}, fail_at=opts.fail_verdict, seed=opts.seed)
 
     roots = [objective.loss_fn, *objective.regularizers.values(), grad_fn, model]
     with _evaluation_context(target, in_place, params, roots) as (guard, held, hooks, dropout, padding):
@@ -222,23 +238,17 @@ def run_model_check(
             warnings.warn(report.notes[-1], stacklevel=3)  # shown once per distinct text by the default filter
         # Analytic side: one forward with grad, then autograd.grad (never the caller's .grad).
         # On a shadow it also measures the precision the objective really computes in (gradwatch.check.precision).
-        precision = ShadowPrecision(opts.dtype) if not in_place else None
+        precision = ShadowPrecision(dtype) if dtype is not None else None
         seed_everything(eval_seed)
         with torch.enable_grad(), (precision.tracing(target) if precision is not None else contextlib.nullcontext()):
             terms_t = objective.terms(target, batch)
-            total_t = sum(terms_t[k] for k in sorted(terms_t))
+            total_t = cast(torch.Tensor, sum(terms_t[k] for k in sorted(terms_t)))
         values = {k: float(v.detach()) for k, v in terms_t.items()}
         report.terms = values
         report.objective = float(total_t.detach())
         report.dtype = str(total_t.dtype).replace("torch.", "")
         if not math.isfinite(report.objective):
-            report.nonfinite = True
-            for n, p in params.items():
-                report.tensors[n] = TensorCheck(
-                    name=n, shape=tuple(p.shape), rel_diff=float("nan"), max_rel_error=float("nan"),
-                    inconclusive=f"objective is not finite ({report.objective}); gradients not checked",
-                    inconclusive_kind=InconclusiveKind.NONFINITE,
-                )
+            _not_finite(report, params, f"objective is not finite ({report.objective}); gradients not checked")
             report.seconds = time.perf_counter() - start
             return report
         # A reentrant checkpoint hides the parameters inside it from autograd.grad: go through backward().
@@ -309,7 +319,7 @@ def run_model_check(
             report.precision["step"] = opts.eps if opts.eps is not None else eval_eps ** (1.0 / 3.0)
             report.notes.extend(precision.notes(report.precision["step"]))
         objective_dtype_eps = machine_eps(getattr(torch, report.dtype))
-        probe = None
+        probe: Any = None
         if batched:
             from .batched import BatchedProbe
 
@@ -347,18 +357,6 @@ def _no_grad(fn: Callable[[], Any]) -> Any:
         return fn()
 
 
-def all_finite(t: torch.Tensor) -> bool:
-    """True when no entry is NaN or infinite: one min/max pass (NaN propagates), 5x cheaper than ``isfinite``.
-
-    Example:
-        >>> all_finite(torch.tensor([1.0, 2.0])), all_finite(torch.tensor([1.0, float("nan")]))
-        (True, False)
-    """
-    if t.numel() == 0 or not t.is_floating_point():
-        return True
-    return bool(torch.isfinite(torch.stack(torch.aminmax(t.detach().reshape(-1)))).all())
-
-
 def _floats(terms: Mapping[str, torch.Tensor]) -> Dict[str, float]:
     """Term values as Python floats, with one device sync for all of them (not one per term)."""
     if len(terms) == 1:
@@ -371,7 +369,8 @@ def _floats(terms: Mapping[str, torch.Tensor]) -> Dict[str, float]:
 
 
 def _analytic(objective, terms_t, total_t, params, target, batch, grad_fn, per_term, leaves=None) -> Dict[str, Dict[str, torch.Tensor]]:
-    """``{tensor: {"total": grad, term: grad, ...}}``; through ``backward()`` into ``leaves`` when given (see :mod:`gradwatch.check.graph`)."""
+    """``{tensor: {"total": grad, term: grad, ...}}``; through ``backward()`` into ``leaves`` when given
+    (see :mod:`gradwatch.check.graph`)."""
     plist = list(params.values())
     out: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n in params}
     if grad_fn is not None:
@@ -399,6 +398,7 @@ def _grad(value: torch.Tensor, plist: List[torch.Tensor], retain: bool,
           leaves: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:
     if not value.requires_grad:
         return [torch.zeros_like(p) for p in plist]
+    gs: Sequence[Optional[torch.Tensor]]
     if leaves is not None:  # see gradwatch.check.graph
         gs = grad_by_backward(value, plist, leaves, retain)
     else:
@@ -414,42 +414,28 @@ def _dense(g: torch.Tensor) -> torch.Tensor:
 def _judge_all(report: CheckReport, params: Dict[str, torch.Tensor], grads, evaluator: Evaluator, opts: CheckOptions,
                magnitude: float, eval_eps: float, objective_dtype_eps: float, exhaustive: bool = False,
                probe_batch: Any = None, coarse: Optional[str] = None) -> None:
-    """Determinism check, then :func:`check_tensor` for each tensor; fills ``report``."""
-    j_a = evaluator()
-    j_b = evaluator()
-    jitter = abs(total(j_a) - total(j_b))
-    eps = max(eval_eps, objective_dtype_eps)
-    allowed = NOISE_FACTOR * eps * max(magnitude, 1e-30)
-    if not math.isfinite(jitter) or jitter > allowed:
-        report.nondeterministic = True
-        for n, p in params.items():
-            report.tensors[n] = TensorCheck(
-                name=n, shape=tuple(p.shape), rel_diff=float("nan"), max_rel_error=float("nan"),
-                inconclusive=f"objective is nondeterministic (two evaluations differ by {jitter:.3g})",
-                inconclusive_kind=InconclusiveKind.NONDETERMINISTIC,
-            )
-        return
+    """Judge every tensor (:func:`gradwatch.check.engine.check_tensors`); fills ``report``."""
     settings = EngineSettings(
-        coords=opts.coords, directions=opts.directions, eps=opts.eps, bands=opts.bands, fail_at=opts.fail_at,
-        detect_kinks=opts.detect_kinks, eval_eps=eps, magnitude=magnitude, jitter=jitter, exhaustive=exhaustive,
-        coarse=coarse,
+        coords=opts.coords, directions=opts.directions, eps=opts.eps, bands=opts.bands, fail_at=opts.fail_verdict,
+        detect_kinks=opts.detect_kinks, eval_eps=max(eval_eps, objective_dtype_eps), magnitude=magnitude,
+        exhaustive=exhaustive, coarse=coarse,
     )
-    j0 = total(j_a)
-    for n, p in params.items():
-        g = grads[n]
-        if not all(all_finite(t) for t in g.values()):
+    targets = [(n, n, p, grads[n]) for n, p in params.items()]
+    for judged in check_tensors(targets, evaluator, settings, opts.seed, probe_batch=probe_batch):
+        report.tensors[judged.key] = judged.check
+        for term, tc in judged.per_term.items():
+            report.term_checks.setdefault(term, {})[judged.key] = tc
+        if judged.before_sampling is InconclusiveKind.NONDETERMINISTIC:
+            report.nondeterministic = True
+        elif judged.before_sampling is InconclusiveKind.NONFINITE:
             report.nonfinite = True
-            report.tensors[n] = TensorCheck(
-                name=n, shape=tuple(p.shape), rel_diff=float("nan"), max_rel_error=float("nan"),
-                inconclusive="analytic gradient has non-finite values (NaN or inf)",
-                inconclusive_kind=InconclusiveKind.NONFINITE,
-            )
-            continue
-        main, per_term = check_tensor(n, p, g, evaluator, j0, settings, opts.seed,
-                                      probe_batch=probe_batch if probe_batch is not None and probe_batch.wants(n) else None)
-        report.tensors[n] = main
-        for term, tc in per_term.items():
-            report.term_checks.setdefault(term, {})[n] = tc
+
+
+def _not_finite(report: CheckReport, params: Mapping[str, torch.Tensor], why: str) -> None:
+    """The objective is not finite at the point: no tensor can be judged."""
+    report.nonfinite = True
+    for n, p in params.items():
+        report.tensors[n] = inconclusive(n, p.shape, InconclusiveKind.NONFINITE, why)
 
 
 def check_numpy(
@@ -513,7 +499,8 @@ def check_numpy(
         return out
 
     start = time.perf_counter()
-    report = CheckReport(tensors={}, fail_at=opts.fail_at, seed=opts.seed, dtype=str(next(iter(views.values())).dtype).replace("torch.", ""))
+    dtype = str(next(iter(views.values())).dtype).replace("torch.", "")
+    report = CheckReport(tensors={}, fail_at=opts.fail_verdict, seed=opts.seed, dtype=dtype)
     saved = snapshot_params(views)
     try:
         with preserved_rng():
@@ -522,11 +509,7 @@ def check_numpy(
             report.terms = values
             report.objective = total(values)
             if not math.isfinite(report.objective):
-                report.nonfinite = True
-                for n, v in views.items():
-                    report.tensors[n] = TensorCheck(name=n, shape=tuple(v.shape), rel_diff=float("nan"), max_rel_error=float("nan"),
-                                                    inconclusive=f"objective is not finite ({report.objective})",
-                                                    inconclusive_kind=InconclusiveKind.NONFINITE)
+                _not_finite(report, views, f"objective is not finite ({report.objective})")
             else:
                 analytic = {n: {"total": g} for n, g in given.items()}
                 eps = max(machine_eps(v.dtype) for v in views.values())

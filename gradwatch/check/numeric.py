@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Sequence, Union, cast
 
 import numpy as np
 import torch
@@ -44,7 +44,7 @@ def rel_diff(a: ArrayLike, b: ArrayLike) -> float:
         0.3333
     """
     if _short_lists(a, b):
-        return _rel_diff_short(a, b)
+        return _rel_diff_short(cast(list, a), cast(list, b))
     x, y = _as_float64(a), _as_float64(b)
     if x.shape != y.shape:
         raise ValueError(f"rel_diff needs vectors of equal size, got {x.size} and {y.size} elements")
@@ -85,7 +85,7 @@ def max_rel_error(a: ArrayLike, b: ArrayLike, floor: float = 1e-8) -> float:
         0.3333
     """
     if _short_lists(a, b):
-        return _max_rel_error_short(a, b, floor)
+        return _max_rel_error_short(cast(list, a), cast(list, b), floor)
     x, y = _as_float64(a), _as_float64(b)
     if x.shape != y.shape:
         raise ValueError(f"max_rel_error needs arrays of equal size, got {x.size} and {y.size} elements")

@@ -6,7 +6,7 @@ Every term is kept apart so each can be checked on its own.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -22,14 +22,14 @@ BUILTIN_REGULARIZERS = {"l1": "coef * sum(|p|)", "l2": "coef * sum(p**2)"}
 
 def _l1(coef: float) -> Regularizer:
     def l1(model: nn.Module) -> torch.Tensor:
-        return coef * sum(p.abs().sum() for p in model.parameters() if p.requires_grad)
+        return cast(torch.Tensor, coef * sum(p.abs().sum() for p in model.parameters() if p.requires_grad))
 
     return l1
 
 
 def _l2(coef: float) -> Regularizer:
     def l2(model: nn.Module) -> torch.Tensor:
-        return coef * sum(p.pow(2).sum() for p in model.parameters() if p.requires_grad)
+        return cast(torch.Tensor, coef * sum(p.pow(2).sum() for p in model.parameters() if p.requires_grad))
 
     return l2
 
@@ -194,7 +194,7 @@ class Objective:
                 raise
         if self.weight_decay:
             params = dict(model.named_parameters())
-            out["weight_decay"] = sum(0.5 * wd * params[n].pow(2).sum() for n, wd in self.weight_decay.items())
+            out["weight_decay"] = cast(torch.Tensor, sum(0.5 * wd * params[n].pow(2).sum() for n, wd in self.weight_decay.items()))
         return out
 
 

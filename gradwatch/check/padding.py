@@ -39,6 +39,7 @@ _MISSING = object()
 
 
 def _holding_forward(module: nn.Embedding, row: torch.Tensor):
+    assert module.padding_idx is not None  # only modules with a padding row get a holding forward
     index = int(module.padding_idx)
     plain = type(module).forward
 
@@ -79,7 +80,7 @@ def padding_rows_constant(model: nn.Module) -> Iterator[List[str]]:
                 continue
             row = weight.detach()[module.padding_idx].clone()
             changed.append((module, vars(module).get("forward", _MISSING)))
-            module.forward = _holding_forward(module, row)
+            module.forward = _holding_forward(module, row)  # type: ignore[method-assign]  # per instance, removed after
             prefix = f"{name}." if name else ""
             held.append(f"{prefix}weight row {module.padding_idx % module.num_embeddings} (padding_idx)")
         yield held
@@ -88,7 +89,7 @@ def padding_rows_constant(model: nn.Module) -> Iterator[List[str]]:
             if previous is _MISSING:
                 vars(module).pop("forward", None)
             else:
-                module.forward = previous
+                module.forward = previous  # type: ignore[assignment]  # the instance's own forward, put back
 
 
 def padding_note(held: List[str]) -> str:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
 
 import torch
 from torch import nn
@@ -231,7 +231,7 @@ class ShadowPrecision(TorchFunctionMode):
             target = args[1] if len(args) > 1 else kwargs.get("dtype")
             target = _TYPE_NAMES.get(target, target) if isinstance(target, str) else target
             if self._low(target):
-                self._note_upcast(func, target)
+                self._note_upcast(func, cast(torch.dtype, target))
                 return (args[0], self.dtype), {}
             return None
         if self._low(kwargs.get("dtype")) and any(self._high(t) for t in tree_flatten(args)[0]):

@@ -41,14 +41,14 @@ from __future__ import annotations
 import contextlib
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
 from torch import nn
 
-from .isolation import BufferGuard, frozen_power_iteration, preserved_rng, suspended_hooks
 from .generators import HeldGenerators
+from .isolation import BufferGuard, frozen_power_iteration, preserved_rng, suspended_hooks
 
 #: Forwards recorded per micro-batch at most; beyond, the replay cannot be verified.
 MAX_RECORDS = 64
@@ -240,7 +240,7 @@ class ForwardRecorder:
         self._handle = root.register_forward_pre_hook(self._hook, with_kwargs=True)
         self._records: List[ForwardRecord] = []
         self._overflow = False
-        self._start = StartState.now()
+        self._start: Optional[StartState] = StartState.now()
         self._pending: List[MicroBatch] = []
 
     def hooked(self) -> bool:
@@ -273,7 +273,7 @@ class ForwardRecorder:
         """A micro-batch's backward is done (gradient accumulation): keep it for the coming step."""
         if not self.active:
             return
-        self._pending.append(MicroBatch(batch, loss, self._start, self._records, self._overflow))
+        self._pending.append(MicroBatch(batch, loss, cast(StartState, self._start), self._records, self._overflow))
         self.mark()
 
     def take(self, batch: Any = None, loss: Optional[float] = None) -> "Step":
@@ -373,7 +373,7 @@ def _hooks_detached(params: Sequence[torch.Tensor]) -> Iterator[None]:
             hooks.update(items)
 
 
-Evaluate = Callable[[nn.Module, Any], Dict[str, torch.Tensor]]
+Evaluate = Callable[[nn.Module, Any], torch.Tensor]
 GradOf = Callable[[torch.Tensor, Any], Dict[str, torch.Tensor]]
 
 

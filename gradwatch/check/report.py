@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -209,7 +209,7 @@ class CheckReport:
     localized: List[Any] = field(default_factory=list)
     training: Dict[str, TrainingCheck] = field(default_factory=dict)
     training_note: Optional[str] = None
-    dropout: Optional[Any] = None
+    dropout: Any = None
     precision: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -262,7 +262,7 @@ class CheckReport:
                 term: {name: t.to_dict(samples) for name, t in checks.items()}
                 for term, checks in self.term_checks.items()
             },
-            "localized": [l.to_dict() if hasattr(l, "to_dict") else l for l in self.localized],
+            "localized": [c.to_dict() if hasattr(c, "to_dict") else c for c in self.localized],
             "training": {name: t.to_dict() for name, t in self.training.items()},
             "training_note": self.training_note,
             "training_failures": [t.name for t in self.training_failures],
@@ -420,7 +420,8 @@ def describe_failure(t: TensorCheck, limit: int = 4) -> str:
     return "; ".join(parts)
 
 
-def constant_ratio(analytic: Sequence[float], numeric: Sequence[float], floor: float, tolerance: float = 1e-2) -> Optional[float]:
+def constant_ratio(analytic: Union[Sequence[float], np.ndarray], numeric: Union[Sequence[float], np.ndarray], floor: float,
+                   tolerance: float = 1e-2) -> Optional[float]:
     """``analytic / numeric`` when one constant factor (other than 1) explains the disagreement, else None.
 
     The same fit :func:`diagnose` words as "analytic is 2.00x numeric" (or a sign flip).

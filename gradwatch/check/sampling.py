@@ -6,13 +6,11 @@ Pure functions of a seed; the same seed samples the same points.
 from __future__ import annotations
 
 import fnmatch
+import sys
 import zlib
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence
 
-import sys
-
 import torch
-
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
 #: Row ``b``: the 8 bits of byte ``b`` as signs ``±1`` (bit set -> +1).

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 
+from .judge import within_tolerance
 from .numeric import machine_eps
 
 #: Rounding of one output element, in units of its dtype's eps times its magnitude (allows a few ulps
@@ -98,7 +99,7 @@ class OutputProbe:
         if weights is None:
             self._w = [torch.ones_like(self.y0[0])]
         else:
-            self._w = [weights[k].detach().to(torch.float64) for k in self._keep]
+            self._w = [cast(torch.Tensor, weights[k]).detach().to(torch.float64) for k in self._keep]
         self._w = [w.reshape(-1).expand_as(y).contiguous() for w, y in zip(self._w, self.y0)]
         self._w_abs = [w.abs() for w in self._w]
         floating = [d for d in out_dtypes if d.is_floating_point]
@@ -107,7 +108,7 @@ class OutputProbe:
 
     def _eval(self) -> List[torch.Tensor]:
         self.count += 1
-        ys = self._outputs()
+        ys: Any = self._outputs()
         if not isinstance(ys, (tuple, list)):
             ys = (ys,)
         return [self._own(ys[k].detach()) for k in self._keep]
@@ -145,16 +146,16 @@ class OutputProbe:
             s = float(saved)
             try:
                 view.fill_(s + t)
-                dp = float(view) - s
+                fp = float(view) - s
                 yp = self._eval()
                 view.fill_(s - t)
-                dm = float(view) - s
+                fm = float(view) - s
                 ym = self._eval()
             finally:
                 view.copy_(saved)
-            dp, dm = (0.0 if math.isnan(dp) else dp), (0.0 if math.isnan(dm) else dm)  # inf - inf: it did not move
-            return yp, ym, torch.tensor([dp], dtype=torch.float64), torch.tensor([dm], dtype=torch.float64)
-        idx, u = line.index, line.unit
+            fp, fm = (0.0 if math.isnan(fp) else fp), (0.0 if math.isnan(fm) else fm)  # inf - inf: it did not move
+            return yp, ym, torch.tensor([fp], dtype=torch.float64), torch.tensor([fm], dtype=torch.float64)
+        idx, u = line.index, cast(torch.Tensor, line.unit)
         saved = flat[idx].clone()
         s64 = saved.to(torch.float64)
         try:
@@ -184,7 +185,8 @@ class OutputProbe:
             tp, tm = float(dp[0]), -float(dm[0])
         else:
             analytic = float(torch.dot(g[line.index], dp - dm)) / (2 * t)
-            tp, tm = float(torch.dot(dp, line.unit)), -float(torch.dot(dm, line.unit))
+            unit = cast(torch.Tensor, line.unit)
+            tp, tm = float(torch.dot(dp, unit)), -float(torch.dot(dm, unit))
         right = left = math.nan
         if one_sided:
             right = self._diff(yp, self.y0, False)[0] / tp if tp > 0 else math.nan
@@ -211,7 +213,7 @@ class OutputProbe:
             # where the numeric one is non-finite too, or where the function has NaN outputs.
             both = not math.isfinite(a) and (not math.isfinite(n) or base.undefined)
             return LineVerdict(a, n, base.noise, ok=both, excluded=both)
-        if abs(n - a) <= atol + rtol * abs(a):
+        if within_tolerance(a, n, atol, rtol):
             return LineVerdict(a, n, base.noise, ok=True)
         base = self.slopes(flat, g, line, eps, one_sided=True)  # the same point again, with noise and both sides
         if self._not_smooth(flat, g, line, base, eps, atol, rtol):
@@ -240,7 +242,7 @@ class OutputProbe:
             s = self.slopes(flat, g, line, t, one_sided=True)
             if not s.finite() or s.noise > 0.5 * gap_at_eps:
                 break
-            if abs(s.numeric - s.analytic) <= atol + rtol * abs(s.analytic) + s.noise:
+            if within_tolerance(s.analytic, s.numeric, atol, rtol, noise=s.noise):
                 return True
             seen.append((t, s))
         if not seen or not math.isfinite(base.right - base.left):

@@ -9,15 +9,15 @@ demo); 2 usage errors (bad flags, an invalid config, no run to report);
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
-import importlib.util
 import os
 import sys
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import yaml
 
@@ -90,7 +90,7 @@ def build_parser(with_bench: bool = False) -> argparse.ArgumentParser:
 
 
 def _add_demo(sub: Any) -> None:
-    from .demo import BUGS, DEMO_OPTIONS, DemoSettings, LATE_THRESHOLD, SCALE_FACTOR
+    from .demo import BUGS, DEMO_OPTIONS, LATE_THRESHOLD, SCALE_FACTOR, DemoSettings
 
     defaults = DemoSettings()
     p = sub.add_parser(
@@ -358,16 +358,8 @@ def _print_report(data: Any, rows: List[Dict[str, Any]], verbose: bool) -> None:
         print("(from event files: values are float32, verdicts re-derived with the default bands)")
     print()
     if rows:
-        print("backward (backprop against finite differences of the objective):")
-        for line in summary.format_table(rows, unicode=uni):
-            print("  " + line)
-        training = summary.summarize(data, "training")
-        if training:
-            print("training (the live .grad against the objective's gradient):")
-            for line in summary.format_table(training, unicode=uni):
-                print("  " + line)
-        for line in summary.legend(data.bands, unicode=uni):
-            print("  " + line)
+        for line in summary.verdict_tables(data, data.bands, unicode=uni, rows=rows):
+            print(line)
     else:
         print("  no checks recorded")
     _print_alerts(data.alerts, data.bands, data.details, verbose=verbose)
@@ -458,7 +450,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     cfg, error = _demo_config(args)
     if error is not None:
         return _fail("demo", error)
-    log_dir = Path(cfg.log_dir)
+    log_dir = Path(cast(str, cfg.log_dir))  # _demo_config always sets it
     if (log_dir / "checks.jsonl").exists() or summary.event_files(log_dir):
         return _fail("demo", f"--log-dir {log_dir} already holds a run; choose a new directory (or remove it)")
     try:

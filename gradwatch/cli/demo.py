@@ -38,11 +38,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..check.objective import parse_regularizers
+from ..check.report import CheckReport
 from ..config import GradWatchConfig
 from ..errors import GradientDriftError
 from ..watch.gradwatch import GradWatch
-from ..check.objective import parse_regularizers
-from ..check.report import CheckReport
 from ..watch.trend import Alert
 
 #: The stories ``--bug`` can tell.
@@ -326,8 +326,9 @@ def run_demo(
             if settings.bug == "missing-l2":  # slip 1: an L2 term the watch's objective lacks
                 loss = loss + MISSING_L2 * sum(p.pow(2).sum() for p in model.parameters())
             loss.backward()
-            if settings.bug == "missing-l2":  # slip 2: a loss-scaling slip on one gradient
-                model.fc1.weight.grad.mul_(GRAD_FACTOR)
+            grad = model.fc1.weight.grad
+            if settings.bug == "missing-l2" and grad is not None:  # slip 2: a loss-scaling slip on one gradient
+                grad.mul_(GRAD_FACTOR)
             loss_value = float(loss.detach())
             seen = len(watch.alerts)
             try:

@@ -63,7 +63,10 @@ class DemoPrinter:
         }[s.bug]
         regs = c.regularizers if isinstance(c.regularizers, dict) else None
         reg_text = ", ".join(f"{k} {v:g}" for k, v in regs.items()) if regs else "none"
-        every = ("every step" if c.every == 1 else f"every {c.every} steps") if isinstance(c.every, int) else f"within {c.overhead_budget:.1%} of the time (every: auto)"
+        if isinstance(c.every, int):
+            every = "every step" if c.every == 1 else f"every {c.every} steps"
+        else:
+            every = f"within {c.overhead_budget:.1%} of the time (every: auto)"
         tensors = "all tensors" if c.tensors_per_check == 0 else f"{c.tensors_per_check} tensors"
         self.p(f"gradwatch demo: a 2-{s.hidden}-{s.hidden}-3 network on 3-class spirals ({3 * s.points_per_class} "
                f"points), with BatchNorm, dropout {s.dropout:g},")
@@ -133,16 +136,8 @@ class DemoPrinter:
         stop = f", stopped at step {data.check_steps[-1] if data.check_steps else 0} by raise_on" if result.stopped_early else ""
         p(f"Summary: {result.steps} steps, {plural(result.checks, 'check')} in {result.seconds:.1f} s "
           f"(checks {self.check_seconds:.1f} s), accuracy {result.final_accuracy:.0%}{stop}")
-        p("  backward (backprop against finite differences of the objective):")
-        for line in runs.format_table(rows, unicode=uni):
-            p("  " + line)
-        training_rows = runs.summarize(data, "training")
-        if training_rows:
-            p("  training (the live .grad against the objective's gradient):")
-            for line in runs.format_table(training_rows, unicode=uni):
-                p("  " + line)
-        for line in runs.legend(self.cfg.bands, unicode=uni):
-            p("  " + line)
+        for line in runs.verdict_tables(data, self.cfg.bands, unicode=uni, heading_indent="  ", rows=rows):
+            p(line)
         p()
         alerts = data.alerts
         if alerts:

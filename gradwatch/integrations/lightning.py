@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union, cast
 
 import torch
+from torch import nn
 
 try:
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
     from lightning.pytorch import LightningModule, Trainer
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.loggers import Logger, TensorBoardLogger
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
 except ImportError as err:  # pragma: no cover - exercised only without lightning
     raise ImportError(
         "gradwatch.integrations.lightning needs the optional dependency 'lightning': "
@@ -38,9 +39,9 @@ except ImportError as err:  # pragma: no cover - exercised only without lightnin
 
 from ..config import GradWatchConfig, load_config
 from ..errors import ConfigError, GradWatchError
-from ..watch.gradwatch import GradWatch
 from ..io.records import ALERTS_COUNT_TAG, scalars_from_check
 from ..io.sinks import JsonlSink, Sink, TensorBoardSink
+from ..watch.gradwatch import GradWatch
 
 LossFn = Callable[[LightningModule, Any], torch.Tensor]
 
@@ -140,7 +141,7 @@ def no_backward(module: LightningModule, refused: Optional[List[str]] = None) ->
         yield
     finally:
         if had:
-            module.manual_backward = saved  # type: ignore[method-assign]
+            module.manual_backward = saved  # type: ignore[method-assign,assignment]  # the module's own, put back
         else:
             del module.manual_backward
 
@@ -287,11 +288,11 @@ class GradWatchCallback(Callback):
                 raise MisconfigurationException(f"GradWatchCallback: {key} must be callable, got {type(value).__name__}")
         self._config_path = config
         self._options = options
-        self.config: Optional[GradWatchConfig] = None
         try:
-            self.config = self._make_config()
+            made = self._make_config()
         except (ConfigError, ValueError, TypeError) as err:
             raise MisconfigurationException(f"GradWatchCallback: {err}") from err
+        self.config: GradWatchConfig = made
         self.watch: Optional[GradWatch] = None
         self._batch: Any = None
         self._batch_checked = False
@@ -345,7 +346,7 @@ class GradWatchCallback(Callback):
         try:
             self.watch = GradWatch(
                 pl_module,
-                check_loss_fn(self.loss_fn, pl_module, self._refused),
+                cast(Callable[[nn.Module, Any], torch.Tensor], check_loss_fn(self.loss_fn, pl_module, self._refused)),
                 optimizer=optimizer,
                 writer=writer,
                 # Manual optimization: what each optimizer applies is the module's own business (a GAN's two losses),

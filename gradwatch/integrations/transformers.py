@@ -37,6 +37,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from types import FrameType
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
@@ -53,9 +54,9 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
 
 from ..config import GradWatchConfig, load_config
 from ..errors import ConfigError
-from ..watch.gradwatch import GradWatch
 from ..io.records import ALERTS_COUNT_TAG, scalars_from_check
 from ..io.sinks import Sink
+from ..watch.gradwatch import GradWatch
 
 logger = logging.getLogger("gradwatch")
 
@@ -100,7 +101,8 @@ def model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
         loss = out[0]
     if not isinstance(loss, torch.Tensor):
         raise ValueError(
-            f"{type(model).__name__} returned no loss for the watched batch (keys: {sorted(batch) if isinstance(batch, Mapping) else '?'}); "
+            f"{type(model).__name__} returned no loss for the watched batch "
+            f"(keys: {sorted(batch) if isinstance(batch, Mapping) else '?'}); "
             "give the batch labels, or pass GradWatchCallback(loss_fn=(model, inputs) -> loss)"
         )
     return loss
@@ -133,11 +135,11 @@ class ReportingSink(Sink):
         return f"ReportingSink({[type(cb).__name__ for cb in self.callbacks]})"
 
 
-def _find_trainer() -> Tuple[Any, Optional[str]]:
+def _find_trainer() -> Tuple[Any, Optional[Union[str, os.PathLike]]]:
     """The ``transformers.Trainer`` up the call stack, and its ``resume_from_checkpoint`` there."""
-    frame = sys._getframe(1)
+    frame: Optional[FrameType] = sys._getframe(1)
     for _ in range(12):
-        frame = frame.f_back
+        frame = frame.f_back if frame is not None else None
         if frame is None:
             break
         obj = frame.f_locals.get("self")

@@ -104,7 +104,7 @@ def check_record(
             finite.append(float(t.rel_diff))
     if finite:
         values = np.asarray(finite, dtype=np.float64)
-        summary = {
+        summary: Dict[str, Optional[float]] = {
             "rel_diff_median": float(np.median(values)),
             "rel_diff_p95": float(np.percentile(values, 95)),
             "rel_diff_max": float(values.max()),
@@ -164,7 +164,7 @@ def alert_record(alert: Any, *, wall_time: Optional[float] = None) -> Dict[str, 
         fields = dict(alert)
     elif hasattr(alert, "to_dict"):
         fields = dict(alert.to_dict())
-    elif dataclasses.is_dataclass(alert):
+    elif dataclasses.is_dataclass(alert) and not isinstance(alert, type):
         fields = dataclasses.asdict(alert)
     else:
         fields = {}
@@ -173,7 +173,7 @@ def alert_record(alert: Any, *, wall_time: Optional[float] = None) -> Dict[str, 
             fields[key] = getattr(alert, key, None)
     fields.pop("type", None)
     fields.pop("time", None)
-    record = {"type": "alert", "time": time.time() if wall_time is None else float(wall_time)}
+    record: Dict[str, Any] = {"type": "alert", "time": time.time() if wall_time is None else float(wall_time)}
     record.update(to_jsonable(fields))
     if record.get("step") is not None:
         record["step"] = int(record["step"])
@@ -284,7 +284,7 @@ def to_jsonable(value: Any) -> Any:
     if isinstance(value, (int, np.integer)):
         return int(value)
     if isinstance(value, (float, np.floating)):
-        return json_float(value)
+        return json_float(float(value))
     if isinstance(value, np.bool_):
         return bool(value)
     if isinstance(value, Mapping):

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from ..errors import GradWatchError
 from ..check.numeric import DEFAULT_BANDS, Verdict
+from ..errors import GradWatchError
 from .records import ALERTS_TEXT_TAG, to_jsonable
 from .sinks import JSONL_NAME, RUN_TEXT_TAG, read_jsonl
 
@@ -527,6 +527,28 @@ def legend(bands: Sequence[float], unicode: bool = True) -> List[str]:
     ]
 
 
+def verdict_tables(data: RunData, bands: Sequence[float], unicode: bool = True, heading_indent: str = "",
+                   rows: Optional[List[Dict[str, Any]]] = None) -> List[str]:
+    """A run's per-tensor tables as lines: backward, then training (when judged), then the :func:`legend`.
+
+    What ``gradwatch report`` and the demo's summary print. ``rows``: :func:`summarize` of the
+    backward part when the caller has it already.
+
+    Example:
+        >>> data = RunData({"w": [{"step": 0, "judged_rel_diff": 1e-9, "rel_diff": 1e-9, "verdict": "excellent"}]}, [])
+        >>> verdict_tables(data, (1e-7, 1e-4, 1e-2), unicode=False)[0]
+        'backward (backprop against finite differences of the objective):'
+    """
+    out = [heading_indent + "backward (backprop against finite differences of the objective):"]
+    out += ["  " + line for line in format_table(summarize(data) if rows is None else rows, unicode=unicode)]
+    training = summarize(data, "training")
+    if training:
+        out.append(heading_indent + "training (the live .grad against the objective's gradient):")
+        out += ["  " + line for line in format_table(training, unicode=unicode)]
+    out += ["  " + line for line in legend(bands, unicode=unicode)]
+    return out
+
+
 def format_table(rows: Sequence[Mapping[str, Any]], unicode: bool = True, strip_width: int = 30) -> List[str]:
     """The per-tensor table as aligned lines (header first).
 
@@ -599,7 +621,7 @@ def format_alert(alert: Mapping[str, Any], *, bands: Sequence[float] = DEFAULT_B
     kind = str(alert.get("kind"))
     value = _num(alert.get("value"))
     baseline = _num(alert.get("baseline"))
-    if kind == "threshold" and _finite(value):
+    if kind == "threshold" and value is not None and _finite(value):
         what = f"{fmt(value)} {verdict_text(Verdict.from_value(value, bands).value)}"
     elif kind == "drift" and _finite(value):
         what = f"{fmt(value)} (recent median) vs baseline {fmt(baseline)}"

@@ -497,7 +497,7 @@ def read_jsonl(path: PathLike) -> Tuple[List[Dict[str, Any]], List[str]]:
     p = Path(path)
     if p.is_dir():
         p = p / JSONL_NAME
-    with open(p, "r", encoding="utf-8", errors="replace") as f:
+    with open(p, encoding="utf-8", errors="replace") as f:
         text = f.read()
     complete = text.endswith("\n")
     lines = text.split("\n")

@@ -16,30 +16,30 @@ import time
 import traceback
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union, cast
 
 import torch
 from torch import nn
 
 from .._version import __version__ as _version
 from ..check import model as _check
-from ..check.model import GradFn, trainable_names
-from ..config import GradWatchConfig, load_config
+from ..check.generators import find_generators
 from ..check.isolation import Shadow, preserved_rng
-from .distributed import DEFAULT_TIMEOUT, DistributedCoordinator, RankResult, merge_results, unwrap_model
-from ..errors import GradientDriftError, blamed
+from ..check.model import GradFn, trainable_names
 from ..check.numeric import Verdict
 from ..check.objective import Objective, coupled_weight_decay
-from ..io.records import check_record, run_record
-from ..check.generators import find_generators
 from ..check.replay import ForwardRecorder, Replay, Step, replay_step
 from ..check.report import CheckReport
 from ..check.sampling import coverage as coverage_of
 from ..check.sampling import match_names, rotate
+from ..check.training import compute_dtype, gradient_scale, judge_training, tolerance_for
+from ..config import GradWatchConfig, load_config
+from ..errors import GradientDriftError, blamed
+from ..io.records import check_record, run_record
+from ..io.sinks import SinkSet, build_sinks
+from .distributed import DEFAULT_TIMEOUT, DistributedCoordinator, RankResult, merge_results, unwrap_model
 from .schedule import ANNOUNCE_AS_WARNING_ABOVE, Schedule
 from .sharded import REPLICA_NOTE, Replica, is_sharded, layout, live_forward_forbidden, mixed_precision, refuse_unsupported
-from ..io.sinks import SinkSet, build_sinks
-from ..check.training import compute_dtype, gradient_scale, judge_training, tolerance_for
 from .trend import WHOLE_CHECK, Alert
 
 logger = logging.getLogger("gradwatch")
@@ -169,7 +169,8 @@ class GradWatch:
         self.grad_fn = grad_fn
         self.on_alert = on_alert
         self.optimizer = optimizer
-        if grad_scaler is not None and not (callable(getattr(grad_scaler, "scale", None)) and callable(getattr(grad_scaler, "get_scale", None))):
+        if grad_scaler is not None and not (callable(getattr(grad_scaler, "scale", None))
+                                            and callable(getattr(grad_scaler, "get_scale", None))):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
         self.grad_scaler = grad_scaler
         self._check_options = self.config.check_options()
@@ -499,7 +500,7 @@ class GradWatch:
             return None, replay
         with self._recorder_paused():
             if opts.dtype is not None and (self._shadow is None or not self._shadow.matches(target)):
-                self._shadow = Shadow(target, opts.dtype)
+                self._shadow = Shadow(target, cast(torch.dtype, opts.torch_dtype))
             # through the module: a spy on gradwatch.check.model.run_model_check sees every check
             report = _check.run_model_check(target, self.objective, batch, opts, grad_fn=self.grad_fn, names=names,
                                             shadow=self._shadow)
@@ -722,7 +723,7 @@ class GradWatch:
                 scales.append(gradient_scale(list(grads.values())))
             return scales[0]
 
-        bands, fail_at, autocast = self._check_options.bands, self._check_options.fail_at, replay.autocast
+        bands, fail_at, autocast = self._check_options.bands, self._check_options.fail_verdict, replay.autocast
         dtypes: Dict[torch.dtype, torch.dtype] = {}  # parameter dtype -> compute dtype, once per dtype
         for n, p in params.items():
             dtype = dtypes.get(p.dtype) or dtypes.setdefault(p.dtype, compute_dtype(p.dtype, autocast))

@@ -141,8 +141,9 @@ class Schedule:
         Example:
             >>> a = Schedule(every="auto", overhead_budget=0.02, max_interval=200)
             >>> a.record_check(0, 1.0); a.record_step_seconds(0.1)
-            >>> print(a.explain())
-            every='auto' checks every 200 steps: a check takes 1 s and a training step 100 ms, so the 2% overhead_budget allows one check per 490 steps; max_interval=200 caps it at 200 steps
+            >>> print(a.explain())  # doctest: +NORMALIZE_WHITESPACE
+            every='auto' checks every 200 steps: a check takes 1 s and a training step 100 ms, so the 2%
+            overhead_budget allows one check per 490 steps; max_interval=200 caps it at 200 steps
         """
         if self.every != "auto" or not self._check_seconds or not self._step_seconds:
             return None

@@ -224,7 +224,7 @@ def mixed_precision(model: nn.Module) -> Optional[str]:
     except ImportError:  # pragma: no cover
         return None
     for name, module in model.named_modules():
-        if not isinstance(module, cast(type, _FSDPModule)):
+        if not isinstance(module, _FSDPModule):
             continue
         policy = getattr(cast(Any, fully_shard).state(module), "_mp_policy", None)  # no public getter in torch 2.13
         unit = cast(nn.Module, module)

@@ -13,9 +13,9 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..errors import ConfigError
 from ..check.numeric import DEFAULT_BANDS, Verdict, validate_bands
 from ..check.report import CheckReport, InconclusiveKind, TensorCheck, json_float
+from ..errors import ConfigError
 
 #: Alert kinds, in the order they are reported within one check.
 ALERT_KINDS = ("threshold", "drift", "nonfinite", "nondeterministic", "error")
@@ -245,7 +245,7 @@ class TrendTracker:
         alerts: List[Alert] = []
         objective_nonfinite = report.nonfinite and not _finite(report.objective)
         tensor_nonfinite = False
-        for name, t in report.tensors.items():
+        for t in report.tensors.values():
             self._record(step, t)
             alerts.extend(self._threshold(step, t))
             alerts.extend(self._drift(step, t))
@@ -256,10 +256,10 @@ class TrendTracker:
             )
             tensor_nonfinite |= bad
             alerts.extend(self._tensor_nonfinite(step, t, bad))
-        for t in report.training.values():
-            self._record(step, t, "training")
-            alerts.extend(self._threshold(step, t, "training"))
-            alerts.extend(self._drift(step, t, "training"))
+        for tc in report.training.values():
+            self._record(step, tc, "training")
+            alerts.extend(self._threshold(step, tc, "training"))
+            alerts.extend(self._drift(step, tc, "training"))
         whole_nonfinite = report.nonfinite and (objective_nonfinite or not tensor_nonfinite)
         if whole_nonfinite:
             alerts.extend(self._fire(WHOLE_CHECK, "nonfinite", step, report.objective, None, self._nonfinite_message(step, report)))
