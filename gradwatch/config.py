@@ -14,54 +14,25 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 from dataclasses import dataclass, fields
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import yaml
 
-from .check.numeric import DEFAULT_BANDS
 from .check.objective import parse_regularizers
 from .errors import ConfigError
-from .options import CheckOptions
+from .options import CheckOptions, document_options, option, option_help
 from .watch.schedule import parse_max_interval
 from .watch.trend import TrendTracker
-
-#: One-line meaning of each option (README options table, CLI help).
-OPTION_DOCS: Dict[str, str] = {
-    "coords": "coordinates sampled per checked tensor (half largest |grad|, half random); >= 1",
-    "directions": "random Rademacher directions per checked tensor; >= 0",
-    "eps": "finite-difference step relative to |theta|, 0 < eps <= 0.1; null picks eps(dtype)**(1/3) scaled by |theta|",
-    "bands": "upper bounds of EXCELLENT, ACCEPTABLE, SUSPICIOUS for the judged rel_diff",
-    "fail_at": "verdict from which a tensor counts as failing: suspicious or wrong",
-    "seed": "base sampling seed (changes every check so coverage accumulates); >= 0",
-    "dtype": "evaluate the check on a shadow copy in this dtype (float64, float32; in Python also torch.float64 or "
-             "numpy.float64); null checks in place",
-    "detect_kinks": "re-examine disagreeing samples for non-differentiable points before calling them wrong",
-    "per_term": "also check each term of the objective (loss, each regularizer) on its own",
-    "tensors": "glob patterns of parameter names to check (e.g. ['encoder.*']); null checks all trainable",
-    "every": "check every N training steps (integer >= 1), or auto to follow overhead_budget",
-    "overhead_budget": "with every: auto, fraction of training time the checks may take; 0 < x <= 1",
-    "max_interval": "with every: auto, longest gap between checks: steps (500) or a time ('30 min', '2 h'); null: no cap",
-    "tensors_per_check": "parameter tensors checked per check, rotating through all; 0 checks all",
-    "baseline_checks": "first checks of a tensor whose median is its baseline; >= 1",
-    "drift_window": "checks in the rolling median compared with the baseline; >= 1",
-    "drift_decades": "powers of ten above the baseline that count as drift; > 0",
-    "alert_cooldown": "checks of a tensor during which a persisting alert stays silent; >= 0",
-    "raise_on": "raise GradientDriftError on alerts of this level: null (never), wrong, suspicious",
-    "log_dir": "directory for TensorBoard events and the JSONL log; null lets the hook choose (e.g. the Lightning logger's)",
-    "tensorboard": "write TensorBoard scalars and alert text",
-    "jsonl": "write one JSON record per check and per alert to a JSONL file in log_dir",
-    "regularizers": "extra objective terms: {l1: coef, l2: coef} (callables allowed from Python)",
-    "training": "also judge the gradient training applied: the live .grad against the objective's gradient, "
-    "recomputed on the live model as training computed it",
-}
 
 #: Options that belong to :class:`gradwatch.options.CheckOptions`.
 CHECK_OPTION_NAMES: Tuple[str, ...] = tuple(CheckOptions.names())
 #: Options that belong to :class:`gradwatch.watch.trend.TrendTracker` (besides ``bands``).
 TREND_OPTION_NAMES: Tuple[str, ...] = ("baseline_checks", "drift_window", "drift_decades", "alert_cooldown")
-_FLOAT_KEYS = ("eps", "overhead_budget", "drift_decades")
+#: Declared types whose values PyYAML may leave as strings ("1e-4") and that are read as numbers.
+_FLOAT_TYPES = ("float", "Optional[float]")
 _DTYPE_CANONICAL = {"float64": "float64", "double": "float64", "float32": "float32", "float": "float32"}
 
 
@@ -80,13 +51,14 @@ def _is_number(value: Any) -> bool:
 
 
 @dataclass
-class GradWatchConfig:
+class GradWatchConfig(CheckOptions):
     """Every YAML-able :class:`gradwatch.GradWatch` option, validated on construction.
 
-    Attributes are documented in :data:`OPTION_DOCS`; the check options share
-    names, defaults and validation with :class:`gradwatch.options.CheckOptions`.
-    Values are stored normalized: ``dtype`` as ``"float64"``/``"float32"``/None,
-    ``fail_at`` and ``raise_on`` as lowercase names, ``bands`` as a tuple of floats.
+    The check options are those of :class:`gradwatch.options.CheckOptions` (inherited: one
+    declaration, one validation); the options of the watch follow. Each field's help is listed
+    under Attributes below and in :data:`OPTION_DOCS`. Values are stored normalized: ``dtype`` as
+    ``"float64"``/``"float32"``/None, ``fail_at`` and ``raise_on`` as lowercase names, ``bands``
+    as a tuple of floats.
 
     Raises:
         ConfigError: An option has the wrong type or is out of range.
@@ -101,43 +73,36 @@ class GradWatchConfig:
         gradwatch.errors.ConfigError: every: got 0, expected an integer >= 1 or 'auto'
     """
 
-    coords: int = 8
-    directions: int = 4
-    eps: Optional[float] = None
-    bands: Tuple[float, float, float] = DEFAULT_BANDS
-    fail_at: str = "suspicious"
-    seed: int = 0
-    dtype: Optional[str] = "float64"
-    detect_kinks: bool = True
-    per_term: bool = False
-    tensors: Optional[List[str]] = None
-    every: Union[int, str] = "auto"
-    overhead_budget: float = 0.02
-    max_interval: Optional[Union[int, str]] = None
-    tensors_per_check: int = 0
-    baseline_checks: int = 3
-    drift_window: int = 3
-    drift_decades: float = 2.0
-    alert_cooldown: int = 10
-    raise_on: Optional[str] = None
-    log_dir: Optional[str] = None
-    tensorboard: bool = True
-    jsonl: bool = True
-    regularizers: Optional[Any] = None
-    training: bool = True
+    every: Union[int, str] = option("auto", "check every N training steps (integer >= 1), or auto to follow overhead_budget")
+    overhead_budget: float = option(0.02, "with every: auto, fraction of training time the checks may take; 0 < x <= 1")
+    max_interval: Optional[Union[int, str]] = option(
+        None, "with every: auto, longest gap between checks: steps (500) or a time ('30 min', '2 h'); null: no cap")
+    tensors_per_check: int = option(0, "parameter tensors checked per check, rotating through all; 0 checks all")
+    baseline_checks: int = option(3, "first checks of a tensor whose median is its baseline; >= 1")
+    drift_window: int = option(3, "checks in the rolling median compared with the baseline; >= 1")
+    drift_decades: float = option(2.0, "powers of ten above the baseline that count as drift; > 0")
+    alert_cooldown: int = option(10, "checks of a tensor during which a persisting alert stays silent; >= 0")
+    raise_on: Optional[str] = option(None, "raise GradientDriftError on alerts of this level: null (never), wrong, suspicious")
+    log_dir: Optional[str] = option(
+        None, "directory for TensorBoard events and the JSONL log; null lets the hook choose (e.g. the Lightning logger's)")
+    tensorboard: bool = option(True, "write TensorBoard scalars and alert text")
+    jsonl: bool = option(True, "write one JSON record per check and per alert to a JSONL file in log_dir")
+    regularizers: Optional[Any] = option(None, "extra objective terms: {l1: coef, l2: coef} (callables allowed from Python)")
+    training: bool = option(
+        True, "also judge the gradient training applied: the live .grad against the objective's gradient, "
+        "recomputed on the live model as training computed it")
 
     def __post_init__(self) -> None:
-        for key in _FLOAT_KEYS:
-            setattr(self, key, _number(getattr(self, key)))
+        for f in fields(self):
+            if f.type in _FLOAT_TYPES:
+                setattr(self, f.name, _number(getattr(self, f.name)))
         if isinstance(self.bands, (list, tuple)):
             self.bands = tuple(_number(b) for b in self.bands)
         if any(isinstance(b, bool) for b in (self.bands if isinstance(self.bands, tuple) else ())):
             raise ConfigError(f"bands: got {list(self.bands)!r}, expected three increasing positive numbers")
-        opts = self.check_options()
-        self.bands = opts.bands
-        self.fail_at = opts.fail_verdict.value
-        self.dtype = None if opts.dtype is None else str(opts.dtype).replace("torch.", "")
-        self.eps, self.tensors = opts.eps, opts.tensors
+        super().__post_init__()  # the check options, validated as CheckOptions validates them
+        self.fail_at = self.fail_verdict.value
+        self.dtype = None if self.dtype is None else str(self.dtype).replace("torch.", "")
         self._validate_hook_options()
         TrendTracker(self.bands, **{k: getattr(self, k) for k in TREND_OPTION_NAMES})
         self.drift_decades = float(self.drift_decades)
@@ -170,9 +135,9 @@ class GradWatchConfig:
             if not isinstance(self.log_dir, (str, os.PathLike)) or not str(os.fspath(self.log_dir)):
                 raise ConfigError(f"log_dir: got {self.log_dir!r}, expected a directory path or null")
             self.log_dir = str(os.fspath(self.log_dir))
-        for key in ("detect_kinks", "per_term", "tensorboard", "jsonl", "training"):
-            if not isinstance(getattr(self, key), bool):
-                raise ConfigError(f"{key}: got {getattr(self, key)!r}, expected true or false")
+        for f in fields(self):
+            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
+                raise ConfigError(f"{f.name}: got {getattr(self, f.name)!r}, expected true or false")
         self._validate_regularizers()
 
     def _validate_regularizers(self) -> None:
@@ -257,6 +222,12 @@ class GradWatchConfig:
         return dataclasses.replace(self, **overrides)
 
 
+document_options(GradWatchConfig)
+
+#: One-line meaning of each option (README options table, CLI help, configs/default.yaml), read from its declaration.
+OPTION_DOCS: Dict[str, str] = option_help(GradWatchConfig)
+
+
 def option_names() -> List[str]:
     """Every option name, in declaration order.
 
@@ -276,6 +247,35 @@ def options_table() -> List[Tuple[str, Any, str]]:
     """
     defaults = GradWatchConfig().to_dict()
     return [(name, defaults[name], OPTION_DOCS[name]) for name in option_names()]
+
+
+def show_value(value: Any) -> str:
+    """An option value as it is written in YAML (``null``, ``true``, ``[1.0e-07, 0.0001, 0.01]``, ``{l2: 1.0e-05}``).
+
+    Example:
+        >>> show_value(None), show_value(True), show_value("auto"), show_value((1e-7, 1e-4, 1e-2))
+        ('null', 'true', 'auto', '[1.0e-07, 0.0001, 0.01]')
+    """
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (dict, list, tuple)):
+        return yaml.safe_dump(value if not isinstance(value, tuple) else list(value), default_flow_style=True).strip()
+    return json.dumps(value)
+
+
+def options_markdown() -> str:
+    """The README's table of options, rendered from their declarations (a test keeps the README equal to it).
+
+    Example:
+        >>> options_markdown().splitlines()[3]
+        '| `directions` | `--directions` | `4` | random Rademacher directions per checked tensor; >= 0 |'
+    """
+    rows = ["| Option (keyword, YAML key) | CLI flag | Default | Meaning |", "|---|---|---|---|"]
+    for name, default, meaning in options_table():
+        flag = "--" + name.replace("_", "-")
+        text = meaning.replace("|", "\\|")
+        rows.append(f"| `{name}` | `{flag}` | `{show_value(default)}` | {text} |")
+    return "\n".join(rows)
 
 
 def load_config(path: Union[str, os.PathLike]) -> GradWatchConfig:

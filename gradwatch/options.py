@@ -2,12 +2,18 @@
 
 The same names are keywords of :func:`gradwatch.check_model`, keys of the
 YAML config, ``--kebab-case`` CLI flags and fields of the JSONL records.
+
+Each option is declared once, as a dataclass field made by :func:`option`:
+its name, type, default and one-line help. The dataclasses, the YAML
+validation, the CLI flags, the docstrings and the README's table all read
+that declaration (see :func:`gradwatch.config.options_table`): adding an
+option is adding one field (plus its validation when a type check is not enough).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, List, Optional, Tuple, Union
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -72,6 +78,37 @@ def torch_dtype_of_numpy(value: Any) -> Optional[torch.dtype]:
         return None
 
 
+def option(default: Any, help: str) -> Any:
+    """Declare an option: a dataclass field with its default and its one-line ``help`` (the one description).
+
+    Example:
+        >>> from dataclasses import dataclass, fields
+        >>> @dataclass
+        ... class Demo:
+        ...     steps: int = option(3, "how many steps; >= 1")
+        >>> Demo().steps, fields(Demo)[0].metadata["help"]
+        (3, 'how many steps; >= 1')
+    """
+    return field(default=default, metadata={"help": help})
+
+
+def option_help(cls: Any) -> Dict[str, str]:
+    """``{name: help}`` of every option of an options dataclass, in declaration order.
+
+    Example:
+        >>> option_help(CheckOptions)["coords"]
+        'coordinates sampled per checked tensor (half largest |grad|, half random); >= 1'
+    """
+    return {f.name: f.metadata["help"] for f in fields(cls) if "help" in f.metadata}
+
+
+def document_options(cls: Any) -> Any:
+    """Append an ``Attributes:`` section built from each option's help to the class docstring."""
+    lines = [f"        {name}: {text}" for name, text in option_help(cls).items()]
+    cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n\n    Attributes:\n" + "\n".join(lines) + "\n"
+    return cls
+
+
 def _int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name}: got {value!r} ({type(value).__name__}), expected an integer >= {minimum}")
@@ -82,20 +119,10 @@ def _int(name: str, value: Any, minimum: int) -> int:
 
 @dataclass
 class CheckOptions:
-    """Options shared by every gradient check.
+    """Options shared by every gradient check (each field's help is listed under Attributes below).
 
-    Attributes:
-        coords: Coordinates sampled per tensor (half the largest ``|grad|``, half random); >= 1.
-        directions: Random Rademacher directions per tensor; >= 0.
-        eps: Finite-difference step; ``None`` picks ``machine_eps ** (1/3)`` scaled by ``|θ|``, of the coarsest
-            precision the objective measurably computes in (see :mod:`gradwatch.check.precision`).
-        bands: Upper bounds of EXCELLENT, ACCEPTABLE, SUSPICIOUS (the chapter's 1e-7, 1e-4, 1e-2).
-        fail_at: Verdict from which a tensor counts as failing ("suspicious" or "wrong").
-        seed: Sampling seed.
-        dtype: Evaluate on a shadow copy in this dtype (default float64); ``None`` checks in place.
-        detect_kinks: Re-examine disagreeing samples for non-differentiable points.
-        per_term: Also check each term of the objective (loss, each regularizer) on its own.
-        tensors: Glob patterns of parameter names to check (``None``: all trainable).
+    With ``eps=None`` the step follows the coarsest precision the objective measurably computes in
+    (see :mod:`gradwatch.check.precision`).
 
     Example:
         >>> CheckOptions(coords=4).directions
@@ -106,16 +133,21 @@ class CheckOptions:
         gradwatch.errors.ConfigError: coords: got 0, expected an integer >= 1
     """
 
-    coords: int = 8
-    directions: int = 4
-    eps: Optional[float] = None
-    bands: Tuple[float, float, float] = DEFAULT_BANDS
-    fail_at: Union[str, Verdict] = Verdict.SUSPICIOUS
-    seed: int = 0
-    dtype: Optional[Union[str, torch.dtype]] = torch.float64
-    detect_kinks: bool = True
-    per_term: bool = False
-    tensors: Optional[List[str]] = None
+    coords: int = option(8, "coordinates sampled per checked tensor (half largest |grad|, half random); >= 1")
+    directions: int = option(4, "random Rademacher directions per checked tensor; >= 0")
+    eps: Optional[float] = option(
+        None, "finite-difference step relative to |theta|, 0 < eps <= 0.1; null picks eps(dtype)**(1/3) scaled by |theta|")
+    bands: Tuple[float, float, float] = option(
+        DEFAULT_BANDS, "upper bounds of EXCELLENT, ACCEPTABLE, SUSPICIOUS for the judged rel_diff")
+    fail_at: Union[str, Verdict] = option(Verdict.SUSPICIOUS, "verdict from which a tensor counts as failing: suspicious or wrong")
+    seed: int = option(0, "base sampling seed (changes every check so coverage accumulates); >= 0")
+    dtype: Optional[Union[str, torch.dtype]] = option(
+        torch.float64, "evaluate the check on a shadow copy in this dtype (float64, float32; in Python also torch.float64 "
+        "or numpy.float64); null checks in place")
+    detect_kinks: bool = option(True, "re-examine disagreeing samples for non-differentiable points before calling them wrong")
+    per_term: bool = option(False, "also check each term of the objective (loss, each regularizer) on its own")
+    tensors: Optional[List[str]] = option(
+        None, "glob patterns of parameter names to check (e.g. ['encoder.*']); null checks all trainable")
 
     def __post_init__(self) -> None:
         self.coords = _int("coords", self.coords, 1)
@@ -166,3 +198,6 @@ class CheckOptions:
     def names(cls) -> List[str]:
         """The option names, in declaration order."""
         return [f.name for f in fields(cls)]
+
+
+document_options(CheckOptions)

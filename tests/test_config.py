@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from gradwatch.config import OPTION_DOCS, GradWatchConfig, load_config, option_names, options_table
+from gradwatch.config import OPTION_DOCS, GradWatchConfig, load_config, option_names, options_markdown, options_table
 from gradwatch.errors import ConfigError
 from gradwatch.options import CheckOptions
 
@@ -63,6 +63,26 @@ def test_options_table_covers_every_option():
     table = options_table()
     assert [row[0] for row in table] == option_names() == list(OPTION_DOCS)
     assert all(isinstance(meaning, str) and meaning for _, _, meaning in table)
+
+
+def test_each_option_is_declared_once_and_every_description_reads_that_declaration():
+    # The help of a check option is the one CheckOptions declares; the config inherits the field itself.
+    shared = option_names()[:len(CheckOptions.names())]
+    assert shared == CheckOptions.names()
+    for name in CheckOptions.names():
+        assert OPTION_DOCS[name] in CheckOptions.__doc__, name
+    for name, text in OPTION_DOCS.items():
+        assert f"{name}: {text}" in GradWatchConfig.__doc__, name
+    readme = (CONFIGS.parent / "README.md").read_text()
+    assert options_markdown() in readme, "README's options table differs from gradwatch.config.options_markdown()"
+
+
+def test_bool_and_float_options_are_checked_from_their_declared_type():
+    with pytest.raises(ConfigError, match=r"^jsonl: got 'yes', expected true or false$"):
+        GradWatchConfig(jsonl="yes")
+    with pytest.raises(ConfigError, match=r"^per_term: got 1, expected true or false$"):
+        GradWatchConfig(per_term=1)
+    assert GradWatchConfig(drift_decades="3", eps="1e-3").drift_decades == 3.0
 
 
 def test_defaults_round_trip_through_dict_json_and_yaml():

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -24,6 +24,9 @@ from .judge import NOISE_FACTOR, BandRule, Slope, agrees, allowed_jitter, base_p
 from .numeric import Verdict
 from .report import InconclusiveKind, TensorCheck
 from .sampling import choose_coords, generator, rademacher_signs, tensor_seed
+
+if TYPE_CHECKING:
+    from ..options import CheckOptions
 
 Terms = Dict[str, float]
 #: Smaller steps tried when a sample disagrees (fractions of the base step).
@@ -109,6 +112,13 @@ class EngineSettings:
     exhaustive: bool = False
     #: Where the objective computes in a lower precision than the tensors (see :mod:`gradwatch.check.precision`).
     coarse: Optional[str] = None
+
+    @classmethod
+    def from_options(cls, opts: CheckOptions, eval_eps: float, magnitude: float, **extra: Any) -> EngineSettings:
+        """The settings a :class:`~gradwatch.options.CheckOptions` asks for, at this precision and magnitude."""
+        return cls(coords=opts.coords, directions=opts.directions, eps=opts.eps, bands=opts.bands,
+                   fail_at=opts.fail_verdict, detect_kinks=opts.detect_kinks, eval_eps=eval_eps, magnitude=magnitude,
+                   **extra)
 
 
 def total(terms: Terms) -> float:

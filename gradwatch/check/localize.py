@@ -360,10 +360,7 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
     try:
         with frozen_batchnorm_stats(module):
             eps = max([machine_eps(t.dtype) for t in work.values()] + [machine_eps(p.dtype) for p in params.values()])
-            settings = EngineSettings(
-                coords=opts.coords, directions=opts.directions, eps=opts.eps, bands=opts.bands, fail_at=opts.fail_verdict,
-                detect_kinks=opts.detect_kinks, eval_eps=eps, magnitude=magnitude,
-            )
+            settings = EngineSettings.from_options(opts, eps, magnitude)
             tensors = list(work.values()) + list(params.values())
             keys_all = keys[:len(work)] + list(params)  # one key per distinct input tensor, as `work` holds them
             targets = [(key, f"{name}:{key}", t, {"total": g}) for key, t, g in zip(keys_all, tensors, grads)]

@@ -415,11 +415,8 @@ def _judge_all(report: CheckReport, params: Dict[str, torch.Tensor], grads, eval
                magnitude: float, eval_eps: float, objective_dtype_eps: float, exhaustive: bool = False,
                probe_batch: Any = None, coarse: Optional[str] = None) -> None:
     """Judge every tensor (:func:`gradwatch.check.engine.check_tensors`); fills ``report``."""
-    settings = EngineSettings(
-        coords=opts.coords, directions=opts.directions, eps=opts.eps, bands=opts.bands, fail_at=opts.fail_verdict,
-        detect_kinks=opts.detect_kinks, eval_eps=max(eval_eps, objective_dtype_eps), magnitude=magnitude,
-        exhaustive=exhaustive, coarse=coarse,
-    )
+    settings = EngineSettings.from_options(opts, max(eval_eps, objective_dtype_eps), magnitude, exhaustive=exhaustive,
+                                           coarse=coarse)
     targets = [(n, n, p, grads[n]) for n, p in params.items()]
     for judged in check_tensors(targets, evaluator, settings, opts.seed, probe_batch=probe_batch):
         report.tensors[judged.key] = judged.check

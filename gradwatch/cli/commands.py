@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 import yaml
 
 from .._version import __version__
-from ..config import GradWatchConfig, config_problems, load_config, option_names, options_table
+from ..config import GradWatchConfig, config_problems, load_config, option_names, options_table, show_value
 from ..errors import ConfigError, GradWatchError
 from .console import plural, unicode_ok
 
@@ -53,15 +53,6 @@ def _yaml_value(text: str) -> Any:
         return yaml.safe_load(text)
     except yaml.YAMLError:
         return text
-
-
-def _show(value: Any) -> str:
-    """An option value as it is written in YAML (``null``, ``true``, ``[1e-07, 0.0001, 0.01]``, ``{l2: 1e-05}``)."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (dict, list, tuple)):
-        return yaml.safe_dump(value if not isinstance(value, tuple) else list(value), default_flow_style=True).strip()
-    return json.dumps(value)
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -135,7 +126,7 @@ def _add_demo(sub: Any) -> None:
         where = "demo default" if name in DEMO_OPTIONS else "default"
         meaning = meaning.replace("%", "%%")
         g.add_argument(_flag(name), dest=f"opt_{name}", metavar="VALUE", type=_yaml_value, default=None,
-                       help=f"{meaning} ({where}: {_show(shown)})")
+                       help=f"{meaning} ({where}: {show_value(shown)})")
     p.set_defaults(func=cmd_demo)
 
 
@@ -295,7 +286,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             continue
         print(f"{path}: valid ({len(keys)} of {len(options)} options set in the file, the rest are defaults)")
         width = max(len(k) for k in options)
-        values = {k: _show(v) for k, v in options.items()}
+        values = {k: show_value(v) for k, v in options.items()}
         vwidth = max(len(v) for v in values.values())
         for k in options:
             print(f"  {k.ljust(width)}  {values[k].ljust(vwidth)}  {'(file)' if k in keys else '(default)'}".rstrip())
