@@ -1,4 +1,4 @@
-"""The ``gradwatch`` command: argument parsing and dispatch, the demo, the benchmark."""
+"""The ``gradwatch`` command: argument parsing and dispatch, and the demo (the benchmark lives in ``benchmarks/``)."""
 
 from .commands import main
 
