@@ -42,7 +42,9 @@ OPTION_DOCS: Dict[str, str] = {
     "every": "check every N training steps (integer >= 1), or auto to follow overhead_budget",
     "overhead_budget": "with every: auto, fraction of training time the checks may take; 0 < x <= 1",
     "max_interval": "with every: auto, longest gap between checks: steps (500) or a time ('30 min', '2 h'); null: no cap",
-    "tensors_per_check": "parameter tensors checked per check, rotating through all; 0 checks all",
+    "tensors_per_check": "parameter tensors checked per check, rotating through all; 0 checks all (module form: modules per check)",
+    "memory_budget": "memory a check may add above training's own peak (CPU RSS, CUDA allocated), as a fraction; > 0, null: unbounded",
+    "form": "backward part's form: auto (the whole objective where it fits memory_budget, else module by module), objective, module",
     "baseline_checks": "first checks of a tensor whose median is its baseline; >= 1",
     "drift_window": "checks in the rolling median compared with the baseline; >= 1",
     "drift_decades": "powers of ten above the baseline that count as drift; > 0",
@@ -60,7 +62,9 @@ OPTION_DOCS: Dict[str, str] = {
 CHECK_OPTION_NAMES: Tuple[str, ...] = tuple(CheckOptions.names())
 #: Options that belong to :class:`gradwatch.trend.TrendTracker` (besides ``bands``).
 TREND_OPTION_NAMES: Tuple[str, ...] = ("baseline_checks", "drift_window", "drift_decades", "alert_cooldown")
-_FLOAT_KEYS = ("eps", "overhead_budget", "drift_decades")
+_FLOAT_KEYS = ("eps", "overhead_budget", "drift_decades", "memory_budget")
+#: Values of the ``form`` option.
+FORMS = ("auto", "objective", "module")
 _DTYPE_CANONICAL = {"float64": "float64", "double": "float64", "float32": "float32", "float": "float32"}
 
 
@@ -114,6 +118,8 @@ class GradWatchConfig:
     overhead_budget: float = 0.02
     max_interval: Optional[Union[int, str]] = None
     tensors_per_check: int = 0
+    memory_budget: Optional[float] = 0.1
+    form: str = "auto"
     baseline_checks: int = 3
     drift_window: int = 3
     drift_decades: float = 2.0
@@ -157,6 +163,17 @@ class GradWatchConfig:
         tpc = self.tensors_per_check
         if isinstance(tpc, bool) or not isinstance(tpc, int) or tpc < 0:
             raise ConfigError(f"tensors_per_check: got {tpc!r}, expected an integer >= 0 (0 = all tensors)")
+        mem = self.memory_budget
+        if isinstance(mem, str) and mem.lower() in ("none", "null"):
+            mem = None
+        if mem is not None and (not _is_number(mem) or not mem > 0 or mem != mem or mem == float("inf")):
+            raise ConfigError(f"memory_budget: got {self.memory_budget!r}, expected a number > 0 (0.1 = 10% above "
+                              "training's peak memory) or null (no bound)")
+        self.memory_budget = None if mem is None else float(mem)
+        form = self.form.lower() if isinstance(self.form, str) else self.form
+        if form not in FORMS:
+            raise ConfigError(f"form: got {self.form!r}, expected one of {', '.join(FORMS)}")
+        self.form = form
         raise_on = self.raise_on
         if isinstance(raise_on, str) and raise_on.lower() in ("none", "null"):
             raise_on = None

@@ -31,6 +31,8 @@ from .numeric import Verdict
 from .objective import Objective, coupled_weight_decay
 from .records import check_record, run_record
 from .generators import find_generators
+from .memory import SAFETY, MemoryMeter, gradient_bytes, mb, model_device, objective_bytes
+from .modular import module_units, run_module_check, units_signature
 from .replay import ForwardRecorder, Replay, Step, replay_step
 from .report import CheckReport
 from .sampling import coverage as coverage_of
@@ -192,6 +194,11 @@ class GradWatch:
         self._started: Optional[float] = None
         self._wall_before = 0.0
         self._shadow: Optional[Shadow] = None
+        #: Training's own peak memory and the room a check has under ``memory_budget`` (:mod:`gradwatch.memory`).
+        self.memory = MemoryMeter(self.config.memory_budget, model_device(model))
+        self._units: Optional[Tuple[Any, list]] = None  # (units_signature, the module form's units)
+        self._unit_counts: Dict[str, int] = {}  # module form: checks per module, for the rotation
+        self._training_counts: Dict[str, int] = {}  # training part: judgments per tensor, when not all fit
         self._closed = False
         # Training part: a forward pre-hook records what each training forward started from.
         self._recorder: Optional[ForwardRecorder] = ForwardRecorder(model) if self.config.training else None
@@ -432,14 +439,34 @@ class GradWatch:
         self._checking = True
         try:
             names = rotate(self._names_to_check(), self.config.tensors_per_check, self._counts)
+            self.memory.observe()
+            room = self.memory.room()
             with preserved_rng():  # one guard for both parts: every generator as training left it afterwards
-                replay = self._training_replay(pending)
+                # The training part first: its replayed gradients are judged and freed before the backward part.
+                judged = CheckReport(tensors={})
+                self._attach_training(judged, self._training_replay(pending, room))
                 with self._recorder_paused():
-                    if self._check_options.dtype is not None and (self._shadow is None or not self._shadow.matches(self.model)):
-                        self._shadow = Shadow(self.model, self._check_options.dtype)
-                    report = run_model_check(self.model, self.objective, batch, opts, grad_fn=self.grad_fn, names=names,
-                                             shadow=self._shadow)
-            self._attach_training(report, replay)
+                    form, estimate, why = self._choose_form(names, room)
+                    if form == "objective":
+                        if self._check_options.dtype is not None and (self._shadow is None or not self._shadow.matches(self.model)):
+                            self._shadow = None  # the old copy goes before the new one is made
+                            self._shadow = Shadow(self.model, self._check_options.dtype)
+                        report = run_model_check(self.model, self.objective, batch, opts, grad_fn=self.grad_fn, names=names,
+                                                 shadow=self._shadow)
+                    else:
+                        self._shadow = None  # a whole copy of the model is what the module form avoids
+                        units = self._module_units(batch, opts.seed)
+                        chosen = [units[n] for n in rotate(list(units), self.config.tensors_per_check, self._unit_counts)]
+                        report = run_module_check(self.model, self.objective, batch, opts, units=chosen,
+                                                  room=None if room is None else int(SAFETY * room))
+                        estimate = report.memory.get("estimate_bytes")
+                        for unit in chosen:
+                            self._unit_counts[unit.name] = self._unit_counts.get(unit.name, 0) + 1
+                    if why:
+                        report.notes.append(why)
+            report.training, report.training_note = judged.training, judged.training_note
+            report.memory = self.memory.summary(room, estimate)
+            self.memory.checked()
         except Exception as exc:  # noqa: BLE001 - the user's code raised: log it, keep training
             seconds = time.perf_counter() - start
             self.schedule.record_check(step, seconds, scheduled)
@@ -505,9 +532,12 @@ class GradWatch:
         self._params_cache = (params, tree, flags)
         return params
 
-    def _training_replay(self, pending: Optional[Step]) -> Optional[Replay]:
+    def _training_replay(self, pending: Optional[Step], room: Optional[int] = None) -> Optional[Replay]:
         """The objective's gradient recomputed as training computed it (None when the part is off).
 
+        With a ``room`` (bytes, from ``memory_budget``), the replay takes the gradient of only as many
+        watched tensors as fit beside training's activations, least-judged first (they rotate from
+        check to check); without one, of every watched tensor.
         An exception of ``loss_fn`` in the replay propagates: the check is skipped with an error alert.
         """
         if self._recorder is None or pending is None:
@@ -517,6 +547,12 @@ class GradWatch:
         if all(p.grad is None for p in plist):
             return Replay(None, None, None, "not judged: no watched parameter has a .grad yet (watch.step or check "
                                             "before the first backward)")
+        if room is not None and self.config.form != "objective":
+            params = self._training_subset(params, room)
+            if not params:
+                return Replay(None, None, None, f"not judged: the replayed gradient of the smallest watched tensor does "
+                                                f"not fit in the room memory_budget leaves ({mb(room)})")
+            plist = list(params.values())
         model = self.model
 
         scaler = self.grad_scaler if self.grad_scaler is not None and self.grad_scaler.is_enabled() else None
@@ -545,6 +581,60 @@ class GradWatch:
                              generators=self._held_generators())
         replay.params = params
         return replay
+
+    def _training_subset(self, params: Dict[str, torch.Tensor], room: int) -> Dict[str, torch.Tensor]:
+        """The watched tensors whose replayed gradients fit in ``room`` beside the replay's activations
+        (all when they fit; else least-judged first, in model order among equals)."""
+        free = SAFETY * room - self.memory.transient()
+        if gradient_bytes(params.values()) <= free:
+            return params
+        order = sorted(range(len(params)), key=lambda i: (self._training_counts.get(list(params)[i], 0), i))
+        names = list(params)
+        chosen = []
+        for i in order:
+            need = gradient_bytes([params[names[i]]])
+            if need <= free:
+                chosen.append(i)
+                free -= need
+        out = {names[i]: params[names[i]] for i in sorted(chosen)}
+        for n in out:
+            self._training_counts[n] = self._training_counts.get(n, 0) + 1
+        return out
+
+    def _choose_form(self, names: List[str], room: Optional[int]) -> Tuple[str, Optional[int], Optional[str]]:
+        """``(form, estimate in bytes, a note or None)``: the whole objective where it fits the room, else modules."""
+        form = self.config.form
+        dtype = self._check_options.dtype
+        held = dtype is not None and self._shadow is not None and self._shadow.matches(self.model)
+        estimate = objective_bytes(self.model, names, dtype, activations=self.memory.transient())
+        if held:  # the copy is held already: counted in what is in use now
+            estimate -= objective_bytes(self.model, [], dtype)
+        if form == "objective" or (form == "auto" and (room is None or estimate <= SAFETY * room)):
+            note = None
+            if room is not None and estimate > SAFETY * room:
+                note = (f"form: objective (forced): about {mb(estimate)} above what training holds, over the room "
+                        f"memory_budget={self.config.memory_budget} leaves ({mb(room)})")
+            return "objective", estimate, note
+        if self.grad_fn is not None or dtype is None:
+            why = "grad_fn= (hand-written backprop of the whole objective)" if self.grad_fn is not None else "dtype=None (in place)"
+            return "objective", estimate, (f"form: objective: the module form cannot check {why}; it needs about "
+                                           f"{mb(estimate)}, over the room memory_budget leaves ({mb(room)})")
+        if form == "module":
+            return "module", None, None
+        return "module", None, (f"form: module: the whole objective in {str(dtype).replace('torch.', '')} needs about "
+                                f"{mb(estimate)}, over the room memory_budget={self.config.memory_budget} leaves "
+                                f"({mb(room)}); each module is checked alone")
+
+    def _module_units(self, batch: Any, seed: int) -> Dict[str, Any]:
+        """The module form's units by name (found again when the model's layout changes), the watched ones."""
+        key = units_signature(self.model)
+        if self._units is None or self._units[0] != key:
+            self._units = (key, module_units(self.model, self.objective.loss_fn, batch, seed))
+        watched = set(self._watched_names())
+        units = self._units[1]
+        if self._check_options.tensors is not None:
+            units = [u for u in units if watched & set(u.params)]
+        return {u.name: u for u in units}
 
     #: Checks between two searches for generators held by the model or the objective (a search walks closures).
     GENERATOR_SEARCH_EVERY = 16
