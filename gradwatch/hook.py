@@ -31,7 +31,7 @@ from .numeric import Verdict
 from .objective import Objective, coupled_weight_decay
 from .records import check_record, run_record
 from .generators import find_generators
-from .memory import SAFETY, MemoryMeter, gradient_bytes, mb, model_device, objective_bytes
+from .memory import SAFETY, MemoryMeter, gradient_bytes, mb, model_device, objective_bytes, release_freed
 from .modular import module_units, run_module_check, units_signature
 from .replay import ForwardRecorder, Replay, Step, replay_step
 from .report import CheckReport
@@ -445,6 +445,8 @@ class GradWatch:
                 # The training part first: its replayed gradients are judged and freed before the backward part.
                 judged = CheckReport(tensors={})
                 self._attach_training(judged, self._training_replay(pending, room))
+                if room is not None:
+                    release_freed()  # the replayed gradients, before the backward part allocates
                 with self._recorder_paused():
                     form, estimate, why = self._choose_form(names, room)
                     if form == "objective":

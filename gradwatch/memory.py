@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 #: Share of the room an estimate may fill (estimates leave out allocator overhead and small temporaries).
-SAFETY = 0.8
+SAFETY = 0.5
 #: Bytes per float64 parameter entry a module-form check holds at once: the float64 copy, its gradient, the
 #: engine's saved copy and the transient ``|grad|`` of the coordinate choice (8 each), plus int8 signs.
 MODULE_BYTES_PER_ENTRY = 8 * 4 + 4
