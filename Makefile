@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
 
 bench: $(STAMP)
-	$(VENV)/bin/gradwatch bench $(ARGS)
+	$(PY) benchmarks/bench.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache runs

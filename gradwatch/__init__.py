@@ -7,15 +7,15 @@ Example:
 """
 
 from ._version import __version__
-from .backward import check_backward
-from .check import check_model, check_numpy
+from .check.backward import check_backward
+from .check.model import check_model, check_numpy
 from .config import GradWatchConfig, load_config
 from .errors import ConfigError, GradientCheckError, GradientDriftError, GradWatchError
-from .hook import GradWatch
-from .numeric import Verdict, max_rel_error, numerical_grad, rel_diff
+from .watch.gradwatch import GradWatch
+from .check.numeric import Verdict, max_rel_error, numerical_grad, rel_diff
 from .options import CheckOptions
-from .report import CheckReport, TensorCheck, TrainingCheck
-from .trend import Alert, TrendTracker
+from .check.report import CheckReport, TensorCheck, TrainingCheck
+from .watch.trend import Alert, TrendTracker
 
 __all__ = [
     "Alert",

@@ -21,11 +21,11 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 import yaml
 
 from .errors import ConfigError
-from .numeric import DEFAULT_BANDS
-from .objective import parse_regularizers
+from .check.numeric import DEFAULT_BANDS
+from .check.objective import parse_regularizers
 from .options import CheckOptions
-from .schedule import parse_max_interval
-from .trend import TrendTracker
+from .watch.schedule import parse_max_interval
+from .watch.trend import TrendTracker
 
 #: One-line meaning of each option (README options table, CLI help).
 OPTION_DOCS: Dict[str, str] = {
@@ -60,7 +60,7 @@ OPTION_DOCS: Dict[str, str] = {
 
 #: Options that belong to :class:`gradwatch.options.CheckOptions`.
 CHECK_OPTION_NAMES: Tuple[str, ...] = tuple(CheckOptions.names())
-#: Options that belong to :class:`gradwatch.trend.TrendTracker` (besides ``bands``).
+#: Options that belong to :class:`gradwatch.watch.trend.TrendTracker` (besides ``bands``).
 TREND_OPTION_NAMES: Tuple[str, ...] = ("baseline_checks", "drift_window", "drift_decades", "alert_cooldown")
 _FLOAT_KEYS = ("eps", "overhead_budget", "drift_decades", "memory_budget")
 #: Values of the ``form`` option.
@@ -216,7 +216,7 @@ class GradWatchConfig:
         return CheckOptions(**{k: getattr(self, k) for k in CHECK_OPTION_NAMES})
 
     def trend_tracker(self) -> TrendTracker:
-        """A fresh :class:`~gradwatch.trend.TrendTracker` with this config's bands and trend options.
+        """A fresh :class:`~gradwatch.watch.trend.TrendTracker` with this config's bands and trend options.
 
         Example:
             >>> GradWatchConfig(drift_window=5).trend_tracker().drift_window

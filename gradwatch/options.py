@@ -12,7 +12,7 @@ from typing import Any, List, Optional, Tuple, Union
 import torch
 
 from .errors import ConfigError
-from .numeric import DEFAULT_BANDS, Verdict, validate_bands
+from .check.numeric import DEFAULT_BANDS, Verdict, validate_bands
 
 #: Largest ``eps`` accepted: the step is relative to ``|theta|``, and a central difference over a larger
 #: one measures the curvature of the objective rather than its gradient.
@@ -88,7 +88,7 @@ class CheckOptions:
         coords: Coordinates sampled per tensor (half the largest ``|grad|``, half random); >= 1.
         directions: Random Rademacher directions per tensor; >= 0.
         eps: Finite-difference step; ``None`` picks ``machine_eps ** (1/3)`` scaled by ``|θ|``, of the coarsest
-            precision the objective measurably computes in (see :mod:`gradwatch.precision`).
+            precision the objective measurably computes in (see :mod:`gradwatch.check.precision`).
         bands: Upper bounds of EXCELLENT, ACCEPTABLE, SUSPICIOUS (the chapter's 1e-7, 1e-4, 1e-2).
         fail_at: Verdict from which a tensor counts as failing ("suspicious" or "wrong").
         seed: Sampling seed.

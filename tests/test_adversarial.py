@@ -6,6 +6,7 @@ import logging
 import math
 import random
 import shutil
+import types
 
 import numpy as np
 import pytest
@@ -16,8 +17,8 @@ from torch.nn.utils import prune
 from torch.utils.checkpoint import checkpoint
 
 from gradwatch import ConfigError, GradWatch, check_backward, check_model
-from gradwatch.context import Shadow
-from gradwatch.sinks import read_jsonl
+from gradwatch.check.isolation import Shadow
+from gradwatch.io.sinks import read_jsonl
 
 
 from helpers import batch, mlp, mse
@@ -472,6 +473,27 @@ def test_hooks_and_counters_of_the_live_model_do_not_run_in_checks(dtype):
     assert "forward hook <lambda> on 0.lin" in note and "backward hook <lambda> on 1" in note
     assert "every module (global)" in note and "move that into forward()" in note
     assert len(model[0].lin._forward_hooks) == 1 and len(model[1]._backward_hooks) == 1  # put back
+
+
+def test_counters_in_torch_modules_with_a_forward_of_their_own_are_put_back():
+    """Torch's own modules are skipped by the attribute guard (their forward changes no plain attribute);
+    one whose forward was replaced on the instance is guarded like any other module."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    inner = model[0]
+    inner.calls = 0
+
+    def counting_forward(self, x):
+        self.calls += 1
+        return nn.Linear.forward(self, x)
+
+    inner.forward = types.MethodType(counting_forward, inner)  # deep copies bind it to the copy
+    model[2].calls = 0  # torch's forward: the guard may skip it, and nothing changes it
+    watch = GradWatch(model, mse, **SMALL)
+    reports = train(model, watch, mse, [batch(), batch(), batch()])
+    assert all(r is not None and r.ok for r in reports), [str(r) for r in reports]
+    assert all(r.training for r in reports)  # the replay ran the model (and counted in forward) each step
+    assert inner.calls == 3 and model[2].calls == 0  # the training forwards only
 
 
 def test_torch_hooks_keep_running_in_checks():

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from gradwatch import ConfigError, GradWatch, GradWatchConfig
-from gradwatch.schedule import Schedule, parse_max_interval
-from gradwatch.sinks import read_jsonl
+from gradwatch.watch.schedule import Schedule, parse_max_interval
+from gradwatch.io.sinks import read_jsonl
 
 
 def timed(schedule: Schedule, check_seconds: float, step_seconds: float) -> Schedule:

@@ -1,5 +1,8 @@
 """gradwatch bench --quick: runs end to end, writes the five sections, catches every planted bug.
 
+The benchmark is ``benchmarks/bench.py`` (outside the package); ``gradwatch bench`` finds it in a source
+checkout and says where to get it otherwise.
+
 No test here asserts a time: the figures are ratios from one run on a shared machine.
 """
 
@@ -7,10 +10,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from gradwatch import bench
+from gradwatch.cli import commands
+
+ROOT = Path(__file__).resolve().parents[1]
+bench = commands.load_bench(ROOT / "benchmarks" / "bench.py")
 
 SECTIONS = ("time_to_verdict", "detection", "efficiency", "training_overhead", "scaling")
 
@@ -82,8 +93,7 @@ def test_unknown_models_are_a_usage_error(capsys):
 
 
 def test_the_cli_registers_bench():
-    cli = pytest.importorskip("gradwatch.cli")
-    parser = cli.build_parser(with_bench=True)
+    parser = commands.build_parser(with_bench=True)
     args = parser.parse_args(["bench", "--quick", "--models", "mlp", "--time-cap", "3"])
     assert args.quick and args.models == "mlp" and args.time_cap == 3.0
 
@@ -100,3 +110,34 @@ def test_memory_section_side_by_side_and_the_module_form_catches_every_bug(resul
     assert result["targets"]["module_form_catches_and_names_every_bug"] is True
     assert result["targets"]["module_form_no_false_alarm"] is True
     assert "6. peak memory" in bench.format_result(result)
+
+
+def test_the_cli_finds_the_benchmark_of_its_source_tree():
+    assert commands.find_bench() == ROOT / "benchmarks" / "bench.py"
+    assert commands.find_bench([ROOT / "gradwatch"]) is None  # not a checkout's root
+
+
+def _run_installed_copy(tmp_path, cwd, *argv):
+    """``python -m gradwatch ...`` from a copy of the package alone (as a wheel installs it: no benchmarks/)."""
+    site = tmp_path / "site"
+    shutil.copytree(ROOT / "gradwatch", site / "gradwatch", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    return subprocess.run([sys.executable, "-m", "gradwatch", *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_bench_outside_a_checkout_says_where_the_benchmark_is(tmp_path):
+    done = _run_installed_copy(tmp_path, tmp_path, "bench", "--quick")
+    assert done.returncode == 2, done.stderr
+    err = done.stderr
+    assert "gradwatch bench: error: the benchmark ships with gradwatch's source tree" in err
+    assert "benchmarks/bench.py" in err and "make bench" in err and str(tmp_path) in err
+    assert "Traceback" not in err and done.stdout == ""
+
+
+def test_bench_from_a_checkouts_root_runs_its_benchmark(tmp_path):
+    # The package is a copy elsewhere; the current directory is this checkout: its benchmark runs
+    # (here up to its own check of the flags, which names the unknown model).
+    done = _run_installed_copy(tmp_path, ROOT, "bench", "--models", "resnet")
+    assert done.returncode == 2, done.stderr
+    assert "unknown model(s) resnet" in done.stderr and "source tree" not in done.stderr

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from gradwatch import cli
+from gradwatch.cli import commands as cli
 from gradwatch.config import option_names
-from gradwatch.summary import alert_key
+from gradwatch.io.runs import alert_key
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -34,7 +34,7 @@ def _gradwatch_exe() -> list:
     if exe.exists():
         return [str(exe)]
     found = shutil.which("gradwatch")
-    return [found] if found else [sys.executable, "-m", "gradwatch.cli"]
+    return [found] if found else [sys.executable, "-m", "gradwatch"]
 
 
 def _alert_keys(text: str) -> set:

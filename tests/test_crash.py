@@ -3,7 +3,7 @@
 The child process trains with GradWatch checking every step and prints
 ``CHECKED <step>`` after each completed check. The parent SIGKILLs it while
 it is still training (usually in the middle of the next check), then reads
-``checks.jsonl`` with :func:`gradwatch.sinks.read_jsonl` and the TensorBoard
+``checks.jsonl`` with :func:`gradwatch.io.sinks.read_jsonl` and the TensorBoard
 event file with ``EventAccumulator``: every announced check must be in both.
 """
 
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from gradwatch import GradWatch
-from gradwatch.sinks import LogDirError, read_jsonl
+from gradwatch.io.sinks import LogDirError, read_jsonl
 
 CHILD = textwrap.dedent(
     """

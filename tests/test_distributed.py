@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from gradwatch.sinks import read_jsonl
+from gradwatch.io.sinks import read_jsonl
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
 
@@ -50,13 +50,13 @@ WORKER = textwrap.dedent(
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
 
-    import gradwatch.check
+    import gradwatch.check.model
     from gradwatch import GradWatch, GradientDriftError
 
     result = {"rank": rank, "checked_steps": [], "shares": [], "alerts": [], "in_check_collectives": 0,
               "allreduces": 0, "ddp_forwards_in_check": 0, "raised_at": None}
     state = {"in_check": False}
-    real_check = gradwatch.check.run_model_check
+    real_check = gradwatch.check.model.run_model_check
 
     def spying_check(model, objective, batch, opts, **kw):
         result["shares"].append(list(kw.get("names") or []))
@@ -66,7 +66,7 @@ WORKER = textwrap.dedent(
         finally:
             state["in_check"] = False
 
-    gradwatch.check.run_model_check = spying_check
+    gradwatch.check.model.run_model_check = spying_check
 
     torch.manual_seed(0)  # same initial weights on both ranks (DDP also broadcasts them)
     net = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
@@ -276,17 +276,17 @@ LIGHTNING_SCRIPT = textwrap.dedent(
     from torch.utils.data import DataLoader, TensorDataset
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
-    import gradwatch.check
+    import gradwatch.check.model
     from gradwatch.integrations.lightning import GradWatchCallback
 
     SHARES = []
-    _real = gradwatch.check.run_model_check
+    _real = gradwatch.check.model.run_model_check
 
     def _spy(model, objective, batch, opts, **kw):  # runs in every rank (top level: re-run on spawn)
         SHARES.append(list(kw.get("names") or []))
         return _real(model, objective, batch, opts, **kw)
 
-    gradwatch.check.run_model_check = _spy
+    gradwatch.check.model.run_model_check = _spy
 
 
     class Net(pl.LightningModule):
@@ -366,7 +366,7 @@ def test_unwrap_and_modes(tmp_path):
     from torch import nn
 
     from gradwatch import GradWatch
-    from gradwatch.distributed import DistributedCoordinator, unwrap_model
+    from gradwatch.watch.distributed import DistributedCoordinator, unwrap_model
 
     lin = nn.Linear(2, 1)
     assert unwrap_model(nn.DataParallel(nn.DataParallel(lin))) is lin
@@ -390,7 +390,7 @@ def test_unwrap_and_modes(tmp_path):
 
 def test_merge_reports_orders_tensors_and_keeps_nonfinite():
     from gradwatch import CheckReport, TensorCheck
-    from gradwatch.distributed import merge_reports
+    from gradwatch.watch.distributed import merge_reports
 
     def report(names, objective, evaluations):
         return CheckReport(tensors={n: TensorCheck(n, (1,), 0.0, 0.0) for n in names}, objective=objective,

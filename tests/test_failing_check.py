@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from gradwatch import GradWatch
-from gradwatch.hook import MAX_CONSECUTIVE_FAILURES
-from gradwatch.sinks import read_jsonl
+from gradwatch.watch.gradwatch import MAX_CONSECUTIVE_FAILURES
+from gradwatch.io.sinks import read_jsonl
 
 
 def broken_loss(model, batch):

@@ -20,8 +20,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import gradwatch
 from gradwatch import GradientDriftError, GradWatch
-from gradwatch.records import scalars_from_check
-from gradwatch.sinks import read_jsonl
+from gradwatch.io.records import scalars_from_check
+from gradwatch.io.sinks import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -481,8 +481,8 @@ def test_step_leaves_training_untouched():
 
 def test_a_state_from_a_newer_gradwatch_is_refused_with_its_version():
     from gradwatch.errors import GradWatchError
-    from gradwatch.distributed import DistributedCheckError
-    from gradwatch.summary import RunNotFound
+    from gradwatch.watch.distributed import DistributedCheckError
+    from gradwatch.io.runs import RunNotFound
 
     model = nn.Linear(3, 1)
     watch = GradWatch(model, lambda m, b: m(b).sum(), log_dir=None, every=1)

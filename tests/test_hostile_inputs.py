@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradwatch import ConfigError, GradWatch, load_config
-from gradwatch.sinks import read_jsonl
+from gradwatch.io.sinks import read_jsonl
 
 
 from helpers import batch, mlp, mse

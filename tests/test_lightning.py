@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException  # 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
 from gradwatch.integrations.lightning import GradWatchCallback  # noqa: E402
-from gradwatch.sinks import read_jsonl  # noqa: E402
+from gradwatch.io.sinks import read_jsonl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")

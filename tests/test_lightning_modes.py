@@ -23,7 +23,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger  # noqa: E402
 from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 
 from gradwatch.integrations.lightning import GradWatchCallback  # noqa: E402
-from gradwatch.sinks import read_jsonl  # noqa: E402
+from gradwatch.io.sinks import read_jsonl  # noqa: E402
 
 
 class Net(pl.LightningModule):

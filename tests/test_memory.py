@@ -21,15 +21,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradwatch import GradWatch, load_config
-from gradwatch.bench import make_case
+from gradwatch.cli import commands
 from gradwatch.config import GradWatchConfig
 from gradwatch.errors import ConfigError
-from gradwatch.memory import SAFETY, MemoryMeter, in_use_bytes, module_bytes, objective_bytes
-from gradwatch.modular import float64_copy, module_units, run_module_check
-from gradwatch.objective import Objective
+from gradwatch.check.memory import SAFETY, MemoryMeter, in_use_bytes, module_bytes, objective_bytes
+from gradwatch.check.modular import float64_copy, module_units, run_module_check
+from gradwatch.check.objective import Objective
 from gradwatch.options import CheckOptions
 
 ROOT = Path(__file__).resolve().parents[1]
+make_case = commands.load_bench(ROOT / "benchmarks" / "bench.py").make_case
 
 
 class WrongTanh(torch.autograd.Function):
@@ -194,7 +195,7 @@ def test_training_part_judges_a_rotating_subset_when_the_room_is_small():
     watch = GradWatch(model, xent, every=1, log_dir=None, form="module")
     params = watch._training_params()
     one = max(p.numel() * p.element_size() for p in params.values())
-    watch.memory.transient = lambda: 0
+    watch.memory.transient = lambda model=None: 0
     seen = set()
     for _ in range(4):
         chosen = watch._training_subset(params, int(one / SAFETY) + 1)
@@ -246,7 +247,7 @@ def test_cuda_budget_reads_allocated_memory():  # pragma: no cover - no GPU here
 
 
 def _run_probe(watched: bool, params: float) -> dict:
-    out = subprocess.run([sys.executable, "-m", "gradwatch.membench", "--params", str(params)] + (["--watch"] if watched else []),
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "membench.py"), "--params", str(params)] + (["--watch"] if watched else []),
                          capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gradwatch.sinks import read_jsonl
+from gradwatch.io.sinks import read_jsonl
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -6,7 +6,7 @@ initialization and batch): no tensor may fail. Several of them compute in float3
 inside the float64 shadow (T5's LayerNorm and Llama-style RMSNorms cast to float32,
 causal LM losses upcast ``logits.float()``, eager attention runs its softmax in
 float32) and the mixture-of-experts model calls ``grouped_mm``, which has no float64
-CPU kernel: see :mod:`gradwatch.precision`.
+CPU kernel: see :mod:`gradwatch.check.precision`.
 
 Planted bugs (a custom ``autograd.Function`` swapped into the model, its backward off by
 about 1%) are caught and localized to their module. Cost: about 45 s on one core.
@@ -23,7 +23,7 @@ from torch import nn
 T = pytest.importorskip("transformers")
 
 import gradwatch  # noqa: E402
-from gradwatch.precision import ShadowPrecision  # noqa: E402
+from gradwatch.check.precision import ShadowPrecision  # noqa: E402
 
 V = 32
 SEEDS = (0, 1, 2)

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 import gradwatch
-from gradwatch.trend import Alert
+from gradwatch.watch.trend import Alert
 from gradwatch import CheckReport, TensorCheck, Verdict
-from gradwatch.records import (
+from gradwatch.io.records import (
     alert_record,
     check_record,
     custom_scalars_layout,
@@ -178,8 +178,8 @@ def test_to_jsonable():
 def test_tensor_records_carry_the_typed_kind_and_ratio():
     import math as _math
 
-    from gradwatch.records import check_record
-    from gradwatch.report import CheckReport, InconclusiveKind, TensorCheck
+    from gradwatch.io.records import check_record
+    from gradwatch.check.report import CheckReport, InconclusiveKind, TensorCheck
 
     nan = TensorCheck(name="a", shape=(2,), rel_diff=_math.nan, max_rel_error=_math.nan, inconclusive="NaN",
                       inconclusive_kind=InconclusiveKind.NONFINITE)

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from gradwatch import GradWatch, cli
+from gradwatch import GradWatch
+from gradwatch.cli import commands as cli
 
 ROOT = Path(__file__).resolve().parents[1]
 

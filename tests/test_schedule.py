@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from gradwatch.schedule import MAX_AUTO_INTERVAL, Schedule
+from gradwatch.watch.schedule import MAX_AUTO_INTERVAL, Schedule
 
 
 def simulate(schedule: Schedule, steps: int, step_seconds, check_seconds, start: int = 0, fractions=None):

@@ -14,10 +14,10 @@ from torch import nn
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import gradwatch
-from gradwatch.trend import Alert
+from gradwatch.watch.trend import Alert
 from gradwatch import CheckReport, GradWatchError, TensorCheck, Verdict
-from gradwatch.records import check_record, run_record, scalars_from_check
-from gradwatch.sinks import (
+from gradwatch.io.records import check_record, run_record, scalars_from_check
+from gradwatch.io.sinks import (
     JsonlSink,
     LogDirError,
     LoggingSink,
@@ -265,9 +265,9 @@ def test_logging_sink_levels(caplog):
 
 
 def test_real_trend_alert_if_available(tmp_path):
-    trend = pytest.importorskip("gradwatch.trend")
+    trend = pytest.importorskip("gradwatch.watch.trend")
     if not hasattr(trend, "Alert"):
-        pytest.skip("gradwatch.trend.Alert not defined yet")
+        pytest.skip("gradwatch.watch.trend.Alert not defined yet")
     alert = trend.Alert(step=4, tensor="w", kind="band", severity="error", value=0.5, baseline=None, message="m")
     sinks = build_sinks(tmp_path, tensorboard=False)
     sinks.write_check(check_record(4, bad_report(), seconds=0.1, overhead_fraction=None), [alert])
@@ -283,7 +283,7 @@ def test_records_survive_sigkill(tmp_path):
 
     code = (
         "import os, signal, sys\n"
-        "from gradwatch.sinks import JsonlSink\n"
+        "from gradwatch.io.sinks import JsonlSink\n"
         "sink = JsonlSink(sys.argv[1])\n"
         "for step in range(3):\n"
         "    sink.write({'type': 'check', 'step': step})\n"

@@ -25,9 +25,9 @@ import pytest
 
 pytest.importorskip("tensorboard")
 
-from gradwatch import cli  # noqa: E402
-from gradwatch.records import ALERTS_COUNT_TAG, ALERTS_TEXT_TAG, TENSOR_METRICS  # noqa: E402
-from gradwatch.sinks import read_jsonl  # noqa: E402
+from gradwatch.cli import commands as cli  # noqa: E402
+from gradwatch.io.records import ALERTS_COUNT_TAG, ALERTS_TEXT_TAG, TENSOR_METRICS  # noqa: E402
+from gradwatch.io.sinks import read_jsonl  # noqa: E402
 
 START_TIMEOUT = 60.0
 URL_RE = re.compile(r"(http://127\.0\.0\.1:\d+)/")

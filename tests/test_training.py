@@ -24,8 +24,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from gradwatch import GradWatch, Verdict
-from gradwatch.sinks import read_jsonl
-from gradwatch.training import diagnose_training, judge_training
+from gradwatch.io.sinks import read_jsonl
+from gradwatch.check.training import diagnose_training, judge_training
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -146,6 +146,18 @@ def test_module_dropout_is_replayed_with_training_masks():
     assert all_excellent(reports) and watch.alerts == []
     assert all("forward RNG state" in r.training_note for r in reports)
     assert all(t.rel_diff == 0.0 for r in reports for t in r.training.values())  # the very same bits
+
+
+def test_replay_probe_falls_back_to_its_own_hook_when_user_code_cleared_the_model_hooks():
+    """The replay's probe runs from the recording pre-hook; if user code removed that hook, the probe
+    hooks the model itself and the replay is still verified (from the step start, loss given)."""
+    model = mlp(dropout=0.5)
+    watch = GradWatch(model, ce, **quiet())
+    model._forward_pre_hooks.clear()  # user code wiping the model's hooks after the watch attached
+    reports = train(model, watch, data(3), pass_loss=True)
+    assert all_excellent(reports) and watch.alerts == []
+    assert all("replayed from the start RNG state" in r.training_note for r in reports)
+    assert not model._forward_pre_hooks  # the fallback hook is removed after each replay
 
 
 class FunctionalDropout(nn.Module):
@@ -554,8 +566,8 @@ def test_demo_missing_l2_story_and_report_show_the_training_verdict(tmp_path, ca
 def test_trend_follows_the_training_verdict_and_survives_a_state_round_trip():
     import json
 
-    from gradwatch.report import CheckReport, TrainingCheck
-    from gradwatch.trend import TrendTracker
+    from gradwatch.check.report import CheckReport, TrainingCheck
+    from gradwatch.watch.trend import TrendTracker
 
     def report(value):
         t = TrainingCheck(name="w", shape=(3,), tolerance=1e-6, rel_diff=value, max_rel_error=value,
@@ -575,7 +587,7 @@ def test_trend_follows_the_training_verdict_and_survives_a_state_round_trip():
 
 def test_a_wrong_backward_formula_leaves_the_training_verdict_clean():
     """The demo's late bug: training applies exactly the (wrong) gradient its backward computes."""
-    from gradwatch.demo import DemoSettings, demo_config, run_demo
+    from gradwatch.cli.demo import DemoSettings, demo_config, run_demo
 
     result = run_demo(DemoSettings(bug="late", steps=40), demo_config({"every": 10, "jsonl": False, "tensorboard": False}))
     assert result.alerts and all(a.part == "backward" for a in result.alerts)  # the backward verdict caught it

@@ -20,9 +20,9 @@ pytest.importorskip("accelerate")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments  # noqa: E402
 
-from gradwatch import cli  # noqa: E402
+from gradwatch.cli import commands as cli  # noqa: E402
 from gradwatch.integrations.transformers import STATE_NAME, GradWatchCallback  # noqa: E402
-from gradwatch.sinks import read_jsonl  # noqa: E402
+from gradwatch.io.sinks import read_jsonl  # noqa: E402
 
 
 class RandomIds(torch.utils.data.Dataset):

@@ -8,9 +8,9 @@ import math
 import pytest
 
 from gradwatch.errors import ConfigError
-from gradwatch.numeric import Verdict
-from gradwatch.report import CheckReport, InconclusiveKind, TensorCheck
-from gradwatch.trend import Alert, TrendTracker
+from gradwatch.check.numeric import Verdict
+from gradwatch.check.report import CheckReport, InconclusiveKind, TensorCheck
+from gradwatch.watch.trend import Alert, TrendTracker
 
 
 def tc(name: str, value: float, diagnosis: str | None = None, inconclusive: str | None = None,
@@ -300,7 +300,7 @@ def test_trend_module_is_pure():
     import ast
     import pathlib
 
-    import gradwatch.trend as trend
+    import gradwatch.watch.trend as trend
 
     tree = ast.parse(pathlib.Path(trend.__file__).read_text())
     imported = set()
@@ -309,4 +309,4 @@ def test_trend_module_is_pure():
             imported |= {n.name.split(".")[0] for n in node.names}
         elif isinstance(node, ast.ImportFrom):
             imported.add(("." * node.level) + (node.module or ""))
-    assert imported <= {"__future__", "math", "statistics", "dataclasses", "typing", ".errors", ".numeric", ".report"}
+    assert imported <= {"__future__", "math", "statistics", "dataclasses", "typing", "..errors", "..check.numeric", "..check.report"}

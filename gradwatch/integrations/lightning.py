@@ -38,9 +38,9 @@ except ImportError as err:  # pragma: no cover - exercised only without lightnin
 
 from ..config import GradWatchConfig, load_config
 from ..errors import ConfigError, GradWatchError
-from ..hook import GradWatch
-from ..records import ALERTS_COUNT_TAG, scalars_from_check
-from ..sinks import JsonlSink, Sink, TensorBoardSink
+from ..watch.gradwatch import GradWatch
+from ..io.records import ALERTS_COUNT_TAG, scalars_from_check
+from ..io.sinks import JsonlSink, Sink, TensorBoardSink
 
 LossFn = Callable[[LightningModule, Any], torch.Tensor]
 

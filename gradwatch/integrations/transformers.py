@@ -22,7 +22,7 @@ What the Trainer does not hand a callback, the callback finds itself:
   ``checkpoint-N`` folder and read back on ``train(resume_from_checkpoint=...)``: the
   schedule, trends, coverage and run id go on, so ``gradwatch report OUTPUT_DIR`` reads
   one run.
-- **Ranks.** Every rank checks (see :mod:`gradwatch.distributed`); files, reporting and the
+- **Ranks.** Every rank checks (see :mod:`gradwatch.watch.distributed`); files, reporting and the
   state file are written on the world's process zero only.
 
 The Trainer is not passed to callbacks either: it is found once, in ``on_train_begin``,
@@ -53,9 +53,9 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
 
 from ..config import GradWatchConfig, load_config
 from ..errors import ConfigError
-from ..hook import GradWatch
-from ..records import ALERTS_COUNT_TAG, scalars_from_check
-from ..sinks import Sink
+from ..watch.gradwatch import GradWatch
+from ..io.records import ALERTS_COUNT_TAG, scalars_from_check
+from ..io.sinks import Sink
 
 logger = logging.getLogger("gradwatch")
 

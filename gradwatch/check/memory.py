@@ -9,7 +9,7 @@ beyond the one the last check left counts as training's.
 The room a check has is ``(1 + memory_budget) * training_peak - in_use_now`` (on the CPU
 ``in_use_now`` is the resident set size now, ``/proc/self/statm``; where that cannot be read, the
 peak itself). Before a check, each form's cost is estimated from the tensors it holds (pure
-functions below) and the form that fits is chosen (:mod:`gradwatch.modular`).
+functions below) and the form that fits is chosen (:mod:`gradwatch.check.modular`).
 
 Example:
     >>> from torch import nn
@@ -150,9 +150,16 @@ class MemoryMeter:
             self.observe()
         return max(0, int((1.0 + self.budget) * self.training_peak) - in_use_bytes(self.device))
 
-    def transient(self) -> int:
-        """Training's peak above what is held now: its activations and temporaries, freed by now."""
-        return max(0, self.training_peak - in_use_bytes(self.device))
+    def transient(self, model: Optional[nn.Module] = None) -> int:
+        """Training's peak above what is held now: its activations and temporaries, freed by now.
+
+        With ``model``, at most the bytes of its parameters (an estimate of one forward's activations:
+        the process's peak may be another computation's, e.g. an evaluation pass or an earlier model).
+        """
+        free = max(0, self.training_peak - in_use_bytes(self.device))
+        if model is not None:
+            free = min(free, sum(p.numel() * p.element_size() for p in model.parameters()))
+        return free
 
     def summary(self, room: Optional[int], estimate: Optional[int]) -> Dict[str, Any]:
         """The record's ``memory`` field: budget, training's peak, the room and the chosen form's estimate."""

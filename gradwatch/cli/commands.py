@@ -1,4 +1,4 @@
-"""The ``gradwatch`` command: ``demo``, ``report``, ``validate`` and ``bench``.
+"""The ``gradwatch`` command: argument parsing and dispatch of ``demo``, ``report``, ``validate`` and ``bench``.
 
 Exit codes (every command): 0 fine; 1 alerts found where the command was
 asked to fail on them (``--fail-on-alerts``, or ``raise_on`` stopping the
@@ -11,19 +11,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import importlib.util
 import os
-import shlex
-import shutil
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from ._version import __version__
-from .config import GradWatchConfig, config_problems, load_config, option_names, options_table
-from .errors import ConfigError, GradWatchError
+from .._version import __version__
+from ..config import GradWatchConfig, config_problems, load_config, option_names, options_table
+from ..errors import ConfigError, GradWatchError
+from .console import plural, unicode_ok
 
 EXIT_OK, EXIT_ALERTS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -39,15 +40,6 @@ _DEMO_OWN_OPTIONS = ("seed", "log_dir")
 def _flag(name: str) -> str:
     """``overhead_budget`` -> ``--overhead-budget`` (one name everywhere)."""
     return "--" + name.replace("_", "-")
-
-
-def _unicode_ok(stream: Any = None) -> bool:
-    enc = getattr(stream or sys.stdout, "encoding", None) or ""
-    return "utf" in enc.lower()
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def _fail(command: str, message: str) -> int:
@@ -80,7 +72,7 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 # --------------------------------------------------------------------- parser
 
 def build_parser(with_bench: bool = False) -> argparse.ArgumentParser:
-    """The ``gradwatch`` argument parser (``with_bench``: let :mod:`gradwatch.bench` add its flags)."""
+    """The ``gradwatch`` argument parser (``with_bench``: let :mod:`gradwatch.cli.bench` add its flags)."""
     parser = argparse.ArgumentParser(
         prog="gradwatch",
         formatter_class=_Formatter,
@@ -193,16 +185,79 @@ def _add_validate(sub: Any) -> None:
     p.set_defaults(func=cmd_validate)
 
 
-BENCH_HELP = "measure what the checks cost (delegates to gradwatch.bench)"
+BENCH_HELP = "measure what the checks cost (runs benchmarks/bench.py of a gradwatch source checkout)"
+#: Where the benchmark lives in a source checkout (it is not part of the installed package).
+BENCH_SCRIPT = Path("benchmarks") / "bench.py"
+BENCH_MISSING = (
+    "the benchmark ships with gradwatch's source tree, not with the installed package, and there is no "
+    "{script} in {places}. Run it from a checkout of the gradwatch repository: `make bench`, "
+    "`python benchmarks/bench.py [flags]`, or `gradwatch bench [flags]` in the checkout's root directory"
+)
+
+
+def _is_gradwatch_tree(root: Path) -> bool:
+    pyproject = root / "pyproject.toml"
+    try:
+        return pyproject.is_file() and 'name = "gradwatch"' in pyproject.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+
+
+def bench_roots() -> List[Path]:
+    """Where ``gradwatch bench`` looks for ``benchmarks/bench.py``: the source tree this package was
+    imported from (an editable install, or a checkout on ``PYTHONPATH``), then the current directory."""
+    return [Path(__file__).resolve().parents[2], Path.cwd()]
+
+
+def find_bench(roots: Optional[Sequence[Path]] = None) -> Optional[Path]:
+    """The benchmark script of the first gradwatch source tree among ``roots`` (default :func:`bench_roots`).
+
+    Returns:
+        The path of ``benchmarks/bench.py``, or None when no root is a gradwatch checkout that holds it.
+
+    Example:
+        >>> import tempfile
+        >>> find_bench([Path(tempfile.gettempdir())]) is None
+        True
+    """
+    for root in bench_roots() if roots is None else roots:
+        script = Path(root) / BENCH_SCRIPT
+        if script.is_file() and _is_gradwatch_tree(Path(root)):
+            return script
+    return None
+
+
+def load_bench(script: Path) -> ModuleType:
+    """Import the benchmark script ``script`` as a module (once per path)."""
+    name = "gradwatch_benchmarks_bench"
+    loaded = sys.modules.get(name)
+    if loaded is not None and getattr(loaded, "__file__", None) == str(script):
+        return loaded
+    spec = importlib.util.spec_from_file_location(name, script)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import the benchmark {script}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the script runs
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
 
 
 def _add_bench(sub: Any, with_bench: bool) -> None:
     p = sub.add_parser("bench", formatter_class=_Formatter, help=BENCH_HELP, description=BENCH_HELP + ".")
-    if with_bench:  # imported only for `gradwatch bench`, so other commands start quickly
-        from . import bench
-
+    script = find_bench() if with_bench else None  # imported only for `gradwatch bench`: other commands start quickly
+    if script is not None:
+        bench = load_bench(script)
         bench.add_arguments(p)
         p.set_defaults(func=bench.run)
+
+
+def _bench_missing() -> int:
+    places = " or ".join(dict.fromkeys(str(root) for root in bench_roots()))
+    return _fail("bench", BENCH_MISSING.format(script=BENCH_SCRIPT.as_posix(), places=places))
 
 
 # --------------------------------------------------------------------- validate
@@ -252,7 +307,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------- report
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from . import summary
+    from ..io import runs as summary
 
     try:
         found = summary.find_runs(args.logdir, args.source)
@@ -291,14 +346,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _print_report(data: Any, rows: List[Dict[str, Any]], verbose: bool) -> None:
-    from . import summary
+    from ..io import runs as summary
 
-    uni = _unicode_ok()
+    uni = unicode_ok()
     steps = data.check_steps
     span = "" if not steps else f", step {steps[0]}" if steps[0] == steps[-1] else f", steps {steps[0]}-{steps[-1]}"
     print(f"{data.path} ({'TensorBoard event files' if data.source == 'events' else 'checks.jsonl'})")
-    print(f"{_plural(len(steps), 'check')}{span}, {_plural(len(data.history), 'tensor')}, "
-          f"{_plural(len(data.alerts), 'alert')}")
+    print(f"{plural(len(steps), 'check')}{span}, {plural(len(data.history), 'tensor')}, "
+          f"{plural(len(data.alerts), 'alert')}")
     if data.source == "events":
         print("(from event files: values are float32, verdicts re-derived with the default bands)")
     print()
@@ -320,7 +375,7 @@ def _print_report(data: Any, rows: List[Dict[str, Any]], verbose: bool) -> None:
 
 def _print_alerts(alerts: List[Dict[str, Any]], bands: Any, details: Dict[Any, Any], *, verbose: bool,
                   title: str = "Alerts") -> None:
-    from . import summary
+    from ..io import runs as summary
 
     print()
     if not alerts:
@@ -390,105 +445,13 @@ def _demo_config(args: argparse.Namespace) -> Tuple[GradWatchConfig, Optional[st
     return cfg, None
 
 
-class _DemoPrinter:
-    """The demo's console output: a header, one line per (some) checks, alerts as they happen."""
-
-    HEAD = "   step    loss   acc  max|x|  worst tensor   judged rel_diff  backward    training"
-
-    def __init__(self, settings: Any, cfg: GradWatchConfig, names: List[str], out: Any = None) -> None:
-        self.settings, self.cfg, self.out = settings, cfg, out or sys.stdout
-        self.name_width = max(len(n) for n in names)
-        expected = settings.steps / cfg.every if isinstance(cfg.every, int) else 0
-        self.every_nth = max(1, round(expected / 10)) if expected else 1
-        self.last_verdict: Optional[str] = None
-        self.details: Dict[Tuple[int, str], Dict[str, Any]] = {}
-        self.check_seconds = 0.0
-
-    def p(self, text: str = "") -> None:
-        print(text, file=self.out, flush=True)
-
-    def header(self) -> None:
-        from .demo import GRAD_FACTOR, LATE_THRESHOLD, MISSING_L2, SCALE_FACTOR
-
-        s, c = self.settings, self.cfg
-        story = {
-            "late": f"its backward is right for |x| < {LATE_THRESHOLD:g} and wrong beyond. Small weights keep its inputs\n"
-                    f"  below {LATE_THRESHOLD:g}; at step {s.grow_at} the first layer's weights are scaled x{s.grow_factor:g} "
-                    "(\"weights grow\").",
-            "scale": f"its backward is {SCALE_FACTOR:g}x the true derivative, from the first step.",
-            "none": f"its backward is correct; no alert is expected, even after the weights grow at step {s.grow_at}.",
-            "missing-l2": f"its backward is correct, but the training loop adds {MISSING_L2:g} * ||p||^2 to the loss (a term\n"
-                          f"  the watch's objective lacks) and multiplies fc1.weight.grad by {GRAD_FACTOR:g} after backward(). The\n"
-                          "  backward verdict stays clean; the training verdict (live .grad vs the objective) catches both.",
-        }[s.bug]
-        regs = c.regularizers if isinstance(c.regularizers, dict) else None
-        reg_text = ", ".join(f"{k} {v:g}" for k, v in regs.items()) if regs else "none"
-        every = ("every step" if c.every == 1 else f"every {c.every} steps") if isinstance(c.every, int) else f"within {c.overhead_budget:.1%} of the time (every: auto)"
-        tensors = "all tensors" if c.tensors_per_check == 0 else f"{c.tensors_per_check} tensors"
-        self.p(f"gradwatch demo: a 2-{s.hidden}-{s.hidden}-3 network on 3-class spirals ({3 * s.points_per_class} "
-               f"points), with BatchNorm, dropout {s.dropout:g},")
-        self.p(f"  regularizers in the loss ({reg_text}), SGD weight decay {s.weight_decay:g}, and a custom SiLU "
-               "autograd.Function.")
-        self.p(f"Bug '{s.bug}': {story}")
-        self.p(f"GradWatch checks {every}, {tensors} per check, on a {c.dtype or 'in-place'} "
-               f"{'shadow copy' if c.dtype else 'check'}; logs in {c.log_dir}")
-        self.p()
-        self.p(self.HEAD)
-
-    @staticmethod
-    def _training_text(report: Any) -> str:
-        """The worst training verdict of a check (``-`` when the training part did not judge)."""
-        from . import summary
-
-        judged = [t for t in report.training.values() if t.verdict is not None]
-        if not judged:
-            return "-"
-        worst = max(judged, key=lambda t: t.verdict.rank)
-        return summary.verdict_text(worst.verdict.value)
-
-    def grow(self, ev: Any) -> None:
-        self.p(f"  {ev.step:5d}  weights grow: {' and '.join(ev.tensors)} x{ev.factor:g}; largest |x| into the "
-               f"custom SiLU {ev.max_abs_before:.1f} -> {ev.max_abs_after:.1f}")
-
-    def check(self, ev: Any) -> None:
-        from . import summary
-
-        report = ev.report
-        if report is not None:
-            self.check_seconds += report.seconds
-            for name, t in report.tensors.items():
-                self.details[(ev.step, name)] = {"verdict": t.verdict.value if t.verdict else None, "diagnosis": t.diagnosis}
-            for name, tc in report.training.items():
-                self.details[summary.detail_key(ev.step, name, "training")] = {
-                    "verdict": tc.verdict.value if tc.verdict else None, "diagnosis": tc.diagnosis}
-        worst = report.worst if report is not None else None
-        verdict = worst.verdict.value if worst is not None else None
-        show = (
-            ev.index == 0 or ev.alerts or verdict != self.last_verdict or ev.index % self.every_nth == 0
-            or ev.step >= self.settings.steps - (self.cfg.every if isinstance(self.cfg.every, int) else 1)
-        )
-        self.last_verdict = verdict
-        if show and report is not None:
-            if worst is not None:
-                name = worst.name if worst.judged_rel_diff != 0 else "(none)"  # every checked tensor within the noise
-                w = (f"{name:<{self.name_width}}  {summary.fmt(worst.judged_rel_diff):>15}  "
-                     f"{summary.verdict_text(verdict):<10}  {self._training_text(report)}")
-            else:
-                w = "no verdict" + (" (objective not finite)" if report.nonfinite else "")
-            self.p(f"  {ev.step:5d}  {ev.loss:6.3f}  {ev.accuracy:4.2f}  {ev.max_abs_input:6.1f}  {w}")
-        for a in ev.alerts:
-            detail = self.details.get(summary.detail_key(a.step, a.tensor, a.part))
-            self.p("         ! " + summary.format_alert(a.to_dict(), bands=self.cfg.bands, detail=detail,
-                                                      name_width=self.name_width))
-        if ev.stopped:
-            self.p(f"  {ev.step:5d}  stopped: raise_on={self.cfg.raise_on} matched (GradientDriftError)")
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
-    from . import summary
-    from .demo import DemoSettings, run_demo
+    from ..check.sampling import match_names
+    from ..io import runs as summary
+    from .demo import DemoSettings, SpiralNet, run_demo
+    from .demo_print import DemoPrinter
 
     if args.steps < 1:
         return _fail("demo", f"--steps: got {args.steps}, expected an integer >= 1")
@@ -503,16 +466,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     except OSError as err:
         return _fail("demo", f"cannot create --log-dir {log_dir}: {err.strerror or err}")
     settings = DemoSettings(bug=args.bug, steps=args.steps, seed=args.seed)
-    from .demo import SpiralNet
-
-    from .sampling import match_names
-
     names = [n for n, _ in SpiralNet(hidden=4).named_parameters()]
     try:
         match_names(names, cfg.tensors)
     except ValueError as err:
         return _fail("demo", str(err))
-    printer = _DemoPrinter(settings, cfg, names)
+    printer = DemoPrinter(settings, cfg, names)
     printer.header()
     # The demo's network is tiny: one thread avoids oversubscription stalls on small machines.
     threads = torch.get_num_threads()
@@ -532,48 +491,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         gw_logger.setLevel(saved[0])
         gw_logger.propagate = saved[1]
         gw_logger.handlers[:] = saved[2]
-    p = printer.p
-    data = summary.from_watch(result.watch, printer.details)
-    rows = summary.summarize(data)
-    uni = _unicode_ok()
-    p()
-    stop = f", stopped at step {data.check_steps[-1] if data.check_steps else 0} by raise_on" if result.stopped_early else ""
-    p(f"Summary: {result.steps} steps, {_plural(result.checks, 'check')} in {result.seconds:.1f} s "
-      f"(checks {printer.check_seconds:.1f} s), accuracy {result.final_accuracy:.0%}{stop}")
-    p("  backward (backprop against finite differences of the objective):")
-    for line in summary.format_table(rows, unicode=uni):
-        p("  " + line)
-    training_rows = summary.summarize(data, "training")
-    if training_rows:
-        p("  training (the live .grad against the objective's gradient):")
-        for line in summary.format_table(training_rows, unicode=uni):
-            p("  " + line)
-    for line in summary.legend(cfg.bands, unicode=uni):
-        p("  " + line)
-    p()
-    alerts = data.alerts
-    if alerts:
-        tensors = list(dict.fromkeys(str(a["tensor"]) for a in alerts))
-        p(f"{_plural(len(alerts), 'alert')} on {', '.join(tensors)}; first at step {alerts[0]['step']}:")
-        for line in summary.wrap_message(alerts[0]["message"], indent="  "):
-            p(line)
-        if args.bug == "late":
-            p("  Here: fc1 feeds the custom SiLU, whose backward drops a term once |x| >= 3.")
-        elif args.bug == "scale":
-            p("  Here: fc1 feeds the custom SiLU, whose backward has a stray factor.")
-        elif args.bug == "missing-l2":
-            p("  Here: the training loss has an L2 term the objective lacks, and fc1.weight.grad is scaled after backward.")
-    else:
-        p("No alerts: every checked gradient agreed with its two-sided numerical estimate.")
-    p()
-    q = shlex.quote(str(log_dir))
-    if cfg.tensorboard:
-        p("Charts (SCALARS: gradwatch/judged_rel_diff/* (backward), gradwatch/training/rel_diff/* (training); "
-          "CUSTOM SCALARS: gradwatch; TEXT: gradwatch/alerts):")
-        p(f"  {runnable('tensorboard')} --logdir {q}")
-    if cfg.tensorboard or cfg.jsonl:
-        p("This summary again, later:")
-        p(f"  {runnable('gradwatch')} report {q}")
+    alerts = printer.summary(result, log_dir)
     if result.stopped_early is not None:
         return EXIT_ALERTS
     if args.fail_on_alerts and alerts:
@@ -590,28 +508,6 @@ def _command_of(argv: Sequence[str]) -> Optional[str]:
     return None
 
 
-def runnable(program: str) -> str:
-    """How to type ``program`` here: its bare name when PATH finds this environment's copy,
-    else the path of the copy installed next to this Python (e.g. ``.venv/bin/tensorboard``
-    after ``make demo``, which does not activate the virtual environment).
-
-    Example:
-        >>> runnable("python-that-does-not-exist")
-        'python-that-does-not-exist'
-    """
-    sibling = Path(sys.executable).parent / program
-    if not sibling.exists():
-        return program
-    found = shutil.which(program)
-    if found and Path(found).resolve() == sibling.resolve():
-        return program
-    try:
-        shown = os.path.relpath(sibling)
-    except ValueError:  # another drive (Windows)
-        shown = str(sibling)
-    return shlex.quote(shown if not shown.startswith("..") else str(sibling))
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``gradwatch`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -620,7 +516,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             stream.reconfigure(errors="replace")  # type: ignore[union-attr]
         except (AttributeError, ValueError, OSError):
             pass
-    parser = build_parser(with_bench=_command_of(argv) == "bench")
+    command = _command_of(argv)
+    if command == "bench" and find_bench() is None:
+        return _bench_missing()
+    parser = build_parser(with_bench=command == "bench")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version (0) and usage errors (2)

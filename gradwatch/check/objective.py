@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .errors import blame
+from ..errors import blame
 
 Regularizer = Callable[[nn.Module], torch.Tensor]
 RegularizerSpec = Union[None, Mapping[str, Union[float, Regularizer]], Sequence[Regularizer]]

@@ -1,7 +1,7 @@
 """The training part of a check: judge the live ``.grad`` against the objective's gradient.
 
 Pure math on tensors: no model, no hook, no I/O. The reference gradient comes
-from :mod:`gradwatch.replay` (the objective recomputed as training computed
+from :mod:`gradwatch.check.replay` (the objective recomputed as training computed
 it); this module compares it with the gradient training applied, over every
 element of the tensor, and says in words what differs.
 
@@ -95,16 +95,19 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         >>> same_bits(x, x.clone()), same_bits(x, torch.tensor([1.0, 2.0]))
         (True, False)
     """
-    if a.layout != torch.strided or b.layout != torch.strided or a.shape != b.shape or a.dtype != b.dtype \
-            or a.device != b.device:
+    # Cheapest tests first (this runs for every watched tensor of every check): is_cpu, not device.type.
+    if a.dtype != b.dtype or a.shape != b.shape or a.layout != torch.strided or b.layout != torch.strided:
         return False
-    if a.device.type == "cpu" and a.is_contiguous() and b.is_contiguous():
-        if _MEMCMP is not None:
-            size = a.numel() * a.element_size()
-            return size == 0 or a.data_ptr() == b.data_ptr() or _MEMCMP(a.data_ptr(), b.data_ptr(), size) == 0
-        if a.element_size() in _INT_OF_SIZE and not a.is_complex():
-            as_int = _INT_OF_SIZE[a.element_size()]
-            return bool(np.array_equal(a.detach().view(as_int).numpy(), b.detach().view(as_int).numpy()))
+    if a.is_cpu and b.is_cpu:
+        if a.is_contiguous() and b.is_contiguous():
+            if _MEMCMP is not None:
+                size = a.nbytes
+                return size == 0 or a.data_ptr() == b.data_ptr() or _MEMCMP(a.data_ptr(), b.data_ptr(), size) == 0
+            if a.element_size() in _INT_OF_SIZE and not a.is_complex():
+                as_int = _INT_OF_SIZE[a.element_size()]
+                return bool(np.array_equal(a.detach().view(as_int).numpy(), b.detach().view(as_int).numpy()))
+    elif a.device != b.device:
+        return False
     return bool(torch.equal(a, b))
 
 
@@ -129,6 +132,9 @@ def gradient_scale(grads: Sequence[torch.Tensor]) -> float:
         return 0.0
     total = sum(float(torch.linalg.vector_norm(g.detach().to(torch.float64)) ** 2) for g in grads)
     return math.sqrt(total / n)
+
+
+_DTYPE_NAMES: dict = {}  # torch.float32 -> "float32", filled as dtypes are met
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -162,7 +168,7 @@ def judge_training(
             of the size of the model's gradients, not of its own.
 
     Returns:
-        A :class:`~gradwatch.report.TrainingCheck`.
+        A :class:`~gradwatch.check.report.TrainingCheck`.
 
     Example:
         >>> p = torch.tensor([1.0, -2.0, 3.0])
@@ -172,15 +178,14 @@ def judge_training(
         >>> judge_training("w", ref + 0.1 * p, ref, p, torch.float32).diagnosis.split(":")[0]
         "training's gradient has an extra 0.1 * p"
     """
-    tol = tolerance_for(dtype)
-    check = TrainingCheck(name=name, shape=tuple(param.shape), dtype=str(dtype).replace("torch.", ""), tolerance=tol)
+    tol = TOLERANCE.get(dtype, TOLERANCE[torch.float32])
+    dtype_name = _DTYPE_NAMES.get(dtype) or _DTYPE_NAMES.setdefault(dtype, str(dtype).replace("torch.", ""))
     if live is not None and same_bits(live, ref):
         # The same bits (a faithful replay of a correct step): nothing more to measure. (A NaN or inf the
-        # replay reproduces is training's own; the backward part reports it.)
-        check.rel_diff = check.max_rel_error = check.judged_rel_diff = 0.0
-        check.verdict = Verdict.EXCELLENT
-        check.failed = Verdict.EXCELLENT.is_failure(fail_at)
-        return check
+        # replay reproduces is training's own; the backward part reports it.) The common case: built in one call.
+        return TrainingCheck(name, tuple(param.shape), dtype_name, tol, 0.0, 0.0, 0.0, Verdict.EXCELLENT,
+                             Verdict.EXCELLENT.is_failure(fail_at))
+    check = TrainingCheck(name=name, shape=tuple(param.shape), dtype=dtype_name, tolerance=tol)
     ref, param = _real(ref), _real(param)
     live = _real(live) if live is not None else None
     r = ref.detach().reshape(-1).to(torch.float64)

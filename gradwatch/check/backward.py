@@ -9,10 +9,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from .context import preserved_rng, seed_everything
-from .errors import GradientCheckError
+from .isolation import preserved_rng, seed_everything
+from ..errors import GradientCheckError
 from .numeric import Verdict, max_rel_error, rel_diff
-from .options import parse_dtype, torch_dtype_of_numpy
+from ..options import parse_dtype, torch_dtype_of_numpy
 from .report import CheckReport, TensorCheck, diagnose
 from .sampling import choose_coords, generator, tensor_seed
 from .vjp_probe import Line, OutputProbe

@@ -154,7 +154,7 @@ class Verdict(str, enum.Enum):
     @property
     def rank(self) -> int:
         """0 for EXCELLENT up to 3 for WRONG."""
-        return _VERDICT_ORDER.index(self)
+        return _VERDICT_RANK[self]
 
     def is_failure(self, fail_at: "Verdict") -> bool:
         """True when this verdict is ``fail_at`` or worse."""
@@ -187,6 +187,7 @@ class Verdict(str, enum.Enum):
 
 
 _VERDICT_ORDER = [Verdict.EXCELLENT, Verdict.ACCEPTABLE, Verdict.SUSPICIOUS, Verdict.WRONG]
+_VERDICT_RANK = {v: i for i, v in enumerate(_VERDICT_ORDER)}
 
 
 def validate_bands(bands: Sequence[float]) -> tuple:

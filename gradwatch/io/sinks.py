@@ -1,6 +1,6 @@
 """Where check records go: JSONL, TensorBoard and logging.
 
-Every sink is written from the records of :mod:`gradwatch.records`, so the
+Every sink is written from the records of :mod:`gradwatch.io.records`, so the
 JSONL file and the TensorBoard scalars hold the same numbers. A
 :class:`SinkSet` fans records out and keeps training alive when one sink
 fails (disk full, closed writer): it logs one warning and carries on.
@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from .errors import GradWatchError
+from ..errors import GradWatchError
 from .records import (
     ALERTS_COUNT_TAG,
     ALERTS_TEXT_TAG,

@@ -13,9 +13,9 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .errors import ConfigError
-from .numeric import DEFAULT_BANDS, Verdict, validate_bands
-from .report import CheckReport, InconclusiveKind, TensorCheck, json_float
+from ..errors import ConfigError
+from ..check.numeric import DEFAULT_BANDS, Verdict, validate_bands
+from ..check.report import CheckReport, InconclusiveKind, TensorCheck, json_float
 
 #: Alert kinds, in the order they are reported within one check.
 ALERT_KINDS = ("threshold", "drift", "nonfinite", "nondeterministic", "error")
@@ -128,7 +128,7 @@ class TrendTracker:
         alert_cooldown: Checks during which a persisting alert stays silent; >= 0.
 
     Example:
-        >>> from gradwatch.report import CheckReport, TensorCheck
+        >>> from gradwatch.check.report import CheckReport, TensorCheck
         >>> def report(v):
         ...     t = TensorCheck(name="w", shape=(3,), rel_diff=v, max_rel_error=v,
         ...                     judged_rel_diff=v, verdict=Verdict.from_value(v))

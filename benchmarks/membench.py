@@ -8,7 +8,7 @@ the checks ran and what they checked. :func:`measure_memory` runs both configura
 
 Example (the worker, as ``gradwatch bench`` runs it)::
 
-    python -m gradwatch.membench --params 25e6 --watch
+    python benchmarks/membench.py --params 25e6 --watch
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def worker(n_params: float, watch: bool, steps: int = 3, batch: int = 64) -> Dic
 
     w = None
     if watch:
-        from .hook import GradWatch
+        from gradwatch import GradWatch
 
         w = GradWatch(model, loss_fn, every=1, log_dir=None)
     forms, checked, judged, notes = [], [], [], []
@@ -96,9 +96,10 @@ def worker(n_params: float, watch: bool, steps: int = 3, batch: int = 64) -> Dic
 
 
 def _spawn(n_params: float, watch: bool) -> Dict[str, Any]:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.abspath(__file__)
+    root = os.path.dirname(os.path.dirname(here))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "gradwatch.membench", "--params", repr(float(n_params))] + (["--watch"] if watch else [])
+    cmd = [sys.executable, here, "--params", repr(float(n_params))] + (["--watch"] if watch else [])
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         return {"error": (out.stderr.strip().splitlines() or ["?"])[-1][:200], "watch": watch}
@@ -122,8 +123,8 @@ def measure_memory(sizes: Sequence[float], progress: Optional[Any] = None) -> Li
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m gradwatch.membench --params N [--watch]``: one configuration, one JSON line."""
-    parser = argparse.ArgumentParser(prog="python -m gradwatch.membench", description=__doc__.splitlines()[0])
+    """``python benchmarks/membench.py --params N [--watch]``: one configuration, one JSON line."""
+    parser = argparse.ArgumentParser(prog="python benchmarks/membench.py", description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=float, default=25e6)
     parser.add_argument("--watch", action="store_true")
     parser.add_argument("--steps", type=int, default=3)

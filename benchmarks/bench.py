@@ -25,10 +25,14 @@ JSON:
 6. ``memory``: peak memory (CPU RSS; CUDA peak allocated) of 3 SGD steps of a 7-layer MLP
    (25M and 100M parameters; 1M and 4M with ``--quick``), batch 64, without and with
    ``GradWatch(every=1)`` at its default options, side by side, one subprocess per
-   configuration (:mod:`gradwatch.membench`); and ``module_form``: the planted bugs caught
+   configuration (``benchmarks/membench.py``); and ``module_form``: the planted bugs caught
    by the backward part's module form (``GradWatch(form="module")``).
 
 Figures are ratios from one run on one machine; nothing here asserts a time.
+
+This file ships with the source tree, not with the wheel (its planted-bug
+models are no part of the library): ``make bench``, ``python
+benchmarks/bench.py`` or ``gradwatch bench`` in a checkout run it.
 
 Example (as a test would run it)::
 
@@ -43,6 +47,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib
+import importlib.util
 import json
 import logging
 import math
@@ -60,15 +65,15 @@ from torch import nn
 from torch.autograd.gradcheck import GradcheckError
 from torch.nn import functional as F
 
-from ._version import __version__
-from .batched import batched_state, reset_batched_state
-from .check import check_model, run_model_check
-from .context import Shadow, cast_floats, preserved_rng
-from .hook import GradWatch
-from .objective import Objective
-from .options import CheckOptions
-from .records import to_jsonable
-from .report import CheckReport
+from gradwatch._version import __version__
+from gradwatch.check.batched import batched_state, reset_batched_state
+from gradwatch.check.isolation import Shadow, cast_floats, preserved_rng
+from gradwatch.check.model import check_model, run_model_check
+from gradwatch.check.objective import Objective
+from gradwatch.check.report import CheckReport
+from gradwatch.io.records import to_jsonable
+from gradwatch.options import CheckOptions
+from gradwatch.watch.gradwatch import GradWatch
 
 MODEL_NAMES = ("mlp", "cnn", "transformer")
 SECTIONS = ("time_to_verdict", "detection", "efficiency", "training_part", "training_overhead", "scaling", "memory",
@@ -441,6 +446,14 @@ def run_gradwatch(case: Case) -> Dict[str, Any]:
     }
 
 
+def _load_membench() -> Any:
+    """``benchmarks/membench.py`` beside this file (the benchmarks are files, not a package)."""
+    spec = importlib.util.spec_from_file_location("gradwatch_membench", os.path.join(os.path.dirname(os.path.abspath(__file__)), "membench.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_module_form(case: Case) -> Dict[str, Any]:
     """One check of ``GradWatch(form="module")`` (each module alone in float64): what it caught and named."""
     model = copy.deepcopy(case.model)
@@ -666,9 +679,8 @@ def run_benchmark(models: Sequence[str] = MODEL_NAMES, quick: bool = False, time
         say(f"scaling: widths {', '.join(map(str, widths))}")
         out["scaling"] = measure_scaling(widths, repeats)
     if memory:
-        from .membench import SIZES as MEMORY_SIZES, measure_memory
-
-        out["memory"] = measure_memory(MEMORY_SIZES[size], progress=say)
+        membench = _load_membench()
+        out["memory"] = membench.measure_memory(membench.SIZES[size], progress=say)
     out["targets"] = evaluate_targets(out, quick=quick)
     out["meta"]["seconds"] = time.perf_counter() - started
     return out
@@ -883,7 +895,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m gradwatch.bench``."""
+    """``python benchmarks/bench.py [flags]`` (the same as ``gradwatch bench [flags]`` in a source checkout)."""
     parser = argparse.ArgumentParser(prog="gradwatch bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -21,25 +21,25 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from ._version import __version__ as _version
-from .check import GradFn, run_model_check, trainable_names
-from .config import GradWatchConfig, load_config
-from .context import Shadow, preserved_rng
+from .._version import __version__ as _version
+from ..check.model import GradFn, run_model_check, trainable_names
+from ..config import GradWatchConfig, load_config
+from ..check.isolation import Shadow, preserved_rng
 from .distributed import DEFAULT_TIMEOUT, DistributedCoordinator, unwrap_model
-from .errors import GradientDriftError, blamed
-from .numeric import Verdict
-from .objective import Objective, coupled_weight_decay
-from .records import check_record, run_record
-from .generators import find_generators
-from .memory import SAFETY, MemoryMeter, gradient_bytes, mb, model_device, objective_bytes, release_freed
-from .modular import module_units, run_module_check, units_signature
-from .replay import ForwardRecorder, Replay, Step, replay_step
-from .report import CheckReport
-from .sampling import coverage as coverage_of
-from .sampling import match_names, rotate
+from ..errors import GradientDriftError, blamed
+from ..check.numeric import Verdict
+from ..check.objective import Objective, coupled_weight_decay
+from ..io.records import check_record, run_record
+from ..check.generators import find_generators
+from ..check.replay import ForwardRecorder, Replay, Step, replay_step
+from ..check.report import CheckReport
+from ..check.sampling import coverage as coverage_of
+from ..check.sampling import match_names, rotate
+from ..check.memory import SAFETY, MemoryMeter, gradient_bytes, mb, model_device, objective_bytes, release_freed
+from ..check.modular import module_units, run_module_check, units_signature
 from .schedule import ANNOUNCE_AS_WARNING_ABOVE, Schedule
-from .sinks import SinkSet, build_sinks
-from .training import compute_dtype, gradient_scale, judge_training, tolerance_for
+from ..io.sinks import SinkSet, build_sinks
+from ..check.training import compute_dtype, gradient_scale, judge_training, tolerance_for
 from .trend import Alert
 
 logger = logging.getLogger("gradwatch")
@@ -96,7 +96,7 @@ class GradWatch:
     - **training** (``training=True``, the default): every watched tensor's live
       ``.grad`` against the objective's gradient recomputed the way training
       computed it (live model and dtype, the same dropout masks and autocast
-      state; see :mod:`gradwatch.replay`): is the gradient training applies the
+      state; see :mod:`gradwatch.check.replay`): is the gradient training applies the
       gradient of the objective?
 
     Under gradient accumulation call :meth:`accumulate` after each micro-batch's
@@ -112,7 +112,7 @@ class GradWatch:
             logged and training goes on.
         writer: Optional existing ``SummaryWriter`` to log through (e.g. Lightning's).
         distributed: ``"auto"`` (default): coordinate the ranks when ``torch.distributed`` is
-            initialized with 2+ ranks (see :mod:`gradwatch.distributed`); ``False``: act as a
+            initialized with 2+ ranks (see :mod:`gradwatch.watch.distributed`); ``False``: act as a
             single process. A DDP/DataParallel wrapper is always unwrapped (``model.module``).
         distributed_timeout: Seconds gradwatch's own collectives wait for a missing rank.
         grad_scaler: Optional ``torch.amp.GradScaler`` of a float16 AMP loop. The training part then
@@ -194,7 +194,7 @@ class GradWatch:
         self._started: Optional[float] = None
         self._wall_before = 0.0
         self._shadow: Optional[Shadow] = None
-        #: Training's own peak memory and the room a check has under ``memory_budget`` (:mod:`gradwatch.memory`).
+        #: Training's own peak memory and the room a check has under ``memory_budget`` (:mod:`gradwatch.check.memory`).
         self.memory = MemoryMeter(self.config.memory_budget, model_device(model))
         self._units: Optional[Tuple[Any, list]] = None  # (units_signature, the module form's units)
         self._unit_counts: Dict[str, int] = {}  # module form: checks per module, for the rotation
@@ -252,7 +252,7 @@ class GradWatch:
     # ------------------------------------------------------------------ public state
     @property
     def history(self) -> Dict[str, List[Dict[str, Any]]]:
-        """Per-tensor history of checks (see :class:`~gradwatch.trend.TrendTracker`)."""
+        """Per-tensor history of checks (see :class:`~gradwatch.watch.trend.TrendTracker`)."""
         return self.tracker.history
 
     @property
@@ -407,7 +407,7 @@ class GradWatch:
         """For integrations: a micro-batch's ``loss_fn`` starts now, with no random draw before it.
 
         The replay of the training part can then start every generator from here (see
-        :mod:`gradwatch.replay`), even when training never calls the model's own forward.
+        :mod:`gradwatch.check.replay`), even when training never calls the model's own forward.
         """
         if self._recorder is not None:
             self._recorder.mark(exact=True, full=self.paused is None and self._due(self._step))
@@ -417,7 +417,7 @@ class GradWatch:
         if self._recorder is not None:
             pending = self._recorder.take(batch, loss)
         else:
-            from .replay import MicroBatch, StartState
+            from ..check.replay import MicroBatch, StartState
 
             last = batch if batch is not None else self._last_micro
             pending = Step([MicroBatch(last, loss, StartState.now())])
@@ -513,6 +513,7 @@ class GradWatch:
         cached = getattr(self, "_params_cache", None)
         if cached is not None and _same_tree(cached[1]) and all(p.requires_grad == flag for p, flag in cached[2]):
             return cached[0]
+        self._modules_cache = list(self.model.modules())  # current while the tree is: the replay's guards walk it
         tree = []
         named = []
         flags = []  # every parameter's requires_grad: one frozen or unfrozen changes the watched set
@@ -561,7 +562,7 @@ class GradWatch:
 
         def grad_of(total: torch.Tensor, batch: Any) -> Dict[str, torch.Tensor]:
             if self.grad_fn is not None:
-                from .check import _validate_grads
+                from ..check.model import _validate_grads
 
                 return _validate_grads(self.grad_fn(model, batch), params, "grad_fn")
             if not total.requires_grad:
@@ -580,14 +581,14 @@ class GradWatch:
         worst = compute_dtype(max((p.dtype for p in plist), key=tolerance_for, default=torch.float32), autocast)
         replay = replay_step(model, self._recorder, pending, self.objective.training_total, grad_of, params,
                              loss_tolerance=10 * tolerance_for(worst), context=self.replay_context,
-                             generators=self._held_generators())
+                             generators=self._held_generators(), modules=self._modules_cache)
         replay.params = params
         return replay
 
     def _training_subset(self, params: Dict[str, torch.Tensor], room: int) -> Dict[str, torch.Tensor]:
         """The watched tensors whose replayed gradients fit in ``room`` beside the replay's activations
         (all when they fit; else least-judged first, in model order among equals)."""
-        free = SAFETY * room - self.memory.transient()
+        free = SAFETY * room - self.memory.transient(self.model)
         if gradient_bytes(params.values()) <= free:
             return params
         order = sorted(range(len(params)), key=lambda i: (self._training_counts.get(list(params)[i], 0), i))
@@ -608,7 +609,7 @@ class GradWatch:
         form = self.config.form
         dtype = self._check_options.dtype
         held = dtype is not None and self._shadow is not None and self._shadow.matches(self.model)
-        estimate = objective_bytes(self.model, names, dtype, activations=self.memory.transient())
+        estimate = objective_bytes(self.model, names, dtype, activations=self.memory.transient(self.model))
         if held:  # the copy is held already: counted in what is in use now
             estimate -= objective_bytes(self.model, [], dtype)
         if form == "objective" or (form == "auto" and (room is None or estimate <= SAFETY * room)):
@@ -666,9 +667,11 @@ class GradWatch:
                 scales.append(gradient_scale(list(grads.values())))
             return scales[0]
 
+        bands, fail_at, autocast = self._check_options.bands, self._check_options.fail_at, replay.autocast
+        dtypes: Dict[torch.dtype, torch.dtype] = {}  # parameter dtype -> compute dtype, once per dtype
         for n, p in params.items():
-            report.training[n] = judge_training(n, p.grad, grads[n], p, compute_dtype(p.dtype, replay.autocast),
-                                                self._check_options.bands, self._check_options.fail_at, scale=scale)
+            dtype = dtypes.get(p.dtype) or dtypes.setdefault(p.dtype, compute_dtype(p.dtype, autocast))
+            report.training[n] = judge_training(n, p.grad, grads[n], p, dtype, bands, fail_at, scale=scale)
         notes = [f"replayed from the {replay.how} RNG state" if replay.how else ""]
         if replay.loss_gap is not None:
             given, replayed = replay.loss_gap

@@ -13,14 +13,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from .context import BufferGuard, Reseeder, Shadow, dropout_off, frozen_batchnorm_stats, frozen_power_iteration, preserved_rng, restore_params, seed_everything, snapshot_params, cast_floats, suspended_hooks
+from .isolation import BufferGuard, Reseeder, Shadow, dropout_off, frozen_batchnorm_stats, frozen_power_iteration, preserved_rng, restore_params, seed_everything, snapshot_params, cast_floats, suspended_hooks
 from .engine import EngineSettings, Evaluator, NOISE_FACTOR, check_tensor, total
-from .errors import blame
+from ..errors import blame
 from .generators import HeldGenerators
 from .graph import CHECKPOINT_NO_GRAD_WARNING, grad_by_backward, reentrant_checkpoint_leaves
 from .numeric import machine_eps
 from .objective import Objective, coupled_weight_decay
-from .options import CheckOptions
+from ..options import CheckOptions
 from .padding import padding_note, padding_rows_constant
 from .precision import ShadowPrecision
 from .report import CheckReport, InconclusiveKind, TensorCheck
@@ -69,11 +69,11 @@ def check_model(
         optimizer: Read coupled ``weight_decay`` from its param groups.
         grad_fn: Hand-written backprop ``grad_fn(model, batch) -> {name: grad}`` of the
             full objective, used instead of autograd.
-        localize: When a tensor fails, check each module alone (:func:`gradwatch.localize.localize`)
+        localize: When a tensor fails, check each module alone (:func:`gradwatch.check.localize.localize`)
             to name the module or custom autograd.Function whose backward is wrong; results go to
             ``report.localized`` and ``str(report)``.
         batched: Evaluate perturbations in vmapped batches where the model allows it
-            (:mod:`gradwatch.batched`, automatic fallback); False: one evaluation each.
+            (:mod:`gradwatch.check.batched`, automatic fallback); False: one evaluation each.
         **options: See :class:`gradwatch.options.CheckOptions` (``coords``,
             ``directions``, ``eps``, ``bands``, ``fail_at``, ``seed``, ``dtype``,
             ``detect_kinks``, ``per_term``, ``tensors``).
@@ -185,7 +185,7 @@ def run_model_check(
         names: Tensors to check (default: trainable ones matching ``opts.tensors``).
         shadow: A :class:`Shadow` to reuse (refreshed in place) instead of a new copy.
         batched: Evaluate the perturbations of a tensor in vmapped batches where the model
-            allows it (see :mod:`gradwatch.batched`); False: one evaluation each.
+            allows it (see :mod:`gradwatch.check.batched`); False: one evaluation each.
     """
     start = time.perf_counter()
     all_names = trainable_names(model)
@@ -215,7 +215,7 @@ def run_model_check(
             report.notes.append(_hooks_note(hooks))
             warnings.warn(report.notes[-1], stacklevel=3)  # shown once per distinct text by the default filter
         # Analytic side: one forward with grad, then autograd.grad (never the caller's .grad).
-        # On a shadow it also measures the precision the objective really computes in (gradwatch.precision).
+        # On a shadow it also measures the precision the objective really computes in (gradwatch.check.precision).
         precision = ShadowPrecision(opts.dtype) if not in_place else None
         seed_everything(eval_seed)
         with torch.enable_grad(), (precision.tracing(target) if precision is not None else contextlib.nullcontext()):
@@ -365,7 +365,7 @@ def _floats(terms: Mapping[str, torch.Tensor]) -> Dict[str, float]:
 
 
 def _analytic(objective, terms_t, total_t, params, target, batch, grad_fn, per_term, leaves=None) -> Dict[str, Dict[str, torch.Tensor]]:
-    """``{tensor: {"total": grad, term: grad, ...}}``; through ``backward()`` into ``leaves`` when given (see :mod:`gradwatch.graph`)."""
+    """``{tensor: {"total": grad, term: grad, ...}}``; through ``backward()`` into ``leaves`` when given (see :mod:`gradwatch.check.graph`)."""
     plist = list(params.values())
     out: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n in params}
     if grad_fn is not None:
@@ -393,7 +393,7 @@ def _grad(value: torch.Tensor, plist: List[torch.Tensor], retain: bool,
           leaves: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:
     if not value.requires_grad:
         return [torch.zeros_like(p) for p in plist]
-    if leaves is not None:  # see gradwatch.graph
+    if leaves is not None:  # see gradwatch.check.graph
         gs = grad_by_backward(value, plist, leaves, retain)
     else:
         gs = torch.autograd.grad(value, plist, retain_graph=retain, allow_unused=True)

@@ -23,7 +23,7 @@ chosen by ``bug``:
 
 This module does no argument parsing and prints nothing: :func:`run_demo`
 reports progress through callbacks and returns a :class:`DemoResult`;
-:mod:`gradwatch.cli` does the talking.
+:mod:`gradwatch.cli.commands` does the talking.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .config import GradWatchConfig
-from .errors import GradientDriftError
-from .hook import GradWatch
-from .objective import parse_regularizers
-from .report import CheckReport
-from .trend import Alert
+from ..config import GradWatchConfig
+from ..errors import GradientDriftError
+from ..watch.gradwatch import GradWatch
+from ..check.objective import parse_regularizers
+from ..check.report import CheckReport
+from ..watch.trend import Alert
 
 #: The stories ``--bug`` can tell.
 BUGS = ("late", "none", "scale", "missing-l2")

@@ -2,7 +2,7 @@
 
 A run is read into a :class:`RunData` from one of three places:
 
-- ``checks.jsonl`` records (:func:`from_records`, what :func:`gradwatch.sinks.read_jsonl` returns);
+- ``checks.jsonl`` records (:func:`from_records`, what :func:`gradwatch.io.sinks.read_jsonl` returns);
 - TensorBoard event files (:func:`from_event_files`: the ``gradwatch/judged_rel_diff/<param>``
   and ``gradwatch/rel_diff/<param>`` scalars, alerts from the text plugin);
 - a live :class:`~gradwatch.GradWatch` (:func:`from_watch`).
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from .errors import GradWatchError
-from .numeric import DEFAULT_BANDS, Verdict
+from ..errors import GradWatchError
+from ..check.numeric import DEFAULT_BANDS, Verdict
 from .records import ALERTS_TEXT_TAG, to_jsonable
 from .sinks import JSONL_NAME, RUN_TEXT_TAG, read_jsonl
 

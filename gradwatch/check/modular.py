@@ -48,11 +48,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .context import (BufferGuard, Reseeder, dropout_off, frozen_batchnorm_stats, frozen_power_iteration,
+from .isolation import (BufferGuard, Reseeder, dropout_off, frozen_batchnorm_stats, frozen_power_iteration,
                       param_signature, preserved_rng, suspended_hooks)
 from .localize import ModuleCheck, _copy_opaque, _innermost, _map, _owned, check_module
 from .memory import float_bytes, mb, module_bytes
-from .options import CheckOptions
+from ..options import CheckOptions
 from .padding import padding_rows_constant
 from .precision import ShadowPrecision
 from .report import CheckReport

@@ -49,13 +49,13 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 import torch.distributed as dist
 from torch import nn
 
-from .errors import GradWatchError, blamed
-from .report import CheckReport
-from .sampling import rotate
+from ..errors import GradWatchError, blamed
+from ..check.report import CheckReport
+from ..check.sampling import rotate
 from .trend import WHOLE_CHECK, Alert
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .hook import GradWatch
+    from .gradwatch import GradWatch
 
 logger = logging.getLogger("gradwatch")
 
@@ -167,8 +167,8 @@ class DistributedCoordinator:
         """
         if self.broken is not None:
             return None
-        from .check import run_model_check
-        from .context import Shadow, preserved_rng
+        from ..check.model import run_model_check
+        from ..check.isolation import Shadow, preserved_rng
 
         per_rank = watch.config.tensors_per_check
         opts = dataclasses.replace(watch._check_options, seed=watch._check_options.seed + watch._checks)

@@ -1,6 +1,6 @@
 """Dropout of every form off during the backward check, and a count of what was switched off.
 
-Dropout modules are switched to eval by :func:`gradwatch.context.dropout_off`. Many models apply
+Dropout modules are switched to eval by :func:`gradwatch.check.isolation.dropout_off`. Many models apply
 dropout functionally instead (``F.dropout(x, p, training=self.training)``,
 ``scaled_dot_product_attention(..., dropout_p=...)``, ``F.multi_head_attention_forward``):
 :class:`FunctionalDropoutOff`, a ``TorchFunctionMode`` (thread-local: a training loop in another
@@ -10,7 +10,7 @@ function's name (layerdrop: ``if self.training and torch.rand([]) < self.layerdr
 injection) cannot be switched off without changing what the model computes: it stays on,
 reseeded (every evaluation of a check draws the same values), and the record says so.
 
-The training part of a check (:mod:`gradwatch.replay`) runs outside this: it keeps dropout on,
+The training part of a check (:mod:`gradwatch.check.replay`) runs outside this: it keeps dropout on,
 with training's masks.
 
 Example:

@@ -41,13 +41,13 @@ from __future__ import annotations
 import contextlib
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from torch import nn
 
-from .context import BufferGuard, frozen_power_iteration, preserved_rng, suspended_hooks
+from .isolation import BufferGuard, frozen_power_iteration, preserved_rng, suspended_hooks
 from .generators import HeldGenerators
 
 #: Forwards recorded per micro-batch at most; beyond, the replay cannot be verified.
@@ -87,9 +87,21 @@ def autocast_state() -> Tuple[Tuple[str, bool, torch.dtype], ...]:
     return tuple(out)
 
 
+def autocast_as(state: Sequence[Tuple[str, bool, torch.dtype]]) -> ContextManager[Any]:
+    """Enter the autocast regions recorded by :func:`autocast_state` (none: plain precision).
+
+    Example:
+        >>> with autocast_as((("cpu", True, torch.bfloat16),)):
+        ...     autocast_state()
+        (('cpu', True, torch.bfloat16),)
+    """
+    if not state:
+        return contextlib.nullcontext()  # the common case, at no cost
+    return _autocast_regions(state)
+
+
 @contextlib.contextmanager
-def autocast_as(state: Sequence[Tuple[str, bool, torch.dtype]]) -> Iterator[None]:
-    """Enter the autocast regions recorded by :func:`autocast_state` (none: plain precision)."""
+def _autocast_regions(state: Sequence[Tuple[str, bool, torch.dtype]]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for dev, enabled, dtype in state:
             stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
@@ -184,7 +196,11 @@ class _RecordHook:
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         rec = self.recorder
-        if rec is not None and rec.active and module is rec.root and not rec.paused and torch.is_grad_enabled():
+        if rec is None or module is not rec.root:
+            return None
+        if rec.probe is not None:  # a replay runs: its probe takes training's place
+            rec.probe(module, args, kwargs)
+        elif rec.active and not rec.paused and torch.is_grad_enabled():
             rec.record(args, kwargs)
         return None
 
@@ -216,6 +232,8 @@ class ForwardRecorder:
     def __init__(self, root: nn.Module) -> None:
         self.root = root
         self.paused = False
+        #: The running replay's probe (:func:`replay_step`), called from this hook in the place training's forwards were recorded.
+        self.probe: Optional[Callable[[nn.Module, tuple, dict], None]] = None
         #: Record forwards (True while the coming step may be checked; see :meth:`mark`).
         self.active = True
         self._hook = _RecordHook(self)
@@ -224,6 +242,10 @@ class ForwardRecorder:
         self._overflow = False
         self._start = StartState.now()
         self._pending: List[MicroBatch] = []
+
+    def hooked(self) -> bool:
+        """True while the recording pre-hook is still in place on the root (user code may have cleared hooks)."""
+        return self._handle.id in self.root._forward_pre_hooks
 
     def record(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
         """Called by the pre-hook for every training forward of the root module."""
@@ -359,12 +381,15 @@ Context = Optional[Callable[[], Any]]
 
 
 @contextlib.contextmanager
-def _isolated(root: nn.Module, recorder: ForwardRecorder) -> Iterator[None]:
+def _isolated(root: nn.Module, recorder: ForwardRecorder, modules: Optional[List[nn.Module]] = None) -> Iterator[None]:
     """The live model as a replay runs it: the recorder paused, hooks your code registered and the
-    ``spectral_norm`` power iteration off; generators, buffers and plain attributes put back after."""
+    ``spectral_norm`` power iteration off; generators, buffers and plain attributes put back after.
+
+    ``modules``: ``list(root.modules())`` when the caller knows it is current (GradWatch keeps it
+    while the module tree is unchanged), else one walk here serves every guard."""
     recorder.paused = True
     try:
-        modules = list(root.modules())  # one walk for the guards below
+        modules = list(root.modules()) if modules is None else modules
         with preserved_rng(), frozen_power_iteration(root, modules), suspended_hooks(root, modules):
             guard = BufferGuard(root, attributes=True, modules=modules)
             try:
@@ -377,7 +402,8 @@ def _isolated(root: nn.Module, recorder: ForwardRecorder) -> Iterator[None]:
 
 def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of: GradOf, mb: MicroBatch,
          mode: str, params: Dict[str, torch.Tensor], context: Context = None,
-         generators: Sequence[Any] = ()) -> Tuple[Dict[str, torch.Tensor], float, _Probe, tuple]:
+         generators: Sequence[Any] = (), modules: Optional[List[nn.Module]] = None,
+         ) -> Tuple[Dict[str, torch.Tensor], float, _Probe, tuple]:
     """One replay of one micro-batch; restores generators, buffers and attributes, never writes ``.grad``.
 
     ``context`` (an integration's, e.g. Lightning's precision context around ``training_step``)
@@ -385,16 +411,20 @@ def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of
     Hooks your code registered on the model do not run (as in the backward part), the power
     iteration of ``spectral_norm`` is off (training's forward already updated its vectors), and
     generators held by the model or the loss (``roots``) are put back; a replay that drew from
-    one (``generators``, see :func:`gradwatch.generators.find_generators`) cannot reproduce
+    one (``generators``, see :func:`gradwatch.check.generators.find_generators`) cannot reproduce
     training's draws and is marked unfaithful.
     Returns the gradients, the objective, the probe and the autocast state the replay ran in.
     """
     probe = _Probe(mb.records, mode)
     region = context() if context is not None else autocast_as(mb.records[0].autocast if mb.records else ())
     held = HeldGenerators.of(generators)
-    handle = root.register_forward_pre_hook(probe, with_kwargs=True, prepend=True)
+    handle = None
+    if root is recorder.root and recorder.hooked():
+        recorder.probe = probe  # run by the recording hook, where training's forwards were recorded
+    else:
+        handle = root.register_forward_pre_hook(probe, with_kwargs=True, prepend=True)
     try:
-        with _isolated(root, recorder):
+        with _isolated(root, recorder, modules):
             if mode == "start":
                 mb.start.apply()
             with torch.enable_grad(), _hooks_detached(list(params.values())):
@@ -404,7 +434,9 @@ def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of
                 grads = grad_of(total, mb.batch)
             value = float(total.detach())
     finally:
-        handle.remove()
+        recorder.probe = None
+        if handle is not None:
+            handle.remove()
         if held.moved():
             probe.faithful = False
             probe.private = True
@@ -412,10 +444,11 @@ def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of
     return grads, value, probe, autocast
 
 
-def rng_free(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, mb: MicroBatch) -> bool:
+def rng_free(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, mb: MicroBatch,
+             modules: Optional[List[nn.Module]] = None) -> bool:
     """True when the objective on this batch does not depend on torch's generator (two seeds agree)."""
     values = []
-    with _isolated(root, recorder), torch.no_grad():
+    with _isolated(root, recorder, modules), torch.no_grad():
         for seed in (12345, 54321):
             torch.manual_seed(seed)
             values.append(float(evaluate(root, mb.batch).detach()))
@@ -438,7 +471,7 @@ def as_float(value: Any) -> Optional[float]:
 
 def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate: Evaluate, grad_of: GradOf,
                 params: Dict[str, torch.Tensor], loss_tolerance: float, context: Context = None,
-                generators: Sequence[Any] = ()) -> Replay:
+                generators: Sequence[Any] = (), modules: Optional[List[nn.Module]] = None) -> Replay:
     """Recompute the objective's gradient of a whole optimizer step (mean over its micro-batches).
 
     The mean is formed as training forms it under gradient accumulation: the gradient of each
@@ -457,6 +490,7 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
         context: Optional ``context() -> context manager`` training's loss ran in (an integration's
             precision context); the replay runs in it too.
         generators: Generators the model or the objective hold (put back after each replay).
+        modules: ``list(root.modules())``, when the caller knows it is current (saves a walk per replay).
 
     Returns:
         A :class:`Replay`; ``grads`` is None (with ``reason``) when no replay could be verified.
@@ -480,7 +514,8 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
         tried = []
         modes = ("forward", "start") if mb.records else ("start",)
         for mode in modes:
-            grads, value, probe, autocast = _one(root, recorder, evaluate, grad_of, mb, mode, params, context, generators)
+            grads, value, probe, autocast = _one(root, recorder, evaluate, grad_of, mb, mode, params, context, generators,
+                                                  modules)
             if probe.private:
                 return Replay(None, None, None, "the model or loss_fn draws from a random generator of its own "
                               "(torch.Generator, numpy Generator, random.Random): the replay cannot reproduce training's "
@@ -491,7 +526,7 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
             if mb.records:
                 ok = probe.faithful and probe.count == len(mb.records)
             else:
-                ok = mb.start.exact or loss_agrees or rng_free(root, recorder, evaluate, mb)
+                ok = mb.start.exact or loss_agrees or rng_free(root, recorder, evaluate, mb, modules)
             if ok:
                 done = (grads, value, mode, autocast)
                 break

@@ -7,7 +7,7 @@
   modules are switched to eval, the ``dropout`` probability of
   ``nn.MultiheadAttention`` and RNN modules is set to 0, and functional dropout
   (``F.dropout``, ``scaled_dot_product_attention(dropout_p=...)``, ...) runs with
-  training off, for the check only (:mod:`gradwatch.dropout`).
+  training off, for the check only (:mod:`gradwatch.check.dropout`).
 - ``parametrizations.spectral_norm``: the power iteration is off during a check
   (``u``, ``v`` constant, as torch defines the gradient).
 - BatchNorm stays in train mode (the function training differentiates);
@@ -105,7 +105,7 @@ class Reseeder:
     The generator states right after seeding are captured once and put back on
     each call (``torch.set_rng_state`` and ``random.setstate`` are cheaper than
     re-seeding; numpy's ``seed`` is cheaper than its ``set_state``). Generators held by the
-    model or the loss (:class:`~gradwatch.generators.HeldGenerators`, ``held``) are put back in
+    model or the loss (:class:`~gradwatch.check.generators.HeldGenerators`, ``held``) are put back in
     their saved state on each call. ``random``
     and ``numpy.random`` are reseeded only if one of the first :attr:`WATCH`
     evaluations drew from them (most objectives use torch's generator alone).
@@ -193,8 +193,8 @@ def dropout_off(model: nn.Module) -> Iterator["DropoutRecord"]:
 
     Dropout modules go to eval, ``MultiheadAttention``/RNN ``dropout`` probabilities to 0, and
     functional dropout calls made meanwhile in this thread run with training off
-    (:class:`gradwatch.dropout.FunctionalDropoutOff`). Yields a
-    :class:`gradwatch.dropout.DropoutRecord` of what was switched off; call its ``settle()``
+    (:class:`gradwatch.check.dropout.FunctionalDropoutOff`). Yields a
+    :class:`gradwatch.check.dropout.DropoutRecord` of what was switched off; call its ``settle()``
     after the first forward (the counts are per forward). Layerdrop (a module attribute
     ``layerdrop`` > 0, or a transformers config's ``layerdrop``/``encoder_layerdrop``/... fields)
     is recorded as staying on.
@@ -329,8 +329,9 @@ def _hook_name(hook: Any) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def _has_hooks(attrs: Dict[str, Any]) -> bool:
-    return any(attrs.get(key) for key in _HOOK_KINDS)
+def _has_hooks(m: nn.Module) -> bool:
+    # Attribute reads, not a loop over _HOOK_KINDS: this runs for every module of every replay.
+    return bool(m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks)
 
 
 @contextlib.contextmanager
@@ -356,7 +357,7 @@ def suspended_hooks(model: nn.Module, modules: Optional[List[nn.Module]] = None)
     from torch.nn.modules import module as torch_module
 
     places: List[Tuple[Any, Dict[str, Any]]] = [
-        (m, m.__dict__) for m in (model.modules() if modules is None else modules) if _has_hooks(m.__dict__)]
+        (m, m.__dict__) for m in (model.modules() if modules is None else modules) if _has_hooks(m)]
     places.append(("every module (global)", {k: getattr(torch_module, "_global" + k, None) for k in _HOOK_KINDS}))
     removed: List[Tuple[Any, List[Any], Dict[Any, Any]]] = []
     names: List[str] = []
@@ -419,6 +420,9 @@ class AttributeGuard:
         self._saved = []
         for m in (model.modules() if modules is None else modules):
             attrs = m.__dict__
+            if _STATELESS.get(type(m)) or (_STATELESS.get(type(m)) is None and _stateless(type(m))):
+                if "forward" not in attrs:  # no forward of its own: torch's, which changes no plain attribute
+                    continue
             self._saved.extend((attrs, k, attrs[k]) for k in attrs.keys() - MODULE_KEYS if type(attrs[k]) in _SCALARS)
         self._changed: Optional[list] = None
 
@@ -432,6 +436,16 @@ class AttributeGuard:
 
 
 _MISSING = object()
+
+#: Module classes whose forward is torch's own (``torch.nn.modules``): it changes buffers at most, never a
+#: plain attribute, so :class:`AttributeGuard` skips their instances (a replay guards every module of the model).
+_STATELESS: Dict[type, bool] = {}
+
+
+def _stateless(cls: type) -> bool:
+    where = getattr(cls.forward, "__module__", None) or ""
+    _STATELESS[cls] = where.startswith("torch.nn.modules.") and cls.__module__.startswith("torch.nn.modules.")
+    return _STATELESS[cls]
 
 
 @contextlib.contextmanager

@@ -108,7 +108,7 @@ class EngineSettings:
     magnitude: float
     jitter: float = 0.0
     exhaustive: bool = False
-    #: Where the objective computes in a lower precision than the tensors (see :mod:`gradwatch.precision`).
+    #: Where the objective computes in a lower precision than the tensors (see :mod:`gradwatch.check.precision`).
     coarse: Optional[str] = None
 
 
@@ -398,7 +398,7 @@ def prepare_slopes(samples: List[Sample], saved: torch.Tensor, grads: Dict[str, 
 
 
 class BatchProbe:
-    """What :func:`batched_bases` needs from a batched evaluator (see :mod:`gradwatch.batched`)."""
+    """What :func:`batched_bases` needs from a batched evaluator (see :mod:`gradwatch.check.batched`)."""
 
     def chunk(self, p: torch.Tensor) -> int:
         """How many perturbed copies of ``p`` to evaluate at once."""

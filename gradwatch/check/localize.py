@@ -8,7 +8,7 @@ check batch (one forward of the float64 shadow), then for each module
     J(x, θ) = <module(x; θ), c>      with c a seeded random cotangent,
 
 is compared, by the same sampled two-sided differences as the end-to-end
-check (:func:`gradwatch.engine.check_tensor`: kink guard, noise floor), with
+check (:func:`gradwatch.check.engine.check_tensor`: kink guard, noise floor), with
 its vector-Jacobian products: the gradients of J with respect to the module's
 input (the input gradient the module passes back) and to its own parameters.
 One evaluation costs one module's forward, not the whole network's.
@@ -40,11 +40,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from .context import (BufferGuard, Reseeder, Shadow, cast_floats, dropout_off, frozen_batchnorm_stats, preserved_rng,
+from .isolation import (BufferGuard, Reseeder, Shadow, cast_floats, dropout_off, frozen_batchnorm_stats, preserved_rng,
                       restore_params, snapshot_params)
 from .engine import EngineSettings, Evaluator, check_tensor, total
 from .numeric import machine_eps
-from .options import CheckOptions
+from ..options import CheckOptions
 from .padding import padding_rows_constant
 from .precision import ShadowPrecision
 from .report import InconclusiveKind, TensorCheck, json_float
@@ -292,7 +292,7 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
     module's direct trainable parameters) are perturbed in place and restored bit for bit;
     call inside the deterministic context of :func:`localize` (dropout off, RNG preserved)
     for a side-effect-free check. ``restore=False`` (a throwaway copy of the module, as the
-    module form of :mod:`gradwatch.modular` checks): no snapshot of the parameters is kept
+    module form of :mod:`gradwatch.check.modular` checks): no snapshot of the parameters is kept
     beyond the one each tensor's probing keeps, so the check holds less memory.
     """
     start = time.perf_counter()
@@ -517,7 +517,7 @@ def localize(
 
     try:
         # On a shadow, casts down stay in its dtype (as in check_model): a norm computing in float32 inside a
-        # float64 copy would otherwise fail alone, falsely (gradwatch.precision).
+        # float64 copy would otherwise fail alone, falsely (gradwatch.check.precision).
         precision = ShadowPrecision(opts.dtype) if opts.dtype is not None else contextlib.nullcontext()
         with preserved_rng(), dropout_off(target) as dropout, padding_rows_constant(target), precision:
             if names is None:

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .errors import GradientCheckError
+from ..errors import GradientCheckError
 from .numeric import Verdict
 
 
@@ -108,7 +108,7 @@ class TrainingCheck:
     """The training part of a check for one tensor: the live ``.grad`` against the objective's gradient.
 
     The objective's gradient is recomputed the way training computed it (live model, its dtype
-    and device, the same dropout masks and autocast state; see :mod:`gradwatch.replay`) and
+    and device, the same dropout masks and autocast state; see :mod:`gradwatch.check.replay`) and
     compared with the gradient training applied over every element.
 
     Attributes:
@@ -184,13 +184,13 @@ class CheckReport:
         notes: Warnings a person should read (decoupled weight decay, kinks, ...).
         term_checks: With ``per_term=True``: term -> tensor name -> :class:`TensorCheck`.
         dropout: What the backward check switched off (dropout modules, functional dropout calls
-            per forward) and what randomness stayed on, reseeded (:class:`gradwatch.dropout.DropoutRecord`).
+            per forward) and what randomness stayed on, reseeded (:class:`gradwatch.check.dropout.DropoutRecord`).
         precision: On a shadow copy: what precision the objective really computed in
-            (:meth:`gradwatch.precision.ShadowPrecision.summary`, plus the base ``step``).
+            (:meth:`gradwatch.check.precision.ShadowPrecision.summary`, plus the base ``step``).
         form: Which form of the backward part ran: ``"objective"`` (the whole objective on a
             float64 copy of the model, or in place) or ``"module"`` (each module alone on its
-            captured inputs, :mod:`gradwatch.modular`), chosen against ``memory_budget``.
-        memory: The memory budget's figures for this check (:meth:`gradwatch.memory.MemoryMeter.summary`).
+            captured inputs, :mod:`gradwatch.check.modular`), chosen against ``memory_budget``.
+        memory: The memory budget's figures for this check (:meth:`gradwatch.check.memory.MemoryMeter.summary`).
 
     Example:
         >>> report = CheckReport(tensors={})
