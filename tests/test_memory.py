@@ -257,3 +257,20 @@ def test_peak_rss_of_a_watched_loop_within_1_1x():
     watched = _run_probe(True, 6e6)
     assert watched["checks"] == 3 and watched["forms"] == ["module"] * 3
     assert watched["peak_bytes"] <= 1.1 * plain["peak_bytes"], (watched["peak_bytes"] >> 20, plain["peak_bytes"] >> 20, watched["judged"], watched["notes"])
+
+
+def test_gradwatch_report_says_which_form_ran(tmp_path):
+    model = Net()
+    with GradWatch(model, xent, every=1, log_dir=str(tmp_path), tensorboard=False, form="module") as watch:
+        for _ in range(2):
+            model.zero_grad()
+            xent(model, data()).backward()
+            watch.step(data())
+    done = subprocess.run([sys.executable, "-m", "gradwatch", "report", str(tmp_path)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "backward part's form: 2 checks module" in done.stdout
+    assert "middle.1:input" in done.stdout
+    js = subprocess.run([sys.executable, "-m", "gradwatch", "report", str(tmp_path), "--format", "json"],
+                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, timeout=120)
+    assert json.loads(js.stdout)["forms"] == {"module": 2}
