@@ -274,3 +274,15 @@ def test_gradwatch_report_says_which_form_ran(tmp_path):
     js = subprocess.run([sys.executable, "-m", "gradwatch", "report", str(tmp_path), "--format", "json"],
                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, timeout=120)
     assert json.loads(js.stdout)["forms"] == {"module": 2}
+
+
+def test_module_form_follows_a_replaced_layer():
+    model = Net(wrong=False)
+    with GradWatch(model, xent, every=1, log_dir=None, form="module") as watch:
+        xent(model, data()).backward()
+        assert watch.step(data()).ok
+        model.middle[1] = Act(wrong=True)  # same shapes, another module: the next check must see it
+        model.zero_grad()
+        xent(model, data()).backward()
+        report = watch.step(data())
+    assert [m.name for m in report.localized if m.failed] == ["middle.1"]

@@ -267,5 +267,7 @@ def _check_unit(unit: Unit, args: Any, kwargs: Any, opts: CheckOptions, dtype: t
 
 
 def units_signature(model: nn.Module) -> Tuple:
-    """When this changes, the units must be found again (parameters, buffers and module names)."""
-    return (param_signature(model), tuple(n for n, _ in model.named_modules()))
+    """When this changes, the units must be found again: parameters and buffers (names, shapes,
+    devices), and every module and parameter by identity (a replaced layer of the same shape too)."""
+    return (param_signature(model), tuple((n, id(m)) for n, m in model.named_modules()),
+            tuple(id(p) for p in model.parameters()))
