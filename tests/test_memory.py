@@ -286,3 +286,18 @@ def test_module_form_follows_a_replaced_layer():
         xent(model, data()).backward()
         report = watch.step(data())
     assert [m.name for m in report.localized if m.failed] == ["middle.1"]
+
+
+def test_no_budget_keeps_the_whole_objective_and_forcing_a_form_wins():
+    model = Net()
+    with GradWatch(model, xent, every=1, log_dir=None, memory_budget=None) as watch:
+        watch.memory.observe = lambda: None
+        watch.memory.training_peak = 1  # a budget would leave no room at all
+        xent(model, data()).backward()
+        report = watch.step(data())
+    assert report.form == "objective" and report.memory["room_bytes"] is None
+    with GradWatch(model, xent, every=1, log_dir=None, form="objective", memory_budget=1e-6) as watch:
+        watch.memory.observe = lambda: None
+        watch.memory.training_peak = in_use_bytes(torch.device("cpu"))
+        report = watch.step(data())
+    assert report.form == "objective" and any("form: objective (forced)" in n for n in report.notes)
