@@ -301,3 +301,18 @@ def test_no_budget_keeps_the_whole_objective_and_forcing_a_form_wins():
         watch.memory.training_peak = in_use_bytes(torch.device("cpu"))
         report = watch.step(data())
     assert report.form == "objective" and any("form: objective (forced)" in n for n in report.notes)
+
+
+def test_a_linear_too_big_for_the_room_is_checked_a_block_of_rows_at_a_time():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 64), Act(True), nn.Linear(64, 200), nn.Tanh(), nn.Linear(200, 3))
+    whole = 201 * 64 * 36
+    reports = [run_module_check(model, Objective(xent), data(), CheckOptions(seed=s), room=whole // 3) for s in (0, 1)]
+    for report in reports:
+        w = report.tensors["2.weight"]
+        assert 1 <= w.shape[0] < 200 and w.shape[1] == 64 and w.verdict is not None and not w.failed
+        assert any("`2` (Linear) checked on output rows" in n for n in report.notes)
+        assert "2:input" in report.tensors and not report.tensors["2:input"].failed
+        assert [m.name for m in report.localized if m.failed] == ["1"]  # the planted bug is still caught
+    rows = [next(n for n in r.notes if "`2` (Linear) checked on output rows" in n) for r in reports]
+    assert rows[0] != rows[1]  # the block moves with the check's seed

@@ -51,7 +51,7 @@ from torch import nn
 from .isolation import (BufferGuard, Reseeder, dropout_off, frozen_batchnorm_stats, frozen_power_iteration,
                       param_signature, preserved_rng, suspended_hooks)
 from .localize import ModuleCheck, _copy_opaque, _innermost, _map, _owned, check_module
-from .memory import float_bytes, mb, module_bytes
+from .memory import MODULE_BYTES_PER_ENTRY, float_bytes, mb, module_bytes, release_freed
 from ..options import CheckOptions
 from .padding import padding_rows_constant
 from .precision import ShadowPrecision
@@ -225,12 +225,22 @@ def run_module_check(
             continue
         args, kwargs = captured.pop(unit.name)
         need = module_bytes(unit.params.values(), (args, kwargs), outputs.get(unit.name, 0))
+        block = None
         if room is not None and need > room:
-            skipped.append(f"{unit.label} needs about {mb(need)}")
-            continue
+            block = _row_block(unit, (args, kwargs), outputs.get(unit.name, 0), room // 2, opts.seed)
+            if block is None:
+                skipped.append(f"{unit.label} needs about {mb(need)}")
+                continue
+            need = block[2]
+            report.notes.append(f"module form: {unit.label} checked on output rows {block[0]}:{block[1]} of "
+                                f"{unit.module.out_features} (its whole float64 check needs about "
+                                f"{mb(module_bytes(unit.params.values(), (args, kwargs), outputs.get(unit.name, 0)))}; "
+                                "the rows rotate from check to check)")
         estimate = max(estimate, need)
-        result = _check_unit(unit, args, kwargs, opts, dtype)
+        result = _check_unit(unit, args, kwargs, opts, dtype, rows=block[:2] if block else None)
         del args, kwargs
+        if room is not None and unit.params:
+            release_freed()  # what this module's check freed, before the next one allocates
         report.localized.append(result)
         report.evaluations += result.evaluations
         for key, tc in result.tensors.items():
@@ -251,10 +261,40 @@ def run_module_check(
     return report
 
 
-def _check_unit(unit: Unit, args: Any, kwargs: Any, opts: CheckOptions, dtype: torch.dtype) -> ModuleCheck:
-    """One module alone: a ``dtype`` copy of it, checked on its captured inputs, then dropped."""
+def _row_block(unit: Unit, inputs: Any, output_bytes: int, room: int, seed: int) -> Optional[Tuple[int, int, int]]:
+    """For a plain ``nn.Linear`` too big for the room: ``(first row, end row, bytes)`` of the largest block of
+    output rows that fits (rows ``i`` of the output depend on rows ``i`` of the weight and bias alone), at an
+    offset that moves with the check's seed; None for any other module, or when not one row fits."""
+    module = unit.module
+    if type(module) is not nn.Linear or module._forward_pre_hooks or module._forward_hooks:
+        return None
+    rows = module.out_features
+    per_row = (module.in_features + (1 if module.bias is not None else 0)) * MODULE_BYTES_PER_ENTRY \
+        + 4 * output_bytes // max(rows, 1)
+    fixed = 3 * float_bytes(inputs)
+    k = min(rows, (room - fixed) // per_row) if room > fixed else 0
+    if k < 1:
+        return None
+    first = (seed * k) % rows
+    first = min(first, rows - k)
+    return first, first + k, fixed + k * per_row
+
+
+def _rows_copy(module: nn.Linear, first: int, end: int, dtype: torch.dtype) -> nn.Module:
+    """Rows ``first:end`` of a ``nn.Linear`` as a ``nn.Linear`` of their own in ``dtype``."""
+    block = nn.Linear(module.in_features, end - first, bias=module.bias is not None, device="meta")
+    block.weight = nn.Parameter(module.weight.detach()[first:end].to(dtype), requires_grad=module.weight.requires_grad)
+    if module.bias is not None:
+        block.bias = nn.Parameter(module.bias.detach()[first:end].to(dtype), requires_grad=module.bias.requires_grad)
+    block.train(module.training)
+    return block
+
+
+def _check_unit(unit: Unit, args: Any, kwargs: Any, opts: CheckOptions, dtype: torch.dtype,
+                rows: Optional[Tuple[int, int]] = None) -> ModuleCheck:
+    """One module alone: a ``dtype`` copy of it (or of its output ``rows``), checked on its captured inputs, then dropped."""
     try:
-        local = float64_copy(unit.module, dtype)
+        local = float64_copy(unit.module, dtype) if rows is None else _rows_copy(unit.module, rows[0], rows[1], dtype)
     except TypeError as err:
         return ModuleCheck(name=unit.name, type=type(unit.module).__name__, calls=unit.calls, inconclusive=str(err))
     prefix = f"{unit.name}." if unit.name else ""
@@ -263,7 +303,9 @@ def _check_unit(unit: Unit, args: Any, kwargs: Any, opts: CheckOptions, dtype: t
     modules = list(local.modules())
     with preserved_rng(), dropout_off(local), frozen_power_iteration(local, modules), suspended_hooks(local, modules), \
             ShadowPrecision(dtype):
-        return check_module(unit.name, local, args, kwargs, opts, unit.calls, params=params, restore=False)
+        result = check_module(unit.name, local, args, kwargs, opts, unit.calls, params=params, restore=False)
+    result.type = type(unit.module).__name__ + ("" if rows is None else f" rows {rows[0]}:{rows[1]}")
+    return result
 
 
 def units_signature(model: nn.Module) -> Tuple:
