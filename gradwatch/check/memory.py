@@ -3,8 +3,8 @@
 A check may use at most ``memory_budget`` (a fraction, 0.1 by default) above training's own peak:
 on the CPU the peak resident set size (``resource.getrusage().ru_maxrss``), on CUDA the peak
 allocated memory (``torch.cuda.max_memory_allocated``). Both are monotone over a process, so the
-meter keeps *training's* peak apart from the checks': it is read at each step, and only a peak
-beyond the one the last check left counts as training's.
+meter keeps *training's* peak apart from the checks': it is read before each check, and only a
+peak beyond the one the last check left counts as training's.
 
 The room a check has is ``(1 + memory_budget) * training_peak - in_use_now`` (on the CPU
 ``in_use_now`` is the resident set size now, ``/proc/self/statm``; where that cannot be read, the
@@ -112,8 +112,8 @@ def model_device(model: nn.Module) -> torch.device:
 class MemoryMeter:
     """Training's own peak, and the room a check has under ``budget``.
 
-    Call :meth:`observe` at every training step (before a check) and :meth:`checked` after each
-    check: a peak above the one the last check left is training's.
+    Call :meth:`observe` before each check and :meth:`checked` after it: the peak is monotone, so a
+    peak read before a check that exceeds the one the last check left was reached by training.
 
     Args:
         budget: The fraction above training's peak a check may use (``memory_budget``); None: no bound.
