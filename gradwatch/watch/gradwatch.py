@@ -53,8 +53,9 @@ OBJECT_OPTIONS = ("optimizer", "grad_fn", "on_alert", "writer", "distributed", "
 
 def _dense(g: torch.Tensor) -> torch.Tensor:
     """A gradient as a strided tensor (``Embedding(sparse=True)`` gives sparse ones)."""
-    g = g.detach()
-    return g.to_dense() if g.layout != torch.strided else g
+    if g.layout != torch.strided:
+        return g.detach().to_dense()
+    return g.detach() if g.requires_grad else g  # autograd.grad's results need no detach (one less view)
 
 
 def _alert_from_dict(d: Mapping[str, Any]) -> Alert:
@@ -578,7 +579,8 @@ class GradWatch:
 
         records = [r for mb in pending.micro for r in mb.records]
         autocast = records[0].autocast if records else ()
-        worst = compute_dtype(max((p.dtype for p in plist), key=tolerance_for, default=torch.float32), autocast)
+        dtypes = {p.dtype for p in plist}  # a few distinct dtypes, however many tensors
+        worst = compute_dtype(max(dtypes, key=tolerance_for, default=torch.float32), autocast)
         replay = replay_step(model, self._recorder, pending, self.objective.training_total, grad_of, params,
                              loss_tolerance=10 * tolerance_for(worst), context=self.replay_context,
                              generators=self._held_generators(), modules=self._modules_cache)
