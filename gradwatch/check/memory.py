@@ -220,7 +220,7 @@ def module_bytes(params: Iterable[torch.Tensor], inputs: Any, outputs: int = 0) 
 
     Example:
         >>> module_bytes(nn.Linear(10, 10).parameters(), torch.ones(4, 10), outputs=320)
-        6200
+        7520
     """
     return _numel(params) * MODULE_BYTES_PER_ENTRY + 3 * float_bytes(inputs) + 4 * int(outputs)
 

@@ -28,14 +28,14 @@ on later calls than its first; the whole-objective form does, and runs whenever 
 Example:
     >>> import torch
     >>> from torch import nn
-    >>> from gradwatch.objective import Objective
+    >>> from gradwatch.check.objective import Objective
     >>> from gradwatch.options import CheckOptions
     >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
     >>> batch = (torch.randn(8, 3), torch.randn(8, 1))
     >>> objective = Objective(lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
     >>> report = run_module_check(model, objective, batch, CheckOptions())
     >>> report.form, report.ok, sorted(report.tensors)
-    ('module', True, ['0.bias', '0.weight', '1:input', '2.bias', '2.weight'])
+    ('module', True, ['0.bias', '0.weight', '0:input', '1:input', '2.bias', '2.weight', '2:input'])
 """
 
 from __future__ import annotations
