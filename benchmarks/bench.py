@@ -22,6 +22,11 @@ JSON:
    per-step price) and of the total times (which includes the checks).
 5. ``scaling``: check time at the default sample size as an MLP grows from
    about 1e4 to 1e6 parameters, next to the time of one forward pass.
+6. ``memory``: peak memory (CPU RSS; CUDA peak allocated) of 3 SGD steps of a 7-layer MLP
+   (25M and 100M parameters; 1M and 4M with ``--quick``), batch 64, without and with
+   ``GradWatch(every=1)`` at its default options, side by side, one subprocess per
+   configuration (``benchmarks/membench.py``); and ``module_form``: the planted bugs caught
+   by the backward part's module form (``GradWatch(form="module")``).
 
 Figures are ratios from one run on one machine; nothing here asserts a time.
 
@@ -42,6 +47,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib
+import importlib.util
 import json
 import logging
 import math
@@ -70,7 +76,8 @@ from gradwatch.options import CheckOptions
 from gradwatch.watch.gradwatch import GradWatch
 
 MODEL_NAMES = ("mlp", "cnn", "transformer")
-SECTIONS = ("time_to_verdict", "detection", "efficiency", "training_part", "training_overhead", "scaling")
+SECTIONS = ("time_to_verdict", "detection", "efficiency", "training_part", "training_overhead", "scaling", "memory",
+            "module_form")
 
 #: What each size runs: (default, quick).
 _SIZES = {
@@ -439,6 +446,28 @@ def run_gradwatch(case: Case) -> Dict[str, Any]:
     }
 
 
+def _load_membench() -> Any:
+    """``benchmarks/membench.py`` beside this file (the benchmarks are files, not a package)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "membench.py")
+    spec = importlib.util.spec_from_file_location("gradwatch_membench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_module_form(case: Case) -> Dict[str, Any]:
+    """One check of ``GradWatch(form="module")`` (each module alone in float64): what it caught and named."""
+    model = copy.deepcopy(case.model)
+    with GradWatch(model, case.loss_fn, every=1, log_dir=None, form="module", training=False) as watch:
+        case.loss_fn(model, case.batch).backward()
+        report = watch.step(case.batch)
+    failing = [c for c in report.localized if c.failed] if report is not None else []
+    return {"model": case.name, "bug": case.bug, "form": report.form if report is not None else None,
+            "caught": bool(report is not None and not report.ok), "named_modules": [c.name for c in failing],
+            "module_named": case.planted_module in [c.name for c in failing] if case.bug else None,
+            "localized": [c.summary() for c in failing], "tensors": len(report.tensors) if report is not None else 0}
+
+
 def measure_efficiency(case: Case, repeats: int) -> List[Dict[str, Any]]:
     """Check time / (evaluations x one evaluation), loop path and batched path, interleaved.
 
@@ -584,7 +613,7 @@ def measure_scaling(widths: Sequence[int], repeats: int) -> List[Dict[str, Any]]
 
 def run_benchmark(models: Sequence[str] = MODEL_NAMES, quick: bool = False, time_cap: Optional[float] = None,
                   steps: Optional[int] = None, repeats: Optional[int] = None, scaling: bool = True,
-                  progress: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
+                  memory: bool = True, progress: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
     """Every section for ``models``; returns the JSON-able result (see the module docstring)."""
     size = 1 if quick else 0
     time_cap = float(time_cap if time_cap is not None else _SIZES["time_cap"][size])
@@ -600,7 +629,7 @@ def run_benchmark(models: Sequence[str] = MODEL_NAMES, quick: bool = False, time
             "models": list(models), "command": "gradwatch bench" + (" --quick" if quick else ""),
         },
         "time_to_verdict": [], "detection": [], "efficiency": [], "training_part": [], "training_overhead": [],
-        "scaling": [],
+        "scaling": [], "memory": [], "module_form": [],
     }
     for name in models:
         buggy, twin = make_case(name, True, quick), make_case(name, False, quick)
@@ -633,6 +662,8 @@ def run_benchmark(models: Sequence[str] = MODEL_NAMES, quick: bool = False, time
                 "tensor_named": any(t in named for t in buggy.planted_tensors),
                 "false_alarm": twin_res["caught"], "twin_status": twin_res["status"],
             })
+        say(f"{name}: module form")
+        out["module_form"].extend([run_module_form(buggy), run_module_form(twin)])
         say(f"{name}: efficiency")
         out["efficiency"].extend(measure_efficiency(twin, repeats))
         say(f"{name}: training part")
@@ -648,6 +679,9 @@ def run_benchmark(models: Sequence[str] = MODEL_NAMES, quick: bool = False, time
         widths = _SIZES["scaling_widths"][size]
         say(f"scaling: widths {', '.join(map(str, widths))}")
         out["scaling"] = measure_scaling(widths, repeats)
+    if memory:
+        membench = _load_membench()
+        out["memory"] = membench.measure_memory(membench.SIZES[size], progress=say)
     out["targets"] = evaluate_targets(out, quick=quick)
     out["meta"]["seconds"] = time.perf_counter() - started
     return out
@@ -687,7 +721,14 @@ def _targets(result: Dict[str, Any]) -> Dict[str, Any]:
     batched = [e["efficiency"] for e in eff if e["path"] == "batched"]
     scale = [r["check_over_forward"] for r in result.get("scaling", []) if r["path"] == "loop"]
     part = [t["ratio"] for t in result.get("training_part", [])]
+    mem = [r["ratio"] for r in result.get("memory", []) if r.get("ratio") is not None]
+    module = result.get("module_form", [])
     return {
+        "memory_ratio_max": max(mem, default=None),
+        "memory_at_most_1.1": all(r <= 1.1 for r in mem) if mem else None,
+        "module_form_catches_and_names_every_bug": all(r["caught"] and r["module_named"] for r in module if r["bug"])
+        if module else None,
+        "module_form_no_false_alarm": not any(r["caught"] for r in module if not r["bug"]) if module else None,
         "training_part_ratio_max": max(part, default=None),
         "training_part_at_most_1.2": all(r <= 1.2 for r in part) if part else None,
         "overhead_median_ratio_max": max((o["median_ratio"] for o in over), default=None),
@@ -775,6 +816,22 @@ def format_result(result: Dict[str, Any]) -> str:
                  s["evaluations"], f"{s['check_over_forward']:.0f}") for s in result["scaling"]]
         parts.append("\n5. scaling at fixed sample size (MLP 64 -> w -> w -> 10, batch 64)\n"
                      + _table(("width", "params", "path", "forward", "check", "evaluations", "check / forward"), rows))
+    rows = []
+    for r in result.get("memory", []):
+        plain, watched = r["plain"], r["watched"]
+        if r.get("ratio") is None:
+            rows.append((r.get("n_params"), "-", "-", "error: " + str(plain.get("error") or watched.get("error")), "-"))
+            continue
+        rows.append((f"{plain['n_params']:,}", f"{plain['peak_bytes'] / 2**20:.0f} MB", f"{watched['peak_bytes'] / 2**20:.0f} MB",
+                     f"{r['ratio']:.3f}x", ", ".join(sorted(set(watched["forms"]))) or "-"))
+    if rows:
+        parts.append("\n6. peak memory, 7-layer MLP, batch 64, 3 SGD steps, without / with GradWatch(every=1) at default options\n"
+                     + _table(("params", "without", "with", "ratio", "form"), rows))
+    rows = [(r["model"], "buggy" if r["bug"] else "twin", "yes" if r["caught"] else "no", ", ".join(r["named_modules"]) or "-")
+            for r in result.get("module_form", [])]
+    if rows:
+        parts.append("\n6b. the module form (form='module'): planted bugs caught and named\n"
+                     + _table(("model", "case", "caught", "named"), rows))
     t = result.get("targets", {})
     if t:
         parts.append("\ntargets: " + ", ".join(f"{k}={_show(v)}" for k, v in t.items()))
@@ -801,6 +858,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", metavar="N", type=int, default=None, help="training steps per model (default 300; 40 with --quick)")
     parser.add_argument("--repeats", metavar="N", type=int, default=None, help="repeats of each timed check (default 5; 3 with --quick)")
     parser.add_argument("--no-scaling", action="store_true", help="skip the scaling section")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory section (subprocesses)")
     parser.add_argument("--threads", metavar="N", type=int, default=None, help="torch threads (default: torch's choice)")
 
 
@@ -820,6 +878,7 @@ def run(args: argparse.Namespace) -> int:
         result = run_benchmark(models, quick=bool(getattr(args, "quick", False)), time_cap=getattr(args, "time_cap", None),
                                steps=getattr(args, "steps", None), repeats=getattr(args, "repeats", None),
                                scaling=not getattr(args, "no_scaling", False),
+                               memory=not getattr(args, "no_memory", False),
                                progress=lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))
     finally:
         quiet.setLevel(level)

@@ -33,6 +33,8 @@ CHECK_OPTION_NAMES: Tuple[str, ...] = tuple(CheckOptions.names())
 TREND_OPTION_NAMES: Tuple[str, ...] = ("baseline_checks", "drift_window", "drift_decades", "alert_cooldown")
 #: Declared types whose values PyYAML may leave as strings ("1e-4") and that are read as numbers.
 _FLOAT_TYPES = ("float", "Optional[float]")
+#: Values of the ``form`` option.
+FORMS = ("auto", "objective", "module")
 _DTYPE_CANONICAL = {"float64": "float64", "double": "float64", "float32": "float32", "float": "float32"}
 
 
@@ -77,7 +79,12 @@ class GradWatchConfig(CheckOptions):
     overhead_budget: float = option(0.02, "with every: auto, fraction of training time the checks may take; 0 < x <= 1")
     max_interval: Optional[Union[int, str]] = option(
         None, "with every: auto, longest gap between checks: steps (500) or a time ('30 min', '2 h'); null: no cap")
-    tensors_per_check: int = option(0, "parameter tensors checked per check, rotating through all; 0 checks all")
+    tensors_per_check: int = option(
+        0, "parameter tensors checked per check, rotating through all; 0 checks all (module form: modules per check)")
+    memory_budget: Optional[float] = option(
+        0.1, "memory a check may add above training's own peak (CPU RSS, CUDA allocated), as a fraction; > 0, null: unbounded")
+    form: str = option(
+        "auto", "backward part's form: auto (the whole objective where it fits memory_budget, else module by module), objective, module")
     baseline_checks: int = option(3, "first checks of a tensor whose median is its baseline; >= 1")
     drift_window: int = option(3, "checks in the rolling median compared with the baseline; >= 1")
     drift_decades: float = option(2.0, "powers of ten above the baseline that count as drift; > 0")
@@ -123,6 +130,17 @@ class GradWatchConfig(CheckOptions):
         tpc = self.tensors_per_check
         if isinstance(tpc, bool) or not isinstance(tpc, int) or tpc < 0:
             raise ConfigError(f"tensors_per_check: got {tpc!r}, expected an integer >= 0 (0 = all tensors)")
+        mem = self.memory_budget
+        if isinstance(mem, str) and mem.lower() in ("none", "null"):
+            mem = None
+        if mem is not None and (not _is_number(mem) or not mem > 0 or mem != mem or mem == float("inf")):
+            raise ConfigError(f"memory_budget: got {self.memory_budget!r}, expected a number > 0 (0.1 = 10% above "
+                              "training's peak memory) or null (no bound)")
+        self.memory_budget = None if mem is None else float(mem)
+        form = self.form.lower() if isinstance(self.form, str) else self.form
+        if form not in FORMS:
+            raise ConfigError(f"form: got {self.form!r}, expected one of {', '.join(FORMS)}")
+        self.form = form
         raise_on = self.raise_on
         if isinstance(raise_on, str) and raise_on.lower() in ("none", "null"):
             raise_on = None

@@ -98,6 +98,20 @@ def test_the_cli_registers_bench():
     assert args.quick and args.models == "mlp" and args.time_cap == 3.0
 
 
+def test_memory_section_side_by_side_and_the_module_form_catches_every_bug(result):
+    rows = result["memory"]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["plain"]["watch"] is False and r["watched"]["watch"] is True, r
+        assert r["watched"]["checks"] == 3 and r["ratio"] == r["watched"]["peak_bytes"] / r["plain"]["peak_bytes"]
+    module = result["module_form"]
+    assert {(r["model"], r["bug"]) for r in module} == {(m, b) for m in bench.MODEL_NAMES for b in (True, False)}
+    assert all(r["form"] == "module" for r in module)
+    assert result["targets"]["module_form_catches_and_names_every_bug"] is True
+    assert result["targets"]["module_form_no_false_alarm"] is True
+    assert "6. peak memory" in bench.format_result(result)
+
+
 def test_the_cli_finds_the_benchmark_of_its_source_tree():
     assert commands.find_bench() == ROOT / "benchmarks" / "bench.py"
     assert commands.find_bench([ROOT / "gradwatch"]) is None  # not a checkout's root

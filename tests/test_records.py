@@ -42,11 +42,11 @@ def make_report(nan: bool = False) -> CheckReport:
 TOP_KEYS = {
     "type", "step", "time", "seconds", "overhead_fraction", "evaluations", "objective", "terms", "dtype",
     "seed", "ok", "nondeterministic", "nonfinite", "kinks", "notes", "tensors", "summary", "coverage",
-    "training", "training_note",
+    "training", "training_note", "form", "memory",
 }
 TENSOR_KEYS = {
     "rel_diff", "directional_rel_diff", "max_rel_error", "judged_rel_diff", "verdict", "kinks",
-    "noise_floor", "diagnosis", "inconclusive", "inconclusive_kind", "ratio", "shape",
+    "noise_floor", "diagnosis", "inconclusive", "inconclusive_kind", "ratio", "shape", "form",
 }
 
 
@@ -57,6 +57,7 @@ def test_check_record_shape():
     assert rec["type"] == "check" and rec["step"] == 100 and rec["time"] == 123.0
     assert rec["ok"] is False and rec["kinks"] == 1 and rec["seed"] == 7
     assert rec["coverage"] == {"fc.weight": 5}
+    assert rec["form"] == "objective" and rec["memory"] == {}
     for t in rec["tensors"].values():
         assert set(t) == TENSOR_KEYS
     w = rec["tensors"]["fc.weight"]

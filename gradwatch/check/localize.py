@@ -294,13 +294,15 @@ def _custom_functions(root: Any, limit: int = 10_000) -> List[str]:
 
 
 def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: CheckOptions, calls: int = 1,
-                 params: Optional[Dict[str, nn.Parameter]] = None) -> ModuleCheck:
+                 params: Optional[Dict[str, nn.Parameter]] = None, restore: bool = True) -> ModuleCheck:
     """Check one module on captured inputs: input gradient and own parameters (see the module docstring).
 
     ``args``/``kwargs`` are the module's inputs (not modified). ``params`` (default: the
     module's direct trainable parameters) are perturbed in place and restored bit for bit;
     call inside the deterministic context of :func:`localize` (dropout off, RNG preserved)
-    for a side-effect-free check.
+    for a side-effect-free check. ``restore=False`` (a throwaway copy of the module, as the
+    module form of :mod:`gradwatch.check.modular` checks): no snapshot of the parameters is kept
+    beyond the one each tensor's probing keeps, so the check holds less memory.
     """
     start = time.perf_counter()
     result = ModuleCheck(name=name, type=type(module).__name__, calls=calls)
@@ -356,7 +358,7 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
         return {"loss": value}
 
     evaluator = Evaluator(evaluate)
-    saved = snapshot_params(params)
+    saved = snapshot_params(params) if restore else {}
     try:
         with frozen_batchnorm_stats(module):
             eps = max([machine_eps(t.dtype) for t in work.values()] + [machine_eps(p.dtype) for p in params.values()])
@@ -369,7 +371,8 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
     except Exception as err:  # noqa: BLE001 - as above: a module whose evaluations raise is reported, not fatal
         result.inconclusive = f"evaluating the module alone raised {type(err).__name__}: {err}"
     finally:
-        restore_params(params, saved)
+        if restore:
+            restore_params(params, saved)
         guard.restore_changed()
     result.evaluations = evaluator.count
     result.seconds = time.perf_counter() - start

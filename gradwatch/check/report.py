@@ -187,6 +187,10 @@ class CheckReport:
             per forward) and what randomness stayed on, reseeded (:class:`gradwatch.check.dropout.DropoutRecord`).
         precision: On a shadow copy: what precision the objective really computed in
             (:meth:`gradwatch.check.precision.ShadowPrecision.summary`, plus the base ``step``).
+        form: Which form of the backward part ran: ``"objective"`` (the whole objective on a
+            float64 copy of the model, or in place) or ``"module"`` (each module alone on its
+            captured inputs, :mod:`gradwatch.check.modular`), chosen against ``memory_budget``.
+        memory: The memory budget's figures for this check (:meth:`gradwatch.check.memory.MemoryMeter.summary`).
 
     Example:
         >>> report = CheckReport(tensors={})
@@ -211,6 +215,8 @@ class CheckReport:
     training_note: Optional[str] = None
     dropout: Any = None
     precision: Dict[str, Any] = field(default_factory=dict)
+    form: str = "objective"
+    memory: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def training_failures(self) -> List[TrainingCheck]:
@@ -243,6 +249,8 @@ class CheckReport:
         worst = self.worst
         return {
             "ok": self.ok,
+            "form": self.form,
+            "memory": dict(self.memory),
             "fail_at": self.fail_at.value,
             "dtype": self.dtype,
             "objective": json_float(self.objective),
@@ -323,7 +331,7 @@ class CheckReport:
         status = "OK" if self.ok else "FAILED"
         summary = (
             f"gradwatch check: {status} ({len(self.tensors)} tensors, {self.evaluations} evaluations, "
-            f"{self.seconds:.3f}s, dtype {self.dtype}, objective {self.objective:.6g}"
+            f"{self.seconds:.3f}s, dtype {self.dtype}, {self.form} form, objective {self.objective:.6g}"
         )
         if self.kinks:
             summary += f", {self.kinks} kinks excluded"

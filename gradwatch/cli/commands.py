@@ -347,6 +347,10 @@ def _print_report(data: Any, rows: List[Dict[str, Any]], verbose: bool) -> None:
           f"{plural(len(data.alerts), 'alert')}")
     if data.source == "events":
         print("(from event files: values are float32, verdicts re-derived with the default bands)")
+    forms = getattr(data, "forms", None)
+    if forms and set(forms) != {"objective"}:
+        print("backward part's form: " + ", ".join(f"{plural(n, 'check')} {form}" for form, n in sorted(forms.items()))
+              + " (module: each module alone, see README 'Big models')")
     print()
     if rows:
         for line in summary.verdict_tables(data, data.bands, unicode=uni, rows=rows):

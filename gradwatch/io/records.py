@@ -34,6 +34,7 @@ TENSOR_FIELDS = (
     "inconclusive_kind",
     "ratio",
     "shape",
+    "form",
 )
 
 #: Per-tensor metrics written to TensorBoard as ``gradwatch/<metric>/<param>``.
@@ -99,6 +100,7 @@ def check_record(
             "inconclusive_kind": t.inconclusive_kind.value if t.inconclusive_kind is not None else None,
             "ratio": json_float(t.ratio),
             "shape": [int(s) for s in t.shape],
+            "form": report.form,
         }
         if t.rel_diff is not None and math.isfinite(t.rel_diff):
             finite.append(float(t.rel_diff))
@@ -127,6 +129,8 @@ def check_record(
         "objective": json_float(report.objective),
         "terms": {k: json_float(v) for k, v in report.terms.items()},
         "dtype": report.dtype,
+        "form": report.form,
+        "memory": to_jsonable(dict(report.memory)),
         "seed": report.seed,
         "ok": report.ok,
         "nondeterministic": report.nondeterministic,

@@ -62,6 +62,8 @@ class RunData:
         bands: Verdict bands of the run (from its ``run`` record; defaults otherwise).
         check_steps: Steps at which a check completed.
         run_id: The run's id (from its records), when known.
+        forms: Checks per form of the backward part (``"objective"``, ``"module"``; records written
+            before the memory budget count as ``"objective"``); empty when not known (event files).
     """
 
     history: History
@@ -75,6 +77,7 @@ class RunData:
     #: The training part's history (live ``.grad`` against the objective's gradient), same shape as ``history``.
     training: History = field(default_factory=dict)
     run_id: Optional[str] = None
+    forms: Dict[str, int] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------- reading
@@ -110,12 +113,15 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
     notes = list(warnings)
     training: History = {}
     run_id = None
+    forms: Dict[str, int] = {}
     for number, rec in enumerate(records, start=1):
         run_id = run_id or rec.get("run_id")
         try:
             _add_record(rec, history, alerts, details, steps)
             if rec.get("type") == "check":
                 _add_training(rec, training, details)
+                form = str(rec.get("form") or "objective")
+                forms[form] = forms.get(form, 0) + 1
         except (TypeError, ValueError, AttributeError, KeyError) as err:
             notes.append(f"{path or 'the log'}: record {number} ({str(rec.get('type'))!r}) is malformed "
                          f"({type(err).__name__}: {err}); skipped")
@@ -124,7 +130,7 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
             opt_bands = (rec.get("options") or {}).get("bands")
             if isinstance(opt_bands, (list, tuple)) and len(opt_bands) == 3 and all(_num(b) for b in opt_bands):
                 bands = tuple(float(b) for b in opt_bands)  # type: ignore[assignment]
-    return RunData(history, alerts, details, "jsonl", path, notes, bands, steps, training, run_id)
+    return RunData(history, alerts, details, "jsonl", path, notes, bands, steps, training, run_id, forms)
 
 
 def _add_training(rec: Mapping[str, Any], training: History, details: Dict[Tuple[int, str], Dict[str, Any]]) -> None:
@@ -336,7 +342,10 @@ def merge_runs(parts: Sequence[RunData]) -> RunData:
     details: Dict[Tuple[int, str], Dict[str, Any]] = {}
     steps: List[int] = []
     warnings: List[str] = []
+    forms: Dict[str, int] = {}
     for part in parts:
+        for form, n in part.forms.items():
+            forms[form] = forms.get(form, 0) + n
         for name, entries in part.history.items():
             history.setdefault(name, []).extend(entries)
         for name, entries in part.training.items():
@@ -351,7 +360,7 @@ def merge_runs(parts: Sequence[RunData]) -> RunData:
     sources = {p.source for p in parts}
     paths = list(dict.fromkeys(str(p.path) for p in parts))
     return RunData(history, alerts, details, sources.pop() if len(sources) == 1 else "mixed", ", ".join(paths),
-                   warnings, parts[0].bands, sorted(steps), training, parts[0].run_id)
+                   warnings, parts[0].bands, sorted(steps), training, parts[0].run_id, forms)
 
 
 def read_runs(found: Sequence[Tuple[str, Path]]) -> Tuple[List[RunData], List[str]]:
@@ -659,6 +668,7 @@ def to_json(data: RunData, rows: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
         "first_step": data.check_steps[0] if data.check_steps else None,
         "last_step": data.check_steps[-1] if data.check_steps else None,
         "bands": list(data.bands),
+        "forms": dict(data.forms),
         "tensors": [{**{k: v for k, v in r.items()}, "history": data.history.get(str(r["tensor"]), [])} for r in rows],
         "training": [{**r, "history": data.training.get(str(r["tensor"]), [])} for r in summarize(data, "training")],
         "alerts": data.alerts,

@@ -25,7 +25,9 @@ from .._version import __version__ as _version
 from ..check import model as _check
 from ..check.generators import find_generators
 from ..check.isolation import Shadow, preserved_rng
+from ..check.memory import SAFETY, MemoryMeter, gradient_bytes, mb, model_device, objective_bytes, release_freed
 from ..check.model import GradFn, trainable_names
+from ..check.modular import module_units, run_module_check, units_signature
 from ..check.numeric import Verdict
 from ..check.objective import Objective, coupled_weight_decay
 from ..check.replay import ForwardRecorder, Replay, Step, replay_step
@@ -203,6 +205,11 @@ class GradWatch:
         self._mixed: Optional[str] = mixed_precision(model) if self._sharded else None
         if self._sharded:
             self.notes.append(REPLICA_NOTE)
+        #: Training's own peak memory and the room a check has under ``memory_budget`` (:mod:`gradwatch.check.memory`).
+        self.memory = MemoryMeter(self.config.memory_budget, model_device(model))
+        self._units: Optional[Tuple[Any, list]] = None  # (units_signature, the module form's units)
+        self._unit_counts: Dict[str, int] = {}  # module form: checks per module, for the rotation
+        self._training_counts: Dict[str, int] = {}  # training part: judgments per tensor, when not all fit
         self._closed = False
         # Training part: a forward pre-hook records what each training forward started from.
         self._recorder: Optional[ForwardRecorder] = ForwardRecorder(model) if self.config.training else None
@@ -460,6 +467,12 @@ class GradWatch:
         error: Optional[Exception] = None
         names: List[str] = []
         try:
+            # The memory budget is kept apart from torch.distributed: there every rank checks the whole
+            # objective (on a sharded model's gathered replica), whatever memory_budget says.
+            room: Optional[int] = None
+            if coord is None:
+                self.memory.observe()
+                room = self.memory.room()
             with preserved_rng():  # one guard for both parts: every generator as training left it afterwards
                 target = self._check_target()  # the model, or the replica gathered from a sharded one
                 per_check = self.config.tensors_per_check
@@ -467,12 +480,12 @@ class GradWatch:
                                self._counts)
                 mine = coord.share(names) if coord is not None else names
                 with live_forward_forbidden(self.model) if self._sharded else contextlib.nullcontext():
-                    report, replay = self._check_locally(target, mine, batch, opts, pending)
+                    report, replay = self._check_locally(target, mine, batch, opts, pending, room, judge=coord is None)
             if coord is None:
                 if report is None:
                     raise ValueError(f"no tensor was chosen for the check at step {step} (tensors_per_check="
                                      f"{self.config.tensors_per_check!r})")
-                self._attach_training(report, replay)
+                self.memory.checked()
         except Exception as exc:  # noqa: BLE001 - the user's code raised: log it, keep training
             error = exc
         finally:
@@ -491,19 +504,50 @@ class GradWatch:
         self._emit(step, report, self._completed(step, report), seconds)
         return report
 
-    def _check_locally(self, target: nn.Module, names: List[str], batch: Any, opts: Any,
-                       pending: Optional[Step]) -> Tuple[Optional[CheckReport], Optional[Replay]]:
+    def _check_locally(self, target: nn.Module, names: List[str], batch: Any, opts: Any, pending: Optional[Step],
+                       room: Optional[int] = None, judge: bool = True) -> Tuple[Optional[CheckReport], Optional[Replay]]:
         """Both parts on this process, with no collective: the training part's replay of ``target`` (the
-        model, or a sharded model's replica), then the backward part on ``names`` (None when there are none)."""
-        replay = self._training_replay(pending, target)
+        model, or a sharded model's replica), then the backward part on ``names`` (None when there are none).
+
+        With ``judge`` (one process), the training part is judged first and its replayed gradients freed
+        before the backward part allocates; the report carries it and no replay is returned. Without
+        (distributed), the replay is returned for the coordinator to average over ranks. ``room``
+        (bytes, from ``memory_budget``) bounds both: the replay's tensors, and the backward part's form.
+        """
+        replay = self._training_replay(pending, target, room)
+        judged: Optional[CheckReport] = None
+        if judge:
+            judged = CheckReport(tensors={})
+            self._attach_training(judged, replay)
+            replay = None
+            if room is not None:
+                release_freed()  # the replayed gradients, before the backward part allocates
         if not names:
             return None, replay
+        estimate: Optional[int] = None
         with self._recorder_paused():
-            if opts.dtype is not None and (self._shadow is None or not self._shadow.matches(target)):
-                self._shadow = Shadow(target, cast(torch.dtype, opts.torch_dtype))
-            # through the module: a spy on gradwatch.check.model.run_model_check sees every check
-            report = _check.run_model_check(target, self.objective, batch, opts, grad_fn=self.grad_fn, names=names,
-                                            shadow=self._shadow)
+            form, estimate, why = self._choose_form(target, names, room) if judge else ("objective", None, None)
+            if form == "objective":
+                if opts.dtype is not None and (self._shadow is None or not self._shadow.matches(target)):
+                    self._shadow = None  # the old copy goes before the new one is made
+                    self._shadow = Shadow(target, cast(torch.dtype, opts.torch_dtype))
+                # through the module: a spy on gradwatch.check.model.run_model_check sees every check
+                report = _check.run_model_check(target, self.objective, batch, opts, grad_fn=self.grad_fn, names=names,
+                                                shadow=self._shadow)
+            else:
+                self._shadow = None  # a whole copy of the model is what the module form avoids
+                units = self._module_units(target, batch, opts.seed)
+                chosen = [units[n] for n in rotate(list(units), self.config.tensors_per_check, self._unit_counts)]
+                report = run_module_check(target, self.objective, batch, opts, units=chosen,
+                                          room=None if room is None else int(SAFETY * room))
+                estimate = report.memory.get("estimate_bytes")
+                for unit in chosen:
+                    self._unit_counts[unit.name] = self._unit_counts.get(unit.name, 0) + 1
+            if why:
+                report.notes.append(why)
+        if judged is not None:
+            report.training, report.training_note = judged.training, judged.training_note
+            report.memory = self.memory.summary(room, estimate)
         return report, replay
 
     def _completed(self, step: int, report: CheckReport) -> List[Alert]:
@@ -647,12 +691,16 @@ class GradWatch:
         self._params_cache = (params, tree, flags, model)
         return params
 
-    def _training_replay(self, pending: Optional[Step], model: Optional[nn.Module] = None) -> Optional[Replay]:
+    def _training_replay(self, pending: Optional[Step], model: Optional[nn.Module] = None,
+                         room: Optional[int] = None) -> Optional[Replay]:
         """The objective's gradient recomputed as training computed it (None when the part is off).
 
         ``model`` is the module the replay runs (default: the model; a sharded model's gathered replica,
-        whose parameters hold the gathered ``.grad``). An exception of ``loss_fn`` in the replay
-        propagates: the check is skipped with an error alert.
+        whose parameters hold the gathered ``.grad``). With a ``room`` (bytes, from ``memory_budget``),
+        the replay takes the gradient of only as many watched tensors as fit beside training's
+        activations, least-judged first (they rotate from check to check); without one, of every
+        watched tensor. An exception of ``loss_fn`` in the replay propagates: the check is skipped
+        with an error alert.
         """
         if self._recorder is None or pending is None:
             return None
@@ -666,6 +714,12 @@ class GradWatch:
         if all(p.grad is None for p in plist):
             return Replay(None, None, None, "not judged: no watched parameter has a .grad yet (watch.step or check "
                                             "before the first backward)")
+        if room is not None and self.config.form != "objective":
+            params = self._training_subset(params, room)
+            if not params:
+                return Replay(None, None, None, f"not judged: the replayed gradient of the smallest watched tensor does "
+                                                f"not fit in the room memory_budget leaves ({mb(room)})")
+            plist = list(params.values())
 
         scaler = self.grad_scaler if self.grad_scaler is not None and self.grad_scaler.is_enabled() else None
 
@@ -694,6 +748,60 @@ class GradWatch:
                              generators=self._held_generators(), modules=self._modules_cache)
         replay.params = params
         return replay
+
+    def _training_subset(self, params: Dict[str, torch.Tensor], room: int) -> Dict[str, torch.Tensor]:
+        """The watched tensors whose replayed gradients fit in ``room`` beside the replay's activations
+        (all when they fit; else least-judged first, in model order among equals)."""
+        free = SAFETY * room - self.memory.transient(self.model)
+        if gradient_bytes(params.values()) <= free:
+            return params
+        order = sorted(range(len(params)), key=lambda i: (self._training_counts.get(list(params)[i], 0), i))
+        names = list(params)
+        chosen = []
+        for i in order:
+            need = gradient_bytes([params[names[i]]])
+            if need <= free:
+                chosen.append(i)
+                free -= need
+        out = {names[i]: params[names[i]] for i in sorted(chosen)}
+        for n in out:
+            self._training_counts[n] = self._training_counts.get(n, 0) + 1
+        return out
+
+    def _choose_form(self, model: nn.Module, names: List[str], room: Optional[int]) -> Tuple[str, Optional[int], Optional[str]]:
+        """``(form, estimate in bytes, a note or None)``: the whole objective where it fits the room, else modules."""
+        form = self.config.form
+        dtype = self._check_options.torch_dtype
+        held = dtype is not None and self._shadow is not None and self._shadow.matches(model)
+        estimate = objective_bytes(model, names, dtype, activations=self.memory.transient(model))
+        if held:  # the copy is held already: counted in what is in use now
+            estimate -= objective_bytes(model, [], dtype)
+        if form == "objective" or (form == "auto" and (room is None or estimate <= SAFETY * room)):
+            note = None
+            if room is not None and estimate > SAFETY * room:
+                note = (f"form: objective (forced): about {mb(estimate)} above what training holds, over the room "
+                        f"memory_budget={self.config.memory_budget} leaves ({mb(room)})")
+            return "objective", estimate, note
+        if self.grad_fn is not None or dtype is None:
+            why = "grad_fn= (hand-written backprop of the whole objective)" if self.grad_fn is not None else "dtype=None (in place)"
+            return "objective", estimate, (f"form: objective: the module form cannot check {why}; it needs about "
+                                           f"{mb(estimate)}, over the room memory_budget leaves ({mb(room)})")
+        if form == "module":
+            return "module", None, None
+        return "module", None, (f"form: module: the whole objective in {str(dtype).replace('torch.', '')} needs about "
+                                f"{mb(estimate)}, over the room memory_budget={self.config.memory_budget} leaves "
+                                f"({mb(room)}); each module is checked alone")
+
+    def _module_units(self, model: nn.Module, batch: Any, seed: int) -> Dict[str, Any]:
+        """The module form's units by name (found again when the model's layout changes), the watched ones."""
+        key = units_signature(model)
+        if self._units is None or self._units[0] != key:
+            self._units = (key, module_units(model, self.objective.loss_fn, batch, seed))
+        watched = set(self._watched_names())
+        units = self._units[1]
+        if self._check_options.tensors is not None:
+            units = [u for u in units if watched & set(u.params)]
+        return {u.name: u for u in units}
 
     #: Checks between two searches for generators held by the model or the objective (a search walks closures).
     GENERATOR_SEARCH_EVERY = 16
