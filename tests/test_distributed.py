@@ -109,7 +109,9 @@ WORKER = textwrap.dedent(
             return {n: g * factor for n, g in zip(params, grads)}
 
     options = dict(
-        error=dict(every=2, log_dir=os.path.join(out, f"run{rank}" if rank else "run"), coords=3, directions=1),
+        # memory_budget: a budget that would force the module form in one process; distributed, the whole objective runs
+        error=dict(every=2, log_dir=os.path.join(out, f"run{rank}" if rank else "run"), coords=3, directions=1,
+                   memory_budget=1e-6),
         die=dict(every=2, log_dir=os.path.join(out, "run"), coords=3, directions=1, distributed_timeout=3),
         # The schedule's agreement is what this scenario tests, timed on the backward part alone: the training
         # part (a replay and two small collectives per check) has its own DDP test in test_training.py.
@@ -231,6 +233,7 @@ def test_ddp_sharded_checks_rank0_writes_and_errors_are_reported(tmp_path):
     assert warnings == []
     checks = [rec for rec in records if rec["type"] == "check"]
     assert [c["step"] for c in checks] == [0, 2, 4, 6]
+    assert {c["form"] for c in checks} == {"objective"}  # memory_budget applies to one process only (README)
     assert sorted(checks[0]["tensors"]) == sorted(NAMES)
     assert checks[-1]["coverage"] == {"0.weight": 4, "0.bias": 3, "1.weight": 4, "1.bias": 3, "3.weight": 4, "3.bias": 3}
     assert any(rec["type"] == "alert" and "rank 1" in rec["message"] for rec in records)
