@@ -1,6 +1,6 @@
 """Peak memory of a training loop with and without :class:`gradwatch.GradWatch`, one process per configuration.
 
-``ru_maxrss`` is per process, so each configuration runs in a fresh interpreter: a 7-layer MLP
+A process's peak RSS (``VmHWM``) is per process, so each configuration runs in a fresh interpreter: a 7-layer MLP
 (``1024 -> h -> h -> h -> h -> h -> h -> 10``, tanh, ``h`` chosen for the parameter count),
 batch 64, SGD, 3 steps, and with ``--watch`` a ``GradWatch(every=1)`` at its default options.
 The worker prints one JSON line: the peak (RSS on the CPU, peak allocated on CUDA), the forms
@@ -39,7 +39,6 @@ def mlp_width(n_params: float, d_in: int = 1024, d_out: int = 10, hidden_layers:
 
 def worker(n_params: float, watch: bool, steps: int = 3, batch: int = 64) -> Dict[str, Any]:
     """One configuration in this process; returns its figures (see the module docstring)."""
-    import resource
 
     import torch
     from torch import nn
@@ -88,7 +87,9 @@ def worker(n_params: float, watch: bool, steps: int = 3, batch: int = 64) -> Dic
     if cuda:
         peak = int(torch.cuda.max_memory_allocated())
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        from gradwatch.check.memory import peak_bytes
+
+        peak = peak_bytes(torch.device("cpu"))  # VmHWM: ru_maxrss would carry the parent's peak across exec
     return {"n_params": sum(p.numel() for p in model.parameters()), "width": h, "watch": watch,
             "device": "cuda" if cuda else "cpu", "peak_bytes": int(peak), "seconds": seconds,
             "checks": len(forms), "forms": forms, "checked": checked, "judged": judged,

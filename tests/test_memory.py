@@ -318,3 +318,17 @@ def test_a_linear_too_big_for_the_room_is_checked_a_block_of_rows_at_a_time():
         assert [m.name for m in report.localized if m.failed] == ["1"]  # the planted bug is still caught
     rows = [next(n for n in r.notes if "`2` (Linear) checked on output rows" in n) for r in reports]
     assert rows[0] != rows[1]  # the block moves with the check's seed
+
+
+def test_peak_is_this_process_image_not_a_bigger_parent():
+    """Linux keeps ru_maxrss across exec: a watched run started by a big launcher (a test runner, a
+    benchmark driver) must not read the launcher's peak as training's (the budget would be too big)."""
+    import numpy as np
+
+    ballast = np.ones(1_500_000_000 // 8)  # 1.5 GB touched: this process's peak RSS is above that
+    code = "import torch; from gradwatch.check.memory import peak_bytes; print(peak_bytes(torch.device('cpu')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    del ballast
+    child = int(out.stdout.strip())
+    assert 0 < child < 1_000_000_000, child  # the child's own peak (torch imported: a few hundred MB)

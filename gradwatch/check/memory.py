@@ -1,7 +1,7 @@
 """The memory budget of a check: what training's own peak is, and what each form of the check would add.
 
 A check may use at most ``memory_budget`` (a fraction, 0.1 by default) above training's own peak:
-on the CPU the peak resident set size (``resource.getrusage().ru_maxrss``), on CUDA the peak
+on the CPU the peak resident set size (``VmHWM``; ``ru_maxrss`` where ``/proc`` is missing), on CUDA the peak
 allocated memory (``torch.cuda.max_memory_allocated``). Both are monotone over a process, so the
 meter keeps *training's* peak apart from the checks': it is read before each check, and only a
 peak beyond the one the last check left counts as training's.
@@ -39,6 +39,19 @@ CHECKED_BYTES_PER_ENTRY = 8 * 3 + 4
 
 
 def _rss_peak_bytes() -> int:
+    """Peak resident set size of this process image: ``VmHWM`` from ``/proc/self/status``.
+
+    Not ``ru_maxrss`` where ``/proc`` exists: Linux keeps ``ru_maxrss`` across ``execve``, so a
+    process started by a bigger one (a test runner, a launcher, a benchmark driver) would read its
+    parent's peak as its own. ``ru_maxrss`` is the fallback (macOS, no ``/proc``).
+    """
+    try:
+        with open("/proc/self/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # Linux: kilobytes; macOS: bytes
 
