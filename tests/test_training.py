@@ -429,6 +429,28 @@ def test_the_forward_hook_leaves_with_close_and_pickles_inert(tmp_path):
     assert len(model._forward_pre_hooks) == 0
 
 
+def test_the_recording_hook_is_off_the_model_on_steps_no_check_looks_at():
+    """every=3: after a checked step the hook takes itself off at the next forward (hook-free forwards),
+    and is back on the model for the step before the next check, whose forwards it records."""
+    model = mlp(dropout=0.5)
+    watch = GradWatch(model, ce, **dict(quiet(), every=3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    hooks, reports = [], []
+    for batch in data(7):
+        opt.zero_grad()
+        loss = ce(model, batch)
+        hooks.append(len(model._forward_pre_hooks))  # after this step's forward
+        loss.backward()
+        reports.append(watch.step(batch))
+        opt.step()
+    assert hooks == [1, 0, 0, 1, 0, 0, 1]  # recorded at steps 0, 3, 6 (the checked ones) only
+    checked = [r for r in reports if r is not None]
+    assert len(checked) == 3 and all_excellent(checked)
+    assert all("forward RNG state" in r.training_note for r in checked)  # training's own dropout masks, recorded
+    watch.close()
+    assert len(model._forward_pre_hooks) == 0
+
+
 def test_training_false_turns_the_part_off():
     model = mlp()
     watch = GradWatch(model, ce, **quiet(training=False))

@@ -202,6 +202,8 @@ class _RecordHook:
             rec.probe(module, args, kwargs)
         elif rec.active and not rec.paused and torch.is_grad_enabled():
             rec.record(args, kwargs)
+        elif not rec.active and not rec.paused:
+            rec.unhook()  # a forward no check will look at: off the model (torch's hook-free fast path) until mark()
         return None
 
     def __deepcopy__(self, memo: dict) -> "_RecordHook":
@@ -237,15 +239,27 @@ class ForwardRecorder:
         #: Record forwards (True while the coming step may be checked; see :meth:`mark`).
         self.active = True
         self._hook = _RecordHook(self)
-        self._handle = root.register_forward_pre_hook(self._hook, with_kwargs=True)
+        self._handle: Optional[Any] = None
+        self._hook_on()
         self._records: List[ForwardRecord] = []
         self._overflow = False
         self._start: Optional[StartState] = StartState.now()
         self._pending: List[MicroBatch] = []
 
     def hooked(self) -> bool:
-        """True while the recording pre-hook is still in place on the root (user code may have cleared hooks)."""
-        return self._handle.id in self.root._forward_pre_hooks
+        """True while the recording pre-hook is in place on the root (user code may have cleared hooks)."""
+        return self._handle is not None and self._handle.id in self.root._forward_pre_hooks
+
+    def _hook_on(self) -> None:
+        """Put the recording pre-hook on the root, first of its pre-hooks (it sees the call's own inputs)."""
+        if self._handle is None:
+            self._handle = self.root.register_forward_pre_hook(self._hook, with_kwargs=True, prepend=True)
+
+    def unhook(self) -> None:
+        """Take the recording pre-hook off (a step no check will look at: forwards run hook-free)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
 
     def record(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
         """Called by the pre-hook for every training forward of the root module."""
@@ -261,13 +275,15 @@ class ForwardRecorder:
             exact: The caller knows the forward follows with no other random draw in between
                 (an integration's batch-start hook).
             full: The coming step may be checked: record its forwards and every generator's state.
-                False: record nothing until the next mark (a step without a check costs the
-                training loop one attribute test per forward).
+                False: record nothing until the next mark (the first forward takes the hook off the
+                model, so the forwards of a step without a check run hook-free).
         """
         self._records = []
         self._overflow = False
         self.active = full
         self._start = StartState.now(exact, full) if full else None
+        if full:
+            self._hook_on()
 
     def close_micro_batch(self, batch: Any, loss: Optional[float]) -> None:
         """A micro-batch's backward is done (gradient accumulation): keep it for the coming step."""
@@ -301,7 +317,7 @@ class ForwardRecorder:
     def close(self) -> None:
         """Remove the hook from the model."""
         self._hook.recorder = None
-        self._handle.remove()
+        self.unhook()
         self._records = []
         self._pending = []
 
