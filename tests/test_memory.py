@@ -332,3 +332,15 @@ def test_peak_is_this_process_image_not_a_bigger_parent():
     del ballast
     child = int(out.stdout.strip())
     assert 0 < child < 1_000_000_000, child  # the child's own peak (torch imported: a few hundred MB)
+
+
+def test_no_peak_to_read_means_no_bound(monkeypatch):
+    """Windows has neither /proc nor the resource module (it cannot run here): with no peak to read, the
+    budget bounds nothing (the whole objective runs) rather than leaving a room of 0 that would skip every check."""
+    from gradwatch.check import memory
+
+    monkeypatch.setattr(memory, "_rss_peak_bytes", lambda: 0)
+    monkeypatch.setattr(memory, "_rss_now_bytes", lambda: None)
+    meter = memory.MemoryMeter(0.1, torch.device("cpu"))
+    meter.observe()
+    assert meter.training_peak == 0 and meter.room() is None

@@ -20,7 +20,6 @@ Example:
 from __future__ import annotations
 
 import os
-import resource
 import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Optional, Sequence
@@ -52,6 +51,10 @@ def _rss_peak_bytes() -> int:
                     return int(line.split()[1]) * 1024  # kB
     except (OSError, ValueError, IndexError):
         pass
+    try:
+        import resource  # POSIX only
+    except ImportError:  # Windows: no peak reading; the room is then measured from the memory in use
+        return _rss_now_bytes() or 0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # Linux: kilobytes; macOS: bytes
 
@@ -157,11 +160,13 @@ class MemoryMeter:
         self._after_check = peak_bytes(self.device)
 
     def room(self) -> Optional[int]:
-        """Bytes a check may add now (None without a budget)."""
+        """Bytes a check may add now (None without a budget, or where this platform gives no peak to read)."""
         if self.budget is None:
             return None
         if not self.training_peak:
             self.observe()
+        if not self.training_peak:  # no /proc and no resource module (Windows): nothing to bound against
+            return None
         return max(0, int((1.0 + self.budget) * self.training_peak) - in_use_bytes(self.device))
 
     def transient(self, model: Optional[nn.Module] = None) -> int:
