@@ -424,9 +424,8 @@ class AttributeGuard:
         self._saved: List[Tuple[Dict[str, Any], str, Any]] = []
         for m in (model.modules() if modules is None else modules):
             attrs = m.__dict__
-            if _STATELESS.get(type(m)) or (_STATELESS.get(type(m)) is None and _stateless(type(m))):
-                if "forward" not in attrs:  # no forward of its own: torch's, which changes no plain attribute
-                    continue
+            if _stateless(type(m)) and "forward" not in attrs:  # torch's forward, which changes no plain attribute
+                continue
             self._saved.extend((attrs, k, attrs[k]) for k in attrs.keys() - MODULE_KEYS if type(attrs[k]) in _SCALARS)
         self._changed: Optional[list] = None
 
@@ -447,9 +446,11 @@ _STATELESS: Dict[type, bool] = {}
 
 
 def _stateless(cls: type) -> bool:
-    where = getattr(getattr(cls, "forward", None), "__module__", None) or ""
-    _STATELESS[cls] = where.startswith("torch.nn.modules.") and cls.__module__.startswith("torch.nn.modules.")
-    return _STATELESS[cls]
+    known = _STATELESS.get(cls)
+    if known is None:
+        where = getattr(getattr(cls, "forward", None), "__module__", None) or ""
+        known = _STATELESS[cls] = where.startswith("torch.nn.modules.") and cls.__module__.startswith("torch.nn.modules.")
+    return known
 
 
 @contextlib.contextmanager

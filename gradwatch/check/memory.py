@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 from typing import Any, Dict, Iterable, Optional, Sequence
 
 import torch
@@ -251,16 +250,6 @@ def gradient_bytes(params: Iterable[torch.Tensor]) -> int:
         40
     """
     return sum(p.numel() * p.element_size() for p in params)
-
-
-@dataclass
-class Plan:
-    """What a check will run, chosen against the room: the form, and the training part's tensors."""
-
-    form: str
-    room: Optional[int]
-    estimate: Optional[int]
-    reason: Optional[str] = None
 
 
 def mb(n: Optional[float]) -> str:

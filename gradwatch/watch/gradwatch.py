@@ -755,8 +755,8 @@ class GradWatch:
         free = SAFETY * room - self.memory.transient(self.model)
         if gradient_bytes(params.values()) <= free:
             return params
-        order = sorted(range(len(params)), key=lambda i: (self._training_counts.get(list(params)[i], 0), i))
         names = list(params)
+        order = sorted(range(len(names)), key=lambda i: (self._training_counts.get(names[i], 0), i))
         chosen = []
         for i in order:
             need = gradient_bytes([params[names[i]]])
