@@ -142,3 +142,80 @@ def test_repeated_checks_give_identical_reports():
         assert c.tensors[name].analytic == d.tensors[name].analytic == a.tensors[name].analytic
         assert np.allclose(c.tensors[name].numeric, d.tensors[name].numeric, rtol=1e-7, atol=1e-10)
     assert c.objective == d.objective == a.objective
+
+
+# ------------------------------------------------------------ the training part's isolation of the live model
+
+
+class Stateful(nn.Module):
+    """A forward that counts, flags, replaces a buffer and adds an attribute: what a replay must undo."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.utils.parametrizations.spectral_norm(nn.Linear(3, 3))
+        self.register_buffer("cache", torch.zeros(3))
+        self.calls = 0
+        self.warm = False
+        self.note = None
+
+    def forward(self, x):
+        self.calls += 1
+        self.warm = True
+        self.note = "ran"
+        self.cache = torch.ones(3)  # a buffer replaced by another tensor
+        self.extra = 7  # an attribute the forward adds: left as it is (only what existed is put back)
+        return self.lin(x)
+
+
+def test_live_isolation_runs_a_forward_and_leaves_the_model_as_it_was():
+    from gradwatch.check.isolation import LiveIsolation
+
+    torch.manual_seed(0)
+    model = Stateful()
+    cache, u = model.cache, model.lin.parametrizations.weight[0]._u.clone()
+    seen = []
+    model.lin.register_forward_hook(lambda m, i, o: seen.append("module"))
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.append("global"))
+    weight = model.lin.parametrizations.weight.original
+    weight.register_hook(lambda g: seen.append("tensor") or g * 3)
+    try:
+        with LiveIsolation(list(model.modules()), [weight]):
+            assert not model.lin.parametrizations.weight[0].training  # the power iteration is off
+            model(torch.randn(2, 3)).sum().backward()
+        assert seen == []  # no user hook ran: module, global or tensor
+        assert (model.calls, model.warm, model.note, model.extra) == (0, False, None, 7)
+        assert model.cache is cache and torch.equal(model.cache, torch.zeros(3))
+        assert torch.equal(model.lin.parametrizations.weight[0]._u, u) and model.lin.parametrizations.weight[0].training
+        model(torch.randn(2, 3)).sum().backward()  # every hook is back, in its place
+        assert seen.count("module") == 1 and seen.count("tensor") == 1 and "global" in seen
+        assert model.calls == 1 and len(model.lin._forward_hooks) == 1
+    finally:
+        handle.remove()
+
+
+def test_scalar_grad_is_autograd_grad_bit_for_bit_and_defers_to_it_for_subclasses():
+    from gradwatch.check.replay import scalar_grad
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    unused = nn.Parameter(torch.ones(2))
+    x = torch.randn(5, 4)
+    inputs = (*model.parameters(), unused)
+    fast = scalar_grad(model(x).pow(2).mean(), inputs)
+    ref = torch.autograd.grad(model(x).pow(2).mean(), inputs, allow_unused=True)
+    assert fast[-1] is None and ref[-1] is None
+    assert all(torch.equal(a, b) for a, b in zip(fast[:-1], ref[:-1]))
+    assert all(p.grad is None for p in inputs)  # .grad is not written
+
+    class Logged(torch.Tensor):  # a __torch_function__ override: autograd.grad's own path, which dispatches to it
+        calls: list = []
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.autograd.grad:
+                cls.calls.append(func)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    w = torch.tensor([1.0, 2.0]).as_subclass(Logged).requires_grad_()
+    (g,) = scalar_grad((w * w).sum(), (w,))
+    assert Logged.calls and torch.equal(g.as_subclass(torch.Tensor), torch.tensor([2.0, 4.0]))

@@ -23,14 +23,16 @@ import copy
 import dataclasses
 import functools
 import itertools
+import operator
 import random
 import threading
 import types
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
 from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.utils.parametrizations import _SpectralNorm
 
@@ -41,8 +43,7 @@ if TYPE_CHECKING:
 _RNG_GUARD = threading.local()
 
 
-@contextlib.contextmanager
-def preserved_rng() -> Iterator[None]:
+def preserved_rng() -> ContextManager[None]:
     """Restore torch (CPU, CUDA), numpy and ``random`` RNG states on exit.
 
     Nested uses cost nothing: the outermost one restores every generator when it exits (a check
@@ -53,12 +54,12 @@ def preserved_rng() -> Iterator[None]:
         ...     _ = torch.rand(3)
     """
     if getattr(_RNG_GUARD, "depth", 0):
-        _RNG_GUARD.depth += 1
-        try:
-            yield
-        finally:
-            _RNG_GUARD.depth -= 1
-        return
+        return contextlib.nullcontext()  # inside the outermost one, which restores everything
+    return _outermost_rng()
+
+
+@contextlib.contextmanager
+def _outermost_rng() -> Iterator[None]:
     _RNG_GUARD.depth = 1
     try:
         with _restoring_rng():
@@ -258,9 +259,12 @@ class BufferGuard:
     #: Value comparisons in a row that found a buffer unchanged before :meth:`restore_fast` trusts its version counter.
     TRUST_AFTER = 2
 
-    def __init__(self, model: nn.Module, attributes: bool = False, modules: Optional[List[nn.Module]] = None) -> None:
-        modules = list(model.modules()) if modules is None else modules  # one walk for buffers, owners, attributes
-        self._owners = [(m, k, b) for m in modules for k, b in m._buffers.items() if b is not None]
+    def __init__(self, model: nn.Module, attributes: bool = False, modules: Optional[List[nn.Module]] = None,
+                 owners: Optional[List[Tuple[nn.Module, str, torch.Tensor]]] = None) -> None:
+        if owners is None:
+            modules = list(model.modules()) if modules is None else modules  # one walk for buffers, owners, attributes
+            owners = [(m, k, b) for m in modules for k, b in m._buffers.items() if b is not None]
+        self._owners = owners
         seen: Set[int] = set()
         unique = []
         for _, _, b in self._owners:  # a shared buffer once
@@ -358,39 +362,62 @@ def suspended_hooks(model: nn.Module, modules: Optional[List[nn.Module]] = None)
         >>> len(seen), names, len(lin._forward_hooks)
         (0, ['forward hook <lambda> on the model'], 1)
     """
-    from torch.nn.modules import module as torch_module
-
     places: List[Tuple[Any, Dict[str, Any]]] = [
         (m, m.__dict__) for m in (model.modules() if modules is None else modules) if _has_hooks(m)]
-    places.append(("every module (global)", {k: getattr(torch_module, "_global" + k, None) for k in _HOOK_KINDS}))
-    removed: List[Tuple[Any, List[Any], Dict[Any, Any]]] = []
+    places.append(("every module (global)", _global_hooks()))
+    removed: List[_Removed] = []
     names: List[str] = []
     module_names: Dict[int, str] = {}  # built once, only when a user hook needs naming
     for where, attrs in places:
         for key, kind in _HOOK_KINDS.items():
-            hooks = attrs.get(key)
-            if not hooks:
-                continue
-            user = {k: h for k, h in hooks.items() if not _library_hook(h)}
+            user = _take_user_hooks(attrs.get(key), removed)
             if user:
                 if isinstance(where, nn.Module):
                     if not module_names:
                         module_names = {id(m): name or "the model" for name, m in model.named_modules()}
                     where = module_names.get(id(where), "the model")
-                removed.append((hooks, list(hooks), user))
                 names.extend(f"{kind} {_hook_name(h)} on {where}" for h in user.values())
-                for k in user:
-                    del hooks[k]
     try:
         yield names
     finally:
-        for hooks, order, user in removed:
-            current = dict(hooks)  # hooks gradwatch added or removed meanwhile (its casting hooks) stay as they are
-            merged = [(k, user.get(k, current.get(k))) for k in order if k in user or k in current]
-            known = set(order)
-            merged += [(k, v) for k, v in current.items() if k not in known]
-            hooks.clear()
-            hooks.update(merged)
+        _put_back_hooks(removed)
+
+
+#: A hook dict whose user hooks were taken out: (the dict, its keys in order, the hooks taken out by key).
+_Removed = Tuple[Dict[Any, Any], List[Any], Dict[Any, Any]]
+
+
+#: Names in ``torch.nn.modules.module`` of the global module hook dicts, by the per-module attribute name.
+_GLOBAL_HOOKS = tuple((k, "_global" + k) for k in _HOOK_KINDS)
+
+
+def _global_hooks() -> Dict[str, Any]:
+    """The global module hook dicts (``register_module_forward_hook`` ...), by the per-module attribute name."""
+    return {k: getattr(torch_module, g, None) for k, g in _GLOBAL_HOOKS}
+
+
+def _take_user_hooks(hooks: Optional[Dict[Any, Any]], removed: List[_Removed]) -> Optional[Dict[Any, Any]]:
+    """Take the hooks user code registered out of ``hooks`` (noted in ``removed``); returns them (None: none)."""
+    if not hooks:
+        return None
+    user = {k: h for k, h in hooks.items() if not _library_hook(h)}
+    if not user:
+        return None
+    removed.append((hooks, list(hooks), user))
+    for k in user:
+        del hooks[k]
+    return user
+
+
+def _put_back_hooks(removed: List[_Removed]) -> None:
+    """Put every hook :func:`_take_user_hooks` took out back in its place."""
+    for hooks, order, user in removed:
+        current = dict(hooks)  # hooks gradwatch added or removed meanwhile (its casting hooks) stay as they are
+        merged = [(k, user.get(k, current.get(k))) for k in order if k in user or k in current]
+        known = set(order)
+        merged += [(k, v) for k, v in current.items() if k not in known]
+        hooks.clear()
+        hooks.update(merged)
 
 
 #: Attributes every ``nn.Module`` has (``training``, parameter, buffer and hook dicts).
@@ -426,7 +453,7 @@ class AttributeGuard:
             attrs = m.__dict__
             if _stateless(type(m)) and "forward" not in attrs:  # torch's forward, which changes no plain attribute
                 continue
-            self._saved.extend((attrs, k, attrs[k]) for k in attrs.keys() - MODULE_KEYS if type(attrs[k]) in _SCALARS)
+            _save_scalars(attrs, self._saved)
         self._changed: Optional[list] = None
 
     def restore(self) -> None:
@@ -440,6 +467,20 @@ class AttributeGuard:
 
 _MISSING = object()
 
+
+def _save_scalars(attrs: Dict[str, Any], saved: List[Tuple[Dict[str, Any], str, Any]]) -> None:
+    """Append ``(attrs, key, value)`` for each plain scalar attribute (not one every module has)."""
+    saved.extend((attrs, k, v) for k, v in attrs.items() if type(v) in _SCALARS and k not in MODULE_KEYS)
+
+
+def _restore_scalars(attrs: Dict[str, Any], saved: Dict[str, Any]) -> None:
+    """Put back in ``attrs`` every plain scalar attribute ``saved`` (an earlier copy of it) holds with another value."""
+    kept: List[Tuple[Dict[str, Any], str, Any]] = []
+    _save_scalars(saved, kept)
+    for _, k, v in kept:
+        if attrs.get(k, _MISSING) is not v:
+            attrs[k] = v
+
 #: Module classes whose forward is torch's own (``torch.nn.modules``): it changes buffers at most, never a
 #: plain attribute, so :class:`AttributeGuard` skips their instances (a replay guards every module of the model).
 _STATELESS: Dict[type, bool] = {}
@@ -451,6 +492,83 @@ def _stateless(cls: type) -> bool:
         where = getattr(getattr(cls, "forward", None), "__module__", None) or ""
         known = _STATELESS[cls] = where.startswith("torch.nn.modules.") and cls.__module__.startswith("torch.nn.modules.")
     return known
+
+
+class LiveIsolation:
+    """The live model as a replay of training's forward runs it, set up in one walk of its modules.
+
+    What :func:`suspended_hooks`, :func:`frozen_power_iteration` and :class:`BufferGuard` (with
+    attributes) do together, plus the gradient hooks of ``params`` detached (``p.register_hook``):
+    hooks user code registered on modules (and global module hooks) do not run, the power iteration
+    of ``spectral_norm`` is off, and on exit every buffer, plain scalar attribute and hook is back as
+    it was. A replay runs on every check, right after training's backward has evicted the caches, so
+    this is one pass over ``modules`` and does nothing for what the model does not have. RNG states
+    are not its job (:func:`preserved_rng`).
+
+    Args:
+        modules: ``list(root.modules())`` (current: the caller walks the tree when it changes).
+        params: Tensors whose gradient hooks are detached for the duration.
+
+    Example:
+        >>> lin = nn.Linear(2, 1)
+        >>> seen = []
+        >>> _ = lin.register_forward_hook(lambda m, i, o: seen.append(1))
+        >>> with LiveIsolation(list(lin.modules()), list(lin.parameters())):
+        ...     _ = lin(torch.ones(2))
+        >>> len(seen), len(lin._forward_hooks)
+        (0, 1)
+    """
+
+    def __init__(self, modules: List[nn.Module], params: List[torch.Tensor] = ()) -> None:  # type: ignore[assignment]
+        self.modules = modules
+        self.params = params
+        self._spectral: List[nn.Module] = []
+        self._hooks: List[_Removed] = []
+        self._attrs: List[Tuple[Dict[str, Any], Dict[str, Any]]] = []  # (a module's __dict__, its copy on entry)
+        self._tensor_hooks: List[Tuple[Dict[Any, Any], Dict[Any, Any]]] = []
+        self._buffers: Optional[BufferGuard] = None
+
+    def __enter__(self) -> "LiveIsolation":
+        owners: List[Tuple[nn.Module, str, torch.Tensor]] = []
+        for m in self.modules:
+            d = m.__dict__
+            if d["_forward_pre_hooks"] or d["_forward_hooks"] or d["_backward_pre_hooks"] or d["_backward_hooks"]:
+                for key in _HOOK_KINDS:
+                    _take_user_hooks(d[key], self._hooks)
+            buffers = d["_buffers"]
+            if buffers:
+                owners.extend((m, k, b) for k, b in buffers.items() if b is not None)
+            stateless = _STATELESS.get(type(m))
+            if not (stateless or (stateless is None and _stateless(type(m)))) or "forward" in d:
+                # a forward of user code may change a plain attribute: a copy of the dict, compared on exit
+                if isinstance(m, _SpectralNorm) and m.training:
+                    m.training = False
+                    self._spectral.append(m)
+                self._attrs.append((d, d.copy()))
+        for _, name in _GLOBAL_HOOKS:
+            _take_user_hooks(getattr(torch_module, name, None), self._hooks)
+        for p in self.params:
+            hooks = p._backward_hooks
+            if hooks:
+                self._tensor_hooks.append((hooks, dict(hooks)))
+                hooks.clear()
+        if owners:
+            self._buffers = BufferGuard(self.modules[0], owners=owners)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            if self._buffers is not None:
+                self._buffers.restore_changed()
+            for attrs, saved in self._attrs:
+                if len(attrs) != len(saved) or not all(map(operator.is_, attrs.values(), saved.values())):
+                    _restore_scalars(attrs, saved)
+        finally:
+            for hooks, items in self._tensor_hooks:
+                hooks.update(items)
+            _put_back_hooks(self._hooks)
+            for m in self._spectral:
+                m.training = True
 
 
 @contextlib.contextmanager

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from .generators import HeldGenerators
-from .isolation import BufferGuard, frozen_power_iteration, preserved_rng, suspended_hooks
+from .isolation import LiveIsolation, preserved_rng
 
 #: Forwards recorded per micro-batch at most; beyond, the replay cannot be verified.
 MAX_RECORDS = 64
@@ -67,6 +67,10 @@ def _cuda_states() -> Optional[List[torch.Tensor]]:
     return None
 
 
+#: torch's own test of every device's autocast at once (absent from old versions: then each device is asked).
+_ANY_AUTOCAST: Optional[Callable[[], bool]] = getattr(torch._C, "_is_any_autocast_enabled", None)
+
+
 def autocast_state() -> Tuple[Tuple[str, bool, torch.dtype], ...]:
     """``(device, enabled, dtype)`` for each device type whose autocast is enabled now.
 
@@ -77,6 +81,8 @@ def autocast_state() -> Tuple[Tuple[str, bool, torch.dtype], ...]:
         ...     autocast_state()
         (('cpu', True, torch.bfloat16),)
     """
+    if _ANY_AUTOCAST is not None and not _ANY_AUTOCAST():  # one call where no device's autocast is on (the common case)
+        return ()
     out = []
     for dev in AUTOCAST_DEVICES:
         try:
@@ -373,22 +379,6 @@ class _Probe:
         return None
 
 
-@contextlib.contextmanager
-def _hooks_detached(params: Sequence[torch.Tensor]) -> Iterator[None]:
-    """Disable the tensor hooks (``p.register_hook``) of ``params`` for the duration."""
-    saved = []
-    for p in params:
-        hooks = getattr(p, "_backward_hooks", None)
-        if hooks:
-            saved.append((hooks, dict(hooks)))
-            hooks.clear()
-    try:
-        yield
-    finally:
-        for hooks, items in saved:
-            hooks.update(items)
-
-
 Evaluate = Callable[[nn.Module, Any], torch.Tensor]
 GradOf = Callable[[torch.Tensor, Any], Dict[str, torch.Tensor]]
 
@@ -397,21 +387,18 @@ Context = Optional[Callable[[], Any]]
 
 
 @contextlib.contextmanager
-def _isolated(root: nn.Module, recorder: ForwardRecorder, modules: Optional[List[nn.Module]] = None) -> Iterator[None]:
-    """The live model as a replay runs it: the recorder paused, hooks your code registered and the
-    ``spectral_norm`` power iteration off; generators, buffers and plain attributes put back after.
+def _isolated(root: nn.Module, recorder: ForwardRecorder, modules: Optional[List[nn.Module]] = None,
+              params: Sequence[torch.Tensor] = ()) -> Iterator[None]:
+    """The live model as a replay runs it: the recorder paused, hooks your code registered (on modules,
+    and the gradient hooks of ``params``) and the ``spectral_norm`` power iteration off; generators,
+    buffers and plain attributes put back after (:class:`~gradwatch.check.isolation.LiveIsolation`).
 
     ``modules``: ``list(root.modules())`` when the caller knows it is current (GradWatch keeps it
-    while the module tree is unchanged), else one walk here serves every guard."""
+    while the module tree is unchanged), else one walk here."""
     recorder.paused = True
     try:
-        modules = list(root.modules()) if modules is None else modules
-        with preserved_rng(), frozen_power_iteration(root, modules), suspended_hooks(root, modules):
-            guard = BufferGuard(root, attributes=True, modules=modules)
-            try:
-                yield
-            finally:
-                guard.restore_changed()
+        with preserved_rng(), LiveIsolation(list(root.modules()) if modules is None else modules, list(params)):
+            yield
     finally:
         recorder.paused = False
 
@@ -433,30 +420,33 @@ def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of
     """
     probe = _Probe(mb.records, mode)
     region = context() if context is not None else autocast_as(mb.records[0].autocast if mb.records else ())
-    held = HeldGenerators.of(generators)
+    held = HeldGenerators.of(generators) if generators else None
     handle = None
     if root is recorder.root and recorder.hooked():
         recorder.probe = probe  # run by the recording hook, where training's forwards were recorded
     else:
         handle = root.register_forward_pre_hook(probe, with_kwargs=True, prepend=True)
+    recorder.paused = True  # as _isolated, without its frame (this runs on every check)
     try:
-        with _isolated(root, recorder, modules):
+        with preserved_rng(), LiveIsolation(list(root.modules()) if modules is None else modules, list(params.values())):
             if mode == "start":
                 mb.start.apply()
-            with torch.enable_grad(), _hooks_detached(list(params.values())):
+            with torch.enable_grad():
                 with region:  # the forward in training's autocast region; backward outside it, as training's
                     autocast = autocast_state()
                     total = evaluate(root, mb.batch)
                 grads = grad_of(total, mb.batch)
-            value = float(total.detach())
+            value = float(total.item())
     finally:
+        recorder.paused = False
         recorder.probe = None
         if handle is not None:
             handle.remove()
-        if held.moved():
-            probe.faithful = False
-            probe.private = True
-        held.reset()
+        if held is not None:
+            if held.moved():
+                probe.faithful = False
+                probe.private = True
+            held.reset()
     return grads, value, probe, autocast
 
 
@@ -469,6 +459,34 @@ def rng_free(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, mb:
             torch.manual_seed(seed)
             values.append(float(evaluate(root, mb.batch).detach()))
     return values[0] == values[1]
+
+
+try:  # what torch.autograd.grad calls once it has checked its arguments (private; absent from old versions)
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:  # pragma: no cover - torch < 2.3
+    _engine_run_backward = None  # type: ignore[assignment]
+
+
+def scalar_grad(total: torch.Tensor, inputs: Tuple[torch.Tensor, ...]) -> Tuple[Optional[torch.Tensor], ...]:
+    """``torch.autograd.grad(total, inputs, allow_unused=True)`` for a real scalar ``total``, at less cost.
+
+    ``autograd.grad`` first checks every input in Python (is it a tensor, a ``__torch_function__``
+    override, a batched gradient) and builds the output gradient, which costs about 3% of the
+    forward and backward of a small model, on every check. For the case a replay always has (one
+    real floating-point scalar, plain tensors and parameters, no torch function mode) this runs
+    torch's engine the way ``autograd.grad`` then does; anything else goes through
+    ``autograd.grad`` itself. Either way ``.grad`` is not written.
+
+    Example:
+        >>> w = torch.tensor([1.0, 2.0], requires_grad=True)
+        >>> scalar_grad((w ** 2).sum(), (w,))
+        (tensor([2., 4.]),)
+    """
+    if (_engine_run_backward is None or not total.is_floating_point() or total.numel() != 1
+            or torch.overrides.has_torch_function((total, *inputs))):
+        return torch.autograd.grad(total, inputs, allow_unused=True)
+    ones = (torch.ones_like(total, memory_format=torch.preserve_format),)
+    return _engine_run_backward((total,), ones, False, False, inputs, True, accumulate_grad=False)
 
 
 def as_float(value: Any) -> Optional[float]:

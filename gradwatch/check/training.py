@@ -184,7 +184,7 @@ def judge_training(
         # The same bits (a faithful replay of a correct step): nothing more to measure. (A NaN or inf the
         # replay reproduces is training's own; the backward part reports it.) The common case: built in one call.
         return TrainingCheck(name, tuple(param.shape), dtype_name, tol, 0.0, 0.0, 0.0, Verdict.EXCELLENT,
-                             Verdict.EXCELLENT.is_failure(fail_at))
+                             fail_at is Verdict.EXCELLENT)  # EXCELLENT fails only where fail_at is EXCELLENT
     check = TrainingCheck(name=name, shape=tuple(param.shape), dtype=dtype_name, tolerance=tol)
     ref, param = _real(ref), _real(param)
     live = _real(live) if live is not None else None

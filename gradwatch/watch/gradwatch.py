@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import operator
 import time
 import traceback
 import uuid
@@ -30,7 +31,7 @@ from ..check.model import GradFn, trainable_names
 from ..check.modular import module_units, run_module_check, units_signature
 from ..check.numeric import Verdict
 from ..check.objective import Objective, coupled_weight_decay
-from ..check.replay import ForwardRecorder, Replay, Step, replay_step
+from ..check.replay import ForwardRecorder, Replay, Step, replay_step, scalar_grad
 from ..check.report import CheckReport
 from ..check.sampling import coverage as coverage_of
 from ..check.sampling import match_names, rotate
@@ -73,14 +74,15 @@ def _alert_from_dict(d: Mapping[str, Any]) -> Alert:
 STATE_VERSION = 1
 
 
-def _same_tree(tree: List[Tuple[Dict[str, Any], Tuple[Tuple[str, Any], ...]]]) -> bool:
-    """Every ``_modules``/``_parameters`` dict still holds exactly the items it held (by identity)."""
-    for d, items in tree:
-        if len(d) != len(items):
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+def _same_tree(tree: List[Tuple[Dict[str, Any], Tuple[str, ...], Tuple[Any, ...]]]) -> bool:
+    """Every ``_modules``/``_parameters`` dict still holds exactly the keys and values it held, in order
+    (by identity: a key set again keeps its key object, so only a real change reads as one)."""
+    for d, keys, values in tree:
+        if len(d) != len(keys) or not all(map(operator.is_, d.values(), values)) or not all(map(operator.is_, d, keys)):
             return False
-        for k, v in items:
-            if d.get(k) is not v:
-                return False
     return True
 
 
@@ -667,20 +669,20 @@ class GradWatch:
         model = self.model if model is None else model
         cached = getattr(self, "_params_cache", None)
         if (cached is not None and cached[3] is model and _same_tree(cached[1])
-                and all(p.requires_grad == flag for p, flag in cached[2])):
+                and list(map(_REQUIRES_GRAD, cached[2][0])) == cached[2][1]):
             return cached[0]
         self._modules_cache = list(model.modules())  # current while the tree is: the replay's guards walk it
         tree = []
         named = []
-        flags = []  # every parameter's requires_grad: one frozen or unfrozen changes the watched set
+        flags: List[torch.Tensor] = []  # every parameter (its requires_grad: one frozen or unfrozen changes the watched set)
         seen = set()
         for mname, module in model.named_modules():
-            tree.append((module._modules, tuple(module._modules.items())))
-            tree.append((module._parameters, tuple(module._parameters.items())))
+            tree.append((module._modules, tuple(module._modules), tuple(module._modules.values())))
+            tree.append((module._parameters, tuple(module._parameters), tuple(module._parameters.values())))
             for attr, p in module._parameters.items():
                 if p is not None and id(p) not in seen:
                     seen.add(id(p))
-                    flags.append((p, p.requires_grad))
+                    flags.append(p)
                     if p.requires_grad and p.is_floating_point():
                         named.append((f"{mname}.{attr}" if mname else attr, p))
         key = tuple(n for n, _ in named)
@@ -688,7 +690,7 @@ class GradWatch:
             self._watched_cache = (key, set(match_names(list(key), self._check_options.tensors, strict=False)))
         watched = self._watched_cache[1]
         params = {n: p for n, p in named if n in watched}
-        self._params_cache = (params, tree, flags, model)
+        self._params_cache = (params, tree, (flags, list(map(_REQUIRES_GRAD, flags))), model)
         return params
 
     def _training_replay(self, pending: Optional[Step], model: Optional[nn.Module] = None,
@@ -722,6 +724,7 @@ class GradWatch:
             plist = list(params.values())
 
         scaler = self.grad_scaler if self.grad_scaler is not None and self.grad_scaler.is_enabled() else None
+        inputs = tuple(plist)
 
         def grad_of(total: torch.Tensor, batch: Any) -> Dict[str, torch.Tensor]:
             if self.grad_fn is not None:
@@ -731,16 +734,15 @@ class GradWatch:
             if not total.requires_grad:
                 return {n: torch.zeros_like(p) for n, p in params.items()}
             if scaler is None:
-                gs = torch.autograd.grad(total, plist, allow_unused=True)
+                gs = scalar_grad(total, inputs)
                 return {n: torch.zeros_like(p) if g is None else _dense(g) for (n, p), g in zip(params.items(), gs)}
             # scaler.scale(loss).backward(), then unscale_: multiply by the float32 reciprocal of the scale
             inv = torch.tensor(float(scaler.get_scale()), dtype=torch.float64).reciprocal().float()
-            gs = torch.autograd.grad(scaler.scale(total), plist, allow_unused=True)
+            gs = scalar_grad(scaler.scale(total), inputs)
             return {n: torch.zeros_like(p) if g is None else _dense(g) * inv.to(g.device)
                     for (n, p), g in zip(params.items(), gs)}
 
-        records = [r for mb in pending.micro for r in mb.records]
-        autocast = records[0].autocast if records else ()
+        autocast = next((mb.records[0].autocast for mb in pending.micro if mb.records), ())
         dtypes = {p.dtype for p in plist}  # a few distinct dtypes, however many tensors
         worst = compute_dtype(max(dtypes, key=tolerance_for, default=torch.float32), autocast)
         replay = replay_step(model, self._recorder, pending, self.objective.training_total, grad_of, params,
