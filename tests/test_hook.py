@@ -429,8 +429,24 @@ def test_loss_fn_raising_during_check_is_an_error_alert_and_training_goes_on(cap
     assert [(a.kind, a.tensor, a.severity) for a in watch.alerts] == [("error", "*", "error")]
     assert collected == watch.alerts
     assert "RuntimeError: shape mismatch in my loss" in watch.alerts[0].message
+    assert "(in loss_fn)" in watch.alerts[0].message  # raised in the training part's replay, named all the same
     text = caplog.text
     assert "Traceback" in text and "shape mismatch in my loss" in text and "training goes on" in text
+
+
+def test_regularizer_raising_in_a_check_is_named_in_the_alert():
+    model = make_model(fixed=True)
+
+    def l2(m):
+        raise KeyError("no such parameter: 'encoder.weight'")
+
+    watch = GradWatch(model, loss_fn, regularizers={"l2": l2}, every=1, log_dir=None)
+    batch = next(iter(batches(1)))
+    loss_fn(model, batch).backward()  # training's own loss; the check's objective adds the broken term
+    assert watch.step(batch) is None
+    watch.close()
+    assert [(a.kind, a.severity) for a in watch.alerts] == [("error", "error")]
+    assert "(in regularizer 'l2')" in watch.alerts[0].message and "encoder.weight" in watch.alerts[0].message
 
 
 def test_on_alert_raising_is_logged_and_training_goes_on(caplog, buggy_sigmoid):

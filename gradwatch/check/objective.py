@@ -178,9 +178,17 @@ class Objective:
             ...      + obj.terms(m, torch.ones(1, 2))["l2"])
             True
         """
-        total = _scalar("loss_fn", self.loss_fn(model, batch))
+        try:
+            total = _scalar("loss_fn", self.loss_fn(model, batch))
+        except Exception as exc:
+            blame(exc, "loss_fn")  # the alert says where, as for the backward part's evaluations
+            raise
         for name, reg in self.regularizers.items():
-            total = total + _scalar(f"regularizer {name!r}", reg(model))
+            try:
+                total = total + _scalar(f"regularizer {name!r}", reg(model))
+            except Exception as exc:
+                blame(exc, f"regularizer {name!r}")
+                raise
         return total
 
     def param_terms(self, model: nn.Module) -> Dict[str, torch.Tensor]:
