@@ -194,11 +194,18 @@ def test_error_alert_and_dedup():
     first = tracker.error(1, RuntimeError("shape mismatch [2] vs [3]"))
     assert (first.tensor, first.kind, first.severity) == ("*", "error", "error")
     assert "RuntimeError: shape mismatch [2] vs [3]" in first.message and "loss_fn" in first.message
-    assert tracker.error(2, RuntimeError("again")) is None
-    assert tracker.error(3, RuntimeError("again")) is None
-    assert tracker.error(4, RuntimeError("again")) is not None
-    tracker.update(5, report(tc("w", 1e-9)))  # a successful check clears the error state
-    assert tracker.error(6, KeyError("x"), where="grad_fn") is not None
+    assert tracker.error(2, RuntimeError("shape mismatch [2] vs [3]")) is None  # the same error again: quiet
+    assert tracker.error(3, RuntimeError("shape mismatch [2] vs [3]")) is None
+    assert tracker.error(4, RuntimeError("shape mismatch [2] vs [3]")) is not None  # the cooldown is over
+    other = tracker.error(5, KeyError("x"), where="grad_fn")  # another error fires at once
+    assert other is not None and "KeyError" in other.message and "grad_fn" in other.message
+    assert tracker.error(6, KeyError("x"), where="grad_fn") is None
+    resumed = TrendTracker(alert_cooldown=2)
+    resumed.load_state_dict(json.loads(json.dumps(tracker.state_dict())))
+    assert resumed.error(7, KeyError("x"), where="grad_fn") is None  # what was alerted survives a resume
+    assert resumed.error(8, ValueError("y")) is not None
+    tracker.update(9, report(tc("w", 1e-9)))  # a successful check clears the error state
+    assert tracker.error(10, KeyError("x"), where="grad_fn") is not None
 
 
 def test_summary_and_history_shape():

@@ -114,7 +114,8 @@ class TrendTracker:
 
     Deduplication: a (tensor, kind) alert is not repeated while the condition
     persists. It is raised again when it gets worse (a higher verdict for
-    ``threshold``; a value at least 10x the last alerted one for ``drift``) or
+    ``threshold``; a value at least 10x the last alerted one for ``drift``; another
+    exception type or message for ``error``) or
     once ``alert_cooldown`` further checks of that tensor have passed without
     it (``alert_cooldown=0`` repeats it on every check). When the condition
     clears, the state is forgotten, so a relapse alerts at once. Inconclusive
@@ -298,7 +299,8 @@ class TrendTracker:
             msg += " — the check was skipped and training continues"
         else:
             msg += f" (in {where}) — the check was skipped and training continues; make {where} work on the watched batch"
-        fired = self._fire(WHOLE_CHECK, "error", int(step), math.nan, None, msg)
+        # another error than the last one fires at once: only the same error repeating is kept quiet
+        fired = self._fire(WHOLE_CHECK, "error", int(step), math.nan, None, msg, sig=f"{type(exc).__name__}: {exc}"[:500])
         return fired[0] if fired else None
 
     # ------------------------------------------------------------------ state
@@ -337,7 +339,8 @@ class TrendTracker:
             },
             "training_baseline_samples": {name: list(v) for name, v in self._training_baseline_samples.items()},
             "alerted": [
-                {"tensor": tensor, "kind": kind, "value": json_float(s["value"]), "rank": s["rank"], "at": s["at"]}
+                {"tensor": tensor, "kind": kind, "value": json_float(s["value"]), "rank": s["rank"], "at": s["at"],
+                 **({"sig": s["sig"]} if "sig" in s else {})}
                 for (tensor, kind), s in self._alerted.items()
             ],
             "alert_counts": dict(self._alert_counts),
@@ -376,7 +379,8 @@ class TrendTracker:
             name: [float(v) for v in vals] for name, vals in state.get("training_baseline_samples", {}).items()
         }
         self._alerted = {
-            (s["tensor"], s["kind"]): {"value": _float(s["value"]), "rank": s["rank"], "at": int(s["at"])}
+            (s["tensor"], s["kind"]): {"value": _float(s["value"]), "rank": s["rank"], "at": int(s["at"]),
+                                       **({"sig": str(s["sig"])} if "sig" in s else {})}
             for s in state["alerted"]
         }
         self._alert_counts = {name: int(n) for name, n in state["alert_counts"].items()}
@@ -400,19 +404,21 @@ class TrendTracker:
 
     def _fire(
         self, tensor: str, kind: str, step: int, value: float, baseline: Optional[float], message: str,
-        rank: int = 0, part: str = "backward",
+        rank: int = 0, part: str = "backward", sig: Optional[str] = None,
     ) -> List[Alert]:
-        """Apply deduplication; return ``[alert]`` or ``[]``."""
+        """Apply deduplication; return ``[alert]`` or ``[]`` (``sig``: what tells one error from another)."""
         key = (tensor, _key_kind(kind, part))
         now = self._clock(tensor, part)
         last = self._alerted.get(key)
         if last is not None:
             worse = rank > last["rank"] or (
                 kind == "drift" and _finite(value) and _finite(last["value"]) and value >= 10.0 * last["value"]
-            )
+            ) or (sig is not None and sig != last.get("sig"))
             if not worse and now - last["at"] <= self.alert_cooldown:
                 return []
         self._alerted[key] = {"value": float(value), "rank": rank, "at": now}
+        if sig is not None:
+            self._alerted[key]["sig"] = sig
         self._alert_counts[tensor] = self._alert_counts.get(tensor, 0) + 1
         severity = "error" if kind in ("nonfinite", "error") or (kind == "threshold" and rank >= Verdict.WRONG.rank) else "warning"
         return [Alert(step, tensor, kind, severity, float(value), baseline, message, part)]
