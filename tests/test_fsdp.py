@@ -58,30 +58,7 @@ WORKER = textwrap.dedent(
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
 
     from gradwatch import GradWatch
-
-
-    class WrongTanh(torch.autograd.Function):
-        """tanh whose backward forgets the square: 1 - y instead of 1 - y**2."""
-
-        @staticmethod
-        def forward(ctx, x):
-            y = torch.tanh(x)
-            ctx.save_for_backward(y)
-            return y
-
-        @staticmethod
-        def backward(ctx, gy):
-            (y,) = ctx.saved_tensors
-            return gy * (1 - y)
-
-
-    class Act(nn.Module):
-        def __init__(self, wrong=False):
-            super().__init__()
-            self.wrong = wrong
-
-        def forward(self, x):
-            return WrongTanh.apply(x) if self.wrong else torch.tanh(x)
+    from helpers import Act  # tests/helpers.py: tanh, or with wrong=True its planted WrongTanh
 
 
     def build(wrong=False, mixed=False):
@@ -195,7 +172,8 @@ def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
     script = out / "worker.py"
     script.write_text(WORKER)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     port = str(_free_port())
     procs = [subprocess.Popen([sys.executable, str(script), str(r), port, str(out), ",".join(SCENARIOS)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]

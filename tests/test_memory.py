@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import Act
 from torch import nn
 
 from gradwatch import GradWatch, load_config
@@ -31,30 +32,6 @@ from gradwatch.options import CheckOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 make_case = commands.load_bench(ROOT / "benchmarks" / "bench.py").make_case
-
-
-class WrongTanh(torch.autograd.Function):
-    """tanh whose backward forgets the square: 1 - y instead of 1 - y**2."""
-
-    @staticmethod
-    def forward(ctx, x):
-        y = torch.tanh(x)
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        (y,) = ctx.saved_tensors
-        return g * (1 - y)
-
-
-class Act(nn.Module):
-    def __init__(self, wrong: bool) -> None:
-        super().__init__()
-        self.wrong = wrong
-
-    def forward(self, x):
-        return WrongTanh.apply(x) if self.wrong else torch.tanh(x)
 
 
 class Net(nn.Module):
