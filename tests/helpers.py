@@ -1,7 +1,16 @@
-"""Small models and batches shared by test modules (a 3-4-1 MLP with an MSE loss; a tanh with a planted backward bug)."""
+"""Shared by test modules: a 3-4-1 MLP with an MSE loss, a tanh with a planted backward bug, two gloo ranks."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List, Sequence, Tuple
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,3 +53,40 @@ class Act(nn.Module):
 
     def forward(self, x):
         return WrongTanh.apply(x) if self.wrong else torch.tanh(x)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_ranks(script: str, path: Path, args: Sequence[str], timeout: float, what: str) -> Tuple[Tuple[int, ...], List[str]]:
+    """Run ``script`` (written to ``path``) as 2 processes, ``path rank port *args``, with the checkout and
+    ``tests/`` on ``PYTHONPATH``; returns (exit codes, outputs). Both are killed, and the test fails, when
+    they are not done within ``timeout`` seconds in all (a hang fails instead of blocking the suite)."""
+    path.write_text(script)
+    pythonpath = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1")
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(path), str(r), port, *args], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    deadline = time.monotonic() + timeout
+    logs = []
+    try:
+        for p in procs:
+            try:
+                logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                pytest.fail(f"{what} did not finish within {timeout}s (killed): a hang")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    return tuple(p.returncode for p in procs), logs

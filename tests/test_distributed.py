@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from helpers import run_two_ranks
 
 from gradwatch.io.sinks import read_jsonl
 
@@ -164,39 +164,9 @@ WORKER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(tmp_path: Path, scenario: str, expect_codes=(0, 0)) -> list:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    port = str(_free_port())
-    procs = [
-        subprocess.Popen([sys.executable, str(script), str(r), port, scenario, str(tmp_path)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(2)
-    ]
-    deadline = time.monotonic() + RUN_TIMEOUT
-    logs = []
-    try:
-        for p in procs:
-            remaining = max(1.0, deadline - time.monotonic())
-            try:
-                logs.append(p.communicate(timeout=remaining)[0])
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                pytest.fail(f"distributed run {scenario!r} did not finish within {RUN_TIMEOUT}s (killed)")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    codes = tuple(p.returncode for p in procs)
+    codes, logs = run_two_ranks(WORKER, tmp_path / "worker.py", [scenario, str(tmp_path)], RUN_TIMEOUT,
+                                f"distributed run {scenario!r}")
     assert codes == tuple(expect_codes), f"exit codes {codes}\n" + "\n----\n".join(logs)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) if (tmp_path / f"rank{r}.json").exists() else None
             for r in range(2)], logs

@@ -22,16 +22,11 @@ writes what it saw to a JSON file that the tests then read:
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
-import time
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from helpers import run_two_ranks
 
 from gradwatch.io.sinks import read_jsonl
 
@@ -40,7 +35,6 @@ fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch < 2.6
     pytest.skip("needs torch.distributed.fsdp.fully_shard (FSDP2)", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT = 120.0
 SCENARIOS = ("correct", "planted", "inplace", "errors", "mixed")
 
@@ -160,39 +154,11 @@ WORKER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Run every scenario on 2 ranks once; (rank 0's results, rank 1's results, the output folder)."""
     out = tmp_path_factory.mktemp("fsdp")
-    script = out / "worker.py"
-    script.write_text(WORKER)
-    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
-    port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, str(out), ",".join(SCENARIOS)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    deadline = time.monotonic() + RUN_TIMEOUT
-    logs = []
-    try:
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                pytest.fail(f"the FSDP2 run did not finish within {RUN_TIMEOUT}s (killed): a hang")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    codes = tuple(p.returncode for p in procs)
+    codes, logs = run_two_ranks(WORKER, out / "worker.py", [str(out), ",".join(SCENARIOS)], RUN_TIMEOUT, "the FSDP2 run")
     # Every rank exits 0: no abort inside gloo (SIGABRT is -6), no exception out of the watch.
     assert codes == (0, 0), f"exit codes {codes}\n" + "\n----\n".join(logs)
     r0, r1 = (json.loads((out / f"rank{r}.json").read_text()) for r in range(2))

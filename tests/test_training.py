@@ -11,23 +11,18 @@ models, optimizers, autocast, GradScaler, compiled modules and processes.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_two_ranks
 from torch import nn
 from torch.nn import functional as F
 
 from gradwatch import GradWatch, Verdict
 from gradwatch.check.training import diagnose_training, judge_training
 from gradwatch.io.sinks import read_jsonl
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def mlp(dropout: float = 0.0, batchnorm: bool = False) -> nn.Sequential:
@@ -520,26 +515,9 @@ DDP_WORKER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ddp(tmp_path: Path, scenario: str):
-    script = tmp_path / "ddp_worker.py"
-    script.write_text(DDP_WORKER)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, scenario, str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    try:
-        logs = [p.communicate(timeout=90)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(logs)
+    codes, logs = run_two_ranks(DDP_WORKER, tmp_path / "ddp_worker.py", [scenario, str(tmp_path)], 90.0, f"the DDP run {scenario!r}")
+    assert codes == (0, 0), "\n----\n".join(logs)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
