@@ -85,6 +85,16 @@ def blame(exc: BaseException, where: str) -> BaseException:
     return exc
 
 
+def error_key(exc: BaseException) -> str:
+    """What tells one error from another: its type and message (at most 500 characters).
+
+    Example:
+        >>> error_key(KeyError("w"))
+        "KeyError: 'w'"
+    """
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
 def blamed(exc: BaseException) -> Optional[str]:
     """What :func:`blame` marked ``exc`` with (None: not raised by the user's code).
 

@@ -157,11 +157,7 @@ class Objective:
 
     def terms(self, model: nn.Module, batch: Any) -> Dict[str, torch.Tensor]:
         """Evaluate each term: ``"loss"``, each regularizer, and ``"weight_decay"`` when present."""
-        try:
-            out = {"loss": _scalar("loss_fn", self.loss_fn(model, batch))}
-        except Exception as exc:
-            blame(exc, "loss_fn")
-            raise
+        out = {"loss": self._loss(model, batch)}
         if self.regularizers or self.weight_decay:
             out.update(self.param_terms(model))
         return out
@@ -178,32 +174,37 @@ class Objective:
             ...      + obj.terms(m, torch.ones(1, 2))["l2"])
             True
         """
-        try:
-            total = _scalar("loss_fn", self.loss_fn(model, batch))
-        except Exception as exc:
-            blame(exc, "loss_fn")  # the alert says where, as for the backward part's evaluations
-            raise
+        total = self._loss(model, batch)
         for name, reg in self.regularizers.items():
-            try:
-                total = total + _scalar(f"regularizer {name!r}", reg(model))
-            except Exception as exc:
-                blame(exc, f"regularizer {name!r}")
-                raise
+            total = total + _regularizer(name, reg, model)
         return total
+
+    def _loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """``loss_fn(model, batch)``, checked to be a scalar; an exception is marked as raised in ``loss_fn``."""
+        try:
+            return _scalar("loss_fn", self.loss_fn(model, batch))
+        except Exception as exc:
+            blame(exc, "loss_fn")
+            raise
 
     def param_terms(self, model: nn.Module) -> Dict[str, torch.Tensor]:
         """The terms that read only the parameters: each regularizer, and ``"weight_decay"`` when present."""
         out: Dict[str, torch.Tensor] = {}
         for name, reg in self.regularizers.items():
-            try:
-                out[name] = _scalar(f"regularizer {name!r}", reg(model))
-            except Exception as exc:
-                blame(exc, f"regularizer {name!r}")
-                raise
+            out[name] = _regularizer(name, reg, model)
         if self.weight_decay:
             params = dict(model.named_parameters())
             out["weight_decay"] = cast(torch.Tensor, sum(0.5 * wd * params[n].pow(2).sum() for n, wd in self.weight_decay.items()))
         return out
+
+
+def _regularizer(name: str, reg: Callable[[nn.Module], torch.Tensor], model: nn.Module) -> torch.Tensor:
+    """``reg(model)``, checked to be a scalar; an exception is marked as raised in ``regularizer 'name'``."""
+    try:
+        return _scalar(f"regularizer {name!r}", reg(model))
+    except Exception as exc:
+        blame(exc, f"regularizer {name!r}")
+        raise
 
 
 def _scalar(what: str, value: Any) -> torch.Tensor:

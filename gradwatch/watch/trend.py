@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..check.numeric import DEFAULT_BANDS, Verdict, validate_bands
 from ..check.report import CheckReport, InconclusiveKind, TensorCheck, json_float
-from ..errors import ConfigError
+from ..errors import ConfigError, error_key
 
 #: Alert kinds, in the order they are reported within one check.
 ALERT_KINDS = ("threshold", "drift", "nonfinite", "nondeterministic", "error")
@@ -300,7 +300,7 @@ class TrendTracker:
         else:
             msg += f" (in {where}) — the check was skipped and training continues; make {where} work on the watched batch"
         # another error than the last one fires at once: only the same error repeating is kept quiet
-        fired = self._fire(WHOLE_CHECK, "error", int(step), math.nan, None, msg, sig=f"{type(exc).__name__}: {exc}"[:500])
+        fired = self._fire(WHOLE_CHECK, "error", int(step), math.nan, None, msg, sig=error_key(exc))
         return fired[0] if fired else None
 
     # ------------------------------------------------------------------ state
