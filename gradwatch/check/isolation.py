@@ -387,13 +387,9 @@ def suspended_hooks(model: nn.Module, modules: Optional[List[nn.Module]] = None)
 _Removed = Tuple[Dict[Any, Any], List[Any], Dict[Any, Any]]
 
 
-#: Names in ``torch.nn.modules.module`` of the global module hook dicts, by the per-module attribute name.
-_GLOBAL_HOOKS = tuple((k, "_global" + k) for k in _HOOK_KINDS)
-
-
 def _global_hooks() -> Dict[str, Any]:
     """The global module hook dicts (``register_module_forward_hook`` ...), by the per-module attribute name."""
-    return {k: getattr(torch_module, g, None) for k, g in _GLOBAL_HOOKS}
+    return {k: getattr(torch_module, "_global" + k, None) for k in _HOOK_KINDS}
 
 
 def _take_user_hooks(hooks: Optional[Dict[Any, Any]], removed: List[_Removed]) -> Optional[Dict[Any, Any]]:
@@ -532,21 +528,19 @@ class LiveIsolation:
         owners: List[Tuple[nn.Module, str, torch.Tensor]] = []
         for m in self.modules:
             d = m.__dict__
-            if d["_forward_pre_hooks"] or d["_forward_hooks"] or d["_backward_pre_hooks"] or d["_backward_hooks"]:
+            if _has_hooks(m):
                 for key in _HOOK_KINDS:
                     _take_user_hooks(d[key], self._hooks)
             buffers = d["_buffers"]
             if buffers:
                 owners.extend((m, k, b) for k, b in buffers.items() if b is not None)
-            stateless = _STATELESS.get(type(m))
-            if not (stateless or (stateless is None and _stateless(type(m)))) or "forward" in d:
-                # a forward of user code may change a plain attribute: a copy of the dict, compared on exit
-                if isinstance(m, _SpectralNorm) and m.training:
-                    m.training = False
-                    self._spectral.append(m)
-                self._attrs.append((d, d.copy()))
-        for _, name in _GLOBAL_HOOKS:
-            _take_user_hooks(getattr(torch_module, name, None), self._hooks)
+            if isinstance(m, _SpectralNorm) and m.training:  # before the copy below: the copy holds the flag as set
+                m.training = False
+                self._spectral.append(m)
+            if not _stateless(type(m)) or "forward" in d:  # a forward of user code may change a plain attribute
+                self._attrs.append((d, d.copy()))  # compared on exit
+        for hooks in _global_hooks().values():
+            _take_user_hooks(hooks, self._hooks)
         for p in self.params:
             hooks = p._backward_hooks
             if hooks:

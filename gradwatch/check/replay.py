@@ -40,8 +40,9 @@ from __future__ import annotations
 
 import contextlib
 import random
+import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -386,21 +387,37 @@ GradOf = Callable[[torch.Tensor, Any], Dict[str, torch.Tensor]]
 Context = Optional[Callable[[], Any]]
 
 
-@contextlib.contextmanager
-def _isolated(root: nn.Module, recorder: ForwardRecorder, modules: Optional[List[nn.Module]] = None,
-              params: Sequence[torch.Tensor] = ()) -> Iterator[None]:
+class _isolated:
     """The live model as a replay runs it: the recorder paused, hooks your code registered (on modules,
     and the gradient hooks of ``params``) and the ``spectral_norm`` power iteration off; generators,
     buffers and plain attributes put back after (:class:`~gradwatch.check.isolation.LiveIsolation`).
 
     ``modules``: ``list(root.modules())`` when the caller knows it is current (GradWatch keeps it
-    while the module tree is unchanged), else one walk here."""
-    recorder.paused = True
-    try:
-        with preserved_rng(), LiveIsolation(list(root.modules()) if modules is None else modules, list(params)):
-            yield
-    finally:
-        recorder.paused = False
+    while the module tree is unchanged), else one walk here. A class rather than a generator: every
+    check enters it right after training's backward, where each frame costs a cache miss.
+    """
+
+    def __init__(self, root: nn.Module, recorder: ForwardRecorder, modules: Optional[List[nn.Module]] = None,
+                 params: Iterable[torch.Tensor] = ()) -> None:
+        self._recorder = recorder
+        self._rng = preserved_rng()
+        self._live = LiveIsolation(list(root.modules()) if modules is None else modules, list(params))
+
+    def __enter__(self) -> None:
+        self._rng.__enter__()
+        try:
+            self._live.__enter__()
+        except BaseException:
+            self._rng.__exit__(*sys.exc_info())
+            raise
+        self._recorder.paused = True
+
+    def __exit__(self, *exc: Any) -> None:
+        self._recorder.paused = False
+        try:
+            self._live.__exit__(*exc)
+        finally:
+            self._rng.__exit__(*exc)
 
 
 def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of: GradOf, mb: MicroBatch,
@@ -426,9 +443,8 @@ def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of
         recorder.probe = probe  # run by the recording hook, where training's forwards were recorded
     else:
         handle = root.register_forward_pre_hook(probe, with_kwargs=True, prepend=True)
-    recorder.paused = True  # as _isolated, without its frame (this runs on every check)
     try:
-        with preserved_rng(), LiveIsolation(list(root.modules()) if modules is None else modules, list(params.values())):
+        with _isolated(root, recorder, modules, params.values()):
             if mode == "start":
                 mb.start.apply()
             with torch.enable_grad():
@@ -438,7 +454,6 @@ def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of
                 grads = grad_of(total, mb.batch)
             value = float(total.item())
     finally:
-        recorder.paused = False
         recorder.probe = None
         if handle is not None:
             handle.remove()

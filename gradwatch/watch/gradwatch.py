@@ -37,7 +37,7 @@ from ..check.sampling import coverage as coverage_of
 from ..check.sampling import match_names, rotate
 from ..check.training import compute_dtype, gradient_scale, judge_training, tolerance_for
 from ..config import GradWatchConfig, load_config
-from ..errors import GradientDriftError, blamed
+from ..errors import GradientDriftError, blamed, error_key
 from ..io.records import check_record, run_record
 from ..io.sinks import SinkSet, build_sinks
 from .distributed import DEFAULT_TIMEOUT, DistributedCoordinator, RankResult, merge_results, unwrap_model
@@ -712,7 +712,7 @@ class GradWatch:
                                             "does not replay it yet")
         model = self.model if model is None else model
         params = self._training_params(model)
-        plist = list(params.values())
+        plist = tuple(params.values())
         if all(p.grad is None for p in plist):
             return Replay(None, None, None, "not judged: no watched parameter has a .grad yet (watch.step or check "
                                             "before the first backward)")
@@ -721,10 +721,9 @@ class GradWatch:
             if not params:
                 return Replay(None, None, None, f"not judged: the replayed gradient of the smallest watched tensor does "
                                                 f"not fit in the room memory_budget leaves ({mb(room)})")
-            plist = list(params.values())
+            plist = tuple(params.values())
 
         scaler = self.grad_scaler if self.grad_scaler is not None and self.grad_scaler.is_enabled() else None
-        inputs = tuple(plist)
 
         def grad_of(total: torch.Tensor, batch: Any) -> Dict[str, torch.Tensor]:
             if self.grad_fn is not None:
@@ -734,11 +733,11 @@ class GradWatch:
             if not total.requires_grad:
                 return {n: torch.zeros_like(p) for n, p in params.items()}
             if scaler is None:
-                gs = scalar_grad(total, inputs)
+                gs = scalar_grad(total, plist)
                 return {n: torch.zeros_like(p) if g is None else _dense(g) for (n, p), g in zip(params.items(), gs)}
             # scaler.scale(loss).backward(), then unscale_: multiply by the float32 reciprocal of the scale
             inv = torch.tensor(float(scaler.get_scale()), dtype=torch.float64).reciprocal().float()
-            gs = scalar_grad(scaler.scale(total), inputs)
+            gs = scalar_grad(scaler.scale(total), plist)
             return {n: torch.zeros_like(p) if g is None else _dense(g) * inv.to(g.device)
                     for (n, p), g in zip(params.items(), gs)}
 
@@ -850,7 +849,7 @@ class GradWatch:
     def _failed(self, step: int, exc: Exception, seconds: float) -> None:
         """A check raised: log its cause once per kind of failure, count it, and pause after a few in a row."""
         self._failures += 1
-        key = f"{type(exc).__name__}: {exc}"[:500]
+        key = error_key(exc)
         seen = self._failure_counts.get(key, 0)
         self._failure_counts[key] = seen + 1
         if seen == 0:  # the cause and the fix; the alert below says it in one line
