@@ -118,6 +118,7 @@ def main(argv=None) -> int:
     steps = [int(r["step"]) for r in watch.history[next(iter(watch.history))]]
     print(f"log dir: {logger.log_dir}")
     print(f"checks at global steps: {steps}")
+    print(f"checks per tensor: {watch.check_counts}")
     print(f"coverage: {watch.coverage}")
     print(f"{len(watch.alerts)} alerts")
     for alert in watch.alerts:

@@ -205,7 +205,7 @@ def test_ddp_sharded_checks_rank0_writes_and_errors_are_reported(tmp_path):
     assert [c["step"] for c in checks] == [0, 2, 4, 6]
     assert {c["form"] for c in checks} == {"objective"}  # memory_budget applies to one process only (README)
     assert sorted(checks[0]["tensors"]) == sorted(NAMES)
-    assert checks[-1]["coverage"] == {"0.weight": 4, "0.bias": 3, "1.weight": 4, "1.bias": 3, "3.weight": 4, "3.bias": 3}
+    assert checks[-1]["check_counts"] == {"0.weight": 4, "0.bias": 3, "1.weight": 4, "1.bias": 3, "3.weight": 4, "3.bias": 3}
     assert any(rec["type"] == "alert" and "rank 1" in rec["message"] for rec in records)
     assert len(list((tmp_path / "run").glob("events.out.tfevents.*"))) == 1
 
@@ -283,7 +283,7 @@ LIGHTNING_SCRIPT = textwrap.dedent(
         def on_train_end(self, trainer, pl_module):
             watch = self.watcher.watch
             info = {"rank": trainer.global_rank, "shares": SHARES, "distributed": watch.dist is not None,
-                    "sinks": len(watch.sinks), "coverage": watch.coverage, "alerts": len(watch.alerts)}
+                    "sinks": len(watch.sinks), "coverage": watch.check_counts, "alerts": len(watch.alerts)}
             with open(os.path.join(self.out, f"lightning_rank{trainer.global_rank}.json"), "w") as f:
                 json.dump(info, f)
 

@@ -196,7 +196,7 @@ def test_correct_activation_no_alert_in_200_steps_with_dropout_batchnorm_l2(capl
     names = {n for n, _ in model.named_parameters()}
     assert all(set(r.training) == names for r in reports.values())
     assert all(t.verdict is gradwatch.Verdict.EXCELLENT for r in reports.values() for t in r.training.values())
-    assert set(watch.coverage.values()) == {200 // EVERY}
+    assert set(watch.check_counts.values()) == {200 // EVERY}
 
 
 # ---------------------------------------------------------------------------- 3. event files
@@ -311,7 +311,7 @@ def test_resumed_run_continues_as_if_uninterrupted(serialize, split_at, uninterr
     assert {s: sorted(r.tensors) for s, r in split_reports.items()} == {s: sorted(r.tensors) for s, r in whole_reports.items()}
     assert {s: r.seed for s, r in split_reports.items()} == {s: r.seed for s, r in whole_reports.items()}
     assert split.history == whole.history
-    assert split.coverage == whole.coverage
+    assert split.check_counts == whole.check_counts
     assert split.tracker.summary() == whole.tracker.summary()
     assert whole.alerts, "the late bug must raise alerts for this comparison to mean something"
     # threshold alerts at the first check after the crossing, drift (not repeated thresholds) later
@@ -383,11 +383,11 @@ def test_rotation_covers_every_tensor_before_any_third_check():
         assert len(report.tensors) == 2
         seeds.append(report.seed)
         seen.append(sorted(report.tensors))
-        cov = watch.coverage
+        cov = watch.check_counts
         assert max(cov.values()) - min(cov.values()) <= 1, (i, cov)
     watch.close()
     assert len(set(seeds)) == len(seeds)  # a fresh sampling seed per check
-    assert watch.coverage == {n: 3 for n, _ in model.named_parameters()}
+    assert watch.check_counts == {n: 3 for n, _ in model.named_parameters()}
     assert sorted(sum(seen[:3], [])) == sorted(n for n, _ in model.named_parameters())
 
 

@@ -133,7 +133,7 @@ def test_frozen_integer_and_tied_parameters(dtype):
     reports = train(model, watch, fn, batches)
     assert all(r is not None and r.ok for r in reports), [str(r) for r in reports]
     assert list(reports[0].tensors) == ["emb.weight"]  # tied: once; frozen and integer: not checked
-    assert watch.coverage == {"emb.weight": 3}
+    assert watch.check_counts == {"emb.weight": 3}
     assert int(model.steps) == 3  # only the training forwards counted; checks put the buffer back
     assert model.offsets.dtype == torch.long
     for n, p in model.frozen.named_parameters():

@@ -138,7 +138,7 @@ def test_fit_checks_at_global_steps_through_the_logger_writer(tmp_path):
 
     watch = callback.watch
     assert callback.watch.alerts == []
-    assert watch.coverage == {n: len(expected_steps) for n in PARAMS}
+    assert watch.check_counts == {n: len(expected_steps) for n in PARAMS}
     assert all(r["ok"] for r in checks)
 
     # the default loss (training_step's) ran its self.log calls on the trainer-less shadow, silenced
@@ -181,7 +181,7 @@ def test_custom_loss_fn_and_alerts_reach_on_alert(tmp_path):
 def test_plain_loss_fn_variant(tmp_path):
     callback = GradWatchCallback(lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]), every=5, tensors_per_check=2)
     fit(tmp_path, 10, callback)
-    assert callback.watch.coverage == {"fc1.weight": 1, "fc1.bias": 1, "fc2.weight": 1, "fc2.bias": 1}
+    assert callback.watch.check_counts == {"fc1.weight": 1, "fc1.bias": 1, "fc2.weight": 1, "fc2.bias": 1}
     assert callback.watch.alerts == []
 
 
@@ -190,7 +190,7 @@ def test_checkpoint_round_trip_continues_schedule_trends_and_coverage(tmp_path):
     first = GradWatchCallback(every=4, coords=4, directions=2, tensors_per_check=3)
     trainer, model, _ = fit(tmp_path, 10, first, version=0)
     assert sorted({r["step"] for h in first.watch.history.values() for r in h}) == [0, 4, 8]
-    assert sorted(first.watch.coverage.values()) == [2, 2, 2, 3]
+    assert sorted(first.watch.check_counts.values()) == [2, 2, 2, 3]
     ckpt = tmp_path / "run.ckpt"
     trainer.save_checkpoint(ckpt)
     saved = torch.load(ckpt, weights_only=False)["callbacks"][first.state_key]
@@ -203,8 +203,8 @@ def test_checkpoint_round_trip_continues_schedule_trends_and_coverage(tmp_path):
     watch = second.watch
     assert watch.state_dict()["checks"] == 6  # 0, 4, 8 then 12, 16, 20: continued, not restarted
     assert watch.schedule.last_check_step == 20
-    assert sum(watch.coverage.values()) == 6 * 3
-    assert max(watch.coverage.values()) - min(watch.coverage.values()) <= 1  # rotation continued
+    assert sum(watch.check_counts.values()) == 6 * 3
+    assert max(watch.check_counts.values()) - min(watch.check_counts.values()) <= 1  # rotation continued
     steps = sorted({r["step"] for h in watch.history.values() for r in h})
     assert steps == [0, 4, 8, 12, 16, 20]
     records, _ = read_jsonl(Path(trainer2.logger.log_dir) / "checks.jsonl")
@@ -268,7 +268,8 @@ def test_lightning_example_runs(tmp_path):
     assert proc.returncode == 0, out
     assert "Traceback" not in out, out
     assert "checks at global steps: [0, 5, 10, 15, 20, 25]" in proc.stdout, proc.stdout
-    assert "coverage: {'fc1.weight': 6, 'fc1.bias': 6, 'fc2.weight': 6, 'fc2.bias': 6}" in proc.stdout
+    assert "checks per tensor: {'fc1.weight': 6, 'fc1.bias': 6, 'fc2.weight': 6, 'fc2.bias': 6}" in proc.stdout
+    assert "coverage: {'fc1.weight': {'backward': 1.0, 'training': 1.0}" in proc.stdout
     assert "fc1.weight" in proc.stdout.split("alerts", 1)[1]
     [version] = list((tmp_path / "lightning_module").iterdir())
     assert len(event_files(version)) == 1 and (version / "checks.jsonl").is_file()

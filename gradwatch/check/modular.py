@@ -43,98 +43,38 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..options import CheckOptions
+from ..plan.cycle import Piece
+from ..plan.units import Unit, isolated_forward, plan_units, relative, sliceable_rows
 from .isolation import (
-    BufferGuard,
-    Reseeder,
     dropout_off,
-    frozen_batchnorm_stats,
     frozen_power_iteration,
     param_signature,
     preserved_rng,
     suspended_hooks,
 )
-from .localize import ModuleCheck, _copy_opaque, _innermost, _map, _owned, check_module
+from .localize import ModuleCheck, _copy_opaque, _map, check_module
 from .memory import MODULE_BYTES_PER_ENTRY, float_bytes, mb, module_bytes, release_freed
-from .padding import padding_rows_constant
+from .owncode import OwnCode, embedding_rows_copy, own_code_copy, rebuild, rows_copy, tensor_leaves
 from .precision import ShadowPrecision
 from .report import CheckReport
 
 
-@dataclass
-class Unit:
-    """A module the module form checks alone.
-
-    Attributes:
-        name: Qualified module name (``""`` for the model itself).
-        module: The live module.
-        params: Full parameter name -> live parameter, of the parameters its own forward uses.
-        calls: How often the module ran in one forward.
-    """
-
-    name: str
-    module: nn.Module
-    params: Dict[str, nn.Parameter] = field(default_factory=dict)
-    calls: int = 1
-
-    @property
-    def label(self) -> str:
-        """```name``` (Type)."""
-        return f"`{self.name or '<model>'}` ({type(self.module).__name__})"
-
-
-def _isolated_forward(model: nn.Module, loss_fn: Any, batch: Any, hooks: Dict[str, Any], seed: int) -> float:
-    """One forward of the live model without grad, as the backward part evaluates it (dropout off,
-    running stats and hooks your code registered untouched), with ``hooks`` (module name -> forward
-    pre-hook) attached; returns the loss. Every buffer and plain attribute is put back after."""
-    named = dict(model.named_modules())
-    handles = []
-    modules = list(named.values())
-    with preserved_rng(), dropout_off(model), frozen_batchnorm_stats(model), frozen_power_iteration(model, modules), \
-            padding_rows_constant(model), suspended_hooks(model, modules):
-        guard = BufferGuard(model, attributes=True, modules=modules)
-        try:
-            for name, hook in hooks.items():
-                handles.append(named[name].register_forward_pre_hook(hook, with_kwargs=True))
-            Reseeder(seed)()
-            with torch.no_grad():
-                value = loss_fn(model, batch)
-            return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
-        finally:
-            for h in handles:
-                h.remove()
-            guard.restore_changed()
-
-
 def module_units(model: nn.Module, loss_fn: Any, batch: Any, seed: int = 0) -> List[Unit]:
-    """The modules the module form checks, in model order (one counting forward of the live model).
+    """The modules that called no other module, in model order (one counting forward of the live model);
+    :func:`gradwatch.plan.units.plan_units` adds the own code of the others.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
         >>> [(u.name, sorted(u.params)) for u in module_units(model, lambda m, b: m(b).sum(), torch.ones(1, 2))]
         [('0', ['0.bias', '0.weight']), ('1', [])]
     """
-    calls: Dict[str, int] = {}
-
-    def counter(name: str):
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            calls[name] = calls.get(name, 0) + 1
-
-        return hook
-
-    named = dict(model.named_modules())
-    _isolated_forward(model, loss_fn, batch, {n: counter(n) for n in named}, seed)
-    units = []
-    for n in _innermost(named, calls):
-        own = _owned(named[n], calls, n)
-        prefix = f"{n}." if n else ""
-        units.append(Unit(n, named[n], {prefix + k: p for k, p in own.items()}, calls.get(n, 1)))
-    return units
+    return plan_units(model, loss_fn, batch, seed, own_code=False)
 
 
 def float64_copy(module: nn.Module, dtype: torch.dtype = torch.float64) -> nn.Module:
@@ -159,37 +99,65 @@ def float64_copy(module: nn.Module, dtype: torch.dtype = torch.float64) -> nn.Mo
         raise TypeError(f"cannot copy module {type(module).__name__} alone in {dtype} (copy.deepcopy failed: {err})") from err
 
 
-def capture_inputs(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], seed: int,
-                   dtype: torch.dtype = torch.float64) -> Tuple[Dict[str, Tuple[Any, Any]], Dict[str, int], float]:
-    """The chosen modules' inputs at their first call in one forward of the live model, as ``dtype``
-    copies; the float bytes of each one's first output; and the loss of that forward."""
-    captured: Dict[str, Tuple[Any, Any]] = {}
-    outputs: Dict[str, int] = {}
+@dataclass
+class Captured:
+    """What one forward of the live model gave the module form, in the live dtype (cast per unit).
 
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to(dtype) if t.is_floating_point() else t.detach().clone()
+    Attributes:
+        inputs: Unit name -> ``(args, kwargs)`` of its first call.
+        output_bytes: Unit name -> float64 bytes of its first call's output.
+        children: Own-code unit name -> called module (relative name) -> its output at each call
+            that the unit's first call made.
+        loss: The loss of that forward.
+    """
 
-    def keeper(name: str):
+    inputs: Dict[str, Tuple[Any, Any]] = field(default_factory=dict)
+    output_bytes: Dict[str, int] = field(default_factory=dict)
+    children: Dict[str, Dict[str, List[Any]]] = field(default_factory=dict)
+    loss: float = float("nan")
+
+
+def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], seed: int) -> Captured:
+    """The chosen units' inputs at their first call in one forward of the live model, and for own-code
+    units the outputs of the modules their first call called (detached copies in the live dtype)."""
+    got = Captured()
+    wanted = {u.name: u for u in units}
+    own = {u.name: {c: relative(u, c) for c in u.stubbed} for u in units if u.kind == "own"}
+    stack: List[Tuple[str, bool]] = []  # (module, is this the first call of a wanted unit)
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().clone()
+
+    def enter(name: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if name not in captured:
-                captured[name] = _copy_opaque(_map((args, kwargs), cast))
-                handles.append(module.register_forward_hook(size_of(name)))
+            first = name in wanted and name not in got.inputs
+            if first:
+                got.inputs[name] = _copy_opaque(_map((args, kwargs), keep))
+                if name in own:
+                    got.children[name] = {}
+            stack.append((name, first))
 
         return hook
 
-    def size_of(name: str):
+    def leave(name: str):
         def hook(module: nn.Module, args: tuple, out: Any) -> None:
-            outputs.setdefault(name, float_bytes(out))
+            while stack and stack[-1][0] != name:  # a forward that raised inside left its frame behind
+                stack.pop()
+            frame = stack.pop() if stack else (name, False)
+            if frame[1]:
+                got.output_bytes[name] = float_bytes(out)
+            if stack and stack[-1][1] and stack[-1][0] in own:
+                rel = own[stack[-1][0]].get(name)
+                if rel is not None:
+                    got.children[stack[-1][0]].setdefault(rel, []).append(_copy_opaque(rebuild(out, keep)))
 
         return hook
 
-    handles: List[Any] = []
-    try:
-        loss = _isolated_forward(model, loss_fn, batch, {u.name: keeper(u.name) for u in units}, seed)
-    finally:
-        for h in handles:
-            h.remove()
-    return captured, outputs, loss
+    named = dict(model.named_modules())
+    hooked = set(wanted) | {c for u in units for c in u.stubbed}
+    got.loss = isolated_forward(model, loss_fn, batch, seed, pre={n: enter(n) for n in named if n in hooked},
+                                post={n: leave(n) for n in named if n in hooked})
+    return got
 
 
 def run_module_check(
@@ -199,6 +167,7 @@ def run_module_check(
     opts: CheckOptions,
     *,
     units: Optional[Sequence[Unit]] = None,
+    pieces: Optional[Sequence[Piece]] = None,
     room: Optional[int] = None,
 ) -> CheckReport:
     """The module form of the backward part (see the module docstring).
@@ -208,49 +177,78 @@ def run_module_check(
         objective: An :class:`~gradwatch.objective.Objective`; its ``loss_fn`` runs once, to capture inputs.
         batch: The check batch.
         opts: Check options (``coords``, ``directions``, ``eps``, ``bands``, ``fail_at``, ``seed``, ``detect_kinks``).
-        units: The modules to check (default: every unit of :func:`module_units`).
-        room: Bytes a module's check may hold (None: no bound); a module whose estimate exceeds it is skipped.
+        units: The units to choose from (default: every unit of :func:`gradwatch.plan.units.plan_units`).
+        pieces: The pieces to check (:class:`gradwatch.plan.cycle.Piece`; default: each unit whole).
+        room: Bytes a piece's check may hold (None: no bound); a Linear over it is checked on the block of
+            rows that fits, any other piece over it is skipped, and the report says so.
 
     Returns:
-        A :class:`CheckReport` with ``form == "module"``: parameters under their names, a module's
-        input gradient under ``"<module>:input"``, and one :class:`~gradwatch.localize.ModuleCheck`
-        per module in ``localized``.
+        A :class:`CheckReport` with ``form == "module"``: parameters under their names, a unit's input
+        gradient under ``"<module>:input"``, the gradient an own-code unit passes back to a module it called
+        under ``"<module>:output"``, and one :class:`~gradwatch.localize.ModuleCheck` per piece in ``localized``.
     """
     start = time.perf_counter()
-    loss_fn = objective.loss_fn
     if units is None:
-        units = module_units(model, loss_fn, batch, opts.seed)
+        units = plan_units(model, objective.loss_fn, batch, opts.seed)
+    by_name = {u.name: u for u in units}
+    if pieces is None:
+        pieces = [Piece(u.name) for u in units]
+    chosen = list({p.unit: by_name[p.unit] for p in pieces if p.unit in by_name}.values())
     report = CheckReport(tensors={}, fail_at=opts.fail_verdict, seed=opts.seed, dtype="float64")
     report.form = "module"
     dtype = opts.torch_dtype or torch.float64
-    captured, outputs, loss = capture_inputs(model, loss_fn, batch, units, opts.seed, dtype)
-    report.objective = loss
-    report.terms = {"loss": loss}
+    got = capture(model, objective.loss_fn, batch, chosen, opts.seed)
+    report.objective = got.loss
+    report.terms = {"loss": got.loss}
+    canonical = {id(p): n for n, p in model.named_parameters()}
     skipped = []
     estimate = 0
-    for unit in units:
-        if unit.name not in captured:
+    for piece in pieces:
+        unit = by_name.get(piece.unit)
+        if unit is None or unit.name not in got.inputs:
             continue
-        args, kwargs = captured.pop(unit.name)
-        need = module_bytes(unit.params.values(), (args, kwargs), outputs.get(unit.name, 0))
-        block = None
+        args, kwargs = _map(got.inputs[unit.name], lambda t: t.to(dtype) if t.is_floating_point() else t)
+        children = {rel: [rebuild(o, lambda t: t.to(dtype) if t.is_floating_point() else t) for o in outs]
+                    for rel, outs in got.children.get(unit.name, {}).items()}
+        out_bytes = got.output_bytes.get(unit.name, 0)
+        stub_params = [t for outs in children.values() for o in outs for t in tensor_leaves(o) if t.is_floating_point()]
+        rows = piece.rows
+        share = 1.0 if rows is None else (rows[1] - rows[0]) / max(1, _rows_of(unit) or 1)
+        if rows is None:
+            need = module_bytes(unit.params.values(), (args, kwargs), out_bytes) + _numel(stub_params) * MODULE_BYTES_PER_ENTRY
+        else:
+            need = int(_numel(unit.params.values()) * share) * MODULE_BYTES_PER_ENTRY + 3 * float_bytes((args, kwargs)) \
+                + int(4 * out_bytes * share)
         if room is not None and need > room:
-            block = _row_block(unit, (args, kwargs), outputs.get(unit.name, 0), room // 2, opts.seed)
-            if block is None:
-                skipped.append(f"{unit.label} needs about {mb(need)}")
+            block = _row_block(unit, (args, kwargs), out_bytes, room // 2, opts.seed, rows)
+            smaller = None if block is not None else _fewer_samples(model, objective.loss_fn, batch, unit, need, room,
+                                                                   opts.seed, dtype)
+            if block is None and smaller is None:
+                skipped.append(f"{unit.label}{'' if rows is None else f' rows {rows[0]}:{rows[1]}'} needs about {mb(need)}")
+                del args, kwargs
                 continue
-            need = block[2]
-            report.notes.append(f"module form: {unit.label} checked on output rows {block[0]}:{block[1]} of "
-                                f"{unit.module.out_features} (its whole float64 check needs about "
-                                f"{mb(module_bytes(unit.params.values(), (args, kwargs), outputs.get(unit.name, 0)))}; "
-                                "the rows rotate from check to check)")
+            if block is not None:
+                report.notes.append(f"module form: {unit.label} checked on output rows {block[0]}:{block[1]} of "
+                                    f"{_rows_of(unit)} (its {'slice' if rows else 'whole'} float64 check needs about "
+                                    f"{mb(need)}; the rows rotate from check to check)")
+                rows, need = (block[0], block[1]), block[2]
+            else:
+                assert smaller is not None
+                (args, kwargs), children, need, kept, whole = smaller
+                report.notes.append(f"module form: {unit.label} checked on {kept} of the batch's {whole} samples "
+                                    f"(on the whole batch its float64 check needs about {mb(need * whole // kept)})")
         estimate = max(estimate, need)
-        result = _check_unit(unit, args, kwargs, opts, dtype, rows=block[:2] if block else None)
-        del args, kwargs
-        if room is not None and unit.params:
-            release_freed()  # what this module's check freed, before the next one allocates
+        result, probed = _check_piece(unit, rows, args, kwargs, children, opts, dtype, canonical)
+        del args, kwargs, children
+        if room is not None:
+            release_freed()  # what this piece's check freed, before the next one allocates
+        report.pieces.append(str(Piece(unit.name, rows)))
         report.localized.append(result)
         report.evaluations += result.evaluations
+        if result.inconclusive and not result.tensors:
+            report.notes.append(f"module form: {result.label} not checked: {result.inconclusive}")
+            continue
+        report.probed.extend(probed)
         for key, tc in result.tensors.items():
             if key.startswith("input"):
                 name = f"{unit.name or '<model>'}:{key}"
@@ -262,58 +260,133 @@ def run_module_check(
             report.notes.append(f"module form: {result.label} not checked: {result.inconclusive}")
     if skipped:
         report.notes.append(
-            f"module form: {len(skipped)} module(s) not checked, over the room the memory budget leaves "
+            f"module form: {len(skipped)} piece(s) not checked, over the room the memory budget leaves "
             f"({mb(room)}): {'; '.join(skipped[:4])}{'; ...' if len(skipped) > 4 else ''}")
     report.memory = {"estimate_bytes": estimate}
     report.seconds = time.perf_counter() - start
     return report
 
 
-def _row_block(unit: Unit, inputs: Any, output_bytes: int, room: int, seed: int) -> Optional[Tuple[int, int, int]]:
-    """For a plain ``nn.Linear`` too big for the room: ``(first row, end row, bytes)`` of the largest block of
-    output rows that fits (rows ``i`` of the output depend on rows ``i`` of the weight and bias alone), at an
-    offset that moves with the check's seed; None for any other module, or when not one row fits."""
+def _numel(tensors: Any) -> int:
+    return sum(int(t.numel()) for t in tensors)
+
+
+def _rows_of(unit: Unit) -> Optional[int]:
+    """Rows a unit can be sliced by: a Linear's output rows, an Embedding's token rows (None for any other)."""
+    return sliceable_rows(unit.module) if unit.kind == "module" else None
+
+
+def _row_block(unit: Unit, inputs: Any, output_bytes: int, room: int, seed: int,
+               within: Optional[Tuple[int, int]] = None) -> Optional[Tuple[int, int, int]]:
+    """For a Linear too big for the room: ``(first row, end row, bytes)`` of the largest block of output rows
+    (within ``within``, default all) that fits (rows ``i`` of the output depend on rows ``i`` of the weight and
+    bias alone), at an offset that moves with the check's seed; None for any other module, or when not one row fits."""
     module = unit.module
-    if type(module) is not nn.Linear or module._forward_pre_hooks or module._forward_hooks:
+    if not isinstance(module, nn.Linear) or unit.kind != "module":
         return None
     rows = module.out_features
+    lo, hi = within if within is not None else (0, rows)
     per_row = (module.in_features + (1 if module.bias is not None else 0)) * MODULE_BYTES_PER_ENTRY \
         + 4 * output_bytes // max(rows, 1)
     fixed = 3 * float_bytes(inputs)
-    k = min(rows, (room - fixed) // per_row) if room > fixed else 0
+    k = min(hi - lo, (room - fixed) // per_row) if room > fixed else 0
     if k < 1:
         return None
-    first = (seed * k) % rows
-    first = min(first, rows - k)
+    first = lo + (seed * k) % (hi - lo)
+    first = min(first, hi - k)
     return first, first + k, fixed + k * per_row
 
 
-def _rows_copy(module: nn.Linear, first: int, end: int, dtype: torch.dtype) -> nn.Module:
-    """Rows ``first:end`` of a ``nn.Linear`` as a ``nn.Linear`` of their own in ``dtype``."""
-    block = nn.Linear(module.in_features, end - first, bias=module.bias is not None, device="meta")
-    block.weight = nn.Parameter(module.weight.detach()[first:end].to(dtype), requires_grad=module.weight.requires_grad)
-    if module.bias is not None:
-        block.bias = nn.Parameter(module.bias.detach()[first:end].to(dtype), requires_grad=module.bias.requires_grad)
-    block.train(module.training)
-    return block
+def sub_batch(batch: Any, keep: int) -> Tuple[Any, int]:
+    """The first ``keep`` samples of ``batch``: every tensor whose first dimension is the batch size (the first
+    dimension of the first tensor in it) cut to ``keep``; returns it and the batch size.
+
+    Example:
+        >>> part, size = sub_batch({"input_ids": torch.zeros(4, 3), "scale": 2.0}, 1)
+        >>> part["input_ids"].shape, size
+        (torch.Size([1, 3]), 4)
+    """
+    first = next((t for t in tensor_leaves(batch) if t.dim()), None)
+    if first is None:
+        return batch, 1
+    size = int(first.shape[0])
+    return rebuild(batch, lambda t: t[:keep] if t.dim() and t.shape[0] == size else t), size
 
 
-def _check_unit(unit: Unit, args: Any, kwargs: Any, opts: CheckOptions, dtype: torch.dtype,
-                rows: Optional[Tuple[int, int]] = None) -> ModuleCheck:
-    """One module alone: a ``dtype`` copy of it (or of its output ``rows``), checked on its captured inputs, then dropped."""
-    try:
-        local = float64_copy(unit.module, dtype) if rows is None else _rows_copy(cast(nn.Linear, unit.module), rows[0], rows[1], dtype)
-    except TypeError as err:
-        return ModuleCheck(name=unit.name, type=type(unit.module).__name__, calls=unit.calls, inconclusive=str(err))
+def _fewer_samples(model: nn.Module, loss_fn: Any, batch: Any, unit: Unit, need: int, room: int, seed: int,
+                   dtype: torch.dtype) -> Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, int, int]]:
+    """For a unit too big for the room on the whole batch: its inputs (and stubs' outputs) captured on the first
+    samples of the batch, as many as fit, as ``((args, kwargs), children, bytes, samples, batch size)``; None
+    when the batch cannot be cut or not one sample fits."""
+    _, size = sub_batch(batch, 1)
+    keep = min(size - 1, int(size * room / max(need, 1)))
+    if size < 2 or keep < 1:
+        return None
+    part, _ = sub_batch(batch, keep)
+    got = capture(model, loss_fn, part, [unit], seed)
+    if unit.name not in got.inputs:
+        return None
+    inputs = _map(got.inputs[unit.name], lambda t: t.to(dtype) if t.is_floating_point() else t)
+    children = {rel: [rebuild(o, lambda t: t.to(dtype) if t.is_floating_point() else t) for o in outs]
+                for rel, outs in got.children.get(unit.name, {}).items()}
+    stub = [t for outs in children.values() for o in outs for t in tensor_leaves(o) if t.is_floating_point()]
+    cost = module_bytes(unit.params.values(), inputs, got.output_bytes.get(unit.name, 0)) + _numel(stub) * MODULE_BYTES_PER_ENTRY
+    return (inputs, children, cost, keep, size) if cost <= room else None
+
+
+def _first_ids(args: Any, kwargs: Any) -> Optional[torch.Tensor]:
+    for t in tensor_leaves((args, kwargs)):
+        if not t.is_floating_point() and not t.is_complex():
+            return t
+    return None
+
+
+def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs: Any, children: Dict[str, List[Any]],
+                 opts: CheckOptions, dtype: torch.dtype, canonical: Dict[int, str]) -> Tuple[ModuleCheck, List[Tuple[str, Any]]]:
+    """One piece alone: a ``dtype`` copy of the unit (its own code with stubs, its rows, or whole), checked on
+    its captured inputs, then dropped; and what it probed (parameter name, rows)."""
+    kind = type(unit.module).__name__
+    probed: List[Tuple[str, Any]] = []
+    names = {k: canonical.get(id(p), k) for k, p in unit.params.items()}
     prefix = f"{unit.name}." if unit.name else ""
-    named = dict(local.named_parameters())
-    params = {k[len(prefix):]: named[k[len(prefix):]] for k in unit.params if k[len(prefix):] in named}
+    try:
+        if unit.kind == "own":
+            inner, stubs, params = own_code_copy(unit.module, unit.name, [relative(unit, c) or c for c in unit.stubbed],
+                                                 children, unit.params, dtype)
+            local: nn.Module = OwnCode(inner, stubs)
+            kind += ", own code"
+            probed = [(names[k], None) for k in unit.params] + [(unit.name, "code")]
+        elif rows is not None and isinstance(unit.module, nn.Embedding):
+            ids = _first_ids(args, kwargs)
+            made = None if ids is None else embedding_rows_copy(unit.module, ids, rows[0], rows[1], dtype)
+            if ids is not None:
+                probed.append((names.get(prefix + "weight", prefix + "weight"), ("reached", torch.unique(ids.reshape(-1)))))
+            if made is None:
+                return ModuleCheck(name=unit.name, type=f"{kind} rows {rows[0]}:{rows[1]}", calls=unit.calls,
+                                   inconclusive="the batch uses no token of these rows"), probed
+            local, local_ids, used = made
+            args, kwargs = (local_ids,), {}
+            params = {k: p for k, p in local.named_parameters(recurse=False) if p.requires_grad}
+            kind += f" rows {rows[0]}:{rows[1]} ({used.numel()} used)"
+            probed.append((names.get(prefix + "weight", prefix + "weight"), used))
+        elif rows is not None:
+            local = rows_copy(unit.module, rows[0], rows[1], dtype)
+            params = {k: p for k, p in local.named_parameters(recurse=False) if p.requires_grad}
+            kind += f" rows {rows[0]}:{rows[1]}"
+            probed = [(names.get(prefix + k, prefix + k), rows) for k in params]
+        else:
+            local = float64_copy(unit.module, dtype)
+            named = dict(local.named_parameters())
+            params = {k[len(prefix):]: named[k[len(prefix):]] for k in unit.params if k[len(prefix):] in named}
+            probed = [(names[k], None) for k in unit.params] + [(unit.name, "code")]
+    except (TypeError, RuntimeError) as err:
+        return ModuleCheck(name=unit.name, type=kind, calls=unit.calls, inconclusive=str(err)), []
     modules = list(local.modules())
     with preserved_rng(), dropout_off(local), frozen_power_iteration(local, modules), suspended_hooks(local, modules), \
             ShadowPrecision(dtype):
         result = check_module(unit.name, local, args, kwargs, opts, unit.calls, params=params, restore=False)
-    result.type = type(unit.module).__name__ + ("" if rows is None else f" rows {rows[0]}:{rows[1]}")
-    return result
+    result.type = kind
+    return result, probed
 
 
 def units_signature(model: nn.Module) -> Tuple:

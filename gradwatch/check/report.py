@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -191,6 +191,10 @@ class CheckReport:
             float64 copy of the model, or in place) or ``"module"`` (each module alone on its
             captured inputs, :mod:`gradwatch.check.modular`), chosen against ``memory_budget``.
         memory: The memory budget's figures for this check (:meth:`gradwatch.check.memory.MemoryMeter.summary`).
+        probed: Module form: ``(parameter name, rows)`` for each parameter a checked piece probed (rows: None
+            for all, ``(first, end)``, or a tensor of row indices), and ``(module name, "code")`` for each
+            module whose own code a checked unit held (read by :class:`gradwatch.plan.coverage.Coverage`).
+        pieces: Module form: the pieces checked (``"lm_head[0:256]"``), in order.
 
     Example:
         >>> report = CheckReport(tensors={})
@@ -217,6 +221,8 @@ class CheckReport:
     precision: Dict[str, Any] = field(default_factory=dict)
     form: str = "objective"
     memory: Dict[str, Any] = field(default_factory=dict)
+    probed: List[Tuple[str, Any]] = field(default_factory=list)
+    pieces: List[str] = field(default_factory=list)
 
     @property
     def training_failures(self) -> List[TrainingCheck]:

@@ -350,7 +350,10 @@ def _print_report(data: Any, rows: List[Dict[str, Any]], verbose: bool) -> None:
     forms = getattr(data, "forms", None)
     if forms and set(forms) != {"objective"}:
         print("backward part's form: " + ", ".join(f"{plural(n, 'check')} {form}" for form, n in sorted(forms.items()))
-              + " (module: each module alone, see README 'Big models')")
+              + " (module: each unit alone, see README 'Big models')")
+    coverage = getattr(data, "coverage", None)
+    if coverage:
+        print(summary.coverage_line(coverage, getattr(data, "cycle_length", None), len(steps)))
     print()
     if rows:
         for line in summary.verdict_tables(data, data.bands, unicode=uni, rows=rows):

@@ -57,7 +57,9 @@ def check_record(
     *,
     seconds: float,
     overhead_fraction: Optional[float],
-    coverage: Optional[Mapping[str, int]] = None,
+    coverage: Optional[Mapping[str, Any]] = None,
+    check_counts: Optional[Mapping[str, int]] = None,
+    cycle_length: Optional[int] = None,
     wall_time: Optional[float] = None,
 ) -> Dict[str, Any]:
     """Build the ``"check"`` record of one gradient check.
@@ -67,7 +69,10 @@ def check_record(
         report: The check's :class:`~gradwatch.CheckReport`.
         seconds: Wall time the check cost the training loop.
         overhead_fraction: share of wall time spent in the monitor since the run's first step, this check included (None if unknown).
-        coverage: Parameter name -> coordinates checked so far in the run.
+        coverage: Parameter name -> ``{"backward": fraction, "training": fraction}`` of its rows probed so far
+            in the run (:attr:`GradWatch.coverage`).
+        check_counts: Parameter name -> checks of the backward part it has been in.
+        cycle_length: K, the checks within which every unit and parameter row is probed once.
         wall_time: Unix time of the record; now when None.
 
     Returns:
@@ -75,7 +80,8 @@ def check_record(
         "objective", "terms", "dtype", "seed", "ok", "nondeterministic", "nonfinite", "kinks",
         "notes", "tensors": {name: {...TENSOR_FIELDS}} (the backward part), "training": {name:
         {...TRAINING_FIELDS}} (the training part), "training_note", "summary": {"rel_diff_median",
-        "rel_diff_p95", "rel_diff_max", "training_rel_diff_max"}, "coverage": {...}}``.
+        "rel_diff_p95", "rel_diff_max", "training_rel_diff_max"}, "coverage": {...}, "check_counts": {...},
+        "cycle_length", "pieces"}`` (``pieces``: the module form's units and row slices checked).
 
     Example:
         >>> from gradwatch import CheckReport, TensorCheck
@@ -141,7 +147,10 @@ def check_record(
         "training": training,
         "training_note": report.training_note,
         "summary": summary,
-        "coverage": {str(k): int(v) for k, v in (coverage or {}).items()},
+        "coverage": {str(k): to_jsonable(v) for k, v in (coverage or {}).items()},
+        "check_counts": {str(k): int(v) for k, v in (check_counts or {}).items()},
+        "cycle_length": cycle_length,
+        "pieces": list(report.pieces),
     }
 
 
@@ -211,7 +220,8 @@ def scalars_from_check(record: Mapping[str, Any]) -> List[Tuple[str, float]]:
     Tags: ``gradwatch/{rel_diff,directional_rel_diff,max_rel_error,judged_rel_diff}/<param>`` (the backward
     part), ``gradwatch/training/{rel_diff,judged_rel_diff}/<param>`` (the training part),
     ``gradwatch/summary/rel_diff_{median,p95,max}``, ``gradwatch/summary/training_rel_diff_max``,
-    ``gradwatch/overhead/{seconds,fraction}``.
+    ``gradwatch/overhead/{seconds,fraction}``, ``gradwatch/coverage/{backward,training}`` (the mean share of
+    the watched tensors' rows each part has probed in the run) and ``gradwatch/coverage/cycle_length`` (K).
     None and non-finite values are skipped. ``gradwatch/alerts/count`` is not here: it
     depends on the alerts, which the sink is given separately.
 
@@ -240,7 +250,26 @@ def scalars_from_check(record: Mapping[str, Any]) -> List[Tuple[str, float]]:
         add(f"gradwatch/summary/{key}", summary.get(key))
     add("gradwatch/overhead/seconds", record.get("seconds"))
     add("gradwatch/overhead/fraction", record.get("overhead_fraction"))
+    for part, value in coverage_means(record.get("coverage")).items():
+        add(f"gradwatch/coverage/{part}", value)
+    add("gradwatch/coverage/cycle_length", record.get("cycle_length"))
     return out
+
+
+def coverage_means(coverage: Any) -> Dict[str, float]:
+    """The mean share of rows each part has probed, over the tensors of a record's ``coverage``
+    (empty for records that counted checks per tensor instead).
+
+    Example:
+        >>> coverage_means({"w": {"backward": 0.5, "training": 1.0}, "b": {"backward": 1.0, "training": 1.0}})
+        {'backward': 0.75, 'training': 1.0}
+    """
+    if not isinstance(coverage, Mapping) or not coverage:
+        return {}
+    values = [v for v in coverage.values() if isinstance(v, Mapping)]
+    if not values:
+        return {}
+    return {part: sum(float(v.get(part) or 0.0) for v in values) / len(values) for part in ("backward", "training")}
 
 
 def custom_scalars_layout(param_names: Iterable[str] = ()) -> Dict[str, Dict[str, list]]:

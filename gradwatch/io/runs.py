@@ -64,6 +64,9 @@ class RunData:
         run_id: The run's id (from its records), when known.
         forms: Checks per form of the backward part (``"objective"``, ``"module"``; records written
             before the memory budget count as ``"objective"``); empty when not known (event files).
+        coverage: The last check's coverage: tensor -> ``{"backward": fraction, "training": fraction}`` of its
+            rows probed in the run (empty when not known).
+        cycle_length: K, the checks within which every unit and parameter row is probed once (None: not known).
     """
 
     history: History
@@ -78,6 +81,8 @@ class RunData:
     training: History = field(default_factory=dict)
     run_id: Optional[str] = None
     forms: Dict[str, int] = field(default_factory=dict)
+    coverage: Dict[str, Dict[str, float]] = field(default_factory=dict)
+    cycle_length: Optional[int] = None
 
 
 # --------------------------------------------------------------------- reading
@@ -114,6 +119,8 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
     training: History = {}
     run_id = None
     forms: Dict[str, int] = {}
+    coverage: Dict[str, Dict[str, float]] = {}
+    cycle: Optional[int] = None
     for number, rec in enumerate(records, start=1):
         run_id = run_id or rec.get("run_id")
         try:
@@ -122,6 +129,11 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
                 _add_training(rec, training, details)
                 form = str(rec.get("form") or "objective")
                 forms[form] = forms.get(form, 0) + 1
+                got = rec.get("coverage") or {}
+                if got and all(isinstance(v, Mapping) for v in got.values()):
+                    coverage = {str(k): {part: float(v.get(part) or 0.0) for part in ("backward", "training")}
+                                for k, v in got.items()}
+                cycle = int(rec["cycle_length"]) if rec.get("cycle_length") is not None else cycle
         except (TypeError, ValueError, AttributeError, KeyError) as err:
             notes.append(f"{path or 'the log'}: record {number} ({str(rec.get('type'))!r}) is malformed "
                          f"({type(err).__name__}: {err}); skipped")
@@ -130,7 +142,7 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
             opt_bands = (rec.get("options") or {}).get("bands")
             if isinstance(opt_bands, (list, tuple)) and len(opt_bands) == 3 and all(_num(b) for b in opt_bands):
                 bands = tuple(float(b) for b in opt_bands)  # type: ignore[assignment]
-    return RunData(history, alerts, details, "jsonl", path, notes, bands, steps, training, run_id, forms)
+    return RunData(history, alerts, details, "jsonl", path, notes, bands, steps, training, run_id, forms, coverage, cycle)
 
 
 def _add_training(rec: Mapping[str, Any], training: History, details: Dict[Tuple[int, str], Dict[str, Any]]) -> None:
@@ -360,7 +372,8 @@ def merge_runs(parts: Sequence[RunData]) -> RunData:
     sources = {p.source for p in parts}
     paths = list(dict.fromkeys(str(p.path) for p in parts))
     return RunData(history, alerts, details, sources.pop() if len(sources) == 1 else "mixed", ", ".join(paths),
-                   warnings, parts[0].bands, sorted(steps), training, parts[0].run_id, forms)
+                   warnings, parts[0].bands, sorted(steps), training, parts[0].run_id, forms,
+                   parts[-1].coverage, parts[-1].cycle_length)
 
 
 def read_runs(found: Sequence[Tuple[str, Path]]) -> Tuple[List[RunData], List[str]]:
@@ -659,6 +672,31 @@ def wrap_message(message: str, indent: str = "    ", width: int = 100) -> List[s
                          break_long_words=False, break_on_hyphens=False) or [indent]
 
 
+def coverage_line(coverage: Mapping[str, Mapping[str, float]], cycle_length: Optional[int], checks: int) -> str:
+    """What ``gradwatch report`` says of coverage: the share of rows each part probed, and what no check reached.
+
+    Example:
+        >>> coverage_line({"w": {"backward": 1.0, "training": 1.0}, "emb": {"backward": 0.25, "training": 0.0}}, 4, 2)
+        'coverage after 2 checks (K = 4): backward 62% of rows (1 of 2 tensors whole), training 50%; never checked: training: emb'
+    """
+    parts = []
+    never = []
+    for part in ("backward", "training"):
+        values = [float(v.get(part) or 0.0) for v in coverage.values()]
+        mean = sum(values) / len(values) if values else 0.0
+        whole = sum(1 for v in values if v >= 1.0)
+        text = f"{part} {mean:.0%}" + (" of rows" if part == "backward" else "")
+        if part == "backward":
+            text += f" ({whole} of {len(values)} tensors whole)"
+        parts.append(text)
+        missing = [n for n, v in coverage.items() if not float(v.get(part) or 0.0)]
+        if missing:
+            never.append(f"{part}: {', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''}")
+    k = f" (K = {cycle_length})" if cycle_length else ""
+    tail = f"; never checked: {'; '.join(never)}" if never else ""
+    return f"coverage after {checks} check{'s' if checks != 1 else ''}{k}: {', '.join(parts)}{tail}"
+
+
 def to_json(data: RunData, rows: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
     """The ``gradwatch report --format json`` document (non-finite numbers as ``"nan"``/``"inf"``)."""
     return to_jsonable({
@@ -669,6 +707,8 @@ def to_json(data: RunData, rows: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
         "last_step": data.check_steps[-1] if data.check_steps else None,
         "bands": list(data.bands),
         "forms": dict(data.forms),
+        "cycle_length": data.cycle_length,
+        "coverage": dict(data.coverage),
         "tensors": [{**{k: v for k, v in r.items()}, "history": data.history.get(str(r["tensor"]), [])} for r in rows],
         "training": [{**r, "history": data.training.get(str(r["tensor"]), [])} for r in summarize(data, "training")],
         "alerts": data.alerts,

@@ -26,9 +26,9 @@ from .._version import __version__ as _version
 from ..check import model as _check
 from ..check.generators import find_generators
 from ..check.isolation import Shadow, preserved_rng
-from ..check.memory import SAFETY, MemoryMeter, gradient_bytes, mb, model_device, objective_bytes, release_freed
+from ..check.memory import SAFETY, MemoryMeter, gradient_bytes, mb, model_device, release_freed
 from ..check.model import GradFn, trainable_names
-from ..check.modular import module_units, run_module_check, units_signature
+from ..check.modular import run_module_check, units_signature
 from ..check.numeric import Verdict
 from ..check.objective import Objective, coupled_weight_decay
 from ..check.replay import ForwardRecorder, Replay, Step, replay_step, scalar_grad
@@ -40,6 +40,7 @@ from ..config import GradWatchConfig, load_config
 from ..errors import GradientDriftError, blamed, error_key
 from ..io.records import check_record, run_record
 from ..io.sinks import SinkSet, build_sinks
+from ..plan.planner import Planner
 from .distributed import DEFAULT_TIMEOUT, DistributedCoordinator, RankResult, merge_results, unwrap_model
 from .schedule import ANNOUNCE_AS_WARNING_ABOVE, Schedule
 from .sharded import REPLICA_NOTE, Replica, is_sharded, layout, live_forward_forbidden, mixed_precision, refuse_unsupported
@@ -137,8 +138,8 @@ class GradWatch:
         ...         opt.zero_grad(); loss_fn(model, batch).backward()
         ...         report = watch.step(batch)
         ...         opt.step()
-        >>> sorted(watch.coverage.values())
-        [2, 2, 2, 2]
+        >>> sorted(watch.check_counts.values()), watch.coverage["0.weight"], watch.cycle_length
+        ([2, 2, 2, 2], {'backward': 1.0, 'training': 1.0}, 1)
         >>> watch.alerts
         []
     """
@@ -209,10 +210,12 @@ class GradWatch:
             self.notes.append(REPLICA_NOTE)
         #: Training's own peak memory and the room a check has under ``memory_budget`` (:mod:`gradwatch.check.memory`).
         self.memory = MemoryMeter(self.config.memory_budget, model_device(model))
-        self._units: Optional[Tuple[Any, list]] = None  # (units_signature, the module form's units)
-        self._unit_counts: Dict[str, int] = {}  # module form: checks per module, for the rotation
+        #: What each check covers (form, units, the cycle of K checks) and what the run has covered.
+        self.planner = Planner(self.config.form, self.config.tensors_per_check, self._check_options.seed,
+                               self.config.memory_budget)
         self._training_counts: Dict[str, int] = {}  # training part: judgments per tensor, when not all fit
         self._closed = False
+        self._cycle_length: Optional[int] = None
         # Training part: a forward pre-hook records what each training forward started from.
         self._recorder: Optional[ForwardRecorder] = ForwardRecorder(model) if self.config.training else None
         self._last_micro: Any = None  # training=False: the last batch given to accumulate()
@@ -269,9 +272,26 @@ class GradWatch:
         return self.tracker.history
 
     @property
-    def coverage(self) -> Dict[str, int]:
-        """How many times each trainable tensor has been checked."""
+    def coverage(self) -> Dict[str, Dict[str, float]]:
+        """Per watched tensor, the share of its rows each part has probed in the run:
+        ``{name: {"backward": fraction, "training": fraction}}`` (see :mod:`gradwatch.plan.coverage`;
+        :attr:`modules_checked` lists the modules whose own code was inside a checked unit)."""
+        return self.planner.coverage.fractions(self._watched_names())
+
+    @property
+    def check_counts(self) -> Dict[str, int]:
+        """How many checks of the backward part each watched tensor has been in."""
         return coverage_of(self._counts, self._watched_names())
+
+    @property
+    def modules_checked(self) -> Dict[str, int]:
+        """Module form: module name -> checks in which its code (own code, or whole) was inside a checked unit."""
+        return dict(self.planner.coverage.modules)
+
+    @property
+    def cycle_length(self) -> Optional[int]:
+        """K: checks within which every unit and every parameter row is probed once (None before the first check)."""
+        return self._cycle_length
 
     @property
     def overhead_fraction(self) -> Optional[float]:
@@ -538,13 +558,11 @@ class GradWatch:
                                                 shadow=self._shadow)
             else:
                 self._shadow = None  # a whole copy of the model is what the module form avoids
-                units = self._module_units(target, batch, opts.seed)
-                chosen = [units[n] for n in rotate(list(units), self.config.tensors_per_check, self._unit_counts)]
-                report = run_module_check(target, self.objective, batch, opts, units=chosen,
+                units, pieces = self.planner.module_pieces(target, self.objective.loss_fn, batch, self._watched_names(),
+                                                           key=units_signature(target), seed=opts.seed)
+                report = run_module_check(target, self.objective, batch, opts, units=units, pieces=pieces,
                                           room=None if room is None else int(SAFETY * room))
                 estimate = report.memory.get("estimate_bytes")
-                for unit in chosen:
-                    self._unit_counts[unit.name] = self._unit_counts.get(unit.name, 0) + 1
             if why:
                 report.notes.append(why)
         if judged is not None:
@@ -558,7 +576,22 @@ class GradWatch:
         self._checks += 1
         for n in report.tensors:
             self._counts[n] = self._counts.get(n, 0) + 1
+        watched = self._watched_names()
+        self.planner.attach(self.model, watched)
+        self.planner.record(report)
+        self._announce_plan(report, watched)
         return self.tracker.update(step, report)
+
+    def _announce_plan(self, report: CheckReport, watched: List[str]) -> None:
+        """Say once per plan what is checked within how many checks (K), and put K in the report."""
+        k = self.planner.cycle_length if report.form == "module" else self.planner.objective_cycle(len(watched))
+        self._cycle_length = k
+        report.memory["cycle_length"] = k
+        line = self.planner.describe(report.form, len(watched), self.config.every)
+        if self.planner.announced != line:
+            self.planner.announced = line
+            logger.info("gradwatch: %s", line)
+            report.notes.insert(0, line)
 
     def _check_target(self) -> nn.Module:
         """The module a check evaluates: the model, or for a sharded (FSDP2) model its gathered replica.
@@ -764,45 +797,18 @@ class GradWatch:
             if need <= free:
                 chosen.append(i)
                 free -= need
+        if not chosen and order and gradient_bytes([params[names[order[0]]]]) <= room:
+            chosen.append(order[0])  # a tensor bigger than the safe share still gets its turn, alone, within the room
         out = {names[i]: params[names[i]] for i in sorted(chosen)}
         for n in out:
             self._training_counts[n] = self._training_counts.get(n, 0) + 1
         return out
 
     def _choose_form(self, model: nn.Module, names: List[str], room: Optional[int]) -> Tuple[str, Optional[int], Optional[str]]:
-        """``(form, estimate in bytes, a note or None)``: the whole objective where it fits the room, else modules."""
-        form = self.config.form
+        """``(form, estimate in bytes, a note or None)`` from the planner (:meth:`Planner.choose_form`)."""
         dtype = self._check_options.torch_dtype
         held = dtype is not None and self._shadow is not None and self._shadow.matches(model)
-        estimate = objective_bytes(model, names, dtype, activations=self.memory.transient(model))
-        if held:  # the copy is held already: counted in what is in use now
-            estimate -= objective_bytes(model, [], dtype)
-        if form == "objective" or (form == "auto" and (room is None or estimate <= SAFETY * room)):
-            note = None
-            if room is not None and estimate > SAFETY * room:
-                note = (f"form: objective (forced): about {mb(estimate)} above what training holds, over the room "
-                        f"memory_budget={self.config.memory_budget} leaves ({mb(room)})")
-            return "objective", estimate, note
-        if self.grad_fn is not None or dtype is None:
-            why = "grad_fn= (hand-written backprop of the whole objective)" if self.grad_fn is not None else "dtype=None (in place)"
-            return "objective", estimate, (f"form: objective: the module form cannot check {why}; it needs about "
-                                           f"{mb(estimate)}, over the room memory_budget leaves ({mb(room)})")
-        if form == "module":
-            return "module", None, None
-        return "module", None, (f"form: module: the whole objective in {str(dtype).replace('torch.', '')} needs about "
-                                f"{mb(estimate)}, over the room memory_budget={self.config.memory_budget} leaves "
-                                f"({mb(room)}); each module is checked alone")
-
-    def _module_units(self, model: nn.Module, batch: Any, seed: int) -> Dict[str, Any]:
-        """The module form's units by name (found again when the model's layout changes), the watched ones."""
-        key = units_signature(model)
-        if self._units is None or self._units[0] != key:
-            self._units = (key, module_units(model, self.objective.loss_fn, batch, seed))
-        watched = set(self._watched_names())
-        units = self._units[1]
-        if self._check_options.tensors is not None:
-            units = [u for u in units if watched & set(u.params)]
-        return {u.name: u for u in units}
+        return self.planner.choose_form(model, names, room, dtype, held, self.memory.transient(model), self.grad_fn is not None)
 
     #: Checks between two searches for generators held by the model or the objective (a search walks closures).
     GENERATOR_SEARCH_EVERY = 16
@@ -896,7 +902,8 @@ class GradWatch:
     def _emit(self, step: int, report: Optional[CheckReport], alerts: List[Alert], seconds: float) -> None:
         if report is not None:
             record = check_record(step, report, seconds=seconds, overhead_fraction=self._fraction_with(seconds),
-                                  coverage=self.coverage)
+                                  coverage=self.coverage, check_counts=self.check_counts,
+                                  cycle_length=self._cycle_length)
             record["overhead_fraction_after_baseline"] = self._after_baseline_with(seconds)
             self.sinks.write_check(record, alerts)
         elif alerts:
@@ -934,6 +941,7 @@ class GradWatch:
             "step": self._step,
             "checks": self._checks,
             "counts": dict(self._counts),
+            "plan": self.planner.state_dict(),
             "schedule": self.schedule.state_dict(),
             "tracker": self.tracker.state_dict(),
             "alerts": [a.to_dict() for a in self.alerts],
@@ -954,6 +962,7 @@ class GradWatch:
         self._step = int(state["step"])
         self._checks = int(state["checks"])
         self._counts = dict(state["counts"])
+        self.planner.load_state_dict(state.get("plan", {}))
         self.schedule.load_state_dict(state["schedule"])
         self.tracker.load_state_dict(state["tracker"])
         self.alerts = [_alert_from_dict(a) for a in state.get("alerts", [])]

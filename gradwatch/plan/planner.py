@@ -1,0 +1,171 @@
+"""The planner: what one check of the backward part covers, and what the run has covered so far.
+
+:class:`GradWatch` asks the planner before each check and runs what it says:
+
+1. the **form**: the whole objective on a float64 copy where it fits the room ``memory_budget``
+   leaves, else the module form (:mod:`gradwatch.check.modular`);
+2. in the module form, the **units** (:mod:`gradwatch.plan.units`: every module's own code, and the
+   modules that call no other) and this check's **pieces** from the **cycle**
+   (:mod:`gradwatch.plan.cycle`): after ``K`` checks every unit and every row of every sliced
+   parameter has been probed once;
+3. after the check, the **coverage** (:mod:`gradwatch.plan.coverage`) from what the report probed.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> planner = Planner(form="module")
+    >>> model = nn.Sequential(nn.Linear(2, 600), nn.Tanh(), nn.Linear(600, 1))
+    >>> watched = [n for n, _ in model.named_parameters()]
+    >>> units, pieces = planner.module_pieces(model, lambda m, b: m(b).sum(), torch.ones(3, 2), watched)
+    >>> planner.cycle_length, [str(p) for p in pieces]
+    (3, ['1', '2', '0[400:600]'])
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..check.memory import SAFETY, mb, objective_bytes
+from ..check.report import CheckReport
+from .coverage import Coverage
+from .cycle import Cycle, Piece
+from .units import Unit, plan_units, sliceable_rows
+
+
+def _rows(p: torch.Tensor) -> int:
+    return int(p.shape[0]) if p.dim() else 1
+
+
+class Planner:
+    """Chooses the form and the pieces of each check, and keeps the coverage.
+
+    Args:
+        form: ``"auto"``, ``"objective"`` or ``"module"`` (the ``form`` option).
+        tensors_per_check: Tensors (objective form) or whole units (module form) per check; 0: all.
+        seed: The watch's seed (the order of slices in each pass follows it).
+        memory_budget: For messages only (the room is measured by the watch).
+    """
+
+    def __init__(self, form: str = "auto", tensors_per_check: int = 0, seed: int = 0,
+                 memory_budget: Optional[float] = None) -> None:
+        self.form = form
+        self.tensors_per_check = tensors_per_check
+        self.seed = seed
+        self.memory_budget = memory_budget
+        self.coverage = Coverage({})
+        self._key: Optional[Tuple] = None
+        self._units: List[Unit] = []
+        self._cycle: Optional[Cycle] = None
+        self._checks = 0  # module-form checks planned on this cycle
+        self._resume_at = 0  # from a resumed run's state: where the cycle goes on once the units are found
+        self.announced: Optional[str] = None  # the line said once when the cycle is known
+
+    # ------------------------------------------------------------------ the form
+    def choose_form(self, model: nn.Module, names: Sequence[str], room: Optional[int], dtype: Optional[torch.dtype],
+                    held: bool, transient: int, hand_written: bool) -> Tuple[str, Optional[int], Optional[str]]:
+        """``(form, estimate in bytes, a note or None)``: the whole objective where it fits the room, else modules.
+
+        ``held``: the float64 copy of the model is held already (counted in what is in use now);
+        ``transient``: training's activations; ``hand_written``: a ``grad_fn`` gives the whole gradient.
+        """
+        estimate = objective_bytes(model, names, dtype, activations=transient)
+        if held:
+            estimate -= objective_bytes(model, [], dtype)
+        if self.form == "objective" or (self.form == "auto" and (room is None or estimate <= SAFETY * room)):
+            note = None
+            if room is not None and estimate > SAFETY * room:
+                note = (f"form: objective (forced): about {mb(estimate)} above what training holds, over the room "
+                        f"memory_budget={self.memory_budget} leaves ({mb(room)})")
+            return "objective", estimate, note
+        if hand_written or dtype is None:
+            why = "grad_fn= (hand-written backprop of the whole objective)" if hand_written else "dtype=None (in place)"
+            return "objective", estimate, (f"form: objective: the module form cannot check {why}; it needs about "
+                                           f"{mb(estimate)}, over the room memory_budget leaves ({mb(room)})")
+        if self.form == "module":
+            return "module", None, None
+        return "module", None, (f"form: module: the whole objective in {str(dtype).replace('torch.', '')} needs about "
+                                f"{mb(estimate)}, over the room memory_budget={self.memory_budget} leaves "
+                                f"({mb(room)}); each unit is checked alone")
+
+    # ------------------------------------------------------------------ the module form
+    def module_pieces(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any], batch: Any,
+                      watched: Sequence[str], key: Optional[Tuple] = None, seed: int = 0) -> Tuple[List[Unit], List[Piece]]:
+        """The units of ``model`` and the pieces of this check; the units are found again when ``key`` changes."""
+        if self._cycle is None or key is None or key != self._key:
+            units = plan_units(model, loss_fn, batch, seed)
+            chosen = set(watched)
+            names = {id(p): n for n, p in model.named_parameters()}
+            if len(chosen) < len(names):  # tensors= narrows the watch: the units that hold a watched tensor
+                units = [u for u in units if any(names.get(id(p)) in chosen for p in u.params.values())]
+            self._units, self._key = units, key
+            self._cycle = Cycle({u.name: sliceable_rows(u.module) if u.kind == "module" else None for u in units},
+                                self.tensors_per_check, self.seed)
+            self._checks, self._resume_at = self._resume_at, 0
+            self.announced = None
+        pieces = self._cycle.pieces(self._checks)
+        self._checks += 1
+        return self._units, pieces
+
+    @property
+    def cycle_length(self) -> Optional[int]:
+        """K: the module form's checks in which every unit and every row is probed once (None before a plan)."""
+        return None if self._cycle is None else self._cycle.length
+
+    def objective_cycle(self, tensors: int) -> int:
+        """K of the objective form: checks in which every watched tensor is checked once."""
+        per = self.tensors_per_check
+        return 1 if per <= 0 or per >= tensors else math.ceil(tensors / per)
+
+    def describe(self, form: str, tensors: int, every: Any) -> str:
+        """The line said once per plan: what is checked within how many checks."""
+        k = (self.cycle_length if form == "module" else None) or self.objective_cycle(tensors)
+        steps = f"about {k * every} steps" if isinstance(every, int) else "at the interval every='auto' chooses"
+        if form == "module" and self._cycle is not None:
+            what = f"module form: {self._cycle.describe()}"
+        else:
+            what = f"objective form: {tensors} tensors, {self.tensors_per_check or 'all'} per check"
+        return f"every op and parameter row checked within K = {k} checks ({steps}); {what}"
+
+    # ------------------------------------------------------------------ coverage
+    def attach(self, model: nn.Module, watched: Sequence[str]) -> None:
+        """Start counting coverage for the watched tensors of ``model`` (kept when they stay the same)."""
+        params = dict(model.named_parameters())
+        rows = {n: _rows(params[n]) for n in watched if n in params}
+        if rows != self.coverage.rows:
+            old = self.coverage
+            self.coverage = Coverage(rows)
+            self.coverage.load_state_dict(old.state_dict())
+
+    def record(self, report: CheckReport) -> None:
+        """What a check probed, into the coverage."""
+        cov = self.coverage
+        if report.form == "module":
+            for name, rows in report.probed:
+                if rows == "code":
+                    cov.module_checked(name)
+                elif isinstance(rows, tuple) and rows and rows[0] == "reached":
+                    cov.reach(name, rows[1])
+                else:
+                    cov.probe("backward", name, rows)
+        else:
+            for name in report.tensors:
+                cov.probe("backward", name)
+        for name in report.training:
+            cov.probe("training", name)
+
+    def never_checked(self, names: Sequence[str]) -> Dict[str, List[str]]:
+        """Per part, the watched tensors with no row probed yet."""
+        return self.coverage.never(names)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The coverage and the position in the cycle."""
+        return {"coverage": self.coverage.state_dict(), "checks": self._checks}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Undo :meth:`state_dict` (the cycle goes on where it was once the units are found again)."""
+        self.coverage.load_state_dict(state.get("coverage", {}))
+        self._resume_at = int(state.get("checks", 0))

@@ -1,0 +1,242 @@
+"""Units: the pieces of a model the module form checks one at a time, chosen so that every op is inside one.
+
+One counting forward of the live model (no grad, dropout off, nothing changed) shows which modules
+run and which module called which. Each module that ran gives one unit:
+
+- a module whose forward called no other module (a leaf, or ``MultiheadAttention``, which uses
+  ``out_proj`` through its weight) is checked whole: its input gradient and its own parameters;
+- a module whose forward called others is checked for its **own code**: the ops of its ``forward``
+  between the calls (hand-written attention, residual adds, a loss computed inside ``forward``),
+  as a function of its inputs, its own parameters and the outputs of the modules it called. Those
+  modules are replaced by stubs that hand back the outputs they gave in the live forward (see
+  :mod:`gradwatch.check.owncode`) and are checked as units of their own.
+
+So every op the forward executes lies in the unit of the innermost module that ran it. Code of a
+``nn.Sequential`` or ``nn.ModuleList`` (torch's own, nothing but calls) is not a unit.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+    >>> [(u.name, u.kind, sorted(u.params)) for u in plan_units(model, lambda m, b: m(b).sum(), torch.ones(1, 2))]
+    [('0', 'module', ['0.bias', '0.weight']), ('1', 'module', [])]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import nn
+
+from ..check.isolation import (
+    BufferGuard,
+    Reseeder,
+    dropout_off,
+    frozen_batchnorm_stats,
+    frozen_power_iteration,
+    preserved_rng,
+    suspended_hooks,
+)
+from ..check.padding import padding_rows_constant
+
+#: Module classes whose own code is torch's plain calling of children (no op of their own to check).
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+@dataclass
+class Unit:
+    """A piece of the model the module form checks alone.
+
+    Attributes:
+        name: Qualified module name (``""`` for the model itself).
+        module: The live module.
+        params: Full parameter name -> live parameter, of the parameters its own code uses.
+        calls: How often the module ran in one forward.
+        kind: ``"module"`` (checked whole: it called no other module) or ``"own"`` (its own code,
+            with the modules it called replaced by stubs).
+        stubbed: For ``"own"``: the modules its first call called, in call order (full names).
+
+    Example:
+        >>> Unit("fc", nn.Linear(2, 2)).label
+        '`fc` (Linear)'
+    """
+
+    name: str
+    module: nn.Module
+    params: Dict[str, nn.Parameter] = field(default_factory=dict)
+    calls: int = 1
+    kind: str = "module"
+    stubbed: Tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """```name``` (Type), with "own code of" for a composite module."""
+        text = f"`{self.name or '<model>'}` ({type(self.module).__name__})"
+        return f"own code of {text}" if self.kind == "own" else text
+
+
+@dataclass
+class Calls:
+    """What one forward ran: calls per module, and for each module the modules its first call called.
+
+    Example:
+        >>> Calls().called("x")
+        []
+    """
+
+    counts: Dict[str, int] = field(default_factory=dict)
+    children: Dict[str, List[str]] = field(default_factory=dict)
+
+    def called(self, name: str) -> List[str]:
+        """Modules (full names) the first call of ``name`` called directly, in call order, once each."""
+        return self.children.get(name, [])
+
+
+def isolated_forward(model: nn.Module, loss_fn: Any, batch: Any, seed: int,
+                     pre: Optional[Dict[str, Callable]] = None, post: Optional[Dict[str, Callable]] = None) -> float:
+    """One forward of the live model without grad, as the backward part evaluates it (dropout off,
+    running stats and hooks your code registered untouched), with forward pre-hooks ``pre`` and forward
+    hooks ``post`` (module name -> hook) attached; returns the loss. Buffers and plain attributes are
+    put back after."""
+    named = dict(model.named_modules())
+    handles = []
+    modules = list(named.values())
+    with preserved_rng(), dropout_off(model), frozen_batchnorm_stats(model), frozen_power_iteration(model, modules), \
+            padding_rows_constant(model), suspended_hooks(model, modules):
+        guard = BufferGuard(model, attributes=True, modules=modules)
+        try:
+            for name, hook in (pre or {}).items():
+                handles.append(named[name].register_forward_pre_hook(hook, with_kwargs=True))
+            for name, hook in (post or {}).items():
+                handles.append(named[name].register_forward_hook(hook, always_call=True))
+            Reseeder(seed)()
+            with torch.no_grad():
+                value = loss_fn(model, batch)
+            return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+        finally:
+            for h in handles:
+                h.remove()
+            guard.restore_changed()
+
+
+def count_calls(model: nn.Module, loss_fn: Any, batch: Any, seed: int = 0) -> Calls:
+    """One counting forward: how often each module ran and which modules each one's first call called.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
+        >>> calls = count_calls(model, lambda m, b: m(b).sum(), torch.ones(1, 2))
+        >>> calls.counts, calls.called("")
+        ({'': 1, '0': 1, '1': 1}, ['0', '1'])
+    """
+    calls = Calls()
+    stack: List[Tuple[str, bool]] = []  # (name, is this its first call)
+
+    def enter(name: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            first = name not in calls.counts
+            calls.counts[name] = calls.counts.get(name, 0) + 1
+            if stack and stack[-1][1]:
+                siblings = calls.children.setdefault(stack[-1][0], [])
+                if name not in siblings:
+                    siblings.append(name)
+            stack.append((name, first))
+
+        return hook
+
+    def leave(name: str):
+        def hook(module: nn.Module, args: tuple, out: Any) -> None:
+            while stack and stack[-1][0] != name:  # a forward that raised inside left its frame behind
+                stack.pop()
+            if stack:
+                stack.pop()
+
+        return hook
+
+    named = dict(model.named_modules())
+    isolated_forward(model, loss_fn, batch, seed, pre={n: enter(n) for n in named}, post={n: leave(n) for n in named})
+    return calls
+
+
+def owned(module: nn.Module, name: str, calls: Calls) -> Dict[str, nn.Parameter]:
+    """Trainable floating parameters a module's own code uses, by full name: its direct ones, and
+    those of submodules that no call ran (``MultiheadAttention.out_proj`` is used through its weight)."""
+    prefix = f"{name}." if name else ""
+    out = {prefix + n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad and p.is_floating_point()}
+    for sub_name, sub in module.named_modules():
+        if not sub_name or calls.counts.get(prefix + sub_name, 0):
+            continue
+        parts = sub_name.split(".")
+        if any(calls.counts.get(prefix + ".".join(parts[:i]), 0) for i in range(1, len(parts))):
+            continue  # below a submodule that ran: its parameters belong to that one
+        for n, p in sub.named_parameters(recurse=False):
+            if p.requires_grad and p.is_floating_point():
+                out[f"{prefix}{sub_name}.{n}"] = p
+    return out
+
+
+def units_from_calls(model: nn.Module, calls: Calls, own_code: bool = True) -> List[Unit]:
+    """The units of one forward, in model order (see the module docstring).
+
+    ``own_code=False``: the modules that called no other module only (the module form before own-code units).
+    """
+    out = []
+    for n, m in model.named_modules():
+        count = calls.counts.get(n, 0)
+        if not count:
+            continue
+        children = calls.called(n)
+        if not children:
+            out.append(Unit(n, m, owned(m, n, calls), count))
+        elif own_code and not isinstance(m, CONTAINERS):
+            out.append(Unit(n, m, owned(m, n, calls), count, kind="own", stubbed=tuple(children)))
+    return out
+
+
+def plan_units(model: nn.Module, loss_fn: Any, batch: Any, seed: int = 0, own_code: bool = True) -> List[Unit]:
+    """The units of ``model`` on ``batch`` (one counting forward of the live model).
+
+    Example:
+        >>> class Block(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.fc = nn.Linear(2, 2)
+        ...     def forward(self, x):
+        ...         return x + torch.tanh(self.fc(x))  # the residual and the tanh are the block's own code
+        >>> [(u.name, u.kind, u.stubbed) for u in plan_units(Block(), lambda m, b: m(b).sum(), torch.ones(1, 2))]
+        [('', 'own', ('fc',)), ('fc', 'module', ())]
+    """
+    return units_from_calls(model, count_calls(model, loss_fn, batch, seed), own_code)
+
+
+def sliceable_rows(module: nn.Module) -> Optional[int]:
+    """Rows a module's check can be sliced by: a Linear's output rows, an Embedding's token rows (their
+    subclasses too, whose forward uses ``self.weight``); None for any other module.
+
+    Example:
+        >>> sliceable_rows(nn.Linear(3, 700)), sliceable_rows(nn.Embedding(50, 2)), sliceable_rows(nn.Tanh())
+        (700, 50, None)
+    """
+    if isinstance(module, nn.Linear):
+        return int(module.out_features)
+    if isinstance(module, nn.Embedding) and module.max_norm is None:
+        return int(module.num_embeddings)
+    return None
+
+
+def canonical_names(model: nn.Module) -> Dict[int, str]:
+    """``id(parameter)`` -> the name ``named_parameters`` gives it (a tied weight's first name)."""
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def relative(unit: Unit, name: str) -> Optional[str]:
+    """``name`` relative to ``unit``'s module, or None when it is not one of its submodules."""
+    if not unit.name:
+        return name
+    return name[len(unit.name) + 1:] if name.startswith(unit.name + ".") else None
+
+
+def used_params(units: Sequence[Unit]) -> Set[int]:
+    """``id`` of every parameter some unit checks."""
+    return {id(p) for u in units for p in u.params.values()}
