@@ -50,7 +50,7 @@ from torch import nn
 
 from ..options import CheckOptions
 from ..plan.cycle import Piece
-from ..plan.units import Unit, isolated_forward, plan_units, relative, sliceable_rows
+from ..plan.units import LOSS_FN, Unit, isolated_forward, plan_units, relative, sliceable_rows
 from .isolation import (
     dropout_off,
     frozen_power_iteration,
@@ -60,7 +60,7 @@ from .isolation import (
 )
 from .localize import ModuleCheck, _copy_opaque, _map, check_module
 from .memory import MODULE_BYTES_PER_ENTRY, float_bytes, mb, module_bytes, release_freed
-from .owncode import OwnCode, embedding_rows_copy, own_code_copy, rebuild, rows_copy, tensor_leaves
+from .owncode import LossCode, ModelStub, OwnCode, embedding_rows_copy, own_code_copy, rebuild, rows_copy, tensor_leaves
 from .precision import ShadowPrecision
 from .report import CheckReport
 
@@ -150,9 +150,14 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
                 rel = own[stack[-1][0]].get(name)
                 if rel is not None:
                     got.children[stack[-1][0]].setdefault(rel, []).append(_copy_opaque(rebuild(out, keep)))
+            elif not stack and name == "" and LOSS_FN in wanted:  # a call of the model by loss_fn itself
+                got.children[LOSS_FN].setdefault("", []).append(_copy_opaque(rebuild(out, keep)))
 
         return hook
 
+    if LOSS_FN in wanted:
+        got.inputs[LOSS_FN] = _copy_opaque(_map(((batch,), {}), keep))
+        got.children[LOSS_FN] = {}
     named = dict(model.named_modules())
     hooked = set(wanted) | {c for u in units for c in u.stubbed}
     got.loss = isolated_forward(model, loss_fn, batch, seed, pre={n: enter(n) for n in named if n in hooked},
@@ -238,7 +243,7 @@ def run_module_check(
                 report.notes.append(f"module form: {unit.label} checked on {kept} of the batch's {whole} samples "
                                     f"(on the whole batch its float64 check needs about {mb(need * whole // kept)})")
         estimate = max(estimate, need)
-        result, probed = _check_piece(unit, rows, args, kwargs, children, opts, dtype, canonical)
+        result, probed = _check_piece(unit, rows, args, kwargs, children, opts, dtype, canonical, objective.loss_fn)
         del args, kwargs, children
         if room is not None:
             release_freed()  # what this piece's check freed, before the next one allocates
@@ -252,6 +257,8 @@ def run_module_check(
         for key, tc in result.tensors.items():
             if key.startswith("input"):
                 name = f"{unit.name or '<model>'}:{key}"
+            elif unit.kind == "loss_fn":
+                name = key
             else:
                 name = f"{unit.name}.{key}" if unit.name else key
             tc.name = name
@@ -342,7 +349,8 @@ def _first_ids(args: Any, kwargs: Any) -> Optional[torch.Tensor]:
 
 
 def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs: Any, children: Dict[str, List[Any]],
-                 opts: CheckOptions, dtype: torch.dtype, canonical: Dict[int, str]) -> Tuple[ModuleCheck, List[Tuple[str, Any]]]:
+                 opts: CheckOptions, dtype: torch.dtype, canonical: Dict[int, str],
+                 loss_fn: Any = None) -> Tuple[ModuleCheck, List[Tuple[str, Any]]]:
     """One piece alone: a ``dtype`` copy of the unit (its own code with stubs, its rows, or whole), checked on
     its captured inputs, then dropped; and what it probed (parameter name, rows)."""
     kind = type(unit.module).__name__
@@ -350,10 +358,19 @@ def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs:
     names = {k: canonical.get(id(p), k) for k, p in unit.params.items()}
     prefix = f"{unit.name}." if unit.name else ""
     try:
-        if unit.kind == "own":
+        local: nn.Module
+        if unit.kind == "loss_fn":
+            stub = ModelStub(unit.module, children.get("", ()))
+            local = OwnCode(LossCode(loss_fn, stub), [stub])
+            several = len(stub.outputs) > 1 or any(len(leaves) > 1 for leaves in stub.outputs)
+            params = {(f"<model>:output[{k}][{i}]" if several else "<model>:output"): leaf
+                      for k, leaves in enumerate(stub.outputs) for i, leaf in enumerate(leaves)}
+            kind = "loss_fn"
+            probed = [(LOSS_FN, "code")]
+        elif unit.kind == "own":
             inner, stubs, params = own_code_copy(unit.module, unit.name, [relative(unit, c) or c for c in unit.stubbed],
                                                  children, unit.params, dtype)
-            local: nn.Module = OwnCode(inner, stubs)
+            local = OwnCode(inner, stubs)
             kind += ", own code"
             probed = [(names[k], None) for k in unit.params] + [(unit.name, "code")]
         elif rows is not None and isinstance(unit.module, nn.Embedding):

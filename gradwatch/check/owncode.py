@@ -147,6 +147,49 @@ class Stub(nn.Module):
         return rebuild(self.templates[k], lambda t: next(leaves).clone() if t.is_floating_point() else t)
 
 
+class ModelStub(Stub):
+    """Stands in for the whole model inside ``loss_fn``: calls return the model's live outputs (see
+    :class:`Stub`); any other attribute (``model.config``, a submodule) is the live model's.
+
+    Example:
+        >>> stub = ModelStub(nn.Linear(2, 3), [torch.zeros(1, 3)])
+        >>> stub(torch.ones(1, 2)).shape, stub.out_features
+        (torch.Size([1, 3]), 3)
+    """
+
+    def __init__(self, model: nn.Module, outputs: Sequence[Any]) -> None:
+        self.__dict__["_live"] = None  # set after the stub's own attributes exist
+        super().__init__("<model>", outputs)
+        self.__dict__["_live"] = model  # not a submodule: nothing of the live model is copied, cast or switched
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            live = self.__dict__.get("_live")
+            if live is None:
+                raise
+            return getattr(live, name)
+
+
+class LossCode(nn.Module):
+    """``loss_fn(model_stub, batch)`` as a module (its own code, the model stubbed).
+
+    Example:
+        >>> code = LossCode(lambda m, b: (m(b) - 1).pow(2).sum(), ModelStub(nn.Linear(2, 1), [torch.zeros(3, 1)]))
+        >>> float(code(torch.ones(3, 2)))
+        3.0
+    """
+
+    def __init__(self, loss_fn: Callable[[Any, Any], Any], model: ModelStub) -> None:
+        super().__init__()
+        self.loss_fn = loss_fn
+        self.model = model
+
+    def forward(self, batch: Any) -> Any:
+        return self.loss_fn(self.model, batch)
+
+
 class OwnCode(nn.Module):
     """Runs an own-code copy: the floating tensors of its output, then those every stub was given (in call
     order), less those that depend on nothing the check perturbs or are not finite (decided at the first call

@@ -43,6 +43,8 @@ from ..check.padding import padding_rows_constant
 
 #: Module classes whose own code is torch's plain calling of children (no op of their own to check).
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+#: The unit of ``loss_fn``'s own code: what it computes from the model's outputs and the batch.
+LOSS_FN = "<loss_fn>"
 
 
 @dataclass
@@ -54,8 +56,9 @@ class Unit:
         module: The live module.
         params: Full parameter name -> live parameter, of the parameters its own code uses.
         calls: How often the module ran in one forward.
-        kind: ``"module"`` (checked whole: it called no other module) or ``"own"`` (its own code,
-            with the modules it called replaced by stubs).
+        kind: ``"module"`` (checked whole: it called no other module), ``"own"`` (its own code,
+            with the modules it called replaced by stubs) or ``"loss_fn"`` (``loss_fn``'s own code, the
+            model replaced by a stub; named :data:`LOSS_FN`).
         stubbed: For ``"own"``: the modules its first call called, in call order (full names).
 
     Example:
@@ -73,6 +76,8 @@ class Unit:
     @property
     def label(self) -> str:
         """```name``` (Type), with "own code of" for a composite module."""
+        if self.kind == "loss_fn":
+            return "own code of `loss_fn`"
         text = f"`{self.name or '<model>'}` ({type(self.module).__name__})"
         return f"own code of {text}" if self.kind == "own" else text
 
@@ -177,11 +182,13 @@ def owned(module: nn.Module, name: str, calls: Calls) -> Dict[str, nn.Parameter]
 
 
 def units_from_calls(model: nn.Module, calls: Calls, own_code: bool = True) -> List[Unit]:
-    """The units of one forward, in model order (see the module docstring).
+    """The units of one forward, in model order (see the module docstring), ``loss_fn``'s own code first.
 
     ``own_code=False``: the modules that called no other module only (the module form before own-code units).
     """
     out = []
+    if own_code and calls.counts.get("", 0):
+        out.append(Unit(LOSS_FN, model, {}, calls.counts[""], kind="loss_fn", stubbed=("",)))
     for n, m in model.named_modules():
         count = calls.counts.get(n, 0)
         if not count:
@@ -205,7 +212,7 @@ def plan_units(model: nn.Module, loss_fn: Any, batch: Any, seed: int = 0, own_co
         ...     def forward(self, x):
         ...         return x + torch.tanh(self.fc(x))  # the residual and the tanh are the block's own code
         >>> [(u.name, u.kind, u.stubbed) for u in plan_units(Block(), lambda m, b: m(b).sum(), torch.ones(1, 2))]
-        [('', 'own', ('fc',)), ('fc', 'module', ())]
+        [('<loss_fn>', 'loss_fn', ('',)), ('', 'own', ('fc',)), ('fc', 'module', ())]
     """
     return units_from_calls(model, count_calls(model, loss_fn, batch, seed), own_code)
 
@@ -232,7 +239,7 @@ def canonical_names(model: nn.Module) -> Dict[int, str]:
 
 def relative(unit: Unit, name: str) -> Optional[str]:
     """``name`` relative to ``unit``'s module, or None when it is not one of its submodules."""
-    if not unit.name:
+    if not unit.name or unit.kind == "loss_fn":
         return name
     return name[len(unit.name) + 1:] if name.startswith(unit.name + ".") else None
 
