@@ -227,3 +227,32 @@ def test_k_is_said_once_and_recorded(tmp_path, every, caplog):
     checks = [c for c in checks if c["type"] == "check"]
     assert [c["cycle_length"] for c in checks] == [3, 3]
     assert checks[-1]["coverage"]["ln.weight"] == {"backward": 1.0, "training": 1.0}
+
+
+def test_report_and_tensorboard_show_coverage_and_what_was_not_checked(tmp_path):
+    import subprocess
+    import sys
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model, ids = LM(), tokens()
+    with GradWatch(model, lm_loss, every=1, log_dir=str(tmp_path), form="module") as watch:
+        for _ in range(2):
+            lm_loss(model, ids).backward()
+            watch.step(ids)
+            model.zero_grad()
+        # a room of a few bytes: nothing fits, and what was skipped is named
+        watch.memory.training_peak = 1
+        lm_loss(model, ids).backward()
+        report = watch.step(ids)
+    assert any("not checked, over the room" in n for n in report.notes)
+    done = subprocess.run([sys.executable, "-m", "gradwatch", "report", str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "coverage after 3 checks (K = 3): backward" in done.stdout
+    assert "not checked: module form:" in done.stdout and "over the room" in done.stdout
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    acc.Reload()
+    backward = [e.value for e in acc.Scalars("gradwatch/coverage/backward")]
+    assert len(backward) == 3 and backward[0] < backward[1] <= 1.0  # the second check probed more rows
+    assert [e.value for e in acc.Scalars("gradwatch/coverage/training")] == [1.0, 1.0, 1.0]
+    assert [e.value for e in acc.Scalars("gradwatch/coverage/cycle_length")] == [3.0, 3.0, 3.0]

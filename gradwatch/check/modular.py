@@ -208,6 +208,7 @@ def run_module_check(
     canonical = {id(p): n for n, p in model.named_parameters()}
     skipped = []
     estimate = 0
+    unused = 0
     for piece in pieces:
         unit = by_name.get(piece.unit)
         if unit is None or unit.name not in got.inputs:
@@ -248,6 +249,10 @@ def run_module_check(
         if room is not None:
             release_freed()  # what this piece's check freed, before the next one allocates
         report.pieces.append(str(Piece(unit.name, rows)))
+        if result.inconclusive == NO_TOKEN:
+            report.probed.extend(probed)  # the rows the batch reached
+            unused += 1
+            continue
         report.localized.append(result)
         report.evaluations += result.evaluations
         if result.inconclusive and not result.tensors:
@@ -265,6 +270,9 @@ def run_module_check(
             report.tensors[name] = tc
         if result.inconclusive:
             report.notes.append(f"module form: {result.label} not checked: {result.inconclusive}")
+    if unused:
+        report.notes.append(f"module form: {unused} embedding slice(s) held no token of this batch (their rows count "
+                            "as unreached until a batch uses them)")
     if skipped:
         report.notes.append(
             f"module form: {len(skipped)} piece(s) not checked, over the room the memory budget leaves "
@@ -272,6 +280,10 @@ def run_module_check(
     report.memory = {"estimate_bytes": estimate}
     report.seconds = time.perf_counter() - start
     return report
+
+
+#: Why an embedding slice was not checked: the batch uses none of its rows (they count as unreached).
+NO_TOKEN = "the batch uses no token of these rows"
 
 
 def _numel(tensors: Any) -> int:
@@ -380,7 +392,7 @@ def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs:
                 probed.append((names.get(prefix + "weight", prefix + "weight"), ("reached", torch.unique(ids.reshape(-1)))))
             if made is None:
                 return ModuleCheck(name=unit.name, type=f"{kind} rows {rows[0]}:{rows[1]}", calls=unit.calls,
-                                   inconclusive="the batch uses no token of these rows"), probed
+                                   inconclusive=NO_TOKEN), probed
             local, local_ids, used = made
             args, kwargs = (local_ids,), {}
             params = {k: p for k, p in local.named_parameters(recurse=False) if p.requires_grad}

@@ -67,6 +67,7 @@ class RunData:
         coverage: The last check's coverage: tensor -> ``{"backward": fraction, "training": fraction}`` of its
             rows probed in the run (empty when not known).
         cycle_length: K, the checks within which every unit and parameter row is probed once (None: not known).
+        unchecked: What the checks' notes say was not checked (each once, its latest wording).
     """
 
     history: History
@@ -83,6 +84,7 @@ class RunData:
     forms: Dict[str, int] = field(default_factory=dict)
     coverage: Dict[str, Dict[str, float]] = field(default_factory=dict)
     cycle_length: Optional[int] = None
+    unchecked: List[str] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------- reading
@@ -121,6 +123,7 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
     forms: Dict[str, int] = {}
     coverage: Dict[str, Dict[str, float]] = {}
     cycle: Optional[int] = None
+    unchecked: Dict[str, str] = {}
     for number, rec in enumerate(records, start=1):
         run_id = run_id or rec.get("run_id")
         try:
@@ -134,6 +137,9 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
                     coverage = {str(k): {part: float(v.get(part) or 0.0) for part in ("backward", "training")}
                                 for k, v in got.items()}
                 cycle = int(rec["cycle_length"]) if rec.get("cycle_length") is not None else cycle
+                for note in rec.get("notes") or ():
+                    if "not checked" in str(note):
+                        unchecked[re.sub(r"[\d.]+ ?MB|\d+", "#", str(note))] = str(note)
         except (TypeError, ValueError, AttributeError, KeyError) as err:
             notes.append(f"{path or 'the log'}: record {number} ({str(rec.get('type'))!r}) is malformed "
                          f"({type(err).__name__}: {err}); skipped")
@@ -142,7 +148,8 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
             opt_bands = (rec.get("options") or {}).get("bands")
             if isinstance(opt_bands, (list, tuple)) and len(opt_bands) == 3 and all(_num(b) for b in opt_bands):
                 bands = tuple(float(b) for b in opt_bands)  # type: ignore[assignment]
-    return RunData(history, alerts, details, "jsonl", path, notes, bands, steps, training, run_id, forms, coverage, cycle)
+    return RunData(history, alerts, details, "jsonl", path, notes, bands, steps, training, run_id, forms, coverage, cycle,
+                   list(unchecked.values()))
 
 
 def _add_training(rec: Mapping[str, Any], training: History, details: Dict[Tuple[int, str], Dict[str, Any]]) -> None:
@@ -373,7 +380,7 @@ def merge_runs(parts: Sequence[RunData]) -> RunData:
     paths = list(dict.fromkeys(str(p.path) for p in parts))
     return RunData(history, alerts, details, sources.pop() if len(sources) == 1 else "mixed", ", ".join(paths),
                    warnings, parts[0].bands, sorted(steps), training, parts[0].run_id, forms,
-                   parts[-1].coverage, parts[-1].cycle_length)
+                   parts[-1].coverage, parts[-1].cycle_length, list(dict.fromkeys(n for p in parts for n in p.unchecked)))
 
 
 def read_runs(found: Sequence[Tuple[str, Path]]) -> Tuple[List[RunData], List[str]]:
@@ -709,6 +716,7 @@ def to_json(data: RunData, rows: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
         "forms": dict(data.forms),
         "cycle_length": data.cycle_length,
         "coverage": dict(data.coverage),
+        "unchecked": list(data.unchecked),
         "tensors": [{**{k: v for k, v in r.items()}, "history": data.history.get(str(r["tensor"]), [])} for r in rows],
         "training": [{**r, "history": data.training.get(str(r["tensor"]), [])} for r in summarize(data, "training")],
         "alerts": data.alerts,

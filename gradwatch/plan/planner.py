@@ -18,12 +18,13 @@ Example:
     >>> watched = [n for n, _ in model.named_parameters()]
     >>> units, pieces = planner.module_pieces(model, lambda m, b: m(b).sum(), torch.ones(3, 2), watched)
     >>> planner.cycle_length, [str(p) for p in pieces]
-    (3, ['1', '2', '0[400:600]'])
+    (3, ['<loss_fn>', '1', '2', '0[400:600]'])
 """
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -63,6 +64,7 @@ class Planner:
         self._checks = 0  # module-form checks planned on this cycle
         self._resume_at = 0  # from a resumed run's state: where the cycle goes on once the units are found
         self.announced: Optional[str] = None  # the line said once when the cycle is known
+        self._said: set = set()  # what was not checked, said once each
 
     # ------------------------------------------------------------------ the form
     def choose_form(self, model: nn.Module, names: Sequence[str], room: Optional[int], dtype: Optional[torch.dtype],
@@ -156,6 +158,25 @@ class Planner:
                 cov.probe("backward", name)
         for name in report.training:
             cov.probe("training", name)
+
+    def unchecked_news(self, report: CheckReport) -> List[str]:
+        """The notes of ``report`` that name something not checked, each said for the first time in the run
+        (the same piece over the room at every check is said once; its figures may change).
+
+        Example:
+            >>> planner, report = Planner(), CheckReport(tensors={}, notes=["module form: `x` not checked: it raised"])
+            >>> planner.unchecked_news(report), planner.unchecked_news(report)
+            (['module form: `x` not checked: it raised'], [])
+        """
+        out = []
+        for note in report.notes:
+            if "not checked" not in note:
+                continue
+            key = re.sub(r"[\d.]+ ?MB|\d+", "#", note)
+            if key not in self._said:
+                self._said.add(key)
+                out.append(note)
+        return out
 
     def never_checked(self, names: Sequence[str]) -> Dict[str, List[str]]:
         """Per part, the watched tensors with no row probed yet."""

@@ -19,7 +19,7 @@ Example:
     >>> from torch import nn
     >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
     >>> [(u.name, u.kind, sorted(u.params)) for u in plan_units(model, lambda m, b: m(b).sum(), torch.ones(1, 2))]
-    [('0', 'module', ['0.bias', '0.weight']), ('1', 'module', [])]
+    [('<loss_fn>', 'loss_fn', []), ('0', 'module', ['0.bias', '0.weight']), ('1', 'module', [])]
 """
 
 from __future__ import annotations

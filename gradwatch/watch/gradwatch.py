@@ -580,6 +580,8 @@ class GradWatch:
         self.planner.attach(self.model, watched)
         self.planner.record(report)
         self._announce_plan(report, watched)
+        for note in self.planner.unchecked_news(report):
+            logger.warning("gradwatch: step %d: %s (said once; every check's record repeats it)", step, note)
         return self.tracker.update(step, report)
 
     def _announce_plan(self, report: CheckReport, watched: List[str]) -> None:
