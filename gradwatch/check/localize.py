@@ -294,7 +294,8 @@ def _custom_functions(root: Any, limit: int = 10_000) -> List[str]:
 
 
 def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: CheckOptions, calls: int = 1,
-                 params: Optional[Dict[str, nn.Parameter]] = None, restore: bool = True) -> ModuleCheck:
+                 params: Optional[Dict[str, nn.Parameter]] = None, restore: bool = True,
+                 constants: Optional[Set[int]] = None) -> ModuleCheck:
     """Check one module on captured inputs: input gradient and own parameters (see the module docstring).
 
     ``args``/``kwargs`` are the module's inputs (not modified). ``params`` (default: the
@@ -302,11 +303,13 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
     call inside the deterministic context of :func:`localize` (dropout off, RNG preserved)
     for a side-effect-free check. ``restore=False`` (a throwaway copy of the module, as the
     module form of :mod:`gradwatch.check.modular` checks): no snapshot of the parameters is kept
-    beyond the one each tensor's probing keeps, so the check holds less memory.
+    beyond the one each tensor's probing keeps, so the check holds less memory. ``constants``: ``id`` of
+    floating inputs that are not differentiated (they did not require grad where they were captured).
     """
     start = time.perf_counter()
     result = ModuleCheck(name=name, type=type(module).__name__, calls=calls)
-    inputs = [(path, t) for path, t in _leaves((args, kwargs)) if t.is_floating_point() and t.numel() > 0]
+    inputs = [(path, t) for path, t in _leaves((args, kwargs))
+              if t.is_floating_point() and t.numel() > 0 and id(t) not in (constants or ())]
     if params is None:
         params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad and p.is_floating_point()}
     if not inputs and not params:

@@ -147,10 +147,16 @@ class MemoryMeter:
         self._after_check = 0  # the peak as the last check left it
 
     def observe(self) -> None:
-        """A training step ran: a peak beyond the last check's is training's own."""
+        """A training step ran: a peak beyond the last check's is training's own, and so is what the process
+        holds now, before the check allocates (training's peak is at least that: a later step can peak above
+        the check's peak unseen, e.g. once the optimizer's state exists). On the CPU what training freed is
+        given back to the system first, so that it is not counted as held."""
         peak = peak_bytes(self.device)
         if peak > self._after_check:
             self.training_peak = max(self.training_peak, peak)
+        if self.device.type != "cuda":
+            release_freed()
+        self.training_peak = max(self.training_peak, in_use_bytes(self.device))
 
     def checked(self) -> None:
         """A check ended: the peak now may be the check's (what it freed is given back to the system first)."""

@@ -1,29 +1,27 @@
-"""The module form of the backward part: one module at a time in float64, within the memory budget.
+"""The module form of the backward part: the planned pieces, one at a time in float64, within the memory budget.
 
 The whole-objective form (:func:`gradwatch.check.run_model_check`) evaluates a float64 copy
 of the whole model; for a model that fills the machine that copy does not fit. The module
-form checks each module alone, the way Chainer's ``check_backward`` does with ``y_grad``:
+form checks the units :mod:`gradwatch.plan.units` finds (each module's own code, the modules
+that call no other, ``loss_fn``'s own code) alone, the way Chainer's ``check_backward`` does
+with ``y_grad``:
 
-1. one forward of the *live* model on the check batch, without grad, with dropout off and
-   BatchNorm's running stats untouched (as the backward part evaluates the objective), captures
-   the chosen modules' inputs, cast to float64;
-2. for each chosen module, a float64 copy of that module alone is made (its parameters and
-   buffers cast straight from the live ones; nothing else of the model is copied), and its
-   vector-Jacobian product with a seeded random cotangent ``y_grad`` (with respect to its inputs
-   and its own parameters) is compared with central differences of ``<y_grad, module(x)>``
-   (:func:`gradwatch.localize.check_module`); the copy is dropped before the next module.
+1. a forward of the *live* model on the check batch (dropout off, BatchNorm's running stats
+   untouched, no grad) captures, in the live dtype, each chosen unit's inputs at its first call
+   and, for own-code units, the outputs of the modules it calls; additive masks (``-inf``, or the
+   dtype's lowest value) are kept as constants. Captures hold at most a third of
+   the room: units that do not fit together are captured by further forwards;
+2. for each piece (a unit, or a block of its rows, :mod:`gradwatch.plan.cycle`), a float64 copy
+   of that piece alone is made (:mod:`gradwatch.check.owncode`; nothing else of the model is
+   copied), and its vector-Jacobian product with a seeded random cotangent ``y_grad`` (with respect
+   to its differentiable inputs, its own parameters and its stubs' outputs) is compared with
+   central differences of ``<y_grad, piece(x)>`` (:func:`gradwatch.localize.check_module`); the
+   copy is dropped before the next piece.
 
-Modules are the ones the forward calls that call no other module (leaf modules, and modules
-such as ``MultiheadAttention`` that use a submodule's weights directly); they rotate from one
-check to the next as ``tensors_per_check`` rotates tensors (``tensors_per_check`` modules per
-check; 0: all). A module whose float64 check would not fit in the room the memory budget
-leaves is skipped, and the report says so.
-
-What the module form covers and misses: each module's own backward (its input gradient and
-its parameters' gradients, custom ``autograd.Function`` s included), one module at a time. It
-does not check the loss function, regularizers or coupled weight decay, code between modules
-(a wrong custom op in the model's own ``forward`` outside any module), or a module's backward
-on later calls than its first; the whole-objective form does, and runs whenever it fits.
+A piece whose float64 check would not fit in the room is cut: a Linear block to the rows that fit,
+any other to the first samples of the batch that fit; what fits in neither way is skipped, and the
+report says so. Not checked here: regularizers and coupled weight decay, and a module's backward on
+later calls than its first; the whole-objective form checks them, and runs whenever it fits.
 
 Example:
     >>> import torch
@@ -34,8 +32,12 @@ Example:
     >>> batch = (torch.randn(8, 3), torch.randn(8, 1))
     >>> objective = Objective(lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
     >>> report = run_module_check(model, objective, batch, CheckOptions())
-    >>> report.form, report.ok, sorted(report.tensors)
-    ('module', True, ['0.bias', '0.weight', '0:input', '1:input', '2.bias', '2.weight', '2:input'])
+    >>> report.form, report.ok, [m.label for m in report.localized]
+    ('module', True, ['`<loss_fn>` (loss_fn)', '`0` (Linear)', '`1` (Tanh)', '`2` (Linear)'])
+    >>> sorted(report.tensors)[:7]
+    ['0.bias', '0.weight', '0:input', '1:input', '2.bias', '2.weight', '2:input']
+    >>> sorted(report.tensors)[7:]  # loss_fn's own code: the gradient it passes to the model's output
+    ['<loss_fn>:input[0][0]', '<loss_fn>:input[0][1]', '<model>:output']
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -108,34 +110,82 @@ class Captured:
         output_bytes: Unit name -> float64 bytes of its first call's output.
         children: Own-code unit name -> called module (relative name) -> its output at each call
             that the unit's first call made.
+        constants: ``id`` of the captured floating tensors that are additive masks (non-finite, or of magnitude
+            :data:`MASK` or more): the check does not differentiate with respect to them.
+        deferred: Units not captured in this forward, the captures already holding the budget.
+        big: Unit name -> live bytes of what it needs captured, for units over the budget alone.
         loss: The loss of that forward.
     """
 
     inputs: Dict[str, Tuple[Any, Any]] = field(default_factory=dict)
     output_bytes: Dict[str, int] = field(default_factory=dict)
     children: Dict[str, Dict[str, List[Any]]] = field(default_factory=dict)
+    constants: Set[int] = field(default_factory=set)
+    deferred: List[str] = field(default_factory=list)
+    big: Dict[str, int] = field(default_factory=dict)
     loss: float = float("nan")
 
 
-def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], seed: int) -> Captured:
+#: A captured floating tensor holding a value this large is an additive mask, not a differentiable input.
+MASK = 1e30
+
+
+def _live_bytes(obj: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensor_leaves(obj) if t.is_floating_point())
+
+
+def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], seed: int,
+            budget: Optional[int] = None) -> Captured:
     """The chosen units' inputs at their first call in one forward of the live model, and for own-code
-    units the outputs of the modules their first call called (detached copies in the live dtype)."""
+    units the outputs of the modules their first call called (detached copies in the live dtype).
+
+    Floating tensors that hold non-finite values or values of magnitude :data:`MASK` or more (additive
+    attention masks) are known as constants: the check does not differentiate with respect to them.
+    With ``budget`` (bytes), units are captured in
+    forward order while their copies fit in it together; the others are ``deferred`` to another forward,
+    and a unit over the budget alone is left out with its size (``big``).
+    """
     got = Captured()
     wanted = {u.name: u for u in units}
     own = {u.name: {c: relative(u, c) for c in u.stubbed} for u in units if u.kind == "own"}
-    stack: List[Tuple[str, bool]] = []  # (module, is this the first call of a wanted unit)
+    sizes: Dict[str, int] = {}
+    stack: List[List[Any]] = []  # [module, is this the first call of a wanted unit being captured]
 
     def keep(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().clone()
+        copy_ = t.detach().clone()
+        if t.is_floating_point() and t.numel() and (not bool(torch.isfinite(t).all()) or float(t.abs().max()) >= MASK):
+            got.constants.add(id(copy_))  # an additive mask (-inf, or the dtype's lowest): no step can move it
+        return copy_
+
+    def fits(extra: int) -> bool:
+        return budget is None or sum(sizes.values()) + extra <= budget
+
+    def drop(name: str, why: str) -> None:
+        got.inputs.pop(name, None)
+        got.children.pop(name, None)
+        size = sizes.pop(name, 0)
+        if why == "big":
+            got.big[name] = size
+        else:
+            got.deferred.append(name)
 
     def enter(name: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            first = name in wanted and name not in got.inputs
+            first = name in wanted and name not in got.inputs and name not in got.big and name not in got.deferred
             if first:
-                got.inputs[name] = _copy_opaque(_map((args, kwargs), keep))
-                if name in own:
-                    got.children[name] = {}
-            stack.append((name, first))
+                need = _live_bytes((args, kwargs))
+                if budget is not None and need > budget:
+                    got.big[name] = need
+                    first = False
+                elif not fits(need) and sizes:
+                    got.deferred.append(name)
+                    first = False
+                else:
+                    got.inputs[name] = _copy_opaque(_map((args, kwargs), keep))
+                    sizes[name] = need
+                    if name in own:
+                        got.children[name] = {}
+            stack.append([name, first])
 
         return hook
 
@@ -143,26 +193,51 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
         def hook(module: nn.Module, args: tuple, out: Any) -> None:
             while stack and stack[-1][0] != name:  # a forward that raised inside left its frame behind
                 stack.pop()
-            frame = stack.pop() if stack else (name, False)
+            frame = stack.pop() if stack else [name, False]
             if frame[1]:
                 got.output_bytes[name] = float_bytes(out)
-            if stack and stack[-1][1] and stack[-1][0] in own:
-                rel = own[stack[-1][0]].get(name)
-                if rel is not None:
-                    got.children[stack[-1][0]].setdefault(rel, []).append(_copy_opaque(rebuild(out, keep)))
-            elif not stack and name == "" and LOSS_FN in wanted:  # a call of the model by loss_fn itself
-                got.children[LOSS_FN].setdefault("", []).append(_copy_opaque(rebuild(out, keep)))
+            holder = stack[-1][0] if stack and stack[-1][1] and stack[-1][0] in own else None
+            rel = own[holder].get(name) if holder is not None else None
+            if holder is None and not stack and name == "" and LOSS_FN in got.children:
+                holder, rel = LOSS_FN, ""  # a call of the model by loss_fn itself
+            if holder is None or rel is None:
+                return
+            need = _live_bytes(out)
+            if budget is not None and sizes.get(holder, 0) + need > budget:
+                drop(holder, "big")
+                got.big[holder] += need
+                if stack and stack[-1][0] == holder:
+                    stack[-1][1] = False
+            elif not fits(need):
+                drop(holder, "deferred")
+                if stack and stack[-1][0] == holder:
+                    stack[-1][1] = False
+            else:
+                got.children[holder].setdefault(rel, []).append(_copy_opaque(rebuild(out, keep)))
+                sizes[holder] = sizes.get(holder, 0) + need
 
         return hook
 
     if LOSS_FN in wanted:
         got.inputs[LOSS_FN] = _copy_opaque(_map(((batch,), {}), keep))
         got.children[LOSS_FN] = {}
+        sizes[LOSS_FN] = _live_bytes(batch)
     named = dict(model.named_modules())
     hooked = set(wanted) | {c for u in units for c in u.stubbed}
     got.loss = isolated_forward(model, loss_fn, batch, seed, pre={n: enter(n) for n in named if n in hooked},
                                 post={n: leave(n) for n in named if n in hooked})
     return got
+
+
+def _cast_tree(obj: Any, dtype: torch.dtype, constants: Set[int], out: Set[int]) -> Any:
+    """``obj`` with floating tensors in ``dtype``; the copies of ``constants`` go into ``out``."""
+    def cast_one(t: torch.Tensor) -> torch.Tensor:
+        c = t.to(dtype) if t.is_floating_point() else t
+        if id(t) in constants:
+            out.add(id(c))
+        return c
+
+    return rebuild(obj, cast_one)
 
 
 def run_module_check(
@@ -202,74 +277,30 @@ def run_module_check(
     report = CheckReport(tensors={}, fail_at=opts.fail_verdict, seed=opts.seed, dtype="float64")
     report.form = "module"
     dtype = opts.torch_dtype or torch.float64
-    got = capture(model, objective.loss_fn, batch, chosen, opts.seed)
-    report.objective = got.loss
-    report.terms = {"loss": got.loss}
     canonical = {id(p): n for n, p in model.named_parameters()}
-    skipped = []
+    skipped: List[str] = []
     estimate = 0
     unused = 0
-    for piece in pieces:
-        unit = by_name.get(piece.unit)
-        if unit is None or unit.name not in got.inputs:
-            continue
-        args, kwargs = _map(got.inputs[unit.name], lambda t: t.to(dtype) if t.is_floating_point() else t)
-        children = {rel: [rebuild(o, lambda t: t.to(dtype) if t.is_floating_point() else t) for o in outs]
-                    for rel, outs in got.children.get(unit.name, {}).items()}
-        out_bytes = got.output_bytes.get(unit.name, 0)
-        stub_params = [t for outs in children.values() for o in outs for t in tensor_leaves(o) if t.is_floating_point()]
-        rows = piece.rows
-        share = 1.0 if rows is None else (rows[1] - rows[0]) / max(1, _rows_of(unit) or 1)
-        if rows is None:
-            need = module_bytes(unit.params.values(), (args, kwargs), out_bytes) + _numel(stub_params) * MODULE_BYTES_PER_ENTRY
-        else:
-            need = int(_numel(unit.params.values()) * share) * MODULE_BYTES_PER_ENTRY + 3 * float_bytes((args, kwargs)) \
-                + int(4 * out_bytes * share)
-        if room is not None and need > room:
-            block = _row_block(unit, (args, kwargs), out_bytes, room // 2, opts.seed, rows)
-            smaller = None if block is not None else _fewer_samples(model, objective.loss_fn, batch, unit, need, room,
-                                                                   opts.seed, dtype)
-            if block is None and smaller is None:
-                skipped.append(f"{unit.label}{'' if rows is None else f' rows {rows[0]}:{rows[1]}'} needs about {mb(need)}")
-                del args, kwargs
+    remaining = chosen
+    got = Captured()
+    while remaining:
+        # Captures take a third of the room at most; units that do not fit together are captured by later forwards.
+        got = capture(model, objective.loss_fn, batch, remaining, opts.seed, budget=None if room is None else room // 3)
+        if report.objective != report.objective:  # NaN: the first forward's loss
+            report.objective = got.loss
+            report.terms = {"loss": got.loss}
+        held = sum(_live_bytes(v) for v in got.inputs.values()) + sum(_live_bytes(v) for v in got.children.values())
+        for piece in pieces:
+            unit = by_name.get(piece.unit)
+            if unit is None or (unit.name not in got.inputs and unit.name not in got.big):
                 continue
-            if block is not None:
-                report.notes.append(f"module form: {unit.label} checked on output rows {block[0]}:{block[1]} of "
-                                    f"{_rows_of(unit)} (its {'slice' if rows else 'whole'} float64 check needs about "
-                                    f"{mb(need)}; the rows rotate from check to check)")
-                rows, need = (block[0], block[1]), block[2]
-            else:
-                assert smaller is not None
-                (args, kwargs), children, need, kept, whole = smaller
-                report.notes.append(f"module form: {unit.label} checked on {kept} of the batch's {whole} samples "
-                                    f"(on the whole batch its float64 check needs about {mb(need * whole // kept)})")
-        estimate = max(estimate, need)
-        result, probed = _check_piece(unit, rows, args, kwargs, children, opts, dtype, canonical, objective.loss_fn)
-        del args, kwargs, children
-        if room is not None:
-            release_freed()  # what this piece's check freed, before the next one allocates
-        report.pieces.append(str(Piece(unit.name, rows)))
-        if result.inconclusive == NO_TOKEN:
-            report.probed.extend(probed)  # the rows the batch reached
-            unused += 1
-            continue
-        report.localized.append(result)
-        report.evaluations += result.evaluations
-        if result.inconclusive and not result.tensors:
-            report.notes.append(f"module form: {result.label} not checked: {result.inconclusive}")
-            continue
-        report.probed.extend(probed)
-        for key, tc in result.tensors.items():
-            if key.startswith("input"):
-                name = f"{unit.name or '<model>'}:{key}"
-            elif unit.kind == "loss_fn":
-                name = key
-            else:
-                name = f"{unit.name}.{key}" if unit.name else key
-            tc.name = name
-            report.tensors[name] = tc
-        if result.inconclusive:
-            report.notes.append(f"module form: {result.label} not checked: {result.inconclusive}")
+            estimate, unused = _run_piece(model, objective, batch, opts, unit, piece, got, dtype, canonical,
+                                          None if room is None else max(0, room - held), report, skipped, estimate, unused)
+        progress = len(got.inputs) + len(got.big)
+        remaining = [by_name[n] for n in got.deferred if n in by_name] if progress else []
+        if not progress and got.deferred:
+            skipped.extend(f"{by_name[n].label} (its inputs do not fit in the room)" for n in got.deferred)
+        del got
     if unused:
         report.notes.append(f"module form: {unused} embedding slice(s) held no token of this batch (their rows count "
                             "as unreached until a batch uses them)")
@@ -280,6 +311,75 @@ def run_module_check(
     report.memory = {"estimate_bytes": estimate}
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions, unit: Unit, piece: Piece, got: Captured,
+               dtype: torch.dtype, canonical: Dict[int, str], room: Optional[int], report: CheckReport,
+               skipped: List[str], estimate: int, unused: int) -> Tuple[int, int]:
+    """One piece of a captured unit: fit it to the room (rows, or fewer samples), check it, file the result."""
+    constants: Set[int] = set()
+    rows = piece.rows
+    if unit.name in got.inputs:
+        args, kwargs = _cast_tree(got.inputs[unit.name], dtype, got.constants, constants)
+        children = {rel: [_cast_tree(o, dtype, got.constants, constants) for o in outs]
+                    for rel, outs in got.children.get(unit.name, {}).items()}
+        out_bytes = got.output_bytes.get(unit.name, 0)
+        stub_params = [t for outs in children.values() for o in outs for t in tensor_leaves(o) if t.is_floating_point()]
+        share = 1.0 if rows is None else (rows[1] - rows[0]) / max(1, _rows_of(unit) or 1)
+        if rows is None:
+            need = module_bytes(unit.params.values(), (args, kwargs), out_bytes) + _numel(stub_params) * MODULE_BYTES_PER_ENTRY
+        else:
+            need = int(_numel(unit.params.values()) * share) * MODULE_BYTES_PER_ENTRY + 3 * float_bytes((args, kwargs)) \
+                + int(4 * out_bytes * share)
+    else:  # over the capture budget alone: its float64 check cannot fit the room on the whole batch
+        args = kwargs = None
+        children = {}
+        out_bytes = 0
+        need = got.big[unit.name] * 2 * MODULE_BYTES_PER_ENTRY // 8  # float32 to float64, then its copies
+    if room is not None and need > room:
+        block = None if args is None else _row_block(unit, (args, kwargs), out_bytes, room // 2, opts.seed, rows)
+        smaller = None if block is not None else _fewer_samples(model, objective.loss_fn, batch, unit, need, room,
+                                                               opts.seed, dtype)
+        if block is None and smaller is None:
+            skipped.append(f"{unit.label}{'' if rows is None else f' rows {rows[0]}:{rows[1]}'} needs about {mb(need)}")
+            return estimate, unused
+        if block is not None:
+            report.notes.append(f"module form: {unit.label} checked on output rows {block[0]}:{block[1]} of "
+                                f"{_rows_of(unit)} (its {'slice' if rows else 'whole'} float64 check needs about "
+                                f"{mb(need)}; the rows rotate from check to check)")
+            rows, need = (block[0], block[1]), block[2]
+        else:
+            assert smaller is not None
+            (args, kwargs), children, need, kept, whole, constants = smaller
+            report.notes.append(f"module form: {unit.label} checked on {kept} of the batch's {whole} samples "
+                                f"(on the whole batch its float64 check needs about {mb(need * whole // kept)})")
+    estimate = max(estimate, need)
+    result, probed = _check_piece(unit, rows, args, kwargs, children, opts, dtype, canonical, objective.loss_fn, constants)
+    del args, kwargs, children
+    if room is not None:
+        release_freed()  # what this piece's check freed, before the next one allocates
+    report.pieces.append(str(Piece(unit.name, rows)))
+    if result.inconclusive == NO_TOKEN:
+        report.probed.extend(probed)  # the rows the batch reached
+        return estimate, unused + 1
+    report.localized.append(result)
+    report.evaluations += result.evaluations
+    if result.inconclusive and not result.tensors:
+        report.notes.append(f"module form: {result.label} not checked: {result.inconclusive}")
+        return estimate, unused
+    report.probed.extend(probed)
+    for key, tc in result.tensors.items():
+        if key.startswith("input"):
+            name = f"{unit.name or '<model>'}:{key}"
+        elif unit.kind == "loss_fn":
+            name = key
+        else:
+            name = f"{unit.name}.{key}" if unit.name else key
+        tc.name = name
+        report.tensors[name] = tc
+    if result.inconclusive:
+        report.notes.append(f"module form: {result.label} not checked: {result.inconclusive}")
+    return estimate, unused
 
 
 #: Why an embedding slice was not checked: the batch uses none of its rows (they count as unreached).
@@ -333,24 +433,25 @@ def sub_batch(batch: Any, keep: int) -> Tuple[Any, int]:
 
 
 def _fewer_samples(model: nn.Module, loss_fn: Any, batch: Any, unit: Unit, need: int, room: int, seed: int,
-                   dtype: torch.dtype) -> Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, int, int]]:
+                   dtype: torch.dtype) -> Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, int, int, Set[int]]]:
     """For a unit too big for the room on the whole batch: its inputs (and stubs' outputs) captured on the first
-    samples of the batch, as many as fit, as ``((args, kwargs), children, bytes, samples, batch size)``; None
-    when the batch cannot be cut or not one sample fits."""
+    samples of the batch, as many as fit, as ``((args, kwargs), children, bytes, samples, batch size, constants)``;
+    None when the batch cannot be cut or not one sample fits."""
     _, size = sub_batch(batch, 1)
     keep = min(size - 1, int(size * room / max(need, 1)))
     if size < 2 or keep < 1:
         return None
     part, _ = sub_batch(batch, keep)
-    got = capture(model, loss_fn, part, [unit], seed)
+    got = capture(model, loss_fn, part, [unit], seed, budget=room // 3)
     if unit.name not in got.inputs:
         return None
-    inputs = _map(got.inputs[unit.name], lambda t: t.to(dtype) if t.is_floating_point() else t)
-    children = {rel: [rebuild(o, lambda t: t.to(dtype) if t.is_floating_point() else t) for o in outs]
+    constants: Set[int] = set()
+    inputs = _cast_tree(got.inputs[unit.name], dtype, got.constants, constants)
+    children = {rel: [_cast_tree(o, dtype, got.constants, constants) for o in outs]
                 for rel, outs in got.children.get(unit.name, {}).items()}
     stub = [t for outs in children.values() for o in outs for t in tensor_leaves(o) if t.is_floating_point()]
     cost = module_bytes(unit.params.values(), inputs, got.output_bytes.get(unit.name, 0)) + _numel(stub) * MODULE_BYTES_PER_ENTRY
-    return (inputs, children, cost, keep, size) if cost <= room else None
+    return (inputs, children, cost, keep, size, constants) if cost <= room else None
 
 
 def _first_ids(args: Any, kwargs: Any) -> Optional[torch.Tensor]:
@@ -362,7 +463,7 @@ def _first_ids(args: Any, kwargs: Any) -> Optional[torch.Tensor]:
 
 def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs: Any, children: Dict[str, List[Any]],
                  opts: CheckOptions, dtype: torch.dtype, canonical: Dict[int, str],
-                 loss_fn: Any = None) -> Tuple[ModuleCheck, List[Tuple[str, Any]]]:
+                 loss_fn: Any = None, constants: Optional[Set[int]] = None) -> Tuple[ModuleCheck, List[Tuple[str, Any]]]:
     """One piece alone: a ``dtype`` copy of the unit (its own code with stubs, its rows, or whole), checked on
     its captured inputs, then dropped; and what it probed (parameter name, rows)."""
     kind = type(unit.module).__name__
@@ -413,7 +514,8 @@ def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs:
     modules = list(local.modules())
     with preserved_rng(), dropout_off(local), frozen_power_iteration(local, modules), suspended_hooks(local, modules), \
             ShadowPrecision(dtype):
-        result = check_module(unit.name, local, args, kwargs, opts, unit.calls, params=params, restore=False)
+        result = check_module(unit.name, local, args, kwargs, opts, unit.calls, params=params, restore=False,
+                              constants=constants)
     result.type = kind
     return result, probed
 
