@@ -75,17 +75,39 @@ class _RowBug(torch.autograd.Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         gw = g.flatten(0, -2).t() @ x.flatten(0, -2)
-        gw[-4:] *= 1.2
+        gw[VOCAB - 4:] *= 1.2  # rows at their real index: only a copy of the whole head sees them
         return g @ w, gw, g.flatten(0, -2).sum(0)
+
+
+class RareDropEmbedding(nn.Embedding):
+    """An Embedding whose custom backward drops the gradient of the rarest tokens (ids 590 and up)."""
+
+    def forward(self, ids):
+        return _RareDrop.apply(ids, self.weight)
+
+
+class _RareDrop(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, w):
+        ctx.save_for_backward(ids)
+        ctx.rows = w.shape[0]
+        return w[ids]
+
+    @staticmethod
+    def backward(ctx, g):
+        (ids,) = ctx.saved_tensors
+        gw = torch.zeros(ctx.rows, g.shape[-1], dtype=g.dtype).index_add_(0, ids.flatten(), g.flatten(0, -2))
+        gw[590:] = 0
+        return None, gw
 
 
 class LM(nn.Module):
     """Embedding, one pre-norm block with hand-written attention, an untied head of ``VOCAB`` rows."""
 
-    def __init__(self, attention_bug: bool = False, head: type = nn.Linear) -> None:
+    def __init__(self, attention_bug: bool = False, head: type = nn.Linear, emb: type = nn.Embedding) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.emb = emb(VOCAB, WIDTH)
         self.ln = nn.LayerNorm(WIDTH)
         self.attn = Attention(attention_bug)
         self.head = head(WIDTH, VOCAB)
@@ -165,15 +187,26 @@ def test_embedding_and_head_over_the_room_are_checked_by_rows():
     assert probed["head.weight"] == (first, end)
 
 
-def test_a_custom_linears_backward_is_checked_on_its_row_slices():
-    """The slice is a copy of the module itself (its own forward and custom Function), holding only those rows."""
-    model = LM(head=RowBugLinear)
+@pytest.mark.parametrize("where", ["head", "emb"])
+def test_a_bug_in_a_few_rows_of_a_custom_subclass_is_caught_within_k(where):
+    """A subclass is checked at its full size with only the slice's rows moved: a backward that treats the
+    last rows apart (a Linear's, an Embedding's rare tokens) is caught when the cycle reaches them, within K."""
+    model = LM(head=RowBugLinear) if where == "head" else LM(emb=RareDropEmbedding)
+    rare = torch.tensor([[595, 3, 7, 11, 13, 17, 19, 23]])
     with GradWatch(model, lm_loss, every=1, log_dir=None, form="module") as watch:
-        lm_loss(model, tokens()).backward()
-        report = watch.step(tokens())
-    failing = [m for m in report.localized if m.failed]
-    assert [m.name for m in failing] == ["head"] and "rows" in failing[0].type and failing[0].functions == ["_RowBug"]
-    assert "head.weight" in {t.name for t in report.failures}
+        caught = []
+        for i in range(3):
+            batch = torch.cat([tokens(i, n=1), rare])
+            lm_loss(model, batch).backward()
+            report = watch.step(batch)
+            model.zero_grad()
+            failing = [m for m in report.localized if m.failed]
+            if failing:
+                caught.append(i)
+                assert [m.name for m in failing] == [where] and "in place" in failing[0].type, str(report)
+                assert f"{where}.weight" in {t.name for t in report.failures}
+                assert any(p.startswith(f"{where}[400:600]") for p in report.pieces)
+        assert watch.cycle_length == 3 and len(caught) == 1  # the slice of rows 400:600, once in the K checks
 
 
 def test_the_cycle_probes_every_piece_once_per_pass():

@@ -62,7 +62,17 @@ from .isolation import (
 )
 from .localize import ModuleCheck, _copy_opaque, _map, check_module
 from .memory import MODULE_BYTES_PER_ENTRY, float_bytes, mb, module_bytes, release_freed
-from .owncode import LossCode, ModelStub, OwnCode, embedding_rows_copy, own_code_copy, rebuild, rows_copy, tensor_leaves
+from .owncode import (
+    LossCode,
+    ModelStub,
+    OwnCode,
+    RowsInPlace,
+    embedding_rows_copy,
+    own_code_copy,
+    rebuild,
+    rows_copy,
+    tensor_leaves,
+)
 from .precision import ShadowPrecision
 from .report import CheckReport
 
@@ -354,7 +364,8 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
             report.notes.append(f"module form: {unit.label} checked on {kept} of the batch's {whole} samples "
                                 f"(on the whole batch its float64 check needs about {mb(need * whole // kept)})")
     estimate = max(estimate, need)
-    result, probed = _check_piece(unit, rows, args, kwargs, children, opts, dtype, canonical, objective.loss_fn, constants)
+    result, probed = _check_piece(unit, rows, args, kwargs, children, opts, dtype, canonical, objective.loss_fn, constants,
+                                  faithful_room=float("inf") if room is None else max(0, room - need) / 2)
     del args, kwargs, children
     if room is not None:
         release_freed()  # what this piece's check freed, before the next one allocates
@@ -463,7 +474,8 @@ def _first_ids(args: Any, kwargs: Any) -> Optional[torch.Tensor]:
 
 def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs: Any, children: Dict[str, List[Any]],
                  opts: CheckOptions, dtype: torch.dtype, canonical: Dict[int, str],
-                 loss_fn: Any = None, constants: Optional[Set[int]] = None) -> Tuple[ModuleCheck, List[Tuple[str, Any]]]:
+                 loss_fn: Any = None, constants: Optional[Set[int]] = None,
+                 faithful_room: float = float("inf")) -> Tuple[ModuleCheck, List[Tuple[str, Any]]]:
     """One piece alone: a ``dtype`` copy of the unit (its own code with stubs, its rows, or whole), checked on
     its captured inputs, then dropped; and what it probed (parameter name, rows)."""
     kind = type(unit.module).__name__
@@ -486,6 +498,26 @@ def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs:
             local = OwnCode(inner, stubs)
             kind += ", own code"
             probed = [(names[k], None) for k in unit.params] + [(unit.name, "code")]
+        elif rows is not None and type(unit.module) not in (nn.Linear, nn.Embedding) and \
+                2 * _numel([unit.module.weight]) * dtype.itemsize <= faithful_room:
+            # A subclass (its own forward, maybe a custom backward): checked at its full size, only these rows moved.
+            if isinstance(unit.module, nn.Embedding):
+                ids = _first_ids(args, kwargs)
+                reached = torch.unique(ids.reshape(-1)) if ids is not None else torch.zeros(0, dtype=torch.long)
+                probed.append((names.get(prefix + "weight", prefix + "weight"), ("reached", reached)))
+                block = reached[(reached >= rows[0]) & (reached < rows[1])]
+                if not block.numel():
+                    return ModuleCheck(name=unit.name, type=f"{kind} rows {rows[0]}:{rows[1]}", calls=unit.calls,
+                                       inconclusive=NO_TOKEN), probed
+                kind += f" rows {rows[0]}:{rows[1]} ({block.numel()} used, in place)"
+            else:
+                block = torch.arange(rows[0], rows[1])
+                kind += f" rows {rows[0]}:{rows[1]} (in place)"
+            local = RowsInPlace(unit.module, block, dtype)
+            params = {"weight": local.block}
+            if local.bias_base is not None:
+                params["bias"] = local.bias_block
+            probed.extend((names.get(prefix + k, prefix + k), block) for k in params)
         elif rows is not None and isinstance(unit.module, nn.Embedding):
             ids = _first_ids(args, kwargs)
             made = None if ids is None else embedding_rows_copy(unit.module, ids, rows[0], rows[1], dtype)

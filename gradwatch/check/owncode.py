@@ -25,7 +25,8 @@ Example:
     ...         return x + torch.tanh(self.fc(x))
     >>> block = Block()
     >>> local, stubs, params = own_code_copy(block, "", ["fc"], {"fc": [torch.ones(1, 2, dtype=torch.float64)]}, {})
-    >>> out, given = OwnCode(local, stubs)(torch.zeros(1, 2, dtype=torch.float64))
+    >>> with torch.no_grad():  # (with grad, the first call keeps only what depends on the leaves)
+    ...     out, given = OwnCode(local, stubs)(torch.zeros(1, 2, dtype=torch.float64))
     >>> out.tolist(), given.dtype, sorted(params)
     ([[0.7615941559557649, 0.7615941559557649]], torch.float64, ['fc:output'])
 """
@@ -177,7 +178,7 @@ class LossCode(nn.Module):
 
     Example:
         >>> code = LossCode(lambda m, b: (m(b) - 1).pow(2).sum(), ModelStub(nn.Linear(2, 1), [torch.zeros(3, 1)]))
-        >>> float(code(torch.ones(3, 2)))
+        >>> float(code(torch.ones(3, 2)).detach())
         3.0
     """
 
@@ -196,8 +197,9 @@ class OwnCode(nn.Module):
     with grad enabled).
 
     Example:
-        >>> OwnCode(nn.Identity(), [])(torch.ones(1))
-        [tensor([1.])]
+        >>> x = torch.ones(1, requires_grad=True)
+        >>> [t.tolist() for t in OwnCode(nn.Identity(), [])(x)]
+        [[1.0]]
     """
 
     def __init__(self, inner: nn.Module, stubs: Sequence[Stub]) -> None:
@@ -288,6 +290,45 @@ def own_code_copy(module: nn.Module, name: str, stubbed: Sequence[str], outputs:
             for i, leaf in enumerate(leaves):
                 checked[f"{rel}:output[{k}][{i}]" if several else f"{rel}:output"] = leaf
     return local, list(stubs.values()), checked
+
+
+class RowsInPlace(nn.Module):
+    """A copy of a Linear or Embedding subclass at its full size, of which only some rows are checked.
+
+    Its ``weight`` is rebuilt at each call as a ``dtype`` constant copy of the live weight with ``rows``
+    taken from the leaf :attr:`block` (and ``bias`` likewise from :attr:`bias_block`), so the module's
+    own forward and backward see every row at its real index: a custom backward that treats some
+    rows apart is checked as it runs in training. Costs two full-size ``dtype`` copies of the weight.
+
+    Example:
+        >>> local = RowsInPlace(nn.Linear(3, 10), torch.tensor([8, 9]), torch.float64)
+        >>> local(torch.ones(1, 3, dtype=torch.float64)).shape, local.block.shape
+        (torch.Size([1, 10]), torch.Size([2, 3]))
+    """
+
+    def __init__(self, module: nn.Module, rows: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        inner = fresh_shallow(module)
+        weight = cast(torch.Tensor, module.weight)
+        self.rows = rows
+        self.base = weight.detach().to(dtype)
+        self.block = nn.Parameter(self.base[rows].clone(), requires_grad=True)
+        del inner._parameters["weight"]
+        bias = module._parameters.get("bias")
+        self.bias_base: Optional[torch.Tensor] = None
+        if isinstance(bias, torch.Tensor) and bias.dim() == 1 and bias.shape[0] == weight.shape[0]:
+            self.bias_base = bias.detach().to(dtype)
+            self.bias_block = nn.Parameter(self.bias_base[rows].clone(), requires_grad=True)
+            del inner._parameters["bias"]
+        inner._buffers = {k: None if b is None else _cast(b, dtype) for k, b in module._buffers.items()}
+        self.__dict__["inner"] = inner  # not a submodule: its weight is a plain tensor set at each call
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        inner = self.__dict__["inner"]
+        inner.__dict__["weight"] = self.base.index_copy(0, self.rows, self.block)
+        if self.bias_base is not None:
+            inner.__dict__["bias"] = self.bias_base.index_copy(0, self.rows, self.bias_block)
+        return inner(*args, **kwargs)
 
 
 def rows_copy(module: nn.Module, first: int, end: int, dtype: torch.dtype) -> nn.Module:
