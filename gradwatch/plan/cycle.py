@@ -73,12 +73,15 @@ class Cycle:
         units: Unit name -> rows to slice it by (None: checked whole), in model order.
         per_check: Whole units per check (``tensors_per_check``; 0: all of them).
         seed: The watch's seed (the slices' order in each pass follows it).
+        per_slice: Unit name -> rows of one of its slices, where fewer than :data:`ROWS_PER_SLICE` fit the room.
     """
 
-    def __init__(self, units: Mapping[str, Optional[int]], per_check: int = 0, seed: int = 0) -> None:
-        self.whole = [n for n, rows in units.items() if rows is None or rows <= ROWS_PER_SLICE]
+    def __init__(self, units: Mapping[str, Optional[int]], per_check: int = 0, seed: int = 0,
+                 per_slice: Optional[Mapping[str, int]] = None) -> None:
+        size = {n: max(1, min(ROWS_PER_SLICE, (per_slice or {}).get(n, ROWS_PER_SLICE))) for n in units}
+        self.whole = [n for n, rows in units.items() if rows is None or rows <= size[n]]
         self.slices: Dict[str, List[Tuple[int, int]]] = {
-            n: row_slices(rows) for n, rows in units.items() if rows is not None and rows > ROWS_PER_SLICE}
+            n: row_slices(rows, size[n]) for n, rows in units.items() if rows is not None and rows > size[n]}
         self.per_check = per_check if 0 < per_check < len(self.whole) else max(1, len(self.whole))
         self.seed = seed
         whole_checks = math.ceil(len(self.whole) / self.per_check) if self.whole else 1

@@ -30,11 +30,25 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..check.memory import SAFETY, mb, objective_bytes
+from ..check.memory import MODULE_BYTES_PER_ENTRY, SAFETY, mb, objective_bytes
 from ..check.report import CheckReport
 from .coverage import Coverage
-from .cycle import Cycle, Piece
+from .cycle import ROWS_PER_SLICE, Cycle, Piece
 from .units import Unit, plan_units, sliceable_rows
+
+
+def slice_rows(module: nn.Module, room: Optional[int]) -> int:
+    """Rows of ``module``'s weight whose float64 check fits in half of ``room`` (all when unbounded).
+
+    Example:
+        >>> slice_rows(nn.Linear(1000, 4000), 10 * 2**20)
+        109
+    """
+    weight = getattr(module, "weight", None)
+    if room is None or not isinstance(weight, torch.Tensor) or weight.dim() == 0:
+        return ROWS_PER_SLICE
+    per_row = (weight[0].numel() + 1) * MODULE_BYTES_PER_ENTRY
+    return max(1, (room // 2) // per_row)
 
 
 def _rows(p: torch.Tensor) -> int:
@@ -95,8 +109,12 @@ class Planner:
 
     # ------------------------------------------------------------------ the module form
     def module_pieces(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any], batch: Any,
-                      watched: Sequence[str], key: Optional[Tuple] = None, seed: int = 0) -> Tuple[List[Unit], List[Piece]]:
-        """The units of ``model`` and the pieces of this check; the units are found again when ``key`` changes."""
+                      watched: Sequence[str], key: Optional[Tuple] = None, seed: int = 0,
+                      room: Optional[int] = None) -> Tuple[List[Unit], List[Piece]]:
+        """The units of ``model`` and the pieces of this check; the units are found again when ``key`` changes.
+
+        ``room`` (bytes a piece may hold, at the first check of a plan): a row slice holds at most half of it.
+        """
         if self._cycle is None or key is None or key != self._key:
             units = plan_units(model, loss_fn, batch, seed)
             chosen = set(watched)
@@ -104,8 +122,9 @@ class Planner:
             if len(chosen) < len(names):  # tensors= narrows the watch: the units that hold a watched tensor
                 units = [u for u in units if any(names.get(id(p)) in chosen for p in u.params.values())]
             self._units, self._key = units, key
-            self._cycle = Cycle({u.name: sliceable_rows(u.module) if u.kind == "module" else None for u in units},
-                                self.tensors_per_check, self.seed)
+            rows = {u.name: sliceable_rows(u.module) if u.kind == "module" else None for u in units}
+            per_slice = {u.name: slice_rows(u.module, room) for u in units if rows[u.name] and room is not None}
+            self._cycle = Cycle(rows, self.tensors_per_check, self.seed, per_slice)
             self._checks, self._resume_at = self._resume_at, 0
             self.announced = None
         pieces = self._cycle.pieces(self._checks)

@@ -558,10 +558,11 @@ class GradWatch:
                                                 shadow=self._shadow)
             else:
                 self._shadow = None  # a whole copy of the model is what the module form avoids
+                piece_room = None if room is None else int(SAFETY * room)
                 units, pieces = self.planner.module_pieces(target, self.objective.loss_fn, batch, self._watched_names(),
-                                                           key=units_signature(target), seed=opts.seed)
+                                                           key=units_signature(target), seed=opts.seed, room=piece_room)
                 report = run_module_check(target, self.objective, batch, opts, units=units, pieces=pieces,
-                                          room=None if room is None else int(SAFETY * room))
+                                          room=piece_room)
                 estimate = report.memory.get("estimate_bytes")
             if why:
                 report.notes.append(why)
