@@ -144,12 +144,13 @@ class Planner:
     def describe(self, form: str, tensors: int, every: Any) -> str:
         """The line said once per plan: what is checked within how many checks."""
         k = (self.cycle_length if form == "module" else None) or self.objective_cycle(tensors)
-        steps = f"about {k * every} steps" if isinstance(every, int) else "at the interval every='auto' chooses"
+        steps = f"about {k * every} step{'s' if k * every != 1 else ''}" if isinstance(every, int) \
+            else "at the interval every='auto' chooses"
         if form == "module" and self._cycle is not None:
             what = f"module form: {self._cycle.describe()}"
         else:
             what = f"objective form: {tensors} tensors, {self.tensors_per_check or 'all'} per check"
-        return f"every op and parameter row checked within K = {k} checks ({steps}); {what}"
+        return f"every op and parameter row checked within K = {k} check{'s' if k != 1 else ''} ({steps}); {what}"
 
     # ------------------------------------------------------------------ coverage
     def attach(self, model: nn.Module, watched: Sequence[str]) -> None:

@@ -589,7 +589,6 @@ class GradWatch:
         """Say once per plan what is checked within how many checks (K), and put K in the report."""
         k = self.planner.cycle_length if report.form == "module" else self.planner.objective_cycle(len(watched))
         self._cycle_length = k
-        report.memory["cycle_length"] = k
         line = self.planner.describe(report.form, len(watched), self.config.every)
         if self.planner.announced != line:
             self.planner.announced = line
