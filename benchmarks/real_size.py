@@ -40,6 +40,10 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import torch
+import torch.nn.functional as F
+from torch import nn
+
 #: case -> (bugs, planted module per bug, checks by default)
 CASES: Dict[str, Tuple[Tuple[str, ...], Dict[str, str], int]] = {
     "gpt2": (("softmax",), {"softmax": "transformer.h.0.attn"}, 10),
@@ -48,6 +52,74 @@ CASES: Dict[str, Tuple[Tuple[str, ...], Dict[str, str], int]] = {
                 {"softmax": "blocks.3.attn", "embedding_rare": "tok", "linear_rows": "head"}, 30),
     "t100m": ((), {}, 30),
 }
+
+
+class BadSoftmax(torch.autograd.Function):
+    """Softmax over the last dimension whose backward is 10% too large (the planted attention bug)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor) -> torch.Tensor:
+        y = a.softmax(-1)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (y,) = ctx.saved_tensors
+        return 1.1 * y * (g - (g * y).sum(-1, keepdim=True))
+
+
+def softmax(a: torch.Tensor, bug: bool) -> torch.Tensor:
+    """``a.softmax(-1)``, or with the planted bug."""
+    return BadSoftmax.apply(a) if bug else a.softmax(-1)
+
+
+class _RareDrop(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, ids: torch.Tensor, w: torch.Tensor, rare_from: int) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.rows, ctx.rare_from = w.shape[0], rare_from
+        return w[ids]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Tuple[None, torch.Tensor, None]:
+        (ids,) = ctx.saved_tensors
+        gw = torch.zeros(ctx.rows, g.shape[-1], dtype=g.dtype, device=g.device)
+        gw.index_add_(0, ids.flatten(), g.flatten(0, -2))
+        gw[ctx.rare_from:] = 0  # the rarest tokens' rows get no gradient
+        return None, gw, None
+
+
+class RareDropEmbedding(nn.Embedding):
+    """An Embedding whose custom backward drops the gradient of token ids ``rare_from`` and up (the rare ones)."""
+
+    def __init__(self, *args: Any, rare_from: int = 7990, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rare_from = rare_from
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return _RareDrop.apply(ids, self.weight, self.rare_from)
+
+
+class _RowBug(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return F.linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        gw = g.flatten(0, -2).t() @ x.flatten(0, -2)
+        gw[-4:] *= 1.2  # the last 4 output rows of the weight
+        return g @ w, gw, g.flatten(0, -2).sum(0)
+
+
+class RowBugLinear(nn.Linear):
+    """A Linear whose custom backward makes the weight gradient of its last 4 output rows 20% too large."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RowBug.apply(x, self.weight, self.bias)
 
 
 def _peak_bytes() -> int:
@@ -59,26 +131,7 @@ def _peak_bytes() -> int:
 
 
 def _models() -> Any:
-    """The model classes and planted bugs (imported lazily: torch is heavy)."""
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    class BadSoftmax(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, a):
-            y = a.softmax(-1)
-            ctx.save_for_backward(y)
-            return y
-
-        @staticmethod
-        def backward(ctx, g):
-            (y,) = ctx.saved_tensors
-            return 1.1 * y * (g - (g * y).sum(-1, keepdim=True))
-
-    def softmax(a: torch.Tensor, bug: bool) -> torch.Tensor:
-        return BadSoftmax.apply(a) if bug else a.softmax(-1)
-
+    """The model classes."""
     class CausalSelfAttention(nn.Module):
         """nanoGPT's attention: one c_attn projection, the softmax written out in forward."""
 
@@ -155,42 +208,6 @@ def _models() -> Any:
             x = x + self.attn(self.ln1(x))
             return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
-    class RareDrop(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, ids, w):
-            ctx.save_for_backward(ids)
-            ctx.rows = w.shape[0]
-            return w[ids]
-
-        @staticmethod
-        def backward(ctx, g):
-            (ids,) = ctx.saved_tensors
-            gw = torch.zeros(ctx.rows, g.shape[-1], dtype=g.dtype, device=g.device)
-            gw.index_add_(0, ids.flatten(), g.flatten(0, -2))
-            gw[7990:] = 0  # the rarest tokens' rows get no gradient
-            return None, gw
-
-    class RareDropEmbedding(nn.Embedding):
-        def forward(self, ids):
-            return RareDrop.apply(ids, self.weight)
-
-    class RowBug(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, w, b):
-            ctx.save_for_backward(x, w)
-            return F.linear(x, w, b)
-
-        @staticmethod
-        def backward(ctx, g):
-            x, w = ctx.saved_tensors
-            gw = g.flatten(0, -2).t() @ x.flatten(0, -2)
-            gw[-4:] *= 1.2  # the last 4 output rows of the full weight
-            return g @ w, gw, g.flatten(0, -2).sum(0)
-
-    class RowBugLinear(nn.Linear):
-        def forward(self, x):
-            return RowBug.apply(x, self.weight, self.bias)
-
     class Hand15M(nn.Module):
         def __init__(self, bug: str = "none", vocab: int = 8000, d: int = 384, layers: int = 6, heads: int = 8,
                      block: int = 64) -> None:
@@ -223,7 +240,7 @@ def _models() -> Any:
                 x = layer(x, src_mask=mask, is_causal=True)
             return self.head(self.ln(x))
 
-    return dict(BadSoftmax=BadSoftmax, NanoGPT=NanoGPT, Hand15M=Hand15M, T100M=T100M)
+    return dict(NanoGPT=NanoGPT, Hand15M=Hand15M, T100M=T100M)
 
 
 def _gpt2(bug: bool) -> Any:
@@ -231,10 +248,7 @@ def _gpt2(bug: bool) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.models.gpt2 import modeling_gpt2
 
-    bad = _models()["BadSoftmax"]
     if bug:
-        import torch
-
         original = modeling_gpt2.eager_attention_forward
 
         def planted(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -244,7 +258,7 @@ def _gpt2(bug: bool) -> Any:
             w = torch.matmul(query, key.transpose(-1, -2)) * scaling
             if attention_mask is not None:
                 w = w + attention_mask
-            w = bad.apply(w)
+            w = BadSoftmax.apply(w)
             return torch.matmul(w, value).transpose(1, 2), w
 
         modeling_gpt2.eager_attention_forward = planted
@@ -255,9 +269,6 @@ def _gpt2(bug: bool) -> Any:
 
 def _setup(case: str, bug: str) -> Tuple[Any, Any, Any]:
     """``(model, loss_fn, batch maker)`` of a case."""
-    import torch
-    import torch.nn.functional as F
-
     models = _models()
     gen = torch.Generator().manual_seed(1)
     if case == "gpt2":
@@ -297,8 +308,6 @@ def _setup(case: str, bug: str) -> Tuple[Any, Any, Any]:
 
 def worker(case: str, bug: str, checks: int, watch: bool = True, threads: int = 2) -> Dict[str, Any]:
     """One configuration in this process (see the module docstring); returns its figures."""
-    import torch
-
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model, loss_fn, make_batch = _setup(case, bug)

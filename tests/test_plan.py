@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,26 +20,15 @@ from torch import nn
 from gradwatch import GradWatch
 from gradwatch.check.modular import run_module_check
 from gradwatch.check.objective import Objective
+from gradwatch.cli import commands
 from gradwatch.options import CheckOptions
 from gradwatch.plan.cycle import ROWS_PER_SLICE, Cycle, row_slices
 from gradwatch.plan.units import LOSS_FN, plan_units
 
 VOCAB, WIDTH = 600, 16
-
-
-class BadSoftmax(torch.autograd.Function):
-    """Softmax whose backward is 10% too large."""
-
-    @staticmethod
-    def forward(ctx, a):
-        y = a.softmax(-1)
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        (y,) = ctx.saved_tensors
-        return 1.1 * y * (g - (g * y).sum(-1, keepdim=True))
+# The planted bugs of the real-size benchmark: a softmax 10% off, a head's last rows, rare tokens dropped.
+_bench = commands.load_bench(Path(__file__).resolve().parents[1] / "benchmarks" / "real_size.py")
+BadSoftmax, RowBugLinear, RareDropEmbedding = _bench.BadSoftmax, _bench.RowBugLinear, _bench.RareDropEmbedding
 
 
 class Attention(nn.Module):
@@ -58,47 +48,9 @@ class Attention(nn.Module):
         return self.o((a @ v).transpose(1, 2).reshape(b, t, d))
 
 
-class RowBugLinear(nn.Linear):
-    """A Linear whose custom backward makes the weight gradient of its last 4 output rows 20% too large."""
-
-    def forward(self, x):
-        return _RowBug.apply(x, self.weight, self.bias)
-
-
-class _RowBug(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, b):
-        ctx.save_for_backward(x, w)
-        return F.linear(x, w, b)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        gw = g.flatten(0, -2).t() @ x.flatten(0, -2)
-        gw[VOCAB - 4:] *= 1.2  # rows at their real index: only a copy of the whole head sees them
-        return g @ w, gw, g.flatten(0, -2).sum(0)
-
-
-class RareDropEmbedding(nn.Embedding):
+def rare_drop_embedding(*args, **kwargs):
     """An Embedding whose custom backward drops the gradient of the rarest tokens (ids 590 and up)."""
-
-    def forward(self, ids):
-        return _RareDrop.apply(ids, self.weight)
-
-
-class _RareDrop(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, ids, w):
-        ctx.save_for_backward(ids)
-        ctx.rows = w.shape[0]
-        return w[ids]
-
-    @staticmethod
-    def backward(ctx, g):
-        (ids,) = ctx.saved_tensors
-        gw = torch.zeros(ctx.rows, g.shape[-1], dtype=g.dtype).index_add_(0, ids.flatten(), g.flatten(0, -2))
-        gw[590:] = 0
-        return None, gw
+    return RareDropEmbedding(*args, rare_from=590, **kwargs)
 
 
 class LM(nn.Module):
@@ -191,7 +143,7 @@ def test_embedding_and_head_over_the_room_are_checked_by_rows():
 def test_a_bug_in_a_few_rows_of_a_custom_subclass_is_caught_within_k(where):
     """A subclass is checked at its full size with only the slice's rows moved: a backward that treats the
     last rows apart (a Linear's, an Embedding's rare tokens) is caught when the cycle reaches them, within K."""
-    model = LM(head=RowBugLinear) if where == "head" else LM(emb=RareDropEmbedding)
+    model = LM(head=RowBugLinear) if where == "head" else LM(emb=rare_drop_embedding)
     rare = torch.tensor([[595, 3, 7, 11, 13, 17, 19, 23]])
     with GradWatch(model, lm_loss, every=1, log_dir=None, form="module") as watch:
         caught = []
@@ -265,10 +217,9 @@ def test_k_is_said_once_and_recorded(tmp_path, every, caplog):
 def test_report_and_tensorboard_show_coverage_and_what_was_not_checked(tmp_path):
     import subprocess
     import sys
+    import threading
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    import threading
 
     class Locked(nn.Module):
         """A leaf that cannot be copied alone (it holds a lock): named as not checked, never skipped silently."""

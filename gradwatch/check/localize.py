@@ -54,6 +54,7 @@ from .isolation import (
     snapshot_params,
 )
 from .numeric import machine_eps
+from .owncode import rebuild
 from .padding import padding_rows_constant
 from .precision import ShadowPrecision
 from .report import TensorCheck, json_float
@@ -159,16 +160,8 @@ def _short(check: TensorCheck) -> str:
 
 
 def _map(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """Apply ``fn`` to every tensor inside tuples, lists and dicts."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_map(v, fn) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map(v, fn) for v in obj)
-    if isinstance(obj, dict):
-        return {k: _map(v, fn) for k, v in obj.items()}
-    return obj
+    """Apply ``fn`` to every tensor inside tuples, lists and dicts (:func:`gradwatch.check.owncode.rebuild`)."""
+    return rebuild(obj, fn)
 
 
 def _leaves(obj: Any, path: str = "") -> Iterator[Tuple[str, torch.Tensor]]:
