@@ -12,8 +12,10 @@ A user's loop, ``GradWatch(model, loss_fn, optimizer=opt, every=1)`` at default 
 - ``hand15m``: a ~15M pre-norm transformer (width 384, 6 layers, 8 heads, vocabulary 8,000, untied head)
   with hand-written attention; batch 4 x 64, 90% of the tokens Zipf-distributed and 10% uniform, so the
   last ids are rare. Bugs: ``softmax`` in ``blocks.3.attn``; ``embedding_rare``, the token embedding's
-  backward drops the gradient of ids 7,990 and up (``tok``); ``linear_rows``, the head's weight gradient
-  20% too large in its last 4 output rows (``head``).
+  backward drops the gradient of the tokens seen once in the batch (``tok``); ``embedding_rare_index``, it
+  drops that of ids 7,990 and up (the rarest, at the end of the vocabulary), watched with
+  ``memory_budget=0.5`` (room for the full-size copy such a bug needs, see the README); ``linear_rows``,
+  the head's weight gradient 20% too large in its last 4 output rows (``head``).
 - ``t100m``: width 768, 12 ``nn.TransformerEncoderLayer`` (``nn.MultiheadAttention``, norm first), vocabulary
   32,000, learned positions, untied head (~100M parameters), batch 2 x 64. No bug: every tensor's coverage,
   peak RSS and median step time against the same loop unwatched.
@@ -44,12 +46,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+#: Options of the watch other than the defaults, per bug: a backward that depends on the absolute row index is
+#: seen only with room for two float64 copies of the weight (see the README's "Big models").
+OPTIONS: Dict[str, Dict[str, Any]] = {"embedding_rare_index": {"memory_budget": 0.5}}
 #: case -> (bugs, planted module per bug, checks by default)
 CASES: Dict[str, Tuple[Tuple[str, ...], Dict[str, str], int]] = {
     "gpt2": (("softmax",), {"softmax": "transformer.h.0.attn"}, 10),
     "nanogpt": (("softmax",), {"softmax": "transformer.h.0.attn"}, 10),
-    "hand15m": (("softmax", "embedding_rare", "linear_rows"),
-                {"softmax": "blocks.3.attn", "embedding_rare": "tok", "linear_rows": "head"}, 30),
+    "hand15m": (("softmax", "embedding_rare", "embedding_rare_index", "linear_rows"),
+                {"softmax": "blocks.3.attn", "embedding_rare": "tok", "embedding_rare_index": "tok", "linear_rows": "head"}, 30),
     "t100m": ((), {}, 30),
 }
 
@@ -76,7 +81,7 @@ def softmax(a: torch.Tensor, bug: bool) -> torch.Tensor:
 
 class _RareDrop(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, ids: torch.Tensor, w: torch.Tensor, rare_from: int) -> torch.Tensor:
+    def forward(ctx: Any, ids: torch.Tensor, w: torch.Tensor, rare_from: Optional[int]) -> torch.Tensor:
         ctx.save_for_backward(ids)
         ctx.rows, ctx.rare_from = w.shape[0], rare_from
         return w[ids]
@@ -86,14 +91,18 @@ class _RareDrop(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         gw = torch.zeros(ctx.rows, g.shape[-1], dtype=g.dtype, device=g.device)
         gw.index_add_(0, ids.flatten(), g.flatten(0, -2))
-        gw[ctx.rare_from:] = 0  # the rarest tokens' rows get no gradient
+        if ctx.rare_from is None:  # the tokens seen once in the batch get no gradient
+            gw[torch.bincount(ids.flatten(), minlength=ctx.rows) == 1] = 0
+        else:  # the rarest ids (the end of a frequency-sorted vocabulary) get no gradient
+            gw[ctx.rare_from:] = 0
         return None, gw, None
 
 
 class RareDropEmbedding(nn.Embedding):
-    """An Embedding whose custom backward drops the gradient of token ids ``rare_from`` and up (the rare ones)."""
+    """An Embedding whose custom backward drops the gradient of rare tokens: ids ``rare_from`` and up, or
+    (``rare_from=None``) the tokens seen once in the batch."""
 
-    def __init__(self, *args: Any, rare_from: int = 7990, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, rare_from: Optional[int] = 7990, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.rare_from = rare_from
 
@@ -212,7 +221,10 @@ def _models() -> Any:
         def __init__(self, bug: str = "none", vocab: int = 8000, d: int = 384, layers: int = 6, heads: int = 8,
                      block: int = 64) -> None:
             super().__init__()
-            self.tok = (RareDropEmbedding if bug == "embedding_rare" else nn.Embedding)(vocab, d)
+            if bug.startswith("embedding_rare"):
+                self.tok: nn.Embedding = RareDropEmbedding(vocab, d, rare_from=7990 if bug.endswith("index") else None)
+            else:
+                self.tok = nn.Embedding(vocab, d)
             self.pos = nn.Embedding(block, d)
             self.blocks = nn.ModuleList(PreNorm(d, heads, bug == "softmax" and i == 3) for i in range(layers))
             self.ln = nn.LayerNorm(d)
@@ -317,7 +329,7 @@ def worker(case: str, bug: str, checks: int, watch: bool = True, threads: int = 
     if watch:
         from gradwatch import GradWatch
 
-        gw = GradWatch(model, loss_fn, optimizer=opt, every=1, log_dir=None)
+        gw = GradWatch(model, loss_fn, optimizer=opt, every=1, log_dir=None, **OPTIONS.get(bug, {}))
     steps, caught_at, named, forms, check_seconds, unchecked = [], None, [], [], [], []
     for i in range(checks):
         b = make_batch(i)
@@ -337,7 +349,7 @@ def worker(case: str, bug: str, checks: int, watch: bool = True, threads: int = 
                 caught_at = i
                 named = sorted({a.tensor for a in hits})
                 break
-    out: Dict[str, Any] = {"case": case, "bug": bug, "watch": watch, "steps": len(steps),
+    out: Dict[str, Any] = {"case": case, "bug": bug, "watch": watch, "steps": len(steps), "options": OPTIONS.get(bug, {}),
                            "n_params": sum(p.numel() for p in model.parameters()),
                            "peak_bytes": _peak_bytes(), "median_step_seconds": statistics.median(steps)}
     if gw is not None:
