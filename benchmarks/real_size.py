@@ -15,7 +15,8 @@ A user's loop, ``GradWatch(model, loss_fn, optimizer=opt, every=1)`` at default 
   backward drops the gradient of the tokens seen once in the batch (``tok``); ``embedding_rare_index``, it
   drops that of ids 7,990 and up (the rarest, at the end of the vocabulary), watched with
   ``memory_budget=0.5`` (room for the full-size copy such a bug needs, see the README); ``linear_rows``,
-  the head's weight gradient 20% too large in its last 4 output rows (``head``).
+  the head's weight gradient 20% too large in the last 4 output rows of the weight its backward is given
+  (``head``; a block of a Linear subclass is a copy holding only its rows, so every block shows it).
 - ``t100m``: width 768, 12 ``nn.TransformerEncoderLayer`` (``nn.MultiheadAttention``, norm first), vocabulary
   32,000, learned positions, untied head (~100M parameters), batch 2 x 64. No bug: every tensor's coverage,
   peak RSS and median step time against the same loop unwatched.

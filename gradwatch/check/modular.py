@@ -498,21 +498,18 @@ def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs:
             local = OwnCode(inner, stubs)
             kind += ", own code"
             probed = [(names[k], None) for k in unit.params] + [(unit.name, "code")]
-        elif rows is not None and type(unit.module) not in (nn.Linear, nn.Embedding) and \
+        elif rows is not None and isinstance(unit.module, nn.Embedding) and type(unit.module) is not nn.Embedding and \
                 2 * _numel([unit.module.weight]) * dtype.itemsize <= faithful_room:
-            # A subclass (its own forward, maybe a custom backward): checked at its full size, only these rows moved.
-            if isinstance(unit.module, nn.Embedding):
-                ids = _first_ids(args, kwargs)
-                reached = torch.unique(ids.reshape(-1)) if ids is not None else torch.zeros(0, dtype=torch.long)
-                probed.append((names.get(prefix + "weight", prefix + "weight"), ("reached", reached)))
-                block = reached[(reached >= rows[0]) & (reached < rows[1])]
-                if not block.numel():
-                    return ModuleCheck(name=unit.name, type=f"{kind} rows {rows[0]}:{rows[1]}", calls=unit.calls,
-                                       inconclusive=NO_TOKEN), probed
-                kind += f" rows {rows[0]}:{rows[1]} ({block.numel()} used, in place)"
-            else:
-                block = torch.arange(rows[0], rows[1])
-                kind += f" rows {rows[0]}:{rows[1]} (in place)"
+            # An Embedding subclass (its own forward, maybe a custom backward): checked at its full size, only the
+            # rows of this block moved, so a backward that treats some token ids apart sees them at their index.
+            ids = _first_ids(args, kwargs)
+            reached = torch.unique(ids.reshape(-1)) if ids is not None else torch.zeros(0, dtype=torch.long)
+            probed.append((names.get(prefix + "weight", prefix + "weight"), ("reached", reached)))
+            block = reached[(reached >= rows[0]) & (reached < rows[1])]
+            if not block.numel():
+                return ModuleCheck(name=unit.name, type=f"{kind} rows {rows[0]}:{rows[1]}", calls=unit.calls,
+                                   inconclusive=NO_TOKEN), probed
+            kind += f" rows {rows[0]}:{rows[1]} ({block.numel()} used, in place)"
             local = RowsInPlace(unit.module, block, dtype)
             params = {"weight": local.block}
             if local.bias_base is not None:

@@ -293,7 +293,7 @@ def own_code_copy(module: nn.Module, name: str, stubbed: Sequence[str], outputs:
 
 
 class RowsInPlace(nn.Module):
-    """A copy of a Linear or Embedding subclass at its full size, of which only some rows are checked.
+    """A copy of a module (an Embedding subclass) at its full size, of which only some rows are checked.
 
     Its ``weight`` is rebuilt at each call as a ``dtype`` constant copy of the live weight with ``rows``
     taken from the leaf :attr:`block` (and ``bias`` likewise from :attr:`bias_block`), so the module's
