@@ -341,6 +341,8 @@ def worker(case: str, bug: str, checks: int, watch: bool = True, threads: int = 
         opt.step()
         steps.append(time.perf_counter() - start)
         if report is not None:
+            print(f"{case}/{bug}: check {i} took {report.seconds:.1f} s, {len(report.pieces)} pieces, "
+                  f"{len(gw.alerts) if gw is not None else 0} alerts so far", file=sys.stderr, flush=True)
             forms.append(report.form)
             check_seconds.append(report.seconds)
             unchecked = [n for n in report.notes if "not checked" in n]

@@ -360,9 +360,10 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
             rows, need = (block[0], block[1]), block[2]
         else:
             assert smaller is not None
-            (args, kwargs), children, need, kept, whole, constants = smaller
-            report.notes.append(f"module form: {unit.label} checked on {kept} of the batch's {whole} samples "
-                                f"(on the whole batch its float64 check needs about {mb(need * whole // kept)})")
+            whole_need = need
+            (args, kwargs), children, need, what, constants = smaller
+            report.notes.append(f"module form: {unit.label} checked on {what} (on the whole batch its float64 check "
+                                f"needs about {mb(whole_need)})")
     estimate = max(estimate, need)
     result, probed = _check_piece(unit, rows, args, kwargs, children, opts, dtype, canonical, objective.loss_fn, constants,
                                   faithful_room=float("inf") if room is None else max(0, room - need) / 2)
@@ -427,42 +428,65 @@ def _row_block(unit: Unit, inputs: Any, output_bytes: int, room: int, seed: int,
     return first, first + k, fixed + k * per_row
 
 
-def sub_batch(batch: Any, keep: int) -> Tuple[Any, int]:
-    """The first ``keep`` samples of ``batch``: every tensor whose first dimension is the batch size (the first
-    dimension of the first tensor in it) cut to ``keep``; returns it and the batch size.
+def sub_batch(batch: Any, keep: int, length: Optional[int] = None) -> Tuple[Any, int, int]:
+    """The first ``keep`` samples of ``batch`` (and with ``length``, their first ``length`` positions): every
+    tensor whose first dimension is the batch size (that of the first tensor in it) cut to ``keep``, and those
+    whose second dimension is the sequence length (the first tensor's) cut to ``length``; returns it, the
+    batch size and the sequence length (1 where the first tensor has one dimension).
 
     Example:
-        >>> part, size = sub_batch({"input_ids": torch.zeros(4, 3), "scale": 2.0}, 1)
-        >>> part["input_ids"].shape, size
-        (torch.Size([1, 3]), 4)
+        >>> part, size, seq = sub_batch({"input_ids": torch.zeros(4, 6), "scale": 2.0}, 1, 3)
+        >>> part["input_ids"].shape, size, seq
+        (torch.Size([1, 3]), 4, 6)
     """
     first = next((t for t in tensor_leaves(batch) if t.dim()), None)
     if first is None:
-        return batch, 1
-    size = int(first.shape[0])
-    return rebuild(batch, lambda t: t[:keep] if t.dim() and t.shape[0] == size else t), size
+        return batch, 1, 1
+    size, seq = int(first.shape[0]), int(first.shape[1]) if first.dim() > 1 else 1
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() and t.shape[0] == size:
+            t = t[:keep]
+        if length is not None and t.dim() > 1 and t.shape[1] == seq:
+            t = t[:, :length]
+        return t
+
+    return rebuild(batch, cut), size, seq
 
 
 def _fewer_samples(model: nn.Module, loss_fn: Any, batch: Any, unit: Unit, need: int, room: int, seed: int,
-                   dtype: torch.dtype) -> Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, int, int, Set[int]]]:
-    """For a unit too big for the room on the whole batch: its inputs (and stubs' outputs) captured on the first
-    samples of the batch, as many as fit, as ``((args, kwargs), children, bytes, samples, batch size, constants)``;
-    None when the batch cannot be cut or not one sample fits."""
-    _, size = sub_batch(batch, 1)
+                   dtype: torch.dtype) -> Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, str, Set[int]]]:
+    """For a unit too big for the room on the whole batch: its inputs (and stubs' outputs) captured on a cut of
+    the batch that fits: its first samples, or one sample's first positions (a token batch), as
+    ``((args, kwargs), children, bytes, what was kept, constants)``; None when no cut fits (or the model
+    refuses the cut batch)."""
+    _, size, seq = sub_batch(batch, 1)
+    cuts: List[Tuple[int, Optional[int]]] = []
     keep = min(size - 1, int(size * room / max(need, 1)))
-    if size < 2 or keep < 1:
-        return None
-    part, _ = sub_batch(batch, keep)
-    got = capture(model, loss_fn, part, [unit], seed, budget=room // 3)
-    if unit.name not in got.inputs:
-        return None
-    constants: Set[int] = set()
-    inputs = _cast_tree(got.inputs[unit.name], dtype, got.constants, constants)
-    children = {rel: [_cast_tree(o, dtype, got.constants, constants) for o in outs]
-                for rel, outs in got.children.get(unit.name, {}).items()}
-    stub = [t for outs in children.values() for o in outs for t in tensor_leaves(o) if t.is_floating_point()]
-    cost = module_bytes(unit.params.values(), inputs, got.output_bytes.get(unit.name, 0)) + _numel(stub) * MODULE_BYTES_PER_ENTRY
-    return (inputs, children, cost, keep, size, constants) if cost <= room else None
+    if keep >= 1:
+        cuts.append((keep, None))
+    elif seq > 1:  # one sample does not fit: its first positions, about as many as fit, then half of them twice
+        fit = min(seq - 1, int(seq * size * room / max(need, 1)))
+        cuts += [(1, n) for n in dict.fromkeys((fit, fit // 2, fit // 4)) if n >= 1]
+    for kept, length in cuts:
+        part, _, _ = sub_batch(batch, kept, length)
+        try:
+            got = capture(model, loss_fn, part, [unit], seed, budget=room // 3)
+        except Exception:  # noqa: BLE001 - a model that refuses the cut batch: the unit is named as not checked
+            return None
+        if unit.name not in got.inputs:
+            continue
+        constants: Set[int] = set()
+        inputs = _cast_tree(got.inputs[unit.name], dtype, got.constants, constants)
+        children = {rel: [_cast_tree(o, dtype, got.constants, constants) for o in outs]
+                    for rel, outs in got.children.get(unit.name, {}).items()}
+        stub = [t for outs in children.values() for o in outs for t in tensor_leaves(o) if t.is_floating_point()]
+        cost = module_bytes(unit.params.values(), inputs, got.output_bytes.get(unit.name, 0)) \
+            + _numel(stub) * MODULE_BYTES_PER_ENTRY
+        if cost <= room:
+            what = f"{kept} of the batch's {size} samples" + ("" if length is None else f", its first {length} of {seq} positions")
+            return inputs, children, cost, what, constants
+    return None
 
 
 def _first_ids(args: Any, kwargs: Any) -> Optional[torch.Tensor]:
