@@ -481,6 +481,7 @@ def worker(case: str, bug: str, checks: int, watch: bool = True, threads: Option
     threads = threads or spec.threads
     torch.set_num_threads(threads)
     label = f"{case}/{bug}/{'watched' if watch else 'unwatched'}"
+    git = git_state()  # the code this run imports: gradwatch/ may be changing under the benchmark
     start = time.perf_counter()
     model, loss_fn, next_batch = build(case, bug)
     model.train()
@@ -525,16 +526,18 @@ def worker(case: str, bug: str, checks: int, watch: bool = True, threads: Option
                 wording.setdefault(key, str(note)[:400])
         if i == min(1, checks - 1):  # after two steps (the first check carries one-time costs)
             estimate = time.perf_counter() - loop_start + statistics.median(step_seconds) * (checks - i - 1)
-            if estimate > LONG_RUN_SECONDS:
-                long_note = (f"{checks} {'watched' if watch else 'unwatched'} steps take about {estimate / 60:.1f} min "
-                             f"(> {LONG_RUN_SECONDS / 60:.0f} min on {threads} thread(s)); --checks N lowers it")
+            per_step = statistics.median(step_seconds)
+            n = max(checks, spec.checks)  # the requested run, or the full one when fewer were asked for
+            if per_step * n > LONG_RUN_SECONDS:
+                long_note = (f"{n} {'watched' if watch else 'unwatched'} steps take about {per_step * n / 60:.1f} min at "
+                             f"{per_step:.1f} s a step (> {LONG_RUN_SECONDS / 60:.0f} min on {threads} thread(s)); --checks N lowers it")
                 _progress(label, long_note)
         if gw is not None or i == 0 or (i + 1) % 10 == 0:
             _progress(label, f"step {i + 1}/{checks}: {step_seconds[-1]:.2f} s (loss {loss.item():.3f}, "
                       f"alerts so far {len(gw.alerts) if gw is not None else 0})")
     loop_seconds = time.perf_counter() - loop_start
     out: Dict[str, Any] = {
-        "case": case, "bug": bug, "watch": watch, "planted": planted, "threads": threads,
+        "case": case, "bug": bug, "watch": watch, "planted": planted, "threads": threads, "git": git,
         "n_params": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
         "steps": len(step_seconds), "steps_requested": checks, "stopped_early": stopped_early,
         "peak_rss_bytes": peak_rss_bytes(), "setup_seconds": round(setup_seconds, 3), "loop_seconds": round(loop_seconds, 3),
@@ -577,7 +580,9 @@ def worker(case: str, bug: str, checks: int, watch: bool = True, threads: Option
 
 
 # ---------------------------------------------------------------------------------------------------- the driver
-def _git_state() -> Dict[str, Any]:
+def git_state() -> Dict[str, Any]:
+    """The checkout's ``HEAD`` and whether ``gradwatch/`` differs from it."""
+
     def git(*args: str) -> str:
         done = subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True)
         return done.stdout.strip() if done.returncode == 0 else ""
@@ -625,7 +630,8 @@ def run_case(case: str, checks: int, bugs: Optional[Sequence[str]] = None, threa
         runs.append(spawn(case, "none", checks, watch=False, threads=threads, max_minutes=max_minutes))
     for bug in bugs:
         runs.append(spawn(case, bug, checks, threads=threads, max_minutes=max_minutes))
-    record: Dict[str, Any] = {"case": case, "checks": checks, "git": _git_state(), "runs": runs}
+    heads = {json.dumps(r.get("git"), sort_keys=True) for r in runs if r.get("git")}
+    record: Dict[str, Any] = {"case": case, "checks": checks, "git": [json.loads(h) for h in sorted(heads)], "runs": runs}
     caught = {r["bug"]: {"caught": r.get("caught"), "first_check": r.get("first_check"), "named": r.get("named"),
                          "cycle_length": r.get("cycle_length")} for r in runs if r.get("watch") and r["bug"] != "none"}
     clean = next((r for r in runs if r.get("watch") and r["bug"] == "none"), None)
@@ -649,6 +655,13 @@ def _fmt(x: Any, spec: str = "") -> str:
     if isinstance(x, bool):
         return "yes" if x else "no"
     return format(x, spec) if spec else str(x)
+
+
+def _names(names: Optional[Sequence[str]], shown: int = 3) -> str:
+    if names is None:
+        return "-"
+    more = f", ... ({len(names)} in all)" if len(names) > shown else ""
+    return f"{len(names)} [" + ", ".join(names[:shown]) + more + "]" if names else "0"
 
 
 def table(records: Sequence[Dict[str, Any]]) -> str:
@@ -675,8 +688,8 @@ def table(records: Sequence[Dict[str, Any]]) -> str:
         if s.get("peak_rss_ratio") is not None:
             ratios.append(f"{rec['case']}: peak RSS {s['peak_rss_mb']['unwatched']:.0f} -> {s['peak_rss_mb']['watched']:.0f} MB "
                           f"({s['peak_rss_ratio']:.2f}x); median step {s['median_step_seconds']['unwatched']:.2f} -> "
-                          f"{s['median_step_seconds']['watched']:.2f} s ({s['median_step_ratio']:.1f}x); coverage 0: backward "
-                          f"{s['coverage_zero_backward']}, training {s['coverage_zero_training']}")
+                          f"{s['median_step_seconds']['watched']:.2f} s ({s['median_step_ratio']:.1f}x); coverage 0: "
+                          f"backward {_names(s['coverage_zero_backward'])}, training {_names(s['coverage_zero_training'])}")
     widths = [max(len(row[i]) for row in (head, *rows) if i < len(row)) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in (head, *rows)]
     return "\n".join(lines + ratios)

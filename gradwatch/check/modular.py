@@ -293,23 +293,33 @@ def run_module_check(
     unused = 0
     remaining = chosen
     got = Captured()
+    solo: List[Piece] = []  # pieces that fit the room only without the other units' captures beside them
     while remaining:
         # Captures take a third of the room at most; units that do not fit together are captured by later forwards.
         got = capture(model, objective.loss_fn, batch, remaining, opts.seed, budget=None if room is None else room // 3)
         if report.objective != report.objective:  # NaN: the first forward's loss
             report.objective = got.loss
             report.terms = {"loss": got.loss}
-        held = sum(_live_bytes(v) for v in got.inputs.values()) + sum(_live_bytes(v) for v in got.children.values())
+        held = _held(got)
         for piece in pieces:
             unit = by_name.get(piece.unit)
             if unit is None or (unit.name not in got.inputs and unit.name not in got.big):
                 continue
             estimate, unused = _run_piece(model, objective, batch, opts, unit, piece, got, dtype, canonical,
-                                          None if room is None else max(0, room - held), report, skipped, estimate, unused)
+                                          None if room is None else max(0, room - held), report, skipped, estimate,
+                                          unused, solo=solo if len(got.inputs) > 1 else None, full_room=room)
         progress = len(got.inputs) + len(got.big)
         remaining = [by_name[n] for n in got.deferred if n in by_name] if progress else []
         if not progress and got.deferred:
             skipped.extend(f"{by_name[n].label} (its inputs do not fit in the room)" for n in got.deferred)
+        del got
+    for piece in solo:  # each alone: its own captures only beside its check
+        unit = by_name[piece.unit]
+        got = capture(model, objective.loss_fn, batch, [unit], opts.seed, budget=None if room is None else room // 3)
+        if unit.name in got.inputs or unit.name in got.big:
+            estimate, unused = _run_piece(model, objective, batch, opts, unit, piece, got, dtype, canonical,
+                                          None if room is None else max(0, room - _held(got)), report, skipped,
+                                          estimate, unused)
         del got
     if unused:
         report.notes.append(f"module form: {unused} embedding slice(s) held no token of this batch (their rows count "
@@ -323,10 +333,19 @@ def run_module_check(
     return report
 
 
+def _held(got: Captured) -> int:
+    """Bytes the captures of one forward hold."""
+    return sum(_live_bytes(v) for v in got.inputs.values()) + sum(_live_bytes(v) for v in got.children.values())
+
+
 def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions, unit: Unit, piece: Piece, got: Captured,
                dtype: torch.dtype, canonical: Dict[int, str], room: Optional[int], report: CheckReport,
-               skipped: List[str], estimate: int, unused: int) -> Tuple[int, int]:
-    """One piece of a captured unit: fit it to the room (rows, or fewer samples), check it, file the result."""
+               skipped: List[str], estimate: int, unused: int, solo: Optional[List[Piece]] = None,
+               full_room: Optional[int] = None) -> Tuple[int, int]:
+    """One piece of a captured unit: fit it to the room (rows, or fewer samples), check it, file the result.
+
+    With ``solo``: a whole piece that fits ``full_room`` but not beside the other captures is put there, to be
+    checked again alone."""
     constants: Set[int] = set()
     rows = piece.rows
     if unit.name in got.inputs:
@@ -346,6 +365,10 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
         children = {}
         out_bytes = 0
         need = got.big[unit.name] * 2 * MODULE_BYTES_PER_ENTRY // 8  # float32 to float64, then its copies
+    if room is not None and need > room and solo is not None and full_room is not None and rows is None \
+            and need <= full_room - _live_bytes(got.inputs.get(unit.name)) - _live_bytes(got.children.get(unit.name)):
+        solo.append(piece)
+        return estimate, unused
     if room is not None and need > room:
         block = None if args is None else _row_block(unit, (args, kwargs), out_bytes, room // 2, opts.seed, rows)
         smaller = None if block is not None else _fewer_samples(model, objective.loss_fn, batch, unit, need, room,
