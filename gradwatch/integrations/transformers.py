@@ -4,13 +4,15 @@ What the Trainer does not hand a callback, the callback finds itself:
 
 - **The batch.** Callbacks never receive it; a forward pre-hook on the model keeps the
   inputs of the latest training forward (under gradient accumulation: the last
-  micro-batch of the optimizer step). The check objective is the loss the model
-  returns for them (``outputs.loss``), or ``loss_fn(model, inputs)``.
+  micro-batch of the optimizer step). The check objective is the loss the Trainer
+  backpropagates for them (:class:`TrainerLoss`: ``outputs.loss``, times the number of processes
+  where the Trainer averages tokens across devices), or ``loss_fn(model, inputs)``.
 - **Once per optimizer step.** The check runs in ``on_pre_optimizer_step`` at
   ``state.global_step``, after all micro-batches of the step.
 - **Clipping.** The Trainer clips ``.grad`` (``max_grad_norm``, on by default) right after
   the last backward, before any callback runs. When clipping is on and a check is due,
-  the gradients are copied at the end of that backward (an autograd callback) and put
+  the gradients are copied at the end of that backward (an autograd callback queued after
+  DDP's and FSDP's own, so the copy holds the reduced gradients) and put
   back in ``.grad`` for the duration of the check, so the check reads them as backprop
   left them; the clipped tensors are restored untouched before the optimizer steps.
 - **Reporting.** With ``report_to`` including TensorBoard, the check scalars, the
@@ -59,6 +61,9 @@ from ..io.sinks import Sink
 from ..watch.gradwatch import GradWatch
 
 logger = logging.getLogger("gradwatch")
+
+#: Runs callbacks at the end of a backward (after the strategy's own, when queued from one of them).
+_ENGINE = torch.autograd.Variable._execution_engine
 
 #: File holding the watch state in each ``checkpoint-N`` folder.
 STATE_NAME = "gradwatch_state.json"
@@ -135,6 +140,59 @@ class ReportingSink(Sink):
         return f"ReportingSink({[type(cb).__name__ for cb in self.callbacks]})"
 
 
+class TrainerLoss:
+    """The loss the Trainer backpropagates for one model call: the model's ``loss``, times the factor
+    ``Trainer.compute_loss`` multiplies it by when it averages tokens across devices.
+
+    With ``average_tokens_across_devices`` (on by default), a model that takes ``num_items_in_batch``
+    divides its summed loss by the token count of the whole world's step, and the Trainer multiplies
+    it by the number of processes, so that DDP's mean of ``.grad`` over ranks is the mean over every
+    token. The check's objective must be that loss, or every training verdict differs by that factor.
+    The factor applies only to calls that carry ``num_items_in_batch``, as in the Trainer.
+
+    Example:
+        >>> class M(nn.Module):
+        ...     def forward(self, x, labels=None, num_items_in_batch=None):
+        ...         return {"loss": (x - labels).pow(2).sum() / (num_items_in_batch or x.numel())}
+        >>> loss = TrainerLoss(scale=2.0)
+        >>> batch = {"x": torch.ones(3), "labels": torch.zeros(3)}
+        >>> float(loss(M(), batch)), float(loss(M(), {**batch, "num_items_in_batch": 6}))
+        (1.0, 1.0)
+    """
+
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale = scale
+
+    def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        loss = model_loss(model, batch)
+        kwargs = batch.kwargs if isinstance(batch, ModelCall) else batch
+        if self.scale != 1.0 and isinstance(kwargs, Mapping) and kwargs.get("num_items_in_batch") is not None:
+            loss = loss * self.scale
+        return loss
+
+    def __repr__(self) -> str:
+        return f"TrainerLoss(scale={self.scale})"
+
+
+def trainer_loss_scale(trainer: Any) -> float:
+    """The factor ``trainer.compute_loss`` multiplies the model's loss by (1 where it does not).
+
+    Example:
+        >>> trainer_loss_scale(None)
+        1.0
+    """
+    args = getattr(trainer, "args", None)
+    if args is None or not getattr(args, "average_tokens_across_devices", False):
+        return 1.0
+    if not (getattr(trainer, "model_accepts_loss_kwargs", False) or getattr(trainer, "compute_loss_func", None)):
+        return 1.0
+    if getattr(args, "n_gpu", 1) > 1:
+        return float(args.n_gpu)
+    processes = int(getattr(getattr(trainer, "accelerator", None), "num_processes", 1) or 1)
+    tp_size = getattr(trainer, "get_tp_size", None)
+    return float(processes // (int(tp_size()) if callable(tp_size) else 1))
+
+
 def _find_trainer() -> Tuple[Any, Optional[Union[str, os.PathLike]]]:
     """The ``transformers.Trainer`` up the call stack, and its ``resume_from_checkpoint`` there."""
     frame: Optional[FrameType] = sys._getframe(1)
@@ -172,7 +230,7 @@ class GradWatchCallback(TrainerCallback):
     def __init__(self, loss_fn: Optional[LossFn] = None, *, config: Union[str, Path, None] = None, **options: Any) -> None:
         if loss_fn is not None and not callable(loss_fn):
             raise ValueError(f"GradWatchCallback: loss_fn must be callable loss_fn(model, inputs) -> loss, got {type(loss_fn).__name__}")
-        self.loss_fn = loss_fn if loss_fn is not None else model_loss
+        self.loss_fn: LossFn = loss_fn if loss_fn is not None else TrainerLoss()
         self._objects = {k: options.pop(k) for k in ("on_alert", "grad_fn") if k in options}
         for key, value in self._objects.items():
             if value is not None and not callable(value):
@@ -203,6 +261,8 @@ class GradWatchCallback(TrainerCallback):
             pending = json.loads((Path(resume) / STATE_NAME).read_text(encoding="utf-8"))
         if model is None:
             raise ValueError("GradWatchCallback: the Trainer passed no model to on_train_begin")
+        if isinstance(self.loss_fn, TrainerLoss):
+            self.loss_fn.scale = trainer_loss_scale(trainer)
         zero = bool(state.is_world_process_zero)
         reporters = [cb for cb in (trainer.callback_handler.callbacks if trainer is not None else [])
                      if type(cb).__module__.startswith("transformers.integrations") and hasattr(cb, "on_log")]
@@ -240,9 +300,14 @@ class GradWatchCallback(TrainerCallback):
                 return
             tensor = _first_grad_tensor(output)
             if tensor is not None:
-                tensor.register_hook(lambda grad: torch.autograd.Variable._execution_engine.queue_callback(snapshot))
+                tensor.register_hook(lambda grad: _ENGINE.queue_callback(after_backward))
 
-        def snapshot() -> None:  # runs when the backward has finished: every .grad complete, nothing clipped yet
+        def after_backward() -> None:
+            # DDP and FSDP queue the callback that writes their reduced gradients into .grad during the backward,
+            # after this one (queued at its start): queued again, the snapshot runs after theirs.
+            _ENGINE.queue_callback(snapshot)
+
+        def snapshot() -> None:  # the backward and the strategy's reduction have finished; nothing clipped yet
             model = self._model
             if model is not None:
                 self._pre_clip = [(p, p.grad.detach().clone()) for p in model.parameters() if p.grad is not None]

@@ -1,0 +1,124 @@
+"""GradWatchCallback in a real ``transformers.Trainer`` under ``torchrun``: 2 gloo ranks, DDP, a tiny GPT-2.
+
+The training verdict compares like with like under DDP: the Trainer's loss (averaged over every
+token of the world's step, times the number of processes) against the ``.grad`` that DDP averaged,
+read before the Trainer clips it. A correct model gives no alert with clipping on and off, and a
+wrong backward planted in one block is named.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from helpers import free_port
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+WORKER = textwrap.dedent(
+    r'''
+    import json, math, os, sys
+    import torch
+    from torch import nn
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from gradwatch.integrations.transformers import GradWatchCallback
+
+    torch.set_num_threads(1)
+
+    class Ids(torch.utils.data.Dataset):
+        def __init__(self, n=64, seq=16):
+            self.ids = torch.randint(0, 100, (n, seq), generator=torch.Generator().manual_seed(0))
+        def __len__(self):
+            return len(self.ids)
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    class WrongGelu(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return nn.functional.gelu(x)
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            cdf = 0.5 * (1 + torch.erf(x / math.sqrt(2)))
+            return g * 1.3 * (cdf + x * torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi))
+
+    class Act(nn.Module):
+        def forward(self, x):
+            return WrongGelu.apply(x)
+
+    out, results = sys.argv[1], {}
+    for name, max_grad_norm, bug in (("clip", 1.0, False), ("noclip", 0.0, False), ("bug", 1.0, True)):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2, n_positions=32))
+        if bug:
+            model.transformer.h[1].mlp.act = Act()
+        cb = GradWatchCallback(every=2, tensorboard=False)
+        args = TrainingArguments(output_dir=os.path.join(out, name), max_steps=4, per_device_train_batch_size=4,
+                                 use_cpu=True, disable_tqdm=True, seed=0, report_to=[], save_strategy="no",
+                                 max_grad_norm=max_grad_norm, ddp_backend="gloo", logging_steps=100)
+        trainer = Trainer(model=model, args=args, train_dataset=Ids(), callbacks=[cb])
+        trainer.train()
+        watch = cb.watch
+        results[name] = {
+            "world": int(os.environ["WORLD_SIZE"]),
+            "ddp": type(trainer.model_wrapped).__name__,
+            "checks": max(watch.check_counts.values(), default=0),
+            "training_verdicts": sum(v["training"] > 0 for v in watch.coverage.values()),
+            "alerts": [(a.kind, a.tensor, str(a.message)[:300]) for a in watch.alerts],
+        }
+    with open(os.path.join(out, f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump(results, f)
+    '''
+)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Both ranks' results of the three Trainer runs (one ``torchrun`` launch, about 15 s on 2 cores)."""
+    out = tmp_path_factory.mktemp("hf_ddp")
+    script = out / "worker.py"
+    script.write_text(WORKER)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(script), str(out)]
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("torchrun with 2 ranks did not finish within 240 s: a hang")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_ranks_are_ddp_and_check_at_the_same_steps(ranks):
+    for results in ranks:
+        for run in results.values():
+            assert run["world"] == 2 and run["ddp"] == "DistributedDataParallel"
+            assert run["checks"] == 2
+    assert ranks[0] == ranks[1]  # merged reports: the same verdicts and alerts on every rank
+
+
+@pytest.mark.parametrize("run", ["clip", "noclip"])
+def test_correct_gpt2_no_alert_with_clipping_on_and_off(ranks, run):
+    result = ranks[0][run]
+    assert result["alerts"] == []
+    assert result["training_verdicts"] > 20  # every tensor of the tiny GPT-2 got a training verdict
+
+
+def test_planted_wrong_backward_is_named(ranks):
+    named = {tensor for kind, tensor, _ in ranks[0]["bug"]["alerts"] if kind == "threshold"}
+    assert "transformer.h.1.mlp.c_fc.weight" in named  # the layer feeding the wrong GELU backward
+    assert not any(n.startswith(("transformer.h.1.mlp.c_proj.", "transformer.ln_f.")) for n in named)  # after it
