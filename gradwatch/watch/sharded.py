@@ -198,12 +198,34 @@ def _copy_module(module: nn.Module, memo: Dict[int, Any]) -> nn.Module:
         elif key in _HOOK_FLAGS:
             state[key] = value  # filtered below, once every dropped hook id is known
         else:
-            state[key] = copy.deepcopy(value, memo)
+            state[key] = _copied(value, memo)
     for key in _HOOK_FLAGS:
         if key in state:
             state[key] = collections.OrderedDict((k, v) for k, v in state[key].items() if k not in dropped)
     new.__dict__.update(state)
     return new
+
+
+def _copied(value: Any, memo: Dict[int, Any]) -> Any:
+    """A deep copy of an attribute, or the attribute itself where it cannot be copied.
+
+    What cannot be deep-copied (a process group, a device mesh, a lock, the Lightning trainer that
+    holds them) is the machinery around the module, not the state of its math: the replica shares it.
+    A failed copy leaves ``memo`` as it was, so no half-copied object is reused.
+
+    Example:
+        >>> import threading
+        >>> lock = threading.Lock()
+        >>> _copied(lock, {}) is lock, _copied([1], {}) == [1]
+        (True, True)
+    """
+    trial = dict(memo)
+    try:
+        out = copy.deepcopy(value, trial)
+    except Exception:  # noqa: BLE001 - any failure of __deepcopy__/__reduce__ means: not copyable, share it
+        return value
+    memo.update(trial)
+    return out
 
 
 def mixed_precision(model: nn.Module) -> Optional[str]:

@@ -1,0 +1,126 @@
+"""GradWatchCallback under Lightning's ``ModelParallelStrategy``: FSDP2 through ``configure_model``, 2 CPU ranks.
+
+The LightningModule holds the trainer and its device mesh (process groups, locks): the check's
+replica shares them instead of copying them. A correct model gives checks on both verdicts and no
+alert; a wrong backward planted in one layer is named.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+pytest.importorskip("lightning")
+pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+fsdp = pytest.importorskip("torch.distributed.fsdp")
+if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch < 2.6
+    pytest.skip("needs torch.distributed.fsdp.fully_shard (FSDP2)", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = textwrap.dedent(
+    r'''
+    import json, os, sys
+    import torch, torch.nn as nn, torch.nn.functional as F
+    import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+    from gradwatch.integrations.lightning import GradWatchCallback
+
+    class WrongTanh(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            y = torch.tanh(x)
+            ctx.save_for_backward(y)
+            return y
+        @staticmethod
+        def backward(ctx, g):
+            (y,) = ctx.saved_tensors
+            return g * 1.3 * (1 - y * y)
+
+    class Act(nn.Module):
+        def __init__(self, bug):
+            super().__init__()
+            self.bug = bug
+        def forward(self, x):
+            return WrongTanh.apply(x) if self.bug else torch.tanh(x)
+
+    class Net(L.LightningModule):
+        def __init__(self, bug):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(16, 64), Act(False), nn.Linear(64, 64), Act(bug), nn.Linear(64, 1))
+        def configure_model(self):
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+        def training_step(self, batch, i):
+            return F.mse_loss(self.net(batch[0]), batch[1])
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    class Dump(L.Callback):
+        def __init__(self, watcher, out, name):
+            self.watcher, self.out, self.name = watcher, out, name
+        def on_train_end(self, trainer, pl_module):
+            watch = self.watcher.watch
+            info = {"distributed": watch.dist is not None, "counts": watch.check_counts,
+                    "training": {n: v["training"] for n, v in watch.coverage.items()},
+                    "alerts": [(a.kind, a.tensor, str(a.message)[:300]) for a in watch.alerts]}
+            with open(os.path.join(self.out, f"{self.name}_rank{trainer.global_rank}.json"), "w") as f:
+                json.dump(info, f)
+
+    if __name__ == "__main__":
+        torch.set_num_threads(1)
+        out, name = sys.argv[1], sys.argv[2]
+        torch.manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(64, 16), torch.randn(64, 1))
+        watcher = GradWatchCallback(lambda m, b: F.mse_loss(m.net(b[0]), b[1]), every=2)
+        trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=4, logger=False,
+                            strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                            callbacks=[watcher, Dump(watcher, out, name)], enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(Net(name == "bug"), torch.utils.data.DataLoader(data, batch_size=8))
+    '''
+)
+
+
+def _fit(tmp_path: Path, name: str):
+    script = tmp_path / "fit.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), name], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log = proc.communicate(timeout=120)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        pytest.fail("Lightning ModelParallelStrategy fit did not finish within 120 s (killed): a hang")
+    assert proc.returncode == 0, log[-4000:]
+    return [json.loads((tmp_path / f"{name}_rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_correct_model_checked_on_both_verdicts_without_alert(tmp_path):
+    r0, r1 = _fit(tmp_path, "correct")
+    assert r0["distributed"] and r1["distributed"]
+    assert r0["alerts"] == [] and r1["alerts"] == []
+    names = {f"net.{i}.{k}" for i in (0, 2, 4) for k in ("weight", "bias")}
+    assert set(r0["counts"]) == names and all(c == 2 for c in r0["counts"].values())  # steps 0 and 2
+    assert all(r0["training"][n] == 1.0 for n in names)
+
+
+def test_planted_wrong_backward_is_named(tmp_path):
+    r0, r1 = _fit(tmp_path, "bug")
+    assert r0["alerts"] == r1["alerts"]
+    named = {tensor for kind, tensor, _ in r0["alerts"] if kind == "threshold"}
+    assert {"net.2.weight", "net.2.bias"} <= named  # the layer feeding the wrong tanh backward
+    assert not any(n.startswith("net.4.") for n in named)  # after it: right
