@@ -49,7 +49,7 @@ import dataclasses
 import datetime
 import logging
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,8 @@ from torch import nn
 
 from ..check.report import CheckReport
 from ..errors import GradWatchError
+
+_T = TypeVar("_T")
 
 logger = logging.getLogger("gradwatch")
 
@@ -235,14 +237,32 @@ class DistributedCoordinator:
                 "same tensors; nothing was gathered"
             )
 
+    def main_decision(self, value: Any, what: str) -> Any:
+        """Rank 0's ``value`` on every rank (each rank passes its own; only rank 0's is used).
+
+        Under DDP every rank holds the whole model, so rank 0 can decide for all what only it measured
+        (the room ``memory_budget`` leaves, the form, the training part's tensors).
+
+        Raises:
+            DistributedCheckError: A rank did not arrive within ``distributed_timeout`` (the coordinator
+                is then broken), or rank 0 could not decide (its ``value`` is ``("error", text)``).
+        """
+        gathered = self._gather({"phase": "decide", "rank": self.rank, "value": value})
+        if gathered is None:
+            raise DistributedCheckError(self.broken or "a rank did not arrive")
+        decided = gathered[0]["value"]
+        if isinstance(decided, tuple) and len(decided) == 2 and decided[0] == "error":
+            raise DistributedCheckError(f"rank 0 could not decide {what}: {decided[1]}")
+        return decided
+
     # ------------------------------------------------------------------ 3. sharing
     def tensors_per_check(self, per_rank: int) -> int:
         """How many tensors one check rotates in: ``tensors_per_check`` per rank (0: all)."""
         return per_rank * self.world_size if per_rank > 0 else 0
 
-    def share(self, names: Sequence[str]) -> List[str]:
-        """This rank's round-robin share of the tensors chosen for a check."""
-        return list(names[self.rank :: self.world_size])
+    def share(self, items: Sequence[_T]) -> List[_T]:
+        """This rank's round-robin share of the tensors (or, in the module form, the pieces) chosen for a check."""
+        return list(items[self.rank :: self.world_size])
 
     # ------------------------------------------------------------------ 4. gathering
     def gather(self, result: RankResult) -> Optional[List[RankResult]]:
@@ -260,19 +280,23 @@ class DistributedCoordinator:
         return results
 
     # ------------------------------------------------------------------ 5. training part
-    def average(self, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """The mean over ranks of each tensor (in float64 on the CPU, returned in each tensor's dtype and device).
+    def average(self, tensors: Dict[str, torch.Tensor], in_place: bool = False) -> Dict[str, torch.Tensor]:
+        """The mean over ranks of each tensor, as DDP averages ``.grad``: summed in the tensor's own precision
+        (float32 for lower ones), one tensor at a time. With ``in_place`` (the replay's own gradients, which
+        nothing else holds), a float32 or float64 CPU tensor is averaged where it is, so averaging holds no
+        copy of them all.
 
         Raises:
             Exception: The all-reduce failed (the caller records it; training goes on).
         """
-        flat = torch.cat([t.detach().reshape(-1).to("cpu", torch.float64) for t in tensors.values()])
-        dist.all_reduce(flat, group=self.group)
-        flat /= self.world_size
-        out, offset = {}, 0
+        out = {}
         for name, t in tensors.items():
-            out[name] = flat[offset:offset + t.numel()].reshape(t.shape).to(t.device, t.dtype)
-            offset += t.numel()
+            work = t.detach() if in_place else t.detach().clone()
+            if work.device.type != "cpu" or work.dtype not in (torch.float32, torch.float64):
+                work = work.to("cpu", torch.float64 if work.dtype == torch.float64 else torch.float32)
+            dist.all_reduce(work, group=self.group)
+            work /= self.world_size
+            out[name] = work.to(t.device, t.dtype)  # no copy where it already is
         return out
 
     def from_main(self, value: Any) -> Any:
@@ -390,7 +414,10 @@ def merge_reports(reports: Sequence[Any], order: Sequence[str], opts: Any) -> Ch
         nondeterministic=any(r.nondeterministic for _, r in ranked),
         nonfinite=any(r.nonfinite for _, r in ranked),
     )
+    merged.form, merged.memory = first.form, dict(first.memory)
     for _, r in ranked:
+        merged.probed.extend(r.probed)  # the module form: each rank probed its share of the pieces
+        merged.pieces.extend(r.pieces)
         for note in r.notes:
             if note not in merged.notes:
                 merged.notes.append(note)

@@ -17,7 +17,7 @@ import time
 import traceback
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union, cast
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -47,6 +47,9 @@ from .sharded import REPLICA_NOTE, Replica, is_sharded, layout, live_forward_for
 from .trend import WHOLE_CHECK, Alert
 
 logger = logging.getLogger("gradwatch")
+
+#: Under DDP, rank 0's decisions for a check: ``((form, estimate, note), training tensors or None for all)``.
+Plan = Tuple[Tuple[str, Optional[int], Optional[str]], Optional[List[str]]]
 
 #: Consecutive failed checks after which the watch pauses its checks (see :meth:`GradWatch.pause`).
 MAX_CONSECUTIVE_FAILURES = 3
@@ -489,20 +492,24 @@ class GradWatch:
         error: Optional[Exception] = None
         names: List[str] = []
         try:
-            # The memory budget is kept apart from torch.distributed: there every rank checks the whole
-            # objective (on a sharded model's gathered replica), whatever memory_budget says.
+            # The memory budget holds in one process and under DDP (rank 0 decides for all, every rank holding
+            # the whole model); under FSDP2 every rank checks the whole objective on its gathered replica.
             room: Optional[int] = None
-            if coord is None:
+            plan: Optional[Plan] = None
+            if coord is None or not self._sharded:
                 self.memory.observe()
                 room = self.memory.room()
+            if coord is not None and not self._sharded:
+                room, plan = self._agreed_plan(coord, room)
             with preserved_rng():  # one guard for both parts: every generator as training left it afterwards
                 target = self._check_target()  # the model, or the replica gathered from a sharded one
                 per_check = self.config.tensors_per_check
                 names = rotate(self._names_to_check(), coord.tensors_per_check(per_check) if coord else per_check,
                                self._counts)
-                mine = coord.share(names) if coord is not None else names
+                mine = coord.share(names) if coord is not None and (plan is None or plan[0][0] != "module") else names
                 with live_forward_forbidden(self.model) if self._sharded else contextlib.nullcontext():
-                    report, replay = self._check_locally(target, mine, batch, opts, pending, room, judge=coord is None)
+                    report, replay = self._check_locally(target, mine, batch, opts, pending, room, judge=coord is None,
+                                                         plan=plan)
             if coord is None:
                 if report is None:
                     raise ValueError(f"no tensor was chosen for the check at step {step} (tensors_per_check="
@@ -515,7 +522,11 @@ class GradWatch:
         seconds = time.perf_counter() - start
         self.schedule.record_check(step, seconds, scheduled)
         if coord is not None:
-            return self._finish_distributed(step, names, opts, report, replay, error, seconds)
+            try:
+                return self._finish_distributed(step, names, opts, report, replay, error, seconds)
+            finally:
+                if not self._sharded:
+                    self.memory.checked()  # after the replays' averaging: its peak is the check's, not training's
         if error is not None:
             self._failed(step, error, seconds)
             return None
@@ -527,7 +538,8 @@ class GradWatch:
         return report
 
     def _check_locally(self, target: nn.Module, names: List[str], batch: Any, opts: Any, pending: Optional[Step],
-                       room: Optional[int] = None, judge: bool = True) -> Tuple[Optional[CheckReport], Optional[Replay]]:
+                       room: Optional[int] = None, judge: bool = True,
+                       plan: Optional[Plan] = None) -> Tuple[Optional[CheckReport], Optional[Replay]]:
         """Both parts on this process, with no collective: the training part's replay of ``target`` (the
         model, or a sharded model's replica), then the backward part on ``names`` (None when there are none).
 
@@ -535,8 +547,10 @@ class GradWatch:
         before the backward part allocates; the report carries it and no replay is returned. Without
         (distributed), the replay is returned for the coordinator to average over ranks. ``room``
         (bytes, from ``memory_budget``) bounds both: the replay's tensors, and the backward part's form.
+        ``plan`` (DDP): rank 0's form and training tensors; in the module form this rank checks its
+        round-robin share of the check's pieces.
         """
-        replay = self._training_replay(pending, target, room)
+        replay = self._training_replay(pending, target, room, only=None if plan is None else plan[1])
         judged: Optional[CheckReport] = None
         if judge:
             judged = CheckReport(tensors={})
@@ -548,7 +562,8 @@ class GradWatch:
             return None, replay
         estimate: Optional[int] = None
         with self._recorder_paused():
-            form, estimate, why = self._choose_form(target, names, room) if judge else ("objective", None, None)
+            form, estimate, why = (plan[0] if plan is not None else
+                                   self._choose_form(target, names, room) if judge else ("objective", None, None))
             if form == "objective":
                 if opts.dtype is not None and (self._shadow is None or not self._shadow.matches(target)):
                     self._shadow = None  # the old copy goes before the new one is made
@@ -558,9 +573,12 @@ class GradWatch:
                                                 shadow=self._shadow)
             else:
                 self._shadow = None  # a whole copy of the model is what the module form avoids
-                piece_room = None if room is None else int(SAFETY * room)
+                held = 0 if replay is None or replay.grads is None else gradient_bytes(replay.grads.values())
+                piece_room = None if room is None else int(SAFETY * max(0, room - held))  # DDP holds the replay
                 units, pieces = self.planner.module_pieces(target, self.objective.loss_fn, batch, self._watched_names(),
                                                            key=units_signature(target), seed=opts.seed, room=piece_room)
+                if self.dist is not None:
+                    pieces = self.dist.share(pieces)  # DDP: the ranks split the plan
                 report = run_module_check(target, self.objective, batch, opts, units=units, pieces=pieces,
                                           room=piece_room)
                 estimate = report.memory.get("estimate_bytes")
@@ -568,8 +586,31 @@ class GradWatch:
                 report.notes.append(why)
         if judged is not None:
             report.training, report.training_note = judged.training, judged.training_note
+        if judged is not None or plan is not None:
             report.memory = self.memory.summary(room, estimate)
         return report, replay
+
+    def _agreed_plan(self, coord: DistributedCoordinator, room: Optional[int]) -> Tuple[Optional[int], Plan]:
+        """Under DDP: rank 0's room, form and training tensors, taken by every rank (one gather, every rank).
+
+        Every rank holds the whole model, so rank 0's measure of the room stands for all, and all ranks make the
+        same decisions: the same form, the same pieces of the cycle (split between them), the same tensors
+        replayed by the training part (their replays are averaged).
+        """
+        local: Any = None
+        if coord.is_main:
+            try:
+                form = self._choose_form(self.model, self._watched_names(), room)
+                only = None
+                if room is not None and self._recorder is not None and self.config.form != "objective":
+                    only = list(self._training_subset(self._training_params(), room, count=False))
+                local = (room, (form, only))
+            except Exception as exc:  # noqa: BLE001 - every rank must still reach the gather below
+                local = ("error", f"{type(exc).__name__}: {exc}")
+        room, plan = coord.main_decision(local, "the form and the training part's tensors")
+        for n in plan[1] or ():
+            self._training_counts[n] = self._training_counts.get(n, 0) + 1
+        return room, plan
 
     def _completed(self, step: int, report: CheckReport) -> List[Alert]:
         """A check that has a report: notes, counters and coverage, then its trends' alerts."""
@@ -659,7 +700,7 @@ class GradWatch:
             return
         assert replay is not None and replay.grads is not None
         try:
-            averaged = coord.average(replay.grads)
+            averaged = coord.average(replay.grads, in_place=self.grad_fn is None)  # grad_fn's may be .grad itself
         except Exception as exc:  # noqa: BLE001 - a collective that fails must not stop training
             merged.training_note = (f"not judged: averaging the replayed gradients over the ranks failed "
                                     f"({type(exc).__name__}: {exc})")
@@ -729,15 +770,15 @@ class GradWatch:
         return params
 
     def _training_replay(self, pending: Optional[Step], model: Optional[nn.Module] = None,
-                         room: Optional[int] = None) -> Optional[Replay]:
+                         room: Optional[int] = None, only: Optional[Sequence[str]] = None) -> Optional[Replay]:
         """The objective's gradient recomputed as training computed it (None when the part is off).
 
         ``model`` is the module the replay runs (default: the model; a sharded model's gathered replica,
         whose parameters hold the gathered ``.grad``). With a ``room`` (bytes, from ``memory_budget``),
         the replay takes the gradient of only as many watched tensors as fit beside training's
         activations, least-judged first (they rotate from check to check); without one, of every
-        watched tensor. An exception of ``loss_fn`` in the replay propagates: the check is skipped
-        with an error alert.
+        watched tensor; with ``only`` (names, under DDP: rank 0's choice), of those. An exception of
+        ``loss_fn`` in the replay propagates: the check is skipped with an error alert.
         """
         if self._recorder is None or pending is None:
             return None
@@ -751,8 +792,9 @@ class GradWatch:
         if all(p.grad is None for p in plist):
             return Replay(None, None, None, "not judged: no watched parameter has a .grad yet (watch.step or check "
                                             "before the first backward)")
-        if room is not None and self.config.form != "objective":
-            params = self._training_subset(params, room)
+        if only is not None or (room is not None and self.config.form != "objective"):
+            params = ({n: params[n] for n in only if n in params} if only is not None
+                      else self._training_subset(params, cast(int, room)))
             if not params:
                 return Replay(None, None, None, f"not judged: the replayed gradient of the smallest watched tensor does "
                                                 f"not fit in the room memory_budget leaves ({mb(room)})")
@@ -785,9 +827,9 @@ class GradWatch:
         replay.params = params
         return replay
 
-    def _training_subset(self, params: Dict[str, torch.Tensor], room: int) -> Dict[str, torch.Tensor]:
+    def _training_subset(self, params: Dict[str, torch.Tensor], room: int, count: bool = True) -> Dict[str, torch.Tensor]:
         """The watched tensors whose replayed gradients fit in ``room`` beside the replay's activations
-        (all when they fit; else least-judged first, in model order among equals)."""
+        (all when they fit; else least-judged first, in model order among equals); ``count``: count them as judged."""
         free = SAFETY * room - self.memory.transient(self.model)
         if gradient_bytes(params.values()) <= free:
             return params
@@ -802,7 +844,7 @@ class GradWatch:
         if not chosen and order and gradient_bytes([params[names[order[0]]]]) <= room:
             chosen.append(order[0])  # a tensor bigger than the safe share still gets its turn, alone, within the room
         out = {names[i]: params[names[i]] for i in sorted(chosen)}
-        for n in out:
+        for n in out if count else ():
             self._training_counts[n] = self._training_counts.get(n, 0) + 1
         return out
 
