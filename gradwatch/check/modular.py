@@ -163,7 +163,7 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
 
     def keep(t: torch.Tensor) -> torch.Tensor:
         copy_ = t.detach().clone()
-        if t.is_floating_point() and t.numel() and (not bool(torch.isfinite(t).all()) or float(t.abs().max()) >= MASK):
+        if t.is_floating_point() and t.numel() and (not bool(torch.isfinite(copy_).all()) or float(copy_.abs().max()) >= MASK):
             got.constants.add(id(copy_))  # an additive mask (-inf, or the dtype's lowest): no step can move it
         return copy_
 
@@ -279,13 +279,20 @@ def run_module_check(
     """
     start = time.perf_counter()
     if units is None:
-        units = plan_units(model, objective.loss_fn, batch, opts.seed)
+        units = plan_units(model, objective.loss, batch, opts.seed)
     by_name = {u.name: u for u in units}
     if pieces is None:
         pieces = [Piece(u.name) for u in units]
-    chosen = list({p.unit: by_name[p.unit] for p in pieces if p.unit in by_name}.values())
     report = CheckReport(tensors={}, fail_at=opts.fail_verdict, seed=opts.seed, dtype="float64")
     report.form = "module"
+    if getattr(objective, "differentiates", None):
+        # loss_fn differentiates through the model (a gradient penalty): its own code without the model cannot run
+        if any(p.unit == LOSS_FN for p in pieces):
+            report.notes.append(f"module form: `{LOSS_FN}` (loss_fn) not checked: loss_fn differentiates through the "
+                                "model (torch.autograd.grad inside), which its own code cannot do without the model; "
+                                "the objective form checks it where the whole objective fits memory_budget")
+        pieces = [p for p in pieces if p.unit != LOSS_FN]
+    chosen = list({p.unit: by_name[p.unit] for p in pieces if p.unit in by_name}.values())
     dtype = opts.torch_dtype or torch.float64
     canonical = {id(p): n for n, p in model.named_parameters()}
     skipped: List[str] = []
@@ -296,7 +303,7 @@ def run_module_check(
     solo: List[Piece] = []  # pieces that fit the room only without the other units' captures beside them
     while remaining:
         # Captures take a third of the room at most; units that do not fit together are captured by later forwards.
-        got = capture(model, objective.loss_fn, batch, remaining, opts.seed, budget=None if room is None else room // 3)
+        got = capture(model, objective.loss, batch, remaining, opts.seed, budget=None if room is None else room // 3)
         if report.objective != report.objective:  # NaN: the first forward's loss
             report.objective = got.loss
             report.terms = {"loss": got.loss}
@@ -315,7 +322,7 @@ def run_module_check(
         del got
     for piece in solo:  # each alone: its own captures only beside its check
         unit = by_name[piece.unit]
-        got = capture(model, objective.loss_fn, batch, [unit], opts.seed, budget=None if room is None else room // 3)
+        got = capture(model, objective.loss, batch, [unit], opts.seed, budget=None if room is None else room // 3)
         if unit.name in got.inputs or unit.name in got.big:
             estimate, unused = _run_piece(model, objective, batch, opts, unit, piece, got, dtype, canonical,
                                           None if room is None else max(0, room - _held(got)), report, skipped,
@@ -371,7 +378,7 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
         return estimate, unused
     if room is not None and need > room:
         block = None if args is None else _row_block(unit, (args, kwargs), out_bytes, room // 2, opts.seed, rows)
-        smaller = None if block is not None else _fewer_samples(model, objective.loss_fn, batch, unit, need, room,
+        smaller = None if block is not None else _fewer_samples(model, objective.loss, batch, unit, need, room,
                                                                opts.seed, dtype)
         if block is None and smaller is None:
             skipped.append(f"{unit.label}{'' if rows is None else f' rows {rows[0]}:{rows[1]}'} needs about {mb(need)}")
@@ -388,7 +395,7 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
             report.notes.append(f"module form: {unit.label} checked on {what} (on the whole batch its float64 check "
                                 f"needs about {mb(whole_need)})")
     estimate = max(estimate, need)
-    result, probed = _check_piece(unit, rows, args, kwargs, children, opts, dtype, canonical, objective.loss_fn, constants,
+    result, probed = _check_piece(unit, rows, args, kwargs, children, opts, dtype, canonical, objective.loss, constants,
                                   faithful_room=float("inf") if room is None else max(0, room - need) / 2)
     del args, kwargs, children
     if room is not None:

@@ -152,6 +152,8 @@ class Objective:
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable loss_fn(model, batch) -> scalar tensor, got {type(loss_fn).__name__}")
         self.loss_fn = loss_fn
+        #: Whether ``loss_fn`` differentiates inside (None until an evaluation without grad has told).
+        self.differentiates: Optional[bool] = None
         self.regularizers = parse_regularizers(regularizers)
         self.weight_decay = dict(weight_decay or {})
 
@@ -179,8 +181,53 @@ class Objective:
             total = total + _regularizer(name, reg, model)
         return total
 
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """``loss_fn(model, batch)`` as the check evaluates it (see :meth:`_loss`).
+
+        Example:
+            >>> obj = Objective(lambda m, b: m(b).sum())
+            >>> with torch.no_grad():
+            ...     float(obj.loss(nn.Identity(), torch.ones(2)))
+            2.0
+        """
+        return self._loss(model, batch)
+
     def _loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        """``loss_fn(model, batch)``, checked to be a scalar; an exception is marked as raised in ``loss_fn``."""
+        """``loss_fn(model, batch)``, checked to be a scalar; an exception is marked as raised in ``loss_fn``.
+
+        A ``loss_fn`` that differentiates inside (a gradient penalty, a physics-informed residual:
+        ``torch.autograd.grad(..., create_graph=True)``) cannot run where the check disabled autograd.
+        The first time it refuses to (autograd's "does not require grad"), it is run again with autograd
+        enabled, the random state put back as it was before the first try, and from then on every
+        evaluation without grad runs it so (:attr:`differentiates`); its value is detached, so no graph
+        outlives the evaluation.
+        """
+        if not torch.is_grad_enabled() and self.differentiates is not False:
+            return self._loss_with_grad(model, batch)
+        try:
+            return _scalar("loss_fn", self.loss_fn(model, batch))
+        except Exception as exc:
+            blame(exc, "loss_fn")
+            raise
+
+    def _loss_with_grad(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        if self.differentiates:
+            with torch.enable_grad():
+                return self._guarded(model, batch).detach()
+        state = _rng_state()
+        try:
+            loss = self._guarded(model, batch)
+            self.differentiates = False
+            return loss
+        except RuntimeError as exc:
+            if not _refused_without_grad(exc):
+                raise
+        _set_rng_state(state)
+        self.differentiates = True
+        with torch.enable_grad():
+            return self._guarded(model, batch).detach()
+
+    def _guarded(self, model: nn.Module, batch: Any) -> torch.Tensor:
         try:
             return _scalar("loss_fn", self.loss_fn(model, batch))
         except Exception as exc:
@@ -226,3 +273,28 @@ def _scalar(what: str, value: Any) -> torch.Tensor:
             "reduce it (e.g. .mean() or .sum()) before returning"
         )
     return value.reshape(())
+
+
+#: What autograd says when a tensor computed with autograd disabled is differentiated.
+_WITHOUT_GRAD = ("does not require grad", "does not have a grad_fn")
+
+
+def _refused_without_grad(exc: BaseException) -> bool:
+    """True for autograd's refusal to differentiate what was computed without grad.
+
+    Example:
+        >>> _refused_without_grad(RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn"))
+        True
+    """
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _WITHOUT_GRAD)
+
+
+def _rng_state() -> Tuple[torch.Tensor, Optional[List[torch.Tensor]]]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: Tuple[torch.Tensor, Optional[List[torch.Tensor]]]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])

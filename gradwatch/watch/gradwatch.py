@@ -41,6 +41,7 @@ from ..errors import GradientDriftError, blamed, error_key
 from ..io.records import check_record, run_record
 from ..io.sinks import SinkSet, build_sinks
 from ..plan.planner import Planner
+from ..plan.units import isolated_forward
 from .distributed import DEFAULT_TIMEOUT, DistributedCoordinator, RankResult, merge_results, unwrap_model
 from .schedule import ANNOUNCE_AS_WARNING_ABOVE, Schedule
 from .sharded import REPLICA_NOTE, Replica, is_sharded, layout, live_forward_forbidden, mixed_precision, refuse_unsupported
@@ -575,7 +576,9 @@ class GradWatch:
                 self._shadow = None  # a whole copy of the model is what the module form avoids
                 held = 0 if replay is None or replay.grads is None else gradient_bytes(replay.grads.values())
                 piece_room = None if room is None else int(SAFETY * max(0, room - held))  # DDP holds the replay
-                units, pieces = self.planner.module_pieces(target, self.objective.loss_fn, batch, self._watched_names(),
+                if self.objective.differentiates is None:  # once: does loss_fn differentiate inside (a penalty)?
+                    isolated_forward(target, self.objective.loss, batch, opts.seed)
+                units, pieces = self.planner.module_pieces(target, self.objective.loss, batch, self._watched_names(),
                                                            key=units_signature(target), seed=opts.seed, room=piece_room)
                 if self.dist is not None:
                     pieces = self.dist.share(pieces)  # DDP: the ranks split the plan
