@@ -117,10 +117,11 @@ def test_checks_every_n_steps_before_clipping_bit_identical_and_through_tensorbo
 
     watch = callback.watch
     assert watch.alerts == [] and watch.paused is None
-    # gradient_accumulation_steps=2: transformers scales such losses per model, so the training verdict skips
-    assert all(r.startswith("skipped: accumulating") for r in
-               [c["training_note"] for c in read_jsonl(next((tmp_path / "watched").rglob("checks.jsonl")))[0]
-                if c["type"] == "check"])
+    # gradient_accumulation_steps=2: both micro-batches of the step are given to the watch, each with the
+    # Trainer's scaling, so the training verdict judges every tensor at every check
+    checks = [c for c in read_jsonl(next((tmp_path / "watched").rglob("checks.jsonl")))[0] if c["type"] == "check"]
+    n_params = len(list(watched.parameters()))
+    assert all(len(c["training"]) == n_params and "accumulating" not in (c["training_note"] or "") for c in checks)
     assert sorted({r["step"] for h in watch.history.values() for r in h}) == [0, 5, 10, 15]
     # the check read .grad as backprop left it; the optimizer stepped with the clipped gradients
     assert [s for s, _, _ in callback.seen] == [0, 5, 10, 15]
@@ -187,3 +188,49 @@ def test_reporting_integrations_get_the_scalars_through_on_log(tmp_path):
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/gradwatch/alerts/count")] == [(7, 1.0)]
     assert "train/gradwatch/judged_rel_diff/w" in acc.Tags()["scalars"]
+
+
+class TokenIds(torch.utils.data.Dataset):
+    """Causal-LM samples: labels are the inputs (some masked with -100, so micro-batches hold unequal item counts)."""
+
+    def __init__(self, n: int = 64, seq: int = 12) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, 50, (n, seq), generator=g)
+        self.keep = torch.rand(n, seq, generator=g) > 0.3
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": torch.where(self.keep[i], self.ids[i], -100)}
+
+
+def tiny_lm(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16))
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_accumulation_training_verdict_at_every_check(tmp_path, kind):
+    """gradient_accumulation_steps=4 with models that divide by the step's item count (num_items_in_batch):
+    every micro-batch is replayed with the Trainer's scaling, and the verdict agrees at every check."""
+    callback = GradWatchCallback(every=2, coords=2, directions=1, tensorboard=False)
+    model = tiny_lm(kind)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=4, use_cpu=True, disable_tqdm=True, seed=0,
+                             report_to=[], save_strategy="no", logging_steps=100)
+    trainer = Trainer(model=model, args=args, train_dataset=TokenIds(), callbacks=[callback])
+    assert trainer.model_accepts_loss_kwargs
+    trainer.train()
+    checks = [c for c in read_jsonl(tmp_path / "checks.jsonl")[0] if c["type"] == "check"]
+    assert [c["step"] for c in checks] == [0, 2]
+    n_params = len([p for p in model.parameters() if p.requires_grad])
+    assert all(len(c["training"]) == n_params for c in checks), [c["training_note"] for c in checks]
+    assert callback.watch.alerts == []

@@ -2,8 +2,8 @@
 
 The training verdict compares like with like under DDP: the Trainer's loss (averaged over every
 token of the world's step, times the number of processes) against the ``.grad`` that DDP averaged,
-read before the Trainer clips it. A correct model gives no alert with clipping on and off, and a
-wrong backward planted in one block is named.
+read before the Trainer clips it. A correct model gives no alert with clipping on and off and with
+``gradient_accumulation_steps=2``, and a wrong backward planted in one block is named.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ WORKER = textwrap.dedent(
             return WrongGelu.apply(x)
 
     out, results = sys.argv[1], {}
-    for name, max_grad_norm, bug in (("clip", 1.0, False), ("noclip", 0.0, False), ("bug", 1.0, True)):
+    runs = (("clip", 1.0, False, 1), ("noclip", 0.0, False, 1), ("bug", 1.0, True, 1), ("accumulate", 1.0, False, 2))
+    for name, max_grad_norm, bug, accumulate in runs:
         torch.manual_seed(0)
         model = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2, n_positions=32))
         if bug:
@@ -68,7 +69,8 @@ WORKER = textwrap.dedent(
         cb = GradWatchCallback(every=2, tensorboard=False)
         args = TrainingArguments(output_dir=os.path.join(out, name), max_steps=4, per_device_train_batch_size=4,
                                  use_cpu=True, disable_tqdm=True, seed=0, report_to=[], save_strategy="no",
-                                 max_grad_norm=max_grad_norm, ddp_backend="gloo", logging_steps=100)
+                                 max_grad_norm=max_grad_norm, ddp_backend="gloo", logging_steps=100,
+                                 gradient_accumulation_steps=accumulate)
         trainer = Trainer(model=model, args=args, train_dataset=Ids(), callbacks=[cb])
         trainer.train()
         watch = cb.watch
@@ -111,8 +113,8 @@ def test_ranks_are_ddp_and_check_at_the_same_steps(ranks):
     assert ranks[0] == ranks[1]  # merged reports: the same verdicts and alerts on every rank
 
 
-@pytest.mark.parametrize("run", ["clip", "noclip"])
-def test_correct_gpt2_no_alert_with_clipping_on_and_off(ranks, run):
+@pytest.mark.parametrize("run", ["clip", "noclip", "accumulate"])
+def test_correct_gpt2_no_alert_with_clipping_on_and_off_and_accumulation(ranks, run):
     result = ranks[0][run]
     assert result["alerts"] == []
     assert result["training_verdicts"] > 20  # every tensor of the tiny GPT-2 got a training verdict

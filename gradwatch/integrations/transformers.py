@@ -160,14 +160,19 @@ class TrainerLoss:
         (1.0, 1.0)
     """
 
-    def __init__(self, scale: float = 1.0) -> None:
+    def __init__(self, scale: float = 1.0, trainer: Any = None) -> None:
         self.scale = scale
+        self.trainer = trainer
 
     def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
         loss = model_loss(model, batch)
         kwargs = batch.kwargs if isinstance(batch, ModelCall) else batch
-        if self.scale != 1.0 and isinstance(kwargs, Mapping) and kwargs.get("num_items_in_batch") is not None:
-            loss = loss * self.scale
+        if isinstance(kwargs, Mapping) and kwargs.get("num_items_in_batch") is not None:
+            # The model divided by every item of the step (all micro-batches): the watch takes the mean of the
+            # micro-batches' gradients, so each counts as if it were the whole step.
+            micro = int(getattr(self.trainer, "current_gradient_accumulation_steps", 1) or 1)
+            if self.scale * micro != 1.0:
+                loss = loss * (self.scale * micro)
         return loss
 
     def __repr__(self) -> str:
@@ -246,6 +251,7 @@ class GradWatchCallback(TrainerCallback):
         self._hooks: List[Any] = []
         self._checking = False
         self._snapshot_wanted = False
+        self._accumulated = False  # micro-batches of this step given to the watch before its last
         self._pre_clip: Optional[List[Tuple[nn.Parameter, torch.Tensor]]] = None
         self._context: Tuple[Any, Any, Any] = (None, None, None)
 
@@ -262,7 +268,7 @@ class GradWatchCallback(TrainerCallback):
         if model is None:
             raise ValueError("GradWatchCallback: the Trainer passed no model to on_train_begin")
         if isinstance(self.loss_fn, TrainerLoss):
-            self.loss_fn.scale = trainer_loss_scale(trainer)
+            self.loss_fn.scale, self.loss_fn.trainer = trainer_loss_scale(trainer), trainer
         zero = bool(state.is_world_process_zero)
         reporters = [cb for cb in (trainer.callback_handler.callbacks if trainer is not None else [])
                      if type(cb).__module__.startswith("transformers.integrations") and hasattr(cb, "on_log")]
@@ -323,6 +329,12 @@ class GradWatchCallback(TrainerCallback):
             and (watch.dist is not None or watch.schedule.due(int(state.global_step)))
         )
 
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """A micro-batch that is not the step's last: its backward is done; the watch keeps it."""
+        if self.watch is not None and self._batch is not None and not self._checking:
+            self.watch.accumulate(self._batch)
+            self._accumulated = True
+
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.watch is None or self._batch is None or self._checking:
             return
@@ -332,12 +344,17 @@ class GradWatchCallback(TrainerCallback):
         try:
             for p, grad in self._pre_clip or ():
                 p.grad = grad  # the check reads .grad as backprop left it, before the Trainer clipped it
-            self.watch.step(self._batch, global_step=int(state.global_step))
+            batch = self._batch
+            if self._accumulated:  # every micro-batch of the step given to the watch, this last one too
+                self.watch.accumulate(batch)
+                batch = None
+            self.watch.step(batch, global_step=int(state.global_step))
         finally:
             for p, clipped in swapped:
                 p.grad = clipped  # the very tensors the optimizer would have stepped with
             self._pre_clip = None
             self._checking = False
+            self._accumulated = False
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.watch is None or not state.is_world_process_zero:
