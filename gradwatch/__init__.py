@@ -8,6 +8,7 @@ Example:
 
 from ._version import __version__
 from .check.backward import check_backward
+from .check.double_backward import check_double_backward
 from .check.model import check_model, check_numpy
 from .check.numeric import Verdict, max_rel_error, numerical_grad, rel_diff
 from .check.report import CheckReport, TensorCheck, TrainingCheck
@@ -33,6 +34,7 @@ __all__ = [
     "Verdict",
     "__version__",
     "check_backward",
+    "check_double_backward",
     "check_model",
     "check_numpy",
     "load_config",
