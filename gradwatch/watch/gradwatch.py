@@ -839,13 +839,16 @@ class GradWatch:
         names = list(params)
         order = sorted(range(len(names)), key=lambda i: (self._training_counts.get(names[i], 0), i))
         chosen = []
+        if order and free < gradient_bytes([params[names[order[0]]]]) <= room:
+            # the least-judged tensor is bigger than the safe share: it gets its turn, alone, within the room
+            # (else the others, always fitting first, would leave it unjudged for ever)
+            order = order[:1]
+            free = room
         for i in order:
             need = gradient_bytes([params[names[i]]])
             if need <= free:
                 chosen.append(i)
                 free -= need
-        if not chosen and order and gradient_bytes([params[names[order[0]]]]) <= room:
-            chosen.append(order[0])  # a tensor bigger than the safe share still gets its turn, alone, within the room
         out = {names[i]: params[names[i]] for i in sorted(chosen)}
         for n in out if count else ():
             self._training_counts[n] = self._training_counts.get(n, 0) + 1
