@@ -361,6 +361,7 @@ def worker(case: str, bug: str, checks: int, watch: bool = True, threads: int = 
             "planted": planted, "caught_at_check": caught_at, "named": named,
             "alerts": len(gw.alerts),
             "alerts_on_other_modules": sorted({a.tensor for a in gw.alerts if planted is None or not a.tensor.startswith(planted)}),
+            "alert_messages": [f"{a.kind} {a.severity} step {a.step}: {a.message}"[:600] for a in gw.alerts[:5]],
             "cycle_length": gw.cycle_length, "forms": sorted(set(forms)),
             "median_check_seconds": statistics.median(check_seconds) if check_seconds else None,
             "backward_coverage_zero": [n for n, v in coverage.items() if not v["backward"]],
