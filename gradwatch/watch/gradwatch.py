@@ -839,16 +839,18 @@ class GradWatch:
         names = list(params)
         order = sorted(range(len(names)), key=lambda i: (self._training_counts.get(names[i], 0), i))
         chosen = []
-        if order and free < gradient_bytes([params[names[order[0]]]]) <= room:
-            # the least-judged tensor is bigger than the safe share: it gets its turn, alone, within the room
-            # (else the others, always fitting first, would leave it unjudged for ever)
-            order = order[:1]
-            free = room
         for i in order:
             need = gradient_bytes([params[names[i]]])
             if need <= free:
                 chosen.append(i)
                 free -= need
+        first = order[0] if order else None
+        if first is not None and first not in chosen and gradient_bytes([params[names[first]]]) <= room:
+            behind = min(self._training_counts.get(names[i], 0) for i in order[1:]) if len(order) > 1 else 1
+            if not chosen or self._training_counts.get(names[first], 0) + 2 <= behind:
+                # a tensor bigger than the safe share, two rounds behind every other (the others always fit
+                # first), or with nothing else fitting: its turn, alone, within the room
+                chosen = [first]
         out = {names[i]: params[names[i]] for i in sorted(chosen)}
         for n in out if count else ():
             self._training_counts[n] = self._training_counts.get(n, 0) + 1
