@@ -832,20 +832,18 @@ class GradWatch:
 
     def _training_subset(self, params: Dict[str, torch.Tensor], room: int, count: bool = True) -> Dict[str, torch.Tensor]:
         """The watched tensors whose replayed gradients fit in ``room`` beside the replay's activations
-        (all when they fit; else a queue: least-judged first, in model order among equals, up to the first
-        that does not fit, so every tensor gets its turn); ``count``: count them as judged."""
+        (all when they fit; else least-judged first, in model order among equals); ``count``: count them as judged."""
         free = SAFETY * room - self.memory.transient(self.model)
         if gradient_bytes(params.values()) <= free:
             return params
         names = list(params)
         order = sorted(range(len(names)), key=lambda i: (self._training_counts.get(names[i], 0), i))
         chosen = []
-        for i in order:  # a queue: the least judged first, and none passes one that does not fit
+        for i in order:
             need = gradient_bytes([params[names[i]]])
-            if need > free:
-                break
-            chosen.append(i)
-            free -= need
+            if need <= free:
+                chosen.append(i)
+                free -= need
         if not chosen and order and gradient_bytes([params[names[order[0]]]]) <= room:
             chosen.append(order[0])  # a tensor bigger than the safe share still gets its turn, alone, within the room
         out = {names[i]: params[names[i]] for i in sorted(chosen)}
