@@ -1,4 +1,5 @@
-"""Shared by test modules: a 3-4-1 MLP with an MSE loss, a tanh with a planted backward bug, two gloo ranks."""
+"""Shared by test modules: a 3-4-1 MLP with an MSE loss, a tanh with a planted backward bug, a tanh with a
+planted double-backward bug, two gloo ranks."""
 
 from __future__ import annotations
 
@@ -53,6 +54,36 @@ class Act(nn.Module):
 
     def forward(self, x):
         return WrongTanh.apply(x) if self.wrong else torch.tanh(x)
+
+
+def make_tanh(x_error: float = 1.0, g_error: float = 1.0):
+    """A tanh whose backward is another custom Function; that one's backward (tanh's double backward)
+    is scaled by ``x_error`` in its gradient with respect to ``y`` and by ``g_error`` in that to ``g``."""
+
+    class TanhGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y, g):
+            ctx.save_for_backward(y, g)
+            return g * (1 - y * y)
+
+        @staticmethod
+        def backward(ctx, gg):
+            y, g = ctx.saved_tensors
+            return gg * g * (-2 * y) * x_error, gg * (1 - y * y) * g_error
+
+    class Tanh(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            y = torch.tanh(x)
+            ctx.save_for_backward(y)
+            return y
+
+        @staticmethod
+        def backward(ctx, g):
+            (y,) = ctx.saved_tensors
+            return TanhGrad.apply(y, g)
+
+    return Tanh.apply
 
 
 ROOT = Path(__file__).resolve().parents[1]

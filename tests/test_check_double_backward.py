@@ -5,38 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import make_tanh
 
 from gradwatch import GradientCheckError, check_backward, check_double_backward
-
-
-def make_tanh(x_error: float = 1.0, g_error: float = 1.0):
-    """A tanh whose backward is another custom Function; that one's backward (tanh's double backward)
-    is scaled by ``x_error`` in its gradient with respect to ``y`` and by ``g_error`` in that to ``g``."""
-
-    class TanhGrad(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, y, g):
-            ctx.save_for_backward(y, g)
-            return g * (1 - y * y)
-
-        @staticmethod
-        def backward(ctx, gg):
-            y, g = ctx.saved_tensors
-            return gg * g * (-2 * y) * x_error, gg * (1 - y * y) * g_error
-
-    class Tanh(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            y = torch.tanh(x)
-            ctx.save_for_backward(y)
-            return y
-
-        @staticmethod
-        def backward(ctx, g):
-            (y,) = ctx.saved_tensors
-            return TanhGrad.apply(y, g)
-
-    return Tanh.apply
 
 
 def data(seed: int = 0, n: int = 5):

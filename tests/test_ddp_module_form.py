@@ -32,23 +32,7 @@ WORKER = textwrap.dedent(
     import gradwatch.check.modular as modular
     from gradwatch import GradWatch
 
-    class WrongTanh(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            y = torch.tanh(x)
-            ctx.save_for_backward(y)
-            return y
-        @staticmethod
-        def backward(ctx, g):
-            (y,) = ctx.saved_tensors
-            return g * 1.3 * (1 - y * y)
-
-    class Act(nn.Module):
-        def __init__(self, bug=False):
-            super().__init__()
-            self.bug = bug
-        def forward(self, x):
-            return WrongTanh.apply(x) if self.bug else torch.tanh(x)
+    from helpers import Act  # tanh, or one whose backward is wrong (tests/ is on the workers' path)
 
     pieces = []
     real = modular.run_module_check
@@ -62,7 +46,7 @@ WORKER = textwrap.dedent(
     results = {}
     for name in ("correct", "bug"):
         torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(8, 600), Act(), nn.Linear(600, 32), Act(name == "bug"), nn.Linear(32, 1))
+        net = nn.Sequential(nn.Linear(8, 600), Act(), nn.Linear(600, 32), Act(wrong=name == "bug"), nn.Linear(32, 1))
         model = DDP(net)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         loss_fn = lambda m, b: F.mse_loss(m(b[0]), b[1])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import make_tanh
 from torch import nn
 
 from gradwatch import GradWatch, check_model
@@ -100,36 +101,15 @@ def test_check_model_runs_and_passes(name):
     assert report.ok and len(report.tensors) == 6
 
 
-class TanhGrad(torch.autograd.Function):
-    """``g * (1 - y^2)``, whose own backward (the tanh's double backward) is 20% off in ``y``."""
-
-    @staticmethod
-    def forward(ctx, y, g):
-        ctx.save_for_backward(y, g)
-        return g * (1 - y * y)
-
-    @staticmethod
-    def backward(ctx, gg):
-        y, g = ctx.saved_tensors
-        return gg * g * (-2 * y) * 1.2, gg * (1 - y * y)
-
-
-class Tanh(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        y = torch.tanh(x)
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        (y,) = ctx.saved_tensors
-        return TanhGrad.apply(y, g)
-
-
 class WrongDoubleBackwardTanh(nn.Module):
+    """tanh whose double backward is 20% off in ``y`` (its first backward right)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tanh = make_tanh(x_error=1.2)
+
     def forward(self, x):
-        return Tanh.apply(x)
+        return self.tanh(x)
 
 
 def test_wrong_double_backward_caught_in_the_objective_form():
