@@ -9,6 +9,7 @@ Example:
 from ._version import __version__
 from .check.backward import check_backward
 from .check.double_backward import check_double_backward
+from .check.independence import IndependenceReport, check_independence
 from .check.model import check_model, check_numpy
 from .check.numeric import Verdict, max_rel_error, numerical_grad, rel_diff
 from .check.report import CheckReport, TensorCheck, TrainingCheck
@@ -28,6 +29,7 @@ __all__ = [
     "GradWatchError",
     "GradientCheckError",
     "GradientDriftError",
+    "IndependenceReport",
     "TensorCheck",
     "TrainingCheck",
     "TrendTracker",
@@ -35,6 +37,7 @@ __all__ = [
     "__version__",
     "check_backward",
     "check_double_backward",
+    "check_independence",
     "check_model",
     "check_numpy",
     "load_config",

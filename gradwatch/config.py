@@ -24,6 +24,7 @@ import yaml
 from .check.objective import parse_regularizers
 from .errors import ConfigError
 from .options import CheckOptions, document_options, option, option_help
+from .watch.independence import parse_independence
 from .watch.schedule import parse_max_interval
 from .watch.trend import TrendTracker
 
@@ -98,6 +99,10 @@ class GradWatchConfig(CheckOptions):
     training: bool = option(
         True, "also judge the gradient training applied: the live .grad against the objective's gradient, "
         "recomputed on the live model as training computed it")
+    independence: Optional[Union[str, List[str]]] = option(
+        "auto", "also check that outputs depend only on the inputs they may: auto (Hugging Face causal LMs: causal, "
+        "plus padding and documents when the batch has them), off, or batch, causal, documents, padding (a list "
+        "combines them)")
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -141,6 +146,10 @@ class GradWatchConfig(CheckOptions):
         if form not in FORMS:
             raise ConfigError(f"form: got {self.form!r}, expected one of {', '.join(FORMS)}")
         self.form = form
+        try:
+            self.independence = parse_independence(self.independence)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         raise_on = self.raise_on
         if isinstance(raise_on, str) and raise_on.lower() in ("none", "null"):
             raise_on = None

@@ -411,11 +411,14 @@ def noisy_run(watch_options):
     return state, draws, reports
 
 
-@pytest.mark.parametrize("dtype", ["float64", None], ids=["shadow", "in_place"])
-def test_generators_held_by_model_and_loss_are_not_advanced(dtype):
+@pytest.mark.parametrize("dtype,independence", [("float64", "off"), (None, "off"), ("float64", "batch")],
+                         ids=["shadow", "in_place", "independence"])
+def test_generators_held_by_model_and_loss_are_not_advanced(dtype, independence):
     plain, plain_draws, _ = noisy_run(None)
-    watched, watched_draws, reports = noisy_run(dict(every=1, log_dir=None, coords=3, directions=1, dtype=dtype))
+    watched, watched_draws, reports = noisy_run(dict(every=1, log_dir=None, coords=3, directions=1, dtype=dtype,
+                                                     independence=independence))
     assert all(r is not None and r.ok and not r.nondeterministic for r in reports), [str(r) for r in reports]
+    assert all((r.independence is not None) == (independence != "off") for r in reports)
     assert all(torch.equal(a, b) for a, b in zip(plain, watched))  # bit-identical training
     assert torch.equal(plain_draws[0], watched_draws[0])
     assert plain_draws[1:] == watched_draws[1:]

@@ -234,3 +234,5 @@ def test_accumulation_training_verdict_at_every_check(tmp_path, kind):
     n_params = len([p for p in model.parameters() if p.requires_grad])
     assert all(len(c["training"]) == n_params for c in checks), [c["training_note"] for c in checks]
     assert callback.watch.alerts == []
+    # independence="auto": a Hugging Face causal LM is checked causal on the Trainer's batch
+    assert all(c["independence"]["ok"] and list(c["independence"]["structures"]) == ["causal"] for c in checks)

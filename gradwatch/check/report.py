@@ -195,6 +195,8 @@ class CheckReport:
             for all, ``(first, end)``, or a tensor of row indices), and ``(module name, "code")`` for each
             module whose own code a checked unit held (read by :class:`gradwatch.plan.coverage.Coverage`).
         pieces: Module form: the pieces checked (``"lm_head[0:256]"``), in order.
+        independence: The independence part's :class:`gradwatch.check.independence.IndependenceReport` (a watch
+            with ``independence=``), or None.
 
     Example:
         >>> report = CheckReport(tensors={})
@@ -223,6 +225,7 @@ class CheckReport:
     memory: Dict[str, Any] = field(default_factory=dict)
     probed: List[Tuple[str, Any]] = field(default_factory=list)
     pieces: List[str] = field(default_factory=list)
+    independence: Any = None
 
     @property
     def training_failures(self) -> List[TrainingCheck]:

@@ -354,6 +354,8 @@ def _print_report(data: Any, rows: List[Dict[str, Any]], verbose: bool) -> None:
     coverage = getattr(data, "coverage", None)
     if coverage:
         print(summary.coverage_line(coverage, getattr(data, "cycle_length", None), len(steps)))
+    if getattr(data, "independence", None):
+        print(summary.independence_line(data.independence))
     for note in getattr(data, "unchecked", None) or ():
         print(f"not checked: {note}")
     print()

@@ -151,6 +151,7 @@ def check_record(
         "check_counts": {str(k): int(v) for k, v in (check_counts or {}).items()},
         "cycle_length": cycle_length,
         "pieces": list(report.pieces),
+        "independence": None if report.independence is None else report.independence.to_dict(),
     }
 
 

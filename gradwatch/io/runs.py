@@ -68,6 +68,8 @@ class RunData:
             rows probed in the run (empty when not known).
         cycle_length: K, the checks within which every unit and parameter row is probed once (None: not known).
         unchecked: What the checks' notes say was not checked (each once, its latest wording).
+        independence: Structure -> ``[checks of it, checks that found a leak, the latest leak's module or None]``
+            (checks with ``independence=``; empty when none ran or not known).
     """
 
     history: History
@@ -85,6 +87,7 @@ class RunData:
     coverage: Dict[str, Dict[str, float]] = field(default_factory=dict)
     cycle_length: Optional[int] = None
     unchecked: List[str] = field(default_factory=list)
+    independence: Dict[str, List[Any]] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------- reading
@@ -124,6 +127,7 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
     coverage: Dict[str, Dict[str, float]] = {}
     cycle: Optional[int] = None
     unchecked: Dict[str, str] = {}
+    independence: Dict[str, List[Any]] = {}
     for number, rec in enumerate(records, start=1):
         run_id = run_id or rec.get("run_id")
         try:
@@ -137,6 +141,7 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
                     coverage = {str(k): {part: float(v.get(part) or 0.0) for part in ("backward", "training")}
                                 for k, v in got.items()}
                 cycle = int(rec["cycle_length"]) if rec.get("cycle_length") is not None else cycle
+                _add_independence(rec.get("independence"), independence)
                 for note in rec.get("notes") or ():
                     if "not checked" in str(note):
                         unchecked[re.sub(r"[\d.]+ ?MB|\d+", "#", str(note))] = str(note)
@@ -149,7 +154,34 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
             if isinstance(opt_bands, (list, tuple)) and len(opt_bands) == 3 and all(_num(b) for b in opt_bands):
                 bands = tuple(float(b) for b in opt_bands)  # type: ignore[assignment]
     return RunData(history, alerts, details, "jsonl", path, notes, bands, steps, training, run_id, forms, coverage, cycle,
-                   list(unchecked.values()))
+                   list(unchecked.values()), independence)
+
+
+def _add_independence(found: Any, independence: Dict[str, List[Any]]) -> None:
+    """Count a check record's independence results per structure (checks, leaks, the latest leak's module)."""
+    for name, r in ((found or {}).get("structures") or {}).items():
+        entry = independence.setdefault(str(name), [0, 0, None])
+        entry[0] += 1
+        if not r.get("ok", True):
+            entry[1] += 1
+            entry[2] = (r.get("violation") or {}).get("module")
+
+
+def independence_line(independence: Mapping[str, Sequence[Any]]) -> str:
+    """What ``gradwatch report`` says of the independence checks.
+
+    Example:
+        >>> independence_line({"causal": [3, 3, "blocks.1.attn"], "padding": [3, 0, None]})
+        'independence: causal LEAK in 3 of 3 checks (blocks.1.attn); padding ok in 3 checks'
+    """
+    parts = []
+    for name, (checks, leaks, module) in independence.items():
+        if leaks:
+            where = f" ({module})" if module else ""
+            parts.append(f"{name} LEAK in {leaks} of {checks} check{'s' if checks != 1 else ''}{where}")
+        else:
+            parts.append(f"{name} ok in {checks} check{'s' if checks != 1 else ''}")
+    return "independence: " + "; ".join(parts)
 
 
 def _add_training(rec: Mapping[str, Any], training: History, details: Dict[Tuple[int, str], Dict[str, Any]]) -> None:

@@ -415,6 +415,7 @@ def merge_reports(reports: Sequence[Any], order: Sequence[str], opts: Any) -> Ch
         nonfinite=any(r.nonfinite for _, r in ranked),
     )
     merged.form, merged.memory = first.form, dict(first.memory)
+    merged.independence = next((r.independence for _, r in ranked if r.independence is not None), None)  # rank 0's
     for _, r in ranked:
         merged.probed.extend(r.probed)  # the module form: each rank probed its share of the pieces
         merged.pieces.extend(r.pieces)

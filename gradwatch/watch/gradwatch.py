@@ -43,6 +43,7 @@ from ..io.sinks import SinkSet, build_sinks
 from ..plan.planner import Planner
 from ..plan.units import isolated_forward
 from .distributed import DEFAULT_TIMEOUT, DistributedCoordinator, RankResult, merge_results, unwrap_model
+from .independence import IndependencePart
 from .schedule import ANNOUNCE_AS_WARNING_ABOVE, Schedule
 from .sharded import REPLICA_NOTE, Replica, is_sharded, layout, live_forward_forbidden, mixed_precision, refuse_unsupported
 from .trend import WHOLE_CHECK, Alert
@@ -222,6 +223,8 @@ class GradWatch:
         self._cycle_length: Optional[int] = None
         # Training part: a forward pre-hook records what each training forward started from.
         self._recorder: Optional[ForwardRecorder] = ForwardRecorder(model) if self.config.training else None
+        #: Independence checks on the checked batch (``independence=``, :mod:`gradwatch.watch.independence`).
+        self.independence = IndependencePart(self.config.independence, self.config.alert_cooldown)
         self._last_micro: Any = None  # training=False: the last batch given to accumulate()
         #: For integrations: ``() -> context manager`` that training's loss runs in (e.g. Lightning's
         #: precision context with its autocast); the training part's replay runs in it too.
@@ -511,6 +514,8 @@ class GradWatch:
                 with live_forward_forbidden(self.model) if self._sharded else contextlib.nullcontext():
                     report, replay = self._check_locally(target, mine, batch, opts, pending, room, judge=coord is None,
                                                          plan=plan)
+                if report is not None and (coord is None or coord.is_main):
+                    self._check_independence(report, batch, opts.seed)
             if coord is None:
                 if report is None:
                     raise ValueError(f"no tensor was chosen for the check at step {step} (tensors_per_check="
@@ -593,6 +598,22 @@ class GradWatch:
             report.memory = self.memory.summary(room, estimate)
         return report, replay
 
+    def _check_independence(self, report: CheckReport, batch: Any, seed: int) -> None:
+        """The independence part on the batch's model call (:mod:`gradwatch.watch.independence`); a failure is a note."""
+        if not self.independence.enabled:
+            return
+        if self._sharded:
+            report.notes.append("independence not checked: a sharded (FSDP2) model is not supported by it yet")
+            return
+        try:
+            with self._recorder_paused():
+                report.independence, why = self.independence.run(self.model, self.objective.loss_fn, batch, seed,
+                                                                 self._held_generators())
+        except Exception as exc:  # noqa: BLE001 - the user's model or inputs: say it, keep the other parts
+            why = f"independence not checked: {type(exc).__name__}: {exc}"
+        if why:
+            report.notes.append(why)
+
     def _agreed_plan(self, coord: DistributedCoordinator, room: Optional[int]) -> Tuple[Optional[int], Plan]:
         """Under DDP: rank 0's room, form and training tensors, taken by every rank (one gather, every rank).
 
@@ -627,7 +648,7 @@ class GradWatch:
         self._announce_plan(report, watched)
         for note in self.planner.unchecked_news(report):
             logger.warning("gradwatch: step %d: %s (said once; every check's record repeats it)", step, note)
-        return self.tracker.update(step, report)
+        return self.tracker.update(step, report) + self.independence.alerts(step, report.independence)
 
     def _announce_plan(self, report: CheckReport, watched: List[str]) -> None:
         """Say once per plan what is checked within how many checks (K), and put K in the report."""
@@ -975,6 +996,8 @@ class GradWatch:
         level = self.config.raise_on
         if level is None:
             return False
+        if alert.kind == "independence":  # a confirmed leak is wrong at any level
+            return True
         if alert.kind == "threshold":
             return Verdict.from_value(alert.value, self._check_options.bands).is_failure(Verdict.parse(level))
         return alert.kind == "drift" and Verdict.parse(level) == Verdict.SUSPICIOUS
@@ -991,6 +1014,7 @@ class GradWatch:
             "plan": self.planner.state_dict(),
             "schedule": self.schedule.state_dict(),
             "tracker": self.tracker.state_dict(),
+            "independence": self.independence.state_dict(),
             "alerts": [a.to_dict() for a in self.alerts],
             "monitor_seconds": self._monitor_seconds,
             "baseline_seconds": self._baseline_seconds,
@@ -1012,6 +1036,7 @@ class GradWatch:
         self.planner.load_state_dict(state.get("plan", {}))
         self.schedule.load_state_dict(state["schedule"])
         self.tracker.load_state_dict(state["tracker"])
+        self.independence.load_state_dict(state.get("independence", {}))
         self.alerts = [_alert_from_dict(a) for a in state.get("alerts", [])]
         self._monitor_seconds = float(state.get("monitor_seconds", 0.0))
         self._wall_before = float(state.get("wall_seconds", 0.0))

@@ -35,14 +35,17 @@ class Alert:
         step: Training step of the check.
         tensor: Parameter name, or ``"*"`` for the whole check (nondeterministic,
             non-finite objective, a check that raised).
-        kind: ``"threshold"``, ``"drift"``, ``"nonfinite"``, ``"nondeterministic"`` or ``"error"``.
+        kind: ``"threshold"``, ``"drift"``, ``"nonfinite"``, ``"nondeterministic"``, ``"error"``, ``"paused"``
+            or ``"independence"`` (an output depends on an input it must not; the tensor is the module where
+            it starts, see :mod:`gradwatch.watch.independence`).
         severity: ``"error"`` (WRONG threshold, nonfinite, error) or ``"warning"``.
         value: The value that triggered it (judged rel_diff, rolling median for drift,
             the objective for whole-check alerts; ``nan`` when there is none).
         baseline: The tensor's baseline judged rel_diff, when established.
         message: What happened and what to check next.
         part: Which verdict raised it: ``"backward"`` (the backward formulas against finite
-            differences) or ``"training"`` (the live ``.grad`` against the objective's gradient).
+            differences), ``"training"`` (the live ``.grad`` against the objective's gradient) or
+            ``"independence"``.
 
     Example:
         >>> a = Alert(step=3, tensor="w", kind="drift", severity="warning", value=1e-5,

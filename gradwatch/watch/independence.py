@@ -1,0 +1,175 @@
+"""The independence part of a watch: which structures to check on the live batch, and its alerts.
+
+``GradWatch(independence=...)`` runs :func:`gradwatch.check_independence` at every check on the
+model's inputs of the batch being checked. Those are captured by calling ``loss_fn(model, batch)``
+with a forward pre-hook on the model that records the call and stops it at once (no forward runs).
+``"auto"`` chooses from the model and that call: a Hugging Face decoder-only causal LM is checked
+``causal``, plus ``padding`` when the call carries an ``attention_mask`` with padded positions, plus
+``documents`` when its ``position_ids`` restart at 0; any other model is not checked (name the
+structures to check it).
+
+Example:
+    >>> from torch import nn
+    >>> IndependencePart("auto").structures_for(nn.Linear(2, 2), (), {}) is None
+    True
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from ..check.generators import HeldGenerators
+from ..check.independence import IndependenceReport, ModelCall, check_independence
+from ..check.isolation import preserved_rng
+from ..check.structures import parse_structures, restarts
+from .trend import Alert
+
+#: Values of the ``independence`` option besides structure names.
+INDEPENDENCE_WORDS = ("auto", "off")
+
+
+def parse_independence(value: Any) -> Union[None, str, List[str]]:
+    """The ``independence`` option normalized: None (off), ``"auto"``, or a list of structures.
+
+    Raises:
+        ValueError: Neither ``auto``/``off``/null nor structure names (the message lists them).
+
+    Example:
+        >>> parse_independence("Causal"), parse_independence(None), parse_independence(["batch", "padding"])
+        (['causal'], None, ['batch', 'padding'])
+    """
+    if value is None or value is False or (isinstance(value, str) and value.lower() == "off"):
+        return None
+    if isinstance(value, str) and value.lower() == "auto":
+        return "auto"
+    try:
+        return list(parse_structures(value))
+    except (ValueError, TypeError):
+        raise ValueError(f"independence: got {value!r}, expected auto, off, null, or one or a list of "
+                         "batch, causal, documents, padding") from None
+
+
+class _Captured(Exception):
+    """Raised by the capturing pre-hook: the model's call is recorded and the forward is not run."""
+
+
+def capture_call(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any], batch: Any) -> Optional[Tuple[tuple, dict]]:
+    """``(args, kwargs)`` of the first call of ``model`` that ``loss_fn(model, batch)`` makes (None if none)."""
+    seen: List[Tuple[tuple, dict]] = []
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        seen.append((args, dict(kwargs)))
+        raise _Captured
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+    try:
+        with torch.no_grad():
+            loss_fn(model, batch)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    return seen[0] if seen else None
+
+
+def _hf_causal_lm(model: nn.Module) -> bool:
+    """A Hugging Face decoder-only model with a language-modelling head."""
+    if "transformers" not in sys.modules:
+        return False
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return False
+    name = type(model).__name__
+    return name.endswith("ForCausalLM") or name.endswith("LMHeadModel")
+
+
+class IndependencePart:
+    """What the watch checks for independence, and the alerts it raises.
+
+    Args:
+        option: The ``independence`` option (see :func:`parse_independence`).
+        cooldown: Checks during which the same leak (structure and module) does not alert again.
+    """
+
+    def __init__(self, option: Any, cooldown: int = 10) -> None:
+        self.option = parse_independence(option)
+        self.cooldown = cooldown
+        self._last: Dict[Tuple[str, Optional[str]], int] = {}
+        self._checks = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.option is not None
+
+    def structures_for(self, model: nn.Module, args: tuple, kwargs: dict) -> Optional[List[str]]:
+        """The structures to check on this call (None: nothing)."""
+        if self.option is None:
+            return None
+        if self.option != "auto":
+            return list(self.option)
+        if not _hf_causal_lm(model):
+            return None
+        out = ["causal"]
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool((mask == 0).any()):
+            out.append("padding")
+        if restarts(kwargs.get("position_ids")):
+            out.append("documents")
+        return out
+
+    def run(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any], batch: Any, seed: int,
+            generators: Sequence[Any] = ()) -> Tuple[Optional[IndependenceReport], Optional[str]]:
+        """The check on the batch's model call: ``(report, None)``, or ``(None, why not)``; None, None: off.
+
+        ``generators``: those the model and ``loss_fn`` hold; put back afterwards, as are torch's, numpy's
+        and ``random``'s global ones (capturing the call runs ``loss_fn`` up to the model's forward).
+        """
+        if self.option is None or (self.option == "auto" and not _hf_causal_lm(model)):
+            return None, None
+        held = HeldGenerators.of(generators)
+        try:
+            with preserved_rng():
+                call = capture_call(model, loss_fn, batch)
+            held.reset()
+            if call is None:
+                return None, "independence not checked: loss_fn never calls the model itself"
+            args, kwargs = call
+            structures = self.structures_for(model, args, kwargs)
+            if not structures:
+                return None, None
+            return check_independence(model, ModelCall(args, kwargs), structures, seed=seed,
+                                      generators=generators), None
+        finally:
+            held.reset()
+
+    def alerts(self, step: int, report: Optional[IndependenceReport]) -> List[Alert]:
+        """One ``independence`` alert per broken structure (silent for ``cooldown`` checks after it alerted)."""
+        self._checks += 1
+        if report is None:
+            return []
+        out = []
+        for v in report.violations:
+            key = (v.structure, v.module)
+            last = self._last.get(key)
+            if last is not None and self._checks - last <= self.cooldown:
+                continue
+            self._last[key] = self._checks
+            where = "*" if v.module is None else (v.module or "(model forward)")
+            out.append(Alert(step=step, tensor=where, kind="independence", severity="error", value=v.change,
+                             baseline=None, message=f"step {step}: {v.structure} independence broken: {v.describe()}",
+                             part="independence"))
+        return out
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"checks": self._checks, "last": [[s, m, c] for (s, m), c in self._last.items()]}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self._checks = int(state.get("checks", 0))
+        self._last = {(s, m): int(c) for s, m, c in state.get("last", [])}
+
+
+__all__: Sequence[str] = ["INDEPENDENCE_WORDS", "IndependencePart", "capture_call", "parse_independence"]
