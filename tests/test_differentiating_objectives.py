@@ -5,7 +5,8 @@ derivatives of the output with respect to the inputs) and double backprop (a cla
 its input-gradient norm), on small tanh MLPs: the watch runs both verdicts on them in the
 whole-objective form and in the module form, with no alert on correct models, and ``check_model``
 agrees; a 20% error planted in a custom tanh's double backward (its first backward right) is caught
-by the whole-objective form in the WGAN-GP loss.
+and the tanh named (``1:double_backward``: each leaf module's double backward checked on the inputs the
+objective gives it) in all four objectives, in both forms and by ``check_model``.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ def test_correct_models_both_verdicts_no_alert(name, dtype, form):
     params = {n for n, _ in model.named_parameters()}
     assert all(set(r.training) == params for r in reports)  # the training verdict on every tensor, every check
     assert watch.objective.differentiates is True
+    inner = {f"{i}:double_backward" for i in range(5)}  # every leaf module's double backward, every check
+    assert all({n for n in r.tensors if n.endswith(":double_backward")} == inner for r in reports)
     if form == "module":  # its units, checked on captured inputs; loss_fn's own code needs the model: said so
         assert all(v["backward"] == 1.0 for v in watch.coverage.values())
         assert any("differentiates through the model" in note for note in reports[0].notes)
@@ -98,7 +101,7 @@ def test_correct_models_both_verdicts_no_alert(name, dtype, form):
 def test_check_model_runs_and_passes(name):
     loss_fn, d_in = OBJECTIVES[name]
     report = check_model(mlp(d_in, torch.float32), loss_fn, batches(d_in, torch.float32, 1)[0])
-    assert report.ok and len(report.tensors) == 6
+    assert report.ok and len(report.tensors) == 6 + 5  # 6 parameters, 5 modules' double backward
 
 
 class WrongDoubleBackwardTanh(nn.Module):
@@ -116,8 +119,25 @@ def test_wrong_double_backward_caught_in_the_objective_form():
     model = mlp(8, torch.float32, act=WrongDoubleBackwardTanh())
     watch, _ = watch_run(wgan_gp, model, batches(8, torch.float32, 2))
     named = {a.tensor for a in watch.alerts if a.kind == "threshold"}
-    assert named and named <= {"0.weight", "0.bias"}  # the layer before the wrong tanh; nothing after it
+    # the objective's gradient check names the layer before the wrong tanh; the inner check names the tanh
+    assert named and named <= {"0.weight", "0.bias", "1:double_backward"} and "1:double_backward" in named
     assert not check_model(model, wgan_gp, batches(8, torch.float32, 1)[0]).ok
+
+
+@pytest.mark.parametrize("form", ["objective", "module"])
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_wrong_double_backward_caught_and_named_in_every_objective(name, form):
+    """The tanh's double backward 20% off (its first backward right): each module's double backward is checked
+    on the inputs the objective gives it, so the tanh is named, in the physics-informed residual too (where the
+    wrong second derivative is part of the objective's value and its own gradient check cannot see it)."""
+    loss_fn, d_in = OBJECTIVES[name]
+    model = mlp(d_in, torch.float32, act=WrongDoubleBackwardTanh())
+    watch, reports = watch_run(loss_fn, model, batches(d_in, torch.float32, 2), form=form)
+    alerts = [a for a in watch.alerts if a.kind == "threshold" and a.tensor == "1:double_backward"]
+    assert alerts and alerts[0].step == 0 and "WRONG" in alerts[0].message.upper()
+    assert all(n == "1:double_backward" for n in (t.name for t in reports[0].failures) if n.endswith("double_backward"))
+    report = check_model(model, loss_fn, batches(d_in, torch.float32, 1)[0])
+    assert "1:double_backward" in {t.name for t in report.failures}
 
 
 def test_the_readme_examples_run_without_alert(tmp_path):

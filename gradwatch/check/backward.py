@@ -120,6 +120,14 @@ def check_backward(
         >>> gy = np.random.randn(3, 4)
         >>> _ = check_backward(torch.tanh, x, gy, dtype=np.float64)
     """
+    return run_check_backward(func, x_data, y_grad, params, eps, atol, rtol, no_grads, dtype)
+
+
+def run_check_backward(func: Callable[..., Any], x_data: Any, y_grad: Any, params: Any = (), eps: float = 1e-3,
+                       atol: float = 1e-5, rtol: float = 1e-4, no_grads: Optional[Sequence[bool]] = None,
+                       dtype: Any = None, limits: Optional[Tuple[int, int, int]] = None) -> CheckReport:
+    """:func:`check_backward` with ``limits``: ``(exhaustive up to, sampled coordinates, random blocks)`` per array
+    (default: every element up to 2,048, else 256 coordinates and 512 blocks; a watch checks fewer)."""
     if not 0 < eps < float("inf"):
         raise ValueError(f"eps must be > 0 and finite, got {eps!r}")
     if atol < 0 or rtol < 0:
@@ -185,7 +193,7 @@ def check_backward(
             for name, target, g in zip(names, targets, grads):
                 if target.numel() == 0:
                     continue  # nothing to check (Chainer compares two empty arrays)
-                check, message = _check_array(name, target, g, probe, eps, atol, rtol)
+                check, message = _check_array(name, target, g, probe, eps, atol, rtol, limits)
                 report.tensors[name] = check
                 if message:
                     failures.append(message)
@@ -225,29 +233,34 @@ def _weighted(ys: Sequence[torch.Tensor], gys: Optional[Sequence[Optional[torch.
     return acc
 
 
-def _lines(name: str, target: torch.Tensor, g: torch.Tensor) -> List[Line]:
-    """Every element of a small array; sampled coordinates plus random blocks of a large one."""
+def _lines(name: str, target: torch.Tensor, g: torch.Tensor, limits: Optional[Tuple[int, int, int]] = None) -> List[Line]:
+    """Every element of a small array; sampled coordinates plus random blocks of a large one.
+
+    ``limits``: ``(exhaustive up to, sampled coordinates, blocks)``; default the module's constants.
+    """
+    exhaustive, coords, blocks = limits or (EXHAUSTIVE_LIMIT, SAMPLED_COORDS, BLOCKS)
     n, shape = target.numel(), tuple(target.shape)
 
     def coord(f: int) -> Line:
         pos = tuple(int(i) for i in np.unravel_index(f, shape)) if shape else ()
         return Line(label=pos, index=f, coordinate=True)
 
-    if n <= EXHAUSTIVE_LIMIT:
+    if n <= exhaustive:
         return [coord(f) for f in range(n)]
     gen = generator(tensor_seed(0, name))
-    lines = [coord(f) for f in choose_coords(g, SAMPLED_COORDS, gen).tolist()]
+    lines = [coord(f) for f in choose_coords(g, coords, gen).tolist()]
     perm = torch.randperm(n, generator=gen)
-    for j, block in enumerate(torch.tensor_split(perm, BLOCKS)):
+    for j, block in enumerate(torch.tensor_split(perm, blocks)):
         signs = torch.randint(0, 2, (block.numel(),), generator=gen).to(torch.float64) * 2 - 1
         lines.append(Line(label=("block", j, block.numel()), index=block, unit=signs / block.numel() ** 0.5))
     return lines
 
 
 def _check_array(name: str, target: torch.Tensor, g: torch.Tensor, probe: OutputProbe,
-                 eps: float, atol: float, rtol: float) -> Tuple[TensorCheck, Optional[str]]:
+                 eps: float, atol: float, rtol: float,
+                 limits: Optional[Tuple[int, int, int]] = None) -> Tuple[TensorCheck, Optional[str]]:
     shape = tuple(target.shape)
-    lines = _lines(name, target, g)
+    lines = _lines(name, target, g, limits)
     g64 = g.detach().reshape(-1).to(torch.float64)
     flat = target.view(-1)
     slopes: List[Slope] = []

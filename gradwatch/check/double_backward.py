@@ -19,11 +19,11 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .backward import _params_tuple, _to_tensor, _to_tuple, check_backward
+from .backward import _params_tuple, _to_tensor, _to_tuple, run_check_backward
 from .report import CheckReport
 
 
@@ -39,6 +39,8 @@ def check_double_backward(
     rtol: float = 1e-3,
     no_grads: Optional[Sequence[bool]] = None,
     dtype: Any = None,
+    *,
+    limits: Optional[Tuple[int, int, int]] = None,
 ) -> CheckReport:
     """Test the second-order gradient of ``func`` (Chainer's ``check_double_backward``).
 
@@ -54,6 +56,8 @@ def check_double_backward(
         eps, atol, rtol: As :func:`gradwatch.check_backward` (the defaults are looser, as Chainer's).
         no_grads: One flag per input of the first-order function, ``x_data`` then ``y_grad``; True skips it.
         dtype: As :func:`gradwatch.check_backward`: ``float64`` for a sharp check of float32 code.
+        limits: ``(exhaustive up to, sampled coordinates, random blocks)`` per array (default: as
+            :func:`gradwatch.check_backward`; the watch checks fewer).
 
     Returns:
         The :class:`~gradwatch.check.report.CheckReport` of the first-order function's check: the entries
@@ -97,5 +101,5 @@ def check_double_backward(
             grads = torch.autograd.grad(total, wrt, create_graph=True, allow_unused=True)
         return [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt)]
 
-    return check_backward(first_order, tuple(xs + gys), tuple(ggx + ggp), params=[p for _, p in plist],
-                          eps=eps, atol=atol, rtol=rtol, no_grads=no_grads, dtype=dtype)
+    return run_check_backward(first_order, tuple(xs + gys), tuple(ggx + ggp), params=[p for _, p in plist],
+                              eps=eps, atol=atol, rtol=rtol, no_grads=no_grads, dtype=dtype, limits=limits)

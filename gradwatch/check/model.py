@@ -116,6 +116,12 @@ def check_model(
     objective = Objective(loss_fn, regularizers, weight_decay)
     report = run_model_check(model, objective, batch, opts, grad_fn=grad_fn, batched=batched)
     report.notes[:0] = notes
+    if objective.differentiates:  # it trains on the model's second derivatives: each module's double backward too
+        from .inner import check_inner_derivatives
+
+        start = time.perf_counter()
+        report.tensors.update(check_inner_derivatives(model, objective.loss, batch, seed=opts.seed, fail_at=report.fail_at))
+        report.seconds += time.perf_counter() - start
     if localize and report.failures:
         from .localize import localize as run_localize
 

@@ -25,6 +25,7 @@ from torch import nn
 from .._version import __version__ as _version
 from ..check import model as _check
 from ..check.generators import find_generators
+from ..check.inner import check_inner_derivatives, leaf_modules
 from ..check.isolation import Shadow, preserved_rng
 from ..check.memory import SAFETY, MemoryMeter, gradient_bytes, mb, model_device, release_freed
 from ..check.model import GradFn, trainable_names
@@ -219,6 +220,7 @@ class GradWatch:
         self.planner = Planner(self.config.form, self.config.tensors_per_check, self._check_options.seed,
                                self.config.memory_budget)
         self._training_counts: Dict[str, int] = {}  # training part: judgments per tensor, when not all fit
+        self._inner_counts: Dict[str, int] = {}  # modules whose double backward was checked (differentiating objectives)
         self._closed = False
         self._cycle_length: Optional[int] = None
         # Training part: a forward pre-hook records what each training forward started from.
@@ -515,6 +517,7 @@ class GradWatch:
                     report, replay = self._check_locally(target, mine, batch, opts, pending, room, judge=coord is None,
                                                          plan=plan)
                 if report is not None and (coord is None or coord.is_main):
+                    self._check_inner(report, target, batch, opts)
                     self._check_independence(report, batch, opts.seed)
             if coord is None:
                 if report is None:
@@ -597,6 +600,23 @@ class GradWatch:
         if judged is not None or plan is not None:
             report.memory = self.memory.summary(room, estimate)
         return report, replay
+
+    #: Modules whose double backward a check of an objective that differentiates inside checks (least-checked first).
+    INNER_PER_CHECK = 8
+
+    def _check_inner(self, report: CheckReport, target: nn.Module, batch: Any, opts: Any) -> None:
+        """An objective that differentiates through the model: its leaf modules' double backward, a few per check
+        (:mod:`gradwatch.check.inner`), as report entries ``"<module>:double_backward"``."""
+        if not self.objective.differentiates:
+            return
+        leaves = leaf_modules(target)
+        chosen = sorted(leaves, key=lambda n: (self._inner_counts.get(n, 0), leaves.index(n)))[:self.INNER_PER_CHECK]
+        with self._recorder_paused():
+            checks = check_inner_derivatives(target, self.objective.loss, batch, names=sorted(chosen, key=leaves.index),
+                                             seed=opts.seed, fail_at=report.fail_at)
+        for name in chosen:
+            self._inner_counts[name] = self._inner_counts.get(name, 0) + 1
+        report.tensors.update(checks)
 
     def _check_independence(self, report: CheckReport, batch: Any, seed: int) -> None:
         """The independence part on the batch's model call (:mod:`gradwatch.watch.independence`); a failure is a note."""
