@@ -157,3 +157,62 @@ def test_the_readme_examples_run_without_alert(tmp_path):
     g = torch.Generator().manual_seed(2)
     watch, reports = watch_run(ns["heat_residual"], u, [torch.randn(16, 2, generator=g) for _ in range(2)])
     assert watch.alerts == [] and all(r.ok and r.training for r in reports)
+
+
+class PlainGAN(nn.Module):
+    """WGAN-GP as a plain module: the critic's loss has a gradient penalty; the noise comes with the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.generator = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 8))
+        self.critic = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def critic_loss(self, batch):
+        real, z, eps = batch
+        fake = self.generator(z).detach()
+        x = (eps * real + (1 - eps) * fake).requires_grad_(True)
+        (g,) = torch.autograd.grad(self.critic(x).sum(), x, create_graph=True)
+        return self.critic(fake).mean() - self.critic(real).mean() + 10 * ((g.norm(dim=1) - 1) ** 2).mean()
+
+    def generator_loss(self, batch):
+        return -self.critic(self.generator(batch[1])).mean()
+
+
+def test_the_readme_plain_gan_loop_gives_each_network_both_verdicts(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("## Objectives with derivatives inside"):text.index("## Independence")]
+    code = section.split("in a plain loop, one watch per network", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    gan = PlainGAN()
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g), torch.rand(8, 1, generator=g))
+            for _ in range(3)]
+    ns = {"GradWatch": GradWatch, "gan": gan, "data": data,
+          "opt_c": torch.optim.Adam(gan.critic.parameters(), lr=1e-3),
+          "opt_g": torch.optim.Adam(gan.generator.parameters(), lr=1e-3)}
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md (plain GAN loop)", "exec"), ns)
+    from gradwatch.io.sinks import read_jsonl
+
+    for name, net in (("watch_c", "critic"), ("watch_g", "generator")):
+        watch = ns[name]
+        watch.close()
+        assert watch.alerts == []
+        params = {n for n, _ in gan.named_parameters() if n.startswith(net + ".")}
+        checks = [r for r in read_jsonl(tmp_path / "runs" / net / "checks.jsonl")[0] if r["type"] == "check"]
+        assert checks  # every='auto': the first step is checked, then as the overhead budget allows
+        for c in checks:  # both verdicts on the network's own parameters, at every check
+            assert {n for n in c["tensors"] if not n.endswith(":double_backward")} == params
+            assert set(c["training"]) == params and all(t["verdict"] == "excellent" for t in c["training"].values())
+
+
+def test_a_module_whose_double_backward_check_does_not_fit_memory_budget_is_said_not_checked():
+    loss_fn, d_in = OBJECTIVES["wgan_gp"]
+    model = mlp(d_in, torch.float32)
+    watch, reports = watch_run(loss_fn, model, batches(d_in, torch.float32, 1), memory_budget=1e-9)
+    notes = [n for n in reports[0].notes if "double backward not checked" in n]
+    assert notes and notes[0].startswith("0's double backward not checked") and "memory_budget" in notes[0]
+    # the Linear layers' copies do not fit; the parameterless tanh modules cost nothing and are checked
+    assert {n for n in reports[0].tensors if n.endswith(":double_backward")} == {"1:double_backward", "3:double_backward"}

@@ -217,22 +217,31 @@ def tiny_lm(kind: str) -> nn.Module:
                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16))
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert", "bert-buggy"])
 def test_accumulation_training_verdict_at_every_check(tmp_path, kind):
-    """gradient_accumulation_steps=4 with models that divide by the step's item count (num_items_in_batch):
-    every micro-batch is replayed with the Trainer's scaling, and the verdict agrees at every check."""
+    """gradient_accumulation_steps=4 with models that divide by the step's item count (num_items_in_batch) and with
+    a BERT classifier: every micro-batch is replayed with the Trainer's scaling, and the verdict agrees at every
+    check; a planted wrong backward is still named."""
     callback = GradWatchCallback(every=2, coords=2, directions=1, tensorboard=False)
-    model = tiny_lm(kind)
+    lm = kind in ("gpt2", "llama")
+    model = tiny_lm(kind) if lm else tiny_bert(buggy=kind == "bert-buggy")
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2,
                              gradient_accumulation_steps=4, use_cpu=True, disable_tqdm=True, seed=0,
                              report_to=[], save_strategy="no", logging_steps=100)
-    trainer = Trainer(model=model, args=args, train_dataset=TokenIds(), callbacks=[callback])
-    assert trainer.model_accepts_loss_kwargs
+    trainer = Trainer(model=model, args=args, train_dataset=TokenIds() if lm else RandomIds(), callbacks=[callback])
+    assert trainer.model_accepts_loss_kwargs or not lm
     trainer.train()
     checks = [c for c in read_jsonl(tmp_path / "checks.jsonl")[0] if c["type"] == "check"]
     assert [c["step"] for c in checks] == [0, 2]
     n_params = len([p for p in model.parameters() if p.requires_grad])
     assert all(len(c["training"]) == n_params for c in checks), [c["training_note"] for c in checks]
+    if kind == "bert-buggy":
+        named = {a.tensor for a in callback.watch.alerts if a.kind == "threshold"}
+        assert "bert.encoder.layer.0.intermediate.dense.weight" in named
+        assert all(a.part == "backward" for a in callback.watch.alerts)  # the training verdict agrees: .grad is right
+        return
     assert callback.watch.alerts == []
-    # independence="auto": a Hugging Face causal LM is checked causal on the Trainer's batch
-    assert all(c["independence"]["ok"] and list(c["independence"]["structures"]) == ["causal"] for c in checks)
+    if lm:  # independence="auto": a Hugging Face causal LM is checked causal on the Trainer's batch
+        assert all(c["independence"]["ok"] and list(c["independence"]["structures"]) == ["causal"] for c in checks)
+    else:  # a classifier is not checked unless asked
+        assert all(c["independence"] is None for c in checks)

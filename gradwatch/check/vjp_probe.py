@@ -115,6 +115,8 @@ class OutputProbe:
 
     def _own(self, y: torch.Tensor) -> torch.Tensor:
         """``y`` as a flat float64 tensor that perturbing the inputs cannot change (copied only when it could)."""
+        if y._is_zerotensor():  # an efficient zero tensor (a backward that is 0 by definition, e.g. sgn's): no storage
+            return torch.zeros(y.numel(), dtype=torch.float64, device=y.device)
         if y.dtype != torch.float64 or y._is_view() or y.untyped_storage().data_ptr() in self._input_storages:
             y = y.to(torch.float64, copy=True)
         return y.reshape(-1)

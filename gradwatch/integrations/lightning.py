@@ -11,14 +11,18 @@ Scalars go through every logger of the trainer (``log_metrics``);
 ``checks.jsonl`` goes to ``trainer.log_dir``. Under automatic optimization each
 micro-batch is handed to :meth:`GradWatch.accumulate` in ``on_after_backward``, so the
 training part compares ``.grad`` (unscaled, not yet clipped) with the mean of the
-objective's gradients over the step's micro-batches; under manual optimization
-the training part is off. Importing this module imports
-``lightning``; ``import gradwatch`` alone never does.
+objective's gradients over the step's micro-batches. Under manual optimization
+with one ``loss_fn`` the training part is off (one objective cannot stand for what
+several optimizers apply); with ``loss_fn={optimizer_index: loss_fn}`` each
+optimizer's parameters get their own watch, checked when that optimizer steps,
+with both verdicts against their own objective (a GAN's critic and generator).
+Importing this module imports ``lightning``; ``import gradwatch`` alone never does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union, cast
 
@@ -44,6 +48,29 @@ from ..io.sinks import JsonlSink, Sink, TensorBoardSink
 from ..watch.gradwatch import GradWatch
 
 LossFn = Callable[[LightningModule, Any], torch.Tensor]
+#: ``loss_fn`` as the callback takes it: one objective, or one per optimizer index (manual optimization).
+LossFns = Union[LossFn, Mapping[int, LossFn]]
+
+
+def _validate_loss_fns(loss_fn: Any) -> Any:
+    """``loss_fn`` checked: None, a callable, or a mapping of optimizer indices (ints >= 0) to callables."""
+    if loss_fn is None or callable(loss_fn):
+        return loss_fn
+    if isinstance(loss_fn, Mapping):
+        if not loss_fn:
+            raise MisconfigurationException("GradWatchCallback: loss_fn={} names no optimizer; expected "
+                                            "{optimizer_index: loss_fn(pl_module, batch) -> loss, ...}")
+        for key, fn in loss_fn.items():
+            if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+                raise MisconfigurationException(f"GradWatchCallback: loss_fn key {key!r} is not an optimizer index "
+                                                "(an integer >= 0, the position in configure_optimizers)")
+            if not callable(fn):
+                raise MisconfigurationException(f"GradWatchCallback: loss_fn[{key}] must be callable "
+                                                f"loss_fn(pl_module, batch) -> loss, got {type(fn).__name__}")
+        return dict(loss_fn)
+    raise MisconfigurationException(
+        f"GradWatchCallback: loss_fn must be callable loss_fn(pl_module, batch) -> loss, or "
+        f"{{optimizer_index: loss_fn}}, got {type(loss_fn).__name__}")
 
 
 def _noop(*args: Any, **kwargs: Any) -> None:
@@ -233,12 +260,15 @@ class LoggerSink(Sink):
         True
     """
 
-    def __init__(self, logger: Logger) -> None:
+    def __init__(self, logger: Logger, prefix: str = "") -> None:
         self.logger = logger
+        self.prefix = prefix  # "optimizer_1/": tags "gradwatch/optimizer_1/..." (one objective per optimizer)
 
     def write_check(self, record: Mapping[str, Any], alert_count: int) -> None:
         metrics = dict(scalars_from_check(record))
         metrics[ALERTS_COUNT_TAG] = float(alert_count)
+        if self.prefix:
+            metrics = {k.replace("gradwatch/", "gradwatch/" + self.prefix, 1): v for k, v in metrics.items()}
         self.logger.log_metrics(metrics, step=int(record["step"]))
         self.logger.save()
 
@@ -253,7 +283,10 @@ class GradWatchCallback(Callback):
         loss_fn: ``loss_fn(pl_module, batch) -> scalar``, the training loss of ``batch`` computed
             without backward or optimizer calls; default: the loss returned by ``training_step``
             (automatic optimization only: a module with ``automatic_optimization = False`` must
-            pass one). ``self.log``/``self.log_dict`` are silenced during checks either way.
+            pass one). Or ``{optimizer_index: loss_fn}`` (manual optimization, a GAN): each optimizer's
+            parameters are watched against their own objective, checked when that optimizer steps,
+            both verdicts, records under ``log_dir/optimizer_<index>`` (computed, as in training, after
+            the optimizers stepped before it). ``self.log``/``self.log_dict`` are silenced during checks.
         config: Optional YAML file with GradWatch options; keyword options win.
         **options: Any :class:`~gradwatch.config.GradWatchConfig` option (``every``,
             ``coords``, ``raise_on``, ...) and ``on_alert``/``grad_fn``.
@@ -275,13 +308,10 @@ class GradWatchCallback(Callback):
         10
     """
 
-    def __init__(self, loss_fn: Optional[LossFn] = None, *, config: Union[str, Path, None] = None, **options: Any) -> None:
+    def __init__(self, loss_fn: Optional[LossFns] = None, *, config: Union[str, Path, None] = None, **options: Any) -> None:
         super().__init__()
-        if loss_fn is not None and not callable(loss_fn):
-            raise MisconfigurationException(
-                f"GradWatchCallback: loss_fn must be callable loss_fn(pl_module, batch) -> loss, got {type(loss_fn).__name__}"
-            )
-        self.loss_fn = loss_fn if loss_fn is not None else training_step_loss
+        loss_fn = _validate_loss_fns(loss_fn)
+        self.loss_fn: Any = loss_fn if loss_fn is not None else training_step_loss
         self._objects = {k: options.pop(k) for k in ("on_alert", "grad_fn") if k in options}
         for key, value in self._objects.items():
             if value is not None and not callable(value):
@@ -294,8 +324,11 @@ class GradWatchCallback(Callback):
             raise MisconfigurationException(f"GradWatchCallback: {err}") from err
         self.config: GradWatchConfig = made
         self.watch: Optional[GradWatch] = None
+        #: With ``loss_fn={optimizer_index: fn}``: one watch per optimizer index (``watch`` is the first of them).
+        self.watches: Dict[int, GradWatch] = {}
         self._batch: Any = None
         self._batch_checked = False
+        self._checked_indices: set = set()  # loss_fn per optimizer: the indices checked on this batch
         self._checking = False
         self._refused: List[str] = []  # what the check objective tried and was refused, during one check
         self._pending_state: Optional[Dict[str, Any]] = None
@@ -313,8 +346,10 @@ class GradWatchCallback(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if not callable(self.loss_fn):
-            raise MisconfigurationException(f"GradWatchCallback: loss_fn must be callable, got {type(self.loss_fn).__name__}")
+        _validate_loss_fns(self.loss_fn)  # it may have been replaced since __init__
+        if isinstance(self.loss_fn, dict):
+            self._setup_checks(pl_module)
+            return
         if not pl_module.automatic_optimization and self.loss_fn is training_step_loss:
             raise MisconfigurationException(
                 f"GradWatchCallback: {type(pl_module).__name__} optimizes manually (automatic_optimization = False): "
@@ -322,6 +357,9 @@ class GradWatchCallback(Callback):
                 "Pass loss_fn=(module, batch) -> loss that computes the same loss without manual_backward or "
                 "optimizer calls, e.g. GradWatchCallback(loss_fn=lambda module, batch: module.compute_loss(batch))"
             )
+        self._setup_checks(pl_module)
+
+    def _setup_checks(self, pl_module: LightningModule) -> None:
         if not any(p.requires_grad for p in pl_module.parameters()):
             raise MisconfigurationException(f"GradWatchCallback: {type(pl_module).__name__} has no trainable parameters to watch")
 
@@ -329,40 +367,71 @@ class GradWatchCallback(Callback):
         if self.watch is not None:
             if not self.watch._closed and self.watch.model is pl_module:
                 return
-            # A second fit with this callback: its watch was closed at teardown; continue from its state.
+            # A second fit with this callback: its watches were closed at teardown; continue from their state.
             if self._pending_state is None:
-                self._pending_state = self.watch.state_dict()
-            self.watch.close()
-            self.watch = None
+                self._pending_state = self.state_dict()
+            for w in self._all_watches():
+                w.close()
+            self.watch, self.watches = None, {}
+        log_dir = self.config.log_dir or trainer.log_dir or trainer.default_root_dir  # every rank: log_dir broadcasts
+        if isinstance(self.loss_fn, dict):
+            count = len(trainer.optimizers)
+            for index in sorted(self.loss_fn):
+                if index >= count:
+                    raise MisconfigurationException(
+                        f"GradWatchCallback: loss_fn has optimizer index {index}, but {type(pl_module).__name__} "
+                        f"configures {count} optimizer{'s' if count != 1 else ''} (indices 0 to {count - 1})")
+                self.watches[index] = self._build_watch(trainer, pl_module, self.loss_fn[index], index,
+                                                        os.path.join(str(log_dir), f"optimizer_{index}"))
+            self.watch = self.watches[min(self.watches)]
+        else:
+            self.watch = self._build_watch(trainer, pl_module, self.loss_fn, None, str(log_dir))
+        if self._pending_state is not None:
+            self._load_states(self._pending_state)
+            self._pending_state = None
+
+    def _all_watches(self) -> List[GradWatch]:
+        return list(self.watches.values()) if self.watches else ([self.watch] if self.watch is not None else [])
+
+    def _build_watch(self, trainer: Trainer, pl_module: LightningModule, loss_fn: LossFn, index: Optional[int],
+                     log_dir: str) -> GradWatch:
+        """The watch of one objective: the whole module's (``index`` None), or optimizer ``index``'s parameters."""
         zero = trainer.is_global_zero
-        root = trainer.log_dir  # every rank: it broadcasts
-        log_dir = self.config.log_dir or root or trainer.default_root_dir
         tb = next((lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
-        writer = tb.experiment if tb is not None and zero and self.config.tensorboard else None
-        # TensorBoard events through the logger's writer, or in a log_dir the user named; never a new event file
-        # in another logger's folder.
-        tensorboard = self.config.tensorboard and (writer is not None or self.config.log_dir is not None)
-        optimizer = trainer.optimizers[0] if len(trainer.optimizers) == 1 else None
+        if index is None:
+            writer = tb.experiment if tb is not None and zero and self.config.tensorboard else None
+            # TensorBoard events through the logger's writer, or in a log_dir the user named; never a new event file
+            # in another logger's folder.
+            tensorboard = self.config.tensorboard and (writer is not None or self.config.log_dir is not None)
+            optimizer = trainer.optimizers[0] if len(trainer.optimizers) == 1 else None
+            # Manual optimization: what each optimizer applies is the module's own business (a GAN's two losses),
+            # so with one objective the training part (live .grad against the objective's gradient) is off.
+            training = self.config.training and pl_module.automatic_optimization
+            options: Dict[str, Any] = {}
+        else:  # one objective per optimizer: its parameters, its records and events in a folder of their own
+            writer, tensorboard, optimizer, training = None, self.config.tensorboard, trainer.optimizers[index], \
+                self.config.training
+            mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            options = {"tensors": [n for n, p in pl_module.named_parameters() if id(p) in mine and p.requires_grad]}
         try:
-            self.watch = GradWatch(
+            watch = GradWatch(
                 pl_module,
-                cast(Callable[[nn.Module, Any], torch.Tensor], check_loss_fn(self.loss_fn, pl_module, self._refused)),
+                cast(Callable[[nn.Module, Any], torch.Tensor], check_loss_fn(loss_fn, pl_module, self._refused)),
                 optimizer=optimizer,
                 writer=writer,
-                # Manual optimization: what each optimizer applies is the module's own business (a GAN's two losses),
-                # so the training part (live .grad against the objective's gradient) is off.
                 config=self.config.replace(log_dir=log_dir if zero else None, tensorboard=tensorboard,
-                                           training=self.config.training and pl_module.automatic_optimization),
+                                           training=training, **options),
                 **self._objects,
             )
         except (ConfigError, ValueError, TypeError) as err:
             raise MisconfigurationException(f"GradWatchCallback: {err}") from err
         if zero:
+            prefix = "" if index is None else f"optimizer_{index}/"
             for lg in trainer.loggers:
-                if lg is not tb or (writer is None and self.config.tensorboard):
-                    self.watch.sinks.add(LoggerSink(lg))
-            kept = [s for s in self.watch.sinks if isinstance(s, (JsonlSink, TensorBoardSink, LoggerSink))]
-            if not kept and self.watch.dist is None:
+                if lg is not tb or index is not None or (writer is None and self.config.tensorboard):
+                    watch.sinks.add(LoggerSink(lg, prefix))
+            kept = [s for s in watch.sinks if isinstance(s, (JsonlSink, TensorBoardSink, LoggerSink))]
+            if not kept and watch.dist is None:
                 rank_zero_warn(
                     "GradWatchCallback: nothing of the checks will be kept (jsonl and tensorboard are off and the "
                     "trainer has no logger); alerts go to the 'gradwatch' Python logger only. Set jsonl=True, "
@@ -370,17 +439,16 @@ class GradWatchCallback(Callback):
                 )
         # training_step runs inside the precision plugin's context (autocast under "bf16-mixed"/"16-mixed"):
         # the training part replays it there too.
-        self.watch.replay_context = trainer.precision_plugin.train_step_context
-        self.watch.grad_scaler = getattr(trainer.precision_plugin, "scaler", None)  # "16-mixed": its GradScaler
-        if self._pending_state is not None:
-            self.watch.load_state_dict(self._pending_state)
-            self._pending_state = None
+        watch.replay_context = trainer.precision_plugin.train_step_context
+        watch.grad_scaler = getattr(trainer.precision_plugin, "scaler", None)  # "16-mixed": its GradScaler
+        return watch
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch = batch
         self._batch_checked = False
-        if self.watch is not None:
-            self.watch.start_batch()  # training_step follows with no random draw in between: the replay starts here
+        self._checked_indices.clear()
+        for watch in self._all_watches():
+            watch.start_batch()  # training_step follows with no random draw in between: the replay starts here
 
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Every micro-batch (accumulate_grad_batches): the training part averages their gradients, as Lightning does.
@@ -388,9 +456,19 @@ class GradWatchCallback(Callback):
             self.watch.accumulate(self._batch)
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer) -> None:
-        # Once per batch: several optimizers (manual optimization) step on one batch, and a check is never re-entered.
+        # Once per batch: several optimizers (manual optimization) step on one batch, and a check is never re-entered;
+        # with an objective per optimizer, once per batch and optimizer, when that optimizer steps.
         # Before gradient clipping, after Lightning's AMP unscaling: .grad is the gradient of the training loss.
-        if self.watch is None or self._batch is None or self._checking or self._batch_checked:
+        if self.watch is None or self._batch is None or self._checking:
+            return
+        watch = self.watch
+        if self.watches:
+            index = _optimizer_index(trainer, optimizer)
+            if index is None or index not in self.watches or index in self._checked_indices:
+                return
+            self._checked_indices.add(index)
+            watch = self.watches[index]
+        elif self._batch_checked:
             return
         self._batch_checked = True
         before = training_state(trainer, pl_module)
@@ -398,28 +476,31 @@ class GradWatchCallback(Callback):
         self._refused.clear()
         try:
             with optimizers_locked(trainer, self._refused):
-                self.watch.step(self._batch, global_step=trainer.global_step)
+                watch.step(self._batch, global_step=trainer.global_step)
         finally:
             self._checking = False
         changes = _changes(before, training_state(trainer, pl_module), pl_module)
         if self._refused or changes:
             what = f"called {self._refused[0]} (refused)" if self._refused else f"changed training ({', '.join(changes[:5])})"
-            self.watch.pause(
+            watch.pause(
                 f"the check objective {what}; pass GradWatchCallback(loss_fn=(module, batch) -> loss) "
                 "that only computes the loss",
                 step=trainer.global_step,
             )
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.watch is not None:
-            self.watch.sinks.flush()
+        for watch in self._all_watches():
+            watch.sinks.flush()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if stage == "fit" and self.watch is not None:
-            self.watch.close()
+        if stage == "fit":
+            for watch in self._all_watches():
+                watch.close()
 
     # -- checkpoints -----------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
+        if self.watches:
+            return {"optimizers": {str(i): w.state_dict() for i, w in self.watches.items()}}
         if self.watch is not None:
             return self.watch.state_dict()
         return dict(self._pending_state or {})
@@ -428,6 +509,26 @@ class GradWatchCallback(Callback):
         if not state_dict:
             return
         if self.watch is not None:
-            self.watch.load_state_dict(state_dict)
+            self._load_states(state_dict)
         else:
             self._pending_state = dict(state_dict)
+
+    def _load_states(self, state: Mapping[str, Any]) -> None:
+        if self.watches and "optimizers" in state:
+            for key, sub in state["optimizers"].items():
+                if int(key) in self.watches:
+                    self.watches[int(key)].load_state_dict(sub)
+        elif not self.watches and "optimizers" not in state and self.watch is not None:
+            self.watch.load_state_dict(state)
+        else:
+            rank_zero_warn("GradWatchCallback: the checkpoint's gradwatch state was written with another loss_fn "
+                           "(one objective vs one per optimizer); the watch starts afresh")
+
+
+def _optimizer_index(trainer: Trainer, optimizer: Any) -> Optional[int]:
+    """The position of ``optimizer`` (or the one a ``LightningOptimizer`` wraps) in ``trainer.optimizers``."""
+    inner = getattr(optimizer, "_optimizer", optimizer)
+    for i, opt in enumerate(trainer.optimizers):
+        if opt is inner or opt is optimizer or getattr(opt, "_optimizer", None) is inner:
+            return i
+    return None

@@ -27,7 +27,7 @@ from ..check import model as _check
 from ..check.generators import find_generators
 from ..check.inner import check_inner_derivatives, leaf_modules
 from ..check.isolation import Shadow, preserved_rng
-from ..check.memory import SAFETY, MemoryMeter, gradient_bytes, mb, model_device, release_freed
+from ..check.memory import SAFETY, MemoryMeter, gradient_bytes, mb, model_device, module_bytes, release_freed
 from ..check.model import GradFn, trainable_names
 from ..check.modular import run_module_check, units_signature
 from ..check.numeric import Verdict
@@ -609,7 +609,21 @@ class GradWatch:
         (:mod:`gradwatch.check.inner`), as report entries ``"<module>:double_backward"``."""
         if not self.objective.differentiates:
             return
-        leaves = leaf_modules(target)
+        owners = {n.rsplit(".", 1)[0] if "." in n else "" for n in self._watched_names()}
+
+        def related(leaf: str) -> bool:  # owns watched parameters, or sits beside modules that do (an activation)
+            parent = leaf.rsplit(".", 1)[0] if "." in leaf else ""
+            return leaf in owners or not parent or any(o == parent or o.startswith(parent + ".") for o in owners)
+
+        leaves = [n for n in leaf_modules(target) if related(n)]
+        room = self.memory.room()
+        if room is not None:  # each module's float64 copy and its check must fit memory_budget, as the units' do
+            modules = dict(target.named_modules())
+            big = {n: module_bytes(modules[n].parameters(), ()) for n in leaves}
+            for n in [n for n in leaves if big[n] > SAFETY * room]:
+                leaves.remove(n)
+                report.notes.append(f"{n}'s double backward not checked: its float64 copy and check ({mb(big[n])}) "
+                                    f"do not fit the room memory_budget leaves ({mb(room)})")
         chosen = sorted(leaves, key=lambda n: (self._inner_counts.get(n, 0), leaves.index(n)))[:self.INNER_PER_CHECK]
         with self._recorder_paused():
             checks = check_inner_derivatives(target, self.objective.loss, batch, names=sorted(chosen, key=leaves.index),
