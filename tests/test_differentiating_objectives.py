@@ -208,11 +208,31 @@ def test_the_readme_plain_gan_loop_gives_each_network_both_verdicts(tmp_path, mo
             assert set(c["training"]) == params and all(t["verdict"] == "excellent" for t in c["training"].values())
 
 
+_OVER_BUDGET = """
+import sys, json, torch
+from torch import nn
+sys.path.insert(0, "tests")
+from test_differentiating_objectives import wgan_gp, batches, watch_run
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3000), nn.Tanh(), nn.Linear(3000, 3000), nn.Tanh(),
+                      nn.Linear(3000, 1))
+watch, reports = watch_run(wgan_gp, model, batches(8, torch.float32, 1))
+print(json.dumps({"notes": reports[0].notes, "inner": sorted(n for n in reports[0].tensors if n.endswith(":double_backward"))}))
+"""
+
+
 def test_a_module_whose_double_backward_check_does_not_fit_memory_budget_is_said_not_checked():
-    loss_fn, d_in = OBJECTIVES["wgan_gp"]
-    model = mlp(d_in, torch.float32)
-    watch, reports = watch_run(loss_fn, model, batches(d_in, torch.float32, 1), memory_budget=1e-9)
-    notes = [n for n in reports[0].notes if "double backward not checked" in n]
-    assert notes and notes[0].startswith("0's double backward not checked") and "memory_budget" in notes[0]
-    # the Linear layers' copies do not fit; the parameterless tanh modules cost nothing and are checked
-    assert {n for n in reports[0].tensors if n.endswith(":double_backward")} == {"1:double_backward", "3:double_backward"}
+    """A 9M-parameter Linear's float64 copy and check (~430 MB) does not fit the room of a fresh process at the
+    default memory_budget: named in a note, not checked; the small modules are (a process of its own: the room
+    is its training's own peak, not the test run's)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", _OVER_BUDGET], cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert any(n.startswith("4's double backward not checked") and "memory_budget" in n for n in got["notes"])
+    assert "4:double_backward" not in got["inner"] and "1:double_backward" in got["inner"]

@@ -175,11 +175,54 @@ def test_training_part_judges_a_rotating_subset_when_the_room_is_small():
     watch.memory.transient = lambda model=None: 0
     seen = set()
     for _ in range(4):
-        chosen = watch._training_subset(params, int(one / SAFETY) + 1)
-        assert 0 < len(chosen) < len(params)
+        chosen, rows = watch._training_subset(params, int(one / SAFETY) + 1, rows=False)
+        assert 0 < len(chosen) < len(params) and rows == {}
         assert sum(p.numel() * p.element_size() for p in chosen.values()) <= one + 1
         seen |= set(chosen)
     assert seen == set(params)  # the rotation reaches every tensor
+    watch.close()
+
+
+def test_a_linear_weight_too_big_for_the_room_is_judged_by_rows_and_every_row_within_a_known_number_of_checks():
+    """The LM-head case: its replayed gradient does not fit the safe share whole, so a block of its rows does, the
+    next block at the next check; the replay holds those rows' gradient only, bit for bit the full gradient's rows."""
+    import torch.nn.functional as F
+
+    from gradwatch.check.report import CheckReport
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4000))
+
+    def loss_fn(m, b):
+        return F.cross_entropy(m(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten() % 4000)
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch = GradWatch(model, loss_fn, optimizer=opt, every=1000, log_dir=None, form="module")
+    params = watch._training_params()
+    room = 2 * 200_000  # a safe share of 200 KB: the head's 256 KB gradient does not fit whole
+    covered = torch.zeros(4000, dtype=torch.bool)
+    for check in range(7):
+        b = torch.randint(0, 50, (4, 9), generator=torch.Generator().manual_seed(check))
+        opt.zero_grad()
+        loss_fn(model, b).backward()
+        if check == 2:  # a wrong .grad in one row of the head's next block (what the optimizer would apply)
+            g, at = model[3].weight.grad, watch._row_cursor["3.weight"]
+            g[at + int(g[at:at + 500].norm(dim=1).argmax())] *= 2.0
+        replay = watch._training_replay(watch._take(b, None), room=room)
+        first, end = replay.rows["3.weight"]
+        report = CheckReport(tensors={})
+        watch._attach_training(report, replay)
+        assert report.training_rows == {"3.weight": (first, end)} and end - first >= min(500, 4000 - first)
+        verdict = report.training["3.weight"].verdict.value
+        assert verdict == ("wrong" if check == 2 else "excellent"), (check, verdict)
+        assert all(t.verdict.value == "excellent" for n, t in report.training.items() if n != "3.weight")
+        watch.planner.attach(model, watch._watched_names())
+        watch.planner.record(report)
+        covered[first:end] = True
+        opt.step()
+    assert covered.all()  # every row within ceil(4000 / block) = 6 checks; the seventh starts again at row 0
+    assert watch.planner.coverage.fraction("training", "3.weight") == 1.0
+    assert model[3].weight.requires_grad  # put back after each replay
     watch.close()
 
 

@@ -348,6 +348,7 @@ class Replay:
     forwards: Tuple[int, int] = (0, 0)  # (training's, the replay's) forwards of one micro-batch
     autocast: Tuple[Tuple[str, bool, torch.dtype], ...] = ()  # the autocast state training's forward ran in
     params: Optional[Dict[str, torch.Tensor]] = None  # the live parameters the gradients are of
+    rows: Dict[str, Tuple[int, int]] = field(default_factory=dict)  # weights whose gradients are of these rows only
 
 
 class _Probe:

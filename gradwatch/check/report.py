@@ -195,6 +195,8 @@ class CheckReport:
             for all, ``(first, end)``, or a tensor of row indices), and ``(module name, "code")`` for each
             module whose own code a checked unit held (read by :class:`gradwatch.plan.coverage.Coverage`).
         pieces: Module form: the pieces checked (``"lm_head[0:256]"``), in order.
+        training_rows: The training part's weights judged by a block of rows: name -> ``(first, end)``
+            (their gradient does not fit the room whole, :mod:`gradwatch.check.row_replay`).
         independence: The independence part's :class:`gradwatch.check.independence.IndependenceReport` (a watch
             with ``independence=``), or None.
 
@@ -226,6 +228,7 @@ class CheckReport:
     probed: List[Tuple[str, Any]] = field(default_factory=list)
     pieces: List[str] = field(default_factory=list)
     independence: Any = None
+    training_rows: Dict[str, Tuple[int, int]] = field(default_factory=dict)
 
     @property
     def training_failures(self) -> List[TrainingCheck]:

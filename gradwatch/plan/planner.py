@@ -177,7 +177,7 @@ class Planner:
             for name in report.tensors:
                 cov.probe("backward", name)
         for name in report.training:
-            cov.probe("training", name)
+            cov.probe("training", name, report.training_rows.get(name))  # None: the whole tensor
 
     def unchecked_news(self, report: CheckReport) -> List[str]:
         """The notes of ``report`` that name something not checked, each said for the first time in the run

@@ -34,6 +34,7 @@ from ..check.numeric import Verdict
 from ..check.objective import Objective, coupled_weight_decay
 from ..check.replay import ForwardRecorder, Replay, Step, replay_step, scalar_grad
 from ..check.report import CheckReport
+from ..check.row_replay import RowGrads, sliceable_linears
 from ..check.sampling import coverage as coverage_of
 from ..check.sampling import match_names, rotate
 from ..check.training import compute_dtype, gradient_scale, judge_training, tolerance_for
@@ -220,6 +221,7 @@ class GradWatch:
         self.planner = Planner(self.config.form, self.config.tensors_per_check, self._check_options.seed,
                                self.config.memory_budget)
         self._training_counts: Dict[str, int] = {}  # training part: judgments per tensor, when not all fit
+        self._row_cursor: Dict[str, int] = {}  # training part: the next row of each weight judged by rows
         self._inner_counts: Dict[str, int] = {}  # modules whose double backward was checked (differentiating objectives)
         self._closed = False
         self._cycle_length: Optional[int] = None
@@ -661,7 +663,7 @@ class GradWatch:
                 form = self._choose_form(self.model, self._watched_names(), room)
                 only = None
                 if room is not None and self._recorder is not None and self.config.form != "objective":
-                    only = list(self._training_subset(self._training_params(), room, count=False))
+                    only = list(self._training_subset(self._training_params(), room, count=False, rows=False)[0])
                 local = (room, (form, only))
             except Exception as exc:  # noqa: BLE001 - every rank must still reach the gather below
                 local = ("error", f"{type(exc).__name__}: {exc}")
@@ -850,13 +852,19 @@ class GradWatch:
         if all(p.grad is None for p in plist):
             return Replay(None, None, None, "not judged: no watched parameter has a .grad yet (watch.step or check "
                                             "before the first backward)")
+        row_plan: Dict[str, Tuple[int, int]] = {}
         if only is not None or (room is not None and self.config.form != "objective"):
-            params = ({n: params[n] for n in only if n in params} if only is not None
-                      else self._training_subset(params, cast(int, room)))
+            if only is not None:
+                params = {n: params[n] for n in only if n in params}
+            else:
+                params, row_plan = self._training_subset(params, cast(int, room), rows=self.grad_fn is None)
             if not params:
                 return Replay(None, None, None, f"not judged: the replayed gradient of the smallest watched tensor does "
                                                 f"not fit in the room memory_budget leaves ({mb(room)})")
-            plist = tuple(params.values())
+            plist = tuple(p for n, p in params.items() if n not in row_plan)
+        linears = sliceable_linears(model) if row_plan else {}
+        rowgrads = RowGrads({n: (linears[n], params[n], rows) for n, rows in row_plan.items()}) if row_plan else None
+        whole = [(n, p) for n, p in params.items() if n not in row_plan]
 
         scaler = self.grad_scaler if self.grad_scaler is not None and self.grad_scaler.is_enabled() else None
 
@@ -865,46 +873,74 @@ class GradWatch:
                 from ..check.model import _validate_grads
 
                 return _validate_grads(self.grad_fn(model, batch), params, "grad_fn")
+            leaves = rowgrads.leaves() if rowgrads is not None else ()
             if not total.requires_grad:
-                return {n: torch.zeros_like(p) for n, p in params.items()}
-            if scaler is None:
-                gs = scalar_grad(total, plist)
-                return {n: torch.zeros_like(p) if g is None else _dense(g) for (n, p), g in zip(params.items(), gs)}
-            # scaler.scale(loss).backward(), then unscale_: multiply by the float32 reciprocal of the scale
-            inv = torch.tensor(float(scaler.get_scale()), dtype=torch.float64).reciprocal().float()
-            gs = scalar_grad(scaler.scale(total), plist)
-            return {n: torch.zeros_like(p) if g is None else _dense(g) * inv.to(g.device)
-                    for (n, p), g in zip(params.items(), gs)}
+                out = {n: torch.zeros_like(p) for n, p in whole}
+                out.update(rowgrads.split([None] * len(leaves)) if rowgrads is not None else {})
+                return out
+            inv = None
+            if scaler is not None:  # scaler.scale(loss).backward(), then unscale_: times the float32 reciprocal
+                inv = torch.tensor(float(scaler.get_scale()), dtype=torch.float64).reciprocal().float()
+                total = scaler.scale(total)
+            gs = scalar_grad(total, plist + leaves)
+            out = {n: torch.zeros_like(p) if g is None else _dense(g) for (n, p), g in zip(whole, gs[:len(plist)])}
+            if rowgrads is not None:  # weights judged by rows: the gradient of those rows only
+                out.update(rowgrads.split(list(gs[len(plist):])))
+            if inv is not None:
+                out = {n: g * inv.to(g.device) for n, g in out.items()}
+            return out
 
         autocast = next((mb.records[0].autocast for mb in pending.micro if mb.records), ())
         dtypes = {p.dtype for p in plist}  # a few distinct dtypes, however many tensors
         worst = compute_dtype(max(dtypes, key=tolerance_for, default=torch.float32), autocast)
-        replay = replay_step(model, self._recorder, pending, self.objective.training_total, grad_of, params,
-                             loss_tolerance=10 * tolerance_for(worst), context=self.replay_context,
-                             generators=self._held_generators(), modules=self._modules_cache)
+        with rowgrads if rowgrads is not None else contextlib.nullcontext():
+            replay = replay_step(model, self._recorder, pending, self.objective.training_total, grad_of, params,
+                                 loss_tolerance=10 * tolerance_for(worst), context=self.replay_context,
+                                 generators=self._held_generators(), modules=self._modules_cache)
         replay.params = params
+        replay.rows = row_plan
         return replay
 
-    def _training_subset(self, params: Dict[str, torch.Tensor], room: int, count: bool = True) -> Dict[str, torch.Tensor]:
-        """The watched tensors whose replayed gradients fit in ``room`` beside the replay's activations
-        (all when they fit; else least-judged first, in model order among equals); ``count``: count them as judged."""
+    def _training_subset(self, params: Dict[str, torch.Tensor], room: int, count: bool = True, rows: bool = True
+                         ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Tuple[int, int]]]:
+        """The watched tensors whose replayed gradients fit in ``room`` beside the replay's activations (all when they
+        fit; else least-judged first, in model order among equals), and with ``rows`` the weights judged by a block
+        of rows that fits (an exact ``nn.Linear``'s weight too big whole: :mod:`gradwatch.check.row_replay`; the
+        next block at the next turn). ``count``: count them as judged (and move the row blocks on)."""
         free = SAFETY * room - self.memory.transient(self.model)
         if gradient_bytes(params.values()) <= free:
-            return params
+            return params, {}
         names = list(params)
         order = sorted(range(len(names)), key=lambda i: (self._training_counts.get(names[i], 0), i))
+        linears = sliceable_linears(self.model) if rows else {}
+        least = min(self._training_counts.get(n, 0) for n in names)
         chosen = []
+        sliced: Dict[str, Tuple[int, int]] = {}
         for i in order:
-            need = gradient_bytes([params[names[i]]])
+            n, p = names[i], params[names[i]]
+            need = gradient_bytes([p])
             if need <= free:
                 chosen.append(i)
                 free -= need
+            elif n in linears and p.dim() == 2 and p.shape[0] > 1 and self._training_counts.get(n, 0) == least:
+                # a least-judged weight too big for what is left: a block of its rows, in at most half of it (the
+                # rest for the tensors after it), the next block at its next turn
+                per_row = 2 * p.shape[1] * p.element_size()  # the rows' copy and their gradient
+                k = min(int(free / 2 // per_row), p.shape[0] - 1)
+                if k >= 1:
+                    first = self._row_cursor.get(n, 0) % p.shape[0]
+                    end = min(first + k, p.shape[0])
+                    sliced[n] = (first, end)
+                    chosen.append(i)
+                    free -= (end - first) * per_row
         if not chosen and order and gradient_bytes([params[names[order[0]]]]) <= room:
             chosen.append(order[0])  # a tensor bigger than the safe share still gets its turn, alone, within the room
         out = {names[i]: params[names[i]] for i in sorted(chosen)}
         for n in out if count else ():
             self._training_counts[n] = self._training_counts.get(n, 0) + 1
-        return out
+            if n in sliced:
+                self._row_cursor[n] = sliced[n][1] % params[n].shape[0]
+        return out, sliced
 
     def _choose_form(self, model: nn.Module, names: List[str], room: Optional[int]) -> Tuple[str, Optional[int], Optional[str]]:
         """``(form, estimate in bytes, a note or None)`` from the planner (:meth:`Planner.choose_form`)."""
@@ -942,9 +978,15 @@ class GradWatch:
 
         bands, fail_at, autocast = self._check_options.bands, self._check_options.fail_verdict, replay.autocast
         dtypes: Dict[torch.dtype, torch.dtype] = {}  # parameter dtype -> compute dtype, once per dtype
+        rows = getattr(replay, "rows", None) or {}
         for n, p in params.items():
             dtype = dtypes.get(p.dtype) or dtypes.setdefault(p.dtype, compute_dtype(p.dtype, autocast))
-            report.training[n] = judge_training(n, p.grad, grads[n], p, dtype, bands, fail_at, scale=scale)
+            live = p.grad
+            if n in rows:  # judged by a block of rows: the live .grad's rows against the replayed rows
+                first, end = rows[n]
+                p, live = p[first:end], None if live is None else live[first:end]
+            report.training[n] = judge_training(n, live, grads[n], p, dtype, bands, fail_at, scale=scale)
+        report.training_rows = dict(rows)
         notes = [f"replayed from the {replay.how} RNG state" if replay.how else ""]
         if replay.loss_gap is not None:
             given, replayed = replay.loss_gap

@@ -1,0 +1,119 @@
+"""The training part for a weight too big to replay whole: the gradient of some of its rows only.
+
+The training verdict replays training's forward and backward and holds the objective's gradient of
+each judged tensor beside the live ``.grad``. A weight whose gradient does not fit the room
+``memory_budget`` leaves (the LM head of a model with a real vocabulary) is judged by rows instead,
+a different block of rows at each check. During the replay the weight does not require grad, so the
+backward never forms its whole gradient; a forward hook on its ``nn.Linear`` adds
+
+    F.linear(x.detach(), S) - F.linear(x.detach(), S).detach()
+
+to the output's columns ``rows``, where ``S`` is a copy of those rows only. The term is exactly zero,
+so the forward (and the loss) are bit for bit training's; its gradient reaches ``S`` alone, and is
+the gradient of those rows of the weight (``x.detach()``: nothing else receives it twice). Only
+exact ``nn.Linear`` modules whose weight no other module uses are sliced this way (a subclass may
+compute its weight's gradient differently).
+
+Example:
+    >>> lin = nn.Linear(3, 4)
+    >>> x = torch.randn(5, 3)
+    >>> with RowGrads({"weight": (lin, lin.weight, (1, 3))}) as rows:
+    ...     total = lin(x).pow(2).sum()
+    ...     got = rows.grads(total)["weight"]
+    >>> full = torch.autograd.grad(lin(x).pow(2).sum(), lin.weight)[0]
+    >>> torch.allclose(got, full[1:3]), lin.weight.requires_grad
+    (True, True)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: name -> (the Linear module, its weight, (first row, end row))
+RowPlan = Mapping[str, Tuple[nn.Module, torch.Tensor, Tuple[int, int]]]
+
+
+def sliceable_linears(model: nn.Module) -> Dict[str, nn.Module]:
+    """Parameter name -> its module, for the weights of exact ``nn.Linear`` modules that no other module uses.
+
+    Example:
+        >>> sorted(sliceable_linears(nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1))))
+        ['0.weight', '2.weight']
+    """
+    uses: Dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    out: Dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if type(module) is nn.Linear and isinstance(weight, nn.Parameter) and uses.get(id(weight)) == 1:
+            out[f"{name}.weight" if name else "weight"] = module
+    return out
+
+
+class RowGrads:
+    """A replay's gradients of some rows of some Linear weights (see the module's docstring).
+
+    Use as a context manager around the replay; :meth:`grads` after each evaluation's total.
+    """
+
+    def __init__(self, plan: RowPlan) -> None:
+        self.plan = dict(plan)
+        self._pending: List[Tuple[str, torch.Tensor]] = []
+        self._handles: List[Any] = []
+        self._flags: List[Tuple[torch.Tensor, bool]] = []
+
+    def __enter__(self) -> "RowGrads":
+        for name, (module, weight, rows) in self.plan.items():
+            self._flags.append((weight, weight.requires_grad))
+            weight.requires_grad_(False)
+            self._handles.append(module.register_forward_hook(self._hook(name, rows)))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        for weight, flag in self._flags:
+            weight.requires_grad_(flag)
+        self._handles, self._flags, self._pending = [], [], []
+
+    def _hook(self, name: str, rows: Tuple[int, int]) -> Any:
+        first, end = rows
+
+        def hook(module: nn.Module, args: tuple, out: Any) -> Any:
+            if not torch.is_grad_enabled() or not args or not isinstance(out, torch.Tensor):
+                return None
+            x = args[0].detach()
+            part = cast(torch.Tensor, module.weight).detach()[first:end].clone().requires_grad_(True)
+            self._pending.append((name, part))
+            y = F.linear(x, part)  # in the forward's own autocast region, as the module computed its output
+            zero = y - y.detach()
+            return out + F.pad(zero, (first, out.shape[-1] - end)).to(out.dtype)
+        hook._gradwatch_hook = True  # type: ignore[attr-defined]  # gradwatch's own: a replay keeps it on the model
+        return hook
+
+    def leaves(self) -> Tuple[torch.Tensor, ...]:
+        """The row copies the forwards since the last :meth:`grads` made (one per call of a module)."""
+        return tuple(p for _, p in self._pending)
+
+    def split(self, grads: Sequence[Optional[torch.Tensor]]) -> Dict[str, torch.Tensor]:
+        """The gradients of :meth:`leaves` summed per weight (zeros where unused); forgets the leaves."""
+        out: Dict[str, torch.Tensor] = {}
+        for (name, part), g in zip(self._pending, grads):
+            g = torch.zeros_like(part) if g is None else g
+            out[name] = g if name not in out else out[name] + g
+        for name, (_, weight, (first, end)) in self.plan.items():
+            if name not in out:
+                out[name] = torch.zeros_like(weight[first:end])
+        self._pending = []
+        return out
+
+    def grads(self, total: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """The rows' gradients of ``total`` (for one evaluation)."""
+        leaves = self.leaves()
+        got = torch.autograd.grad(total, leaves, allow_unused=True) if leaves else ()
+        return self.split(list(got))
