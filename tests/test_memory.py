@@ -198,7 +198,6 @@ def test_a_linear_weight_too_big_for_the_room_is_judged_by_rows_and_every_row_wi
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     watch = GradWatch(model, loss_fn, optimizer=opt, every=1000, log_dir=None, form="module")
-    params = watch._training_params()
     room = 2 * 200_000  # a safe share of 200 KB: the head's 256 KB gradient does not fit whole
     covered = torch.zeros(4000, dtype=torch.bool)
     for check in range(7):
