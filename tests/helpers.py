@@ -56,9 +56,10 @@ class Act(nn.Module):
         return WrongTanh.apply(x) if self.wrong else torch.tanh(x)
 
 
-def make_tanh(x_error: float = 1.0, g_error: float = 1.0):
+def make_tanh(x_error: float = 1.0, g_error: float = 1.0, element=None):
     """A tanh whose backward is another custom Function; that one's backward (tanh's double backward)
-    is scaled by ``x_error`` in its gradient with respect to ``y`` and by ``g_error`` in that to ``g``."""
+    is scaled by ``x_error`` in its gradient with respect to ``y`` (in flat element ``element`` only, when
+    given) and by ``g_error`` in that to ``g``."""
 
     class TanhGrad(torch.autograd.Function):
         @staticmethod
@@ -69,7 +70,13 @@ def make_tanh(x_error: float = 1.0, g_error: float = 1.0):
         @staticmethod
         def backward(ctx, gg):
             y, g = ctx.saved_tensors
-            return gg * g * (-2 * y) * x_error, gg * (1 - y * y) * g_error
+            gy = gg * g * (-2 * y)
+            if element is None:
+                gy = gy * x_error
+            else:
+                gy = gy.clone()
+                gy.view(-1)[element] *= x_error
+            return gy, gg * (1 - y * y) * g_error
 
     class Tanh(torch.autograd.Function):
         @staticmethod

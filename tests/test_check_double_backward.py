@@ -69,43 +69,11 @@ def test_the_readme_example_runs():
     exec(compile(second, "README.md", "exec"), ns)  # raises on a wrong double backward
 
 
-def _one_element_wrong(factor: float, index: int):
-    """tanh whose double backward (with respect to x) is off by ``factor`` in element ``index`` only."""
-
-    class Grad(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, y, g):
-            ctx.save_for_backward(y, g)
-            return g * (1 - y * y)
-
-        @staticmethod
-        def backward(ctx, gg):
-            y, g = ctx.saved_tensors
-            gy = gg * g * (-2 * y)
-            gy = gy.clone()
-            gy.view(-1)[index] *= factor
-            return gy, gg * (1 - y * y)
-
-    class Tanh(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            y = torch.tanh(x)
-            ctx.save_for_backward(y)
-            return y
-
-        @staticmethod
-        def backward(ctx, g):
-            (y,) = ctx.saved_tensors
-            return Grad.apply(y, g)
-
-    return Tanh.apply
-
-
 def test_float64_defaults_catch_a_one_percent_error_in_one_element():
     x, gy, ggx = (torch.tensor(a) for a in data(n=40))
-    check_double_backward(_one_element_wrong(1.0, 7), x, gy, ggx)  # the correct one passes at the tight defaults
+    check_double_backward(make_tanh(1.0, element=7), x, gy, ggx)  # the correct one passes at the tight defaults
     with pytest.raises(GradientCheckError, match="x\\[0\\]"):
-        check_double_backward(_one_element_wrong(1.01, 7), x, gy, ggx)
+        check_double_backward(make_tanh(1.01, element=7), x, gy, ggx)
 
 
 def test_a_backward_that_is_zero_by_definition_is_checked():

@@ -231,14 +231,11 @@ class _Runner:
 
 
 @contextmanager
-def _quiet_state(model: nn.Module, runner: "_Runner", generators: Optional[Sequence[Any]] = None
-                 ) -> Iterator[List[str]]:
+def _quiet_state(model: nn.Module, held: HeldGenerators) -> Iterator[List[str]]:
     """Eval mode, every generator and buffer put back, the train/eval flags as they were; yields notes.
 
-    ``generators``: those the model holds (``torch.Generator``, numpy, ``random``), found here when None.
+    ``held``: the generators the model holds (``torch.Generator``, numpy, ``random``), put back on exit.
     """
-    held = HeldGenerators([model]) if generators is None else HeldGenerators.of(generators)
-    runner.held = held  # every forward starts from the same states of the model's own generators
     modes = [(m, m.training) for m in model.modules()]
     notes = []
     if any(t for _, t in modes):
@@ -532,7 +529,9 @@ def check_independence(
     results: Dict[str, StructureResult] = {}
     runner = _Runner(model, args, kwargs, where, primary, seed)
     generator = torch.Generator().manual_seed(seed)
-    with _quiet_state(model, runner, generators) as state_notes:
+    # every forward starts from the same states of the generators the model holds; they are put back after
+    runner.held = HeldGenerators([model]) if generators is None else HeldGenerators.of(generators)
+    with _quiet_state(model, runner.held) as state_notes:
         notes += state_notes
         layout = _Layout(batch_dim, seq_dim if seq else None)
         checker = _Checker(model, runner, layout, allowed)
