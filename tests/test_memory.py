@@ -225,6 +225,62 @@ def test_a_linear_weight_too_big_for_the_room_is_judged_by_rows_and_every_row_wi
     watch.close()
 
 
+def test_an_embedding_too_big_for_the_room_is_judged_by_token_rows():
+    import torch.nn.functional as F
+
+    from gradwatch.check.report import CheckReport
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(4000, 16, padding_idx=0), nn.Linear(16, 8))
+
+    def loss_fn(m, b):
+        return F.cross_entropy(m(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten() % 8)
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch = GradWatch(model, loss_fn, optimizer=opt, every=1000, log_dir=None, form="module")
+    b = torch.randint(0, 4000, (4, 9))
+    b[0, :3] = 0  # the padding row: its gradient is 0 by definition, in the block as in the whole
+    b[1, 0] = 7  # a token of the first block
+    opt.zero_grad()
+    loss_fn(model, b).backward()
+    model[0].weight.grad[7] *= 2.0  # a wrong .grad in the row of a token the batch uses
+    report = CheckReport(tensors={})
+    watch._attach_training(report, watch._training_replay(watch._take(b, None), room=2 * 200_000))
+    first, end = report.training_rows["0.weight"]
+    assert first == 0 and end > 500 and model[0].weight.requires_grad
+    assert report.training["0.weight"].verdict.value == "wrong"
+    assert report.training["1.weight"].verdict.value == "excellent"
+    watch.close()
+
+
+def test_the_training_part_rotates_over_every_tensor_with_the_big_weights_by_rows_and_the_rest_whole():
+    """A tight room: the token embedding and the head (each over half the safe share) are judged by equal blocks
+    of rows at their turns, every other tensor whole, and every tensor gets its turn within a known number of
+    checks (no big weight starves the layers after it; no small weight is cut into slivers)."""
+    torch.manual_seed(0)
+    layers = [nn.Embedding(4000, 16)]
+    for _ in range(6):
+        layers += [nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 16)]
+    model = nn.Sequential(*layers, nn.Linear(16, 4000))
+    watch = GradWatch(model, lambda m, b: m(b).sum(), every=1000, log_dir=None, form="module")
+    params = watch._training_params()
+    room = 2 * 60_000  # a safe share of 60 KB: the two 256 KB weights never fit, one 16 KB layer weight at a time
+    judged = {n: 0 for n in params}
+    for check in range(16):
+        out, sliced = watch._training_subset(params, room)
+        assert set(sliced) <= {"0.weight", "19.weight"}
+        assert all(end - first == 117 for first, end in sliced.values())  # 15 KB each: 117 rows of 128 bytes (copy and gradient)
+        used = sum(p.numel() * 4 for n, p in out.items() if n not in sliced) + 117 * 128 * len(sliced)
+        assert used <= 60_000
+        for n in out:
+            judged[n] += 1
+        if check == 12:
+            assert min(judged.values()) >= 1, [n for n, c in judged.items() if not c]
+    weights = [c for n, c in judged.items() if params[n].dim() == 2]
+    assert max(weights) - min(weights) <= 1  # least-judged first: the weights' turns stay even (biases fill the rest)
+    watch.close()
+
+
 def test_memory_budget_option_everywhere():
     assert GradWatchConfig().memory_budget == 0.1 and GradWatchConfig().form == "auto"
     assert GradWatchConfig(memory_budget=None).memory_budget is None

@@ -1,5 +1,8 @@
 """The training part for a weight too big to replay whole: the gradient of some of its rows only.
 
+(``nn.Embedding`` weights too: the term is ``F.embedding`` of the ids remapped into the block, masked to the
+ids inside it, ``padding_idx`` remapped; its gradient is those token rows' gradient.)
+
 The training verdict replays training's forward and backward and holds the objective's gradient of
 each judged tensor beside the live ``.grad``. A weight whose gradient does not fit the room
 ``memory_budget`` leaves (the LM head of a model with a real vocabulary) is judged by rows instead,
@@ -38,11 +41,12 @@ RowPlan = Mapping[str, Tuple[nn.Module, torch.Tensor, Tuple[int, int]]]
 
 
 def sliceable_linears(model: nn.Module) -> Dict[str, nn.Module]:
-    """Parameter name -> its module, for the weights of exact ``nn.Linear`` modules that no other module uses.
+    """Parameter name -> its module, for the weights of exact ``nn.Linear`` and plain ``nn.Embedding`` modules
+    (no ``max_norm``, ``scale_grad_by_freq`` or ``sparse``) that no other module uses.
 
     Example:
-        >>> sorted(sliceable_linears(nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1))))
-        ['0.weight', '2.weight']
+        >>> sorted(sliceable_linears(nn.Sequential(nn.Embedding(5, 2), nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1))))
+        ['0.weight', '1.weight', '3.weight']
     """
     uses: Dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
@@ -50,7 +54,10 @@ def sliceable_linears(model: nn.Module) -> Dict[str, nn.Module]:
     out: Dict[str, nn.Module] = {}
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if type(module) is nn.Linear and isinstance(weight, nn.Parameter) and uses.get(id(weight)) == 1:
+        plain_embedding = (type(module) is nn.Embedding and module.max_norm is None  # max_norm rewrites the weight
+                           and not module.scale_grad_by_freq and not module.sparse)
+        if ((type(module) is nn.Linear or plain_embedding) and isinstance(weight, nn.Parameter)
+                and uses.get(id(weight)) == 1):
             out[f"{name}.weight" if name else "weight"] = module
     return out
 
@@ -90,6 +97,13 @@ class RowGrads:
             x = args[0].detach()
             part = cast(torch.Tensor, module.weight).detach()[first:end].clone().requires_grad_(True)
             self._pending.append((name, part))
+            if isinstance(module, nn.Embedding):  # the block's token rows: ids outside it get no gradient (masked)
+                inside = (x >= first) & (x < end)
+                pad = module.padding_idx
+                local_pad = pad - first if pad is not None and first <= pad < end else None
+                y = F.embedding((x - first).clamp(0, end - first - 1), part, padding_idx=local_pad)
+                y = y * inside.unsqueeze(-1).to(y.dtype)
+                return out + (y - y.detach()).to(out.dtype)
             y = F.linear(x, part)  # in the forward's own autocast region, as the module computed its output
             zero = y - y.detach()
             return out + F.pad(zero, (first, out.shape[-1] - end)).to(out.dtype)

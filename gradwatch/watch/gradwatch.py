@@ -905,34 +905,42 @@ class GradWatch:
                          ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Tuple[int, int]]]:
         """The watched tensors whose replayed gradients fit in ``room`` beside the replay's activations (all when they
         fit; else least-judged first, in model order among equals), and with ``rows`` the weights judged by a block
-        of rows that fits (an exact ``nn.Linear``'s weight too big whole: :mod:`gradwatch.check.row_replay`; the
-        next block at the next turn). ``count``: count them as judged (and move the row blocks on)."""
+        of rows (:mod:`gradwatch.check.row_replay`; the next block at the next turn). ``count``: count them as
+        judged (and move the row blocks on).
+
+        Only a weight bigger than half the free share is judged by rows, at its turn, in an equal part of half the
+        share (the other half for the whole tensors): a smaller weight waits for a turn with room for it whole, and
+        the big weights never starve the rest.
+        """
         free = SAFETY * room - self.memory.transient(self.model)
         if gradient_bytes(params.values()) <= free:
             return params, {}
         names = list(params)
         order = sorted(range(len(names)), key=lambda i: (self._training_counts.get(names[i], 0), i))
         linears = sliceable_linears(self.model) if rows else {}
+        big = {n for n in names if n in linears and params[n].dim() == 2 and params[n].shape[0] > 1
+               and gradient_bytes([params[n]]) > free / 2}
+        share = free / (2 * max(1, len(big)))
         least = min(self._training_counts.get(n, 0) for n in names)
         chosen = []
         sliced: Dict[str, Tuple[int, int]] = {}
-        for i in order:
+        for i in order:  # the big weights' blocks first (an equal part each), then whole tensors in what is left
             n, p = names[i], params[names[i]]
-            need = gradient_bytes([p])
-            if need <= free:
+            if n not in big or self._training_counts.get(n, 0) != least:
+                continue
+            per_row = 2 * p.shape[1] * p.element_size()  # the rows' copy and their gradient
+            k = min(int(share // per_row), p.shape[0] - 1)
+            if k >= 1:
+                first = self._row_cursor.get(n, 0) % p.shape[0]
+                end = min(first + k, p.shape[0])
+                sliced[n] = (first, end)
+                chosen.append(i)
+                free -= (end - first) * per_row
+        for i in order:
+            need = gradient_bytes([params[names[i]]])
+            if names[i] not in big and need <= free:
                 chosen.append(i)
                 free -= need
-            elif n in linears and p.dim() == 2 and p.shape[0] > 1 and self._training_counts.get(n, 0) == least:
-                # a least-judged weight too big for what is left: a block of its rows, in at most half of it (the
-                # rest for the tensors after it), the next block at its next turn
-                per_row = 2 * p.shape[1] * p.element_size()  # the rows' copy and their gradient
-                k = min(int(free / 2 // per_row), p.shape[0] - 1)
-                if k >= 1:
-                    first = self._row_cursor.get(n, 0) % p.shape[0]
-                    end = min(first + k, p.shape[0])
-                    sliced[n] = (first, end)
-                    chosen.append(i)
-                    free -= (end - first) * per_row
         if not chosen and order and gradient_bytes([params[names[order[0]]]]) <= room:
             chosen.append(order[0])  # a tensor bigger than the safe share still gets its turn, alone, within the room
         out = {names[i]: params[names[i]] for i in sorted(chosen)}
