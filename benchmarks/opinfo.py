@@ -63,6 +63,9 @@ SKIP = (
     "sparse", "fft.", "stft", "view_as_complex", "complex", "polar", "linalg.eig", "linalg.eigvals",
     "cdouble", "cfloat", "chalf", "bfloat16", "half",
 )
+#: Left out of the complex run (``--complex``): random, sparse, dtype casts (complex operators are its subject).
+SKIP_COMPLEX = ("dropout", "rrelu", "normal", "bernoulli", "fractional_max_pool", "svd_lowrank", "pca_lowrank",
+                "sparse", "bfloat16", "half", "chalf")
 #: Exact names left out: dtype casts (their outputs are not float64).
 SKIP_EXACT = ("float", "double", "to")
 
@@ -115,7 +118,7 @@ def make_fn(op, sample) -> Callable[..., Any]:
 
 
 def float_outputs(out: Any) -> Tuple[torch.Tensor, ...]:
-    """The floating tensors among an op's outputs (integer outputs such as indices get no gradient)."""
+    """The floating and complex tensors among an op's outputs (integer outputs such as indices get no gradient)."""
     if isinstance(out, torch.Tensor):
         out = (out,)
     flat = []
@@ -124,47 +127,49 @@ def float_outputs(out: Any) -> Tuple[torch.Tensor, ...]:
             flat.append(o)
         elif isinstance(o, (tuple, list)):
             flat.extend(t for t in o if isinstance(t, torch.Tensor))
-    return tuple(o for o in flat if o.is_floating_point())
+    return tuple(o for o in flat if o.is_floating_point() or o.is_complex())
 
 
-def _grad_test_disabled(op) -> bool:
-    """True when PyTorch's own gradient test (``test_fn_grad``) skips or expects a failure on CPU float64."""
+def _grad_test_disabled(op, dtype: torch.dtype = torch.float64) -> bool:
+    """True when PyTorch's own gradient test (``test_fn_grad``) skips or expects a failure on CPU in ``dtype``."""
     from torch.testing._internal.opinfo.core import DecorateInfo
 
-    return any(isinstance(d, DecorateInfo) and d.is_active("TestBwdGradients", "test_fn_grad", "cpu", torch.float64, {})
+    return any(isinstance(d, DecorateInfo) and d.is_active("TestBwdGradients", "test_fn_grad", "cpu", dtype, {})
                for d in op.decorators)
 
 
-def collect(only: Optional[str] = None, per_op: int = 1) -> List[Dict[str, Any]]:
-    """The deterministic subset: the first ``per_op`` float64 samples of each operator that supports backward
-    in float64 on the CPU."""
+def collect(only: Optional[str] = None, per_op: int = 1, dtype: torch.dtype = torch.float64) -> List[Dict[str, Any]]:
+    """The deterministic subset: the first ``per_op`` samples in ``dtype`` (float64, or complex128 for the
+    complex run) of each operator that supports backward in that dtype on the CPU."""
     from torch.testing._internal.common_methods_invocations import op_db
 
+    skip = SKIP if not dtype.is_complex else SKIP_COMPLEX
     cases = []
     for op in sorted(op_db, key=full_name):
         name = full_name(op)
         if only is not None and only not in name:
             continue
-        if not op.supports_autograd or torch.float64 not in op.supported_backward_dtypes("cpu"):
+        if not op.supports_autograd or dtype not in op.supported_backward_dtypes("cpu"):
             continue
-        if name in SKIP_EXACT or any(s in name for s in SKIP):
+        if name in SKIP_EXACT or any(s in name for s in skip):
             continue
-        if _grad_test_disabled(op):
+        if _grad_test_disabled(op, dtype):
             continue
         torch.manual_seed(zlib.crc32(name.encode()))
-        for k, sample in enumerate(op.sample_inputs("cpu", torch.float64, requires_grad=True)):
+        for k, sample in enumerate(op.sample_inputs("cpu", dtype, requires_grad=True)):
             if k >= per_op:
                 break
-            case = _case(op, name if k == 0 else f"{name}#{k}", sample)
+            case = _case(op, name if k == 0 else f"{name}#{k}", sample, dtype)
             if case is not None:
                 cases.append(case)
     return cases
 
 
-def _case(op, name: str, sample) -> Optional[Dict[str, Any]]:
-    """One benchmark case from a sample, or None when it has no float64 input to check."""
+def _case(op, name: str, sample, dtype: torch.dtype = torch.float64) -> Optional[Dict[str, Any]]:
+    """One benchmark case from a sample, or None when it has no input of ``dtype`` to check (complex outputs
+    only in the complex run)."""
     xs = _tensors_requiring_grad(sample)
-    if not xs or any(x.dtype != torch.float64 for x in xs):
+    if not xs or any(x.dtype != dtype for x in xs):
         return None
     fn = make_fn(op, sample)
     try:  # on fresh copies, as every tool gets them (as_strided samples that rely on a larger storage fail)
@@ -172,7 +177,7 @@ def _case(op, name: str, sample) -> Optional[Dict[str, Any]]:
     except RuntimeError:
         return None
     flat = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
-    if any(isinstance(o, torch.Tensor) and o.is_complex() for o in flat):
+    if not dtype.is_complex and any(isinstance(o, torch.Tensor) and o.is_complex() for o in flat):
         return None
     # Only the differentiable outputs are compared (as gradcheck does): e.g. native_layer_norm's
     # mean and rstd are outputs its backward ignores by design.
@@ -207,7 +212,9 @@ def mutant(fn: Callable[..., Any], which: int, index: int, factor: float = 1.01)
                 pairs = [(o, g) for o, g in zip(outs, gys) if o.requires_grad and g is not None]
                 grads = (torch.autograd.grad([o for o, _ in pairs], xs, [g for _, g in pairs], allow_unused=True)
                          if pairs else [None] * len(xs))
-            grads = [torch.zeros_like(x) if g is None else g.clone() for g, x in zip(grads, xs)]
+            # contiguous copies: a transposed gradient (``T``, ``H``) has no flat view to mutate
+            grads = [torch.zeros_like(x, memory_format=torch.contiguous_format) if g is None
+                     else g.clone(memory_format=torch.contiguous_format) for g, x in zip(grads, xs)]
             grads[which].view(-1)[index] *= factor
             return tuple(grads)
 
@@ -343,6 +350,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--any-element", action="store_true",
                    help="draw each mutant's element among every element with a nonzero gradient (a 1%% error there "
                         "can be inside the tools' atol)")
+    p.add_argument("--complex", action="store_true",
+                   help="complex128 samples of the operators that support complex backward (torch's convention: the "
+                        "conjugate Wirtinger derivative), instead of float64")
     p.add_argument("--json", help="write every row to this file")
     p.add_argument("-v", "--verbose", action="store_true", help="print each sample as it runs")
     args = p.parse_args(argv)
@@ -352,7 +362,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             p.error(f"--tools: unknown tool {t!r}; expected some of {', '.join(TOOLS)}")
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    cases = collect(args.only, args.samples)
+    cases = collect(args.only, args.samples, torch.complex128 if args.complex else torch.float64)
     times = {t: 0.0 for t in tools}
     rows = []
     for case in cases:
@@ -360,7 +370,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows.append(row)
         if args.verbose:
             print(row["name"], row["numel"], row["correct"], row["mutant"], flush=True)
-    print(f"torch {torch.__version__}, gradwatch {gradwatch.__version__}")
+    print(f"torch {torch.__version__}, gradwatch {gradwatch.__version__}, {'complex128' if args.complex else 'float64'} samples")
     print(summarize(rows, times, tools))
     if args.json:
         with open(args.json, "w") as f:

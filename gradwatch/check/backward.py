@@ -142,7 +142,7 @@ def run_check_backward(func: Callable[..., Any], x_data: Any, y_grad: Any, param
     plist = _params_tuple(params)
     checked_x = [
         i for i, x in enumerate(xs)
-        if x.is_floating_point() and not (no_grads is not None and no_grads[i])
+        if (x.is_floating_point() or x.is_complex()) and not (no_grads is not None and no_grads[i])
     ]
     for i in checked_x:
         xs[i].requires_grad_(True)
@@ -161,7 +161,7 @@ def run_check_backward(func: Callable[..., Any], x_data: Any, y_grad: Any, param
             raw = [None] * len(wrt)
     grads = [torch.zeros_like(t) if g is None else g.detach() for g, t in zip(raw, wrt)]
     names = [f"x[{i}]" for i in checked_x] + [n for n, _ in plist]
-    out_dtypes = [y.dtype for y, g in zip(ys, gys if gys is not None else [None]) if gys is None or g is not None]
+    out_dtypes = [_real_dtype(y.dtype) for y, g in zip(ys, gys if gys is not None else [None]) if gys is None or g is not None]
 
     # Numeric side: contiguous copies of the inputs and of the params' data (cast to dtype), the
     # params' own data put back afterwards. Nothing the caller holds is written to.
@@ -169,18 +169,26 @@ def run_check_backward(func: Callable[..., Any], x_data: Any, y_grad: Any, param
         t = t.detach()
         if num_dtype is not None and t.is_floating_point():
             t = t.to(num_dtype)
-        return t.contiguous().clone()
+        elif num_dtype is not None and t.is_complex():  # float64 asked: complex128 (the same precision per part)
+            t = t.to(_complex_dtype(num_dtype))
+        return t.resolve_conj().contiguous().clone()
 
     nxs = [cast(x) for x in xs]
     saved_param_data = [p.data for _, p in plist]
     for _, p in plist:
         p.data = cast(p.data)
-    targets = [nxs[i] for i in checked_x] + [p.data for _, p in plist]
+    # A complex array is checked as its real and imaginary parts (torch's convention: the gradient of a real
+    # objective is d/dRe + i d/dIm, the conjugate Wirtinger derivative times 2), perturbed through a real view.
+    targets = [_as_real(nxs[i]) for i in checked_x] + [_as_real(p.data) for _, p in plist]
+    grads = [_as_real(g) for g in grads]
 
     def outputs() -> Tuple[torch.Tensor, ...]:
         seed_everything(0)
         with torch.no_grad():
-            return _to_tuple(func(*nxs))
+            return tuple(_as_real(y) if isinstance(y, torch.Tensor) else y for y in _to_tuple(func(*nxs)))
+
+    if gys is not None:
+        gys = [None if g is None else _as_real(g.to(y.dtype)) if y.is_complex() else g for g, y in zip(gys, ys)]
 
     report = CheckReport(tensors={}, fail_at=Verdict.SUSPICIOUS, seed=0)
     failures: List[str] = []
@@ -189,11 +197,15 @@ def run_check_backward(func: Callable[..., Any], x_data: Any, y_grad: Any, param
             probe = OutputProbe(outputs, gys, out_dtypes, inputs=targets)
             report.objective = probe.objective
             report.terms = {"loss": probe.objective}
-            report.dtype = str(targets[0].dtype if targets else loss.dtype).replace("torch.", "")
-            for name, target, g in zip(names, targets, grads):
+            report.dtype = str(([nxs[i] for i in checked_x] + [p.data for _, p in plist] or [loss])[0].dtype).replace("torch.", "")
+            complex_ = [xs[i].is_complex() for i in checked_x] + [p.is_complex() for _, p in plist]
+            for name, target, g, parts in zip(names, targets, grads, complex_):
                 if target.numel() == 0:
                     continue  # nothing to check (Chainer compares two empty arrays)
                 check, message = _check_array(name, target, g, probe, eps, atol, rtol, limits)
+                if message and parts:
+                    message = message.replace(" checked entries", " checked entries (complex: checked as its real and "
+                                                                  "imaginary parts, the last index 0 = real, 1 = imaginary)", 1)
                 report.tensors[name] = check
                 if message:
                     failures.append(message)
@@ -217,6 +229,9 @@ def _weighted(ys: Sequence[torch.Tensor], gys: Optional[Sequence[Optional[torch.
         if len(ys) != 1 or ys[0].numel() != 1:
             shapes = [tuple(y.shape) for y in ys]
             raise ValueError(f"y_grad=None needs func to return one scalar (a loss), got outputs of shapes {shapes}")
+        if ys[0].is_complex():
+            raise ValueError(f"y_grad=None needs a real loss, got a {ys[0].dtype} scalar: give y_grad (the gradient "
+                             f"of the complex output, as torch's backward takes it) or return a real loss")
         return ys[0].reshape(())
     if len(gys) != len(ys):
         raise ValueError(f"y_grad has {len(gys)} arrays but func returned {len(ys)} outputs")
@@ -226,11 +241,39 @@ def _weighted(ys: Sequence[torch.Tensor], gys: Optional[Sequence[Optional[torch.
             continue
         if tuple(gy.shape) != tuple(y.shape):
             raise ValueError(f"y_grad[{k}] has shape {tuple(gy.shape)} but output {k} has shape {tuple(y.shape)}")
-        term = (y * gy.to(y.dtype)).sum()
+        if gy.is_complex() and not y.is_complex():
+            raise ValueError(f"y_grad[{k}] is complex ({gy.dtype}) but output {k} is real ({y.dtype}): the gradient "
+                             f"of a real output is real")
+        if y.is_complex():  # torch's backward(y, gy) is the gradient of the real Re(sum(conj(gy) * y))
+            term = (torch.view_as_real(y.resolve_conj()) * _as_real(gy.to(y.dtype))).sum()
+        else:
+            term = (y * gy.to(y.dtype)).sum()
         acc = term if acc is None else acc + term
     if acc is None:
         raise ValueError("every y_grad is None: nothing to differentiate")
     return acc
+
+
+def _as_real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as a real one with a last dimension of 2 (real, imaginary), sharing its storage where it
+    can (a contiguous complex tensor); a real tensor unchanged.
+
+    Example:
+        >>> _as_real(torch.tensor([1 + 2j])).tolist()
+        [[1.0, 2.0]]
+    """
+    if not t.is_complex():
+        return t
+    t = t.resolve_conj()
+    return torch.view_as_real(t if t.is_contiguous() else t.contiguous())
+
+
+def _real_dtype(dtype: torch.dtype) -> torch.dtype:
+    return {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}.get(dtype, dtype)
+
+
+def _complex_dtype(dtype: torch.dtype) -> torch.dtype:
+    return {torch.float16: torch.complex32, torch.float32: torch.complex64}.get(dtype, torch.complex128)
 
 
 def _lines(name: str, target: torch.Tensor, g: torch.Tensor, limits: Optional[Tuple[int, int, int]] = None) -> List[Line]:

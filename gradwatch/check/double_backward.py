@@ -94,6 +94,10 @@ def check_double_backward(
     atol = default_atol if atol is None else atol
     rtol = default_rtol if rtol is None else rtol
     plist = _params_tuple(params)
+    for what, t in [(f"x_data[{i}]", x) for i, x in enumerate(xs)] + [(n, p) for n, p in plist]:
+        if t.is_complex():
+            raise ValueError(f"check_double_backward does not check complex arrays yet: {what} is {t.dtype} "
+                             f"(check_backward checks complex first-order gradients)")
     n_x = len(xs)
     floating = [i for i, x in enumerate(xs) if x.is_floating_point()]
     ggx = list(_to_tuple(x_grad_grad))
