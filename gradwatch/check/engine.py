@@ -35,6 +35,13 @@ KINK_SCALES = (0.1, 0.01)
 LOW_PRECISION_EPS = 1e-10
 #: Steps (fractions of the base step) of the low-precision re-examination, see :func:`resolve_low_precision`.
 LOW_PRECISION_SCALES = (0.25, 0.18, 0.13)
+#: A base probe whose noise floor exceeds this fraction of its slopes is too imprecise to see a 1% error (a
+#: gradient tiny against the objective, as at weights near zero): it is taken again at a wider step, see :func:`widen`.
+IMPRECISE = 1e-3
+#: The floor :func:`widen` aims at, as a fraction of the slope.
+PRECISE = 1e-5
+#: The widest step :func:`widen` takes, as a multiple of the base step.
+WIDEN_MAX = 1e4
 #: Largest tensor whose direction signs are drawn in its own dtype (8 MB per direction in float64);
 #: larger ones keep int8 signs (a mixed-dtype add costs twice as much, but 8x less memory).
 DENSE_SIGNS_MAX = 1 << 20
@@ -232,8 +239,9 @@ def _slopes(jp: Terms, jm: Terms, lp: Terms, lm: Terms, t: float) -> Tuple[Terms
 
 
 def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], j0: float, evaluate: Evaluator,
-                  settings: EngineSettings) -> bool:
-    """Decide whether a disagreeing sample sits on a non-differentiable point.
+                  settings: EngineSettings) -> Optional[bool]:
+    """Decide whether a disagreeing sample sits on a non-differentiable point (True), has a wrong gradient
+    (False), or cannot be told (None: no smaller step is above the rounding noise).
 
     An equivalent of Chainer's ``detect_nondifferentiable`` built from the
     values at hand: (1) the central difference is repeated at 1/10 and 1/100
@@ -249,32 +257,40 @@ def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Ter
     with a zero input row: every ReLU unit sits on its kink), and then the
     framework's convention (``relu'(0) = 0``) need not lie between the two
     one-sided slopes; such a line is non-differentiable and is excluded.
-    Scales whose noise floor exceeds 1% of the slopes are not used (they
-    cannot tell).
+    Scales whose noise floor exceeds both 1% of the slopes and 30% of the
+    disagreement are not used (they cannot tell; :func:`usable_floor`).
     """
     rel = settings.bands[1]
     t0 = sample.step
     jp0, jm0, _, _ = base
     gap0 = (total(jp0) - j0) / t0 - (j0 - total(jm0)) / t0
+    a0, n0 = _slopes(*base, t0)
+    disagreement = abs(n0["total"] - a0["total"])
     seen: List[Tuple[float, float, float, float, float]] = []
     last: Tuple[Terms, Terms] = ({}, {})
+    last_numeric = n0["total"]
     for scale in KINK_SCALES:
         t = t0 * scale
         fl = floor_at(settings, t)
         jp, jm, lp, lm = _central(p, saved, grads, sample, t, evaluate)
         a, n = _slopes(jp, jm, lp, lm, t)
-        if fl > 1e-2 * max(abs(a["total"]), abs(n["total"]), 1e-300):
+        if not usable_floor(fl, a["total"], n["total"], disagreement):
             break
         if agrees(a["total"], n["total"], fl, rel):
             return True
         seen.append((t, fl, (total(jp) - j0) / t, (j0 - total(jm)) / t, a["total"]))
         last = (jp, jm)
-    if not seen:
-        return False
+        last_numeric = n["total"]
+    if not seen:  # no smaller step can tell: at weights near zero the base step crosses kinks it cannot resolve
+        return None
     t, fl, right, left, a_total = seen[-1]
     gap = right - left
     if not (abs(gap) > 4 * fl and abs(gap) > 0.3 * abs(gap0)):
-        return False
+        # Smooth at the smaller step, or its sides within the noise. A wrong gradient of a smooth function keeps
+        # its numeric slope from step to step; one that moved with the step (a kink crossed by the base step and
+        # by the smaller one, the next too noisy to use) cannot be told from a wrong gradient.
+        moved = abs(last_numeric - n0["total"]) > 0.3 * disagreement + fl
+        return None if moved else False
     if sample.index is None:
         return True
     tol = fl
@@ -312,7 +328,19 @@ def unresolvable(sample: Sample, analytic: float, numeric: float, settings: Engi
     if settings.eval_eps <= LOW_PRECISION_EPS:
         return False
     floor = floor_at(settings, sample.step * KINK_SCALES[0])
-    return floor > 1e-2 * max(abs(analytic), abs(numeric), 1e-300)
+    return not usable_floor(floor, analytic, numeric, abs(numeric - analytic))
+
+
+def usable_floor(floor: float, analytic: float, numeric: float, disagreement: float) -> bool:
+    """True when a smaller step whose noise floor is ``floor`` can tell a kink from a wrong gradient: the floor is
+    under 1% of the slopes, or under 30% of the disagreement to explain (slopes near zero at weights near
+    zero, a ReLU unit dead at the point and crossed by the base step: the disagreement is all there is to see).
+
+    Example:
+        >>> usable_floor(1e-9, 0.0, 0.0, 4e-7), usable_floor(1e-9, 0.0, 0.0, 2e-9)
+        (True, False)
+    """
+    return floor <= 1e-2 * max(abs(analytic), abs(numeric), 1e-300) or floor <= 0.3 * disagreement
 
 
 def resolve_low_precision(p, saved, grads, sample: Sample, analytic: float, numeric: float, j0: float,
@@ -568,6 +596,11 @@ def _probe_all(p, saved, grads, samples: List[Sample], bases, outcomes: List[Out
         fl = floor_at(settings, sample.step)
         out = Outcome(a, n, fl)
         finite = math.isfinite(a["total"]) and math.isfinite(n["total"])
+        if settings.detect_kinks and finite and fl > IMPRECISE * max(abs(a["total"]), abs(n["total"])):
+            wider = widen(p, saved, grads, sample, a, n, fl, j0, evaluate, settings)
+            if wider is not None:  # smooth within a wider step: the slope there is the slope at the point
+                outcomes.append(wider)
+                continue
         if (
             settings.detect_kinks
             and finite
@@ -584,6 +617,56 @@ def _probe_all(p, saved, grads, samples: List[Sample], bases, outcomes: List[Out
                 out.kink = kink
                 genuine_streak = 0 if out.kink else genuine_streak + 1
         outcomes.append(out)
+
+
+def widen(p, saved, grads, sample: Sample, a: Terms, n: Terms, floor: float, j0: float, evaluate: Evaluator,
+          settings: EngineSettings) -> Optional[Outcome]:
+    """The sample at a wider step, for a base probe lost in the objective's rounding; None when it cannot be had.
+
+    The base step is matched to the parameter's own scale (``eps^(1/3) * max(1, |θ|)``). Where the gradient is
+    tiny against the objective (weights near zero: a last layer's gradient scales with the activations feeding
+    it), the central difference at that step is mostly rounding, and a 1% error is lost in it. The step is
+    widened until the floor is ``PRECISE`` of the slope (at most ``WIDEN_MAX`` times the base step and a tenth
+    of the parameter's scale; narrower wider steps, tried first, passed the tests below with kinks inside:
+    their noise allows more), and the slope is taken at ``t``, ``t/2`` and ``t/4``: they must agree within
+    their noise and 5e-5 of the slope, and so must the one-sided slopes on both sides at each step (the
+    function is linear within the wider step: no kink crossed, no curvature; what the wider step sees is the
+    slope at the point). The Richardson value of ``t`` and ``t/2`` is then the numeric slope. Where they do
+    not agree (a ReLU unit's kink within ``t``), or its floor is still over 1e-3 of the slope, the base probe
+    stands.
+    """
+    slope = max(abs(a["total"]), abs(n["total"]))
+    if not (slope > 0 and math.isfinite(slope)):
+        return None
+    scale = max(1.0, abs(sample.base)) if sample.base is not None else sample.step / (settings.eps or settings.eval_eps ** (1.0 / 3.0))
+    factor = min(WIDEN_MAX, 0.1 * scale / sample.step, 4.0 * floor / (PRECISE * slope))
+    return _linear_at(p, saved, grads, sample, sample.step * factor, slope, j0, evaluate, settings) if factor > 2.0 else None
+
+
+def _linear_at(p, saved, grads, sample: Sample, t: float, slope: float, j0: float, evaluate: Evaluator,
+               settings: EngineSettings) -> Optional[Outcome]:
+    """:func:`widen` at one step ``t``: the Richardson slope when the function is linear within ``t``, else None."""
+    seen, sides = [], []
+    for s in (t, t / 2, t / 4):
+        jp, jm, lp, lm = _central(p, saved, grads, sample, s, evaluate)
+        a_s, n_s = _slopes(jp, jm, lp, lm, s)
+        if not (math.isfinite(a_s["total"]) and math.isfinite(n_s["total"])):
+            return None
+        seen.append((a_s, n_s, floor_at(settings, s)))
+        sides += [(total(jp) - j0) / s, (j0 - total(jm)) / s]
+    # Linear within the wider step: the one-sided slopes on both sides at every step agree (a kink crossed on
+    # one side bends one of them; kinks far inside the step leave the central differences agreeing with each
+    # other but not the sides), and so do the central differences.
+    values = [n_s["total"] for _, n_s, _ in seen]
+    noise = 2.0 * (seen[0][2] + seen[2][2])
+    if max(values) - min(values) > noise + 5e-5 * slope or max(sides) - min(sides) > 2.0 * noise + 1e-4 * slope:
+        return None
+    (_, n1, f1), (a2, n2, f2) = seen[0], seen[1]
+    richardson = {k: (4.0 * n2[k] - n1[k]) / 3.0 for k in n2}
+    floor = (4.0 * f2 + f1) / 3.0
+    if floor > 1e-3 * max(abs(a2["total"]), abs(richardson["total"])):
+        return None  # still lost in the rounding: the tests above could not see a kink
+    return Outcome(a2, richardson, floor)
 
 
 def _summarize(name, shape, samples: List[Sample], outcomes: List[Outcome], term: str, settings: EngineSettings) -> TensorCheck:

@@ -249,8 +249,9 @@ def _by_bands(check: TensorCheck, slopes: Sequence[Slope], kept: List[Slope], ru
         # The resolvable samples pass, but some disagreed by less than this precision can resolve.
         check.inconclusive = (
             f"{unresolved} of {len(slopes)} samples disagree by less than low-precision central differences "
-            f"can resolve (a ReLU/max-pool/abs kink within the step {step:.1e}, or a small gradient "
-            "error); check with dtype=float64 (the default shadow copy) to judge them"
+            f"can resolve (a ReLU/max-pool/abs kink within the step {step:.1e}, where a smaller step is lost in "
+            "the objective's rounding: gradients tiny against the objective, as at weights near zero; or a small "
+            "gradient error); in float32 check with dtype=float64 (the default shadow copy) to judge them"
         )
         check.inconclusive_kind = InconclusiveKind.UNRESOLVED
         return check
