@@ -148,6 +148,9 @@ class CheckOptions:
     per_term: bool = option(False, "also check each term of the objective (loss, each regularizer) on its own")
     tensors: Optional[List[str]] = option(
         None, "glob patterns of parameter names to check (e.g. ['encoder.*']); null checks all trainable")
+    surrogates: Optional[List[Any]] = option(
+        None, "modules whose gradient is a surrogate by design (straight-through, spikes): names, classes or class "
+        "names; the check cuts the objective there instead of comparing them (torch's FakeQuantize without it)")
 
     def __post_init__(self) -> None:
         self.coords = _int("coords", self.coords, 1)
@@ -183,6 +186,13 @@ class CheckOptions:
                 raise ConfigError("tensors: got [], expected a non-empty list of name patterns like 'encoder.*', "
                                   "or null to check every trainable parameter")
             self.tensors = list(self.tensors)
+        if self.surrogates is not None:
+            if isinstance(self.surrogates, (str, type)):
+                self.surrogates = [self.surrogates]
+            if not all(isinstance(m, (str, type)) for m in self.surrogates):
+                raise ConfigError(f"surrogates: got {self.surrogates!r}, expected a list of module names "
+                                  "('quant', 'encoder.spike'), module classes or class names ('StraightThrough')")
+            self.surrogates = list(self.surrogates)
 
     @property
     def fail_verdict(self) -> Verdict:

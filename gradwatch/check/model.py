@@ -40,6 +40,7 @@ from .padding import padding_note, padding_rows_constant
 from .precision import ShadowPrecision
 from .report import CheckReport, InconclusiveKind
 from .sampling import match_names
+from .surrogate import SurrogateCut, find_surrogates, surrogate_note, surrogate_parameters
 
 GradFn = Callable[[nn.Module, Any], Mapping[str, torch.Tensor]]
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -228,11 +229,19 @@ def run_model_check(
         shadow.refresh(model)
         target = shadow.module
         batch = cast_floats(batch, dtype)
+    surrogates = find_surrogates(target, opts.surrogates)
+    cut = SurrogateCut(surrogates) if surrogates else None
+    if surrogates:  # their own parameters' gradient is the surrogate's: not compared
+        by_design = set(surrogate_parameters(surrogates))
+        chosen = [n for n in chosen if n not in by_design]
     leaves = {n: p for n, p in target.named_parameters() if n in set(chosen)}
     params = {n: _real(p) for n, p in leaves.items()}  # what the engine perturbs: complex ones as (re, im) pairs
-    batched = batched and all(p is leaves[n] for n, p in params.items())
+    batched = batched and cut is None and all(p is leaves[n] for n, p in params.items())
     eval_seed = opts.seed
     report = CheckReport(tensors={}, fail_at=opts.fail_verdict, seed=opts.seed)
+    if surrogates:
+        report.surrogates = list(surrogates)
+        report.notes.append(surrogate_note(surrogates, "objective"))
 
     roots = [objective.loss_fn, *objective.regularizers.values(), grad_fn, model]
     with _evaluation_context(target, in_place, params, roots) as (guard, held, hooks, dropout, padding):
@@ -246,9 +255,12 @@ def run_model_check(
         # On a shadow it also measures the precision the objective really computes in (gradwatch.check.precision).
         precision = ShadowPrecision(dtype) if dtype is not None else None
         seed_everything(eval_seed)
-        with torch.enable_grad(), (precision.tracing(target) if precision is not None else contextlib.nullcontext()):
+        with torch.enable_grad(), (precision.tracing(target) if precision is not None else contextlib.nullcontext()), \
+                (cut.capturing() if cut is not None else contextlib.nullcontext()):
             terms_t = objective.terms(target, batch)
             total_t = cast(torch.Tensor, sum(terms_t[k] for k in sorted(terms_t)))
+        if cut is not None:
+            cut.take_gradients(total_t)
         values = {k: float(v.detach()) for k, v in terms_t.items()}
         report.terms = values
         report.objective = float(total_t.detach())
@@ -264,6 +276,8 @@ def run_model_check(
         grads = _analytic(objective, terms_t, total_t, leaves, target, batch, grad_fn, opts.per_term, graph_leaves)
         # torch's gradient of a real loss by a complex z = x + iy is dJ/dx + i dJ/dy: as a real view, (dJ/dx, dJ/dy).
         grads = {n: {k: _real(g) for k, g in by_term.items()} for n, by_term in grads.items()}
+        for name, (output, g) in (cut.outputs.items() if cut is not None else ()):  # checked like a parameter
+            params[name], grads[name] = _real(output), {"total": _real(g)}
         del terms_t, total_t
         # Only now: a train-mode BatchNorm saves its running stats for backward, and restoring them
         # (the forward above updated them) bumps their version counters.
@@ -285,6 +299,13 @@ def run_model_check(
             return _terms_no_grad()
 
         def _terms_no_grad() -> Dict[str, torch.Tensor]:
+            if cut is not None:
+                with cut.cut():
+                    terms = _terms_cast_retried()
+                return {**terms, "surrogates": torch.tensor(cut.term(), dtype=torch.float64)}
+            return _terms_cast_retried()
+
+        def _terms_cast_retried() -> Dict[str, torch.Tensor]:
             try:
                 return objective.terms(target, batch)
             except Exception as first:

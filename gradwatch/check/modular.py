@@ -75,6 +75,7 @@ from .owncode import (
 )
 from .precision import ShadowPrecision
 from .report import CheckReport
+from .surrogate import find_surrogates, inside, surrogate_note
 
 
 def module_units(model: nn.Module, loss_fn: Any, batch: Any, seed: int = 0) -> List[Unit]:
@@ -280,11 +281,16 @@ def run_module_check(
     start = time.perf_counter()
     if units is None:
         units = plan_units(model, objective.loss, batch, opts.seed)
+    surrogates = find_surrogates(model, opts.surrogates)
+    units = [u for u in units if not inside(u.name, surrogates)]  # their gradient is a surrogate by design
     by_name = {u.name: u for u in units}
     if pieces is None:
         pieces = [Piece(u.name) for u in units]
     report = CheckReport(tensors={}, fail_at=opts.fail_verdict, seed=opts.seed, dtype="float64")
     report.form = "module"
+    if surrogates:
+        report.surrogates = list(surrogates)
+        report.notes.append(surrogate_note(surrogates, "module"))
     if getattr(objective, "differentiates", None):
         # loss_fn differentiates through the model (a gradient penalty): its own code without the model cannot run
         if any(p.unit == LOSS_FN for p in pieces):

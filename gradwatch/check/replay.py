@@ -153,6 +153,29 @@ class ForwardRecord:
     cuda: Optional[List[torch.Tensor]]
     autocast: Tuple[Tuple[str, bool, torch.dtype], ...]
     inputs: List[torch.Tensor]
+    #: The buffers of the quantization observers the forward updates (their state before it), or None.
+    observers: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
+
+
+def observer_buffers(root: nn.Module) -> List[torch.Tensor]:
+    """The buffers of torch's quantization observers and fake quantizers in ``root``: a forward in training mode
+    moves them (a moving-average observer is not idempotent), so a replay starts them where training's did.
+
+    Example:
+        >>> from torch.ao.quantization import FakeQuantize
+        >>> len(observer_buffers(nn.Sequential(nn.Linear(2, 2), FakeQuantize()))) > 0
+        True
+    """
+    try:
+        from torch.ao.quantization import FakeQuantizeBase
+        from torch.ao.quantization.observer import ObserverBase
+    except ImportError:  # pragma: no cover - every supported torch has them
+        return []
+    out: List[torch.Tensor] = []
+    for module in root.modules():
+        if isinstance(module, (FakeQuantizeBase, ObserverBase)):
+            out.extend(module.buffers(recurse=False))
+    return out
 
 
 @dataclass
@@ -252,6 +275,7 @@ class ForwardRecorder:
         self._overflow = False
         self._start: Optional[StartState] = StartState.now()
         self._pending: List[MicroBatch] = []
+        self._observers: Optional[List[torch.Tensor]] = None  # observer_buffers(root), found at the first record
 
     def hooked(self) -> bool:
         """True while the recording pre-hook is in place on the root (user code may have cleared hooks)."""
@@ -273,7 +297,11 @@ class ForwardRecorder:
         if len(self._records) >= MAX_RECORDS:
             self._overflow = True
             return
-        self._records.append(ForwardRecord(torch.get_rng_state(), _cuda_states(), autocast_state(), _tensors(args, kwargs)))
+        if self._observers is None:
+            self._observers = observer_buffers(self.root)
+        observers = [(b, b.detach().clone()) for b in self._observers] if self._observers else None
+        self._records.append(ForwardRecord(torch.get_rng_state(), _cuda_states(), autocast_state(), _tensors(args, kwargs),
+                                           observers))
 
     def mark(self, exact: bool = False, full: bool = True) -> None:
         """A micro-batch starts now: forget the forwards seen so far and remember every generator's state.
@@ -291,6 +319,7 @@ class ForwardRecorder:
         self._start = StartState.now(exact, full) if full else None
         if full:
             self._hook_on()
+            self._observers = None  # the module tree may have changed: looked for again at the next record
 
     def close_micro_batch(self, batch: Any, loss: Optional[float]) -> None:
         """A micro-batch's backward is done (gradient accumulation): keep it for the coming step."""
@@ -372,6 +401,11 @@ class _Probe:
         rec = self.records[k]
         if not same_inputs(rec.inputs, _tensors(args, kwargs)):
             self.faithful = False
+        for buffer, before in rec.observers or ():  # observers start where training's forward found them
+            with torch.no_grad():
+                if buffer.shape != before.shape:  # a per-channel observer sizes its buffers at its first forward
+                    buffer.resize_(before.shape)
+                buffer.copy_(before)
         if self.mode == "forward":
             torch.set_rng_state(rec.rng)
             if rec.cuda is not None:

@@ -199,6 +199,8 @@ class CheckReport:
             (their gradient does not fit the room whole, :mod:`gradwatch.check.row_replay`).
         independence: The independence part's :class:`gradwatch.check.independence.IndependenceReport` (a watch
             with ``independence=``), or None.
+        surrogates: Modules whose gradient is a surrogate by design (``surrogates=``, torch's fake quantizers):
+            the objective was cut there (:mod:`gradwatch.check.surrogate`), their own parameters not compared.
 
     Example:
         >>> report = CheckReport(tensors={})
@@ -229,6 +231,7 @@ class CheckReport:
     pieces: List[str] = field(default_factory=list)
     independence: Any = None
     training_rows: Dict[str, Tuple[int, int]] = field(default_factory=dict)
+    surrogates: List[str] = field(default_factory=list)
 
     @property
     def training_failures(self) -> List[TrainingCheck]:

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..check.memory import MODULE_BYTES_PER_ENTRY, SAFETY, mb, objective_bytes
 from ..check.report import CheckReport
+from ..check.surrogate import find_surrogates, inside
 from .coverage import Coverage
 from .cycle import ROWS_PER_SLICE, Cycle, Piece
 from .units import Unit, plan_units, sliceable_rows
@@ -110,13 +111,15 @@ class Planner:
     # ------------------------------------------------------------------ the module form
     def module_pieces(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any], batch: Any,
                       watched: Sequence[str], key: Optional[Tuple] = None, seed: int = 0,
-                      room: Optional[int] = None) -> Tuple[List[Unit], List[Piece]]:
+                      room: Optional[int] = None, surrogates: Any = None) -> Tuple[List[Unit], List[Piece]]:
         """The units of ``model`` and the pieces of this check; the units are found again when ``key`` changes.
 
         ``room`` (bytes a piece may hold, at the first check of a plan): a row slice holds at most half of it.
+        ``surrogates`` (the option): those modules and what is inside them are no units.
         """
         if self._cycle is None or key is None or key != self._key:
-            units = plan_units(model, loss_fn, batch, seed)
+            found = find_surrogates(model, surrogates)
+            units = [u for u in plan_units(model, loss_fn, batch, seed) if not inside(u.name, found)]
             chosen = set(watched)
             names = {id(p): n for n, p in model.named_parameters()}
             if len(chosen) < len(names):  # tensors= narrows the watch: the units that hold a watched tensor

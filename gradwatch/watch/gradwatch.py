@@ -589,7 +589,8 @@ class GradWatch:
                 if self.objective.differentiates is None:  # once: does loss_fn differentiate inside (a penalty)?
                     isolated_forward(target, self.objective.loss, batch, opts.seed)
                 units, pieces = self.planner.module_pieces(target, self.objective.loss, batch, self._watched_names(),
-                                                           key=units_signature(target), seed=opts.seed, room=piece_room)
+                                                           key=units_signature(target), seed=opts.seed, room=piece_room,
+                                                           surrogates=opts.surrogates)
                 if self.dist is not None:
                     pieces = self.dist.share(pieces)  # DDP: the ranks split the plan
                 report = run_module_check(target, self.objective, batch, opts, units=units, pieces=pieces,
@@ -908,18 +909,21 @@ class GradWatch:
         of rows (:mod:`gradwatch.check.row_replay`; the next block at the next turn). ``count``: count them as
         judged (and move the row blocks on).
 
-        Only a weight bigger than half the free share is judged by rows, at its turn, in an equal part of half the
-        share (the other half for the whole tensors): a smaller weight waits for a turn with room for it whole, and
-        the big weights never starve the rest.
+        Only a weight bigger than a quarter of the free share is judged by rows, at its turn, in an equal part of
+        half the share (the other half for the whole tensors): a smaller weight waits for a turn with room for it
+        whole (a few fit each check), and the big weights never starve the rest.
         """
-        free = SAFETY * room - self.memory.transient(self.model)
+        transient = self.memory.transient(self.model)
+        # The safe share beside the replay's activations; at least a quarter of what the room leaves beside them
+        # (a transient near half the room would otherwise leave nothing, and one tensor a check).
+        free = max(SAFETY * room - transient, SAFETY * SAFETY * (room - transient))
         if gradient_bytes(params.values()) <= free:
             return params, {}
         names = list(params)
         order = sorted(range(len(names)), key=lambda i: (self._training_counts.get(names[i], 0), i))
         linears = sliceable_linears(self.model) if rows else {}
         big = {n for n in names if n in linears and params[n].dim() == 2 and params[n].shape[0] > 1
-               and gradient_bytes([params[n]]) > free / 2}
+               and gradient_bytes([params[n]]) > free / 4}
         share = free / (2 * max(1, len(big)))
         least = min(self._training_counts.get(n, 0) for n in names)
         chosen = []
