@@ -105,3 +105,53 @@ def test_complex_mistakes_of_the_caller_get_a_clear_error():
         check_backward(lambda z: z.abs(), a, gy)
     with pytest.raises(ValueError, match="does not check complex arrays yet: x_data\\[0\\]"):
         check_double_backward(lambda z: z * z, a, gy, a)
+
+
+class ComplexNet(nn.Module):
+    """A spectral-style layer: complex weights on complex data, a real head."""
+
+    def __init__(self, mul=None) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4, dtype=torch.complex64) / 2)
+        self.out = nn.Linear(4, 1)
+        self.mul = mul
+
+    def forward(self, x):
+        z = x @ self.w if self.mul is None else self.mul(self.w, x.unsqueeze(-1)).sum(-2)
+        return self.out(z.abs())
+
+
+def _watch_complex(model, conjugate_grad=False, checks=2):
+    from gradwatch import GradWatch
+
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    loss = lambda m, b: (m(b) ** 2).mean()  # noqa: E731
+    watch = GradWatch(model, loss, optimizer=opt, every=1, log_dir=None)
+    gen = torch.Generator().manual_seed(0)
+    reports = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", np.exceptions.ComplexWarning if hasattr(np, "exceptions") else UserWarning)
+        for _ in range(checks):
+            x = torch.randn(8, 4, dtype=torch.complex64, generator=gen)
+            opt.zero_grad()
+            loss(model, x).backward()
+            if conjugate_grad:  # a classic mistake: the gradient conjugated before the step
+                model.w.grad = model.w.grad.conj().resolve_conj()
+            reports.append(watch.step(x))
+            opt.step()
+    alerts = list(watch.alerts)
+    watch.close()
+    return alerts, reports
+
+
+def test_the_watch_checks_complex_parameters_in_both_parts():
+    torch.manual_seed(0)
+    alerts, reports = _watch_complex(ComplexNet())
+    assert alerts == [] and "w" in reports[-1].tensors and "w" in reports[-1].training
+    assert reports[-1].tensors["w"].shape == (4, 4, 2)
+    torch.manual_seed(0)
+    alerts, _ = _watch_complex(ComplexNet(), conjugate_grad=True)
+    assert {a.tensor for a in alerts} == {"w"} and all("training" in a.message for a in alerts)
+    torch.manual_seed(0)
+    alerts, _ = _watch_complex(ComplexNet(mul=complex_mul("no_conjugate")), checks=1)
+    assert {a.tensor for a in alerts} == {"w"}

@@ -620,8 +620,12 @@ def frozen_power_iteration(model: nn.Module, modules: Optional[List[nn.Module]] 
             m.training = True
 
 
+_COMPLEX_OF = {torch.float64: torch.complex128, torch.float32: torch.complex64, torch.float16: torch.complex32}
+
+
 def cast_floats(obj: Any, dtype: torch.dtype) -> Any:
-    """Cast floating tensors inside standard containers to ``dtype``, keeping container types.
+    """Cast floating tensors inside standard containers to ``dtype`` (complex ones to the complex dtype of its
+    precision), keeping container types.
 
     Tensors, lists, tuples, namedtuples, dicts and dataclass instances are
     walked; any other object is returned as it is (the user's ``loss_fn``
@@ -632,6 +636,9 @@ def cast_floats(obj: Any, dtype: torch.dtype) -> Any:
         torch.float64
     """
     if isinstance(obj, torch.Tensor):
+        if obj.is_complex():  # complex data beside complex parameters: the complex dtype of the same precision
+            wanted = _COMPLEX_OF.get(dtype, obj.dtype)
+            return obj.to(wanted) if obj.dtype != wanted else obj
         return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return type(obj)(*(cast_floats(v, dtype) for v in obj))

@@ -820,7 +820,7 @@ class GradWatch:
                 if p is not None and id(p) not in seen:
                     seen.add(id(p))
                     flags.append(p)
-                    if p.requires_grad and p.is_floating_point():
+                    if p.requires_grad and (p.is_floating_point() or p.is_complex()):
                         named.append((f"{mname}.{attr}" if mname else attr, p))
         key = tuple(n for n, _ in named)
         if self._watched_cache is None or self._watched_cache[0] != key:
