@@ -100,7 +100,9 @@ def x():
 def test_an_undeclared_straight_through_quantizer_is_wrong_and_a_declared_one_is_cut(x):
     torch.manual_seed(0)
     model = VQ()
-    assert "enc.weight" in failing(check_model(model, loss, x))  # its gradient is not the derivative
+    undeclared = check_model(model, loss, x)
+    assert "enc.weight" in failing(undeclared)  # its gradient is not the derivative
+    assert "surrogates=[...]" in undeclared.tensors["enc.weight"].diagnosis  # the option is named
     report = check_model(model, loss, x, surrogates=["quant"])
     assert failing(report) == [] and report.surrogates == ["quant"]
     assert "quant.code" not in report.tensors and "enc.weight" in report.tensors
@@ -164,6 +166,11 @@ def _watch(model, form, checks=4, **options):
 def test_the_watch_on_a_declared_quantizer_and_an_undeclared_fake_quantize_raises_nothing(form):
     from torch.ao.quantization import FakeQuantize
 
+    torch.manual_seed(0)
+    undeclared, _ = _watch(VQ(), form, checks=1)
+    # undeclared: the module form names the quantizer (its input gradient), both name the option
+    assert undeclared and all("surrogates=[...]" in a.message for a in undeclared if a.tensor != "quant.code")
+    assert form == "objective" or "quant:input" in {a.tensor for a in undeclared}
     torch.manual_seed(0)
     alerts, reports = _watch(VQ(), form, surrogates=["quant"])
     assert alerts == [] and all(r.surrogates == ["quant"] for r in reports)

@@ -505,7 +505,8 @@ def diagnose(analytic: Sequence[float], numeric: Sequence[float], floor: float, 
     if np.all(n_zero) and not np.all(a_zero):
         return (
             "numeric gradient is zero where analytic is not: backward produces a gradient the forward "
-            "does not have, or the check objective lacks a term training differentiates (pass it as a regularizer)"
+            "does not have (a straight-through or surrogate gradient, if by design: declare its module with "
+            "surrogates=[...]), or the check objective lacks a term training differentiates (pass it as a regularizer)"
         )
     if not np.any(np.abs(a - n) > zero_floor):
         return None
