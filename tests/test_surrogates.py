@@ -186,3 +186,15 @@ def test_the_watch_names_a_bug_beside_a_declared_surrogate(form):
     torch.manual_seed(0)
     alerts, _ = _watch(VQ("mid"), form, checks=1, surrogates=["quant"])
     assert {a.tensor for a in alerts} == {"quant:output" if form == "objective" else "mid:input"}
+
+
+def test_an_in_place_op_after_a_declared_surrogate_does_not_change_what_is_held(x):
+    torch.manual_seed(0)
+    class Halve(nn.Module):
+        def forward(self, s):
+            return s.mul_(0.5)  # in place, on the held output itself
+
+    model = nn.Sequential(nn.Linear(6, 8), nn.Sequential(SpikeLayer(), Halve()), nn.Linear(8, 6))
+    report = check_model(model, loss, x, surrogates=[SpikeLayer])
+    assert failing(report) == [] and report.surrogates == ["1.0"] and not report.nondeterministic
+    assert all(t.verdict is not None for t in report.tensors.values())  # judged, not inconclusive

@@ -106,9 +106,9 @@ def _floating(args: Sequence[Any]) -> List[Tuple[int, torch.Tensor]]:
 class SurrogateCut:
     """The cut of the objective at each surrogate module (see the module's docstring).
 
-    :meth:`capturing` wraps the analytic forward (outputs and inputs recorded per call), :meth:`take_gradients`
-    follows it;
-    :meth:`cut` wraps each numeric evaluation, and :meth:`term` is then ``<g, x>`` for that evaluation.
+    :meth:`capturing` wraps the analytic forward (outputs and inputs recorded per call) and
+    :meth:`take_gradients` follows it; :meth:`cut` wraps each numeric evaluation, and :meth:`term` is then
+    ``<g, x>`` for that evaluation.
     """
 
     def __init__(self, surrogates: Dict[str, nn.Module]) -> None:
@@ -135,11 +135,17 @@ class SurrogateCut:
                 h.remove()
 
     def _capture(self, name: str) -> Any:
-        def hook(module: nn.Module, args: tuple, out: Any) -> None:
+        def hook(module: nn.Module, args: tuple, out: Any) -> Any:
             self._inputs[name].append({i: x for i, x in _floating(args) if x.requires_grad})
             self._outputs[name].append(_detached(out))
             first = _first_floating(out)
-            self._output_graph[name].append(first if first is not None and first.requires_grad else None)
+            if first is None or not first.requires_grad:
+                self._output_graph[name].append(None)
+                return None
+            self._output_graph[name].append(first)
+            # The rest of the forward gets a copy: an in-place op after the module changes the copy, and the
+            # gradient taken at ``first`` stays the gradient of the module's own output.
+            return _with_first(out, first.clone())
         hook._gradwatch_hook = True  # type: ignore[attr-defined]
         return hook
 
@@ -190,7 +196,7 @@ class SurrogateCut:
                 if g is not None:
                     self._term += float(torch.real(torch.sum(torch.conj(g.to(x.dtype)) * x))) if x.is_complex() \
                         else float(torch.sum(g.to(x.dtype) * x))
-            return self._outputs[name][k]
+            return _detached(self._outputs[name][k])  # a fresh copy: an in-place op downstream cannot change it
         hook._gradwatch_hook = True  # type: ignore[attr-defined]
         return hook
 
@@ -205,6 +211,20 @@ def _first_floating(out: Any) -> Optional[torch.Tensor]:
     if isinstance(out, (tuple, list)):
         return next((t for t in map(_first_floating, out) if t is not None), None)
     return None
+
+
+def _with_first(out: Any, new: torch.Tensor) -> Any:
+    """``out`` with its first floating tensor (:func:`_first_floating`) replaced by ``new``."""
+    if isinstance(out, torch.Tensor):
+        return new
+    if isinstance(out, (tuple, list)):
+        items, done = [], False
+        for o in out:
+            if not done and _first_floating(o) is not None:
+                o, done = _with_first(o, new), True
+            items.append(o)
+        return type(out)(items) if isinstance(out, list) else tuple(items)
+    return out
 
 
 def _detached(out: Any) -> Any:
