@@ -106,7 +106,7 @@ def test_an_undeclared_straight_through_quantizer_is_wrong_and_a_declared_one_is
     report = check_model(model, loss, x, surrogates=["quant"])
     assert failing(report) == [] and report.surrogates == ["quant"]
     assert "quant.code" not in report.tensors and "enc.weight" in report.tensors
-    assert any("surrogate, by design: quant" in n and "quant.code" in n for n in report.notes)
+    assert any("surrogate, by design: quant" in n and "quant.code not checked" in n for n in report.notes)
     assert check_model(model, loss, x, surrogates=[Quantizer]).surrogates == ["quant"]  # by class too
     assert check_model(model, loss, x, surrogates=["Quantizer"]).surrogates == ["quant"]  # and by class name
 
@@ -198,3 +198,21 @@ def test_an_in_place_op_after_a_declared_surrogate_does_not_change_what_is_held(
     report = check_model(model, loss, x, surrogates=[SpikeLayer])
     assert failing(report) == [] and report.surrogates == ["1.0"] and not report.nondeterministic
     assert all(t.verdict is not None for t in report.tensors.values())  # judged, not inconclusive
+
+
+def test_gradwatch_report_names_the_surrogate_parameters_and_why(tmp_path, capsys):
+    from gradwatch import GradWatch
+    from gradwatch.cli import commands as cli
+
+    torch.manual_seed(0)
+    model = VQ()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    watch = GradWatch(model, loss, optimizer=opt, every=1, log_dir=tmp_path, tensorboard=False, surrogates=["quant"])
+    x = torch.randn(32, 6, generator=torch.Generator().manual_seed(0))
+    opt.zero_grad()
+    loss(model, x).backward()
+    watch.step(x)
+    watch.close()
+    cli.main(["report", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "quant.code not checked by the backward part (surrogate, by design)" in out

@@ -90,8 +90,9 @@ def surrogate_note(surrogates: Dict[str, nn.Module], form: str) -> str:
     how = ("the objective is cut there: what is upstream is checked against the gradient their backward gives, "
            "their outputs against the gradient training gives them" if form == "objective" else
            "not checked as units: the units around them are, on the inputs the live forward gives them")
-    return (f"surrogate, by design: {', '.join(surrogates)} ({how}"
-            + (f"; their parameters {', '.join(owned)} are not compared)" if owned else ")"))
+    return (f"surrogate, by design: {', '.join(surrogates)} ({how})"
+            + (f"; their parameters {', '.join(owned)} not checked by the backward part (surrogate, by design)"
+               if owned else ""))
 
 
 def surrogate_parameters(surrogates: Dict[str, nn.Module]) -> List[str]:
