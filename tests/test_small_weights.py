@@ -55,3 +55,45 @@ def test_a_correct_relu_mlp_at_small_weights_raises_no_alarm(scale):
 def test_a_one_percent_error_in_a_last_layer_weight_gradient_is_caught_at_small_weights(scale):
     report = check(mlp(scale, 0, last=OffLinear))
     assert [n for n, t in report.tensors.items() if t.failed] == ["4.weight"], str(report)
+
+
+def watch_module_form(model: nn.Module):
+    from gradwatch import GradWatch
+
+    gen = torch.Generator().manual_seed(1)
+    batch = (torch.randn(32, 8, generator=gen, dtype=torch.float64), torch.randint(0, 3, (32,), generator=gen))
+
+    def loss(m, b):
+        return F.cross_entropy(m(b[0]), b[1])
+
+    watch = GradWatch(model, loss, every=1, log_dir=None, form="module", training=False, independence="off")
+    loss(model, batch).backward()
+    report = watch.step(batch)
+    watch.close()
+    return report
+
+
+class OffMiddle(nn.Module):
+    def __init__(self, scale: float, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), OffLinear(16, 16), nn.ReLU(), nn.Linear(16, 3)).double()
+        with torch.no_grad():
+            for p in self.net.parameters():
+                p.mul_(scale)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+@pytest.mark.parametrize("scale", [1e-6, 1e-8])
+def test_the_module_form_at_small_weights_no_alarm_and_a_middle_layer_bug_caught(scale):
+    """Each module alone differences its own outputs: a middle layer's 1% bug is caught where the objective form
+    cannot resolve it; a ReLU's input gradient, with entries far smaller than 1, is probed at steps of its own
+    size (at steps of 1's size every entry crossed its kink: false alarms on ``3:input``)."""
+    for seed in range(2):
+        report = watch_module_form(mlp(scale, seed))
+        assert not [n for n, t in report.tensors.items() if t.failed], (scale, seed, str(report))
+        assert report.tensors["3:input"].verdict is not None
+    report = watch_module_form(OffMiddle(scale, 0))
+    assert [n for n, t in report.tensors.items() if t.failed] == ["net.2.weight"]

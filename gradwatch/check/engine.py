@@ -383,6 +383,13 @@ def build_samples(name: str, p: torch.Tensor, g: torch.Tensor, settings: EngineS
     gen = generator(tensor_seed(seed, name))
     shape = tuple(p.shape)
     samples: List[Sample] = []
+    # An activation (the module form's ``<module>:input``) has no scale of 1 to fall back on: its entries
+    # near zero at small weights sit within a step of 1's scale of every ReLU kink, so its steps follow its
+    # own root-mean-square size.
+    unit = 1.0
+    if name.endswith(":input") or ":output" in name:
+        rms_all = float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) / math.sqrt(max(1, p.numel()))
+        unit = min(1.0, rms_all) if rms_all > 0 else 1.0
     k = p.numel() if settings.exhaustive else settings.coords
     flat = choose_coords(g, k, gen) if k else torch.empty(0, dtype=torch.long)
     if flat.numel():
@@ -392,14 +399,14 @@ def build_samples(name: str, p: torch.Tensor, g: torch.Tensor, settings: EngineS
         positions = [a.tolist() for a in np.unravel_index(flat.numpy(), shape)] if shape else None
         for j, value in enumerate(values):
             pos = tuple(a[j] for a in positions) if positions is not None else ()
-            samples.append(Sample(label=pos, step=h * max(1.0, abs(value)), index=pos, base=float(value), flat=flat_list[j]))
+            samples.append(Sample(label=pos, step=h * max(unit, abs(value)), index=pos, base=float(value), flat=flat_list[j]))
     if settings.directions and p.numel() > 1:
         n = p.numel()
         rms = float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) / math.sqrt(n)
         dtype = p.dtype if p.is_floating_point() and n <= DENSE_SIGNS_MAX else torch.int8
         signs = rademacher_signs(n, settings.directions, gen, dtype=dtype).to(p.device)
         for j in range(settings.directions):
-            samples.append(Sample(label=("dir", j), step=h * max(1.0, rms), signs=signs[j].reshape(shape), scale=1.0 / math.sqrt(n)))
+            samples.append(Sample(label=("dir", j), step=h * max(unit, rms), signs=signs[j].reshape(shape), scale=1.0 / math.sqrt(n)))
     return samples
 
 
