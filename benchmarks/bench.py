@@ -11,6 +11,10 @@ JSON:
    ``torch.autograd.gradcheck`` over the model's parameters (slow mode, run
    under a time cap: when it cannot finish, the evaluations it needs,
    ``2 * n_params``, are given instead, and ``fast_mode=True``).
+   ``verdict_speed``: time to a verdict, warm, one thread, median of ``repeats``: ``check_model`` at its
+   defaults (detection first: one probe per tensor, the full sample only where it disagrees) against
+   ``gradcheck(fast_mode=True)`` on the same float64 objective, for the correct twin and the buggy model,
+   with the localization time of the buggy one (``check_model(localize=True)``'s ``localize_seconds``).
 2. ``detection``: whether each tool caught each planted bug, what it named,
    and false alarms on the correct twins.
 3. ``efficiency``: check wall time / (loss evaluations x median time of one
@@ -76,8 +80,8 @@ from gradwatch.options import CheckOptions
 from gradwatch.watch.gradwatch import GradWatch
 
 MODEL_NAMES = ("mlp", "cnn", "transformer")
-SECTIONS = ("time_to_verdict", "detection", "efficiency", "training_part", "training_overhead", "scaling", "memory",
-            "module_form")
+SECTIONS = ("time_to_verdict", "verdict_speed", "detection", "efficiency", "training_part", "training_overhead", "scaling",
+            "memory", "module_form")
 
 #: What each size runs: (default, quick).
 _SIZES = {
@@ -446,6 +450,34 @@ def run_gradwatch(case: Case) -> Dict[str, Any]:
     }
 
 
+def measure_verdict_speed(case: Case, repeats: int) -> Dict[str, Any]:
+    """Time to a verdict of ``check_model`` and of fast gradcheck, warm, one thread, interleaved; median of ``repeats``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reset_batched_state(case.model)
+        check_model(case.model, case.loss_fn, case.batch)  # warm: the float64 copy, vmap's first call
+        run_gradcheck(case, True, 60.0)
+        ours, theirs = [], []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            report = check_model(case.model, case.loss_fn, case.batch)
+            ours.append(time.perf_counter() - start)
+            fast = run_gradcheck(case, True, 60.0)
+            theirs.append(fast["seconds"])
+        localized = check_model(case.model, case.loss_fn, case.batch, localize=True) if not report.ok else None
+    finally:
+        torch.set_num_threads(threads)
+    gw, gc = _median(ours), _median(theirs)
+    return {
+        "model": case.name, "bug": case.bug, "gradwatch_seconds": gw, "gradcheck_fast_seconds": gc, "ratio": gw / gc,
+        "gradwatch_evaluations": report.evaluations, "gradcheck_fast_evaluations": fast["evaluations"],
+        "gradwatch_caught": not report.ok, "gradcheck_fast_caught": fast["caught"],
+        "localize_seconds": localized.localize_seconds if localized is not None else None,
+        "modules": [c.name for c in localized.localized if c.failed] if localized is not None else [],
+    }
+
+
 def _load_membench() -> Any:
     """``benchmarks/membench.py`` beside this file (the benchmarks are files, not a package)."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "membench.py")
@@ -633,7 +665,7 @@ def run_benchmark(models: Sequence[str] = MODEL_NAMES, quick: bool = False, time
             "cpu_count": os.cpu_count(), "quick": quick, "time_cap_seconds": time_cap, "steps": steps, "repeats": repeats,
             "models": list(models), "command": "gradwatch bench" + (" --quick" if quick else ""),
         },
-        "time_to_verdict": [], "detection": [], "efficiency": [], "training_part": [], "training_overhead": [],
+        "time_to_verdict": [], "verdict_speed": [], "detection": [], "efficiency": [], "training_part": [], "training_overhead": [],
         "scaling": [], "memory": [], "module_form": [],
     }
     for name in models:
@@ -667,6 +699,8 @@ def run_benchmark(models: Sequence[str] = MODEL_NAMES, quick: bool = False, time
                 "tensor_named": any(t in named for t in buggy.planted_tensors),
                 "false_alarm": twin_res["caught"], "twin_status": twin_res["status"],
             })
+        say(f"{name}: time to a verdict against fast gradcheck (one thread)")
+        out["verdict_speed"].extend([measure_verdict_speed(twin, repeats), measure_verdict_speed(buggy, repeats)])
         say(f"{name}: module form")
         out["module_form"].extend([run_module_form(buggy), run_module_form(twin)])
         say(f"{name}: efficiency")
@@ -693,7 +727,8 @@ def run_benchmark(models: Sequence[str] = MODEL_NAMES, quick: bool = False, time
 
 
 #: Pass/fail targets set for the default (full) sizes; ``--quick`` models are too small for them to mean anything.
-FULL_SIZE_TARGETS = ("overhead_at_most_1.02", "efficiency_loop_at_most_1.3", "efficiency_batched_below_1",
+FULL_SIZE_TARGETS = ("overhead_at_most_1.02", "verdict_at_most_1.5x_fast_gradcheck",
+                     "efficiency_loop_at_most_1.3", "efficiency_batched_below_1",
                      "at_least_100x_fewer_evaluations", "training_part_at_most_1.2")
 NOT_APPLICABLE = "n/a (full size only)"
 
@@ -728,7 +763,10 @@ def _targets(result: Dict[str, Any]) -> Dict[str, Any]:
     part = [t["ratio"] for t in result.get("training_part", [])]
     mem = [r["ratio"] for r in result.get("memory", []) if r.get("ratio") is not None]
     module = result.get("module_form", [])
+    speed = [r["ratio"] for r in result.get("verdict_speed", [])]
     return {
+        "verdict_ratio_max": max(speed, default=None),
+        "verdict_at_most_1.5x_fast_gradcheck": all(r <= 1.5 for r in speed) if speed else None,
         "memory_ratio_max": max(mem, default=None),
         "memory_at_most_1.1": all(r <= 1.1 for r in mem) if mem else None,
         "module_form_catches_and_names_every_bug": all(r["caught"] and r["module_named"] for r in module if r["bug"])
@@ -795,6 +833,17 @@ def format_result(result: Dict[str, Any]) -> str:
         named = ", ".join(d["named_modules"]) or ", ".join(d["named_tensors"][:2]) or "-"
         alarm = {True: "YES", False: "no", None: "n/a"}[d["false_alarm"]]
         rows.append((d["model"], d["tool"], caught, named, alarm))
+    rows = [(r["model"], "planted bug" if r["bug"] else "correct", _fmt_s(r["gradwatch_seconds"]),
+             _fmt_s(r["gradcheck_fast_seconds"]), f"{r['ratio']:.2f}x",
+             f"{r['gradwatch_evaluations']} / {r['gradcheck_fast_evaluations']}",
+             {True: "yes", False: "no", None: "n/a"}[r["gradwatch_caught"]],
+             _fmt_s(r["localize_seconds"]) + " (" + (", ".join(r["modules"]) or "-") + ")"
+             if r["localize_seconds"] is not None else "-")
+            for r in result.get("verdict_speed", [])]
+    if rows:
+        parts.append("\n1b. time to a verdict, warm, one thread: check_model (detection first) vs gradcheck(fast_mode=True)\n"
+                     + _table(("model", "twin", "gradwatch", "gradcheck fast", "ratio", "evaluations", "caught",
+                               "localization (named)"), rows))
     parts.append("\n2. planted bug caught / named; false alarm on the correct twin\n"
                  + _table(("model", "tool", "caught", "named", "false alarm"), rows))
     for d in result["detection"]:

@@ -262,7 +262,7 @@ def test_bug_still_caught_in_net_with_kinks():
 
 def test_tensors_option_and_sample_sizes():
     model, batch = make_model("mlp_dropout", 0)
-    report = check_model(model, ce_loss, batch, tensors=["*.weight"], coords=3, directions=2)
+    report = check_model(model, ce_loss, batch, tensors=["*.weight"], coords=3, directions=2, screen=False)
     assert list(report.tensors) == ["0.weight", "3.weight"]
     t = report.tensors["0.weight"]
     assert len(t.coords) == 3 and len(t.dir_analytic) == 2
@@ -272,9 +272,9 @@ def test_tensors_option_and_sample_sizes():
 
 def test_seed_changes_sampled_coordinates():
     model, batch = make_model("mlp_dropout", 0)
-    a = check_model(model, ce_loss, batch, seed=0)
-    b = check_model(model, ce_loss, batch, seed=0)
-    c = check_model(model, ce_loss, batch, seed=5)
+    a = check_model(model, ce_loss, batch, seed=0, screen=False)  # coordinates: the full sample
+    b = check_model(model, ce_loss, batch, seed=0, screen=False)
+    c = check_model(model, ce_loss, batch, seed=5, screen=False)
     assert a.tensors["0.weight"].coords == b.tensors["0.weight"].coords
     assert a.tensors["0.weight"].coords != c.tensors["0.weight"].coords
 

@@ -83,6 +83,8 @@ class Sample:
     slope: Optional[Terms] = None
     #: Flat (row-major) position of ``index`` in the tensor, when known.
     flat: Optional[int] = None
+    #: Judged on its own too (the entry :func:`pinpoint` traced a disagreement to).
+    alone: bool = False
     #: Cached while the sample is probed: the tensor last written and its element at ``index``.
     target: Optional[torch.Tensor] = None
     view: Optional[torch.Tensor] = None
@@ -117,6 +119,9 @@ class EngineSettings:
     magnitude: float
     jitter: float = 0.0
     exhaustive: bool = False
+    #: Detection first (:func:`screen_sample`): one random direction per tensor, the full sample only
+    #: where it does not agree to the EXCELLENT band (check_model; the training hook's cycle samples every time).
+    screen: bool = False
     #: Where the objective computes in a lower precision than the tensors (see :mod:`gradwatch.check.precision`).
     coarse: Optional[str] = None
 
@@ -386,10 +391,7 @@ def build_samples(name: str, p: torch.Tensor, g: torch.Tensor, settings: EngineS
     # An activation (the module form's ``<module>:input``) has no scale of 1 to fall back on: its entries
     # near zero at small weights sit within a step of 1's scale of every ReLU kink, so its steps follow its
     # own root-mean-square size.
-    unit = 1.0
-    if name.endswith(":input") or ":output" in name:
-        rms_all = float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) / math.sqrt(max(1, p.numel()))
-        unit = min(1.0, rms_all) if rms_all > 0 else 1.0
+    unit = _unit(name, p)
     k = p.numel() if settings.exhaustive else settings.coords
     flat = choose_coords(g, k, gen) if k else torch.empty(0, dtype=torch.long)
     if flat.numel():
@@ -408,6 +410,14 @@ def build_samples(name: str, p: torch.Tensor, g: torch.Tensor, settings: EngineS
         for j in range(settings.directions):
             samples.append(Sample(label=("dir", j), step=h * max(unit, rms), signs=signs[j].reshape(shape), scale=1.0 / math.sqrt(n)))
     return samples
+
+
+def _unit(name: str, p: torch.Tensor) -> float:
+    """The scale a step falls back on: 1, or an activation's own root-mean-square size when below 1."""
+    if name.endswith(":input") or ":output" in name:
+        rms_all = float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) / math.sqrt(max(1, p.numel()))
+        return min(1.0, rms_all) if rms_all > 0 else 1.0
+    return 1.0
 
 
 def prepare_slopes(samples: List[Sample], saved: torch.Tensor, grads: Dict[str, torch.Tensor]) -> None:
@@ -499,13 +509,33 @@ def check_tensor(
     """
     saved = p.detach().clone()
     h = settings.eps if settings.eps is not None else settings.eval_eps ** (1.0 / 3.0)
-    samples = build_samples(name, p, grads["total"], settings, seed, h)
-    prepare_slopes(samples, saved, grads)
     outcomes: List[Outcome] = []
-    bases = batched_bases(name, p, saved, grads, samples, probe_batch) if probe_batch is not None else None
+    samples: List[Sample] = []
     try:
         with torch.no_grad():
-            _probe_all(p, saved, grads, samples, bases, outcomes, evaluate, j0, settings)
+            first = screen_sample(name, p, settings, seed, h) if settings.screen and not settings.exhaustive else None
+            first_base = None
+            if first is not None:
+                prepare_slopes([first], saved, grads)
+                first_base = _bases(name, p, saved, grads, [first], probe_batch)[0] \
+                    or _central(p, saved, grads, first, first.step, evaluate)
+                settled = screen(p, saved, grads, first, first_base, j0, evaluate, settings)
+                if settled is not None:
+                    samples, outcomes = [first], [settled]
+            if not outcomes:
+                rest = build_samples(name, p, grads["total"], settings, seed, h)
+                prepare_slopes(rest, saved, grads)
+                samples = ([first] if first is not None else []) + rest
+                bases = [first_base] if first is not None else []
+                bases += _bases(name, p, saved, grads, rest, probe_batch)
+                _probe_all(p, saved, grads, samples, bases, outcomes, evaluate, j0, settings)
+                if first is not None and unexplained(outcomes[0], settings) \
+                        and not _summarize(name, tuple(p.shape), samples, outcomes, "total", settings).failed:
+                    entry = pinpoint(p, saved, grads, first, evaluate, settings, h, _unit(name, p))
+                    if entry is not None:
+                        prepare_slopes([entry], saved, grads)
+                        samples.append(entry)
+                        _probe_all(p, saved, grads, [entry], None, outcomes, evaluate, j0, settings)
     finally:
         with torch.no_grad():
             p.copy_(saved)
@@ -518,6 +548,144 @@ def check_tensor(
         if term != "total"
     }
     return main, per_term
+
+
+def screen_sample(name: str, p: torch.Tensor, settings: EngineSettings, seed: int, h: float) -> Optional[Sample]:
+    """The detection probe of one tensor: one random unit direction (Gaussian; int8 signs for huge tensors).
+
+    Gaussian, not signs: an error spread over entries of equal size and opposite sign cancels exactly
+    along half of all sign vectors, never along a Gaussian one. A single-entry tensor gets none (its one
+    coordinate is the whole check). Seeded apart from :func:`build_samples`.
+    """
+    n = p.numel()
+    if n <= 1:
+        return None
+    gen = generator(tensor_seed(seed, name + "#screen"))
+    rms = float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) / math.sqrt(n)
+    unit = _unit(name, p)
+    if n <= DENSE_SIGNS_MAX and p.is_floating_point():
+        z = torch.randn(n, generator=gen, dtype=torch.float64)
+        z /= torch.linalg.vector_norm(z)
+        return Sample(label=("screen",), step=h * max(unit, rms), direction=z.to(p.dtype).reshape(p.shape).to(p.device))
+    signs = rademacher_signs(n, 1, gen).to(p.device)
+    return Sample(label=("screen",), step=h * max(unit, rms), signs=signs[0].reshape(p.shape), scale=1.0 / math.sqrt(n))
+
+
+def screened(out: Outcome, settings: EngineSettings) -> bool:
+    """True when the detection probe's outcome settles the tensor.
+
+    Its analytic and numeric slopes agree to the EXCELLENT band (1e-7 by default), and its noise floor
+    (a pessimistic bound on rounding) is under a tenth of the ACCEPTABLE band, so an error the full
+    sample would call SUSPICIOUS could not hide in the noise. Anything else (a kink on the way, a floor
+    too high, a real error) goes on to the full sample, judged exactly as without the probe.
+
+    Example:
+        >>> settings = EngineSettings(coords=8, directions=4, eps=None, bands=(1e-7, 1e-4, 1e-2),
+        ...                           fail_at=Verdict.SUSPICIOUS, detect_kinks=True, eval_eps=2.2e-16, magnitude=1.0)
+        >>> screened(Outcome({"total": 1.0}, {"total": 1.0 + 1e-9}, floor=1e-9), settings)
+        True
+        >>> screened(Outcome({"total": 1.0}, {"total": 1.0001}, floor=1e-9), settings)
+        False
+    """
+    if set(out.analytic) != {"total"}:
+        return False  # per-term checks keep their full sample
+    a_t, n_t = out.analytic["total"], out.numeric["total"]
+    scale = abs(a_t) + abs(n_t)
+    if not (math.isfinite(a_t) and math.isfinite(n_t)) or scale == 0.0:
+        return False
+    return abs(a_t - n_t) <= settings.bands[0] * scale and out.floor <= 0.1 * settings.bands[1] * scale
+
+
+def screen(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], j0: float, evaluate: Evaluator,
+           settings: EngineSettings) -> Optional[Outcome]:
+    """The detection probe's outcome when it settles the tensor (:func:`screened`), else None.
+
+    A probe lost in rounding is taken again at a wider step first (:func:`widen`, as the full sample
+    does). A tensor the objective does not depend on at all (a bias before a normalization) is settled
+    when the objective is bit-for-bit the same on both sides of the probe at its step and at the widest
+    step :func:`widen` would take, and the analytic slope is within that step's noise: flat, and found flat.
+    """
+    out = _outcome(sample, base, settings)
+    a_t, n_t = out.analytic["total"], out.numeric["total"]
+    if not (math.isfinite(a_t) and math.isfinite(n_t)) or not settings.detect_kinks:
+        return out if screened(out, settings) else None
+    if n_t == 0.0 and abs(a_t) <= out.floor and set(out.analytic) == {"total"}:
+        h = settings.eps if settings.eps is not None else settings.eval_eps ** (1.0 / 3.0)
+        t = sample.step * min(WIDEN_MAX, 0.1 / h)
+        jp, jm, lp, lm = _central(p, saved, grads, sample, t, evaluate)
+        a_w, _ = _slopes(jp, jm, lp, lm, t)
+        if total(jp) == total(jm) and abs(a_w["total"]) <= floor_at(settings, t):
+            return Outcome(a_w, {"total": 0.0}, floor_at(settings, t))
+        return None
+    if out.floor > IMPRECISE * max(abs(a_t), abs(n_t)):
+        wider = widen(p, saved, grads, sample, out.analytic, out.numeric, out.floor, j0, evaluate, settings)
+        if wider is None:
+            return None
+        out = wider
+    return out if screened(out, settings) else None
+
+
+def unexplained(out: Outcome, settings: EngineSettings) -> bool:
+    """True when the detection probe disagrees beyond its noise floor by more than the EXCELLENT band, with
+    no kink or unresolved step to explain it: an error diluted along a dense direction (one wrong entry
+    among many) that the full sample's coordinates may have missed; :func:`pinpoint` looks for it.
+    """
+    a_t, n_t = out.analytic["total"], out.numeric["total"]
+    if out.kink or out.unresolved or not (math.isfinite(a_t) and math.isfinite(n_t)):
+        return False
+    return abs(a_t - n_t) - out.floor > settings.bands[0] * (abs(a_t) + abs(n_t))
+
+
+def pinpoint(p, saved, grads, sample: Sample, evaluate: Evaluator, settings: EngineSettings, step: float,
+             unit: float) -> Optional[Sample]:
+    """The entry that the detection probe's disagreement comes from, found by halving; None when it fades.
+
+    The probe's direction is cut into two halves of its entries (in row-major order), each probed as a
+    unit direction of its own; the disagreement along the whole direction is the sum of the halves'
+    (each weighted by its share of the direction's norm), so the half with the larger weighted excess over
+    its noise floor holds the largest error. Repeated down to one entry: ``4 * log2(numel)`` evaluations,
+    spent only where the probe disagreed and the full sample did not fail. The entry comes back as a
+    coordinate sample, judged like any other (kinks re-examined), at a coordinate's step (``step`` relative
+    to ``max(unit, |θ_i|)``, as :func:`build_samples` takes it); its label names it.
+    """
+    if sample.direction is None:
+        return None
+    d = sample.direction.reshape(-1)
+    lo, hi = 0, d.numel()
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        best: Optional[Tuple[float, int, int]] = None
+        for a_, b_ in ((lo, mid), (mid, hi)):
+            part = torch.zeros_like(d)
+            part[a_:b_] = d[a_:b_]
+            norm = float(torch.linalg.vector_norm(part, dtype=torch.float64))
+            if norm == 0.0:
+                continue
+            half = Sample(label=("block", a_, b_), step=sample.step, direction=(part / norm).reshape(p.shape))
+            jp, jm, lp, lm = _central(p, saved, grads, half, half.step, evaluate)
+            a, n = _slopes(jp, jm, lp, lm, half.step)
+            excess = norm * (abs(a["total"] - n["total"]) - floor_at(settings, half.step))
+            if math.isfinite(excess) and excess > 0 and (best is None or excess > best[0]):
+                best = (excess, a_, b_)
+        if best is None:
+            return None  # both halves within their noise: the disagreement was spread too thin to follow
+        lo, hi = best[1], best[2]
+    shape = tuple(p.shape)
+    pos = tuple(int(i) for i in np.unravel_index(lo, shape)) if shape else ()
+    value = float(saved.reshape(-1)[lo])
+    return Sample(label=pos, step=step * max(unit, abs(value)), index=pos, base=value, flat=lo, alone=True)
+
+
+def _outcome(sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], settings: EngineSettings) -> Outcome:
+    a, n = _slopes(*base, sample.step)
+    return Outcome(a, n, floor_at(settings, sample.step))
+
+
+def _bases(name: str, p: torch.Tensor, saved: torch.Tensor, grads: Dict[str, torch.Tensor], samples: List[Sample],
+           probe_batch: Optional[BatchProbe]) -> List[Optional[Tuple[Terms, Terms, Terms, Terms]]]:
+    """The base probes of ``samples`` in batches where ``probe_batch`` takes them; None each: probed in the loop."""
+    got = batched_bases(name, p, saved, grads, samples, probe_batch) if probe_batch is not None and samples else None
+    return list(got) if got is not None else [None] * len(samples)
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -597,11 +765,9 @@ def _probe_all(p, saved, grads, samples: List[Sample], bases, outcomes: List[Out
     """Probe every sample (or judge its batched base probes), re-examining disagreements; appends to ``outcomes``."""
     genuine_streak = 0
     for i, sample in enumerate(samples):
-        base = bases[i] if bases is not None else _central(p, saved, grads, sample, sample.step, evaluate)
-        jp, jm, lp, lm = base
-        a, n = _slopes(jp, jm, lp, lm, sample.step)
-        fl = floor_at(settings, sample.step)
-        out = Outcome(a, n, fl)
+        base = bases[i] if bases is not None and bases[i] is not None else _central(p, saved, grads, sample, sample.step, evaluate)
+        out = _outcome(sample, base, settings)
+        a, n, fl = out.analytic, out.numeric, out.floor
         finite = math.isfinite(a["total"]) and math.isfinite(n["total"])
         if settings.detect_kinks and finite and fl > IMPRECISE * max(abs(a["total"]), abs(n["total"])):
             wider = widen(p, saved, grads, sample, a, n, fl, j0, evaluate, settings)
@@ -680,7 +846,8 @@ def _summarize(name, shape, samples: List[Sample], outcomes: List[Outcome], term
     """One term's slopes along every sample, judged by the bands (see :func:`gradwatch.check.judge.judge`)."""
     slopes = [
         Slope(analytic=o.analytic[term], numeric=o.numeric.get(term, 0.0), floor=o.floor, coordinate=s.index is not None,
-              label=tuple(s.index) if s.index is not None else s.label, excluded=o.kink, unresolved=o.unresolved)
+              label=tuple(s.index) if s.index is not None else s.label, excluded=o.kink, unresolved=o.unresolved,
+              alone=s.alone)
         for s, o in zip(samples, outcomes)
     ]
     rule = BandRule(bands=settings.bands, fail_at=settings.fail_at, coarse=settings.coarse)

@@ -51,6 +51,8 @@ class Slope:
         excluded: Found non-differentiable there (a kink or jump): left out of the measures and the verdict.
         unresolved: Disagrees by less than central differences in this precision can resolve.
         failed: Out of tolerance (set for :class:`ToleranceRule`).
+        alone: Judged on its own as well as with the others: the one entry a disagreeing detection probe was
+            traced to (:func:`gradwatch.check.engine.pinpoint`), whose error the other lines would dilute.
 
     Example:
         >>> Slope(analytic=2.0, numeric=2.0).coordinate
@@ -65,6 +67,7 @@ class Slope:
     excluded: bool = False
     unresolved: bool = False
     failed: bool = False
+    alone: bool = False
 
 
 @dataclass(frozen=True)
@@ -227,7 +230,8 @@ def _by_bands(check: TensorCheck, slopes: Sequence[Slope], kept: List[Slope], ru
         return [s.analytic for s in part], [s.numeric for s in part], [s.floor for s in part]
 
     (ca, cn, cf), (da, dn, df) = of(True), of(False)
-    check.judged_rel_diff = max(judged_rel_diff(ca, cn, cf), judged_rel_diff(da, dn, df))
+    check.judged_rel_diff = max([judged_rel_diff(ca, cn, cf), judged_rel_diff(da, dn, df)]
+                                + [judged_rel_diff([s.analytic], [s.numeric], [s.floor]) for s in kept if s.alone])
     if not all(map(math.isfinite, ca + cn + da + dn)):
         check.inconclusive = "non-finite values in the objective or gradient along the sampled points"
         check.inconclusive_kind = InconclusiveKind.NONFINITE

@@ -66,6 +66,7 @@ def check_model(
     grad_fn: Optional[GradFn] = None,
     localize: bool = False,
     batched: bool = True,
+    screen: bool = True,
     **options: Any,
 ) -> CheckReport:
     """Check backprop of a whole model and loss against two-sided numerical gradients.
@@ -90,6 +91,12 @@ def check_model(
             ``report.localized`` and ``str(report)``.
         batched: Evaluate perturbations in vmapped batches where the model allows it
             (:mod:`gradwatch.check.batched`, automatic fallback); False: one evaluation each.
+        screen: Detection first: each tensor is probed along one random direction, and where analytic
+            and numeric slopes agree to the EXCELLENT band (with a noise floor that could have shown an
+            error) that settles it; only the others get the full sample (``coords``, ``directions``, kink
+            re-examination), and where the probe disagrees but the full sample does not fail, the
+            disagreement is traced to one entry by halving (:func:`gradwatch.check.engine.pinpoint`).
+            False: the full sample on every tensor.
         **options: See :class:`gradwatch.options.CheckOptions` (``coords``,
             ``directions``, ``eps``, ``bands``, ``fail_at``, ``seed``, ``dtype``,
             ``detect_kinks``, ``per_term``, ``tensors``).
@@ -115,7 +122,7 @@ def check_model(
         )
     weight_decay, notes = coupled_weight_decay(model, optimizer)
     objective = Objective(loss_fn, regularizers, weight_decay)
-    report = run_model_check(model, objective, batch, opts, grad_fn=grad_fn, batched=batched)
+    report = run_model_check(model, objective, batch, opts, grad_fn=grad_fn, batched=batched, screen=screen)
     report.notes[:0] = notes
     if objective.differentiates:  # it trains on the model's second derivatives: each module's double backward too
         from .inner import check_inner_derivatives
@@ -128,7 +135,8 @@ def check_model(
 
         start = time.perf_counter()
         report.localized = run_localize(model, loss_fn, batch, enclosing=True, **options)
-        report.seconds += time.perf_counter() - start
+        report.localize_seconds = time.perf_counter() - start
+        report.seconds += report.localize_seconds
     return report
 
 
@@ -206,6 +214,7 @@ def run_model_check(
     names: Optional[Sequence[str]] = None,
     shadow: Optional[Shadow] = None,
     batched: bool = True,
+    screen: bool = False,
 ) -> CheckReport:
     """The check behind :func:`check_model` and the training hook.
 
@@ -356,7 +365,7 @@ def run_model_check(
                 probe = _InMode(probe, mode)
         with frozen_batchnorm_stats(target):
             _judge_all(report, params, grads, evaluator, opts, magnitude=magnitude, eval_eps=eval_eps,
-                       objective_dtype_eps=objective_dtype_eps, probe_batch=probe, coarse=coarse)
+                       objective_dtype_eps=objective_dtype_eps, probe_batch=probe, coarse=coarse, screen=screen)
     report.evaluations = evaluator.count + 1
     report.seconds = time.perf_counter() - start
     return report
@@ -440,10 +449,10 @@ def _dense(g: torch.Tensor) -> torch.Tensor:
 
 def _judge_all(report: CheckReport, params: Dict[str, torch.Tensor], grads, evaluator: Evaluator, opts: CheckOptions,
                magnitude: float, eval_eps: float, objective_dtype_eps: float, exhaustive: bool = False,
-               probe_batch: Any = None, coarse: Optional[str] = None) -> None:
+               probe_batch: Any = None, coarse: Optional[str] = None, screen: bool = False) -> None:
     """Judge every tensor (:func:`gradwatch.check.engine.check_tensors`); fills ``report``."""
     settings = EngineSettings.from_options(opts, max(eval_eps, objective_dtype_eps), magnitude, exhaustive=exhaustive,
-                                           coarse=coarse)
+                                           coarse=coarse, screen=screen)
     targets = [(n, n, p, grads[n]) for n, p in params.items()]
     for judged in check_tensors(targets, evaluator, settings, opts.seed, probe_batch=probe_batch):
         report.tensors[judged.key] = judged.check

@@ -15,6 +15,9 @@ import numpy as np
 from ..errors import GradientCheckError
 from .numeric import Verdict
 
+#: The diagnosis a straight-through or surrogate gradient gives (:func:`suspects`).
+STRAIGHT_THROUGH = "numeric gradient is zero where analytic is not"
+
 
 class InconclusiveKind(str, Enum):
     """Why a tensor got no verdict, as a typed field (``TensorCheck.inconclusive_kind``); the text says it in words.
@@ -177,7 +180,9 @@ class CheckReport:
         objective: Value of the check objective at the current parameters.
         terms: Value of each term of the objective (``"loss"``, regularizers, ``"weight_decay"``).
         evaluations: Number of objective evaluations the check made.
-        seconds: Wall time of the check.
+        seconds: Wall time of the check (localization included).
+        localize_seconds: Of ``seconds``, the time :func:`gradwatch.check.model.check_model` spent localizing
+            failing tensors to modules (``localize=True``); 0 when nothing was localized.
         seed: Sampling seed (re-running with it samples the same coordinates).
         nondeterministic: The objective gave two different values at the same point.
         nonfinite: The objective or a gradient was NaN or infinite.
@@ -215,6 +220,7 @@ class CheckReport:
     terms: Dict[str, float] = field(default_factory=dict)
     evaluations: int = 0
     seconds: float = 0.0
+    localize_seconds: float = 0.0
     seed: Optional[int] = None
     nondeterministic: bool = False
     nonfinite: bool = False
@@ -272,6 +278,7 @@ class CheckReport:
             "terms": {k: json_float(v) for k, v in self.terms.items()},
             "evaluations": self.evaluations,
             "seconds": self.seconds,
+            "localize_seconds": self.localize_seconds,
             "seed": self.seed,
             "nondeterministic": self.nondeterministic,
             "nonfinite": self.nonfinite,
@@ -504,7 +511,7 @@ def diagnose(analytic: Sequence[float], numeric: Sequence[float], floor: float, 
         )
     if np.all(n_zero) and not np.all(a_zero):
         return (
-            "numeric gradient is zero where analytic is not: backward produces a gradient the forward "
+            f"{STRAIGHT_THROUGH}: backward produces a gradient the forward "
             "does not have (a straight-through or surrogate gradient, if by design: declare its module with "
             "surrogates=[...]), or the check objective lacks a term training differentiates (pass it as a regularizer)"
         )
@@ -531,3 +538,31 @@ def diagnose(analytic: Sequence[float], numeric: Sequence[float], floor: float, 
             f"factor (worst: analytic {a[i]:.6g} vs numeric {n[i]:.6g})"
         )
     return "small disagreement spread over the sampled entries (accumulated error or a subtly wrong term)"
+
+
+def suspects(report: Any) -> Tuple[List[str], List[str]]:
+    """An undeclared straight-through in a check: ``(modules, tensors)`` it explains, both empty when none.
+
+    The sign of one is a failing tensor whose numeric gradient is zero where the analytic one is not
+    (:data:`STRAIGHT_THROUGH`: backward passes a gradient the forward does not
+    have). The module is named by the module form (a failing ``<module>:input``) or by the report's
+    localization (its failing modules whose input has that sign); every failing tensor inside a named module (a VQ codebook whose
+    gradient the straight-through's ``.detach()`` cuts) is explained by it too.
+
+    Example:
+        >>> t = TensorCheck(name="quant:input", shape=(2,), rel_diff=1.0, max_rel_error=1.0, failed=True,
+        ...                 diagnosis=STRAIGHT_THROUGH + ": ...")
+        >>> suspects(CheckReport(tensors={"quant:input": t}))
+        (['quant'], ['quant:input'])
+    """
+    failing = [t for t in report.tensors.values() if t.failed]
+    signed = [t.name for t in failing if t.diagnosis and t.diagnosis.startswith(STRAIGHT_THROUGH)]
+    if not signed:
+        return [], []
+    modules = [n.rsplit(":", 1)[0] for n in signed if n.endswith(":input") or n.endswith(":output")]
+    modules += [c.name for c in report.localized if getattr(c, "failed", False) and any(
+        t.failed and t.diagnosis and t.diagnosis.startswith(STRAIGHT_THROUGH) for t in c.tensors.values())]
+    modules = list(dict.fromkeys(modules))
+    explained = [t.name for t in failing if t.name in signed or any(
+        t.name.startswith(m + ".") or t.name.startswith(m + ":") for m in modules)]
+    return modules, explained
