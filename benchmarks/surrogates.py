@@ -9,7 +9,8 @@ under ``GradWatch(every=1)`` in the objective form and in the module form:
 - ``spiking``: a Heaviside spike with a sigmoid surrogate derivative, declared by class.
 
 For each, the correct model (any alert is a false alarm) and the same model whose last Linear computes its
-weight gradient 20% too large (caught: the first check whose alerts name that weight).
+weight gradient 20% too large (caught: the first check whose alerts name that weight). Then the VQ-VAE and the
+spiking network again with nothing declared: one alert for the run, naming the module and the option.
 
 Example::
 
@@ -51,9 +52,10 @@ def build(name: str, bug: bool) -> tuple:
     return nn.Sequential(nn.Linear(6, 8), SpikeLayer(), last(8, 6)), {"surrogates": [SpikeLayer]}, "2.weight"
 
 
-def run(name: str, form: str, bug: bool, checks: int) -> Dict[str, Any]:
+def run(name: str, form: str, bug: bool, checks: int, declared: bool = True) -> Dict[str, Any]:
     torch.manual_seed(0)
     model, options, planted = build(name, bug)
+    options = options if declared else {}
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     watch = GradWatch(model, loss, optimizer=opt, every=1, log_dir=None, form=form, **options)
     gen = torch.Generator().manual_seed(0)
@@ -68,8 +70,9 @@ def run(name: str, form: str, bug: bool, checks: int) -> Dict[str, Any]:
             caught = i + 1
     alerts = list(watch.alerts)
     watch.close()
-    return {"model": name, "form": form, "bug": bug, "checks": checks, "alerts": len(alerts),
-            "alerted": sorted({a.tensor for a in alerts}), "caught_at_check": caught if bug else None}
+    return {"model": name, "form": form, "bug": bug, "declared": declared, "checks": checks, "alerts": len(alerts),
+            "alerted": sorted({a.tensor for a in alerts}), "kinds": sorted({a.kind for a in alerts}),
+            "caught_at_check": caught if bug else None}
 
 
 def main() -> int:
@@ -86,6 +89,13 @@ def main() -> int:
           f"planted bugs caught and named: {sum(r['caught_at_check'] is not None for r in bugs)}/{len(bugs)}, "
           f"at check {sorted({r['caught_at_check'] for r in bugs if r['caught_at_check']})}; "
           f"other tensors alerted in bug runs: {sorted({t for r in bugs for t in r['alerted']})}")
+    undeclared = [run(name, form, False, args.checks, declared=False) for name in ("vq", "spiking")
+                  for form in ("objective", "module")]
+    for row in undeclared:
+        print(json.dumps(row))
+    print(f"undeclared straight-through / surrogate: alerts per run of {args.checks} checks "
+          f"{[r['alerts'] for r in undeclared]}, naming {sorted({t for r in undeclared for t in r['alerted']})}, "
+          f"kinds {sorted({k for r in undeclared for k in r['kinds']})}")
     return 0
 
 

@@ -36,6 +36,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from .report import suspects
+
 SurrogateSpec = Optional[Sequence[Union[str, type]]]
 
 
@@ -93,6 +95,25 @@ def surrogate_note(surrogates: Dict[str, nn.Module], form: str) -> str:
     return (f"surrogate, by design: {', '.join(surrogates)} ({how})"
             + (f"; their parameters {', '.join(owned)} not checked by the backward part (surrogate, by design)"
                if owned else ""))
+
+
+def name_straight_through(report: Any, model: nn.Module, loss_fn: Any, batch: Any, opts: Any) -> bool:
+    """Name the module of an undeclared straight-through the objective form only saw through its parameters.
+
+    When :func:`suspects` finds one but no module, the report's modules are checked one at a time
+    (:func:`gradwatch.check.localize.localize`, as ``check_model(..., localize=True)`` does) and the failing
+    ones go to ``report.localized``. Returns True when it ran (a watch runs it once); what it raised becomes a note.
+    """
+    modules, explained = suspects(report)
+    if not explained or modules:
+        return False
+    from .localize import localize
+
+    try:
+        report.localized = localize(model, loss_fn, batch, enclosing=True, dtype=opts.dtype, seed=opts.seed)
+    except Exception as err:  # noqa: BLE001 - naming the module is a courtesy; the check stands without it
+        report.notes.append(f"could not name the module of the straight-through: {type(err).__name__}: {err}")
+    return True
 
 
 def surrogate_parameters(surrogates: Dict[str, nn.Module]) -> List[str]:

@@ -37,6 +37,7 @@ from ..check.report import CheckReport
 from ..check.row_replay import RowGrads, sliceable_linears
 from ..check.sampling import coverage as coverage_of
 from ..check.sampling import match_names, rotate
+from ..check.surrogate import name_straight_through
 from ..check.training import compute_dtype, gradient_scale, judge_training, tolerance_for
 from ..config import GradWatchConfig, load_config
 from ..errors import GradientDriftError, blamed, error_key
@@ -209,6 +210,7 @@ class GradWatch:
         self._started: Optional[float] = None
         self._wall_before = 0.0
         self._shadow: Optional[Shadow] = None
+        self._straight_through_named = False  # an undeclared straight-through's module is looked for once
         # A sharded (FSDP2) model is checked on a plain replica gathered at each check (see gradwatch.watch.sharded).
         self._sharded = is_sharded(model)
         self._replica: Optional[Replica] = None  # built at the first check
@@ -582,6 +584,8 @@ class GradWatch:
                 # through the module: a spy on gradwatch.check.model.run_model_check sees every check
                 report = _check.run_model_check(target, self.objective, batch, opts, grad_fn=self.grad_fn, names=names,
                                                 shadow=self._shadow)
+                if not self._straight_through_named:
+                    self._straight_through_named = name_straight_through(report, target, self.objective.loss, batch, opts)
             else:
                 self._shadow = None  # a whole copy of the model is what the module form avoids
                 held = 0 if replay is None or replay.grads is None else gradient_bytes(replay.grads.values())

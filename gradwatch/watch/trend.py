@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..check.numeric import DEFAULT_BANDS, Verdict, validate_bands
-from ..check.report import CheckReport, InconclusiveKind, TensorCheck, json_float
+from ..check.report import CheckReport, InconclusiveKind, TensorCheck, json_float, suspects
 from ..errors import ConfigError, error_key
 
 #: Alert kinds, in the order they are reported within one check.
@@ -35,7 +35,8 @@ class Alert:
         step: Training step of the check.
         tensor: Parameter name, or ``"*"`` for the whole check (nondeterministic,
             non-finite objective, a check that raised).
-        kind: ``"threshold"``, ``"drift"``, ``"nonfinite"``, ``"nondeterministic"``, ``"error"``, ``"paused"``
+        kind: ``"threshold"``, ``"drift"``, ``"nonfinite"``, ``"nondeterministic"``, ``"error"``, ``"paused"``,
+            ``"surrogate"`` (an undeclared straight-through; the tensor is its module, once per run)
             or ``"independence"`` (an output depends on an input it must not; the tensor is the module where
             it starts, see :mod:`gradwatch.watch.independence`).
         severity: ``"error"`` (WRONG threshold, nonfinite, error) or ``"warning"``.
@@ -249,10 +250,16 @@ class TrendTracker:
         alerts: List[Alert] = []
         objective_nonfinite = report.nonfinite and not _finite(report.objective)
         tensor_nonfinite = False
+        modules, explained = suspects(report)
+        known = set(self._alerted.get((WHOLE_CHECK, "surrogate"), {}).get("seen", []))
+        explained += [t.name for t in report.tensors.values() if t.failed and t.name in known and t.name not in explained]
+        if explained:
+            alerts.extend(self._straight_through(step, report, modules, explained))
         for t in report.tensors.values():
             self._record(step, t)
-            alerts.extend(self._threshold(step, t))
-            alerts.extend(self._drift(step, t))
+            if t.name not in explained:
+                alerts.extend(self._threshold(step, t))
+                alerts.extend(self._drift(step, t))
             bad = (
                 t.verdict is None
                 and t.inconclusive_kind == InconclusiveKind.NONFINITE
@@ -343,7 +350,7 @@ class TrendTracker:
             "training_baseline_samples": {name: list(v) for name, v in self._training_baseline_samples.items()},
             "alerted": [
                 {"tensor": tensor, "kind": kind, "value": json_float(s["value"]), "rank": s["rank"], "at": s["at"],
-                 **({"sig": s["sig"]} if "sig" in s else {})}
+                 **({"sig": s["sig"]} if "sig" in s else {}), **({"seen": list(s["seen"])} if "seen" in s else {})}
                 for (tensor, kind), s in self._alerted.items()
             ],
             "alert_counts": dict(self._alert_counts),
@@ -383,7 +390,8 @@ class TrendTracker:
         }
         self._alerted = {
             (s["tensor"], s["kind"]): {"value": _float(s["value"]), "rank": s["rank"], "at": int(s["at"]),
-                                       **({"sig": str(s["sig"])} if "sig" in s else {})}
+                                       **({"sig": str(s["sig"])} if "sig" in s else {}),
+                                       **({"seen": [str(x) for x in s["seen"]]} if "seen" in s else {})}
             for s in state["alerted"]
         }
         self._alert_counts = {name: int(n) for name, n in state["alert_counts"].items()}
@@ -425,6 +433,34 @@ class TrendTracker:
         self._alert_counts[tensor] = self._alert_counts.get(tensor, 0) + 1
         severity = "error" if kind in ("nonfinite", "error") or (kind == "threshold" and rank >= Verdict.WRONG.rank) else "warning"
         return [Alert(step, tensor, kind, severity, float(value), baseline, message, part)]
+
+    def _straight_through(self, step: int, report: CheckReport, modules: List[str], explained: List[str]) -> List[Alert]:
+        """One alert for an undeclared straight-through (:func:`gradwatch.check.report.suspects`), for the run.
+
+        Its tensors are recorded as usual but raise no threshold alert of their own, now or at any later check
+        where they fail (not after ``alert_cooldown``: the gradient is the same at every check); a new alert
+        comes only for tensors no earlier one explained.
+        """
+        where = ", ".join(modules) if modules else "a module downstream of " + ", ".join(explained[:3])
+        entry = self._alerted.setdefault((WHOLE_CHECK, "surrogate"), {"value": 0.0, "rank": 0, "at": self._checks, "seen": []})
+        if set(explained) <= set(entry["seen"]):
+            return []
+        entry["seen"].extend(n for n in explained if n not in entry["seen"])
+        checks = [report.tensors[n] for n in explained if n in report.tensors]
+        worst = max(checks, key=lambda t: t.verdict.rank if t.verdict is not None else -1)
+        declare = repr(modules) if modules else "['<module>']"
+        name_it = "" if modules else (
+            " (name it: one check with form='module', or check_model(..., localize=True))")
+        msg = (
+            f"{where} at step {step}: a straight-through or surrogate gradient, undeclared — its backward passes "
+            f"a gradient its forward does not have (numeric zero where analytic is not) to {', '.join(explained)}"
+            f"{name_it}. If by design (a quantizer, a spike), declare it: surrogates={declare} (YAML surrogates:, "
+            "CLI --surrogates), and the check cuts the objective there and checks the rest around it. If not, it "
+            "is a wrong backward. Said once for the run: these tensors raise no further alert for it"
+        )
+        self._alert_counts[where] = self._alert_counts.get(where, 0) + 1
+        severity = "error" if worst.verdict is not None and worst.verdict.rank >= Verdict.WRONG.rank else "warning"
+        return [Alert(step, where, "surrogate", severity, float(worst.judged_rel_diff), None, msg)]
 
     def _threshold(self, step: int, t: Any, part: str = "backward") -> List[Alert]:
         if t.verdict is None:
