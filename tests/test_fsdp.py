@@ -3,16 +3,23 @@
 One pair of worker processes runs every scenario in turn (each with its own model and
 watch), under a hard timeout (the parent kills the workers), so a hang fails the test
 instead of blocking the suite and an abort inside gloo shows as an exit code. Each rank
-writes what it saw to a JSON file that the tests then read:
+writes what it saw to a JSON file that the tests then read.
 
-- ``correct``: default check options (float64 replica, training part on) on a correct
-  model with dropout: no error, no alert, every tensor checked, and the parameters after
-  training bit-identical to a run without the watch;
-- ``planted``: a custom ``autograd.Function`` with a wrong backward: caught, named and
-  diagnosed in the same record on both ranks, although each rank checks its own tensors;
+Shard by shard (the default, :mod:`gradwatch.watch.shard_check`):
+
+- ``correct``: default check options on a correct model with dropout: no error, no alert,
+  every parameter checked by the ranks that hold its rows, the training part judged on the
+  shards, and the parameters after training bit-identical to a run without the watch;
+- ``planted``: a custom ``autograd.Function`` with a wrong backward: its module named, in the
+  same record on both ranks;
+- ``transformer``: a pre-norm transformer with hand-written attention, each block sharded, a
+  softmax backward 10% off in block 1: the alert names block 1's attention, nothing else;
+- ``mixed``: a bfloat16 ``MixedPrecisionPolicy``: both parts judged (the replay runs in it).
+
+On a gathered replica (``form="objective"``, :mod:`gradwatch.watch.sharded`):
+
+- ``replica``: the planted bug caught and diagnosed, each rank checking its own tensors;
 - ``inplace``: ``dtype=None`` (before this, one rank aborted inside gloo): checks run;
-- ``mixed``: a bfloat16 ``MixedPrecisionPolicy``: the backward part checked, the training
-  part not judged, with the reason;
 - ``errors``: ``loss_fn`` raises on rank 1 only; at another check it calls the live
   sharded model from its closure on rank 0 only; at a third, rank 1 has no ``.grad`` for
   one tensor (the ranks would gather different tensors): each time an error record on
@@ -36,7 +43,7 @@ if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch < 2.6
     pytest.skip("needs torch.distributed.fsdp.fully_shard (FSDP2)", allow_module_level=True)
 
 RUN_TIMEOUT = 120.0
-SCENARIOS = ("correct", "planted", "inplace", "errors", "mixed")
+SCENARIOS = ("correct", "planted", "transformer", "mixed", "replica", "inplace", "errors")
 
 WORKER = textwrap.dedent(
     r'''
@@ -77,6 +84,92 @@ WORKER = textwrap.dedent(
             if state["closure_on_rank"] == (rank, state["step"]):
                 m = state["net"]  # the live sharded model from the closure: its forward would all-gather
         return F.cross_entropy(m(batch[0]), batch[1])
+
+
+    class WrongSoftmax(torch.autograd.Function):  # backward 10% too large
+        @staticmethod
+        def forward(ctx, x):
+            y = torch.softmax(x, -1)
+            ctx.save_for_backward(y)
+            return y
+
+        @staticmethod
+        def backward(ctx, g):
+            (y,) = ctx.saved_tensors
+            return 1.1 * y * (g - (g * y).sum(-1, keepdim=True))
+
+
+    class Attention(nn.Module):  # q k^T, causal mask, softmax, v: all in this module's own forward
+        def __init__(self, d, heads, wrong):
+            super().__init__()
+            self.qkv, self.out, self.heads, self.wrong = nn.Linear(d, 3 * d), nn.Linear(d, d), heads, wrong
+
+        def forward(self, x):
+            b, t, d = x.shape
+            q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            s = q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5
+            s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+            a = WrongSoftmax.apply(s) if self.wrong else torch.softmax(s, -1)
+            return self.out((a @ v).transpose(1, 2).reshape(b, t, d))
+
+
+    class Block(nn.Module):
+        def __init__(self, d, wrong):
+            super().__init__()
+            self.ln1, self.attn, self.ln2 = nn.LayerNorm(d), Attention(d, 2, wrong), nn.LayerNorm(d)
+            self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+        def forward(self, x):
+            x = x + self.attn(self.ln1(x))
+            return x + self.mlp(self.ln2(x))
+
+
+    class LM(nn.Module):
+        def __init__(self, vocab=50, d=16, wrong_block=None):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, d)
+            self.blocks = nn.ModuleList([Block(d, i == wrong_block) for i in range(2)])
+            self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+        def forward(self, ids):
+            x = self.emb(ids)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln(x))
+
+
+    def build_lm(wrong):
+        torch.manual_seed(0)
+        net = LM(wrong_block=1 if wrong else None)
+        for block in net.blocks:
+            fully_shard(block)
+        fully_shard(net)
+        return net
+
+
+    def lm_loss(m, batch):
+        logits = m(batch[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
+    def train_lm(steps, watch_options, wrong):
+        net = build_lm(wrong)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        watch = GradWatch(net, lm_loss, optimizer=opt, **watch_options)
+        g = torch.Generator().manual_seed(100 + rank)
+        checks = []
+        for step in range(steps):
+            batch = torch.randint(0, 50, (4, 9), generator=g)
+            opt.zero_grad()
+            lm_loss(net, batch).backward()
+            report = watch.step(batch)
+            checks.append({"step": step, "ok": report.ok, "pieces": report.pieces,
+                           "training": {n: t.verdict.value if t.verdict else None for n, t in report.training.items()}})
+            opt.step()
+        res = {"checks": checks, "alerts": [a.to_dict() for a in watch.alerts], "coverage": watch.coverage,
+               "modules_checked": watch.modules_checked}
+        watch.close()
+        return res
 
 
     def train(steps, watch_options=None, wrong=False, mixed=False):
@@ -130,9 +223,14 @@ WORKER = textwrap.dedent(
             watched, res = train(4, dict(every=1, log_dir=run_dir))
             res["bit_identical"] = same(plain, watched)
         elif scenario == "planted":
-            _, res = train(2, dict(every=1, log_dir=run_dir, coords=4, directions=1), wrong=True)
+            _, res = train(2, dict(every=1, log_dir=run_dir), wrong=True)
+        elif scenario == "transformer":
+            res = {"correct": train_lm(2, dict(every=1, log_dir=None), wrong=False),
+                   "wrong": train_lm(2, dict(every=1, log_dir=None), wrong=True)}
+        elif scenario == "replica":
+            _, res = train(2, dict(every=1, log_dir=run_dir, coords=4, directions=1, form="objective"), wrong=True)
         elif scenario == "inplace":
-            _, res = train(3, dict(every=1, log_dir=run_dir, coords=4, directions=1, dtype=None))
+            _, res = train(3, dict(every=1, log_dir=run_dir, coords=4, directions=1, dtype=None, form="objective"))
             try:  # its ranks must gather it together: distributed=False is refused at once
                 GradWatch(build(), loss_fn, distributed=False)
             except ValueError as err:
@@ -140,7 +238,7 @@ WORKER = textwrap.dedent(
         elif scenario == "errors":
             plain, _ = train(10)
             state["raise_on_rank"], state["closure_on_rank"], state["hide_grad_on_rank"] = (1, 2), (0, 4), (1, 8)
-            watched, res = train(10, dict(every=2, log_dir=run_dir, coords=4, directions=1))
+            watched, res = train(10, dict(every=2, log_dir=run_dir, coords=4, directions=1, form="objective"))
             state["raise_on_rank"] = state["closure_on_rank"] = state["hide_grad_on_rank"] = None
             res["bit_identical"] = same(plain, watched)
         elif scenario == "mixed":
@@ -168,19 +266,20 @@ def ranks(tmp_path_factory):
 NAMES = ["0.weight", "0.bias", "3.weight", "3.bias", "5.weight", "5.bias"]
 
 
-def test_correct_fsdp2_model_default_options_no_alert_and_training_bit_identical(ranks):
+def test_correct_fsdp2_model_checked_shard_by_shard_no_alert_and_training_bit_identical(ranks):
     r0, r1, out = ranks
     for r in (r0["correct"], r1["correct"]):
         assert r["alerts"] == []
         assert [c["step"] for c in r["checks"]] == [0, 1, 2, 3]
         for c in r["checks"]:
             assert c["ok"], c
-            assert list(c["backward"]) == NAMES  # every tensor, each checked on one of the two ranks
+            # every parameter, its rows checked on the rank that holds them, and every module's input gradient
+            assert set(NAMES) | {"0:input", "1:input", "3:input", "5:input"} <= set(c["backward"])
             assert all(v[0] in ("excellent", "acceptable") for v in c["backward"].values()), c["backward"]
-            assert sorted(c["training"]) == sorted(NAMES)
+            assert sorted(c["training"]) == sorted(NAMES)  # each rank judged its shard of .grad
             assert all(v[0] in ("excellent", "acceptable") for v in c["training"].values()), c["training"]
-            assert "averaged over 2 ranks" in c["training_note"]
-            assert any("sharded (FSDP2)" in n for n in c["notes"])
+            assert any("checked shard by shard" in n for n in c["notes"])
+            assert not any("replica" in n for n in c["notes"])
         # Training left exactly as it would have been: every local shard bit-identical.
         assert r["bit_identical"] == {n: True for n in NAMES}
     assert r0["correct"]["checks"] == r1["correct"]["checks"]  # one merged record, the same on both ranks
@@ -190,21 +289,34 @@ def test_correct_fsdp2_model_default_options_no_alert_and_training_bit_identical
     assert [rec["step"] for rec in records if rec["type"] == "check"] == [0, 1, 2, 3]
 
 
-def test_planted_wrong_backward_is_caught_and_named_on_every_rank(ranks):
+def test_planted_wrong_backward_is_named_by_its_module_shard_by_shard(ranks):
     r0, r1, _ = ranks
     for r in (r0["planted"], r1["planted"]):
         for c in r["checks"]:
             assert not c["ok"]
-            # The first layer's tensors feed the wrong tanh backward; the layers after it are right.
-            assert c["backward"]["0.weight"][0] == "wrong" and c["backward"]["0.bias"][0] == "wrong"
-            assert all(c["backward"][n][0] in ("excellent", "acceptable") for n in NAMES[2:]), c["backward"]
-            # The training part shares the wrong backward with training: it cannot see it, and says nothing.
+            assert c["backward"]["1:input"][0] == "wrong"  # the planted tanh, module 1
+            assert all(c["backward"][n][0] in ("excellent", "acceptable") for n in NAMES), c["backward"]
             assert all(v[0] in ("excellent", "acceptable") for v in c["training"].values()), c["training"]
         wrong = {a["tensor"] for a in r["alerts"] if a["kind"] == "threshold" and a["part"] == "backward"}
-        assert wrong == {"0.weight", "0.bias"}, r["alerts"]
-    # 0.weight was checked on rank 0 and 0.bias on rank 1: both ranks hold both, in the same record.
+        assert wrong == {"1:input"}, r["alerts"]
     assert r0["planted"]["checks"] == r1["planted"]["checks"]
     assert r0["planted"]["alerts"] == r1["planted"]["alerts"]
+
+
+def test_sharded_transformer_softmax_bug_named_in_its_block(ranks):
+    r0, r1, _ = ranks
+    for r in (r0["transformer"], r1["transformer"]):
+        correct, wrong = r["correct"], r["wrong"]
+        assert correct["alerts"] == [] and all(c["ok"] for c in correct["checks"])
+        assert all(v in ("excellent", "acceptable") for c in correct["checks"] for v in c["training"].values())
+        # the rows of the embedding and the LM head are split between the ranks, each checking its own
+        pieces = [p for c in correct["checks"] for p in c["pieces"]]
+        assert any(p.startswith("head[") for p in pieces) and any(p.startswith("emb[") for p in pieces)
+        assert correct["coverage"]["blocks.1.attn.qkv.weight"]["backward"] == 1.0
+        assert correct["modules_checked"].get("blocks.1.attn", 0) >= 1  # the attention's own code
+        named = {a["tensor"] for a in wrong["alerts"] if a["kind"] == "threshold"}
+        assert named and all(n.startswith("blocks.1.attn") for n in named), wrong["alerts"]
+    assert r0["transformer"]["wrong"] == r1["transformer"]["wrong"]  # one merged record on both ranks
 
 
 def test_dtype_none_under_fsdp2_runs_without_crashing_a_rank(ranks):
@@ -243,14 +355,32 @@ def test_a_check_failing_on_one_rank_is_an_error_record_on_every_rank(ranks):
     assert sum(rec["type"] == "alert" and "rank 1: KeyError" in rec["message"] for rec in records) == 1
 
 
-def test_mixed_precision_policy_backward_checked_training_part_says_why_not(ranks):
+def test_mixed_precision_policy_both_parts_judged_shard_by_shard(ranks):
     r0, r1, _ = ranks
     for r in (r0["mixed"], r1["mixed"]):
         assert r["alerts"] == [] and [c["step"] for c in r["checks"]] == [0, 1]
         for c in r["checks"]:
-            assert c["ok"] and list(c["backward"]) == NAMES  # the float64 replica checks the backward formulas
-            assert c["training"] == {}
-            assert "MixedPrecisionPolicy (param_dtype=torch.bfloat16" in c["training_note"]
+            assert c["ok"] and set(NAMES) <= set(c["backward"])
+            # the replay runs in the policy's bfloat16, as training did: its shards agree with .grad
+            assert sorted(c["training"]) == sorted(NAMES)
+            assert all(v[0] in ("excellent", "acceptable") for v in c["training"].values()), c["training"]
+
+
+def test_replica_form_catches_and_diagnoses_the_planted_bug(ranks):
+    r0, r1, _ = ranks
+    for r in (r0["replica"], r1["replica"]):
+        for c in r["checks"]:
+            assert not c["ok"]
+            # The first layer's tensors feed the wrong tanh backward; the layers after it are right.
+            assert c["backward"]["0.weight"][0] == "wrong" and c["backward"]["0.bias"][0] == "wrong"
+            assert all(c["backward"][n][0] in ("excellent", "acceptable") for n in NAMES[2:]), c["backward"]
+            assert all(v[0] in ("excellent", "acceptable") for v in c["training"].values()), c["training"]
+            assert "averaged over 2 ranks" in c["training_note"]
+            assert any("replica" in n for n in c["notes"])
+        wrong = {a["tensor"] for a in r["alerts"] if a["kind"] == "threshold" and a["part"] == "backward"}
+        assert wrong == {"0.weight", "0.bias"}, r["alerts"]
+    # 0.weight was checked on rank 0 and 0.bias on rank 1: both ranks hold both, in the same record.
+    assert r0["replica"]["checks"] == r1["replica"]["checks"]
 
 
 # ---------------------------------------------------------------- in-process pieces (one rank)
@@ -344,15 +474,18 @@ def test_sharded_models_refused_where_they_cannot_be_checked(one_rank):
 
     with pytest.raises(ValueError, match="check_model cannot check FSDPSequential: it is sharded"):
         gradwatch.check_model(net, loss_fn, torch.randn(4, 3))
-    # One rank: nothing to coordinate; the replica is still what the check runs on.
-    with GradWatch(net, loss_fn, every=1, log_dir=None, coords=2, directions=1) as watch:
-        assert watch.dist is None
-        net.zero_grad()
-        batch = torch.randn(4, 3)
-        loss_fn(net, batch).backward()
-        report = watch.step(batch)
-        assert report.ok and sorted(report.tensors) == ["0.bias", "0.weight", "2.bias", "2.weight"]
-        assert all(t.verdict.value == "excellent" for t in report.training.values()), report.training
+    # One rank: nothing to coordinate; shard by shard (one shard holds everything), or on the replica.
+    for form, checked in (("auto", {"0.bias", "0.weight", "0:input", "2.bias", "2.weight", "2:input"}),
+                          ("objective", {"0.bias", "0.weight", "2.bias", "2.weight"})):
+        with GradWatch(net, loss_fn, every=1, log_dir=None, coords=2, directions=1, form=form) as watch:
+            assert watch.dist is None
+            net.zero_grad()
+            batch = torch.randn(4, 3)
+            loss_fn(net, batch).backward()
+            report = watch.step(batch)
+            assert report.ok and checked <= set(report.tensors), (form, sorted(report.tensors))
+            assert all(t.verdict.value == "excellent" for t in report.training.values()), report.training
+            assert sorted(report.training) == ["0.bias", "0.weight", "2.bias", "2.weight"]
     # FSDP1 needs an accelerator to be built; the refusal looks at the wrapper's class only.
     wrapped = FullyShardedDataParallel.__new__(FullyShardedDataParallel)
     nn.Module.__init__(wrapped)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import fnmatch
 import math
 import re
@@ -288,7 +289,7 @@ def _custom_functions(root: Any, limit: int = 10_000) -> List[str]:
 
 def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: CheckOptions, calls: int = 1,
                  params: Optional[Dict[str, nn.Parameter]] = None, restore: bool = True,
-                 constants: Optional[Set[int]] = None) -> ModuleCheck:
+                 constants: Optional[Set[int]] = None, screen: bool = False) -> ModuleCheck:
     """Check one module on captured inputs: input gradient and own parameters (see the module docstring).
 
     ``args``/``kwargs`` are the module's inputs (not modified). ``params`` (default: the
@@ -298,6 +299,8 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
     module form of :mod:`gradwatch.check.modular` checks): no snapshot of the parameters is kept
     beyond the one each tensor's probing keeps, so the check holds less memory. ``constants``: ``id`` of
     floating inputs that are not differentiated (they did not require grad where they were captured).
+    ``screen``: detection first (:func:`gradwatch.check.engine.screen_sample`): one probe per tensor settles
+    it when both sides agree; the full sample only for the rest.
     """
     start = time.perf_counter()
     result = ModuleCheck(name=name, type=type(module).__name__, calls=calls)
@@ -359,6 +362,8 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
         with frozen_batchnorm_stats(module):
             eps = max([machine_eps(t.dtype) for t in work.values()] + [machine_eps(p.dtype) for p in params.values()])
             settings = EngineSettings.from_options(opts, eps, magnitude)
+            if screen:
+                settings = dataclasses.replace(settings, screen=True)
             tensors = list(work.values()) + list(params.values())
             keys_all = keys[:len(work)] + list(params)  # one key per distinct input tensor, as `work` holds them
             targets = [(key, f"{name}:{key}", t, {"total": g}) for key, t, g in zip(keys_all, tensors, grads)]

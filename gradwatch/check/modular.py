@@ -42,10 +42,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -76,6 +77,9 @@ from .owncode import (
 from .precision import ShadowPrecision
 from .report import CheckReport
 from .surrogate import find_surrogates, inside, surrogate_note
+
+#: ``view(unit, rows)``: a context giving ``(unit with plain parameters, offset of its rows)`` (sharded models).
+PieceView = Callable[[Unit, Optional[Tuple[int, int]]], ContextManager[Tuple[Unit, int]]]
 
 
 def module_units(model: nn.Module, loss_fn: Any, batch: Any, seed: int = 0) -> List[Unit]:
@@ -260,6 +264,8 @@ def run_module_check(
     units: Optional[Sequence[Unit]] = None,
     pieces: Optional[Sequence[Piece]] = None,
     room: Optional[int] = None,
+    view: Optional[PieceView] = None,
+    screen: bool = False,
 ) -> CheckReport:
     """The module form of the backward part (see the module docstring).
 
@@ -272,6 +278,11 @@ def run_module_check(
         pieces: The pieces to check (:class:`gradwatch.plan.cycle.Piece`; default: each unit whole).
         room: Bytes a piece's check may hold (None: no bound); a Linear over it is checked on the block of
             rows that fits, any other piece over it is skipped, and the report says so.
+        view: A sharded model (:mod:`gradwatch.watch.shard_check`): ``view(unit, rows)`` is a context giving
+            the unit with plain parameters (this rank's rows, or the gathered whole) and the offset of its
+            rows. Then exactly one forward of the live model runs (its collectives are the same on every rank,
+            whatever this rank's pieces), and ``room`` must be None (no capture is deferred to a second forward).
+        screen: Detection first in each piece (see :func:`gradwatch.localize.check_module`).
 
     Returns:
         A :class:`CheckReport` with ``form == "module"``: parameters under their names, a unit's input
@@ -307,7 +318,9 @@ def run_module_check(
     remaining = chosen
     got = Captured()
     solo: List[Piece] = []  # pieces that fit the room only without the other units' captures beside them
-    while remaining:
+    once = view is not None  # sharded: one forward on every rank, even with no piece of its own
+    while remaining or once:
+        once = False
         # Captures take a third of the room at most; units that do not fit together are captured by later forwards.
         got = capture(model, objective.loss, batch, remaining, opts.seed, budget=None if room is None else room // 3)
         if report.objective != report.objective:  # NaN: the first forward's loss
@@ -320,7 +333,8 @@ def run_module_check(
                 continue
             estimate, unused = _run_piece(model, objective, batch, opts, unit, piece, got, dtype, canonical,
                                           None if room is None else max(0, room - held), report, skipped, estimate,
-                                          unused, solo=solo if len(got.inputs) > 1 else None, full_room=room)
+                                          unused, solo=solo if len(got.inputs) > 1 else None, full_room=room,
+                                          view=view, screen=screen)
         progress = len(got.inputs) + len(got.big)
         remaining = [by_name[n] for n in got.deferred if n in by_name] if progress else []
         if not progress and got.deferred:
@@ -354,7 +368,8 @@ def _held(got: Captured) -> int:
 def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions, unit: Unit, piece: Piece, got: Captured,
                dtype: torch.dtype, canonical: Dict[int, str], room: Optional[int], report: CheckReport,
                skipped: List[str], estimate: int, unused: int, solo: Optional[List[Piece]] = None,
-               full_room: Optional[int] = None) -> Tuple[int, int]:
+               full_room: Optional[int] = None, view: Optional[PieceView] = None,
+               screen: bool = False) -> Tuple[int, int]:
     """One piece of a captured unit: fit it to the room (rows, or fewer samples), check it, file the result.
 
     With ``solo``: a whole piece that fits ``full_room`` but not beside the other captures is put there, to be
@@ -401,8 +416,10 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
             report.notes.append(f"module form: {unit.label} checked on {what} (on the whole batch its float64 check "
                                 f"needs about {mb(whole_need)})")
     estimate = max(estimate, need)
-    result, probed = _check_piece(unit, rows, args, kwargs, children, opts, dtype, canonical, objective.loss, constants,
-                                  faithful_room=float("inf") if room is None else max(0, room - need) / 2)
+    with view(unit, rows) if view is not None else contextlib.nullcontext((unit, 0)) as (local_unit, offset):
+        result, probed = _check_piece(local_unit, rows, args, kwargs, children, opts, dtype, canonical, objective.loss,
+                                      constants, faithful_room=0.0 if view is not None else float("inf") if room is None
+                                      else max(0, room - need) / 2, offset=offset, screen=screen)
     del args, kwargs, children
     if room is not None:
         release_freed()  # what this piece's check freed, before the next one allocates
@@ -535,9 +552,13 @@ def _first_ids(args: Any, kwargs: Any) -> Optional[torch.Tensor]:
 def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs: Any, children: Dict[str, List[Any]],
                  opts: CheckOptions, dtype: torch.dtype, canonical: Dict[int, str],
                  loss_fn: Any = None, constants: Optional[Set[int]] = None,
-                 faithful_room: float = float("inf")) -> Tuple[ModuleCheck, List[Tuple[str, Any]]]:
+                 faithful_room: float = float("inf"), offset: int = 0,
+                 screen: bool = False) -> Tuple[ModuleCheck, List[Tuple[str, Any]]]:
     """One piece alone: a ``dtype`` copy of the unit (its own code with stubs, its rows, or whole), checked on
-    its captured inputs, then dropped; and what it probed (parameter name, rows)."""
+    its captured inputs, then dropped; and what it probed (parameter name, rows).
+
+    ``offset``: the unit's weight holds rows ``offset:`` of the model's (one rank's shard); ``rows`` and what
+    is reported stay the model's rows."""
     kind = type(unit.module).__name__
     probed: List[Tuple[str, Any]] = []
     names = {k: canonical.get(id(p), k) for k, p in unit.params.items()}
@@ -577,19 +598,21 @@ def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs:
             probed.extend((names.get(prefix + k, prefix + k), block) for k in params)
         elif rows is not None and isinstance(unit.module, nn.Embedding):
             ids = _first_ids(args, kwargs)
-            made = None if ids is None else embedding_rows_copy(unit.module, ids, rows[0], rows[1], dtype)
+            made = None if ids is None else embedding_rows_copy(unit.module, ids - offset, rows[0] - offset,
+                                                                rows[1] - offset, dtype)
             if ids is not None:
                 probed.append((names.get(prefix + "weight", prefix + "weight"), ("reached", torch.unique(ids.reshape(-1)))))
             if made is None:
                 return ModuleCheck(name=unit.name, type=f"{kind} rows {rows[0]}:{rows[1]}", calls=unit.calls,
                                    inconclusive=NO_TOKEN), probed
             local, local_ids, used = made
+            used = used + offset
             args, kwargs = (local_ids,), {}
             params = {k: p for k, p in local.named_parameters(recurse=False) if p.requires_grad}
             kind += f" rows {rows[0]}:{rows[1]} ({used.numel()} used)"
             probed.append((names.get(prefix + "weight", prefix + "weight"), used))
         elif rows is not None:
-            local = rows_copy(unit.module, rows[0], rows[1], dtype)
+            local = rows_copy(unit.module, rows[0] - offset, rows[1] - offset, dtype)
             params = {k: p for k, p in local.named_parameters(recurse=False) if p.requires_grad}
             kind += f" rows {rows[0]}:{rows[1]}"
             probed = [(names.get(prefix + k, prefix + k), rows) for k in params]
@@ -604,7 +627,7 @@ def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs:
     with preserved_rng(), dropout_off(local), frozen_power_iteration(local, modules), suspended_hooks(local, modules), \
             ShadowPrecision(dtype):
         result = check_module(unit.name, local, args, kwargs, opts, unit.calls, params=params, restore=False,
-                              constants=constants)
+                              constants=constants, screen=screen)
     result.type = kind
     return result, probed
 

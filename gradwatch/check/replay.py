@@ -555,7 +555,7 @@ def as_float(value: Any) -> Optional[float]:
 
 def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate: Evaluate, grad_of: GradOf,
                 params: Dict[str, torch.Tensor], loss_tolerance: float, context: Context = None,
-                generators: Sequence[Any] = (), modules: Optional[List[nn.Module]] = None) -> Replay:
+                generators: Sequence[Any] = (), modules: Optional[List[nn.Module]] = None, lockstep: bool = False) -> Replay:
     """Recompute the objective's gradient of a whole optimizer step (mean over its micro-batches).
 
     The mean is formed as training forms it under gradient accumulation: the gradient of each
@@ -575,6 +575,9 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
             precision context); the replay runs in it too.
         generators: Generators the model or the objective hold (put back after each replay).
         modules: ``list(root.modules())``, when the caller knows it is current (saves a walk per replay).
+        lockstep: The replay's forward and backward are collectives (a sharded model): one replay per
+            micro-batch on every rank, whatever its outcome here (no second mode, no extra forward), and a
+            micro-batch that fails does not stop the others' replays.
 
     Returns:
         A :class:`Replay`; ``grads`` is None (with ``reason``) when no replay could be verified.
@@ -588,6 +591,7 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
     hows = []
     gaps = []
     forwards = (0, 0)
+    failed: Optional[Replay] = None  # lockstep: the first failure, returned once every micro-batch ran
     for i, mb in enumerate(step.micro):
         mb.loss = as_float(mb.loss)
         if mb.batch is None:
@@ -597,6 +601,8 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
         done = None
         tried = []
         modes = ("forward", "start") if mb.records else ("start",)
+        if lockstep:
+            modes = modes[:1]
         for mode in modes:
             grads, value, probe, autocast = _one(root, recorder, evaluate, grad_of, mb, mode, params, context, generators,
                                                   modules)
@@ -610,7 +616,7 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
             if mb.records:
                 ok = probe.faithful and probe.count == len(mb.records)
             else:
-                ok = mb.start.exact or loss_agrees or rng_free(root, recorder, evaluate, mb, modules)
+                ok = mb.start.exact or loss_agrees or (not lockstep and rng_free(root, recorder, evaluate, mb, modules))
             if ok:
                 done = (grads, value, mode, autocast)
                 break
@@ -619,19 +625,25 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
             n_train = len(mb.records)
             if mb.records and all(count and n_train > count and n_train % count == 0 for _, count, _ in tried):
                 k = n_train // tried[0][1]
-                return Replay(None, None, None,
-                              f"skipped: accumulating ({n_train} forwards of the model since the last step, while one "
-                              f"replay of the step's batch makes {tried[0][1]}: {k} micro-batches?) — call "
-                              "watch.accumulate(micro_batch) after each micro-batch's backward", forwards=(n_train, tried[0][1]))
-            if not mb.records:
-                why = ("no forward of the model was seen since the last step and the objective draws random numbers; "
-                       "pass loss= to watch.step so the replay can be verified")
+                failure = Replay(None, None, None,
+                                 f"skipped: accumulating ({n_train} forwards of the model since the last step, while one "
+                                 f"replay of the step's batch makes {tried[0][1]}: {k} micro-batches?) — call "
+                                 "watch.accumulate(micro_batch) after each micro-batch's backward",
+                                 forwards=(n_train, tried[0][1]))
             else:
-                why = (f"the replay could not reproduce training's forward (training ran {n_train} forwards; the replays "
-                       f"ran {', '.join(str(c) for _, c, _ in tried)}, with other inputs or another RNG state): random "
-                       "augmentation drawing from torch's generator inside loss_fn after other draws since the last step, "
-                       "or loss_fn is not the function training calls")
-            return Replay(None, None, None, why, forwards=forwards)
+                if not mb.records:
+                    why = ("no forward of the model was seen since the last step and the objective draws random "
+                           "numbers; pass loss= to watch.step so the replay can be verified")
+                else:
+                    why = (f"the replay could not reproduce training's forward (training ran {n_train} forwards; the "
+                           f"replays ran {', '.join(str(c) for _, c, _ in tried)}, with other inputs or another RNG "
+                           "state): random augmentation drawing from torch's generator inside loss_fn after other draws "
+                           "since the last step, or loss_fn is not the function training calls")
+                failure = Replay(None, None, None, why, forwards=forwards)
+            if not lockstep:
+                return failure
+            failed = failed or failure
+            continue
         grads, value, mode, ran_in = done
         value *= count  # the micro-batch's own objective (its gradient stays divided, as training's)
         hows.append(mode)
@@ -643,6 +655,8 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
                 sums[n] = g
             else:
                 sums[n].add_(g)  # as autograd accumulates into .grad
+    if failed is not None:
+        return failed
     mean = sums
     gap = (sum(a for a, _ in gaps) / len(gaps), sum(b for _, b in gaps) / len(gaps)) if gaps else None
     return Replay(mean, objective / count, "+".join(sorted(set(hows))), loss_gap=gap, forwards=forwards, autocast=ran_in)

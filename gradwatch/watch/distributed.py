@@ -383,6 +383,22 @@ def merge_results(results: Sequence[RankResult], order: Sequence[str], opts: Any
     )
 
 
+def _worse(a: Any, b: Any) -> bool:
+    """True when training verdict ``a`` is worse than ``b``: failed first, then the larger judged difference
+    (a verdict with no figure, NaN, counts as the worst).
+
+    Example:
+        >>> from gradwatch.check.report import TrainingCheck
+        >>> _worse(TrainingCheck("w", (2,), judged_rel_diff=0.5), TrainingCheck("w", (2,), judged_rel_diff=0.0))
+        True
+    """
+    def key(t: Any) -> Tuple[bool, float]:
+        value = float(t.judged_rel_diff)
+        return bool(t.failed), math.inf if value != value else value
+
+    return key(a) > key(b)
+
+
 def merge_reports(reports: Sequence[Any], order: Sequence[str], opts: Any) -> CheckReport:
     """One :class:`CheckReport` from the per-rank reports of one check (``[(rank, report), ...]``).
 
@@ -416,6 +432,13 @@ def merge_reports(reports: Sequence[Any], order: Sequence[str], opts: Any) -> Ch
     )
     merged.form, merged.memory = first.form, dict(first.memory)
     merged.independence = next((r.independence for _, r in ranked if r.independence is not None), None)  # rank 0's
+    for _, r in ranked:  # each rank's verdict on its shard (FSDP2 shard by shard): the worst stands
+        for name, tc in r.training.items():
+            have = merged.training.get(name)
+            if have is None or _worse(tc, have):
+                merged.training[name] = tc
+        if r.training_note and not merged.training_note:
+            merged.training_note = r.training_note
     for _, r in ranked:
         merged.probed.extend(r.probed)  # the module form: each rank probed its share of the pieces
         merged.pieces.extend(r.pieces)

@@ -48,7 +48,17 @@ from ..plan.units import isolated_forward
 from .distributed import DEFAULT_TIMEOUT, DistributedCoordinator, RankResult, merge_results, unwrap_model
 from .independence import IndependencePart
 from .schedule import ANNOUNCE_AS_WARNING_ABOVE, Schedule
-from .sharded import REPLICA_NOTE, Replica, is_sharded, layout, live_forward_forbidden, mixed_precision, refuse_unsupported
+from .shard_check import SHARD_NOTE, ShardView, backward_on_shards, local, plan_shards, reshard
+from .sharded import (
+    REPLICA_NOTE,
+    Replica,
+    is_dtensor,
+    is_sharded,
+    layout,
+    live_forward_forbidden,
+    mixed_precision,
+    refuse_unsupported,
+)
 from .trend import WHOLE_CHECK, Alert
 
 logger = logging.getLogger("gradwatch")
@@ -215,8 +225,10 @@ class GradWatch:
         self._sharded = is_sharded(model)
         self._replica: Optional[Replica] = None  # built at the first check
         self._mixed: Optional[str] = mixed_precision(model) if self._sharded else None
+        # By default shard by shard (gradwatch.watch.shard_check); form="objective" gathers a replica.
+        self._by_shard = self._sharded and self.config.form != "objective"
         if self._sharded:
-            self.notes.append(REPLICA_NOTE)
+            self.notes.append(SHARD_NOTE if self._by_shard else REPLICA_NOTE)
         #: Training's own peak memory and the room a check has under ``memory_budget`` (:mod:`gradwatch.check.memory`).
         self.memory = MemoryMeter(self.config.memory_budget, model_device(model))
         #: What each check covers (form, units, the cycle of K checks) and what the run has covered.
@@ -516,10 +528,14 @@ class GradWatch:
                 per_check = self.config.tensors_per_check
                 names = rotate(self._names_to_check(), coord.tensors_per_check(per_check) if coord else per_check,
                                self._counts)
-                mine = coord.share(names) if coord is not None and (plan is None or plan[0][0] != "module") else names
-                with live_forward_forbidden(self.model) if self._sharded else contextlib.nullcontext():
-                    report, replay = self._check_locally(target, mine, batch, opts, pending, room, judge=coord is None,
-                                                         plan=plan)
+                if self._by_shard:  # the planner's pieces, split by the shards (every rank the same collectives)
+                    names = self._watched_names()
+                mine = coord.share(names) if coord is not None and not self._by_shard and (
+                    plan is None or plan[0][0] != "module") else names
+                with live_forward_forbidden(self.model) if self._sharded and not self._by_shard \
+                        else contextlib.nullcontext():
+                    report, replay = self._check_locally(target, mine, batch, opts, pending, room,
+                                                         judge=coord is None or self._by_shard, plan=plan)
                 if report is not None and (coord is None or coord.is_main):
                     self._check_inner(report, target, batch, opts)
                     self._check_independence(report, batch, opts.seed)
@@ -563,19 +579,21 @@ class GradWatch:
         ``plan`` (DDP): rank 0's form and training tensors; in the module form this rank checks its
         round-robin share of the check's pieces.
         """
+        if self._by_shard:
+            release_freed()  # what training's backward freed: the replay's own backward allocates on top of it
         replay = self._training_replay(pending, target, room, only=None if plan is None else plan[1])
         judged: Optional[CheckReport] = None
         if judge:
             judged = CheckReport(tensors={})
             self._attach_training(judged, replay)
             replay = None
-            if room is not None:
+            if room is not None or self._by_shard:
                 release_freed()  # the replayed gradients, before the backward part allocates
         if not names:
             return None, replay
         estimate: Optional[int] = None
         with self._recorder_paused():
-            form, estimate, why = (plan[0] if plan is not None else
+            form, estimate, why = (plan[0] if plan is not None else ("module", None, None) if self._by_shard else
                                    self._choose_form(target, names, room) if judge else ("objective", None, None))
             if form == "objective":
                 if opts.dtype is not None and (self._shadow is None or not self._shadow.matches(target)):
@@ -595,10 +613,20 @@ class GradWatch:
                 units, pieces = self.planner.module_pieces(target, self.objective.loss, batch, self._watched_names(),
                                                            key=units_signature(target), seed=opts.seed, room=piece_room,
                                                            surrogates=opts.surrogates)
-                if self.dist is not None:
+                view = None
+                if self._by_shard:  # FSDP2: rows on the rank that holds them, the rest gathered piece by piece
+                    reshard(target)  # a forward that found the units left the root's parameters gathered
+                    pieces, gathered, offsets = plan_shards(target, units, pieces)
+                    view, piece_room = ShardView(target, gathered, offsets), None
+                elif self.dist is not None:
                     pieces = self.dist.share(pieces)  # DDP: the ranks split the plan
-                report = run_module_check(target, self.objective, batch, opts, units=units, pieces=pieces,
-                                          room=piece_room)
+                try:
+                    report = run_module_check(target, self.objective, batch, opts, units=units, pieces=pieces,
+                                              room=piece_room, view=view, screen=self._by_shard)
+                finally:
+                    if view is not None:
+                        reshard(target)
+                        release_freed()  # the pieces' copies, before training's next forward
                 estimate = report.memory.get("estimate_bytes")
             if why:
                 report.notes.append(why)
@@ -615,6 +643,10 @@ class GradWatch:
         """An objective that differentiates through the model: its leaf modules' double backward, a few per check
         (:mod:`gradwatch.check.inner`), as report entries ``"<module>:double_backward"``."""
         if not self.objective.differentiates:
+            return
+        if self._by_shard:
+            report.notes.append("double backward not checked: a model sharded with FSDP2 is checked shard by shard, "
+                                "which does not check it yet (form='objective' checks it on a gathered replica)")
             return
         owners = {n.rsplit(".", 1)[0] if "." in n else "" for n in self._watched_names()}
 
@@ -711,6 +743,8 @@ class GradWatch:
             return self.model
         if self.dist is not None:
             self.dist.same_everywhere(layout(self.model), "the parameters to gather (name, shape, dtype, has .grad)")
+        if self._by_shard:
+            return self.model  # checked shard by shard (gradwatch.watch.shard_check)
         if self._replica is None or not self._replica.matches(self.model):
             self._replica = Replica(self.model)
         return self._replica.refresh(self.model)
@@ -847,7 +881,7 @@ class GradWatch:
         """
         if self._recorder is None or pending is None:
             return None
-        if self._mixed is not None:
+        if self._mixed is not None and not self._by_shard:
             return Replay(None, None, None, f"not judged: FSDP2's MixedPrecisionPolicy ({self._mixed}) computes "
                                             "training in another precision than the parameters'; the training part "
                                             "does not replay it yet")
@@ -887,7 +921,8 @@ class GradWatch:
             if scaler is not None:  # scaler.scale(loss).backward(), then unscale_: times the float32 reciprocal
                 inv = torch.tensor(float(scaler.get_scale()), dtype=torch.float64).reciprocal().float()
                 total = scaler.scale(total)
-            gs = scalar_grad(total, plist + leaves)
+            gs = (backward_on_shards(model, total, plist, reuse=len(pending.micro) == 1) if self._by_shard
+                  else scalar_grad(total, plist + leaves))
             out = {n: torch.zeros_like(p) if g is None else _dense(g) for (n, p), g in zip(whole, gs[:len(plist)])}
             if rowgrads is not None:  # weights judged by rows: the gradient of those rows only
                 out.update(rowgrads.split(list(gs[len(plist):])))
@@ -901,7 +936,8 @@ class GradWatch:
         with rowgrads if rowgrads is not None else contextlib.nullcontext():
             replay = replay_step(model, self._recorder, pending, self.objective.training_total, grad_of, params,
                                  loss_tolerance=10 * tolerance_for(worst), context=self.replay_context,
-                                 generators=self._held_generators(), modules=self._modules_cache)
+                                 generators=self._held_generators(), modules=self._modules_cache,
+                                 lockstep=self._by_shard)
         replay.params = params
         replay.rows = row_plan
         return replay
@@ -998,6 +1034,8 @@ class GradWatch:
         for n, p in params.items():
             dtype = dtypes.get(p.dtype) or dtypes.setdefault(p.dtype, compute_dtype(p.dtype, autocast))
             live = p.grad
+            if is_dtensor(p):  # sharded: this rank's shard of both (the ranks' verdicts are merged, worst first)
+                p, live = local(p), None if live is None else local(live)
             if n in rows:  # judged by a block of rows: the live .grad's rows against the replayed rows
                 first, end = rows[n]
                 p, live = p[first:end], None if live is None else live[first:end]

@@ -1,0 +1,271 @@
+"""A sharded (FSDP2) model checked shard by shard: no copy of the model, no gather of it.
+
+Both parts of a check run on the live sharded model, the same collectives on every rank in the same
+order:
+
+- **the backward part** is the module form (:mod:`gradwatch.check.modular`) on the pieces of the
+  planner's cycle, split between the ranks by :func:`gradwatch.plan.shards.assign`: a Linear's or an
+  Embedding's rows are checked on the rank that holds them, from a view of its shard (no gather, no
+  copy but the float64 slice); every other piece (own code, a norm, an activation) by one rank, its
+  parameters gathered for it alone (:class:`ShardView`, the gathers first, in plan order, on every rank).
+  The unit inputs come from one forward of the live model (its all-gathers, as in training).
+- **the training part** replays the objective's backward on the live model (:func:`backward_on_shards`):
+  FSDP2 reduce-scatters it as it did training's, in training's precision (a ``MixedPrecisionPolicy``
+  included), and each rank compares its shard of the replayed gradient with its shard of ``.grad``;
+  the ranks' verdicts are merged worst first.
+
+Example:
+    >>> from torch import nn
+    >>> from gradwatch.plan.units import Unit
+    >>> lin = nn.Linear(3, 4)
+    >>> view = ShardView(lin, {}, {})
+    >>> with view(Unit("", lin, dict(lin.named_parameters())), None) as (unit, offset):
+    ...     type(unit.module).__name__, unit.module is lin, offset
+    ('Linear', False, 0)
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, cast
+
+import torch
+from torch import nn
+
+from ..check.isolation import is_dtensor
+from ..check.owncode import _HOOK_DICTS
+from ..check.training import same_bits
+from ..plan.cycle import Piece
+from ..plan.shards import assign, rows_held
+from ..plan.units import Unit, sliceable_rows
+from .sharded import _FSDP_KEYS, _FSDPModule, _full, _plain_class
+
+__all__ = ["SHARD_NOTE", "ShardView", "backward_on_shards", "held_rows", "plan_shards", "reshard"]
+
+
+#: The note every report of a model checked shard by shard carries.
+SHARD_NOTE = ("the model is sharded (FSDP2): checked shard by shard on the live model: each rank checks the rows it "
+              "holds, gathers only the small pieces it checks whole, and judges its shard of .grad")
+
+
+def _dim0(p: torch.Tensor) -> Optional[Tuple[int, int]]:
+    """``(rank, world)`` of a DTensor sharded on dim 0 over a 1-D mesh (FSDP2's layout); None for any other."""
+    if not is_dtensor(p):
+        return None
+    mesh: Any = getattr(p, "device_mesh", None)
+    placements: Sequence[Any] = tuple(getattr(p, "placements", ()))
+    if mesh is None or mesh.ndim != 1 or len(placements) != 1:
+        return None
+    place = placements[0]
+    if not (getattr(place, "dim", None) == 0 and type(place).__name__ == "Shard"):
+        return None
+    rank, world = int(mesh.get_local_rank()), int(mesh.size())
+    first, end = rows_held(int(p.shape[0]), rank, world)
+    if int(cast(Any, p).to_local().shape[0]) != end - first:
+        return None  # another split than torch.chunk's: gathered as a whole piece instead
+    return rank, world
+
+
+def held_rows(units: Sequence[Unit]) -> Tuple[Dict[str, int], Optional[Tuple[int, int]]]:
+    """The units checked on the ranks that hold their rows (name -> rows), and ``(rank, world)`` of the shards.
+
+    A unit qualifies when it is a Linear or an Embedding (:func:`gradwatch.plan.units.sliceable_rows`) called as
+    a module and each of its parameters is sharded on dim 0 with one row per output row.
+    """
+    out: Dict[str, int] = {}
+    where: Optional[Tuple[int, int]] = None
+    for u in units:
+        rows = sliceable_rows(u.module) if u.kind == "module" else None
+        params = [p for _, p in u.module.named_parameters()]
+        places = [_dim0(p) for p in params]
+        if rows is None or not params or any(pl is None for pl in places) \
+                or any(int(p.shape[0]) != rows for p in params):
+            continue
+        out[u.name] = rows
+        where = where or places[0]
+    return out, where
+
+
+def _subtree(unit: Unit, named: Mapping[str, nn.Module]) -> List[Tuple[str, nn.Module]]:
+    """The modules whose parameters a unit's check reads: its module and submodules, without those it calls
+    (stubbed), for the own code of ``loss_fn`` none; full names, in module order."""
+    if unit.kind == "loss_fn":
+        return []
+    stubbed = set(unit.stubbed)
+    prefix = f"{unit.name}." if unit.name else ""
+    out = []
+    for rel, m in unit.module.named_modules():
+        full = prefix + rel if rel else unit.name
+        if any(full == s or full.startswith(s + ".") for s in stubbed):
+            continue
+        out.append((full, m))
+    return out
+
+
+def plan_shards(model: nn.Module, units: Sequence[Unit], pieces: Sequence[Piece]
+                ) -> Tuple[List[Piece], Dict[int, torch.Tensor], Dict[str, int]]:
+    """This rank's pieces, the whole parameters they need gathered (``id(live parameter)`` -> tensor) and the
+    offset of each unit's rows on this rank.
+
+    Every rank gathers the parameters of every piece that is not checked by rows, in plan order, and keeps
+    those of its own: the same collectives everywhere, before anything of the check that may raise.
+    """
+    held, where = held_rows(units)
+    rank, world = where if where is not None else _rank_world(model)
+    mine = assign(pieces, held, rank, world)
+    own = {str(p) for p, _ in mine}
+    named = dict(model.named_modules())
+    by_name = {u.name: u for u in units}
+    gathered: Dict[int, torch.Tensor] = {}
+    for piece in pieces:
+        unit = by_name.get(piece.unit)
+        if unit is None or unit.name in held:
+            continue
+        keep = str(piece) in own
+        for _, m in _subtree(unit, named):
+            for p in m._parameters.values():
+                if p is not None and is_dtensor(p) and id(p) not in gathered:
+                    full = _full(p)  # a collective: every rank, in this order
+                    if keep:
+                        gathered[id(p)] = full
+    offsets = {p.unit: off for p, off in mine if off}
+    return [p for p, _ in mine], gathered, offsets
+
+
+def _rank_world(model: nn.Module) -> Tuple[int, int]:
+    for p in model.parameters():
+        if is_dtensor(p):
+            mesh = cast(Any, p).device_mesh
+            return int(mesh.get_local_rank()), int(mesh.size())
+    import torch.distributed as dist
+
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+
+
+def reshard(model: nn.Module) -> None:
+    """Every FSDP2 module of ``model`` back to its sharded parameters (a no-grad forward leaves the root's
+    gathered, as training's backward would have freed them)."""
+    if _FSDPModule is None:
+        return
+    for m in model.modules():
+        if isinstance(m, _FSDPModule):
+            cast(Any, m).reshard()
+
+
+class ShardView:
+    """``view(unit, rows)``: the unit with plain parameters for one piece's check (see the module docstring).
+
+    Args:
+        model: The live sharded model.
+        gathered: ``id(live parameter)`` -> its gathered whole (:func:`plan_shards`).
+        offsets: Unit name -> the first of the rows this rank holds of it.
+    """
+
+    def __init__(self, model: nn.Module, gathered: Dict[int, torch.Tensor], offsets: Dict[str, int]) -> None:
+        self.model = model
+        self.gathered = gathered
+        self.offsets = offsets
+        self._named: Optional[Dict[str, nn.Module]] = None
+
+    @contextlib.contextmanager
+    def __call__(self, unit: Unit, rows: Optional[Tuple[int, int]]) -> Iterator[Tuple[Unit, int]]:
+        if self._named is None:
+            reshard(self.model)  # the capture's forward left the root gathered
+            self._named = dict(self.model.named_modules())
+        offset = self.offsets.get(unit.name, 0) if rows is not None else 0
+        made: Dict[int, nn.Parameter] = {}
+
+        def plain(p: Optional[torch.Tensor]) -> Any:
+            if p is None:
+                return None
+            if id(p) not in made:
+                if id(p) in self.gathered:
+                    value = self.gathered[id(p)]
+                elif is_dtensor(p):
+                    with torch.no_grad():
+                        value = cast(Any, p).to_local().detach()  # this rank's rows: a view, no copy
+                else:
+                    made[id(p)] = cast(nn.Parameter, p)
+                    return p
+                made[id(p)] = nn.Parameter(value, requires_grad=p.requires_grad)
+            return made[id(p)]
+
+        skip: Set[int] = {id(self._named[s]) for s in unit.stubbed if s in self._named}
+        module = _proxy(unit.module, plain, skip)
+        if offset and getattr(module, "padding_idx", None) is not None:
+            pad = cast(int, module.padding_idx)
+            vars(module)["padding_idx"] = pad - offset  # embedding_rows_copy compares it with this shard's rows
+        live = dict(self.model.named_parameters(remove_duplicate=False))
+        params = {n: plain(live.get(n, p)) for n, p in unit.params.items()}
+        try:
+            yield dataclasses.replace(unit, module=module, params=params), offset
+        finally:
+            made.clear()
+
+
+def _proxy(m: nn.Module, plain: Any, skip: Set[int]) -> nn.Module:
+    """A shallow copy of ``m`` in its own class (without FSDP), its parameters through ``plain``, its hooks and
+    FSDP state left out, its submodules likewise (those in ``skip`` kept as they are: the check stubs them)."""
+    cls = _plain_class(m)
+    new = object.__new__(cls)
+    state = {k: v for k, v in m.__dict__.items() if not k.startswith("__composable_api") and k not in _FSDP_KEYS}
+    for attr in _HOOK_DICTS:
+        if attr in state:
+            state[attr] = collections.OrderedDict()
+    state["_parameters"] = {k: plain(p) for k, p in m._parameters.items()}
+    state["_buffers"] = dict(m._buffers)
+    state["_modules"] = {k: c if c is None or id(c) in skip else _proxy(c, plain, skip) for k, c in m._modules.items()}
+    new.__dict__.update(state)
+    return new
+
+
+def backward_on_shards(model: nn.Module, total: torch.Tensor, params: Sequence[torch.Tensor],
+                       reuse: bool = True) -> List[torch.Tensor]:
+    """The objective's gradient as FSDP2 gives it to training: ``total.backward()`` on the live sharded model
+    (its reduce-scatter, in training's precision), returned as this rank's shard of each of ``params``; every
+    parameter's ``.grad`` is put back as training left it.
+
+    Each shard is taken as FSDP2 hands it over (its post-accumulate-grad hook) and the reduce-scatter buffer is
+    let go at once, so the replay never holds a second gradient of the whole model: with ``reuse`` (one
+    micro-batch), a shard bit-identical to the live ``.grad`` is returned as the live shard itself (no copy);
+    only one that differs is copied.
+    """
+    everything = [p for p in model.parameters() if p.requires_grad]
+    kept = [p.grad for p in everything]
+    live = {id(p): g for p, g in zip(everything, kept)}
+    index = {id(p): i for i, p in enumerate(params)}
+    out: List[Optional[torch.Tensor]] = [None] * len(params)
+
+    def take(p: torch.Tensor) -> None:
+        g = p.grad
+        if g is None:
+            return
+        i = index.get(id(p))
+        if i is not None:
+            mine = local(g)
+            ref = live.get(id(p))
+            ref_local = None if ref is None else local(ref)
+            out[i] = ref_local if reuse and ref_local is not None and same_bits(mine, ref_local) else mine.clone()
+        p.grad = None  # its view of the reduce-scatter buffer goes: the buffer is freed with the last one
+
+    handles = [p.register_post_accumulate_grad_hook(take) for p in everything if is_dtensor(p)]
+    for p in everything:
+        p.grad = None
+    try:
+        total.backward()
+        for i, q in enumerate(params):
+            if out[i] is None and q.grad is not None:  # not a DTensor: no hook ran
+                out[i] = local(q.grad)
+        return [torch.zeros_like(local(q)) if g is None else g for q, g in zip(params, out)]
+    finally:
+        for h in handles:
+            h.remove()
+        for p, g in zip(everything, kept):
+            p.grad = g
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the tensor itself for a plain one)."""
+    return cast(Any, t).to_local() if is_dtensor(t) else t
