@@ -281,7 +281,8 @@ def run_module_check(
         view: A sharded model (:mod:`gradwatch.watch.shard_check`): ``view(unit, rows)`` is a context giving
             the unit with plain parameters (this rank's rows, or the gathered whole) and the offset of its
             rows. Then exactly one forward of the live model runs (its collectives are the same on every rank,
-            whatever this rank's pieces), and ``room`` must be None (no capture is deferred to a second forward).
+            whatever this rank's pieces): no capture is deferred to another forward, and a piece over ``room``
+            is cut to the first samples of what that forward captured instead of captured again.
         screen: Detection first in each piece (see :func:`gradwatch.localize.check_module`).
 
     Returns:
@@ -322,7 +323,8 @@ def run_module_check(
     while remaining or once:
         once = False
         # Captures take a third of the room at most; units that do not fit together are captured by later forwards.
-        got = capture(model, objective.loss, batch, remaining, opts.seed, budget=None if room is None else room // 3)
+        got = capture(model, objective.loss, batch, remaining, opts.seed,
+                      budget=None if room is None or view is not None else room // 3)
         if report.objective != report.objective:  # NaN: the first forward's loss
             report.objective = got.loss
             report.terms = {"loss": got.loss}
@@ -333,7 +335,8 @@ def run_module_check(
                 continue
             estimate, unused = _run_piece(model, objective, batch, opts, unit, piece, got, dtype, canonical,
                                           None if room is None else max(0, room - held), report, skipped, estimate,
-                                          unused, solo=solo if len(got.inputs) > 1 else None, full_room=room,
+                                          unused, solo=solo if len(got.inputs) > 1 and view is None else None,
+                                          full_room=room,
                                           view=view, screen=screen)
         progress = len(got.inputs) + len(got.big)
         remaining = [by_name[n] for n in got.deferred if n in by_name] if progress else []
@@ -399,8 +402,12 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
         return estimate, unused
     if room is not None and need > room:
         block = None if args is None else _row_block(unit, (args, kwargs), out_bytes, room // 2, opts.seed, rows)
-        smaller = None if block is not None else _fewer_samples(model, objective.loss, batch, unit, need, room,
-                                                               opts.seed, dtype)
+        if block is not None:
+            smaller = None
+        elif view is not None:  # one forward only (sharded): cut what it captured
+            smaller = None if args is None else _cut_samples(unit, (args, kwargs), children, constants, need, room)
+        else:
+            smaller = _fewer_samples(model, objective.loss, batch, unit, need, room, opts.seed, dtype)
         if block is None and smaller is None:
             skipped.append(f"{unit.label}{'' if rows is None else f' rows {rows[0]}:{rows[1]}'} needs about {mb(need)}")
             return estimate, unused
@@ -540,6 +547,32 @@ def _fewer_samples(model: nn.Module, loss_fn: Any, batch: Any, unit: Unit, need:
             what = f"{kept} of the batch's {size} samples" + ("" if length is None else f", its first {length} of {seq} positions")
             return inputs, children, cost, what, constants
     return None
+
+
+def _cut_samples(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str, List[Any]], constants: Set[int], need: int,
+                 room: int) -> Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, str, Set[int]]]:
+    """For a unit too big for the room, when no other forward may run (a sharded model): its captured inputs and
+    stubs' outputs cut to their first samples (every tensor whose first dimension is the batch size), as many as
+    fit, in :func:`_fewer_samples`' form; None when even one sample does not fit, or the inputs hold no batch."""
+    first = next((t for t in tensor_leaves(inputs) if t.dim()), None)
+    if first is None or first.shape[0] < 2:
+        return None
+    size = int(first.shape[0])
+    keep = min(size - 1, int(size * room / max(need, 1)))
+    if keep < 1:
+        return None
+    kept: Set[int] = set()
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        out = t[:keep] if t.dim() and t.shape[0] == size else t
+        if id(t) in constants:
+            kept.add(id(out))
+        return out
+
+    cut_inputs = rebuild(inputs, cut)
+    cut_children = {rel: [rebuild(o, cut) for o in outs] for rel, outs in children.items()}
+    return cut_inputs, cut_children, need * keep // size, f"{keep} of the batch's {size} samples (cut from the " \
+        "forward's capture)", kept
 
 
 def _first_ids(args: Any, kwargs: Any) -> Optional[torch.Tensor]:

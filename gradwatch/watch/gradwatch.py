@@ -518,7 +518,7 @@ class GradWatch:
             # the whole model); under FSDP2 every rank checks the whole objective on its gathered replica.
             room: Optional[int] = None
             plan: Optional[Plan] = None
-            if coord is None or not self._sharded:
+            if coord is None or not self._sharded or self._by_shard:
                 self.memory.observe()
                 room = self.memory.room()
             if coord is not None and not self._sharded:
@@ -554,7 +554,7 @@ class GradWatch:
             try:
                 return self._finish_distributed(step, names, opts, report, replay, error, seconds)
             finally:
-                if not self._sharded:
+                if not self._sharded or self._by_shard:
                     self.memory.checked()  # after the replays' averaging: its peak is the check's, not training's
         if error is not None:
             self._failed(step, error, seconds)
@@ -581,7 +581,9 @@ class GradWatch:
         """
         if self._by_shard:
             release_freed()  # what training's backward freed: the replay's own backward allocates on top of it
-        replay = self._training_replay(pending, target, room, only=None if plan is None else plan[1])
+        # (sharded: the replay is FSDP2's own backward, whole; its shards are let go as they come)
+        replay = self._training_replay(pending, target, None if self._by_shard else room,
+                                       only=None if plan is None else plan[1])
         judged: Optional[CheckReport] = None
         if judge:
             judged = CheckReport(tensors={})
@@ -617,7 +619,7 @@ class GradWatch:
                 if self._by_shard:  # FSDP2: rows on the rank that holds them, the rest gathered piece by piece
                     reshard(target)  # a forward that found the units left the root's parameters gathered
                     pieces, gathered, offsets = plan_shards(target, units, pieces)
-                    view, piece_room = ShardView(target, gathered, offsets), None
+                    view = ShardView(target, gathered, offsets)
                 elif self.dist is not None:
                     pieces = self.dist.share(pieces)  # DDP: the ranks split the plan
                 try:
