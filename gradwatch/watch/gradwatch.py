@@ -624,7 +624,7 @@ class GradWatch:
                     pieces = self.dist.share(pieces)  # DDP: the ranks split the plan
                 try:
                     report = run_module_check(target, self.objective, batch, opts, units=units, pieces=pieces,
-                                              room=piece_room, view=view, screen=self._by_shard)
+                                              room=piece_room, view=view, screen=True)
                 finally:
                     if view is not None:
                         reshard(target)
