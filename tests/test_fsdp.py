@@ -14,7 +14,9 @@ Shard by shard (the default, :mod:`gradwatch.watch.shard_check`):
   same record on both ranks;
 - ``transformer``: a pre-norm transformer with hand-written attention, each block sharded, a
   softmax backward 10% off in block 1: the alert names block 1's attention, nothing else;
-- ``mixed``: a bfloat16 ``MixedPrecisionPolicy``: both parts judged (the replay runs in it).
+- ``mixed``: a bfloat16 ``MixedPrecisionPolicy``: both parts judged (the replay runs in it);
+- ``nan``: rank 1's batch holds a NaN at step 2: no hang, the same ``nonfinite`` record on both
+  ranks, checks go on, and the parameters are bit for bit those of a run without the watch.
 
 On a gathered replica (``form="objective"``, :mod:`gradwatch.watch.sharded`):
 
@@ -43,7 +45,7 @@ if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch < 2.6
     pytest.skip("needs torch.distributed.fsdp.fully_shard (FSDP2)", allow_module_level=True)
 
 RUN_TIMEOUT = 120.0
-SCENARIOS = ("correct", "planted", "transformer", "mixed", "replica", "inplace", "errors")
+SCENARIOS = ("correct", "planted", "transformer", "mixed", "nan", "replica", "inplace", "errors")
 
 WORKER = textwrap.dedent(
     r'''
@@ -74,7 +76,8 @@ WORKER = textwrap.dedent(
 
 
     NAMES = ["0.weight", "0.bias", "3.weight", "3.bias", "5.weight", "5.bias"]
-    state = {"step": -1, "net": None, "raise_on_rank": None, "closure_on_rank": None, "hide_grad_on_rank": None}
+    state = {"step": -1, "net": None, "raise_on_rank": None, "closure_on_rank": None, "hide_grad_on_rank": None,
+             "nan_on_rank": None}
 
 
     def loss_fn(m, batch):
@@ -183,6 +186,8 @@ WORKER = textwrap.dedent(
         for step in range(steps):
             state["step"] = step
             batch = (torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g))
+            if state["nan_on_rank"] == (rank, step):
+                batch[0][0, 0] = float("nan")
             opt.zero_grad()
             loss_fn(net, batch).backward()
             if watch is not None:
@@ -210,8 +215,8 @@ WORKER = textwrap.dedent(
         return params, result
 
 
-    def same(a, b):
-        return {n: bool(torch.equal(a[n], b[n])) for n in a}
+    def same(a, b):  # bit for bit (NaN included)
+        return {n: bool(torch.equal(a[n].view(torch.int32), b[n].view(torch.int32))) for n in a}
 
 
     results = {}
@@ -240,6 +245,12 @@ WORKER = textwrap.dedent(
             state["raise_on_rank"], state["closure_on_rank"], state["hide_grad_on_rank"] = (1, 2), (0, 4), (1, 8)
             watched, res = train(10, dict(every=2, log_dir=run_dir, coords=4, directions=1, form="objective"))
             state["raise_on_rank"] = state["closure_on_rank"] = state["hide_grad_on_rank"] = None
+            res["bit_identical"] = same(plain, watched)
+        elif scenario == "nan":
+            state["nan_on_rank"] = (1, 2)
+            plain, _ = train(4)
+            watched, res = train(4, dict(every=1, log_dir=run_dir))
+            state["nan_on_rank"] = None
             res["bit_identical"] = same(plain, watched)
         elif scenario == "mixed":
             _, res = train(2, dict(every=1, log_dir=run_dir, coords=4, directions=1), mixed=True)
@@ -364,6 +375,18 @@ def test_mixed_precision_policy_both_parts_judged_shard_by_shard(ranks):
             # the replay runs in the policy's bfloat16, as training did: its shards agree with .grad
             assert sorted(c["training"]) == sorted(NAMES)
             assert all(v[0] in ("excellent", "acceptable") for v in c["training"].values()), c["training"]
+
+
+def test_nan_on_one_rank_is_a_record_on_every_rank_without_hang(ranks):
+    r0, r1, _ = ranks  # both ranks exited 0 within the timeout (the fixture asserts it)
+    for r in (r0["nan"], r1["nan"]):
+        assert [c["step"] for c in r["checks"]] == [0, 1, 2, 3]
+        nonfinite = [a for a in r["alerts"] if a["kind"] == "nonfinite"]
+        # from step 2 on the parameters hold NaN (SGD applied the NaN gradient, as without the watch)
+        assert nonfinite and min(a["step"] for a in nonfinite) == 2, r["alerts"]
+        assert not [a for a in r["alerts"] if a["kind"] in ("threshold", "error")], r["alerts"]
+        assert r["bit_identical"] == {n: True for n in NAMES}
+    assert r0["nan"]["alerts"] == r1["nan"]["alerts"]
 
 
 def test_replica_form_catches_and_diagnoses_the_planted_bug(ranks):
