@@ -26,24 +26,15 @@ import argparse
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
+from ddp_memory import _port  # benchmarks/ beside this file: the same MLP width and free port as the DDP benchmark
+from ddp_memory import width as mlp_width
+
 VOCAB, SEQ, BATCH = 8000, 64, 8
-
-
-def mlp_width(n_params: float, d_in: int = 512, d_out: int = 10, hidden: int = 3) -> int:
-    """``h`` of the MLP ``d_in -> h (x hidden+1) -> d_out`` with about ``n_params`` parameters.
-
-    Example:
-        >>> mlp_width(17e6)
-        2294
-    """
-    b = d_in + d_out + hidden + 1
-    return int((-b + math.sqrt(b * b + 4 * hidden * n_params)) / (2 * hidden))
 
 
 def lm_layers(n_params: float, d: int) -> int:
@@ -60,19 +51,8 @@ def build(config: str, n_params: float, bug: bool) -> Any:
     """The model (not sharded) and its loss."""
     import torch
     import torch.nn.functional as F
+    from real_size import BadSoftmax as Softmax10  # softmax whose backward is 10% too large
     from torch import nn
-
-    class Softmax10(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-            y = torch.softmax(x, -1)
-            ctx.save_for_backward(y)
-            return y
-
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            (y,) = ctx.saved_tensors
-            return 1.1 * y * (g - (g * y).sum(-1, keepdim=True))
 
     class Tanh10(torch.autograd.Function):
         @staticmethod
@@ -215,12 +195,6 @@ def worker(config: str, n_params: float, watch: bool, bug: bool, steps: int, sha
 
         dist.destroy_process_group()
     return out
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def launch(args: argparse.Namespace, watch: bool, ranks: int = 2) -> List[Dict[str, Any]]:

@@ -561,16 +561,10 @@ def _cut_samples(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str, List[A
     keep = min(size - 1, int(size * room / max(need, 1)))
     if keep < 1:
         return None
-    kept: Set[int] = set()
-
-    def cut(t: torch.Tensor) -> torch.Tensor:
-        out = t[:keep] if t.dim() and t.shape[0] == size else t
-        if id(t) in constants:
-            kept.add(id(out))
-        return out
-
-    cut_inputs = rebuild(inputs, cut)
-    cut_children = {rel: [rebuild(o, cut) for o in outs] for rel, outs in children.items()}
+    whole = (inputs, children)
+    (cut_inputs, cut_children), _, _ = sub_batch(whole, keep)
+    kept = {id(new) for old, new in zip(tensor_leaves(whole), tensor_leaves((cut_inputs, cut_children)))
+            if id(old) in constants}
     return cut_inputs, cut_children, need * keep // size, f"{keep} of the batch's {size} samples (cut from the " \
         "forward's capture)", kept
 

@@ -145,16 +145,20 @@ class SurrogateCut:
         self._term = 0.0
 
     @contextlib.contextmanager
-    def capturing(self) -> Iterator[None]:
-        """Record each call's outputs and inputs (then :meth:`take_gradients` with the analytic total)."""
-        handles = []
-        for name, module in self.surrogates.items():
-            handles.append(module.register_forward_hook(self._capture(name), with_kwargs=False))
+    def _hooked(self, make: Any) -> Iterator[None]:
+        """Each surrogate module with the forward hook ``make(name)`` for the duration."""
+        handles = [module.register_forward_hook(make(name)) for name, module in self.surrogates.items()]
         try:
             yield
         finally:
             for h in handles:
                 h.remove()
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """Record each call's outputs and inputs (then :meth:`take_gradients` with the analytic total)."""
+        with self._hooked(self._capture):
+            yield
 
     def _capture(self, name: str) -> Any:
         def hook(module: nn.Module, args: tuple, out: Any) -> Any:
@@ -198,12 +202,8 @@ class SurrogateCut:
         """Hold each call's outputs at the point's and accumulate ``<g, x>`` (read it with :meth:`term`)."""
         self._calls = {n: 0 for n in self.surrogates}
         self._term = 0.0
-        handles = [module.register_forward_hook(self._hold(name)) for name, module in self.surrogates.items()]
-        try:
+        with self._hooked(self._hold):
             yield
-        finally:
-            for h in handles:
-                h.remove()
 
     def _hold(self, name: str) -> Any:
         def hook(module: nn.Module, args: tuple, out: Any) -> Any:

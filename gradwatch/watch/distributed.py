@@ -432,14 +432,12 @@ def merge_reports(reports: Sequence[Any], order: Sequence[str], opts: Any) -> Ch
     )
     merged.form, merged.memory = first.form, dict(first.memory)
     merged.independence = next((r.independence for _, r in ranked if r.independence is not None), None)  # rank 0's
-    for _, r in ranked:  # each rank's verdict on its shard (FSDP2 shard by shard): the worst stands
-        for name, tc in r.training.items():
+    for _, r in ranked:
+        for name, tc in r.training.items():  # each rank's verdict on its shard (FSDP2 shard by shard): the worst
             have = merged.training.get(name)
             if have is None or _worse(tc, have):
                 merged.training[name] = tc
-        if r.training_note and not merged.training_note:
-            merged.training_note = r.training_note
-    for _, r in ranked:
+        merged.training_note = merged.training_note or r.training_note
         merged.probed.extend(r.probed)  # the module form: each rank probed its share of the pieces
         merged.pieces.extend(r.pieces)
         for note in r.notes:

@@ -526,10 +526,11 @@ class GradWatch:
             with preserved_rng():  # one guard for both parts: every generator as training left it afterwards
                 target = self._check_target()  # the model, or the replica gathered from a sharded one
                 per_check = self.config.tensors_per_check
-                names = rotate(self._names_to_check(), coord.tensors_per_check(per_check) if coord else per_check,
-                               self._counts)
                 if self._by_shard:  # the planner's pieces, split by the shards (every rank the same collectives)
                     names = self._watched_names()
+                else:
+                    names = rotate(self._names_to_check(), coord.tensors_per_check(per_check) if coord else per_check,
+                                   self._counts)
                 mine = coord.share(names) if coord is not None and not self._by_shard and (
                     plan is None or plan[0][0] != "module") else names
                 with live_forward_forbidden(self.model) if self._sharded and not self._by_shard \

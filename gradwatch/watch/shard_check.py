@@ -63,7 +63,7 @@ def _dim0(p: torch.Tensor) -> Optional[Tuple[int, int]]:
         return None
     rank, world = int(mesh.get_local_rank()), int(mesh.size())
     first, end = rows_held(int(p.shape[0]), rank, world)
-    if int(cast(Any, p).to_local().shape[0]) != end - first:
+    if int(local(p).shape[0]) != end - first:
         return None  # another split than torch.chunk's: gathered as a whole piece instead
     return rank, world
 
@@ -167,13 +167,15 @@ class ShardView:
         self.model = model
         self.gathered = gathered
         self.offsets = offsets
-        self._named: Optional[Dict[str, nn.Module]] = None
+        self._named: Dict[str, nn.Module] = {}
+        self._live: Dict[str, nn.Parameter] = {}
 
     @contextlib.contextmanager
     def __call__(self, unit: Unit, rows: Optional[Tuple[int, int]]) -> Iterator[Tuple[Unit, int]]:
-        if self._named is None:
-            reshard(self.model)  # the capture's forward left the root gathered
+        if not self._named:  # at the first piece, after the capture's forward, which left the root gathered
+            reshard(self.model)
             self._named = dict(self.model.named_modules())
+            self._live = dict(self.model.named_parameters(remove_duplicate=False))
         offset = self.offsets.get(unit.name, 0) if rows is not None else 0
         made: Dict[int, nn.Parameter] = {}
 
@@ -185,7 +187,7 @@ class ShardView:
                     value = self.gathered[id(p)]
                 elif is_dtensor(p):
                     with torch.no_grad():
-                        value = cast(Any, p).to_local().detach()  # this rank's rows: a view, no copy
+                        value = local(p).detach()  # this rank's rows: a view, no copy
                 else:
                     made[id(p)] = cast(nn.Parameter, p)
                     return p
@@ -197,12 +199,8 @@ class ShardView:
         if offset and getattr(module, "padding_idx", None) is not None:
             pad = cast(int, module.padding_idx)
             vars(module)["padding_idx"] = pad - offset  # embedding_rows_copy compares it with this shard's rows
-        live = dict(self.model.named_parameters(remove_duplicate=False))
-        params = {n: plain(live.get(n, p)) for n, p in unit.params.items()}
-        try:
-            yield dataclasses.replace(unit, module=module, params=params), offset
-        finally:
-            made.clear()
+        params = {n: plain(self._live.get(n, p)) for n, p in unit.params.items()}
+        yield dataclasses.replace(unit, module=module, params=params), offset
 
 
 def _proxy(m: nn.Module, plain: Any, skip: Set[int]) -> nn.Module:
