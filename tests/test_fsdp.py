@@ -13,7 +13,8 @@ Shard by shard (the default, :mod:`gradwatch.watch.shard_check`):
 - ``planted``: a custom ``autograd.Function`` with a wrong backward: its module named, in the
   same record on both ranks;
 - ``transformer``: a pre-norm transformer with hand-written attention, each block sharded, a
-  softmax backward 10% off in block 1: the alert names block 1's attention, nothing else;
+  softmax backward 10% off in block 1: the alert names block 1's attention, nothing else; the
+  correct one trains bit-identical to a run without the watch (the root's own parameters too);
 - ``mixed``: a bfloat16 ``MixedPrecisionPolicy``: both parts judged (the replay runs in it);
 - ``nan``: rank 1's batch holds a NaN at step 2: no hang, the same ``nonfinite`` record on both
   ranks, checks go on, and the parameters are bit for bit those of a run without the watch.
@@ -45,7 +46,7 @@ if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch < 2.6
     pytest.skip("needs torch.distributed.fsdp.fully_shard (FSDP2)", allow_module_level=True)
 
 RUN_TIMEOUT = 120.0
-SCENARIOS = ("correct", "planted", "transformer", "mixed", "nan", "replica", "inplace", "errors")
+SCENARIOS = ("correct", "planted", "transformer", "lockstep", "mixed", "nan", "replica", "inplace", "errors")
 
 WORKER = textwrap.dedent(
     r'''
@@ -136,7 +137,9 @@ WORKER = textwrap.dedent(
 
         def forward(self, ids):
             x = self.emb(ids)
-            for block in self.blocks:
+            for i, block in enumerate(self.blocks):
+                if i == 1 and due("mid"):  # after block 0's all-gather, before block 1's
+                    raise RuntimeError(f"block 1 cannot run on rank {rank}")
                 x = block(x)
             return self.head(self.ln(x))
 
@@ -150,27 +153,51 @@ WORKER = textwrap.dedent(
         return net
 
 
+    faults = {"checking": False, "calls": 0, "step": -1, "at": {}}  # (rank, step) -> (call of loss_fn, what)
+
+
+    def due(what):  # this rank meets fault ``what`` now: inside the check, at the planned call of loss_fn
+        planned = faults["at"].get((rank, faults["step"]))
+        return faults["checking"] and planned == (faults["calls"], what)
+
+
     def lm_loss(m, batch):
+        faults["calls"] += faults["checking"]
+        if due("before"):
+            raise KeyError(f"'labels' missing on rank {rank}")
+        if due("stall"):
+            time.sleep(2.5)
         logits = m(batch[:, :-1])
+        if due("after"):
+            raise ValueError(f"the loss could not be computed on rank {rank}")
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
 
     def train_lm(steps, watch_options, wrong):
         net = build_lm(wrong)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        watch = GradWatch(net, lm_loss, optimizer=opt, **watch_options)
+        watch = GradWatch(net, lm_loss, optimizer=opt, **watch_options) if watch_options is not None else None
         g = torch.Generator().manual_seed(100 + rank)
         checks = []
         for step in range(steps):
+            faults["step"] = step
             batch = torch.randint(0, 50, (4, 9), generator=g)
             opt.zero_grad()
             lm_loss(net, batch).backward()
-            report = watch.step(batch)
-            checks.append({"step": step, "ok": report.ok, "pieces": report.pieces,
-                           "training": {n: t.verdict.value if t.verdict else None for n, t in report.training.items()}})
+            if watch is not None:
+                faults["checking"], faults["calls"] = True, 0
+                report = watch.step(batch)
+                faults["checking"] = False
+                if report is not None:
+                    checks.append({"step": step, "ok": report.ok, "pieces": report.pieces, "notes": report.notes,
+                                   "training": {n: t.verdict.value if t.verdict else None
+                                                for n, t in report.training.items()}})
             opt.step()
+        params = {n: p.to_local().detach().clone() for n, p in net.named_parameters()}
+        if watch is None:
+            return params
         res = {"checks": checks, "alerts": [a.to_dict() for a in watch.alerts], "coverage": watch.coverage,
-               "modules_checked": watch.modules_checked}
+               "modules_checked": watch.modules_checked, "params": params}
         watch.close()
         return res
 
@@ -230,8 +257,18 @@ WORKER = textwrap.dedent(
         elif scenario == "planted":
             _, res = train(2, dict(every=1, log_dir=run_dir), wrong=True)
         elif scenario == "transformer":
+            plain = train_lm(2, None, wrong=False)
             res = {"correct": train_lm(2, dict(every=1, log_dir=None), wrong=False),
                    "wrong": train_lm(2, dict(every=1, log_dir=None), wrong=True)}
+            # emb, ln and head are the root's own parameters: the replay's backward must not touch their .grad
+            res["bit_identical"] = same(plain, res["correct"].pop("params"))
+            res["wrong"].pop("params")
+        elif scenario == "lockstep":  # one rank's check raises where the others are in FSDP2's collectives
+            plain = train_lm(6, None, wrong=False)
+            faults["at"] = {(1, 1): (1, "before"), (0, 2): (1, "mid"), (1, 3): (2, "after"), (1, 4): (1, "stall")}
+            res = train_lm(6, dict(every=1, log_dir=run_dir), wrong=False)
+            faults["at"] = {}
+            res["bit_identical"] = same(plain, res.pop("params"))
         elif scenario == "replica":
             _, res = train(2, dict(every=1, log_dir=run_dir, coords=4, directions=1, form="objective"), wrong=True)
         elif scenario == "inplace":
@@ -327,7 +364,31 @@ def test_sharded_transformer_softmax_bug_named_in_its_block(ranks):
         assert correct["modules_checked"].get("blocks.1.attn", 0) >= 1  # the attention's own code
         named = {a["tensor"] for a in wrong["alerts"] if a["kind"] == "threshold"}
         assert named and all(n.startswith("blocks.1.attn") for n in named), wrong["alerts"]
+        # Training exactly as without the watch, the root's own parameters (emb, ln, head) included.
+        assert set(r["bit_identical"]) >= {"emb.weight", "head.weight", "ln.bias"}
+        assert all(r["bit_identical"].values()), r["bit_identical"]
     assert r0["transformer"]["wrong"] == r1["transformer"]["wrong"]  # one merged record on both ranks
+
+
+def test_a_rank_raising_inside_the_sharded_forward_is_a_record_on_every_rank_and_training_goes_on(ranks):
+    r0, r1, out = ranks  # both ranks exited 0 within the timeout (the fixture asserts it): no hang, no abort
+    for r in (r0["lockstep"], r1["lockstep"]):
+        errors = [a for a in r["alerts"] if a["kind"] == "error"]
+        assert [a["step"] for a in errors] == [1, 2, 3], r["alerts"]
+        # named by the rank that raised, where it raised: in the replay before the model was called, in the
+        # middle of the model's forward (block 0 gathered, block 1 not), after the capture's forward
+        assert "rank 1: KeyError" in errors[0]["message"] and "labels" in errors[0]["message"]
+        assert "rank 0: RuntimeError: block 1 cannot run on rank 0" in errors[1]["message"]
+        assert "rank 1: ValueError: the loss could not be computed on rank 1" in errors[2]["message"]
+        assert not any("rank 0" in a["message"] for a in (errors[0], errors[2]))  # the stopped rank adds nothing
+        assert [c["step"] for c in r["checks"]] == [0, 4, 5]  # checks go on after each failed one
+        assert all(c["ok"] for c in r["checks"])
+        stalled = r["checks"][1]["notes"]
+        assert any(n.startswith("rank 1 ran slow in this check") for n in stalled), stalled
+        assert r["bit_identical"] and all(r["bit_identical"].values()), r["bit_identical"]
+    assert r0["lockstep"]["alerts"] == r1["lockstep"]["alerts"]
+    records, _ = read_jsonl(out / "lockstep")
+    assert [rec["step"] for rec in records if rec["type"] == "check"] == [0, 4, 5]
 
 
 def test_dtype_none_under_fsdp2_runs_without_crashing_a_rank(ranks):

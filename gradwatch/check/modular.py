@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Set, Tuple
@@ -328,6 +329,7 @@ def run_module_check(
         if report.objective != report.objective:  # NaN: the first forward's loss
             report.objective = got.loss
             report.terms = {"loss": got.loss}
+            report.nonfinite = report.nonfinite or not math.isfinite(got.loss)  # said once, for the whole check
         held = _held(got)
         for piece in pieces:
             unit = by_name.get(piece.unit)

@@ -48,7 +48,7 @@ def slice_rows(module: nn.Module, room: Optional[int]) -> int:
     weight = getattr(module, "weight", None)
     if room is None or not isinstance(weight, torch.Tensor) or weight.dim() == 0:
         return ROWS_PER_SLICE
-    per_row = (weight[0].numel() + 1) * MODULE_BYTES_PER_ENTRY
+    per_row = (math.prod(weight.shape[1:]) + 1) * MODULE_BYTES_PER_ENTRY  # from the shape: a DTensor row is a collective
     return max(1, (room // 2) // per_row)
 
 
@@ -109,6 +109,15 @@ class Planner:
                                 f"({mb(room)}); each unit is checked alone")
 
     # ------------------------------------------------------------------ the module form
+    def mark(self) -> Tuple[Any, ...]:
+        """Where the module form's plan stands (units, cycle and position), for :meth:`rewind`."""
+        return self._cycle, self._key, self._units, self._checks, self._resume_at, self.announced
+
+    def rewind(self, mark: Tuple[Any, ...]) -> None:
+        """Back to ``mark``: sharded, a check that failed on some rank is undone on every rank, so that all plan
+        the same pieces (and make the same gathers) at the next one."""
+        self._cycle, self._key, self._units, self._checks, self._resume_at, self.announced = mark
+
     def module_pieces(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any], batch: Any,
                       watched: Sequence[str], key: Optional[Tuple] = None, seed: int = 0,
                       room: Optional[int] = None, surrogates: Any = None) -> Tuple[List[Unit], List[Piece]]:

@@ -104,6 +104,8 @@ class RankResult:
         seconds: How long its check took.
         interval: Its schedule's next interval (rank 0's is the one every rank follows).
         training: ``(replayed, reason)`` of its training part; None when that part did not run.
+        waited: Of ``seconds``, how long it waited for the other ranks at agreement points
+            (:mod:`gradwatch.watch.lockstep`).
 
     Example:
         >>> RankResult(rank=1, error="KeyError: 'labels'").failed
@@ -117,6 +119,7 @@ class RankResult:
     seconds: float = 0.0
     interval: int = 1
     training: Optional[Tuple[bool, Optional[str]]] = None
+    waited: float = 0.0
 
     @property
     def failed(self) -> bool:
@@ -255,6 +258,30 @@ class DistributedCoordinator:
             raise DistributedCheckError(f"rank 0 could not decide {what}: {decided[1]}")
         return decided
 
+    def agree(self, ok: bool) -> bool:
+        """One agreement point inside a check (:mod:`gradwatch.watch.lockstep`): True when every rank says ``ok``.
+
+        Raises:
+            DistributedCheckError: A rank did not arrive within ``distributed_timeout`` (the coordinator is then
+                broken: its group can no longer be trusted).
+        """
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        except Exception as exc:  # noqa: BLE001 - a missing rank: said once, then no more checks
+            raise DistributedCheckError(self._give_up("inside a check", exc)) from exc
+        return bool(flag.item())
+
+    def smallest(self, value: int) -> int:
+        """The smallest of the ranks' ``value`` (an all-reduce): sharded, the room every rank plans with.
+
+        Raises:
+            Exception: The all-reduce failed (the check records it).
+        """
+        t = torch.tensor([int(value)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
     # ------------------------------------------------------------------ 3. sharing
     def tensors_per_check(self, per_rank: int) -> int:
         """How many tensors one check rotates in: ``tensors_per_check`` per rank (0: all)."""
@@ -305,6 +332,17 @@ class DistributedCoordinator:
         dist.broadcast_object_list(shared, src=0, group=self.group)
         return shared[0]
 
+    def _give_up(self, where: str, exc: Exception) -> str:
+        """Break the coordinator after a collective of its group failed (a rank missing ``where``); the reason."""
+        text = str(exc).strip()
+        self.broken = (
+            f"rank {self.rank} waited {self.timeout:g}s (distributed_timeout) for the other ranks {where} and gave up: "
+            f"{type(exc).__name__}: {text.splitlines()[0] if text else ''} — a rank crashed, stalled or hung in its "
+            "check (look at that rank's log); gradwatch stops checking in this process"
+        )
+        logger.error("gradwatch: %s", self.broken)
+        return self.broken
+
     def _gather(self, payload: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
         """``all_gather_object`` behind a monitored barrier; None (and ``broken`` set) when a rank is missing."""
         try:
@@ -312,13 +350,7 @@ class DistributedCoordinator:
             out: List[Any] = [None] * self.world_size
             dist.all_gather_object(out, payload, group=self.group)
         except Exception as exc:  # noqa: BLE001 - a missing rank must not stop training here
-            text = str(exc).strip()
-            self.broken = (
-                f"rank {self.rank} waited {self.timeout:g}s (distributed_timeout) for the other ranks after a check and "
-                f"gave up: {type(exc).__name__}: {text.splitlines()[0] if text else ''} — a rank "
-                "crashed or hung in its check (look at that rank's log); gradwatch stops checking in this process"
-            )
-            logger.error("gradwatch: %s", self.broken)
+            self._give_up("after a check", exc)
             return None
         phases = {g.get("phase") for g in out}
         if len(phases) > 1:  # the ranks are at different points of a check: nothing gathered can be trusted
@@ -374,13 +406,43 @@ def merge_results(results: Sequence[RankResult], order: Sequence[str], opts: Any
     ) if failed else None
     # What raised, where the user's code did (None when gradwatch itself refused: its message says why).
     where = "; ".join(f"{r.where} on rank {r.rank}" for r in failed if r.where) or None
+    merged = merge_reports(reports, order, opts) if reports else None
+    slow = slow_ranks(results)
+    if merged is not None and slow:
+        merged.notes.append(slow)
     return MergedCheck(
-        report=merge_reports(reports, order, opts) if reports else None,
+        report=merged,
         error=error,
         where=where,
         seconds=max((float(r.seconds) for r in results), default=0.0),
         training=[r.training for r in results],
     )
+
+
+#: A rank whose check took this many times the fastest rank's, and at least SLOW_SECONDS more, is named as slow.
+SLOW_FACTOR, SLOW_SECONDS = 2.0, 1.0
+
+
+def slow_ranks(results: Sequence[RankResult]) -> Optional[str]:
+    """A note naming the ranks whose own work in a check (its time, less its waits for the others) ran much
+    slower than the fastest rank's (None: none did).
+
+    Example:
+        >>> slow_ranks([RankResult(0, seconds=3.6, waited=3.1), RankResult(1, seconds=3.5)])
+        'rank 1 ran slow in this check: 3.5 s of its own, against 0.5 s on rank 0 (every rank waits for the slowest)'
+        >>> slow_ranks([RankResult(0, seconds=0.5), RankResult(1, seconds=0.7)]) is None
+        True
+    """
+    if len(results) < 2:
+        return None
+    own = {r.rank: max(0.0, r.seconds - r.waited) for r in results}
+    fastest = min(own, key=lambda rank: own[rank])
+    slow = [rank for rank, t in own.items() if t > SLOW_FACTOR * own[fastest] and t - own[fastest] >= SLOW_SECONDS]
+    if not slow:
+        return None
+    return (f"rank{'s' if len(slow) > 1 else ''} {', '.join(map(str, slow))} ran slow in this check: "
+            f"{', '.join(f'{own[rank]:.1f} s' for rank in slow)} of its own, against {own[fastest]:.1f} s on rank "
+            f"{fastest} (every rank waits for the slowest)")
 
 
 def _worse(a: Any, b: Any) -> bool:

@@ -47,6 +47,7 @@ from ..plan.planner import Planner
 from ..plan.units import isolated_forward
 from .distributed import DEFAULT_TIMEOUT, DistributedCoordinator, RankResult, merge_results, unwrap_model
 from .independence import IndependencePart
+from .lockstep import Lockstep, PeerFailed
 from .schedule import ANNOUNCE_AS_WARNING_ABOVE, Schedule
 from .shard_check import SHARD_NOTE, ShardView, backward_on_shards, local, plan_shards, reshard
 from .sharded import (
@@ -249,6 +250,8 @@ class GradWatch:
         self.replay_context: Optional[Callable[[], Any]] = None
         self._generator_cache: Optional[Any] = None  # (checks when searched, generators) for the replay
         self._watched_cache: Optional[Any] = None  # (trainable names, the watched ones among them)
+        self._mark: Optional[Tuple[Any, Optional[bool]]] = None  # shard by shard: the plan before the check
+        self._lockstep: Any = None  # shard by shard, during a check: its agreement points (gradwatch.watch.lockstep)
         self._checking = False  # a check is running: a step() from inside it (the objective stepping an optimizer) is ignored
         self._failures = 0  # consecutive failed checks
         self._failure_counts: Dict[str, int] = {}  # "Type: message" -> how many checks failed with it
@@ -521,6 +524,11 @@ class GradWatch:
             if coord is None or not self._sharded or self._by_shard:
                 self.memory.observe()
                 room = self.memory.room()
+            if coord is not None and self._by_shard:
+                # Every rank plans the same pieces (the same gathers): with the smallest room, from the same
+                # state (a check that failed on some rank is undone on every rank, in _finish_distributed).
+                room = None if room is None else coord.smallest(room)
+                self._mark = (self.planner.mark(), self.objective.differentiates)
             if coord is not None and not self._sharded:
                 room, plan = self._agreed_plan(coord, room)
             with preserved_rng():  # one guard for both parts: every generator as training left it afterwards
@@ -534,7 +542,8 @@ class GradWatch:
                 mine = coord.share(names) if coord is not None and not self._by_shard and (
                     plan is None or plan[0][0] != "module") else names
                 with live_forward_forbidden(self.model) if self._sharded and not self._by_shard \
-                        else contextlib.nullcontext():
+                        else Lockstep(coord, self.model) if self._by_shard and coord is not None \
+                        else contextlib.nullcontext() as self._lockstep:
                     report, replay = self._check_locally(target, mine, batch, opts, pending, room,
                                                          judge=coord is None or self._by_shard, plan=plan)
                 if report is not None and (coord is None or coord.is_main):
@@ -549,11 +558,13 @@ class GradWatch:
             error = exc
         finally:
             self._checking = False
+            waited = self._lockstep.waited if isinstance(self._lockstep, Lockstep) else 0.0
+            self._lockstep = None
         seconds = time.perf_counter() - start
         self.schedule.record_check(step, seconds, scheduled)
         if coord is not None:
             try:
-                return self._finish_distributed(step, names, opts, report, replay, error, seconds)
+                return self._finish_distributed(step, names, opts, report, replay, error, seconds, waited)
             finally:
                 if not self._sharded or self._by_shard:
                     self.memory.checked()  # after the replays' averaging: its peak is the check's, not training's
@@ -618,6 +629,8 @@ class GradWatch:
                                                            surrogates=opts.surrogates)
                 view = None
                 if self._by_shard:  # FSDP2: rows on the rank that holds them, the rest gathered piece by piece
+                    if isinstance(self._lockstep, Lockstep):
+                        self._lockstep.point()  # the gathers are collectives: every rank's capture went well
                     reshard(target)  # a forward that found the units left the root's parameters gathered
                     pieces, gathered, offsets = plan_shards(target, units, pieces)
                     view = ShardView(target, gathered, offsets)
@@ -753,13 +766,16 @@ class GradWatch:
         return self._replica.refresh(self.model)
 
     def _finish_distributed(self, step: int, names: List[str], opts: Any, report: Optional[CheckReport],
-                            replay: Optional[Replay], error: Optional[Exception], seconds: float) -> Optional[CheckReport]:
+                            replay: Optional[Replay], error: Optional[Exception], seconds: float,
+                            waited: float = 0.0) -> Optional[CheckReport]:
         """This rank's share gathered with the others' and merged alike on every rank; trends, sinks, alerts."""
         coord = self.dist
         assert coord is not None
-        result = RankResult(rank=coord.rank, report=report, seconds=seconds, interval=self.schedule.interval(),
+        result = RankResult(rank=coord.rank, report=report, seconds=seconds, waited=waited, interval=self.schedule.interval(),
                             training=None if replay is None else (replay.grads is not None, replay.reason))
-        if error is not None:
+        if isinstance(error, PeerFailed):  # the rank that raised says what; this one only stopped with it
+            logger.info("gradwatch: the check at step %d stopped on rank %d: %s", step, coord.rank, error)
+        elif error is not None:
             logger.error("gradwatch: the check at step %d raised on rank %d; training goes on:\n%s", step, coord.rank,
                          "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip())
             result.error, result.where = f"{type(error).__name__}: {error}", blamed(error)
@@ -770,6 +786,9 @@ class GradWatch:
             self._emit(step, None, [gave_up], seconds)
             return None
         merged = merge_results(results, names, opts)
+        if merged.error is not None and self._by_shard and self._mark is not None:
+            self.planner.rewind(self._mark[0])  # the same plan on every rank again (it may have moved on some)
+            self.objective.differentiates = self._mark[1]
         alerts: List[Alert] = []
         if merged.report is not None:
             self._training_across_ranks(merged.report, replay, merged.training)
@@ -924,7 +943,9 @@ class GradWatch:
             if scaler is not None:  # scaler.scale(loss).backward(), then unscale_: times the float32 reciprocal
                 inv = torch.tensor(float(scaler.get_scale()), dtype=torch.float64).reciprocal().float()
                 total = scaler.scale(total)
-            gs = (backward_on_shards(model, total, plist, reuse=len(pending.micro) == 1) if self._by_shard
+            step = self._lockstep
+            gs = (backward_on_shards(model, total, plist, reuse=len(pending.micro) == 1,
+                                     before=step.point if isinstance(step, Lockstep) else None) if self._by_shard
                   else scalar_grad(total, plist + leaves))
             out = {n: torch.zeros_like(p) if g is None else _dense(g) for (n, p), g in zip(whole, gs[:len(plist)])}
             if rowgrads is not None:  # weights judged by rows: the gradient of those rows only

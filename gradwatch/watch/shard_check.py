@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, cast
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, cast
 
 import torch
 from torch import nn
@@ -220,7 +220,7 @@ def _proxy(m: nn.Module, plain: Any, skip: Set[int]) -> nn.Module:
 
 
 def backward_on_shards(model: nn.Module, total: torch.Tensor, params: Sequence[torch.Tensor],
-                       reuse: bool = True) -> List[torch.Tensor]:
+                       reuse: bool = True, before: Optional[Callable[[], None]] = None) -> List[torch.Tensor]:
     """The objective's gradient as FSDP2 gives it to training: ``total.backward()`` on the live sharded model
     (its reduce-scatter, in training's precision), returned as this rank's shard of each of ``params``; every
     parameter's ``.grad`` is put back as training left it.
@@ -228,8 +228,15 @@ def backward_on_shards(model: nn.Module, total: torch.Tensor, params: Sequence[t
     Each shard is taken as FSDP2 hands it over (its post-accumulate-grad hook) and the reduce-scatter buffer is
     let go at once, so the replay never holds a second gradient of the whole model: with ``reuse`` (one
     micro-batch), a shard bit-identical to the live ``.grad`` is returned as the live shard itself (no copy);
-    only one that differs is copied.
+    only one that differs is copied. ``before`` (an agreement point, :mod:`gradwatch.watch.lockstep`) is called
+    first, before any collective.
     """
+    if before is not None:
+        before()
+    # The objective's forward left the root's parameters gathered, and FSDP2 then lists its unsharded ones: back
+    # to the sharded ones, which hold .grad (their backward gathers them again, as any module resharded after
+    # its forward). Clearing the unsharded ones instead would let the reduce-scatter add into the live .grad.
+    reshard(model)
     everything = [p for p in model.parameters() if p.requires_grad]
     kept = [p.grad for p in everything]
     live = {id(p): g for p, g in zip(everything, kept)}
