@@ -15,6 +15,10 @@ Shard by shard (the default, :mod:`gradwatch.watch.shard_check`):
 - ``transformer``: a pre-norm transformer with hand-written attention, each block sharded, a
   softmax backward 10% off in block 1: the alert names block 1's attention, nothing else; the
   correct one trains bit-identical to a run without the watch (the root's own parameters too);
+- ``lockstep``: the same transformer; one rank's check raises where the other is in FSDP2's collectives
+  (``loss_fn`` before the model, the model's forward midway, after the capture's forward, a custom
+  backward in the replay), or stalls: an error record naming that rank on both, checks go on, the slow
+  rank named, training bit-identical to a run without the watch;
 - ``mixed``: a bfloat16 ``MixedPrecisionPolicy``: both parts judged (the replay runs in it);
 - ``nan``: rank 1's batch holds a NaN at step 2: no hang, the same ``nonfinite`` record on both
   ranks, checks go on, and the parameters are bit for bit those of a run without the watch.
@@ -161,6 +165,16 @@ WORKER = textwrap.dedent(
         return faults["checking"] and planned == (faults["calls"], what)
 
 
+    class FailsBackward(torch.autograd.Function):  # identity whose backward raises (a custom backward's bug)
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError(f"the custom backward failed on rank {rank}")
+
+
     def lm_loss(m, batch):
         faults["calls"] += faults["checking"]
         if due("before"):
@@ -168,6 +182,8 @@ WORKER = textwrap.dedent(
         if due("stall"):
             time.sleep(2.5)
         logits = m(batch[:, :-1])
+        if due("backward"):  # the replay's backward fails on this rank only, before any reduce-scatter
+            logits = FailsBackward.apply(logits)
         if due("after"):
             raise ValueError(f"the loss could not be computed on rank {rank}")
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
@@ -264,9 +280,10 @@ WORKER = textwrap.dedent(
             res["bit_identical"] = same(plain, res["correct"].pop("params"))
             res["wrong"].pop("params")
         elif scenario == "lockstep":  # one rank's check raises where the others are in FSDP2's collectives
-            plain = train_lm(6, None, wrong=False)
-            faults["at"] = {(1, 1): (1, "before"), (0, 2): (1, "mid"), (1, 3): (2, "after"), (1, 4): (1, "stall")}
-            res = train_lm(6, dict(every=1, log_dir=run_dir), wrong=False)
+            plain = train_lm(7, None, wrong=False)
+            faults["at"] = {(1, 1): (1, "before"), (0, 2): (1, "mid"), (1, 3): (2, "after"), (1, 4): (1, "stall"),
+                            (0, 5): (1, "backward")}
+            res = train_lm(7, dict(every=1, log_dir=run_dir), wrong=False)
             faults["at"] = {}
             res["bit_identical"] = same(plain, res.pop("params"))
         elif scenario == "replica":
@@ -374,21 +391,23 @@ def test_a_rank_raising_inside_the_sharded_forward_is_a_record_on_every_rank_and
     r0, r1, out = ranks  # both ranks exited 0 within the timeout (the fixture asserts it): no hang, no abort
     for r in (r0["lockstep"], r1["lockstep"]):
         errors = [a for a in r["alerts"] if a["kind"] == "error"]
-        assert [a["step"] for a in errors] == [1, 2, 3], r["alerts"]
+        assert [a["step"] for a in errors] == [1, 2, 3, 5], r["alerts"]
         # named by the rank that raised, where it raised: in the replay before the model was called, in the
         # middle of the model's forward (block 0 gathered, block 1 not), after the capture's forward
         assert "rank 1: KeyError" in errors[0]["message"] and "labels" in errors[0]["message"]
         assert "rank 0: RuntimeError: block 1 cannot run on rank 0" in errors[1]["message"]
         assert "rank 1: ValueError: the loss could not be computed on rank 1" in errors[2]["message"]
+        # in the replay's backward: the other rank stopped before its next collective, not in the reduce-scatter
+        assert "rank 0: RuntimeError: the custom backward failed on rank 0" in errors[3]["message"]
         assert not any("rank 0" in a["message"] for a in (errors[0], errors[2]))  # the stopped rank adds nothing
-        assert [c["step"] for c in r["checks"]] == [0, 4, 5]  # checks go on after each failed one
+        assert [c["step"] for c in r["checks"]] == [0, 4, 6]  # checks go on after each failed one
         assert all(c["ok"] for c in r["checks"])
         stalled = r["checks"][1]["notes"]
         assert any(n.startswith("rank 1 ran slow in this check") for n in stalled), stalled
         assert r["bit_identical"] and all(r["bit_identical"].values()), r["bit_identical"]
     assert r0["lockstep"]["alerts"] == r1["lockstep"]["alerts"]
     records, _ = read_jsonl(out / "lockstep")
-    assert [rec["step"] for rec in records if rec["type"] == "check"] == [0, 4, 5]
+    assert [rec["step"] for rec in records if rec["type"] == "check"] == [0, 4, 6]
 
 
 def test_dtype_none_under_fsdp2_runs_without_crashing_a_rank(ranks):

@@ -6,15 +6,18 @@ backward reduce-scatters, on the model's own process group, inside ``loss_fn``. 
 (with gloo, mismatched collectives can abort them). :class:`Lockstep` puts an agreement point before
 each FSDP2 module's forward (before its all-gather) and before the replayed backward: a one-element
 all-reduce on gradwatch's own group, bounded by ``distributed_timeout``
-(:meth:`~gradwatch.watch.distributed.DistributedCoordinator.agree`).
+(:meth:`~gradwatch.watch.distributed.DistributedCoordinator.agree`). In the replayed backward, tensor
+hooks make points where each module's output gradient arrives (before FSDP2's pre-backward all-gather),
+where its input gradient leaves (before its reduce-scatter) and at the backward's end (before the
+root's reduce-scatter).
 
 A rank whose check raised joins the next point saying so; every other rank stops at that same point
 (:class:`PeerFailed`) before any further collective, so every rank has made the same collectives.
 FSDP2's per-iteration state is then reset (``reset_iter_state``) and training goes on. A rank that
 stalls past ``distributed_timeout`` at a point breaks the coordinator on every rank (the check is an
 error record and checks stop), with the same collectives made everywhere. What a point cannot cover:
-a rank that raises *inside* a collective or inside the replayed backward (a custom backward, out of
-memory) leaves the others in FSDP2's collective until the model's process group times out.
+a rank that fails *inside* a collective (out of memory in FSDP2's own buffers) leaves the others in
+it until the model's process group times out.
 
 Example:
     >>> from torch import nn
@@ -30,14 +33,31 @@ Example:
 from __future__ import annotations
 
 import time
-from typing import Any, List, cast
+from typing import Any, Dict, List, Mapping, Tuple, cast
 
+import torch
 from torch import nn
+from torch.autograd import Variable
 
+from ..check.isolation import is_dtensor
 from .distributed import DistributedCheckError
 from .sharded import _FSDPModule
 
 __all__ = ["Lockstep", "PeerFailed", "reset_fsdp"]
+
+
+def _grad_tensors(value: Any, depth: int = 3) -> List[torch.Tensor]:
+    """The tensors that require a gradient in a module's arguments or output (tuples, lists, mappings, a few
+    levels deep)."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.requires_grad else []
+    if depth == 0:
+        return []
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _grad_tensors(v, depth - 1)]
+    return []
 
 
 class PeerFailed(DistributedCheckError):
@@ -87,6 +107,8 @@ class Lockstep:
         self.points = 0
         self.waited = 0.0
         self._handles: List[Any] = []
+        self._queued = False  # the end-of-backward point is queued for the backward running now
+        self._plain: Dict[int, Tuple[Any, Any]] = {}
 
     def _agree(self, ok: bool) -> bool:
         start = time.perf_counter()
@@ -110,14 +132,44 @@ class Lockstep:
             raise PeerFailed("another rank's check raised; this rank stopped at the same point, before any further "
                              "collective")
 
+    def _in_backward(self, grad: Any) -> None:
+        """A tensor hook: a point inside a backward (the first also queues one at the backward's end)."""
+        if not self._queued:
+            self._queued = True
+            Variable._execution_engine.queue_callback(self._at_end)  # before FSDP2's own end-of-backward callback
+        self.point()
+
+    def _at_end(self) -> None:
+        self._queued = False
+        self.point()  # before FSDP2's reduce-scatter of the modules whose inputs need no gradient (the root's)
+
     def __enter__(self) -> "Lockstep":
-        def hook(module: nn.Module, args: Any) -> None:
+        """Points in the forward (before each FSDP2 module's all-gather) and, by tensor hooks, in the backward:
+        where a module's output gradient arrives (before FSDP2's pre-backward all-gather) and where its input
+        gradient leaves (before FSDP2's reduce-scatter of the module)."""
+
+        def before_forward(module: nn.Module, args: Any) -> None:
             self.point()
 
-        hook._gradwatch_hook = True  # type: ignore[attr-defined]  # gradwatch's own: kept when user hooks are suspended
+        def outputs(module: nn.Module, args: Any, output: Any) -> None:  # runs before FSDP2's post-forward
+            for t in _grad_tensors(output):
+                t.register_hook(self._in_backward)  # before the hook FSDP2 registers next on the same tensor
+
+        def inputs(module: nn.Module, args: Any, kwargs: Any) -> None:  # runs after FSDP2's pre-forward
+            for t in _grad_tensors((args, kwargs)):
+                t.register_hook(self._in_backward)  # before FSDP2's post-backward node of the module
+
+        for hook in (before_forward, outputs, inputs):
+            setattr(hook, "_gradwatch_hook", True)  # noqa: B010 - gradwatch's own: kept when user hooks are suspended
+        self._queued = False
+        # Plain parameters as training left them (FSDP2's are DTensors now; these are the ones it does not manage)
+        self._plain = {id(p): (p, p.grad) for p in self.model.parameters() if not is_dtensor(p)}
         if _FSDPModule is not None:
-            self._handles = [m.register_forward_pre_hook(hook, prepend=True)  # before FSDP2's all-gather
-                             for m in self.model.modules() if isinstance(m, _FSDPModule)]
+            for m in self.model.modules():
+                if isinstance(m, _FSDPModule):
+                    self._handles += [m.register_forward_pre_hook(before_forward, prepend=True),
+                                      m.register_forward_hook(outputs, prepend=True),
+                                      m.register_forward_pre_hook(inputs, with_kwargs=True)]
         return self
 
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
@@ -135,4 +187,11 @@ class Lockstep:
                 self._agree(False)  # the others stop at their next point
             except DistributedCheckError:
                 pass  # the coordinator is broken: every rank gives up checking
+        # A backward stopped midway left gradients on the unsharded parameters of the modules whose reduce-scatter
+        # did not run: FSDP2 would add them into training's next gradient.
+        for p in self.model.parameters():
+            if not is_dtensor(p) and id(p) not in self._plain:
+                p.grad = None
+        for p, grad in self._plain.values():
+            p.grad = grad
         reset_fsdp(self.model)
