@@ -555,20 +555,44 @@ def _cut_samples(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str, List[A
                  room: int) -> Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, str, Set[int]]]:
     """For a unit too big for the room, when no other forward may run (a sharded model): its captured inputs and
     stubs' outputs cut to their first samples (every tensor whose first dimension is the batch size), as many as
-    fit, in :func:`_fewer_samples`' form; None when even one sample does not fit, or the inputs hold no batch."""
-    first = next((t for t in tensor_leaves(inputs) if t.dim()), None)
-    if first is None or first.shape[0] < 2:
-        return None
-    size = int(first.shape[0])
-    keep = min(size - 1, int(size * room / max(need, 1)))
-    if keep < 1:
-        return None
+    fit, or, when one sample does not fit, to one sample's first positions (every tensor whose second dimension
+    is the sequence length, and one position fewer where it is one shorter: next-token logits beside the ids),
+    in :func:`_fewer_samples`' form; None when no cut fits, or the inputs hold no batch.
+
+    Example:
+        >>> ids, logits = torch.zeros(4, 8, dtype=torch.long), torch.zeros(4, 7, 3)
+        >>> (args, _), children, need, what, _ = _cut_samples(None, ((ids,), {}), {"h": [logits]}, set(), 64, 4)
+        >>> args[0].shape, children["h"][0].shape, need
+        (torch.Size([1, 2]), torch.Size([1, 1, 3]), 4)
+        >>> what
+        "1 of the batch's 4 samples, its first 2 of 8 positions (cut from the forward's capture)"
+    """
     whole = (inputs, children)
-    (cut_inputs, cut_children), _, _ = sub_batch(whole, keep)
+    _, size, seq = sub_batch(inputs, 1)
+    keep = min(size - 1, int(size * room / max(need, 1)))
+    length: Optional[int] = None
+    if keep < 1:
+        keep, length = 1, min(seq - 1, int(seq * size * room / max(need, 1)))
+        if length < 1:
+            return None
+    if length is None:
+        (cut_inputs, cut_children), _, _ = sub_batch(whole, keep)
+    else:  # positions too: those of the sequence, and those of a sequence one shorter (next-token logits)
+        cut_length = length
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() and t.shape[0] == size:
+                t = t[:keep]
+            if t.dim() > 1 and t.shape[1] in (seq, seq - 1):
+                t = t[:, :cut_length - (seq - int(t.shape[1]))]
+            return t
+
+        cut_inputs, cut_children = rebuild(whole, cut)
     kept = {id(new) for old, new in zip(tensor_leaves(whole), tensor_leaves((cut_inputs, cut_children)))
             if id(old) in constants}
-    return cut_inputs, cut_children, need * keep // size, f"{keep} of the batch's {size} samples (cut from the " \
-        "forward's capture)", kept
+    what = f"{keep} of the batch's {size} samples" + ("" if length is None else f", its first {length} of {seq} positions")
+    return cut_inputs, cut_children, need * keep * (length or seq) // (size * seq), \
+        what + " (cut from the forward's capture)", kept
 
 
 def _first_ids(args: Any, kwargs: Any) -> Optional[torch.Tensor]:
