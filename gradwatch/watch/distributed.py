@@ -62,6 +62,8 @@ _T = TypeVar("_T")
 
 logger = logging.getLogger("gradwatch")
 
+#: What a rank with no value sends to an agreement point (above any byte count).
+_NO_VALUE = 2**62
 #: Default seconds gradwatch's own collectives wait for the other ranks.
 DEFAULT_TIMEOUT = 300.0
 _WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
@@ -258,29 +260,21 @@ class DistributedCoordinator:
             raise DistributedCheckError(f"rank 0 could not decide {what}: {decided[1]}")
         return decided
 
-    def agree(self, ok: bool) -> bool:
-        """One agreement point inside a check (:mod:`gradwatch.watch.lockstep`): True when every rank says ``ok``.
+    def agree(self, ok: bool, value: Optional[int] = None) -> Tuple[bool, Optional[int]]:
+        """One agreement point inside a check (:mod:`gradwatch.watch.lockstep`): whether every rank says ``ok``,
+        and the smallest of the ranks' ``value`` (a byte count; None when no rank gives one).
 
         Raises:
             DistributedCheckError: A rank did not arrive within ``distributed_timeout`` (the coordinator is then
                 broken: its group can no longer be trusted).
         """
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        both = torch.tensor([1 if ok else 0, _NO_VALUE if value is None else int(value)], dtype=torch.int64)
         try:
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+            dist.all_reduce(both, op=dist.ReduceOp.MIN, group=self.group)
         except Exception as exc:  # noqa: BLE001 - a missing rank: said once, then no more checks
             raise DistributedCheckError(self._give_up("inside a check", exc)) from exc
-        return bool(flag.item())
-
-    def smallest(self, value: int) -> int:
-        """The smallest of the ranks' ``value`` (an all-reduce): sharded, the room every rank plans with.
-
-        Raises:
-            Exception: The all-reduce failed (the check records it).
-        """
-        t = torch.tensor([int(value)], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return int(t.item())
+        smallest = int(both[1].item())
+        return bool(both[0].item()), None if smallest == _NO_VALUE else smallest
 
     # ------------------------------------------------------------------ 3. sharing
     def tensors_per_check(self, per_rank: int) -> int:

@@ -525,9 +525,8 @@ class GradWatch:
                 self.memory.observe()
                 room = self.memory.room()
             if coord is not None and self._by_shard:
-                # Every rank plans the same pieces (the same gathers): with the smallest room, from the same
-                # state (a check that failed on some rank is undone on every rank, in _finish_distributed).
-                room = None if room is None else coord.smallest(room)
+                # Every rank plans from the same state (a check that failed on some rank is undone on every rank,
+                # in _finish_distributed) and with the smallest room (measured after the replay, _check_locally).
                 self._mark = (self.planner.mark(), self.objective.differentiates)
             if coord is not None and not self._sharded:
                 room, plan = self._agreed_plan(coord, room)
@@ -603,6 +602,12 @@ class GradWatch:
             replay = None
             if room is not None or self._by_shard:
                 release_freed()  # the replayed gradients, before the backward part allocates
+        if self._by_shard and room is not None:
+            # What the replay left held counts against the room (measured again now); every rank plans the same
+            # pieces with the smallest room (an agreement point: a rank that raised above stops the others here).
+            room = self.memory.room()
+            if isinstance(self._lockstep, Lockstep):
+                room = self._lockstep.point(room)
         if not names:
             return None, replay
         estimate: Optional[int] = None

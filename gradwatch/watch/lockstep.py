@@ -21,9 +21,9 @@ it until the model's process group times out.
 
 Example:
     >>> from torch import nn
-    >>> class Agreeing:  # a coordinator whose ranks always agree
-    ...     def agree(self, ok):
-    ...         return True
+    >>> class Agreeing:  # a coordinator whose ranks always agree (alone: its value is the smallest)
+    ...     def agree(self, ok, value=None):
+    ...         return True, value
     >>> with Lockstep(Agreeing(), nn.Linear(2, 2)) as step:
     ...     step.point()
     >>> step.points, step.failed
@@ -33,7 +33,7 @@ Example:
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Mapping, Tuple, cast
+from typing import Any, Dict, List, Mapping, Optional, Tuple, cast
 
 import torch
 from torch import nn
@@ -110,15 +110,16 @@ class Lockstep:
         self._queued = False  # the end-of-backward point is queued for the backward running now
         self._plain: Dict[int, Tuple[Any, Any]] = {}
 
-    def _agree(self, ok: bool) -> bool:
+    def _agree(self, ok: bool, value: Optional[int] = None) -> Tuple[bool, Optional[int]]:
         start = time.perf_counter()
         try:
-            return bool(self.coord.agree(ok))
+            return self.coord.agree(ok, value)
         finally:
             self.waited += time.perf_counter() - start
 
-    def point(self) -> None:
-        """Return when every rank reached this point fine; raise :class:`PeerFailed` when another rank's check raised.
+    def point(self, value: Optional[int] = None) -> Optional[int]:
+        """Return when every rank reached this point fine (with the smallest of the ranks' ``value``, a byte count);
+        raise :class:`PeerFailed` when another rank's check raised.
 
         Raises:
             PeerFailed: Another rank failed (then every later point raises at once, with no collective).
@@ -127,10 +128,12 @@ class Lockstep:
         if self.failed:
             raise PeerFailed("another rank's check raised; this rank stopped at the same point")
         self.points += 1
-        if not self._agree(True):
+        ok, smallest = self._agree(True, value)
+        if not ok:
             self.failed = True
             raise PeerFailed("another rank's check raised; this rank stopped at the same point, before any further "
                              "collective")
+        return smallest
 
     def _in_backward(self, grad: Any) -> None:
         """A tensor hook: a point inside a backward (the first also queues one at the backward's end)."""
@@ -179,7 +182,7 @@ class Lockstep:
         if kind is None:
             if not self.failed:
                 self.points += 1
-                self.failed = not self._agree(True)  # this rank's own work stands; the merge names the failure
+                self.failed = not self._agree(True)[0]  # this rank's own work stands; the merge names the failure
             return
         if not isinstance(exc, DistributedCheckError) and not self.failed:
             self.failed = True

@@ -220,7 +220,7 @@ def _proxy(m: nn.Module, plain: Any, skip: Set[int]) -> nn.Module:
 
 
 def backward_on_shards(model: nn.Module, total: torch.Tensor, params: Sequence[torch.Tensor],
-                       reuse: bool = True, before: Optional[Callable[[], None]] = None) -> List[torch.Tensor]:
+                       reuse: bool = True, before: Optional[Callable[[], Any]] = None) -> List[torch.Tensor]:
     """The objective's gradient as FSDP2 gives it to training: ``total.backward()`` on the live sharded model
     (its reduce-scatter, in training's precision), returned as this rank's shard of each of ``params``; every
     parameter's ``.grad`` is put back as training left it.
