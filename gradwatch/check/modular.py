@@ -575,19 +575,15 @@ def _cut_samples(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str, List[A
         keep, length = 1, min(seq - 1, int(seq * size * room / max(need, 1)))
         if length < 1:
             return None
-    if length is None:
-        (cut_inputs, cut_children), _, _ = sub_batch(whole, keep)
-    else:  # positions too: those of the sequence, and those of a sequence one shorter (next-token logits)
-        cut_length = length
 
-        def cut(t: torch.Tensor) -> torch.Tensor:
-            if t.dim() and t.shape[0] == size:
-                t = t[:keep]
-            if t.dim() > 1 and t.shape[1] in (seq, seq - 1):
-                t = t[:, :cut_length - (seq - int(t.shape[1]))]
-            return t
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() and t.shape[0] == size:
+            t = t[:keep]
+        if length is not None and t.dim() > 1 and t.shape[1] in (seq, seq - 1):  # next-token logits: one fewer
+            t = t[:, :length - (seq - int(t.shape[1]))]
+        return t
 
-        cut_inputs, cut_children = rebuild(whole, cut)
+    cut_inputs, cut_children = rebuild(whole, cut)
     kept = {id(new) for old, new in zip(tensor_leaves(whole), tensor_leaves((cut_inputs, cut_children)))
             if id(old) in constants}
     what = f"{keep} of the batch's {size} samples" + ("" if length is None else f", its first {length} of {seq} positions")

@@ -251,7 +251,7 @@ class GradWatch:
         self._generator_cache: Optional[Any] = None  # (checks when searched, generators) for the replay
         self._watched_cache: Optional[Any] = None  # (trainable names, the watched ones among them)
         self._mark: Optional[Tuple[Any, Optional[bool]]] = None  # shard by shard: the plan before the check
-        self._lockstep: Any = None  # shard by shard, during a check: its agreement points (gradwatch.watch.lockstep)
+        self._lockstep: Optional[Lockstep] = None  # shard by shard, during a check: its agreement points (lockstep.py)
         self._checking = False  # a check is running: a step() from inside it (the objective stepping an optimizer) is ignored
         self._failures = 0  # consecutive failed checks
         self._failure_counts: Dict[str, int] = {}  # "Type: message" -> how many checks failed with it
@@ -540,9 +540,10 @@ class GradWatch:
                                    self._counts)
                 mine = coord.share(names) if coord is not None and not self._by_shard and (
                     plan is None or plan[0][0] != "module") else names
+                if self._by_shard and coord is not None:
+                    self._lockstep = Lockstep(coord, self.model)
                 with live_forward_forbidden(self.model) if self._sharded and not self._by_shard \
-                        else Lockstep(coord, self.model) if self._by_shard and coord is not None \
-                        else contextlib.nullcontext() as self._lockstep:
+                        else self._lockstep or contextlib.nullcontext():
                     report, replay = self._check_locally(target, mine, batch, opts, pending, room,
                                                          judge=coord is None or self._by_shard, plan=plan)
                 if report is not None and (coord is None or coord.is_main):
@@ -557,7 +558,7 @@ class GradWatch:
             error = exc
         finally:
             self._checking = False
-            waited = self._lockstep.waited if isinstance(self._lockstep, Lockstep) else 0.0
+            waited = self._lockstep.waited if self._lockstep is not None else 0.0
             self._lockstep = None
         seconds = time.perf_counter() - start
         self.schedule.record_check(step, seconds, scheduled)
@@ -606,7 +607,7 @@ class GradWatch:
             # What the replay left held counts against the room (measured again now); every rank plans the same
             # pieces with the smallest room (an agreement point: a rank that raised above stops the others here).
             room = self.memory.room()
-            if isinstance(self._lockstep, Lockstep):
+            if self._lockstep is not None:
                 room = self._lockstep.point(room)
         if not names:
             return None, replay
@@ -634,7 +635,7 @@ class GradWatch:
                                                            surrogates=opts.surrogates)
                 view = None
                 if self._by_shard:  # FSDP2: rows on the rank that holds them, the rest gathered piece by piece
-                    if isinstance(self._lockstep, Lockstep):
+                    if self._lockstep is not None:
                         self._lockstep.point()  # the gathers are collectives: every rank's capture went well
                     reshard(target)  # a forward that found the units left the root's parameters gathered
                     pieces, gathered, offsets = plan_shards(target, units, pieces)
@@ -948,9 +949,9 @@ class GradWatch:
             if scaler is not None:  # scaler.scale(loss).backward(), then unscale_: times the float32 reciprocal
                 inv = torch.tensor(float(scaler.get_scale()), dtype=torch.float64).reciprocal().float()
                 total = scaler.scale(total)
-            step = self._lockstep
             gs = (backward_on_shards(model, total, plist, reuse=len(pending.micro) == 1,
-                                     before=step.point if isinstance(step, Lockstep) else None) if self._by_shard
+                                     before=self._lockstep.point if self._lockstep is not None else None)
+                  if self._by_shard
                   else scalar_grad(total, plist + leaves))
             out = {n: torch.zeros_like(p) if g is None else _dense(g) for (n, p), g in zip(whole, gs[:len(plist)])}
             if rowgrads is not None:  # weights judged by rows: the gradient of those rows only

@@ -33,31 +33,24 @@ Example:
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Mapping, Optional, Tuple, cast
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.autograd import Variable
 
 from ..check.isolation import is_dtensor
+from ..check.owncode import tensor_leaves
 from .distributed import DistributedCheckError
+from .shard_check import reshard
 from .sharded import _FSDPModule
 
 __all__ = ["Lockstep", "PeerFailed", "reset_fsdp"]
 
 
-def _grad_tensors(value: Any, depth: int = 3) -> List[torch.Tensor]:
-    """The tensors that require a gradient in a module's arguments or output (tuples, lists, mappings, a few
-    levels deep)."""
-    if isinstance(value, torch.Tensor):
-        return [value] if value.requires_grad else []
-    if depth == 0:
-        return []
-    if isinstance(value, Mapping):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _grad_tensors(v, depth - 1)]
-    return []
+def _needing_grad(value: Any) -> List[torch.Tensor]:
+    """The tensors that require a gradient in a module's arguments or output."""
+    return [t for t in tensor_leaves(value) if t.requires_grad]
 
 
 class PeerFailed(DistributedCheckError):
@@ -78,9 +71,7 @@ def reset_fsdp(model: nn.Module) -> None:
                     return
             except RuntimeError:  # not the root
                 continue
-    for m in model.modules():
-        if isinstance(m, _FSDPModule):
-            cast(Any, m).reshard()
+    reshard(model)
 
 
 class Lockstep:
@@ -155,11 +146,11 @@ class Lockstep:
             self.point()
 
         def outputs(module: nn.Module, args: Any, output: Any) -> None:  # runs before FSDP2's post-forward
-            for t in _grad_tensors(output):
+            for t in _needing_grad(output):
                 t.register_hook(self._in_backward)  # before the hook FSDP2 registers next on the same tensor
 
         def inputs(module: nn.Module, args: Any, kwargs: Any) -> None:  # runs after FSDP2's pre-forward
-            for t in _grad_tensors((args, kwargs)):
+            for t in _needing_grad((args, kwargs)):
                 t.register_hook(self._in_backward)  # before FSDP2's post-backward node of the module
 
         for hook in (before_forward, outputs, inputs):
