@@ -12,9 +12,11 @@ JSON:
    under a time cap: when it cannot finish, the evaluations it needs,
    ``2 * n_params``, are given instead, and ``fast_mode=True``).
    ``verdict_speed``: time to a verdict, warm, one thread, median of ``repeats``: ``check_model`` at its
-   defaults (detection first: one probe per tensor, the full sample only where it disagrees) against
+   defaults (detection first: one probe per tensor settles or fails it; the full sample only where the
+   probe cannot tell, and, for the failing tensors, after every verdict: ``verdict_seconds``) against
    ``gradcheck(fast_mode=True)`` on the same float64 objective, for the correct twin and the buggy model,
-   with the localization time of the buggy one (``check_model(localize=True)``'s ``localize_seconds``).
+   with the whole call's time and the localization time of the buggy one (``check_model(localize=True)``'s
+   ``localize_seconds``: the failing tensors' full samples and each module alone).
 2. ``detection``: whether each tool caught each planted bug, what it named,
    and false alarms on the correct twins.
 3. ``efficiency``: check wall time / (loss evaluations x median time of one
@@ -451,28 +453,38 @@ def run_gradwatch(case: Case) -> Dict[str, Any]:
 
 
 def measure_verdict_speed(case: Case, repeats: int) -> Dict[str, Any]:
-    """Time to a verdict of ``check_model`` and of fast gradcheck, warm, one thread, interleaved; median of ``repeats``."""
+    """Time to a verdict of ``check_model`` and of fast gradcheck, warm, one thread, interleaved; median of ``repeats``.
+
+    ``check_model``'s time to a verdict is its report's ``verdict_seconds`` (from the call until every tensor's
+    pass or fail is known; detection first); its whole call, the failing tensors' full samples included, is
+    ``check_seconds``. The localization time is ``check_model(localize=True)``'s ``localize_seconds`` (those
+    full samples and each module alone), after the verdict.
+    """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         reset_batched_state(case.model)
         check_model(case.model, case.loss_fn, case.batch)  # warm: the float64 copy, vmap's first call
         run_gradcheck(case, True, 60.0)
-        ours, theirs = [], []
+        verdicts, calls, theirs = [], [], []
         for _ in range(repeats):
             start = time.perf_counter()
             report = check_model(case.model, case.loss_fn, case.batch)
-            ours.append(time.perf_counter() - start)
+            calls.append(time.perf_counter() - start)
+            verdicts.append(report.verdict_seconds)
             fast = run_gradcheck(case, True, 60.0)
             theirs.append(fast["seconds"])
         localized = check_model(case.model, case.loss_fn, case.batch, localize=True) if not report.ok else None
     finally:
         torch.set_num_threads(threads)
-    gw, gc = _median(ours), _median(theirs)
+    gw, gc = _median(verdicts), _median(theirs)
     return {
         "model": case.name, "bug": case.bug, "gradwatch_seconds": gw, "gradcheck_fast_seconds": gc, "ratio": gw / gc,
-        "gradwatch_evaluations": report.evaluations, "gradcheck_fast_evaluations": fast["evaluations"],
+        "check_seconds": _median(calls), "check_ratio": _median(calls) / gc,
+        "gradwatch_evaluations": report.verdict_evaluations, "check_evaluations": report.evaluations,
+        "gradcheck_fast_evaluations": fast["evaluations"],
         "gradwatch_caught": not report.ok, "gradcheck_fast_caught": fast["caught"],
+        "failing": [t.name for t in report.failures],
         "localize_seconds": localized.localize_seconds if localized is not None else None,
         "modules": [c.name for c in localized.localized if c.failed] if localized is not None else [],
     }
@@ -833,17 +845,19 @@ def format_result(result: Dict[str, Any]) -> str:
         named = ", ".join(d["named_modules"]) or ", ".join(d["named_tensors"][:2]) or "-"
         alarm = {True: "YES", False: "no", None: "n/a"}[d["false_alarm"]]
         rows.append((d["model"], d["tool"], caught, named, alarm))
-    rows = [(r["model"], "planted bug" if r["bug"] else "correct", _fmt_s(r["gradwatch_seconds"]),
-             _fmt_s(r["gradcheck_fast_seconds"]), f"{r['ratio']:.2f}x",
-             f"{r['gradwatch_evaluations']} / {r['gradcheck_fast_evaluations']}",
-             {True: "yes", False: "no", None: "n/a"}[r["gradwatch_caught"]],
-             _fmt_s(r["localize_seconds"]) + " (" + (", ".join(r["modules"]) or "-") + ")"
-             if r["localize_seconds"] is not None else "-")
-            for r in result.get("verdict_speed", [])]
-    if rows:
+    speed = [(r["model"], "planted bug" if r["bug"] else "correct", _fmt_s(r["gradwatch_seconds"]),
+              _fmt_s(r["gradcheck_fast_seconds"]), f"{r['ratio']:.2f}x",
+              f"{_fmt_s(r['check_seconds'])} ({r['check_ratio']:.2f}x), {r['check_evaluations']} evals"
+              if r.get("check_seconds") is not None else "-",
+              f"{r['gradwatch_evaluations']} / {r['gradcheck_fast_evaluations']}",
+              {True: "yes", False: "no", None: "n/a"}[r["gradwatch_caught"]],
+              _fmt_s(r["localize_seconds"]) + " (" + (", ".join(r["modules"]) or "-") + ")"
+              if r["localize_seconds"] is not None else "-")
+             for r in result.get("verdict_speed", [])]
+    if speed:
         parts.append("\n1b. time to a verdict, warm, one thread: check_model (detection first) vs gradcheck(fast_mode=True)\n"
-                     + _table(("model", "twin", "gradwatch", "gradcheck fast", "ratio", "evaluations", "caught",
-                               "localization (named)"), rows))
+                     + _table(("model", "twin", "gradwatch verdict", "gradcheck fast", "ratio", "whole call",
+                               "evaluations to verdict", "caught", "localization (named)"), speed))
     parts.append("\n2. planted bug caught / named; false alarm on the correct twin\n"
                  + _table(("model", "tool", "caught", "named", "false alarm"), rows))
     for d in result["detection"]:

@@ -1,6 +1,7 @@
 """check_model's detection first (screen=True, the default): one probe per tensor settles a correct one;
 a disagreeing probe is traced to the one wrong entry (pinpoint); anything unsettled gets the full sample."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -99,3 +100,68 @@ def test_wrong_factor_on_whole_tensor_still_fails_with_full_sample():
     failure = report.failures[0]
     assert failure.verdict.value == "wrong" and failure.coords  # judged on the full sample
     assert abs(failure.ratio - 1.2) < 1e-3
+
+
+def _two_tensor_objective(wrong: float = 1.2, raise_after_verdict: bool = False):
+    """J = sum(sin(a)) + sum(b**3)/3 with a's gradient ``wrong`` times too large; the engine's inputs."""
+    from gradwatch.check.engine import EngineSettings, Evaluator
+    from gradwatch.check.numeric import Verdict
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(40, dtype=torch.float64, generator=gen)
+    b = torch.randn(30, dtype=torch.float64, generator=gen)
+    state = {"after": False}
+
+    def evaluate():
+        if state["after"] and raise_after_verdict:
+            raise RuntimeError("the loss raised during the diagnosis")
+        return {"loss": float(torch.sin(a).sum() + (b ** 3).sum() / 3)}
+
+    targets = [("a", "a", a, {"total": wrong * torch.cos(a)}), ("b", "b", b, {"total": b ** 2})]
+    settings = EngineSettings(coords=8, directions=4, eps=None, bands=(1e-7, 1e-4, 1e-2), fail_at=Verdict.SUSPICIOUS,
+                              detect_kinks=True, eval_eps=2.2e-16, magnitude=1.0, screen=True)
+    return targets, Evaluator(evaluate), settings, state
+
+
+def test_every_verdict_comes_before_the_failing_tensors_full_samples():
+    from gradwatch.check.engine import check_tensors
+
+    targets, evaluator, settings, _ = _two_tensor_objective()
+    at_verdict = []
+    judged = list(check_tensors(targets, evaluator, settings, seed=0,
+                                on_verdict=lambda: at_verdict.append(evaluator.count)))
+    # two at the base point, one probe per tensor, and one smaller step for the probe that disagreed
+    assert at_verdict == [2 + 2 * 2 + 2]
+    assert [j.key for j in judged] == ["b", "a"]  # the failing tensor's full sample comes last
+    b, a = judged[0].check, judged[1].check
+    assert not b.failed and not b.coords and len(b.dir_analytic) == 1
+    assert a.failed and a.verdict.value == "wrong" and len(a.coords) == 8  # diagnosed on the full sample
+    assert abs(a.ratio - 1.2) < 1e-3 and "1.20x" in a.diagnosis
+    assert evaluator.count > 2 * at_verdict[0]
+
+
+def test_a_failing_verdict_survives_a_raise_during_its_diagnosis():
+    from gradwatch.check.engine import check_tensors
+
+    targets, evaluator, settings, state = _two_tensor_objective(raise_after_verdict=True)
+    got = []
+    with pytest.raises(RuntimeError, match="during the diagnosis"):
+        for j in check_tensors(targets, evaluator, settings, seed=0, on_verdict=lambda: state.update(after=True)):
+            got.append(j)
+    assert [j.key for j in got] == ["b", "a"]
+    assert got[1].check.failed and got[1].check.verdict.value == "wrong" and len(got[1].check.dir_analytic) == 1
+
+
+def test_check_model_reports_the_time_to_its_verdict():
+    model, batch = _model()
+    model[2].idx, model[2].factor = (slice(None), slice(None)), 1.2
+    report = check_model(model, _ce, batch)
+    assert list(report.tensors) == [n for n, _ in model.named_parameters()]  # model order, failing ones included
+    assert 0 < report.verdict_seconds < report.seconds and report.localize_seconds > 0
+    assert report.to_dict()["verdict_seconds"] == report.verdict_seconds
+    # the analytic pass, two at the base point, one probe per tensor, one smaller step for the failing one
+    assert report.verdict_evaluations == 1 + 2 + 2 * len(report.tensors) + 2 < report.evaluations
+    model[2].idx = None
+    correct = check_model(model, _ce, batch)
+    assert correct.ok and correct.localize_seconds == 0 and 0 < correct.verdict_seconds <= correct.seconds
+    assert correct.verdict_evaluations == correct.evaluations

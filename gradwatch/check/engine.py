@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional,
 import numpy as np
 import torch
 
-from .judge import NOISE_FACTOR, BandRule, Slope, agrees, allowed_jitter, base_point, inconclusive, judge
+from .judge import NOISE_FACTOR, BandRule, Slope, agrees, allowed_jitter, base_point, inconclusive, judge, judged_rel_diff
 from .numeric import Verdict
 from .report import InconclusiveKind, TensorCheck
 from .sampling import choose_coords, generator, rademacher_signs, tensor_seed
@@ -103,6 +103,8 @@ class Outcome:
     floor: float
     kink: bool = False
     unresolved: bool = False
+    #: Taken at a wider step (:func:`widen`): linear within it, so no kink to re-examine.
+    widened: bool = False
 
 
 @dataclass
@@ -244,7 +246,8 @@ def _slopes(jp: Terms, jm: Terms, lp: Terms, lm: Terms, t: float) -> Tuple[Terms
 
 
 def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], j0: float, evaluate: Evaluator,
-                  settings: EngineSettings) -> Optional[bool]:
+                  settings: EngineSettings, scales: Sequence[float] = KINK_SCALES,
+                  smaller: Optional[Sequence[Optional[Tuple[Terms, Terms, Terms, Terms]]]] = None) -> Optional[bool]:
     """Decide whether a disagreeing sample sits on a non-differentiable point (True), has a wrong gradient
     (False), or cannot be told (None: no smaller step is above the rounding noise).
 
@@ -264,6 +267,8 @@ def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Ter
     one-sided slopes; such a line is non-differentiable and is excluded.
     Scales whose noise floor exceeds both 1% of the slopes and 30% of the
     disagreement are not used (they cannot tell; :func:`usable_floor`).
+    ``scales``: the smaller steps, as fractions of the base step. ``smaller``: the probes at each of them
+    taken before (in one batch); None each: taken here.
     """
     rel = settings.bands[1]
     t0 = sample.step
@@ -274,10 +279,11 @@ def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Ter
     seen: List[Tuple[float, float, float, float, float]] = []
     last: Tuple[Terms, Terms] = ({}, {})
     last_numeric = n0["total"]
-    for scale in KINK_SCALES:
+    for i, scale in enumerate(scales):
         t = t0 * scale
         fl = floor_at(settings, t)
-        jp, jm, lp, lm = _central(p, saved, grads, sample, t, evaluate)
+        taken = smaller[i] if smaller is not None else None
+        jp, jm, lp, lm = taken if taken is not None else _central(p, saved, grads, sample, t, evaluate)
         a, n = _slopes(jp, jm, lp, lm, t)
         if not usable_floor(fl, a["total"], n["total"], disagreement):
             break
@@ -481,6 +487,64 @@ def batched_bases(name: str, p: torch.Tensor, saved: torch.Tensor, grads: Dict[s
     return [(terms[2 * i], terms[2 * i + 1], lins[2 * i], lins[2 * i + 1]) for i in range(len(samples))]
 
 
+@dataclass
+class Detection:
+    """A tensor's detection probe (:func:`detect`): one random direction, judged before any other sample.
+
+    Attributes:
+        sample: The probe's line (its direction is dropped once the tensor's verdict no longer needs it).
+        outcome: Its slopes, taken at a wider step where the base step is lost in rounding, re-examined
+            for a kink where they disagree beyond the SUSPICIOUS band.
+        settled: Analytic and numeric agree to the EXCELLENT band (:func:`screened`): the tensor passes
+            on this probe alone.
+        confirmed: They disagree beyond the failing band with no kink or rounding to explain it (a smooth
+            function whose gradient is wrong along the probe): the tensor fails on this probe alone, and the
+            full sample (for the diagnosis) can come after every other tensor's verdict.
+    """
+
+    sample: Sample
+    outcome: Outcome
+    settled: bool = False
+    confirmed: bool = False
+
+
+def detect(name: str, p: torch.Tensor, grads: Dict[str, torch.Tensor], evaluate: Evaluator, j0: float,
+           settings: EngineSettings, seed: int, probe_batch: Optional[BatchProbe] = None) -> Optional[Detection]:
+    """The detection probe of one tensor, judged; None when it has none (one entry: its coordinate is the check).
+
+    ``p`` is perturbed in place and restored bit for bit.
+    """
+    first = screen_sample(name, p, settings, seed, _base_step(settings))
+    if first is None:
+        return None
+    saved = p.detach().clone()
+    try:
+        with torch.no_grad():
+            prepare_slopes([first], saved, grads)
+            base = _bases(name, p, saved, grads, [first], probe_batch)[0] \
+                or _central(p, saved, grads, first, first.step, evaluate)
+            out, settled = screen(p, saved, grads, first, base, j0, evaluate, settings)
+            found = Detection(first, out, settled=settled)
+            if not settled and _needs_reexamination(out, settings):
+                # One smaller step: a wrong gradient of a smooth function keeps its disagreement there, with
+                # one-sided slopes that agree; a kink crossed at the base step is left behind or bends one side.
+                _reexamine(p, saved, grads, first, base, out, j0, evaluate, settings, scales=KINK_SCALES[:1],
+                           batch=(name, probe_batch) if probe_batch is not None else None)
+                found.confirmed = set(out.analytic) == {"total"} and not (out.kink or out.unresolved) \
+                    and _fails_alone(out, settings)
+                if not found.confirmed:  # a kink, or cannot tell yet: every smaller step, as the full sample takes them
+                    out.kink = out.unresolved = False
+                    _reexamine(p, saved, grads, first, base, out, j0, evaluate, settings)
+    finally:
+        with torch.no_grad():
+            p.copy_(saved)
+        first.forget()
+    if found.settled or found.confirmed:
+        first.direction = first.signs = None  # judged: the full sample only needs its slopes
+    first.alone = found.confirmed
+    return found
+
+
 def check_tensor(
     name: str,
     p: torch.Tensor,
@@ -490,6 +554,7 @@ def check_tensor(
     settings: EngineSettings,
     seed: int,
     probe_batch: Optional["BatchProbe"] = None,
+    detected: Optional[Detection] = None,
 ) -> Tuple[TensorCheck, Dict[str, TensorCheck]]:
     """Probe one tensor and judge it.
 
@@ -503,44 +568,38 @@ def check_tensor(
         seed: Sampling seed.
         probe_batch: Evaluates the base probes of all samples in batches (see
             :func:`batched_bases`); None, or a batch it declines, means one evaluation each.
+        detected: The tensor's :func:`detect` taken before (detection first): settled, it is the whole
+            check; otherwise the full sample goes on from it. None: taken here when ``settings.screen``.
 
     Returns:
         The tensor's :class:`TensorCheck` and one per term (when grads has more than ``"total"``).
     """
-    saved = p.detach().clone()
-    h = settings.eps if settings.eps is not None else settings.eval_eps ** (1.0 / 3.0)
-    outcomes: List[Outcome] = []
-    samples: List[Sample] = []
-    try:
-        with torch.no_grad():
-            first = screen_sample(name, p, settings, seed, h) if settings.screen and not settings.exhaustive else None
-            first_base = None
-            if first is not None:
-                prepare_slopes([first], saved, grads)
-                first_base = _bases(name, p, saved, grads, [first], probe_batch)[0] \
-                    or _central(p, saved, grads, first, first.step, evaluate)
-                settled = screen(p, saved, grads, first, first_base, j0, evaluate, settings)
-                if settled is not None:
-                    samples, outcomes = [first], [settled]
-            if not outcomes:
+    if detected is None and settings.screen and not settings.exhaustive:
+        detected = detect(name, p, grads, evaluate, j0, settings, seed, probe_batch)
+    samples: List[Sample] = [detected.sample] if detected is not None else []
+    outcomes: List[Outcome] = [detected.outcome] if detected is not None else []
+    if detected is None or not detected.settled:
+        saved = p.detach().clone()
+        h = _base_step(settings)
+        try:
+            with torch.no_grad():
                 rest = build_samples(name, p, grads["total"], settings, seed, h)
                 prepare_slopes(rest, saved, grads)
-                samples = ([first] if first is not None else []) + rest
-                bases = [first_base] if first is not None else []
-                bases += _bases(name, p, saved, grads, rest, probe_batch)
-                _probe_all(p, saved, grads, samples, bases, outcomes, evaluate, j0, settings)
-                if first is not None and unexplained(outcomes[0], settings) \
+                _probe_all(p, saved, grads, rest, _bases(name, p, saved, grads, rest, probe_batch), outcomes, evaluate,
+                           j0, settings, genuine=int(detected is not None and detected.confirmed))
+                samples += rest
+                if detected is not None and unexplained(outcomes[0], settings) \
                         and not _summarize(name, tuple(p.shape), samples, outcomes, "total", settings).failed:
-                    entry = pinpoint(p, saved, grads, first, evaluate, settings, h, _unit(name, p))
+                    entry = pinpoint(p, saved, grads, detected.sample, evaluate, settings, h, _unit(name, p))
                     if entry is not None:
                         prepare_slopes([entry], saved, grads)
                         samples.append(entry)
                         _probe_all(p, saved, grads, [entry], None, outcomes, evaluate, j0, settings)
-    finally:
-        with torch.no_grad():
-            p.copy_(saved)
-        for sample in samples:
-            sample.forget()
+        finally:
+            with torch.no_grad():
+                p.copy_(saved)
+            for sample in samples:
+                sample.forget()
     main = _summarize(name, tuple(p.shape), samples, outcomes, "total", settings)
     per_term = {
         term: _summarize(name, tuple(p.shape), samples, outcomes, term, settings)
@@ -548,6 +607,19 @@ def check_tensor(
         if term != "total"
     }
     return main, per_term
+
+
+def _base_step(settings: EngineSettings) -> float:
+    """The relative step of every probe: ``eps``, or the cube root of the evaluation's machine epsilon."""
+    return settings.eps if settings.eps is not None else settings.eval_eps ** (1.0 / 3.0)
+
+
+def _fails_alone(out: Outcome, settings: EngineSettings) -> bool:
+    """True when one sample's disagreement, judged by itself, is a failing verdict."""
+    a_t, n_t = out.analytic["total"], out.numeric["total"]
+    if not (math.isfinite(a_t) and math.isfinite(n_t)):
+        return False
+    return Verdict.from_value(judged_rel_diff([a_t], [n_t], [out.floor]), settings.bands).is_failure(settings.fail_at)
 
 
 def screen_sample(name: str, p: torch.Tensor, settings: EngineSettings, seed: int, h: float) -> Optional[Sample]:
@@ -597,8 +669,8 @@ def screened(out: Outcome, settings: EngineSettings) -> bool:
 
 
 def screen(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], j0: float, evaluate: Evaluator,
-           settings: EngineSettings) -> Optional[Outcome]:
-    """The detection probe's outcome when it settles the tensor (:func:`screened`), else None.
+           settings: EngineSettings) -> Tuple[Outcome, bool]:
+    """The detection probe's outcome, and whether it settles the tensor (:func:`screened`).
 
     A probe lost in rounding is taken again at a wider step first (:func:`widen`, as the full sample
     does). A tensor the objective does not depend on at all (a bias before a normalization) is settled
@@ -608,21 +680,16 @@ def screen(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Ter
     out = _outcome(sample, base, settings)
     a_t, n_t = out.analytic["total"], out.numeric["total"]
     if not (math.isfinite(a_t) and math.isfinite(n_t)) or not settings.detect_kinks:
-        return out if screened(out, settings) else None
+        return out, screened(out, settings)
     if n_t == 0.0 and abs(a_t) <= out.floor and set(out.analytic) == {"total"}:
-        h = settings.eps if settings.eps is not None else settings.eval_eps ** (1.0 / 3.0)
-        t = sample.step * min(WIDEN_MAX, 0.1 / h)
+        t = sample.step * min(WIDEN_MAX, 0.1 / _base_step(settings))
         jp, jm, lp, lm = _central(p, saved, grads, sample, t, evaluate)
         a_w, _ = _slopes(jp, jm, lp, lm, t)
         if total(jp) == total(jm) and abs(a_w["total"]) <= floor_at(settings, t):
-            return Outcome(a_w, {"total": 0.0}, floor_at(settings, t))
-        return None
-    if out.floor > IMPRECISE * max(abs(a_t), abs(n_t)):
-        wider = widen(p, saved, grads, sample, out.analytic, out.numeric, out.floor, j0, evaluate, settings)
-        if wider is None:
-            return None
-        out = wider
-    return out if screened(out, settings) else None
+            return Outcome(a_w, {"total": 0.0}, floor_at(settings, t)), True
+        return _judge_sample(p, saved, grads, sample, base, j0, evaluate, settings), False
+    out = _judge_sample(p, saved, grads, sample, base, j0, evaluate, settings)
+    return out, screened(out, settings)
 
 
 def unexplained(out: Outcome, settings: EngineSettings) -> bool:
@@ -723,7 +790,8 @@ Target = Tuple[str, str, torch.Tensor, Dict[str, torch.Tensor]]
 
 
 def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: EngineSettings, seed: int,
-                  probe_batch: Optional[BatchProbe] = None) -> Iterator[Judged]:
+                  probe_batch: Optional[BatchProbe] = None,
+                  on_verdict: Optional[Callable[[], None]] = None) -> Iterator[Judged]:
     """Judge a set of tensors of one objective: the base point first, then :func:`check_tensor` for each.
 
     The objective is evaluated twice at the unperturbed point: if the two values are not finite, or differ
@@ -731,24 +799,35 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
     each is inconclusive with that kind. Otherwise their difference (the jitter) joins the noise floor.
     A tensor whose analytic gradient is not finite is inconclusive without sampling.
 
+    Detection first (``settings.screen``): every tensor's verdict comes before any diagnosis. A tensor
+    whose probe settles it passes; one whose probe disagrees where nothing explains it but a wrong
+    gradient (:class:`Detection` ``confirmed``) fails, and its full sample (which says how: a constant
+    ratio, a sign, a missing term) is taken after every other tensor's verdict, so a buggy model's
+    verdict costs about what a correct one's does. Those tensors are yielded last.
+
     Args:
         targets: ``(key, name, tensor, {term: gradient})`` per tensor (``"total"`` is the full objective).
         evaluate: Objective terms at the current parameters.
         settings: Sample sizes, step, bands and noise model (``jitter`` is measured here).
         seed: Sampling seed.
         probe_batch: Evaluates the base probes of each tensor it ``wants`` in batches.
+        on_verdict: Called once every tensor's verdict (pass or fail) is known, before the failing
+            tensors' full samples.
 
     Yields:
-        A :class:`Judged` per tensor, in order (a caller keeps those judged before an evaluation raised).
+        A :class:`Judged` per tensor (a caller keeps those judged before an evaluation raised).
     """
     j_a, j_b = evaluate(), evaluate()
     jitter, kind, why = base_point(total(j_a), total(j_b), allowed_jitter(settings.eval_eps, settings.magnitude))
     if kind is not None:
         for key, name, p, _ in targets:
             yield Judged(key, inconclusive(name, tuple(p.shape), kind, str(why)), before_sampling=kind)
+        if on_verdict is not None:
+            on_verdict()
         return
     settings = replace(settings, jitter=jitter)
     j0 = total(j_a)
+    failing: List[Tuple[str, str, torch.Tensor, Dict[str, torch.Tensor], Optional[BatchProbe], Detection]] = []
     for key, name, p, grads in targets:
         if not all(all_finite(t) for t in grads.values()):
             why = "analytic gradient has non-finite values (NaN or inf)"
@@ -756,40 +835,86 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
                          before_sampling=InconclusiveKind.NONFINITE)
             continue
         batch = probe_batch if probe_batch is not None and probe_batch.wants(key) else None
-        main, per_term = check_tensor(name, p, grads, evaluate, j0, settings, seed, probe_batch=batch)
+        detected = detect(name, p, grads, evaluate, j0, settings, seed, batch) \
+            if settings.screen and not settings.exhaustive else None
+        if detected is not None and detected.confirmed:
+            failing.append((key, name, p, grads, batch, detected))
+            continue
+        main, per_term = check_tensor(name, p, grads, evaluate, j0, settings, seed, probe_batch=batch, detected=detected)
+        yield Judged(key, main, per_term)
+    if on_verdict is not None:
+        on_verdict()
+    for key, name, p, grads, batch, detected in failing:
+        try:
+            main, per_term = check_tensor(name, p, grads, evaluate, j0, settings, seed, probe_batch=batch,
+                                          detected=detected)
+        except BaseException:
+            # The verdict stands without its diagnosis: the probe alone, judged.
+            yield Judged(key, _summarize(name, tuple(p.shape), [detected.sample], [detected.outcome], "total", settings))
+            raise
         yield Judged(key, main, per_term)
 
 
 def _probe_all(p, saved, grads, samples: List[Sample], bases, outcomes: List[Outcome], evaluate: Evaluator, j0: float,
-               settings: EngineSettings) -> None:
-    """Probe every sample (or judge its batched base probes), re-examining disagreements; appends to ``outcomes``."""
-    genuine_streak = 0
+               settings: EngineSettings, genuine: int = 0) -> None:
+    """Probe every sample (or judge its batched base probes), re-examining disagreements; appends to ``outcomes``.
+
+    After three disagreements in a row found genuine (``genuine`` of them before these samples), the rest
+    are taken as they are (a wrong gradient disagrees everywhere; re-examining every sample would only
+    repeat it).
+    """
+    genuine_streak = genuine
     for i, sample in enumerate(samples):
         base = bases[i] if bases is not None and bases[i] is not None else _central(p, saved, grads, sample, sample.step, evaluate)
-        out = _outcome(sample, base, settings)
-        a, n, fl = out.analytic, out.numeric, out.floor
-        finite = math.isfinite(a["total"]) and math.isfinite(n["total"])
-        if settings.detect_kinks and finite and fl > IMPRECISE * max(abs(a["total"]), abs(n["total"])):
-            wider = widen(p, saved, grads, sample, a, n, fl, j0, evaluate, settings)
-            if wider is not None:  # smooth within a wider step: the slope there is the slope at the point
-                outcomes.append(wider)
-                continue
-        if (
-            settings.detect_kinks
-            and finite
-            and genuine_streak < 3
-            and not agrees(a["total"], n["total"], fl, settings.bands[1])
-        ):
-            if unresolvable(sample, a["total"], n["total"], settings):
-                kink = resolve_low_precision(p, saved, grads, sample, a["total"], n["total"], j0, evaluate, settings)
-            else:
-                kink = classify_kink(p, saved, grads, sample, base, j0, evaluate, settings)
-            if kink is None:
-                out.unresolved = True
-            else:
-                out.kink = kink
-                genuine_streak = 0 if out.kink else genuine_streak + 1
+        out = _judge_sample(p, saved, grads, sample, base, j0, evaluate, settings)
+        if genuine_streak < 3 and _needs_reexamination(out, settings):
+            kink = _reexamine(p, saved, grads, sample, base, out, j0, evaluate, settings)
+            if kink is not None:
+                genuine_streak = 0 if kink else genuine_streak + 1
         outcomes.append(out)
+
+
+def _judge_sample(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], j0: float,
+                  evaluate: Evaluator, settings: EngineSettings) -> Outcome:
+    """One sample's outcome from its base probes; taken at a wider step where the base step is lost in rounding."""
+    out = _outcome(sample, base, settings)
+    a, n, fl = out.analytic["total"], out.numeric["total"], out.floor
+    if settings.detect_kinks and math.isfinite(a) and math.isfinite(n) and fl > IMPRECISE * max(abs(a), abs(n)):
+        wider = widen(p, saved, grads, sample, out.analytic, out.numeric, fl, j0, evaluate, settings)
+        if wider is not None:  # smooth within a wider step: the slope there is the slope at the point
+            return wider
+    return out
+
+
+def _needs_reexamination(out: Outcome, settings: EngineSettings) -> bool:
+    """True when a sample disagrees beyond the SUSPICIOUS band at its base step (a kink may explain it)."""
+    a, n = out.analytic["total"], out.numeric["total"]
+    return settings.detect_kinks and not out.widened and math.isfinite(a) and math.isfinite(n) \
+        and not agrees(a, n, out.floor, settings.bands[1])
+
+
+def _reexamine(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], out: Outcome, j0: float,
+               evaluate: Evaluator, settings: EngineSettings, scales: Sequence[float] = KINK_SCALES,
+               batch: Optional[Tuple[str, BatchProbe]] = None) -> Optional[bool]:
+    """Kink (True), wrong gradient (False) or cannot tell (None) for a disagreeing sample; marked on ``out``.
+
+    ``scales``: the smaller steps of :func:`classify_kink`; ``batch``: the tensor's name and a batched
+    evaluator, to take them in one batch.
+    """
+    a, n = out.analytic["total"], out.numeric["total"]
+    if unresolvable(sample, a, n, settings):
+        kink = resolve_low_precision(p, saved, grads, sample, a, n, j0, evaluate, settings)
+    else:
+        smaller = None
+        if batch is not None:
+            scaled = [replace(sample, step=sample.step * scale) for scale in scales]
+            smaller = _bases(batch[0], p, saved, grads, scaled, batch[1])
+        kink = classify_kink(p, saved, grads, sample, base, j0, evaluate, settings, scales=scales, smaller=smaller)
+    if kink is None:
+        out.unresolved = True
+    else:
+        out.kink = kink
+    return kink
 
 
 def widen(p, saved, grads, sample: Sample, a: Terms, n: Terms, floor: float, j0: float, evaluate: Evaluator,
@@ -839,7 +964,7 @@ def _linear_at(p, saved, grads, sample: Sample, t: float, slope: float, j0: floa
     floor = (4.0 * f2 + f1) / 3.0
     if floor > 1e-3 * max(abs(a2["total"]), abs(richardson["total"])):
         return None  # still lost in the rounding: the tests above could not see a kink
-    return Outcome(a2, richardson, floor)
+    return Outcome(a2, richardson, floor, widened=True)
 
 
 def _summarize(name, shape, samples: List[Sample], outcomes: List[Outcome], term: str, settings: EngineSettings) -> TensorCheck:

@@ -369,6 +369,7 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
             targets = [(key, f"{name}:{key}", t, {"total": g}) for key, t, g in zip(keys_all, tensors, grads)]
             for judged in check_tensors(targets, evaluator, settings, opts.seed):
                 result.tensors[judged.key] = judged.check
+            result.tensors = {key: result.tensors[key] for key in keys_all if key in result.tensors}
     except Exception as err:  # noqa: BLE001 - as above: a module whose evaluations raise is reported, not fatal
         result.inconclusive = f"evaluating the module alone raised {type(err).__name__}: {err}"
     finally:

@@ -111,6 +111,7 @@ def check_model(
         >>> report.ok
         True
     """
+    entered = time.perf_counter()
     opts = CheckOptions(**options)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -122,7 +123,10 @@ def check_model(
         )
     weight_decay, notes = coupled_weight_decay(model, optimizer)
     objective = Objective(loss_fn, regularizers, weight_decay)
+    before = time.perf_counter() - entered
     report = run_model_check(model, objective, batch, opts, grad_fn=grad_fn, batched=batched, screen=screen)
+    report.seconds += before
+    report.verdict_seconds += before
     report.notes[:0] = notes
     if objective.differentiates:  # it trains on the model's second derivatives: each module's double backward too
         from .inner import check_inner_derivatives
@@ -130,13 +134,15 @@ def check_model(
         start = time.perf_counter()
         report.tensors.update(check_inner_derivatives(model, objective.loss, batch, seed=opts.seed, fail_at=report.fail_at))
         report.seconds += time.perf_counter() - start
+        report.verdict_seconds = report.seconds  # these verdicts come after the diagnosis of the others
+        report.verdict_evaluations = report.evaluations
     if localize and report.failures:
         from .localize import localize as run_localize
 
         start = time.perf_counter()
         report.localized = run_localize(model, loss_fn, batch, enclosing=True, **options)
-        report.localize_seconds = time.perf_counter() - start
-        report.seconds += report.localize_seconds
+        report.localize_seconds += time.perf_counter() - start
+        report.seconds += time.perf_counter() - start
     return report
 
 
@@ -363,11 +369,17 @@ def run_model_check(
             probe = BatchedProbe(model, target, objective, batch, reseed, guard, evaluator, tolerance)
             if mode is not None:
                 probe = _InMode(probe, mode)
+        verdict_at: List[Tuple[float, int]] = []
         with frozen_batchnorm_stats(target):
             _judge_all(report, params, grads, evaluator, opts, magnitude=magnitude, eval_eps=eval_eps,
-                       objective_dtype_eps=objective_dtype_eps, probe_batch=probe, coarse=coarse, screen=screen)
+                       objective_dtype_eps=objective_dtype_eps, probe_batch=probe, coarse=coarse, screen=screen,
+                       on_verdict=lambda: verdict_at.append((time.perf_counter(), evaluator.count)))
     report.evaluations = evaluator.count + 1
-    report.seconds = time.perf_counter() - start
+    end = time.perf_counter()
+    report.seconds = end - start
+    at, count = verdict_at[0] if verdict_at else (end, evaluator.count)
+    report.verdict_seconds, report.verdict_evaluations = at - start, count + 1
+    report.localize_seconds = end - at if report.failures else 0.0
     return report
 
 
@@ -449,12 +461,13 @@ def _dense(g: torch.Tensor) -> torch.Tensor:
 
 def _judge_all(report: CheckReport, params: Dict[str, torch.Tensor], grads, evaluator: Evaluator, opts: CheckOptions,
                magnitude: float, eval_eps: float, objective_dtype_eps: float, exhaustive: bool = False,
-               probe_batch: Any = None, coarse: Optional[str] = None, screen: bool = False) -> None:
+               probe_batch: Any = None, coarse: Optional[str] = None, screen: bool = False,
+               on_verdict: Optional[Callable[[], None]] = None) -> None:
     """Judge every tensor (:func:`gradwatch.check.engine.check_tensors`); fills ``report``."""
     settings = EngineSettings.from_options(opts, max(eval_eps, objective_dtype_eps), magnitude, exhaustive=exhaustive,
                                            coarse=coarse, screen=screen)
     targets = [(n, n, p, grads[n]) for n, p in params.items()]
-    for judged in check_tensors(targets, evaluator, settings, opts.seed, probe_batch=probe_batch):
+    for judged in check_tensors(targets, evaluator, settings, opts.seed, probe_batch=probe_batch, on_verdict=on_verdict):
         report.tensors[judged.key] = judged.check
         for term, tc in judged.per_term.items():
             report.term_checks.setdefault(term, {})[judged.key] = tc
@@ -462,6 +475,7 @@ def _judge_all(report: CheckReport, params: Dict[str, torch.Tensor], grads, eval
             report.nondeterministic = True
         elif judged.before_sampling is InconclusiveKind.NONFINITE:
             report.nonfinite = True
+    report.tensors = {n: report.tensors[n] for n in params if n in report.tensors}  # model order (failing ones came last)
 
 
 def _not_finite(report: CheckReport, params: Mapping[str, torch.Tensor], why: str) -> None:

@@ -180,9 +180,13 @@ class CheckReport:
         objective: Value of the check objective at the current parameters.
         terms: Value of each term of the objective (``"loss"``, regularizers, ``"weight_decay"``).
         evaluations: Number of objective evaluations the check made.
+        verdict_evaluations: Of ``evaluations``, those made before every tensor's verdict was known.
         seconds: Wall time of the check (localization included).
-        localize_seconds: Of ``seconds``, the time :func:`gradwatch.check.model.check_model` spent localizing
-            failing tensors to modules (``localize=True``); 0 when nothing was localized.
+        verdict_seconds: Of ``seconds``, the time until every tensor's verdict (pass or fail) was known
+            (detection first: the failing tensors' full samples come after it).
+        localize_seconds: Of ``seconds``, the time after the verdict spent on what failed: the failing
+            tensors' full samples (their diagnosis) and, with ``check_model(localize=True)``, each module
+            alone; 0 when nothing failed.
         seed: Sampling seed (re-running with it samples the same coordinates).
         nondeterministic: The objective gave two different values at the same point.
         nonfinite: The objective or a gradient was NaN or infinite.
@@ -219,7 +223,9 @@ class CheckReport:
     objective: float = float("nan")
     terms: Dict[str, float] = field(default_factory=dict)
     evaluations: int = 0
+    verdict_evaluations: int = 0
     seconds: float = 0.0
+    verdict_seconds: float = 0.0
     localize_seconds: float = 0.0
     seed: Optional[int] = None
     nondeterministic: bool = False
@@ -278,6 +284,8 @@ class CheckReport:
             "terms": {k: json_float(v) for k, v in self.terms.items()},
             "evaluations": self.evaluations,
             "seconds": self.seconds,
+            "verdict_seconds": self.verdict_seconds,
+            "verdict_evaluations": self.verdict_evaluations,
             "localize_seconds": self.localize_seconds,
             "seed": self.seed,
             "nondeterministic": self.nondeterministic,
