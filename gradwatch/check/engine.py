@@ -105,6 +105,8 @@ class Outcome:
     unresolved: bool = False
     #: Taken at a wider step (:func:`widen`): linear within it, so no kink to re-examine.
     widened: bool = False
+    #: The objective was bit-for-bit the same on both sides at the widest step (:func:`flat_at_widest`).
+    flat: bool = False
 
 
 @dataclass
@@ -126,6 +128,11 @@ class EngineSettings:
     screen: bool = False
     #: Where the objective computes in a lower precision than the tensors (see :mod:`gradwatch.check.precision`).
     coarse: Optional[str] = None
+    #: In float64: a tensor no sample could resolve (a 1% error could not show) is inconclusive,
+    #: ``below_resolution``, and one the objective is found flat in (bit-for-bit the same at the widest step:
+    #: a zero gradient and one far below rounding look the same) is ``flat``, instead of passing; for a caller
+    #: that judges them another way (check_model: on their modules alone).
+    mark_unseen: bool = False
 
     @classmethod
     def from_options(cls, opts: CheckOptions, eval_eps: float, magnitude: float, **extra: Any) -> EngineSettings:
@@ -578,7 +585,8 @@ def check_tensor(
         detected = detect(name, p, grads, evaluate, j0, settings, seed, probe_batch)
     samples: List[Sample] = [detected.sample] if detected is not None else []
     outcomes: List[Outcome] = [detected.outcome] if detected is not None else []
-    if detected is None or not detected.settled:
+    unseen = unseen_flat = detected is not None and detected.outcome.flat and not detected.settled
+    if (detected is None or not detected.settled) and not unseen:
         saved = p.detach().clone()
         h = _base_step(settings)
         try:
@@ -595,18 +603,74 @@ def check_tensor(
                         prepare_slopes([entry], saved, grads)
                         samples.append(entry)
                         _probe_all(p, saved, grads, [entry], None, outcomes, evaluate, j0, settings)
+                if settings.mark_unseen and settings.detect_kinks and settings.eval_eps <= LOW_PRECISION_EPS \
+                        and not resolves(outcomes, settings):
+                    # (In float32 a 1% error is often below what any step resolves; there the judge's rules stand.)
+                    line = next((s_ for s_ in samples if s_.index is None and (s_.direction is not None
+                                                                              or s_.signs is not None)), None)
+                    flat = flat_at_widest(p, saved, grads, line, evaluate, settings) if line is not None else None
+                    unseen, unseen_flat = True, flat is not None
         finally:
             with torch.no_grad():
                 p.copy_(saved)
             for sample in samples:
                 sample.forget()
     main = _summarize(name, tuple(p.shape), samples, outcomes, "total", settings)
+    if unseen:
+        below_resolution(main, flat=unseen_flat)
     per_term = {
         term: _summarize(name, tuple(p.shape), samples, outcomes, term, settings)
         for term in grads
         if term != "total"
     }
     return main, per_term
+
+
+def resolves(outcomes: Sequence[Outcome], settings: EngineSettings) -> bool:
+    """True when some sample taken as it is (no kink, not unresolved, finite) could show an error of the WRONG
+    band: its noise floor is under ``bands[2]`` (1%) of its slopes. Also True when none is taken as it is (the
+    judge says why) or a slope is not finite (the judge calls that nonfinite).
+
+    Example:
+        >>> settings = EngineSettings(coords=8, directions=4, eps=None, bands=(1e-7, 1e-4, 1e-2),
+        ...                           fail_at=Verdict.SUSPICIOUS, detect_kinks=True, eval_eps=2.2e-16, magnitude=1.0)
+        >>> resolves([Outcome({"total": 1e-10}, {"total": 0.0}, floor=1e-9)], settings)
+        False
+        >>> resolves([Outcome({"total": 1e-3}, {"total": 1e-3}, floor=1e-9)], settings)
+        True
+    """
+    kept = [o for o in outcomes if not (o.kink or o.unresolved)]
+    if not kept:
+        return True
+    for o in kept:
+        a, n = o.analytic["total"], o.numeric["total"]
+        if not (math.isfinite(a) and math.isfinite(n)) or o.floor <= settings.bands[2] * max(abs(a), abs(n)):
+            return True
+    return False
+
+
+def below_resolution(check: TensorCheck, flat: bool = False) -> None:
+    """Mark a passing tensor that no sample could resolve (:func:`resolves`) as inconclusive, not as agreeing;
+    ``flat``: the objective did not move at all at the widest step (:func:`flat_at_widest`)."""
+    if check.failed or check.inconclusive is not None:
+        return
+    slopes = [abs(v) for v in check.analytic + check.numeric + check.dir_analytic + check.dir_numeric]
+    check.verdict = None
+    if flat:
+        check.inconclusive = (
+            "the objective is bit-for-bit the same on both sides of a probe 10,000x the base step: the gradient "
+            f"is zero (a bias before a normalization) or far below the objective's rounding (analytic slopes up to "
+            f"{max(slopes, default=0.0):.1e}); check_model judges it on its module alone"
+        )
+        check.inconclusive_kind = InconclusiveKind.FLAT
+        return
+    check.inconclusive = (
+        f"the gradient is lost in the objective's rounding: slopes up to {max(slopes, default=0.0):.1e} against a "
+        f"noise floor of {check.noise_floor:.1e} at every step tried (a 1% error could not show; weights near "
+        "zero make a layer's gradient tiny against the objective); check_model judges it on its module alone, "
+        "and the watch's form='module' does at every check"
+    )
+    check.inconclusive_kind = InconclusiveKind.BELOW_RESOLUTION
 
 
 def _base_step(settings: EngineSettings) -> float:
@@ -682,14 +746,24 @@ def screen(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Ter
     if not (math.isfinite(a_t) and math.isfinite(n_t)) or not settings.detect_kinks:
         return out, screened(out, settings)
     if n_t == 0.0 and abs(a_t) <= out.floor and set(out.analytic) == {"total"}:
-        t = sample.step * min(WIDEN_MAX, 0.1 / _base_step(settings))
-        jp, jm, lp, lm = _central(p, saved, grads, sample, t, evaluate)
-        a_w, _ = _slopes(jp, jm, lp, lm, t)
-        if total(jp) == total(jm) and abs(a_w["total"]) <= floor_at(settings, t):
-            return Outcome(a_w, {"total": 0.0}, floor_at(settings, t)), True
+        flat = flat_at_widest(p, saved, grads, sample, evaluate, settings)
+        if flat is not None:
+            return flat, not settings.mark_unseen or settings.eval_eps > LOW_PRECISION_EPS
         return _judge_sample(p, saved, grads, sample, base, j0, evaluate, settings), False
     out = _judge_sample(p, saved, grads, sample, base, j0, evaluate, settings)
     return out, screened(out, settings)
+
+
+def flat_at_widest(p, saved, grads, sample: Sample, evaluate: Evaluator, settings: EngineSettings) -> Optional[Outcome]:
+    """The outcome along ``sample`` at the widest step :func:`widen` would take when the objective is bit-for-bit
+    the same on both sides there and the analytic slope is within that step's noise (the objective does not
+    depend on the tensor: found flat); else None."""
+    t = sample.step * min(WIDEN_MAX, 0.1 / _base_step(settings))
+    jp, jm, lp, lm = _central(p, saved, grads, sample, t, evaluate)
+    a_w, _ = _slopes(jp, jm, lp, lm, t)
+    if total(jp) == total(jm) and abs(a_w["total"]) <= floor_at(settings, t):
+        return Outcome(a_w, {"total": 0.0}, floor_at(settings, t), flat=True)
+    return None
 
 
 def unexplained(out: Outcome, settings: EngineSettings) -> bool:

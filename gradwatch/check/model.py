@@ -124,10 +124,13 @@ def check_model(
     weight_decay, notes = coupled_weight_decay(model, optimizer)
     objective = Objective(loss_fn, regularizers, weight_decay)
     before = time.perf_counter() - entered
-    report = run_model_check(model, objective, batch, opts, grad_fn=grad_fn, batched=batched, screen=screen)
+    report = run_model_check(model, objective, batch, opts, grad_fn=grad_fn, batched=batched, screen=screen,
+                             mark_unseen=grad_fn is None)
     report.seconds += before
     report.verdict_seconds += before
     report.notes[:0] = notes
+    if grad_fn is None:
+        judge_unseen_on_modules(report, model, objective, batch, opts, screen)
     if objective.differentiates:  # it trains on the model's second derivatives: each module's double backward too
         from .inner import check_inner_derivatives
 
@@ -144,6 +147,58 @@ def check_model(
         report.localize_seconds += time.perf_counter() - start
         report.seconds += time.perf_counter() - start
     return report
+
+
+#: What differences of the whole objective could not judge, and each module alone can (see below).
+UNSEEN = (InconclusiveKind.BELOW_RESOLUTION, InconclusiveKind.UNRESOLVED, InconclusiveKind.FLAT)
+
+
+def judge_unseen_on_modules(report: CheckReport, model: nn.Module, objective: Objective, batch: Any,
+                             opts: CheckOptions, screen: bool) -> None:
+    """Tensors the whole objective could not resolve, judged on their modules alone (the module form).
+
+    At weights near zero a layer's gradient is tiny against the objective: differences of the whole
+    objective lose it in rounding (``below_resolution``; ``flat`` where the objective does not move at all
+    at the widest step, as for a bias before a normalization), or cannot tell a kink from an error at a
+    step small enough (``unresolved``). Each module alone, ``<module(x), c>`` on its inputs from the batch
+    (:func:`gradwatch.check.modular.run_module_check`), differences outputs whose size follows the
+    weights', and resolves them at every scale. Such a tensor takes its module's verdict; an input
+    gradient that fails there (a unit's backward wrong where the objective could not see it) joins the
+    report under ``"<module>:input"``. Only on the float64 copy (the default ``dtype``).
+    """
+    unseen = [n for n, t in report.tensors.items() if t.inconclusive_kind in UNSEEN]
+    if not unseen or opts.torch_dtype != torch.float64:
+        return  # in a lower precision (dtype=None on a float32 model) modules alone cannot resolve kinks either
+    from ..plan.units import plan_units
+    from .modular import run_module_check
+
+    start = time.perf_counter()
+    units = plan_units(model, objective.loss, batch, opts.seed)
+    if all(report.tensors[n].inconclusive_kind is InconclusiveKind.FLAT for n in unseen):
+        # The objective is bit-for-bit flat in each of them (a bias before a normalization, or a gradient far
+        # below rounding): what can still be wrong is their own module's backward, so only it is checked.
+        units = [u for u in units if any(n in u.params for n in unseen)]
+    modular = run_module_check(model, objective, batch, opts, units=units, screen=screen)
+    judged = []
+    for n in unseen:
+        check = modular.tensors.get(n)
+        if check is not None and check.inconclusive is None:
+            report.tensors[n] = check
+            judged.append(n)
+    for n, check in modular.tensors.items():
+        if n not in report.tensors and check.failed:
+            report.tensors[n] = check
+    spent = time.perf_counter() - start
+    report.evaluations += modular.evaluations
+    report.seconds += spent
+    # Their verdicts need none of the failing tensors' diagnosis, which ran before them: the work to a verdict.
+    report.verdict_seconds += spent
+    report.verdict_evaluations += modular.evaluations
+    if judged:
+        report.notes.append(
+            f"judged on their modules alone (each module on its inputs from the batch), since differences of the "
+            f"whole objective could not resolve their gradient (weights near zero): {', '.join(judged)}"
+        )
 
 
 def _validate_target(model: nn.Module, opts: CheckOptions, names: Sequence[str]) -> None:
@@ -221,6 +276,7 @@ def run_model_check(
     shadow: Optional[Shadow] = None,
     batched: bool = True,
     screen: bool = False,
+    mark_unseen: bool = False,
 ) -> CheckReport:
     """The check behind :func:`check_model` and the training hook.
 
@@ -229,6 +285,9 @@ def run_model_check(
         shadow: A :class:`Shadow` to reuse (refreshed in place) instead of a new copy.
         batched: Evaluate the perturbations of a tensor in vmapped batches where the model
             allows it (see :mod:`gradwatch.check.batched`); False: one evaluation each.
+        screen: Detection first (see :func:`check_model`).
+        mark_unseen: A tensor whose gradient the objective cannot resolve is inconclusive (``below_resolution``
+            or ``flat``) instead of passing (see :class:`gradwatch.check.engine.EngineSettings`).
     """
     start = time.perf_counter()
     all_names = trainable_names(model)
@@ -373,6 +432,7 @@ def run_model_check(
         with frozen_batchnorm_stats(target):
             _judge_all(report, params, grads, evaluator, opts, magnitude=magnitude, eval_eps=eval_eps,
                        objective_dtype_eps=objective_dtype_eps, probe_batch=probe, coarse=coarse, screen=screen,
+                       mark_unseen=mark_unseen,
                        on_verdict=lambda: verdict_at.append((time.perf_counter(), evaluator.count)))
     report.evaluations = evaluator.count + 1
     end = time.perf_counter()
@@ -462,10 +522,10 @@ def _dense(g: torch.Tensor) -> torch.Tensor:
 def _judge_all(report: CheckReport, params: Dict[str, torch.Tensor], grads, evaluator: Evaluator, opts: CheckOptions,
                magnitude: float, eval_eps: float, objective_dtype_eps: float, exhaustive: bool = False,
                probe_batch: Any = None, coarse: Optional[str] = None, screen: bool = False,
-               on_verdict: Optional[Callable[[], None]] = None) -> None:
+               on_verdict: Optional[Callable[[], None]] = None, mark_unseen: bool = False) -> None:
     """Judge every tensor (:func:`gradwatch.check.engine.check_tensors`); fills ``report``."""
     settings = EngineSettings.from_options(opts, max(eval_eps, objective_dtype_eps), magnitude, exhaustive=exhaustive,
-                                           coarse=coarse, screen=screen)
+                                           coarse=coarse, screen=screen, mark_unseen=mark_unseen)
     targets = [(n, n, p, grads[n]) for n, p in params.items()]
     for judged in check_tensors(targets, evaluator, settings, opts.seed, probe_batch=probe_batch, on_verdict=on_verdict):
         report.tensors[judged.key] = judged.check

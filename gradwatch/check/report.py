@@ -31,6 +31,8 @@ class InconclusiveKind(str, Enum):
     NONDETERMINISTIC = "nondeterministic"  #: two evaluations of the same point differ
     LOW_PRECISION = "low_precision"  #: within the rounding of a part of the objective computed in lower precision
     UNRESOLVED = "unresolved"  #: some samples differ by less than central differences can resolve
+    BELOW_RESOLUTION = "below_resolution"  #: no sample could show a 1% error: the gradient is lost in rounding
+    FLAT = "flat"  #: the objective is bit-for-bit the same at the widest step: the gradient is zero, or far below rounding
 
 
 @dataclass
@@ -183,7 +185,8 @@ class CheckReport:
         verdict_evaluations: Of ``evaluations``, those made before every tensor's verdict was known.
         seconds: Wall time of the check (localization included).
         verdict_seconds: Of ``seconds``, the time until every tensor's verdict (pass or fail) was known
-            (detection first: the failing tensors' full samples come after it).
+            (detection first: the failing tensors' full samples come after it), plus the module checks of
+            the tensors the whole objective could not resolve, which need nothing of those full samples.
         localize_seconds: Of ``seconds``, the time after the verdict spent on what failed: the failing
             tensors' full samples (their diagnosis) and, with ``check_model(localize=True)``, each module
             alone; 0 when nothing failed.

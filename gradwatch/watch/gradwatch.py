@@ -620,8 +620,11 @@ class GradWatch:
                     self._shadow = None  # the old copy goes before the new one is made
                     self._shadow = Shadow(target, cast(torch.dtype, opts.torch_dtype))
                 # through the module: a spy on gradwatch.check.model.run_model_check sees every check
+                alone = self.grad_fn is None and self.dist is None  # one process: what it cannot resolve, on modules
                 report = _check.run_model_check(target, self.objective, batch, opts, grad_fn=self.grad_fn, names=names,
-                                                shadow=self._shadow)
+                                                shadow=self._shadow, mark_unseen=alone)
+                if alone:
+                    _check.judge_unseen_on_modules(report, target, self.objective, batch, opts, screen=True)
                 if not self._straight_through_named:
                     self._straight_through_named = name_straight_through(report, target, self.objective.loss, batch, opts)
             else:
