@@ -130,8 +130,8 @@ def test_every_verdict_comes_before_the_failing_tensors_full_samples():
     at_verdict = []
     judged = list(check_tensors(targets, evaluator, settings, seed=0,
                                 on_verdict=lambda: at_verdict.append(evaluator.count)))
-    # two at the base point, one probe per tensor, and one smaller step for the probe that disagreed
-    assert at_verdict == [2 + 2 * 2 + 2]
+    # two at the base point and one probe per tensor: the disagreeing probe's own one-sided slopes rule out a kink
+    assert at_verdict == [2 + 2 * 2]
     assert [j.key for j in judged] == ["b", "a"]  # the failing tensor's full sample comes last
     b, a = judged[0].check, judged[1].check
     assert not b.failed and not b.coords and len(b.dir_analytic) == 1
@@ -159,9 +159,35 @@ def test_check_model_reports_the_time_to_its_verdict():
     assert list(report.tensors) == [n for n, _ in model.named_parameters()]  # model order, failing ones included
     assert 0 < report.verdict_seconds < report.seconds and report.localize_seconds > 0
     assert report.to_dict()["verdict_seconds"] == report.verdict_seconds
-    # the analytic pass, two at the base point, one probe per tensor, one smaller step for the failing one
-    assert report.verdict_evaluations == 1 + 2 + 2 * len(report.tensors) + 2 < report.evaluations
+    # the analytic pass, two at the base point, one probe per tensor: what a correct model's verdict costs
+    assert report.verdict_evaluations == 1 + 2 + 2 * len(report.tensors) < report.evaluations
     model[2].idx = None
     correct = check_model(model, _ce, batch)
     assert correct.ok and correct.localize_seconds == 0 and 0 < correct.verdict_seconds <= correct.seconds
     assert correct.verdict_evaluations == correct.evaluations
+
+
+def test_a_kink_crossed_by_the_probe_is_not_taken_for_a_wrong_gradient():
+    """J = sum(relu(a - c)) with c just beside a: the probe crosses kinks on one side. Its central difference
+    disagrees with the (correct) gradient, but its one-sided slopes differ too: no failing verdict on the probe
+    alone; the smaller steps tell the kink and the tensor passes."""
+    from gradwatch.check.engine import EngineSettings, Evaluator, check_tensors
+    from gradwatch.check.numeric import Verdict
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(20, dtype=torch.float64, generator=gen)
+    c = a.clone()
+    c[:5] += 1e-6 * torch.tensor([1.0, -1.0, 2.0, -0.5, 1.5], dtype=torch.float64)  # kinks within the step
+
+    def evaluate():
+        return {"loss": float(torch.relu(a - c).sum() + (a ** 2).sum())}
+
+    targets = [("a", "a", a, {"total": ((a - c) > 0).double() + 2 * a})]
+    settings = EngineSettings(coords=8, directions=4, eps=1e-5, bands=(1e-7, 1e-4, 1e-2), fail_at=Verdict.SUSPICIOUS,
+                              detect_kinks=True, eval_eps=2.2e-16, magnitude=1.0, screen=True)
+    evaluator = Evaluator(evaluate)
+    at_verdict = []
+    (judged,) = check_tensors(targets, evaluator, settings, seed=0,
+                              on_verdict=lambda: at_verdict.append(evaluator.count))
+    assert not judged.check.failed, judged.check
+    assert at_verdict[0] > 2 + 2  # the probe was re-examined at smaller steps before any verdict

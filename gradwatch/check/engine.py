@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 Terms = Dict[str, float]
 #: Smaller steps tried when a sample disagrees (fractions of the base step).
 KINK_SCALES = (0.1, 0.01)
+#: Detection: a disagreeing probe whose one-sided slopes agree to this fraction of the disagreement is a wrong
+#: gradient without another evaluation (:func:`smooth_sides`).
+SMOOTH_SIDES = 1e-3
 #: Evaluation precisions coarser than this (float32, half) can leave a disagreement unresolved.
 LOW_PRECISION_EPS = 1e-10
 #: Steps (fractions of the base step) of the low-precision re-examination, see :func:`resolve_low_precision`.
@@ -533,13 +536,16 @@ def detect(name: str, p: torch.Tensor, grads: Dict[str, torch.Tensor], evaluate:
             out, settled = screen(p, saved, grads, first, base, j0, evaluate, settings)
             found = Detection(first, out, settled=settled)
             if not settled and _needs_reexamination(out, settings):
-                # One smaller step: a wrong gradient of a smooth function keeps its disagreement there, with
-                # one-sided slopes that agree; a kink crossed at the base step is left behind or bends one side.
-                _reexamine(p, saved, grads, first, base, out, j0, evaluate, settings, scales=KINK_SCALES[:1],
-                           batch=(name, probe_batch) if probe_batch is not None else None)
-                found.confirmed = set(out.analytic) == {"total"} and not (out.kink or out.unresolved) \
-                    and _fails_alone(out, settings)
-                if not found.confirmed:  # a kink, or cannot tell yet: every smaller step, as the full sample takes them
+                alone = set(out.analytic) == {"total"} and _fails_alone(out, settings)
+                found.confirmed = alone and smooth_sides(first, base, out, j0, settings)
+                if alone and not found.confirmed:
+                    # One smaller step: a wrong gradient of a smooth function keeps its disagreement there, with
+                    # one-sided slopes that agree; a kink crossed at the base step is left behind or bends one
+                    # side, and one at the point keeps the sides apart at every step.
+                    _reexamine(p, saved, grads, first, base, out, j0, evaluate, settings, scales=KINK_SCALES[:1],
+                               batch=(name, probe_batch) if probe_batch is not None else None)
+                    found.confirmed = not (out.kink or out.unresolved)
+                if not found.confirmed:  # a kink may explain it: every smaller step, as the full sample takes them
                     out.kink = out.unresolved = False
                     _reexamine(p, saved, grads, first, base, out, j0, evaluate, settings)
     finally:
@@ -671,6 +677,40 @@ def below_resolution(check: TensorCheck, flat: bool = False) -> None:
         "and the watch's form='module' does at every check"
     )
     check.inconclusive_kind = InconclusiveKind.BELOW_RESOLUTION
+
+
+def smooth_sides(sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], out: Outcome, j0: float,
+                 settings: EngineSettings) -> bool:
+    """True when the probe's own one-sided slopes rule out a kink as the cause of its disagreement.
+
+    A kink crossed on one side of the point bends that side's slope by twice what it moves the central
+    difference, so the two one-sided slopes ``(J(θ+t)-J(θ))/t`` and ``(J(θ)-J(θ-t))/t`` differ by twice the
+    disagreement. Kinks at the point itself (every unit of a zero input row on its kink, with a zero bias)
+    keep them apart by a sum of terms of mixed signs, which can come out small but rarely to
+    ``SMOOTH_SIDES`` (1e-3) of the disagreement. For a smooth function they differ by the curvature times
+    ``t`` (about 6e-6 in float64) and the rounding. Where they agree to ``SMOOTH_SIDES`` of the disagreement
+    (their noise included), what disagrees is the gradient, with no evaluation more; otherwise the probe is
+    taken again at smaller steps. Not in low precision, where the one-sided slopes are too noisy
+    (:func:`unresolvable`).
+
+    Example:
+        >>> settings = EngineSettings(coords=8, directions=4, eps=None, bands=(1e-7, 1e-4, 1e-2),
+        ...                           fail_at=Verdict.SUSPICIOUS, detect_kinks=True, eval_eps=2.2e-16, magnitude=1.0)
+        >>> line = Sample(label=("screen",), step=1e-5)
+        >>> smooth = ({"total": 1.0 + 1e-5}, {"total": 1.0 - 1e-5}, {"total": 1.2e-5}, {"total": -1.2e-5})
+        >>> smooth_sides(line, smooth, Outcome({"total": 1.2}, {"total": 1.0}, floor=1e-11), 1.0, settings)
+        True
+        >>> kinked = ({"total": 1.0 + 1.4e-5}, {"total": 1.0 - 0.6e-5}, {"total": 1.0e-5}, {"total": -1.0e-5})
+        >>> smooth_sides(line, kinked, Outcome({"total": 1.0}, {"total": 1.0}, floor=1e-11), 1.0, settings)
+        False
+    """
+    a, n = out.analytic["total"], out.numeric["total"]
+    if out.widened or unresolvable(sample, a, n, settings):
+        return False
+    jp, jm = base[0], base[1]
+    t = sample.step
+    right, left = (total(jp) - j0) / t, (j0 - total(jm)) / t
+    return abs(right - left) + 4.0 * out.floor <= SMOOTH_SIDES * abs(a - n)
 
 
 def _base_step(settings: EngineSettings) -> float:
