@@ -141,3 +141,34 @@ def test_the_watch_objective_form_judges_what_it_cannot_resolve_on_modules():
     assert [n for n, t in report.tensors.items() if t.failed] == ["net.2.weight"], str(report)
     correct = watch_module_form(mlp(1e-4, 0), form="objective")
     assert correct.ok and all(t.verdict is not None for t in correct.tensors.values()), str(correct)
+
+
+class _OffTanh(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.tanh(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return 1.01 * g * (1 - y * y)
+
+
+class OffTanh(nn.Module):
+    def forward(self, x):
+        return _OffTanh.apply(x)
+
+
+def test_a_wrong_input_gradient_below_resolution_joins_the_report():
+    """A parameter-free unit whose backward is 1% off, at weights of 1e-6: the tensors upstream of it that the
+    objective cannot resolve send check_model to every module alone, and the unit's input gradient fails there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), OffTanh(), nn.Linear(16, 3)).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1e-6)
+    report = check(model)
+    assert "3:input" in [t.name for t in report.failures], str(report)
+    assert report.tensors["3:input"].verdict.value in ("suspicious", "wrong")
