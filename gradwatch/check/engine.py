@@ -137,6 +137,11 @@ class EngineSettings:
     #: that judges them another way (check_model: on their modules alone).
     mark_unseen: bool = False
 
+    @property
+    def detection_first(self) -> bool:
+        """A detection probe comes before the full sample (``screen``, unless every entry is probed anyway)."""
+        return self.screen and not self.exhaustive
+
     @classmethod
     def from_options(cls, opts: CheckOptions, eval_eps: float, magnitude: float, **extra: Any) -> EngineSettings:
         """The settings a :class:`~gradwatch.options.CheckOptions` asks for, at this precision and magnitude."""
@@ -257,7 +262,7 @@ def _slopes(jp: Terms, jm: Terms, lp: Terms, lm: Terms, t: float) -> Tuple[Terms
 
 def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], j0: float, evaluate: Evaluator,
                   settings: EngineSettings, scales: Sequence[float] = KINK_SCALES,
-                  smaller: Optional[Sequence[Optional[Tuple[Terms, Terms, Terms, Terms]]]] = None) -> Optional[bool]:
+                  taken: Optional[Dict[float, Tuple[Terms, Terms, Terms, Terms]]] = None) -> Optional[bool]:
     """Decide whether a disagreeing sample sits on a non-differentiable point (True), has a wrong gradient
     (False), or cannot be told (None: no smaller step is above the rounding noise).
 
@@ -277,8 +282,8 @@ def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Ter
     one-sided slopes; such a line is non-differentiable and is excluded.
     Scales whose noise floor exceeds both 1% of the slopes and 30% of the
     disagreement are not used (they cannot tell; :func:`usable_floor`).
-    ``scales``: the smaller steps, as fractions of the base step. ``smaller``: the probes at each of them
-    taken before (in one batch); None each: taken here.
+    ``scales``: the smaller steps, as fractions of the base step. ``taken``: the probes at those steps
+    taken before, by scale (in one batch, or by an earlier call); those taken here are added to it.
     """
     rel = settings.bands[1]
     t0 = sample.step
@@ -289,11 +294,13 @@ def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Ter
     seen: List[Tuple[float, float, float, float, float]] = []
     last: Tuple[Terms, Terms] = ({}, {})
     last_numeric = n0["total"]
-    for i, scale in enumerate(scales):
+    taken = {} if taken is None else taken
+    for scale in scales:
         t = t0 * scale
         fl = floor_at(settings, t)
-        taken = smaller[i] if smaller is not None else None
-        jp, jm, lp, lm = taken if taken is not None else _central(p, saved, grads, sample, t, evaluate)
+        if scale not in taken:
+            taken[scale] = _central(p, saved, grads, sample, t, evaluate)
+        jp, jm, lp, lm = taken[scale]
         a, n = _slopes(jp, jm, lp, lm, t)
         if not usable_floor(fl, a["total"], n["total"], disagreement):
             break
@@ -538,16 +545,18 @@ def detect(name: str, p: torch.Tensor, grads: Dict[str, torch.Tensor], evaluate:
             if not settled and _needs_reexamination(out, settings):
                 alone = set(out.analytic) == {"total"} and _fails_alone(out, settings)
                 found.confirmed = alone and smooth_sides(first, base, out, j0, settings)
+                batch = (name, probe_batch) if probe_batch is not None else None
+                taken: Dict[float, Tuple[Terms, Terms, Terms, Terms]] = {}
                 if alone and not found.confirmed:
                     # One smaller step: a wrong gradient of a smooth function keeps its disagreement there, with
                     # one-sided slopes that agree; a kink crossed at the base step is left behind or bends one
                     # side, and one at the point keeps the sides apart at every step.
                     _reexamine(p, saved, grads, first, base, out, j0, evaluate, settings, scales=KINK_SCALES[:1],
-                               batch=(name, probe_batch) if probe_batch is not None else None)
+                               batch=batch, taken=taken)
                     found.confirmed = not (out.kink or out.unresolved)
                 if not found.confirmed:  # a kink may explain it: every smaller step, as the full sample takes them
                     out.kink = out.unresolved = False
-                    _reexamine(p, saved, grads, first, base, out, j0, evaluate, settings)
+                    _reexamine(p, saved, grads, first, base, out, j0, evaluate, settings, batch=batch, taken=taken)
     finally:
         with torch.no_grad():
             p.copy_(saved)
@@ -587,7 +596,7 @@ def check_tensor(
     Returns:
         The tensor's :class:`TensorCheck` and one per term (when grads has more than ``"total"``).
     """
-    if detected is None and settings.screen and not settings.exhaustive:
+    if detected is None and settings.detection_first:
         detected = detect(name, p, grads, evaluate, j0, settings, seed, probe_batch)
     samples: List[Sample] = [detected.sample] if detected is not None else []
     outcomes: List[Outcome] = [detected.outcome] if detected is not None else []
@@ -666,15 +675,15 @@ def below_resolution(check: TensorCheck, flat: bool = False) -> None:
         check.inconclusive = (
             "the objective is bit-for-bit the same on both sides of a probe 10,000x the base step: the gradient "
             f"is zero (a bias before a normalization) or far below the objective's rounding (analytic slopes up to "
-            f"{max(slopes, default=0.0):.1e}); check_model judges it on its module alone"
+            f"{max(slopes, default=0.0):.1e}); check_model, and the watch in one process, judge it on its module alone"
         )
         check.inconclusive_kind = InconclusiveKind.FLAT
         return
     check.inconclusive = (
         f"the gradient is lost in the objective's rounding: slopes up to {max(slopes, default=0.0):.1e} against a "
         f"noise floor of {check.noise_floor:.1e} at every step tried (a 1% error could not show; weights near "
-        "zero make a layer's gradient tiny against the objective); check_model judges it on its module alone, "
-        "and the watch's form='module' does at every check"
+        "zero make a layer's gradient tiny against the objective); check_model, and the watch in one process, "
+        "judge it on its module alone"
     )
     check.inconclusive_kind = InconclusiveKind.BELOW_RESOLUTION
 
@@ -949,8 +958,7 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
                          before_sampling=InconclusiveKind.NONFINITE)
             continue
         batch = probe_batch if probe_batch is not None and probe_batch.wants(key) else None
-        detected = detect(name, p, grads, evaluate, j0, settings, seed, batch) \
-            if settings.screen and not settings.exhaustive else None
+        detected = detect(name, p, grads, evaluate, j0, settings, seed, batch) if settings.detection_first else None
         if detected is not None and detected.confirmed:
             failing.append((key, name, p, grads, batch, detected))
             continue
@@ -1009,21 +1017,25 @@ def _needs_reexamination(out: Outcome, settings: EngineSettings) -> bool:
 
 def _reexamine(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], out: Outcome, j0: float,
                evaluate: Evaluator, settings: EngineSettings, scales: Sequence[float] = KINK_SCALES,
-               batch: Optional[Tuple[str, BatchProbe]] = None) -> Optional[bool]:
+               batch: Optional[Tuple[str, BatchProbe]] = None,
+               taken: Optional[Dict[float, Tuple[Terms, Terms, Terms, Terms]]] = None) -> Optional[bool]:
     """Kink (True), wrong gradient (False) or cannot tell (None) for a disagreeing sample; marked on ``out``.
 
     ``scales``: the smaller steps of :func:`classify_kink`; ``batch``: the tensor's name and a batched
-    evaluator, to take them in one batch.
+    evaluator, to take those not yet ``taken`` in one batch; ``taken``: the probes at smaller steps so far, by
+    scale (kept for a later call on the same sample).
     """
     a, n = out.analytic["total"], out.numeric["total"]
     if unresolvable(sample, a, n, settings):
         kink = resolve_low_precision(p, saved, grads, sample, a, n, j0, evaluate, settings)
     else:
-        smaller = None
-        if batch is not None:
-            scaled = [replace(sample, step=sample.step * scale) for scale in scales]
-            smaller = _bases(batch[0], p, saved, grads, scaled, batch[1])
-        kink = classify_kink(p, saved, grads, sample, base, j0, evaluate, settings, scales=scales, smaller=smaller)
+        taken = {} if taken is None else taken
+        missing = [scale for scale in scales if scale not in taken]
+        if batch is not None and missing:
+            scaled = [replace(sample, step=sample.step * scale) for scale in missing]
+            got = _bases(batch[0], p, saved, grads, scaled, batch[1])
+            taken.update((scale, probe) for scale, probe in zip(missing, got) if probe is not None)
+        kink = classify_kink(p, saved, grads, sample, base, j0, evaluate, settings, scales=scales, taken=taken)
     if kink is None:
         out.unresolved = True
     else:
