@@ -56,6 +56,27 @@ class Act(nn.Module):
         return WrongTanh.apply(x) if self.wrong else torch.tanh(x)
 
 
+def tanh_wrong_in_channel(channel, factor: float):
+    """A tanh Function whose input gradient is ``factor`` times too large in ``channel`` (the second dimension;
+    ``slice(None)``: everywhere)."""
+
+    class ChannelBugTanh(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            y = torch.tanh(x)
+            ctx.save_for_backward(y)
+            return y
+
+        @staticmethod
+        def backward(ctx, gy):
+            (y,) = ctx.saved_tensors
+            g = (gy * (1 - y * y)).clone()
+            g[:, channel] = g[:, channel] * factor
+            return g
+
+    return ChannelBugTanh
+
+
 def make_tanh(x_error: float = 1.0, g_error: float = 1.0, element=None):
     """A tanh whose backward is another custom Function; that one's backward (tanh's double backward)
     is scaled by ``x_error`` in its gradient with respect to ``y`` (in flat element ``element`` only, when

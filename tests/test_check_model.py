@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import CorrectSigmoid
+from helpers import tanh_wrong_in_channel
 from torch import nn
 
 import gradwatch
@@ -104,24 +105,6 @@ def test_float16_model_checked_on_float64_shadow():
 # ---- a bug in 1 channel of 64 --------------------------------------------------------
 
 
-def _tanh_wrong_in_channel(channel: int, factor: float):
-    class ChannelBugTanh(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            y = torch.tanh(x)
-            ctx.save_for_backward(y)
-            return y
-
-        @staticmethod
-        def backward(ctx, gy):
-            (y,) = ctx.saved_tensors
-            g = (gy * (1 - y * y)).clone()
-            g[:, channel] = g[:, channel] * factor
-            return g
-
-    return ChannelBugTanh
-
-
 class ChannelNet(nn.Module):
     def __init__(self, act):
         super().__init__()
@@ -136,7 +119,7 @@ class ChannelNet(nn.Module):
 @pytest.mark.parametrize("factor", [0.0, 3.0])
 def test_bug_in_one_of_64_channels_caught_on_first_call(factor):
     torch.manual_seed(0)
-    model = ChannelNet(_tanh_wrong_in_channel(17, factor))
+    model = ChannelNet(tanh_wrong_in_channel(17, factor))
     batch = (torch.randn(16, 10), torch.randint(0, 3, (16,)))
     report = check_model(model, ce_loss, batch)  # default options, first call
     assert not report.ok
@@ -152,7 +135,7 @@ def test_bug_in_one_of_64_channels_caught_on_first_call(factor):
 
 def test_same_net_with_correct_channel_passes():
     torch.manual_seed(0)
-    model = ChannelNet(_tanh_wrong_in_channel(17, 1.0))
+    model = ChannelNet(tanh_wrong_in_channel(17, 1.0))
     batch = (torch.randn(16, 10), torch.randint(0, 3, (16,)))
     assert check_model(model, ce_loss, batch).ok
 

@@ -5,6 +5,7 @@ tiny against the objective, still caught by a wider step (``gradwatch.check.engi
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import tanh_wrong_in_channel
 from torch import nn
 
 from gradwatch import check_model
@@ -143,22 +144,13 @@ def test_the_watch_objective_form_judges_what_it_cannot_resolve_on_modules():
     assert correct.ok and all(t.verdict is not None for t in correct.tensors.values()), str(correct)
 
 
-class _OffTanh(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        y = torch.tanh(x)
-        ctx.save_for_backward(y)
-        return y
-
-    @staticmethod
-    def backward(ctx, g):
-        (y,) = ctx.saved_tensors
-        return 1.01 * g * (1 - y * y)
-
-
 class OffTanh(nn.Module):
+    """tanh whose input gradient is 1% too large."""
+
+    fn = tanh_wrong_in_channel(slice(None), 1.01)
+
     def forward(self, x):
-        return _OffTanh.apply(x)
+        return self.fn.apply(x)
 
 
 def test_a_wrong_input_gradient_below_resolution_joins_the_report():
