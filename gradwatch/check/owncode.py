@@ -46,6 +46,23 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_a
                "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 
 
+def named_leaves(obj: Any, path: Tuple[Any, ...] = ()) -> Iterator[Tuple[Tuple[Any, ...], torch.Tensor]]:
+    """Every tensor inside tuples, lists and dicts (``ModelOutput`` too), in order, with its path of keys and indices.
+
+    Example:
+        >>> [p for p, _ in named_leaves({"x": torch.ones(1), "y": (torch.ones(1), 3)})]
+        [('x',), ('y', 0)]
+    """
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from named_leaves(v, path + (i,))
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from named_leaves(v, path + (k,))
+
+
 def tensor_leaves(obj: Any) -> Iterator[torch.Tensor]:
     """Every tensor inside tuples, lists and dicts (``ModelOutput`` too), in order.
 
@@ -53,14 +70,8 @@ def tensor_leaves(obj: Any) -> Iterator[torch.Tensor]:
         >>> [t.item() for t in tensor_leaves((torch.tensor(1), {"a": [torch.tensor(2)]}))]
         [1, 2]
     """
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from tensor_leaves(v)
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from tensor_leaves(v)
+    for _, t in named_leaves(obj):
+        yield t
 
 
 def rebuild(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
@@ -71,14 +82,24 @@ def rebuild(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         >>> rebuild({"a": (torch.ones(1), 2)}, lambda t: t * 3)
         {'a': (tensor([3.]), 2)}
     """
+    return rebuild_at(obj, lambda _path, t: fn(t))
+
+
+def rebuild_at(obj: Any, fn: Callable[[Tuple[Any, ...], torch.Tensor], Any], path: Tuple[Any, ...] = ()) -> Any:
+    """:func:`rebuild` with ``fn(path, tensor)``: each tensor's path of keys and indices (as :func:`named_leaves`).
+
+    Example:
+        >>> rebuild_at({"a": torch.ones(1), "b": torch.ones(1)}, lambda p, t: t * 2 if p == ("b",) else t)
+        {'a': tensor([1.]), 'b': tensor([2.])}
+    """
     if isinstance(obj, torch.Tensor):
-        return fn(obj)
+        return fn(path, obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(rebuild(v, fn) for v in obj))
+        return type(obj)(*(rebuild_at(v, fn, path + (i,)) for i, v in enumerate(obj)))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(rebuild(v, fn) for v in obj)
+        return type(obj)(rebuild_at(v, fn, path + (i,)) for i, v in enumerate(obj))
     if isinstance(obj, Mapping):
-        items = {k: rebuild(v, fn) for k, v in obj.items()}
+        items = {k: rebuild_at(v, fn, path + (k,)) for k, v in obj.items()}
         kind: Any = type(obj)
         try:
             return kind(**items) if kind not in (dict, OrderedDict) else kind(items)

@@ -24,8 +24,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -99,18 +100,36 @@ class Calls:
         return self.children.get(name, [])
 
 
-def isolated_forward(model: nn.Module, loss_fn: Any, batch: Any, seed: int,
-                     pre: Optional[Dict[str, Callable]] = None, post: Optional[Dict[str, Callable]] = None) -> float:
-    """One forward of the live model without grad, as the backward part evaluates it (dropout off,
-    running stats and hooks your code registered untouched), with forward pre-hooks ``pre`` and forward
-    hooks ``post`` (module name -> hook) attached; returns the loss. Buffers and plain attributes are
-    put back after."""
-    named = dict(model.named_modules())
-    handles = []
-    modules = list(named.values())
+@contextlib.contextmanager
+def isolated(model: nn.Module, modules: Optional[List[nn.Module]] = None) -> Iterator[None]:
+    """The live model as the backward part evaluates it: dropout off, BatchNorm's running stats, the power
+    iteration of ``spectral_norm``, ``padding_idx`` rows and hooks your code registered untouched; every
+    generator, buffer and plain attribute put back after.
+
+    Example:
+        >>> m = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Dropout(0.5))
+        >>> with isolated(m):
+        ...     _ = m(torch.randn(4, 2))
+        >>> int(m[1].num_batches_tracked)
+        0
+    """
+    modules = list(model.modules()) if modules is None else modules
     with preserved_rng(), dropout_off(model), frozen_batchnorm_stats(model), frozen_power_iteration(model, modules), \
             padding_rows_constant(model), suspended_hooks(model, modules):
         guard = BufferGuard(model, attributes=True, modules=modules)
+        try:
+            yield
+        finally:
+            guard.restore_changed()
+
+
+def isolated_forward(model: nn.Module, loss_fn: Any, batch: Any, seed: int,
+                     pre: Optional[Dict[str, Callable]] = None, post: Optional[Dict[str, Callable]] = None) -> float:
+    """One forward of the live model without grad, as the backward part evaluates it (:func:`isolated`), with
+    forward pre-hooks ``pre`` and forward hooks ``post`` (module name -> hook) attached; returns the loss."""
+    named = dict(model.named_modules())
+    handles = []
+    with isolated(model, list(named.values())):
         try:
             for name, hook in (pre or {}).items():
                 handles.append(named[name].register_forward_pre_hook(hook, with_kwargs=True))
@@ -123,7 +142,6 @@ def isolated_forward(model: nn.Module, loss_fn: Any, batch: Any, seed: int,
         finally:
             for h in handles:
                 h.remove()
-            guard.restore_changed()
 
 
 def count_calls(model: nn.Module, loss_fn: Any, batch: Any, seed: int = 0) -> Calls:
