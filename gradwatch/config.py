@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import yaml
 
+from .check.items import ITEMS_MODES
 from .check.objective import parse_regularizers
 from .errors import ConfigError
 from .options import CheckOptions, document_options, option, option_help
@@ -99,6 +100,11 @@ class GradWatchConfig(CheckOptions):
     training: bool = option(
         True, "also judge the gradient training applied: the live .grad against the objective's gradient, "
         "recomputed on the live model as training computed it")
+    items: Any = option(
+        "auto", "what loss_fn averages over, to weigh a step's micro-batches and ranks in the training verdict: auto "
+        "(found in the batch: target tokens of labels holding -100, masks or samples, decided by evaluating loss_fn), "
+        "samples, micro_batches (each micro-batch's mean weighs alike: a loss that couples samples), or from Python a "
+        "callable items(batch) -> count")
     independence: Optional[Union[str, List[str]]] = option(
         "auto", "also check that outputs depend only on the inputs they may: auto (Hugging Face causal LMs: causal, "
         "plus padding and documents when the batch has them), off, or batch, causal, documents, padding (a list "
@@ -166,6 +172,17 @@ class GradWatchConfig(CheckOptions):
             if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
                 raise ConfigError(f"{f.name}: got {getattr(self, f.name)!r}, expected true or false")
         self._validate_regularizers()
+        self._validate_items()
+
+    def _validate_items(self) -> None:
+        items = self.items
+        if callable(items):
+            return
+        if isinstance(items, str) and items.lower().replace("-", "_") in ITEMS_MODES:
+            self.items = items.lower().replace("-", "_")
+            return
+        raise ConfigError(f"items: got {items!r}, expected one of {', '.join(ITEMS_MODES)} or (from Python) a callable "
+                          "items(batch) -> the number of items loss_fn averages over in that batch")
 
     def _validate_regularizers(self) -> None:
         regs = self.regularizers
@@ -215,6 +232,8 @@ class GradWatchConfig(CheckOptions):
             d["regularizers"] = {k: v if _is_number(v) else _callable_name(v) for k, v in self.regularizers.items()}
         elif self.regularizers is not None:
             d["regularizers"] = [_callable_name(r) for r in self.regularizers]
+        if callable(self.items):
+            d["items"] = _callable_name(self.items)
         return d
 
     @classmethod

@@ -97,3 +97,41 @@ def test_lightning_16_mixed_unscales_before_the_check_and_its_scaler_is_replayed
     assert all(len(h) == 3 and all(r["verdict"] == "excellent" and r["rel_diff"] == 0.0 for r in h)
                for h in history.values())  # .grad was unscaled, and the replay gave the same bits
     assert cb.watch.alerts == []
+
+
+class TokenNet(pl.LightningModule):
+    """A token-mean training_step on padded rows of unequal lengths: Lightning divides it by accumulate_grad_batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from token_batches import TinyLM
+
+        self.lm = TinyLM()
+
+    def training_step(self, batch, batch_idx):
+        from token_batches import token_loss
+
+        return token_loss(self.lm, batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("even", [False, True])
+def test_lightning_accumulation_of_token_means_is_named(tmp_path, even):
+    """accumulate_grad_batches=3 on micro-batches of unequal token counts: each micro-batch's mean weighs 1/3, the
+    2024 bug, named at the first check; with every row the same length, the same loop is right (no alert)."""
+    from token_batches import Rows, collate
+
+    rows = Rows(n=36, longest=3 if even else 24)  # longest=3 with rows of 3 tokens: every micro-batch alike
+    cb = GradWatchCallback(every=1, coords=2, directions=1, tensorboard=False)
+    trainer = pl.Trainer(max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[cb],
+                         accumulate_grad_batches=3)
+    trainer.fit(TokenNet(), DataLoader(rows, batch_size=2, collate_fn=collate))
+    training = [a for a in cb.watch.alerts if a.part == "training"]
+    if even:
+        assert cb.watch.alerts == [] and cb.watch.check_counts
+        return
+    assert training and all(a.step == 0 for a in training)
+    assert "training weighs the 3 micro-batches equally, but they hold" in training[0].message

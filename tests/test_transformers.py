@@ -59,11 +59,16 @@ class WrongGelu(nn.Module):
         return WrongGeluFunction.apply(x)
 
 
-def tiny_bert(buggy: bool = False) -> nn.Module:
+def tiny_bert(buggy: bool = False, dropped: bool = False) -> nn.Module:
+    """A BERT classifier. Its forward declares **kwargs but its loss drops num_items_in_batch, so the Trainer
+    would skip dividing by the accumulation steps (transformers #47688): ``accepts_loss_kwargs = False`` tells it,
+    unless ``dropped`` keeps that bug."""
     torch.manual_seed(0)
     config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=32, max_position_embeddings=16, num_labels=2)
     model = BertForSequenceClassification(config)
+    if not dropped:
+        model.accepts_loss_kwargs = False
     if buggy:
         model.bert.encoder.layer[0].intermediate.intermediate_act_fn = WrongGelu()
     return model
@@ -207,24 +212,31 @@ class TokenIds(torch.utils.data.Dataset):
 
 def tiny_lm(kind: str) -> nn.Module:
     torch.manual_seed(0)
-    if kind == "gpt2":
+    if kind.startswith("gpt2"):
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        return GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16))
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16))
+        if kind == "gpt2-counted":  # the Trainer then counts labels[..., 1:], as the loss does
+            model.loss_type = "ForCausalLM"
+        return model
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16))
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert", "bert-buggy"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2-counted", "gpt2", "bert", "bert-dropped", "bert-buggy"])
 def test_accumulation_training_verdict_at_every_check(tmp_path, kind):
-    """gradient_accumulation_steps=4 with models that divide by the step's item count (num_items_in_batch) and with
-    a BERT classifier: every micro-batch is replayed with the Trainer's scaling, and the verdict agrees at every
-    check; a planted wrong backward is still named."""
+    """gradient_accumulation_steps=4: the training verdict judges the step's .grad against the mean over every
+    item of the step. Models that divide their summed loss by the step's target-token count (num_items_in_batch)
+    are right at every check, and so is a BERT classifier the Trainer divides by the 4 micro-batches. Two Hugging
+    Face bugs are named: GPT2LMHeadModel, whose loss_type is None, is counted before the next-token shift (one
+    label per row too many: its gradient a few percent short), and BertForSequenceClassification declares
+    **kwargs but drops num_items_in_batch, so the Trainer skips its division by the 4 micro-batches
+    (transformers #47688; ``model.accepts_loss_kwargs = False`` is the fix). A planted wrong backward is named."""
     callback = GradWatchCallback(every=2, coords=2, directions=1, tensorboard=False)
-    lm = kind in ("gpt2", "llama")
-    model = tiny_lm(kind) if lm else tiny_bert(buggy=kind == "bert-buggy")
+    lm = not kind.startswith("bert")
+    model = tiny_lm(kind) if lm else tiny_bert(buggy=kind == "bert-buggy", dropped=kind == "bert-dropped")
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2,
                              gradient_accumulation_steps=4, use_cpu=True, disable_tqdm=True, seed=0,
                              report_to=[], save_strategy="no", logging_steps=100)
@@ -235,13 +247,49 @@ def test_accumulation_training_verdict_at_every_check(tmp_path, kind):
     assert [c["step"] for c in checks] == [0, 2]
     n_params = len([p for p in model.parameters() if p.requires_grad])
     assert all(len(c["training"]) == n_params for c in checks), [c["training_note"] for c in checks]
+    training = [a for a in callback.watch.alerts if a.part == "training"]
     if kind == "bert-buggy":
         named = {a.tensor for a in callback.watch.alerts if a.kind == "threshold"}
         assert "bert.encoder.layer.0.intermediate.dense.weight" in named
-        assert all(a.part == "backward" for a in callback.watch.alerts)  # the training verdict agrees: .grad is right
+        assert training == []  # the training verdict agrees: .grad is the objective's
+        return
+    if kind == "bert-dropped":  # every tensor with a gradient (the token-type embedding of unused types has none)
+        assert len(training) == n_params - 1 and all(a.step == 0 for a in training)
+        assert all("4.00x the objective's" in a.message and "accumulation over 4 micro-batches" in a.message
+                   for a in training)
+        return
+    if kind == "gpt2":
+        assert len(training) == n_params and all(a.step == 0 for a in training)
+        assert all("the count includes each sample's first label" in a.message
+                   and "model.loss_type = 'ForCausalLM'" in a.message for a in training)
         return
     assert callback.watch.alerts == []
+    rule = "target tokens (labels[..., 1:] != -100)" if lm else "samples"
+    assert all(c["training_items"]["rule"] == rule for c in checks)
     if lm:  # independence="auto": a Hugging Face causal LM is checked causal on the Trainer's batch
         assert all(c["independence"]["ok"] and list(c["independence"]["structures"]) == ["causal"] for c in checks)
     else:  # a classifier is not checked unless asked
         assert all(c["independence"] is None for c in checks)
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_a_model_without_num_items_in_batch_is_named_under_accumulation(tmp_path, own):
+    """A model of one's own whose forward takes no num_items_in_batch: the Trainer divides each micro-batch's token
+    mean by the accumulation steps, and the padded micro-batches hold unequal token counts (the 2024 bug)."""
+    from token_batches import OwnLM, Rows, collate
+
+    torch.manual_seed(0)
+    model = OwnLM() if own else tiny_lm("gpt2-counted")
+    callback = GradWatchCallback(every=1, tensorboard=False)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=3, use_cpu=True, disable_tqdm=True, seed=0,
+                             report_to=[], save_strategy="no", logging_steps=100)
+    Trainer(model=model, args=args, train_dataset=Rows(vocab=50, longest=16), data_collator=collate,
+            callbacks=[callback]).train()
+    training = [a for a in callback.watch.alerts if a.part == "training"]
+    if not own:  # GPT-2 divides by the step's count itself: clean over 4 checks
+        assert callback.watch.alerts == [] and callback.watch.cycle_length is not None
+        return
+    assert training and all(a.step == 0 for a in training)
+    assert "training weighs the 3 micro-batches equally, but they hold" in training[0].message
+    assert "(in Hugging Face: a model whose forward takes num_items_in_batch" in training[0].message

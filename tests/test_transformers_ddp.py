@@ -1,9 +1,10 @@
 """GradWatchCallback in a real ``transformers.Trainer`` under ``torchrun``: 2 gloo ranks, DDP, a tiny GPT-2.
 
-The training verdict compares like with like under DDP: the Trainer's loss (averaged over every
-token of the world's step, times the number of processes) against the ``.grad`` that DDP averaged,
-read before the Trainer clips it. A correct model gives no alert with clipping on and off and with
-``gradient_accumulation_steps=2``, and a wrong backward planted in one block is named.
+The training verdict judges the ``.grad`` DDP averaged (read before the Trainer clips it) against the step's
+objective: the mean over every target token of the world's step. The Trainer's defaults give no alert with
+clipping on and off and with ``gradient_accumulation_steps=2`` on labels holding -100 (unequal counts per rank);
+``average_tokens_across_devices=False`` (per-rank normalization) and a count taken before the next-token shift
+(GPT2LMHeadModel, whose loss_type is None) are named, and so is a wrong backward planted in one block.
 """
 
 from __future__ import annotations
@@ -37,12 +38,15 @@ WORKER = textwrap.dedent(
     torch.set_num_threads(1)
 
     class Ids(torch.utils.data.Dataset):
-        def __init__(self, n=64, seq=16):
-            self.ids = torch.randint(0, 100, (n, seq), generator=torch.Generator().manual_seed(0))
+        def __init__(self, n=64, seq=16, masked=False):
+            g = torch.Generator().manual_seed(0)
+            self.ids = torch.randint(0, 100, (n, seq), generator=g)
+            keep = torch.rand(n, seq, generator=g) > (0.4 if masked else -1.0)  # masked: unequal counts per rank
+            self.labels = torch.where(keep, self.ids, -100)
         def __len__(self):
             return len(self.ids)
         def __getitem__(self, i):
-            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+            return {"input_ids": self.ids[i], "labels": self.labels[i]}
 
     class WrongGelu(torch.autograd.Function):
         @staticmethod
@@ -60,18 +64,24 @@ WORKER = textwrap.dedent(
             return WrongGelu.apply(x)
 
     out, results = sys.argv[1], {}
-    runs = (("clip", 1.0, False, 1), ("noclip", 0.0, False, 1), ("bug", 1.0, True, 1), ("accumulate", 1.0, False, 2))
-    for name, max_grad_norm, bug, accumulate in runs:
+    # (name, max_grad_norm, planted bug, accumulation steps, labels -100 at random, average_tokens_across_devices,
+    #  the Trainer told that GPT-2 shifts its labels)
+    runs = (("clip", 1.0, False, 1, False, True, True), ("noclip", 0.0, False, 1, False, True, True),
+            ("bug", 1.0, True, 1, False, True, True), ("accumulate", 1.0, False, 2, True, True, True),
+            ("per_rank", 1.0, False, 2, True, False, True), ("uncounted", 1.0, False, 2, True, True, False))
+    for name, max_grad_norm, bug, accumulate, masked, across, counted in runs:
         torch.manual_seed(0)
         model = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2, n_positions=32))
+        if counted:  # GPT2LMHeadModel's loss_type is None: the Trainer would count labels before the shift
+            model.loss_type = "ForCausalLM"
         if bug:
             model.transformer.h[1].mlp.act = Act()
         cb = GradWatchCallback(every=2, tensorboard=False)
         args = TrainingArguments(output_dir=os.path.join(out, name), max_steps=4, per_device_train_batch_size=4,
                                  use_cpu=True, disable_tqdm=True, seed=0, report_to=[], save_strategy="no",
                                  max_grad_norm=max_grad_norm, ddp_backend="gloo", logging_steps=100,
-                                 gradient_accumulation_steps=accumulate)
-        trainer = Trainer(model=model, args=args, train_dataset=Ids(), callbacks=[cb])
+                                 gradient_accumulation_steps=accumulate, average_tokens_across_devices=across)
+        trainer = Trainer(model=model, args=args, train_dataset=Ids(masked=masked), callbacks=[cb])
         trainer.train()
         watch = cb.watch
         results[name] = {
@@ -79,7 +89,7 @@ WORKER = textwrap.dedent(
             "ddp": type(trainer.model_wrapped).__name__,
             "checks": max(watch.check_counts.values(), default=0),
             "training_verdicts": sum(v["training"] > 0 for v in watch.coverage.values()),
-            "alerts": [(a.kind, a.tensor, str(a.message)[:300]) for a in watch.alerts],
+            "alerts": [(a.kind, a.tensor, str(a.message)[:1200]) for a in watch.alerts],
         }
     with open(os.path.join(out, f"rank{os.environ['RANK']}.json"), "w") as f:
         json.dump(results, f)
@@ -89,7 +99,7 @@ WORKER = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    """Both ranks' results of the three Trainer runs (one ``torchrun`` launch, about 15 s on 2 cores)."""
+    """Both ranks' results of the six Trainer runs (one ``torchrun`` launch, about 25 s on 2 cores)."""
     out = tmp_path_factory.mktemp("hf_ddp")
     script = out / "worker.py"
     script.write_text(WORKER)
@@ -115,9 +125,23 @@ def test_ranks_are_ddp_and_check_at_the_same_steps(ranks):
 
 @pytest.mark.parametrize("run", ["clip", "noclip", "accumulate"])
 def test_correct_gpt2_no_alert_with_clipping_on_and_off_and_accumulation(ranks, run):
+    """The Trainer's defaults (num_items_in_batch over the world's step, times the ranks): the step's objective."""
     result = ranks[0][run]
     assert result["alerts"] == []
     assert result["training_verdicts"] > 20  # every tensor of the tiny GPT-2 got a training verdict
+
+
+def test_per_rank_token_counts_are_named(ranks):
+    """average_tokens_across_devices=False: each rank divides by its own tokens, DDP averages the ranks."""
+    training = [m for kind, _, m in ranks[0]["per_rank"]["alerts"] if kind == "threshold" and "(training)" in m]
+    assert training and all("training weighs the 2 ranks equally, but rank 0 holds" in m for m in training)
+    assert all("(the micro-batches within each rank are weighed right)" in m for m in training)
+    assert "average_tokens_across_devices=True" in training[0]
+
+
+def test_a_count_before_the_shift_is_named_under_ddp(ranks):
+    training = [m for kind, _, m in ranks[0]["uncounted"]["alerts"] if kind == "threshold"]
+    assert training and all("the count includes each sample's first label" in m for m in training)
 
 
 def test_planted_wrong_backward_is_named(ranks):

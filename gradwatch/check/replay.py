@@ -116,7 +116,9 @@ def _autocast_regions(state: Sequence[Tuple[str, bool, torch.dtype]]) -> Iterato
 
 
 def _tensors(args: tuple, kwargs: Mapping[str, Any]) -> List[torch.Tensor]:
-    """The tensors among a forward's positional and keyword arguments (one level deep)."""
+    """The tensors among a forward's positional and keyword arguments (one level deep), scalars left out: a
+    0-dimensional count such as Hugging Face's ``num_items_in_batch`` tells no forward's inputs apart, and the
+    step's objective evaluates the model without it."""
     out = [a for a in args if isinstance(a, torch.Tensor)]
     for a in args:
         if isinstance(a, (list, tuple)):
@@ -124,7 +126,7 @@ def _tensors(args: tuple, kwargs: Mapping[str, Any]) -> List[torch.Tensor]:
         elif isinstance(a, Mapping):
             out.extend(v for v in a.values() if isinstance(v, torch.Tensor))
     out.extend(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-    return out
+    return [t for t in out if t.dim()]
 
 
 def same_inputs(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
@@ -378,6 +380,7 @@ class Replay:
     autocast: Tuple[Tuple[str, bool, torch.dtype], ...] = ()  # the autocast state training's forward ran in
     params: Optional[Dict[str, torch.Tensor]] = None  # the live parameters the gradients are of
     rows: Dict[str, Tuple[int, int]] = field(default_factory=dict)  # weights whose gradients are of these rows only
+    plan: Any = None  # the step's objective the replay weighed its micro-batches by (gradwatch.watch.step_objective)
 
 
 class _Probe:
@@ -417,6 +420,16 @@ class _Probe:
 
 Evaluate = Callable[[nn.Module, Any], torch.Tensor]
 GradOf = Callable[[torch.Tensor, Any], Dict[str, torch.Tensor]]
+Each = Callable[[int, Dict[str, torch.Tensor], float], None]
+
+
+def _weighed(evaluate: Evaluate, weight: float, count: int) -> Evaluate:
+    """``evaluate`` times a micro-batch's weight; ``1 / k`` as a division by ``k`` (the bits of training's ``loss / k``)."""
+    if weight == 1.0:
+        return evaluate
+    if count > 1 and weight == 1.0 / count:
+        return lambda model, batch: evaluate(model, batch) / count
+    return lambda model, batch: evaluate(model, batch) * weight
 
 
 Context = Optional[Callable[[], Any]]
@@ -555,12 +568,13 @@ def as_float(value: Any) -> Optional[float]:
 
 def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate: Evaluate, grad_of: GradOf,
                 params: Dict[str, torch.Tensor], loss_tolerance: float, context: Context = None,
-                generators: Sequence[Any] = (), modules: Optional[List[nn.Module]] = None, lockstep: bool = False) -> Replay:
-    """Recompute the objective's gradient of a whole optimizer step (mean over its micro-batches).
+                generators: Sequence[Any] = (), modules: Optional[List[nn.Module]] = None, lockstep: bool = False,
+                weights: Optional[Sequence[float]] = None, each: Optional[Each] = None) -> Replay:
+    """Recompute the objective's gradient of a whole optimizer step: its micro-batches' objectives, weighed.
 
-    The mean is formed as training forms it under gradient accumulation: the gradient of each
-    micro-batch's objective divided by their count, summed in order, so that a correct run gives
-    the very same bits.
+    The sum is formed as training forms it under gradient accumulation: the gradient of each
+    micro-batch's objective times its weight (by default ``1 / k``: divided by their count),
+    summed in order, so that a correct run gives the very same bits.
 
     Args:
         root: The live model.
@@ -578,6 +592,10 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
         lockstep: The replay's forward and backward are collectives (a sharded model): one replay per
             micro-batch on every rank, whatever its outcome here (no second mode, no extra forward), and a
             micro-batch that fails does not stop the others' replays.
+        weights: Each micro-batch's weight in the step's objective (:func:`gradwatch.check.items.step_weights`);
+            None: ``1 / k`` each. A micro-batch of weight 0 is not replayed (unless ``lockstep``).
+        each: ``each(i, grads, weight)`` after micro-batch ``i``'s replay, with its weighted gradients (before
+            they are summed into the others'; a sketch of them explains a step cut wrongly, :mod:`gradwatch.check.cut`).
 
     Returns:
         A :class:`Replay`; ``grads`` is None (with ``reason``) when no replay could be verified.
@@ -585,9 +603,10 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
     sums: Dict[str, torch.Tensor] = {}
     objective = 0.0
     count = len(step.micro)
-    if count > 1:
-        base = evaluate
-        evaluate = lambda model, batch: base(model, batch) / count  # noqa: E731 - as training's loss / k
+    weights = [1.0 / count] * count if weights is None else [float(w) for w in weights]
+    if len(weights) != count:
+        raise ValueError(f"replay_step: {len(weights)} weights for {count} micro-batches")
+    base = evaluate
     hows = []
     gaps = []
     forwards = (0, 0)
@@ -596,6 +615,10 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
         mb.loss = as_float(mb.loss)
         if mb.batch is None:
             return Replay(None, None, None, "no batch was given for this step")
+        weight = weights[i]
+        if weight == 0.0 and not lockstep:
+            continue  # no item of the step's objective in it: training's correct gradient has nothing of it
+        evaluate = _weighed(base, weight, count)
         if mb.overflow:
             return Replay(None, None, None, f"training ran more than {MAX_RECORDS} forwards of the model in this step")
         done = None
@@ -611,7 +634,7 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
                               "(torch.Generator, numpy Generator, random.Random): the replay cannot reproduce training's "
                               "draws, so the training part is not judged", forwards=(len(mb.records), probe.count))
             forwards = (len(mb.records), probe.count)
-            whole = value * count  # the micro-batch's own objective
+            whole = value / weight if weight else value  # the micro-batch's own objective
             loss_agrees = mb.loss is not None and abs(whole - mb.loss) <= loss_tolerance * max(abs(whole), abs(mb.loss), 1e-30)
             if mb.records:
                 ok = probe.faithful and probe.count == len(mb.records)
@@ -645,18 +668,22 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
             failed = failed or failure
             continue
         grads, value, mode, ran_in = done
-        value *= count  # the micro-batch's own objective (its gradient stays divided, as training's)
+        value = value / weight if weight else value  # the micro-batch's own objective (its gradient stays weighed)
         hows.append(mode)
         objective += value
         if mb.loss is not None and abs(value - mb.loss) > loss_tolerance * max(abs(value), abs(mb.loss), 1e-30):
             gaps.append((mb.loss, value))
+        if each is not None:
+            each(i, grads, weight)
         for n, g in grads.items():
-            if i == 0:
+            if n not in sums:
                 sums[n] = g
             else:
                 sums[n].add_(g)  # as autograd accumulates into .grad
     if failed is not None:
         return failed
+    if not sums:
+        return Replay(None, None, None, "not judged: every micro-batch of the step weighs 0 (no item to average over)")
     mean = sums
     gap = (sum(a for a, _ in gaps) / len(gaps), sum(b for _, b in gaps) / len(gaps)) if gaps else None
     return Replay(mean, objective / count, "+".join(sorted(set(hows))), loss_gap=gap, forwards=forwards, autocast=ran_in)

@@ -209,6 +209,9 @@ class CheckReport:
         pieces: Module form: the pieces checked (``"lm_head[0:256]"``), in order.
         training_rows: The training part's weights judged by a block of rows: name -> ``(first, end)``
             (their gradient does not fit the room whole, :mod:`gradwatch.check.row_replay`).
+        training_items: The step's objective of a cut step (several micro-batches or ranks): ``{"rule": what is
+            counted, "equal": each micro-batch weighed 1/k, "counts": each rank's micro-batch counts}``
+            (:mod:`gradwatch.watch.step_objective`); None for an uncut step.
         independence: The independence part's :class:`gradwatch.check.independence.IndependenceReport` (a watch
             with ``independence=``), or None.
         surrogates: Modules whose gradient is a surrogate by design (``surrogates=``, torch's fake quantizers):
@@ -247,6 +250,7 @@ class CheckReport:
     independence: Any = None
     training_rows: Dict[str, Tuple[int, int]] = field(default_factory=dict)
     surrogates: List[str] = field(default_factory=list)
+    training_items: Optional[Dict[str, Any]] = None
 
     @property
     def training_failures(self) -> List[TrainingCheck]:
@@ -306,6 +310,7 @@ class CheckReport:
             "localized": [c.to_dict() if hasattr(c, "to_dict") else c for c in self.localized],
             "training": {name: t.to_dict() for name, t in self.training.items()},
             "training_note": self.training_note,
+            "training_items": self.training_items,
             "training_failures": [t.name for t in self.training_failures],
             "dropout": self.dropout.to_dict() if hasattr(self.dropout, "to_dict") else self.dropout,
         }

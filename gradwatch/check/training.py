@@ -123,14 +123,15 @@ def gradient_scale(grads: Sequence[torch.Tensor]) -> float:
     """Root-mean-square entry over several gradients (the ``scale`` of :func:`judge_training`).
 
     Example:
-        >>> gradient_scale([torch.ones(3), torch.zeros(1)])
-        0.8660254037844386
+        >>> round(gradient_scale([torch.ones(3), torch.zeros(1)]), 6)
+        0.866025
     """
     grads = [_real(g) for g in grads]
     n = sum(g.numel() for g in grads)
     if n == 0:
         return 0.0
-    total = sum(float(torch.linalg.vector_norm(g.detach().to(torch.float64)) ** 2) for g in grads)
+    total = sum(float(torch.linalg.vector_norm(g.detach() if g.dtype in (torch.float32, torch.float64) else g.detach().float()))
+                ** 2 for g in grads)
     return math.sqrt(total / n)
 
 
@@ -204,29 +205,51 @@ def judge_training(
                 "watch.step"
             )
         return _verdict(check, bands, fail_at)
-    g = live.detach().reshape(-1).to(device=r.device, dtype=torch.float64)
-    if not bool(torch.isfinite(g).all()):
-        check.inconclusive = (
-            "training's .grad has NaN or inf entries (a GradScaler step that overflowed, which the scaler skips, "
-            "or an overflow in training): no training verdict"
-        )
-        return check
-    if not bool(torch.isfinite(r).all()):
-        check.inconclusive = "the objective's gradient recomputed on the live model is not finite: no training verdict"
-        return check
+    # Compared in the gradients' own precision (float32 or float64; lower ones in float32): the norms' rounding is
+    # far below any tolerance, and a cut step's gradients, never the same bits, are compared without a copy in float64.
+    work = ref.dtype if ref.dtype in (torch.float32, torch.float64) and live.dtype == ref.dtype else torch.float32
+    r = ref.detach().reshape(-1).to(work)
+    g = live.detach().reshape(-1).to(device=r.device, dtype=work)
     diff = g - r
     ng, nr, nd = (float(torch.linalg.vector_norm(v)) for v in (g, r, diff))
+    if not math.isfinite(ng + nr + nd):  # one finiteness test in the common case; the culprit only when it fails
+        if not bool(torch.isfinite(g).all()):
+            check.inconclusive = (
+                "training's .grad has NaN or inf entries (a GradScaler step that overflowed, which the scaler skips, "
+                "or an overflow in training): no training verdict"
+            )
+            return check
+        if not bool(torch.isfinite(r).all()):
+            check.inconclusive = "the objective's gradient recomputed on the live model is not finite: no training verdict"
+            return check
+        ng, nr, nd = (float(torch.linalg.vector_norm(v.double())) for v in (g, r, diff))  # finite, past float32's range
     check.rel_diff = 0.0 if nd == 0.0 else min(1.0, nd / (ng + nr))
-    denom = float(torch.max(g.abs() + r.abs())) if g.numel() else 0.0
-    check.max_rel_error = float(diff.abs().max()) / max(denom, 1e-8) if g.numel() else 0.0
+    check.max_rel_error = 0.0 if nd == 0.0 else _max_rel_error(g, r, diff)
     rms = scale() if callable(scale) else scale
     allowed = tol * (ng + nr + rms * math.sqrt(g.numel()))
     check.judged_rel_diff = check.rel_diff if nd > allowed else 0.0
     _verdict(check, bands, fail_at)
     if check.judged_rel_diff > 0.0:
         p = param.detach().reshape(-1).to(device=r.device, dtype=torch.float64)
-        check.ratio, check.param_coef, check.diagnosis = diagnose_training(g, r, p, tol)
+        check.ratio, check.param_coef, check.diagnosis = diagnose_training(g.double(), r.double(), p, tol)
     return check
+
+
+def _max_rel_error(g: torch.Tensor, r: torch.Tensor, diff: torch.Tensor) -> float:
+    """``max |g - r| / max(|g| + |r|)`` from ``diff = g - r``, in four passes and no new tensor: entry by entry
+    ``|g| + |r| = max(|g + r|, |g - r|)`` (exactly, rounding included), and ``diff``'s memory then holds ``g + r``.
+
+    Example:
+        >>> g, r = torch.tensor([1.0, -2.0]), torch.tensor([1.5, -2.0])
+        >>> _max_rel_error(g, r, g - r)
+        0.125
+    """
+    if not g.numel():
+        return 0.0
+    low, high = torch.aminmax(diff)
+    worst = max(-float(low), float(high))
+    low2, high2 = torch.aminmax(torch.add(g, r, out=diff))
+    return worst / max(worst, -float(low2), float(high2), 1e-8)
 
 
 def _verdict(check: TrainingCheck, bands: Sequence[float], fail_at: Verdict) -> TrainingCheck:

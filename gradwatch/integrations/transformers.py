@@ -4,9 +4,11 @@ What the Trainer does not hand a callback, the callback finds itself:
 
 - **The batch.** Callbacks never receive it; a forward pre-hook on the model keeps the
   inputs of the latest training forward (under gradient accumulation: the last
-  micro-batch of the optimizer step). The check objective is the loss the Trainer
-  backpropagates for them (:class:`TrainerLoss`: ``outputs.loss``, times the number of processes
-  where the Trainer averages tokens across devices), or ``loss_fn(model, inputs)``.
+  micro-batch of the optimizer step). The check objective is the model's loss on them
+  (:class:`TrainerLoss`: ``outputs.loss``, without the Trainer's ``num_items_in_batch``), or
+  ``loss_fn(model, inputs)``; the training verdict weighs the step's micro-batches and ranks by
+  their share of its items (:mod:`gradwatch.watch.step_objective`), so the Trainer's own scaling
+  is judged, not copied.
 - **Once per optimizer step.** The check runs in ``on_pre_optimizer_step`` at
   ``state.global_step``, after all micro-batches of the step.
 - **Clipping.** The Trainer clips ``.grad`` (``max_grad_norm``, on by default) right after
@@ -141,61 +143,33 @@ class ReportingSink(Sink):
 
 
 class TrainerLoss:
-    """The loss the Trainer backpropagates for one model call: the model's ``loss``, times the factor
-    ``Trainer.compute_loss`` multiplies it by when it averages tokens across devices.
+    """The loss of one model call as the step's objective needs it: the model's own ``loss`` for the call's batch,
+    without the Trainer's ``num_items_in_batch``.
 
-    With ``average_tokens_across_devices`` (on by default), a model that takes ``num_items_in_batch``
-    divides its summed loss by the token count of the whole world's step, and the Trainer multiplies
-    it by the number of processes, so that DDP's mean of ``.grad`` over ranks is the mean over every
-    token. The check's objective must be that loss, or every training verdict differs by that factor.
-    The factor applies only to calls that carry ``num_items_in_batch``, as in the Trainer.
+    Given ``num_items_in_batch``, a model divides its summed loss by the token count of the whole step (every
+    micro-batch, every rank) and the Trainer scales it for the ranks; that is how training gets the step's
+    gradient. The watch's objective is the mean over the call's own batch instead, and the step's objective
+    weighs each micro-batch (and rank) by its share of the step's items (:mod:`gradwatch.watch.step_objective`):
+    the Trainer's own scaling is what is judged, not reproduced.
 
     Example:
         >>> class M(nn.Module):
         ...     def forward(self, x, labels=None, num_items_in_batch=None):
         ...         return {"loss": (x - labels).pow(2).sum() / (num_items_in_batch or x.numel())}
-        >>> loss = TrainerLoss(scale=2.0)
         >>> batch = {"x": torch.ones(3), "labels": torch.zeros(3)}
-        >>> float(loss(M(), batch)), float(loss(M(), {**batch, "num_items_in_batch": 6}))
+        >>> float(TrainerLoss()(M(), batch)), float(TrainerLoss()(M(), {**batch, "num_items_in_batch": 6}))
         (1.0, 1.0)
     """
 
-    def __init__(self, scale: float = 1.0, trainer: Any = None) -> None:
-        self.scale = scale
-        self.trainer = trainer
-
     def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        loss = model_loss(model, batch)
-        kwargs = batch.kwargs if isinstance(batch, ModelCall) else batch
-        if isinstance(kwargs, Mapping) and kwargs.get("num_items_in_batch") is not None:
-            # The model divided by every item of the step (all micro-batches): the watch takes the mean of the
-            # micro-batches' gradients, so each counts as if it were the whole step.
-            micro = int(getattr(self.trainer, "current_gradient_accumulation_steps", 1) or 1)
-            if self.scale * micro != 1.0:
-                loss = loss * (self.scale * micro)
-        return loss
+        if isinstance(batch, ModelCall) and "num_items_in_batch" in batch.kwargs:
+            batch = ModelCall(batch.args, {k: v for k, v in batch.kwargs.items() if k != "num_items_in_batch"})
+        elif isinstance(batch, Mapping) and "num_items_in_batch" in batch:
+            batch = {k: v for k, v in batch.items() if k != "num_items_in_batch"}
+        return model_loss(model, batch)
 
     def __repr__(self) -> str:
-        return f"TrainerLoss(scale={self.scale})"
-
-
-def trainer_loss_scale(trainer: Any) -> float:
-    """The factor ``trainer.compute_loss`` multiplies the model's loss by (1 where it does not).
-
-    Example:
-        >>> trainer_loss_scale(None)
-        1.0
-    """
-    args = getattr(trainer, "args", None)
-    if args is None or not getattr(args, "average_tokens_across_devices", False):
-        return 1.0
-    if not (getattr(trainer, "model_accepts_loss_kwargs", False) or getattr(trainer, "compute_loss_func", None)):
-        return 1.0
-    if getattr(args, "n_gpu", 1) > 1:
-        return float(args.n_gpu)
-    processes = int(getattr(getattr(trainer, "accelerator", None), "num_processes", 1) or 1)
-    tp_size = getattr(trainer, "get_tp_size", None)
-    return float(processes // (int(tp_size()) if callable(tp_size) else 1))
+        return "TrainerLoss()"
 
 
 def _find_trainer() -> Tuple[Any, Optional[Union[str, os.PathLike]]]:
@@ -267,8 +241,6 @@ class GradWatchCallback(TrainerCallback):
             pending = json.loads((Path(resume) / STATE_NAME).read_text(encoding="utf-8"))
         if model is None:
             raise ValueError("GradWatchCallback: the Trainer passed no model to on_train_begin")
-        if isinstance(self.loss_fn, TrainerLoss):
-            self.loss_fn.scale, self.loss_fn.trainer = trainer_loss_scale(trainer), trainer
         zero = bool(state.is_world_process_zero)
         reporters = [cb for cb in (trainer.callback_handler.callbacks if trainer is not None else [])
                      if type(cb).__module__.startswith("transformers.integrations") and hasattr(cb, "on_log")]

@@ -79,7 +79,8 @@ def check_record(
         ``{"type": "check", "step", "time", "seconds", "overhead_fraction", "evaluations",
         "objective", "terms", "dtype", "seed", "ok", "nondeterministic", "nonfinite", "kinks",
         "notes", "tensors": {name: {...TENSOR_FIELDS}} (the backward part), "training": {name:
-        {...TRAINING_FIELDS}} (the training part), "training_note", "summary": {"rel_diff_median",
+        {...TRAINING_FIELDS}} (the training part), "training_note", "training_items" (the step's objective of a
+        cut step: what is counted and each rank's micro-batch counts), "summary": {"rel_diff_median",
         "rel_diff_p95", "rel_diff_max", "training_rel_diff_max"}, "coverage": {...}, "check_counts": {...},
         "cycle_length", "pieces"}`` (``pieces``: the module form's units and row slices checked).
 
@@ -146,6 +147,7 @@ def check_record(
         "tensors": tensors,
         "training": training,
         "training_note": report.training_note,
+        "training_items": to_jsonable(report.training_items),
         "summary": summary,
         "coverage": {str(k): to_jsonable(v) for k, v in (coverage or {}).items()},
         "check_counts": {str(k): int(v) for k, v in (check_counts or {}).items()},

@@ -108,6 +108,7 @@ class RankResult:
         training: ``(replayed, reason)`` of its training part; None when that part did not run.
         waited: Of ``seconds``, how long it waited for the other ranks at agreement points
             (:mod:`gradwatch.watch.lockstep`).
+        cut: Sketches of its replayed micro-batches' gradients (:mod:`gradwatch.watch.step_objective`), or None.
 
     Example:
         >>> RankResult(rank=1, error="KeyError: 'labels'").failed
@@ -122,6 +123,7 @@ class RankResult:
     interval: int = 1
     training: Optional[Tuple[bool, Optional[str]]] = None
     waited: float = 0.0
+    cut: Optional[List[torch.Tensor]] = None
 
     @property
     def failed(self) -> bool:
@@ -259,6 +261,18 @@ class DistributedCoordinator:
         if isinstance(decided, tuple) and len(decided) == 2 and decided[0] == "error":
             raise DistributedCheckError(f"rank 0 could not decide {what}: {decided[1]}")
         return decided
+
+    def everyone(self, value: Any, what: str) -> List[Any]:
+        """Every rank's ``value``, by rank (each rank passes its own; a small picklable object).
+
+        Raises:
+            DistributedCheckError: A rank did not arrive within ``distributed_timeout`` (the coordinator is then
+                broken), naming ``what`` was being exchanged.
+        """
+        gathered = self._gather({"phase": "exchange", "rank": self.rank, "value": value})
+        if gathered is None:
+            raise DistributedCheckError(f"exchanging {what}: {self.broken or 'a rank did not arrive'}")
+        return [g["value"] for g in sorted(gathered, key=lambda g: g["rank"])]
 
     def agree(self, ok: bool, value: Optional[int] = None) -> Tuple[bool, Optional[int]]:
         """One agreement point inside a check (:mod:`gradwatch.watch.lockstep`): whether every rank says ``ok``,

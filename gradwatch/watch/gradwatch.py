@@ -60,6 +60,7 @@ from .sharded import (
     mixed_precision,
     refuse_unsupported,
 )
+from .step_objective import StepObjective, StepPlan
 from .trend import WHOLE_CHECK, Alert
 
 logger = logging.getLogger("gradwatch")
@@ -104,6 +105,12 @@ def _same_tree(tree: List[Tuple[Dict[str, Any], Tuple[str, ...], Tuple[Any, ...]
         if len(d) != len(keys) or not all(map(operator.is_, d.values(), values)) or not all(map(operator.is_, d, keys)):
             return False
     return True
+
+
+def _shift_hint(model: nn.Module) -> Optional[int]:
+    """1 for a model known to shift its labels by one position (a Hugging Face causal LM), else None."""
+    loss_type = getattr(model, "loss_type", None)
+    return 1 if loss_type == "ForCausalLM" or type(model).__name__.endswith("ForCausalLM") else None
 
 
 class GradWatch:
@@ -244,6 +251,9 @@ class GradWatch:
         self._recorder: Optional[ForwardRecorder] = ForwardRecorder(model) if self.config.training else None
         #: Independence checks on the checked batch (``independence=``, :mod:`gradwatch.watch.independence`).
         self.independence = IndependencePart(self.config.independence, self.config.alert_cooldown)
+        #: The step's objective of the training part: the weights of a step's micro-batches and ranks (``items=``,
+        #: :mod:`gradwatch.watch.step_objective`).
+        self.step_objective = StepObjective(self.config.items)
         self._last_micro: Any = None  # training=False: the last batch given to accumulate()
         #: For integrations: ``() -> context manager`` that training's loss runs in (e.g. Lightning's
         #: precision context with its autocast); the training part's replay runs in it too.
@@ -437,8 +447,9 @@ class GradWatch:
     def accumulate(self, batch: Any, *, loss: Any = None) -> None:
         """Gradient accumulation: call after each micro-batch's backward, then :meth:`step` once.
 
-        The training part then compares ``.grad`` with the mean of the objective's gradients
-        over the step's micro-batches (the usual ``loss / accumulation_steps``). Without these
+        The training part then compares ``.grad`` with the gradient of the step's objective: the
+        objective over every micro-batch of the step, each weighing its share of the step's items
+        (``items=``; :mod:`gradwatch.watch.step_objective`), as one batch would. Without these
         calls, a step whose ``.grad`` holds several micro-batches is recorded as
         "skipped: accumulating", never as wrong.
 
@@ -595,7 +606,7 @@ class GradWatch:
             release_freed()  # what training's backward freed: the replay's own backward allocates on top of it
         # (sharded: the replay is FSDP2's own backward, whole; its shards are let go as they come)
         replay = self._training_replay(pending, target, None if self._by_shard else room,
-                                       only=None if plan is None else plan[1])
+                                       only=None if plan is None else plan[1], seed=opts.seed)
         judged: Optional[CheckReport] = None
         if judge:
             judged = CheckReport(tensors={})
@@ -657,6 +668,7 @@ class GradWatch:
                 report.notes.append(why)
         if judged is not None:
             report.training, report.training_note = judged.training, judged.training_note
+            report.training_rows, report.training_items = judged.training_rows, judged.training_items
         if judged is not None or plan is not None:
             report.memory = self.memory.summary(room, estimate)
         return report, replay
@@ -781,7 +793,8 @@ class GradWatch:
         coord = self.dist
         assert coord is not None
         result = RankResult(rank=coord.rank, report=report, seconds=seconds, waited=waited, interval=self.schedule.interval(),
-                            training=None if replay is None else (replay.grads is not None, replay.reason))
+                            training=None if replay is None else (replay.grads is not None, replay.reason),
+                            cut=list(self.step_objective.rows) if replay is not None and replay.grads is not None else None)
         if isinstance(error, PeerFailed):  # the rank that raised says what; this one only stopped with it
             logger.info("gradwatch: the check at step %d stopped on rank %d: %s", step, coord.rank, error)
         elif error is not None:
@@ -800,7 +813,7 @@ class GradWatch:
             self.objective.differentiates = self._mark[1]
         alerts: List[Alert] = []
         if merged.report is not None:
-            self._training_across_ranks(merged.report, replay, merged.training)
+            self._training_across_ranks(merged.report, replay, merged.training, [r.cut for r in results])
             alerts = self._completed(step, merged.report)
         else:
             self._checks += 1
@@ -811,9 +824,12 @@ class GradWatch:
         return merged.report
 
     def _training_across_ranks(self, merged: CheckReport, replay: Optional[Replay],
-                               statuses: List[Optional[Tuple[bool, Optional[str]]]]) -> None:
+                               statuses: List[Optional[Tuple[bool, Optional[str]]]],
+                               rows: Optional[List[Optional[List[torch.Tensor]]]] = None) -> None:
         """The training part on every rank alike: the replayed gradients averaged over the ranks (as DDP and
-        FSDP average ``.grad``), the live ``.grad`` judged against them, and rank 0's verdicts taken everywhere.
+        FSDP average ``.grad``; each rank's replay weighed its micro-batches by their share of the step's items),
+        the live ``.grad`` judged against them, and rank 0's verdicts taken everywhere. ``rows``: every rank's
+        sketches of its micro-batches' gradients (they name a step cut wrongly).
 
         Every branch depends on the gathered ``statuses`` only, so every rank makes the same collectives.
         """
@@ -836,7 +852,8 @@ class GradWatch:
                                     f"({type(exc).__name__}: {exc})")
             return
         try:
-            self._attach_training(merged, replay, averaged)
+            every = [row for rank in rows or () for row in rank or ()]
+            self._attach_training(merged, replay, averaged, rows=every if rows and all(r is not None for r in rows) else None)
             merged.training_note = ((merged.training_note + "; ") if merged.training_note else "") + (
                 f"the reference is averaged over {coord.world_size} ranks, as DDP and FSDP average .grad")
         except Exception as exc:  # noqa: BLE001 - the broadcast below must still happen on every rank
@@ -900,7 +917,7 @@ class GradWatch:
         return params
 
     def _training_replay(self, pending: Optional[Step], model: Optional[nn.Module] = None,
-                         room: Optional[int] = None, only: Optional[Sequence[str]] = None) -> Optional[Replay]:
+                         room: Optional[int] = None, only: Optional[Sequence[str]] = None, seed: int = 0) -> Optional[Replay]:
         """The objective's gradient recomputed as training computed it (None when the part is off).
 
         ``model`` is the module the replay runs (default: the model; a sharded model's gathered replica,
@@ -908,7 +925,8 @@ class GradWatch:
         the replay takes the gradient of only as many watched tensors as fit beside training's
         activations, least-judged first (they rotate from check to check); without one, of every
         watched tensor; with ``only`` (names, under DDP: rank 0's choice), of those. An exception of
-        ``loss_fn`` in the replay propagates: the check is skipped with an error alert.
+        ``loss_fn`` in the replay propagates: the check is skipped with an error alert. Each micro-batch weighs its
+        share of the step's items (:mod:`gradwatch.watch.step_objective`, agreed with the other ranks first).
         """
         if self._recorder is None or pending is None:
             return None
@@ -937,12 +955,18 @@ class GradWatch:
         whole = [(n, p) for n, p in params.items() if n not in row_plan]
 
         scaler = self.grad_scaler if self.grad_scaler is not None and self.grad_scaler.is_enabled() else None
+        plan = self._plan_step(pending, model, {n: p for n, p in params.items() if n not in row_plan} or params, seed)
+        if plan.weights is None:
+            return Replay(None, None, None, plan.reason)
+        weight_of = {id(mb.batch): w for mb, w in zip(pending.micro, plan.weights)}
 
         def grad_of(total: torch.Tensor, batch: Any) -> Dict[str, torch.Tensor]:
             if self.grad_fn is not None:
                 from ..check.model import _validate_grads
 
-                return _validate_grads(self.grad_fn(model, batch), params, "grad_fn")
+                grads = _validate_grads(self.grad_fn(model, batch), params, "grad_fn")
+                weight = weight_of.get(id(batch), 1.0)  # grad_fn gives the micro-batch's own gradient: weighed here
+                return grads if weight == 1.0 else {n: g * weight for n, g in grads.items()}
             leaves = rowgrads.leaves() if rowgrads is not None else ()
             if not total.requires_grad:
                 out = {n: torch.zeros_like(p) for n, p in whole}
@@ -970,10 +994,21 @@ class GradWatch:
             replay = replay_step(model, self._recorder, pending, self.objective.training_total, grad_of, params,
                                  loss_tolerance=10 * tolerance_for(worst), context=self.replay_context,
                                  generators=self._held_generators(), modules=self._modules_cache,
-                                 lockstep=self._by_shard)
+                                 lockstep=self._by_shard, weights=plan.weights,
+                                 each=self.step_objective.each(seed) if plan.cut and not plan.equal else None)
         replay.params = params
         replay.rows = row_plan
+        replay.plan = plan
         return replay
+
+    def _plan_step(self, pending: Step, model: nn.Module, params: Dict[str, torch.Tensor], seed: int) -> StepPlan:
+        """The step's objective (:class:`~gradwatch.watch.step_objective.StepObjective`): on every rank alike (an
+        exchange of counts when distributed); probes evaluate the live model in one process and under DDP."""
+        probe = not self._sharded and self.grad_fn is None
+        with self._recorder_paused():
+            return self.step_objective.plan([mb.batch for mb in pending.micro], model if probe else None,
+                                            self.objective.loss, params, self.dist, seed, probe=probe,
+                                            shift_hint=_shift_hint(model))
 
     def _training_subset(self, params: Dict[str, torch.Tensor], room: int, count: bool = True, rows: bool = True
                          ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Tuple[int, int]]]:
@@ -1045,8 +1080,11 @@ class GradWatch:
         return cached[1]
 
     def _attach_training(self, report: CheckReport, replay: Optional[Replay],
-                         grads: Optional[Dict[str, torch.Tensor]] = None) -> None:
-        """Judge every watched tensor's live ``.grad`` against the replayed gradient; fills ``report.training``."""
+                         grads: Optional[Dict[str, torch.Tensor]] = None,
+                         rows: Optional[List[torch.Tensor]] = None) -> None:
+        """Judge every watched tensor's live ``.grad`` against the replayed gradient; fills ``report.training``.
+        On a cut step, a failure is named by the weights training gave the micro-batches (``rows``: every rank's
+        sketches, distributed; this rank's by default)."""
         if replay is None:
             return
         if replay.grads is None:
@@ -1063,18 +1101,26 @@ class GradWatch:
 
         bands, fail_at, autocast = self._check_options.bands, self._check_options.fail_verdict, replay.autocast
         dtypes: Dict[torch.dtype, torch.dtype] = {}  # parameter dtype -> compute dtype, once per dtype
-        rows = getattr(replay, "rows", None) or {}
+        sliced = getattr(replay, "rows", None) or {}
+        lives: Dict[str, Optional[torch.Tensor]] = {}
         for n, p in params.items():
             dtype = dtypes.get(p.dtype) or dtypes.setdefault(p.dtype, compute_dtype(p.dtype, autocast))
             live = p.grad
             if is_dtensor(p):  # sharded: this rank's shard of both (the ranks' verdicts are merged, worst first)
                 p, live = local(p), None if live is None else local(live)
-            if n in rows:  # judged by a block of rows: the live .grad's rows against the replayed rows
-                first, end = rows[n]
+            if n in sliced:  # judged by a block of rows: the live .grad's rows against the replayed rows
+                first, end = sliced[n]
                 p, live = p[first:end], None if live is None else live[first:end]
+            lives[n] = live
             report.training[n] = judge_training(n, live, grads[n], p, dtype, bands, fail_at, scale=scale)
-        report.training_rows = dict(rows)
+        report.training_rows = dict(sliced)
+        plan: Optional[StepPlan] = getattr(replay, "plan", None)
         notes = [f"replayed from the {replay.how} RNG state" if replay.how else ""]
+        if plan is not None:
+            report.training_items = plan.record()
+            notes.insert(0, plan.note or "")
+            if plan.cut:
+                self.step_objective.explain(plan, report.training, lives, rows, folded=self._by_shard)
         if replay.loss_gap is not None:
             given, replayed = replay.loss_gap
             notes.append(

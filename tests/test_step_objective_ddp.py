@@ -1,0 +1,163 @@
+"""One step, one objective under DDP: 2 gloo ranks holding different token counts, a plain loop.
+
+Per-rank token means averaged by DDP (with and without gradient accumulation) are named at the first
+check with each rank's count; the correct form (the token sum times the ranks over the all-reduced
+count) gives no alert over 4 checks; every rank reaches the same verdicts.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch.distributed as dist
+from helpers import run_two_ranks
+
+pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+
+WORKER = textwrap.dedent(
+    r'''
+    import contextlib, datetime, json, os, sys
+    import torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    from gradwatch import GradWatch
+    from token_batches import TinyLM, targets, token_loss, uneven_micro_batches
+
+    results = {}
+    for form in ("rank_means", "rank_means_accumulated", "step_count", "step_count_accumulated"):
+        k = 3 if form.endswith("accumulated") else 1
+        torch.manual_seed(0)
+        model = DDP(TinyLM())
+        watch = GradWatch(model, token_loss, every=1, tensorboard=False, jsonl=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(100 + rank)  # each rank its own rows: unequal token counts
+        counts = []
+        for step in range(4):
+            micro = uneven_micro_batches(k, gen, sizes=(1 + 2 * rank, 2 + 2 * rank))
+            mine = torch.tensor(float(sum(targets(b) for b in micro)))
+            total = mine.clone()
+            dist.all_reduce(total)
+            counts.append([targets(b) for b in micro])
+            opt.zero_grad()
+            for i, b in enumerate(micro):
+                with model.no_sync() if i < k - 1 else contextlib.nullcontext():
+                    if form.startswith("rank_means"):
+                        (token_loss(model, b) / k).backward()  # this rank's mean; DDP averages the ranks
+                    else:
+                        (token_loss(model, b, "sum") * 2 / total).backward()  # the step's mean over both ranks
+                if k > 1:
+                    watch.accumulate(b)
+            watch.step(None if k > 1 else micro[0])
+            opt.step()
+        results[form] = {"counts": counts, "checks": watch._checks,
+                         "alerts": [(a.step, a.part, a.message) for a in watch.alerts]}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+    '''
+)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("step_ddp")
+    codes, logs = run_two_ranks(WORKER, out / "worker.py", [str(out)], timeout=180, what="2-rank step objective runs")
+    assert codes == (0, 0), "\n".join(log[-3000:] for log in logs)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+
+@pytest.mark.parametrize("form", ["rank_means", "rank_means_accumulated"])
+def test_per_rank_means_are_named_with_each_ranks_count(ranks, form):
+    run = ranks[0][form]
+    training = [m for step, part, m in run["alerts"] if part == "training"]
+    assert training and all(step == 0 for step, part, _ in run["alerts"] if part == "training")
+    first0, first1 = ranks[0][form]["counts"][0], ranks[1][form]["counts"][0]
+    if form == "rank_means":
+        expected = f"training weighs the 2 ranks equally, but rank 0 holds {first0[0]} and rank 1 holds {first1[0]} target tokens"
+    else:
+        expected = ("training weighs the 6 micro-batches of the 2 ranks equally, but they hold "
+                    f"rank 0: {', '.join(map(str, first0))}; rank 1: {', '.join(map(str, first1))} target tokens")
+    assert expected in training[0]
+    assert f"divide each {'rank' if form == 'rank_means' else 'micro-batch'}'s summed loss by {sum(first0) + sum(first1)}" in training[0]
+    assert ranks[0][form]["alerts"] == ranks[1][form]["alerts"]
+
+
+@pytest.mark.parametrize("form", ["step_count", "step_count_accumulated"])
+def test_the_step_count_all_reduced_is_clean(ranks, form):
+    for r in range(2):
+        assert ranks[r][form]["alerts"] == [] and ranks[r][form]["checks"] == 4
+    assert any(sum(a) != sum(b) for a, b in zip(ranks[0][form]["counts"], ranks[1][form]["counts"]))
+
+
+FSDP_WORKER = textwrap.dedent(
+    r'''
+    import datetime, json, os, sys
+    import torch, torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    from gradwatch import GradWatch
+    from token_batches import TinyLM, targets, token_loss, uneven_micro_batches
+
+    results = {}
+    for form in ("rank_means", "step_count"):
+        torch.manual_seed(0)
+        model = TinyLM(width=32)
+        fully_shard(model.mix)
+        fully_shard(model)
+        watch = GradWatch(model, token_loss, every=1, tensorboard=False, jsonl=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(100 + rank)
+        notes = []
+        for step in range(4):
+            micro = uneven_micro_batches(2, gen, sizes=(1 + 2 * rank, 2 + 2 * rank))
+            total = torch.tensor(float(sum(targets(b) for b in micro)))
+            dist.all_reduce(total)
+            opt.zero_grad()
+            for b in micro:
+                if form == "rank_means":
+                    (token_loss(model, b) / 2).backward()
+                else:
+                    (token_loss(model, b, "sum") * 2 / total).backward()
+                watch.accumulate(b)
+            report = watch.step()
+            notes.append(report.training_note if report is not None else None)
+            opt.step()
+        results[form] = {"checks": watch._checks, "notes": notes,
+                         "alerts": [(a.step, a.part, a.message) for a in watch.alerts]}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+    '''
+)
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    pytest.importorskip("torch.distributed.fsdp")
+    out = tmp_path_factory.mktemp("step_fsdp")
+    codes, logs = run_two_ranks(FSDP_WORKER, out / "worker.py", [str(out)], timeout=240, what="2-rank FSDP2 runs")
+    assert codes == (0, 0), "\n".join(log[-3000:] for log in logs)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_fsdp2_judges_the_step_objective_shard_by_shard(sharded):
+    """FSDP2: the counts are exchanged before the replay, each rank's objective weighs its share, FSDP2's own
+    reduce-scatter averages them: the step count all-reduced is clean, per-rank means are caught with the counts."""
+    clean, buggy = sharded[0]["step_count"], sharded[0]["rank_means"]
+    assert clean["alerts"] == [] and clean["checks"] == 4
+    assert all("target tokens (labels[..., 1:] != -100)" in n and "not verified by a probe" in n for n in clean["notes"])
+    training = [m for step, part, m in buggy["alerts"] if part == "training"]
+    assert training and all(step == 0 for step, part, _ in buggy["alerts"] if part == "training")
+    assert "the step holds micro-batch 1 on rank 0:" in training[0] and "per-rank means averaged" in training[0]
+    assert sharded[0]["rank_means"]["alerts"] == sharded[1]["rank_means"]["alerts"]
