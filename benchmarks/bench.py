@@ -490,10 +490,10 @@ def measure_verdict_speed(case: Case, repeats: int) -> Dict[str, Any]:
     }
 
 
-def _load_membench() -> Any:
-    """``benchmarks/membench.py`` beside this file (the benchmarks are files, not a package)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "membench.py")
-    spec = importlib.util.spec_from_file_location("gradwatch_membench", path)
+def _load_beside(name: str = "membench") -> Any:
+    """``benchmarks/<name>.py`` beside this file (the benchmarks are files, not a package)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"gradwatch_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -726,12 +726,19 @@ def run_benchmark(models: Sequence[str] = MODEL_NAMES, quick: bool = False, time
         big = scaling_case(max(_SIZES["scaling_widths"][size]))
         big.name = f"mlp {big.n_params:,} params"
         out["training_part"].append(measure_training_part(big, max(repeats, TRAINING_PART_REPEATS)))
+        vocab = 64 if quick else 50257
+        say(f"training part: a token LM (vocabulary {vocab:,}), 4 micro-batches of unequal token counts")
+        cut = _load_beside("step_objective").measure_training_part(vocab, 4, max(repeats, 30))
+        out["training_part"].append({"model": f"token LM, vocab {vocab:,}, 4 micro-batches", "repeats": max(repeats, 30),
+                                     "forward_backward_seconds": cut["forward_backward_ms"] / 1e3,
+                                     "training_part_seconds": cut["training_part_ms"] / 1e3, "ratio": cut["ratio"],
+                                     "verdicts": cut["verdicts"]})
     if scaling:
         widths = _SIZES["scaling_widths"][size]
         say(f"scaling: widths {', '.join(map(str, widths))}")
         out["scaling"] = measure_scaling(widths, repeats)
     if memory:
-        membench = _load_membench()
+        membench = _load_beside()
         out["memory"] = membench.measure_memory(membench.SIZES[size], progress=say)
     out["targets"] = evaluate_targets(out, quick=quick)
     out["meta"]["seconds"] = time.perf_counter() - started

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from token_batches import TinyLM, all_targets, padded_batch, targets, token_loss, uneven_micro_batches
+from token_batches import accumulation_run as train
 from torch import nn
 
 from gradwatch import GradWatch
@@ -26,23 +27,6 @@ from gradwatch.errors import ConfigError
 
 def watch_of(model, loss_fn=token_loss, **kw):
     return GradWatch(model, loss_fn, every=1, tensorboard=False, jsonl=False, **kw)
-
-
-def train(model, watch, steps, make, backward):
-    """``steps`` optimizer steps; ``make(gen)`` gives a step's micro-batches, ``backward(model, micro, i)`` runs one."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(7)
-    reports, steps_micro = [], []
-    for _ in range(steps):
-        micro = make(gen)
-        opt.zero_grad()
-        for i, mb in enumerate(micro):
-            backward(model, micro, i)
-            watch.accumulate(mb)
-        reports.append(watch.step())
-        steps_micro.append(micro)
-        opt.step()
-    return reports, steps_micro
 
 
 def four_uneven(gen):

@@ -16,11 +16,10 @@ from helpers import run_two_ranks
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
 
-WORKER = textwrap.dedent(
+_HEAD = textwrap.dedent(
     r'''
     import contextlib, datetime, json, os, sys
     import torch, torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
     rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -30,6 +29,13 @@ WORKER = textwrap.dedent(
     from token_batches import TinyLM, targets, token_loss, uneven_micro_batches
 
     results = {}
+    '''
+)
+
+WORKER = _HEAD + textwrap.dedent(
+    r'''
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     for form in ("rank_means", "rank_means_accumulated", "step_count", "step_count_accumulated"):
         k = 3 if form.endswith("accumulated") else 1
         torch.manual_seed(0)
@@ -96,20 +102,10 @@ def test_the_step_count_all_reduced_is_clean(ranks, form):
     assert any(sum(a) != sum(b) for a, b in zip(ranks[0][form]["counts"], ranks[1][form]["counts"]))
 
 
-FSDP_WORKER = textwrap.dedent(
+FSDP_WORKER = _HEAD + textwrap.dedent(
     r'''
-    import datetime, json, os, sys
-    import torch, torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    torch.set_num_threads(1)
-    rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
-    from gradwatch import GradWatch
-    from token_batches import TinyLM, targets, token_loss, uneven_micro_batches
-
-    results = {}
     for form in ("rank_means", "step_count"):
         torch.manual_seed(0)
         model = TinyLM(width=32)

@@ -7,7 +7,7 @@ shift, micro-batches of unequal lengths and sizes), small enough for a test.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -112,3 +112,23 @@ class OwnLM(TinyLM):
         if labels is not None:
             out["loss"] = token_loss(lambda _ids: logits, {"input_ids": input_ids, "labels": labels})
         return out
+
+
+def accumulation_run(model: nn.Module, watch: Any, steps: int, make: Callable[[torch.Generator], List[Any]],
+                     backward: Callable[[nn.Module, List[Any], int], None], seed: int = 7) -> Tuple[List[Any], List[List[Any]]]:
+    """``steps`` SGD steps of a plain loop with gradient accumulation under ``watch`` (a GradWatch): ``make(gen)``
+    gives a step's micro-batches, ``backward(model, micro, i)`` runs micro-batch ``i``'s backward, each is handed to
+    ``watch.accumulate``, then ``watch.step()``. Returns the reports and each step's micro-batches."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(seed)
+    reports, micro_batches = [], []
+    for _ in range(steps):
+        micro = make(gen)
+        opt.zero_grad()
+        for i, mb in enumerate(micro):
+            backward(model, micro, i)
+            watch.accumulate(mb)
+        reports.append(watch.step())
+        micro_batches.append(micro)
+        opt.step()
+    return reports, micro_batches
