@@ -249,3 +249,40 @@ def test_a_batch_without_countable_tensors_is_weighed_alike_and_says_so():
     reports, _ = train(model, watch, 2, make, lambda m, micro, i: (ce(m, micro[i]) / 3).backward())
     assert watch.alerts == [] and all(r.training and r.training_items["equal"] for r in reports)
     assert "the batch holds no tensor gradwatch counts items in" in reports[0].training_note
+
+
+@pytest.mark.parametrize("form", ["mean_over_k", "sum_over_step"])
+def test_one_row_micro_batches_without_padding(form):
+    """Batch 1 x 8 accumulation steps (TRL #2175): no row is padded, so no label is -100 yet; the labels are still
+    what the loss counts (the probe masks some to tell), and the rows' lengths weigh the step."""
+    model = TinyLM()
+
+    def make(gen):
+        return [padded_batch([int(torch.randint(3, 30, (1,), generator=gen))], gen) for _ in range(8)]
+
+    watch = watch_of(model)
+    train(model, watch, 4, make, mean_over_k if form == "mean_over_k" else sum_over_step)
+    assert watch.step_objective.decision.rule == ItemRule("tokens", ("labels",), 1)
+    if form == "sum_over_step":
+        assert watch.alerts == []
+    else:
+        assert "training weighs the 8 micro-batches equally, but they hold" in first_alert(watch).message
+
+
+def test_labels_shifted_by_the_data_are_counted_unshifted():
+    """Inputs ids[:-1] and labels ids[1:] (the data shifts, the loss does not): the probe finds no shift."""
+    def loss(model, b, reduction="mean"):
+        logits = model(b["input_ids"])
+        return F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100, reduction=reduction)
+
+    def make(gen):
+        return [{"input_ids": b["input_ids"][:, :-1], "labels": b["labels"][:, 1:]} for b in uneven_micro_batches(4, gen)]
+
+    def right(model, micro, i):
+        (loss(model, micro[i], "sum") / sum(int((b["labels"] != -100).sum()) for b in micro)).backward()
+
+    model = TinyLM()
+    watch = watch_of(model, loss)
+    reports, _ = train(model, watch, 4, make, right)
+    assert watch.alerts == [] and watch.step_objective.decision.rule == ItemRule("tokens", ("labels",))
+    assert reports[0].training_items["rule"] == "target tokens (labels != -100)"

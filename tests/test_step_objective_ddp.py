@@ -106,25 +106,34 @@ FSDP_WORKER = _HEAD + textwrap.dedent(
     r'''
     from torch.distributed.fsdp import fully_shard
 
-    for form in ("rank_means", "step_count"):
+    def shifted_loss(model, b, reduction="mean"):  # labels shifted by the data (inputs ids[:-1], labels ids[1:])
+        logits = model(b["input_ids"])
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100,
+                                                 reduction=reduction)
+
+    for form in ("rank_means", "step_count", "shifted_by_the_data"):
+        loss_fn = shifted_loss if form == "shifted_by_the_data" else token_loss
         torch.manual_seed(0)
         model = TinyLM(width=32)
         fully_shard(model.mix)
         fully_shard(model)
-        watch = GradWatch(model, token_loss, every=1, tensorboard=False, jsonl=False)
+        watch = GradWatch(model, loss_fn, every=1, tensorboard=False, jsonl=False)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         gen = torch.Generator().manual_seed(100 + rank)
         notes = []
         for step in range(4):
             micro = uneven_micro_batches(2, gen, sizes=(1 + 2 * rank, 2 + 2 * rank))
-            total = torch.tensor(float(sum(targets(b) for b in micro)))
+            if loss_fn is shifted_loss:
+                micro = [{"input_ids": b["input_ids"][:, :-1], "labels": b["labels"][:, 1:]} for b in micro]
+            total = torch.tensor(float(sum(targets(b) if loss_fn is token_loss else int((b["labels"] != -100).sum())
+                                           for b in micro)))
             dist.all_reduce(total)
             opt.zero_grad()
             for b in micro:
                 if form == "rank_means":
-                    (token_loss(model, b) / 2).backward()
+                    (loss_fn(model, b) / 2).backward()
                 else:
-                    (token_loss(model, b, "sum") * 2 / total).backward()
+                    (loss_fn(model, b, "sum") * 2 / total).backward()
                 watch.accumulate(b)
             report = watch.step()
             notes.append(report.training_note if report is not None else None)
@@ -149,10 +158,13 @@ def sharded(tmp_path_factory):
 
 def test_fsdp2_judges_the_step_objective_shard_by_shard(sharded):
     """FSDP2: the counts are exchanged before the replay, each rank's objective weighs its share, FSDP2's own
-    reduce-scatter averages them: the step count all-reduced is clean, per-rank means are caught with the counts."""
-    clean, buggy = sharded[0]["step_count"], sharded[0]["rank_means"]
+    reduce-scatter averages them: the step count all-reduced is clean, per-rank means are caught with the counts,
+    and labels the data already shifted are counted unshifted (no probe under FSDP2: read off the data)."""
+    clean, buggy, shifted = sharded[0]["step_count"], sharded[0]["rank_means"], sharded[0]["shifted_by_the_data"]
     assert clean["alerts"] == [] and clean["checks"] == 4
     assert all("target tokens (labels[..., 1:] != -100)" in n and "not verified by a probe" in n for n in clean["notes"])
+    # labels the data shifted (equal to the next ids): counted without the shift, read off the data
+    assert shifted["alerts"] == [] and all("target tokens (labels != -100)" in n for n in shifted["notes"])
     training = [m for step, part, m in buggy["alerts"] if part == "training"]
     assert training and all(step == 0 for step, part, _ in buggy["alerts"] if part == "training")
     assert "the step holds micro-batch 1 on rank 0:" in training[0] and "per-rank means averaged" in training[0]

@@ -272,17 +272,18 @@ def test_accumulation_training_verdict_at_every_check(tmp_path, kind):
         assert all(c["independence"] is None for c in checks)
 
 
-@pytest.mark.parametrize("own", [True, False])
-def test_a_model_without_num_items_in_batch_is_named_under_accumulation(tmp_path, own):
+@pytest.mark.parametrize("own, rows, steps", [(True, 2, 3), (True, 1, 4), (False, 2, 3)])
+def test_a_model_without_num_items_in_batch_is_named_under_accumulation(tmp_path, own, rows, steps):
     """A model of one's own whose forward takes no num_items_in_batch: the Trainer divides each micro-batch's token
-    mean by the accumulation steps, and the padded micro-batches hold unequal token counts (the 2024 bug)."""
+    mean by the accumulation steps, and the micro-batches hold unequal token counts (the 2024 bug), padded or, one
+    row each (TRL #2175's batch 1), not."""
     from token_batches import OwnLM, Rows, collate
 
     torch.manual_seed(0)
     model = OwnLM() if own else tiny_lm("gpt2-counted")
     callback = GradWatchCallback(every=1, tensorboard=False)
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2,
-                             gradient_accumulation_steps=3, use_cpu=True, disable_tqdm=True, seed=0,
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=rows,
+                             gradient_accumulation_steps=steps, use_cpu=True, disable_tqdm=True, seed=0,
                              report_to=[], save_strategy="no", logging_steps=100)
     Trainer(model=model, args=args, train_dataset=Rows(vocab=50, longest=16), data_collator=collate,
             callbacks=[callback]).train()
@@ -291,5 +292,5 @@ def test_a_model_without_num_items_in_batch_is_named_under_accumulation(tmp_path
         assert callback.watch.alerts == [] and callback.watch.cycle_length is not None
         return
     assert training and all(a.step == 0 for a in training)
-    assert "training weighs the 3 micro-batches equally, but they hold" in training[0].message
+    assert f"training weighs the {steps} micro-batches equally, but they hold" in training[0].message
     assert "(in Hugging Face: a model whose forward takes num_items_in_batch" in training[0].message

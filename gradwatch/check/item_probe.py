@@ -231,7 +231,11 @@ def decide(evaluate: Evaluate, batches: Sequence[Any], rules: Sequence[ItemRule]
     decision = ItemDecision()
     coupled_at = max(1e-2, 30 * noise)
     for what, x, y, xy, predicted in _pairs(batches, rules, alive):
-        sx, sy, sxy = evaluate(x), evaluate(y), evaluate(xy)
+        try:
+            sx, sy, sxy = evaluate(x), evaluate(y), evaluate(xy)
+        except Exception as exc:  # noqa: BLE001 - loss_fn refused this pair (labels it cannot ignore): the next one
+            decision.evidence = f"{what}: loss_fn raised {type(exc).__name__}: {exc}"
+            continue
         decision.evaluations += 3
         fit = fit_pair(sx, sy, sxy)
         if fit is None:

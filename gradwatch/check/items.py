@@ -175,33 +175,75 @@ def _is_mask(path: Path, t: torch.Tensor) -> bool:
     return bool(((t == 0) | (t == 1)).all()) and bool((t == 1).any())
 
 
+def _targets(path: Path, first: Optional[Path]) -> bool:
+    """A token tensor that looks like the targets though no entry is -100 yet (a batch without padding): named
+    ``...label...`` or ``...target...``, or in a tuple or list batch, an integer tensor after the first tensor."""
+    name = str(path[-1]).lower() if path else ""
+    if "label" in name or "target" in name:
+        return True
+    return isinstance(path[-1], int) and path != first if path else False
+
+
 def candidates(batches: Sequence[Any]) -> List[ItemRule]:
     """The item rules the batches of one step offer, most specific last: the samples; for each integer
-    tensor holding ``-100`` somewhere in the step, its target tokens (and, with two dimensions, after the
-    next-token shift); for each mask (a 0/1 tensor of two dimensions or more, integer or boolean, or floating
+    tensor holding ``-100`` somewhere in the step, or that looks like the targets (``labels``, a tuple's
+    integer tensor after the first), its target tokens (and, with two dimensions, after the next-token
+    shift); for each mask (a 0/1 tensor of two dimensions or more, integer or boolean, or floating
     and named ``...mask``), its sum (and after the shift).
 
     Example:
-        >>> [r.key for r in candidates([(torch.randn(2, 3), torch.tensor([[1, 0, 1], [1, 1, 1]]))])]
-        ['samples::0', 'mask:batch[1]:0', 'mask:batch[1]:1']
+        >>> [r.key for r in candidates([{"x": torch.randn(2, 3), "mask": torch.tensor([[1, 0, 1], [1, 1, 1]])}])]
+        ['samples::0', 'mask:mask:0', 'mask:mask:1']
     """
-    out = [ItemRule("samples")]
-    seen = set()
+    found: Dict[Path, Dict[str, bool]] = {}  # per tensor, over the step's micro-batches
     for batch in batches:
+        first = next((p for p, t in named_leaves(batch) if t.dim()), None)
+        size = leading_size(batch)
         for path, t in named_leaves(batch):
-            if path in seen or not t.dim():
+            if not t.dim():
                 continue
-            rules: List[ItemRule] = []
-            if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool and bool((t == IGNORE_INDEX).any()):
-                rules = [ItemRule("tokens", path)] + ([ItemRule("tokens", path, 1)] if t.dim() > 1 else [])
-            elif _is_mask(path, t) and leading_size(batch) == int(t.shape[0]):
-                rules = [ItemRule("mask", path), ItemRule("mask", path, 1)]
-            if rules:
-                seen.add(path)
-                out.extend(rules)
-    # A tensor first seen without -100 and later with it is a label tensor: keep its tokens rules only.
-    tokens = {r.path for r in out if r.kind == "tokens"}
-    return [r for r in out if not (r.kind == "mask" and r.path in tokens)]
+            integer = not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+            seen = found.setdefault(path, {"ignored": False, "targets": False, "mask": True, "rows": t.dim() > 1})
+            seen["ignored"] = seen["ignored"] or (integer and bool((t == IGNORE_INDEX).any()))
+            seen["targets"] = seen["targets"] or (integer and t.dim() > 1 and _targets(path, first))
+            seen["mask"] = seen["mask"] and _is_mask(path, t) and size == int(t.shape[0])
+    out = [ItemRule("samples")]
+    for path, seen in found.items():
+        if seen["ignored"] or seen["targets"]:
+            out += [ItemRule("tokens", path)] + ([ItemRule("tokens", path, 1)] if seen["rows"] else [])
+        if seen["mask"] and not seen["ignored"]:  # a 0/1 tensor of targets may also be a mask: both are tried
+            out += [ItemRule("mask", path), ItemRule("mask", path, 1)]
+    return out
+
+
+def label_shift(batches: Sequence[Any], path: Path) -> Optional[int]:
+    """From the data alone, whether the loss shifts the labels at ``path``: 1 when they equal the batch's token ids
+    where they count (the model predicts the next one: Hugging Face's ``labels = input_ids``), 0 when they equal the
+    ids one position on (the data shifted them), None when neither holds (or no ids of their shape).
+
+    Example:
+        >>> ids = torch.tensor([[5, 6, 7, 8]])
+        >>> label_shift([{"input_ids": ids, "labels": ids.clone()}], ("labels",))
+        1
+        >>> label_shift([{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}], ("labels",))
+        0
+    """
+    verdicts = set()
+    for batch in batches:
+        try:
+            labels = tensor_at(batch, path)
+        except ItemCountError:
+            continue
+        counted = labels != IGNORE_INDEX
+        for other, ids in named_leaves(batch):
+            if other == path or ids.shape != labels.shape or ids.is_floating_point() or labels.dim() < 2:
+                continue
+            if bool((ids[counted] == labels[counted]).all()):
+                verdicts.add(1)
+            elif bool((ids[:, 1:][counted[:, :-1]] == labels[:, :-1][counted[:, :-1]]).all()):
+                verdicts.add(0)
+            break
+    return verdicts.pop() if len(verdicts) == 1 else None
 
 
 def proportional(a: Sequence[float], b: Sequence[float], tol: float = 1e-9) -> bool:

@@ -46,9 +46,11 @@ from ..check.item_probe import SUM_KEY, ItemDecision, coupling_modules, decide
 from ..check.items import (
     ItemCountError,
     ItemRule,
+    Path,
     candidates,
     counts_by_rule,
     equal_weights,
+    label_shift,
     proportional,
     step_weights,
 )
@@ -120,6 +122,7 @@ class StepObjective:
         self.decision: Optional[ItemDecision] = None
         self._known: Dict[str, ItemRule] = {}  # rules seen in the run (a batch without -100 still counts its labels)
         self._decided_for: Optional[FrozenSet[str]] = None  # the rules an undecided probe saw
+        self._shifts: Dict[Path, Optional[int]] = {}  # without a probe: each label tensor's shift, read off the data
         self._sketch: Optional[Sketch] = None
         self._seed = 0  # the check the sketch's coordinates were drawn for
         #: This check's sketches of each replayed micro-batch's own gradient (this rank's).
@@ -194,6 +197,7 @@ class StepObjective:
         # A probe (once for the run) where some rule would weigh the micro-batches unequally: which rule loss_fn
         # follows, or whether it sums, or couples the samples (then 1/k each, as for BatchNorm). Distributed, every
         # rank probes its own batch: the ranks' counts may differ where this rank's do not.
+        out["shifts"] = {} if probe else {r.path: label_shift(batches, r.path) for r in rules if r.kind == "tokens"}
         uneven = any(not proportional([1.0] * len(v), v) for v in counts.values())
         if probe and rules and (uneven or distributed):
             assert model is not None
@@ -249,6 +253,7 @@ class StepObjective:
             where = f" on rank {r}" if world > 1 else ""
             return StepPlan(None, world=world, reason=f"not judged: counting the step's items failed{where}: {why}")
         ks = [int(p["k"]) for p in payloads]
+        self._shifts = dict(payloads[0].get("shifts") or {})  # rank 0's reading of its labels (no probe)
         first = sum(ks[:rank])
         single = world == 1 and ks[0] == 1
         mode = payloads[0]["mode"]
@@ -289,7 +294,7 @@ class StepObjective:
                     if len(alive) > 1:
                         note_extra = f" (the same under each of the {len(alive)} counts the batch offers)"
                 elif not probe:
-                    rule = _by_structure(alive, shift_hint)
+                    rule = _by_structure(alive, shift_hint, self._shifts)
                     note_extra = (f"; {rule.text} chosen from the batch's structure, not verified by a probe (a sharded "
                                   "model's forwards are collectives): declare it with items= if loss_fn averages over "
                                   "something else")
@@ -394,11 +399,17 @@ class StepObjective:
         return text
 
 
-def _by_structure(rules: Sequence[ItemRule], shift_hint: Optional[int]) -> ItemRule:
-    """Where no probe can decide: target tokens (with the model's shift where known), else a mask, else samples."""
+def _by_structure(rules: Sequence[ItemRule], shift_hint: Optional[int], shifts: Mapping[Path, Optional[int]]) -> ItemRule:
+    """Where no probe can decide: target tokens, shifted as the data says (labels equal to the ids: the model shifts
+    them; equal to the next ids: the data did), else as the model is known to (a causal LM), else a mask, else
+    samples."""
     order = {"declared": 0, "tokens": 1, "mask": 2, "samples": 3}
-    hint = 1 if shift_hint is None else shift_hint
-    return min(rules, key=lambda r: (order.get(r.kind, 4), r.shift != hint, str(r.path)))
+
+    def shift(r: ItemRule) -> int:
+        said = shifts.get(r.path)
+        return said if said is not None else 1 if shift_hint is None else shift_hint
+
+    return min(rules, key=lambda r: (order.get(r.kind, 4), r.shift != shift(r), str(r.path)))
 
 
 __all__ = ["MICRO_BATCHES", "SUM_KEY", "StepObjective", "StepPlan"]
