@@ -272,17 +272,21 @@ def test_accumulation_training_verdict_at_every_check(tmp_path, kind):
         assert all(c["independence"] is None for c in checks)
 
 
-@pytest.mark.parametrize("own, rows, steps", [(True, 2, 3), (True, 1, 4), ("gpt2-counted", 2, 3), ("llama", 2, 3)])
-def test_a_model_without_num_items_in_batch_is_named_under_accumulation(tmp_path, own, rows, steps):
+@pytest.mark.parametrize("own, rows, steps, loss_fn", [
+    (True, 2, 3, None), (True, 1, 4, None), ("gpt2-counted", 2, 3, None), ("llama", 2, 3, None),
+    ("llama", 2, 3, lambda model, inputs: model(**inputs).loss),  # a loss_fn of one's own: the micro-batch's loss
+])
+def test_a_model_without_num_items_in_batch_is_named_under_accumulation(tmp_path, own, rows, steps, loss_fn):
     """A model of one's own whose forward takes no num_items_in_batch: the Trainer divides each micro-batch's token
     mean by the accumulation steps, and the micro-batches hold unequal token counts (the 2024 bug), padded or, one
     row each (TRL #2175's batch 1), not. GPT-2 (told its loss_type) and Llama divide by the step's count themselves:
-    at the Trainer's defaults, 0 alerts over 4 checks."""
+    at the Trainer's defaults, 0 alerts over 4 checks, also with a loss_fn of one's own (it is handed the inputs
+    without num_items_in_batch)."""
     from token_batches import OwnLM, Rows, collate
 
     torch.manual_seed(0)
     model = OwnLM() if own is True else tiny_lm(own)
-    callback = GradWatchCallback(every=1, tensorboard=False)
+    callback = GradWatchCallback(loss_fn, every=1, tensorboard=False)
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=rows,
                              gradient_accumulation_steps=steps, use_cpu=True, disable_tqdm=True, seed=0,
                              report_to=[], save_strategy="no", logging_steps=100)

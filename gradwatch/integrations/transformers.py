@@ -191,7 +191,8 @@ class GradWatchCallback(TrainerCallback):
 
     Args:
         loss_fn: ``loss_fn(model, inputs) -> scalar`` on the inputs the Trainer passed the
-            model; default: the ``loss`` the model returns (the batch needs labels).
+            model (without its ``num_items_in_batch``: the loss of that micro-batch alone); default: the
+            ``loss`` the model returns (the batch needs labels).
         config: Optional YAML file with GradWatch options; keyword options win.
         **options: Any :class:`~gradwatch.config.GradWatchConfig` option (``every``,
             ``coords``, ``raise_on``, ...) and ``on_alert``/``grad_fn``.
@@ -267,7 +268,10 @@ class GradWatchCallback(TrainerCallback):
         # A plain function, not a bound method: copy.deepcopy (the check's shadow model) keeps functions as they are.
         def capture(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
             if module is self._model and module.training and torch.is_grad_enabled() and not self._checking:
-                self._batch = ModelCall(tuple(args), dict(kwargs)) if args else dict(kwargs)
+                # Without the Trainer's num_items_in_batch: a loss_fn gets its batch's own loss, and the step's
+                # objective weighs the micro-batches by their items (gradwatch.watch.step_objective).
+                inputs = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
+                self._batch = ModelCall(tuple(args), inputs) if args else inputs
 
         capture._gradwatch_hook = True  # type: ignore[attr-defined]  # gradwatch's own: it ignores check forwards
         return capture

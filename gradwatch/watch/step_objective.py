@@ -158,8 +158,31 @@ class StepObjective:
             more = counts_by_rule(list(rules.values()), batches) if "error" not in local else {}
             for p, counts in zip(payloads, coord.everyone(more, "the step's item counts under every rule")):
                 p.setdefault("counts", {}).update(counts)
+        if probe and model is not None and self._probe_wanted(payloads):
+            # Once for the run, where some count would weigh the step's micro-batches (of any rank) unequally: which
+            # one loss_fn follows, or whether it sums, or couples the samples (then 1/k each, as for BatchNorm).
+            # Every rank probes its own batch (a rank whose batch cannot tell leaves it to another), and the
+            # decisions are exchanged: the same payloads everywhere make the same exchanges everywhere.
+            try:
+                mine: Any = self._probe(model, loss, params, batches, local["rules"], seed)
+            except Exception as exc:  # noqa: BLE001 - every rank must still reach the exchange below
+                mine = ItemDecision(evidence=f"{type(exc).__name__}: {exc}")
+            made = coord.everyone(mine, "what loss_fn averages over") if coord is not None else [mine]
+            for p, decision in zip(payloads, made):
+                p["decision"] = decision
         rank = coord.rank if coord is not None else 0
         return self._agreed(payloads, rank, probe and model is not None, shift_hint)
+
+    def _probe_wanted(self, payloads: List[Dict[str, Any]]) -> bool:
+        """A probe is wanted when no rank's payload carries a decision, nothing couples the samples already, and some
+        count weighs the step's micro-batches unequally over every rank (a pure function of the payloads)."""
+        if any("error" in p or p.get("decision") is not None or p.get("coupled") for p in payloads):
+            return False
+        if payloads[0]["mode"] != "auto" or not payloads[0].get("rules"):
+            return False
+        keys = set.intersection(*(set(p["counts"]) for p in payloads))
+        return any(not proportional([1.0] * sum(len(p["counts"][k]) for p in payloads),
+                                    [c for p in payloads for c in p["counts"][k]]) for k in keys)
 
     def _local(self, batches: Sequence[Any], model: Optional[nn.Module], loss: Any, params: Mapping[str, torch.Tensor],
                seed: int, probe: bool, distributed: bool) -> Dict[str, Any]:
@@ -194,14 +217,7 @@ class StepObjective:
         if self._reusable(self.decision, counts):
             out["decision"] = self.decision  # probed once for the run (what loss_fn averages over does not change)
             return out
-        # A probe (once for the run) where some rule would weigh the micro-batches unequally: which rule loss_fn
-        # follows, or whether it sums, or couples the samples (then 1/k each, as for BatchNorm). Distributed, every
-        # rank probes its own batch: the ranks' counts may differ where this rank's do not.
         out["shifts"] = {} if probe else {r.path: label_shift(batches, r.path) for r in rules if r.kind == "tokens"}
-        uneven = any(not proportional([1.0] * len(v), v) for v in counts.values())
-        if probe and rules and (uneven or distributed):
-            assert model is not None
-            out["decision"] = self._probe(model, loss, params, batches, rules, seed)
         return out
 
     def _reusable(self, decision: Optional[ItemDecision], counts: Mapping[str, Any]) -> bool:
