@@ -148,7 +148,6 @@ def explain_cut(parts: Sequence[Part], sketches: torch.Tensor, live: torch.Tenso
     if total <= 0 or float(torch.linalg.vector_norm(live)) == 0.0:
         return None
     w = counts / total
-    _, ref_misfit = _misfit(live, basis, w)
     fixed = float(torch.linalg.vector_norm(live - w @ basis)) / float(torch.linalg.vector_norm(live))
     hyps: List[Tuple[str, torch.Tensor]] = [("equal", torch.ones(n, dtype=torch.float64))]
     ranks = sorted({p.rank for p in parts})

@@ -8,9 +8,9 @@ accumulation bug). :class:`StepObjective` is the part of the watch that finds th
 
 1. **What is counted** (the ``items`` option): ``"auto"`` finds the rules the batch offers (target
    tokens of a label tensor holding ``-100``, with and without the next-token shift; masks;
-   samples, :mod:`gradwatch.check.items`) and, where they disagree, decides which one ``loss_fn``
-   follows by evaluating its gradient on two samples and their union (:mod:`gradwatch.check.item_probe`),
-   once per run; ``"samples"`` or a callable ``items(batch) -> count`` declare it;
+   samples, :mod:`gradwatch.check.items`) and, where one would weigh the step's micro-batches unequally,
+   decides which one ``loss_fn`` follows by evaluating its gradient on two samples and their union
+   (:mod:`gradwatch.check.item_probe`), once per run; ``"samples"`` or a callable ``items(batch) -> count`` declare it;
    ``"micro_batches"`` weighs each micro-batch alike (the mean of micro-batch means).
 2. **Where the cut legitimately matters**: train-mode BatchNorm, or a probe that finds the samples
    of a batch coupled (an in-batch contrastive loss): the step is judged per micro-batch, each
@@ -42,7 +42,7 @@ from torch import nn
 
 from ..check.cut import Part, describe_counts, explain_cut
 from ..check.isolation import Reseeder
-from ..check.item_probe import SUM_KEY, ItemDecision, coupling_modules, decide
+from ..check.item_probe import ItemDecision, coupling_modules, decide
 from ..check.items import (
     ItemCountError,
     ItemRule,
@@ -147,7 +147,7 @@ class StepObjective:
         if coord is None and len(batches) == 1:  # one micro-batch in one process: nothing to weigh (the common case)
             return StepPlan([1.0], parts=[Part(0, 0, 1.0)])
         try:
-            local = self._local(batches, model, loss, params, seed, probe and model is not None, coord is not None)
+            local = self._local(batches, model, probe and model is not None, coord is not None)
         except Exception as exc:  # noqa: BLE001 - the user's items= or batch: said in the report, training goes on
             local = {"error": f"{type(exc).__name__}: {exc}"}
         payloads = coord.everyone(local, "the step's item counts") if coord is not None else [local]
@@ -184,9 +184,9 @@ class StepObjective:
         return any(not proportional([1.0] * sum(len(p["counts"][k]) for p in payloads),
                                     [c for p in payloads for c in p["counts"][k]]) for k in keys)
 
-    def _local(self, batches: Sequence[Any], model: Optional[nn.Module], loss: Any, params: Mapping[str, torch.Tensor],
-               seed: int, probe: bool, distributed: bool) -> Dict[str, Any]:
-        """What this rank knows: its micro-batches' counts under every rule, its coupling modules, its probe."""
+    def _local(self, batches: Sequence[Any], model: Optional[nn.Module], probe: bool, distributed: bool) -> Dict[str, Any]:
+        """What this rank knows: its micro-batches' counts under every rule, the modules that couple its samples, the
+        decision kept from an earlier probe, and (without a probe) how its labels are shifted."""
         out: Dict[str, Any] = {"k": len(batches), "mode": self._mode()}
         if out["mode"] == "micro_batches":
             out["counts"] = {MICRO_BATCHES.key: [1.0] * len(batches)}
@@ -428,4 +428,4 @@ def _by_structure(rules: Sequence[ItemRule], shift_hint: Optional[int], shifts: 
     return min(rules, key=lambda r: (order.get(r.kind, 4), r.shift != shift(r), str(r.path)))
 
 
-__all__ = ["MICRO_BATCHES", "SUM_KEY", "StepObjective", "StepPlan"]
+__all__ = ["MICRO_BATCHES", "StepObjective", "StepPlan"]
