@@ -31,6 +31,14 @@ _HEAD = textwrap.dedent(
     results = {}
     '''
 )
+#: Each rank's results to rank<r>.json in the folder given.
+_TAIL = textwrap.dedent(
+    r'''
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+    '''
+)
 
 WORKER = _HEAD + textwrap.dedent(
     r'''
@@ -63,19 +71,20 @@ WORKER = _HEAD + textwrap.dedent(
             opt.step()
         results[form] = {"counts": counts, "checks": watch._checks,
                          "alerts": [(a.step, a.part, a.message) for a in watch.alerts]}
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
     '''
-)
+) + _TAIL
+
+
+def _both_ranks(worker, out, timeout, what):
+    """Run ``worker`` on 2 ranks in ``out``; every rank's results, by rank."""
+    codes, logs = run_two_ranks(worker, out / "worker.py", [str(out)], timeout=timeout, what=what)
+    assert codes == (0, 0), "\n".join(log[-3000:] for log in logs)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("step_ddp")
-    codes, logs = run_two_ranks(WORKER, out / "worker.py", [str(out)], timeout=180, what="2-rank step objective runs")
-    assert codes == (0, 0), "\n".join(log[-3000:] for log in logs)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return _both_ranks(WORKER, tmp_path_factory.mktemp("step_ddp"), 180, "2-rank step objective runs")
 
 
 
@@ -140,20 +149,14 @@ FSDP_WORKER = _HEAD + textwrap.dedent(
             opt.step()
         results[form] = {"checks": watch._checks, "notes": notes,
                          "alerts": [(a.step, a.part, a.message) for a in watch.alerts]}
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
     '''
-)
+) + _TAIL
 
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
     pytest.importorskip("torch.distributed.fsdp")
-    out = tmp_path_factory.mktemp("step_fsdp")
-    codes, logs = run_two_ranks(FSDP_WORKER, out / "worker.py", [str(out)], timeout=240, what="2-rank FSDP2 runs")
-    assert codes == (0, 0), "\n".join(log[-3000:] for log in logs)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return _both_ranks(FSDP_WORKER, tmp_path_factory.mktemp("step_fsdp"), 240, "2-rank FSDP2 runs")
 
 
 def test_fsdp2_judges_the_step_objective_shard_by_shard(sharded):

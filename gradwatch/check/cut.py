@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .items import ItemRule, proportional
+from .items import ItemRule, path_text, proportional
 
 #: Misfit (relative to training's sketch) under which a weighting explains training's gradient.
 EXPLAINED = 1e-2
@@ -151,10 +151,9 @@ def explain_cut(parts: Sequence[Part], sketches: torch.Tensor, live: torch.Tenso
     fixed = float(torch.linalg.vector_norm(live - w @ basis)) / float(torch.linalg.vector_norm(live))
     hyps: List[Tuple[str, torch.Tensor]] = [("equal", torch.ones(n, dtype=torch.float64))]
     ranks = sorted({p.rank for p in parts})
-    if len(ranks) > 1:
-        per_rank = {r: sum(p.count for p in parts if p.rank == r) for r in ranks}
-        if all(per_rank.values()):
-            hyps.append(("ranks", torch.tensor([p.count / per_rank[p.rank] for p in parts], dtype=torch.float64)))
+    per_rank = {r: sum(p.count for p in parts if p.rank == r) for r in ranks}
+    if len(ranks) > 1 and all(per_rank.values()):
+        hyps.append(("ranks", torch.tensor([p.count / per_rank[p.rank] for p in parts], dtype=torch.float64)))
     for key in (others or {}):
         if all(key in p.others for p in parts):
             hyps.append((key, torch.tensor([p.others[key] for p in parts], dtype=torch.float64)))
@@ -186,7 +185,6 @@ def explain_cut(parts: Sequence[Part], sketches: torch.Tensor, live: torch.Tenso
             text += f", and each is divided by {window} where the step has {n} (a partial accumulation window)"
         return text + ". " + _fix(parts, world, total, rule, ranks=True)
     if name == "ranks":
-        per_rank = {r: sum(p.count for p in parts if p.rank == r) for r in ranks}
         held_r = _series([f"rank {r} holds {_number(c)}" for r, c in per_rank.items()])
         return (f"training weighs the {len(ranks)} ranks equally, but {held_r} {rule.text}: "
                 f"{_unequal(parts, v, world, unit)} (the micro-batches within each rank are weighed right). "
@@ -221,7 +219,7 @@ def _first_labels(rule: ItemRule, other: str) -> str:
     """Why a count of the labels before the shift is off by one per sample, and the fix (empty for other pairs)."""
     if not (rule.kind == "tokens" and rule.shift == 1 and other == ItemRule("tokens", rule.path).key):
         return ""
-    where = rule.text.split("(")[1].split(" !=")[0]
+    where = path_text(rule.path) + "[..., 1:]"
     return ("; the count includes each sample's first label, which the next-token shift never predicts: count "
             f"{where} != -100 (in Hugging Face, the Trainer counts every label for a model it does not know as a causal "
             "LM, such as GPT2LMHeadModel, whose loss_type is None: set model.loss_type = 'ForCausalLM' before building "

@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from .items import IGNORE_INDEX, ItemCountError, ItemRule, Path, keep_labels, leading_size, take_samples, tensor_at
+from .items import IGNORE_INDEX, ItemCountError, ItemRule, Path, keep_labels, leading_size, path_text, take_samples, tensor_at
 
 #: The pseudo-rule of a ``loss_fn`` that sums over items (or divides by a constant): every micro-batch adds.
 SUM_KEY = "sum"
@@ -142,11 +142,7 @@ def _label_pair(batches: Sequence[Any], path: Path, rules: Sequence[ItemRule]) -
     x = keep_labels(base, path, 0, keep_x)
     y = keep_labels(base, path, 0, keep_y)
     xy = keep_labels(keep_labels(take_samples(base, [0, 0]), path, 0, keep_x), path, 1, keep_y)
-    return f"one sample's labels ({_text(path)}) kept at 3 positions, then at 1", x, y, xy, _predict(rules, x, y)
-
-
-def _text(path: Path) -> str:
-    return ItemRule("tokens", path).text.split("(")[1].split(" ")[0]
+    return f"one sample's labels ({path_text(path)}) kept at 3 positions, then at 1", x, y, xy, _predict(rules, x, y)
 
 
 def _predict(rules: Sequence[ItemRule], x: Any, y: Any) -> Dict[str, Tuple[float, float]]:

@@ -143,29 +143,23 @@ class ReportingSink(Sink):
 
 
 class TrainerLoss:
-    """The loss of one model call as the step's objective needs it: the model's own ``loss`` for the call's batch,
-    without the Trainer's ``num_items_in_batch``.
+    """The default objective: the model's own ``loss`` for one micro-batch (:func:`model_loss`).
 
-    Given ``num_items_in_batch``, a model divides its summed loss by the token count of the whole step (every
-    micro-batch, every rank) and the Trainer scales it for the ranks; that is how training gets the step's
-    gradient. The watch's objective is the mean over the call's own batch instead, and the step's objective
-    weighs each micro-batch (and rank) by its share of the step's items (:mod:`gradwatch.watch.step_objective`):
-    the Trainer's own scaling is what is judged, not reproduced.
+    The callback captures the model's inputs without the Trainer's ``num_items_in_batch`` (its forward
+    pre-hook leaves it out), so a model that takes it computes the mean over the micro-batch's own items
+    here; the step's objective then weighs each micro-batch (and rank) by its share of the step's items
+    (:mod:`gradwatch.watch.step_objective`): how the Trainer scales each micro-batch is what is judged,
+    not reproduced.
 
     Example:
         >>> class M(nn.Module):
         ...     def forward(self, x, labels=None, num_items_in_batch=None):
         ...         return {"loss": (x - labels).pow(2).sum() / (num_items_in_batch or x.numel())}
-        >>> batch = {"x": torch.ones(3), "labels": torch.zeros(3)}
-        >>> float(TrainerLoss()(M(), batch)), float(TrainerLoss()(M(), {**batch, "num_items_in_batch": 6}))
-        (1.0, 1.0)
+        >>> float(TrainerLoss()(M(), {"x": torch.ones(3), "labels": torch.zeros(3)}))
+        1.0
     """
 
     def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        if isinstance(batch, ModelCall) and "num_items_in_batch" in batch.kwargs:
-            batch = ModelCall(batch.args, {k: v for k, v in batch.kwargs.items() if k != "num_items_in_batch"})
-        elif isinstance(batch, Mapping) and "num_items_in_batch" in batch:
-            batch = {k: v for k, v in batch.items() if k != "num_items_in_batch"}
         return model_loss(model, batch)
 
     def __repr__(self) -> str:
