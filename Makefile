@@ -1,13 +1,20 @@
 # One command sets up and runs the demo, one sets up and runs the tests.
 #   make demo    create .venv, install gradwatch (torch pinned, see constraints.txt), run `gradwatch demo`
-#   make test    create .venv, install gradwatch with test extras, run ruff and mypy, then the test suite
+#   make test    create .venv, install gradwatch with test extras, run the gates (ruff, mypy, lint-imports: the
+#                layers in pyproject.toml), build the docs with --strict, then the test suite (2 workers)
+#   make docs    build the documentation site (mkdocs.yml, docs/) into site/, warnings as errors
 PYTHON ?= python3
+# mkdocs-material prints a banner about MkDocs 2 at every build; the build itself is what we read.
+export NO_MKDOCS_2_WARNING := 1
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 STAMP  := $(VENV)/.installed
+# pytest-xdist workers: two, the cores CI has (WORKERS=0 runs the suite in one process); each test file runs
+# whole on one worker (--dist loadfile), so the costly fixtures of a module are built once.
+WORKERS ?= 2
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench docs clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,10 +30,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m mypy gradwatch
-	$(PY) -m pytest -q $(ARGS)
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile $(ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py $(ARGS)
 
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache runs
+	rm -rf $(VENV) build *.egg-info .pytest_cache runs site

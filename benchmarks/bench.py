@@ -72,11 +72,12 @@ from torch.autograd.gradcheck import GradcheckError
 from torch.nn import functional as F
 
 from gradwatch._version import __version__
-from gradwatch.check.batched import batched_state, reset_batched_state
-from gradwatch.check.isolation import Shadow, cast_floats, preserved_rng
+from gradwatch.check.judging.report import CheckReport
 from gradwatch.check.model import check_model, run_model_check
-from gradwatch.check.objective import Objective
-from gradwatch.check.report import CheckReport
+from gradwatch.check.objective.rng import preserved_rng
+from gradwatch.check.objective.shadow import Shadow, cast_floats
+from gradwatch.check.objective.terms import Objective
+from gradwatch.check.probes.batched import batched_state, reset_batched_state
 from gradwatch.io.records import to_jsonable
 from gradwatch.options import CheckOptions
 from gradwatch.watch.gradwatch import GradWatch
@@ -623,7 +624,7 @@ def measure_training_part(case: Case, repeats: int) -> Dict[str, Any]:
             with preserved_rng():  # the check's RNG guard, which the backward part shares: not counted here
                 start = time.perf_counter()
                 report = CheckReport(tensors={})
-                watch._attach_training(report, watch._training_replay(pending))
+                watch.training.judge(report, watch.training.replay(pending))
                 part = time.perf_counter() - start
             watch._recorder.discard(full=True)  # as GradWatch.step does before a step it will check
             if i >= 2:  # the first two warm up

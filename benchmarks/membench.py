@@ -87,7 +87,7 @@ def worker(n_params: float, watch: bool, steps: int = 3, batch: int = 64) -> Dic
     if cuda:
         peak = int(torch.cuda.max_memory_allocated())
     else:
-        from gradwatch.check.memory import peak_bytes
+        from gradwatch.plan.memory import peak_bytes
 
         peak = peak_bytes(torch.device("cpu"))  # VmHWM: ru_maxrss would carry the parent's peak across exec
     return {"n_params": sum(p.numel() for p in model.parameters()), "width": h, "watch": watch,

@@ -14,7 +14,7 @@ A user's loop, ``GradWatch(model, loss_fn, optimizer=opt, every=1)`` at default 
   last ids are rare. Bugs: ``softmax`` in ``blocks.3.attn``; ``embedding_rare``, the token embedding's
   backward drops the gradient of the tokens seen once in the batch (``tok``); ``embedding_rare_index``, it
   drops that of ids 7,990 and up (the rarest, at the end of the vocabulary), watched with
-  ``memory_budget=0.5`` (room for the full-size copy such a bug needs, see the README); ``linear_rows``,
+  ``memory_budget=0.5`` (room for the full-size copy such a bug needs, see docs/guides/big-models.md); ``linear_rows``,
   the head's weight gradient 20% too large in the last 4 output rows of the weight its backward is given
   (``head``; a block of a Linear subclass is a copy holding only its rows, so every block shows it).
 - ``t100m``: width 768, 12 ``nn.TransformerEncoderLayer`` (``nn.MultiheadAttention``, norm first), vocabulary
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 #: Options of the watch other than the defaults, per bug: a backward that depends on the absolute row index is
-#: seen only with room for two float64 copies of the weight (see the README's "Big models").
+#: seen only with room for two float64 copies of the weight (see docs/guides/big-models.md).
 OPTIONS: Dict[str, Dict[str, Any]] = {"embedding_rare_index": {"memory_budget": 0.5}}
 #: case -> (bugs, planted module per bug, checks by default)
 CASES: Dict[str, Tuple[Tuple[str, ...], Dict[str, str], int]] = {

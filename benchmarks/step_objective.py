@@ -47,8 +47,8 @@ from token_batches import (  # noqa: E402
 )
 
 from gradwatch import GradWatch  # noqa: E402
-from gradwatch.check.isolation import preserved_rng  # noqa: E402
-from gradwatch.check.report import CheckReport  # noqa: E402
+from gradwatch.check.judging.report import CheckReport  # noqa: E402
+from gradwatch.check.objective.rng import preserved_rng  # noqa: E402
 
 Make = Callable[[torch.Generator], List[Any]]
 Backward = Callable[[nn.Module, List[Any], int], None]
@@ -151,7 +151,7 @@ def measure_training_part(vocab: int, k: int, repeats: int, width: int = 64) -> 
         with preserved_rng():
             start = time.perf_counter()
             report = CheckReport(tensors={})
-            watch._attach_training(report, watch._training_replay(pending, seed=i))
+            watch.training.judge(report, watch.training.replay(pending, seed=i))
             part = time.perf_counter() - start
         watch._recorder.discard(full=True)
         verdicts.update(t.verdict.value if t.verdict else "inconclusive" for t in report.training.values())

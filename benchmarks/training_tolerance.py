@@ -5,7 +5,7 @@ computation gives the same bits. What remains on correct runs is rounding from a
 summation order: gradient accumulation (``loss / k`` over k micro-batches, summed into ``.grad``),
 a training loss summed in one expression while the objective sums its terms one by one, and autocast.
 This script trains small correct models those ways under ``GradWatch(every=1)`` and prints the largest
-training ``rel_diff`` seen per compute dtype: :data:`gradwatch.check.training.TOLERANCE` is set about 30x above.
+training ``rel_diff`` seen per compute dtype: :data:`gradwatch.check.judging.training_judge.TOLERANCE` is set about 30x above.
 
 Run: ``.venv/bin/python benchmarks/training_tolerance.py`` (about a minute on 2 CPU cores).
 """
@@ -85,7 +85,7 @@ def main() -> None:
                     worst = max(run(make, shape, autocast, accumulate, seed, **kw) for seed in range(3))
                     dtype = str(autocast or torch.float32).replace("torch.", "")
                     print(f"{name:12} {dtype:14} {accumulate:>10} {variant:22} {worst:>26.2e}")
-    print("tolerances in use:", {str(k).replace("torch.", ""): v for k, v in gradwatch.check.training.TOLERANCE.items()})
+    print("tolerances in use:", {str(k).replace("torch.", ""): v for k, v in gradwatch.check.judging.training_judge.TOLERANCE.items()})
 
 
 if __name__ == "__main__":

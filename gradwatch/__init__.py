@@ -6,18 +6,19 @@ Example:
     0.0
 """
 
-from ._version import __version__
-from .check.backward import check_backward
-from .check.double_backward import check_double_backward
-from .check.independence import IndependenceReport, check_independence
-from .check.model import check_model, check_numpy
-from .check.numeric import Verdict, max_rel_error, numerical_grad, rel_diff
-from .check.report import CheckReport, TensorCheck, TrainingCheck
-from .config import GradWatchConfig, load_config
-from .errors import ConfigError, GradientCheckError, GradientDriftError, GradWatchError
-from .options import CheckOptions
-from .watch.gradwatch import GradWatch
-from .watch.trend import Alert, TrendTracker
+from gradwatch._version import __version__
+from gradwatch.bands import Verdict
+from gradwatch.check.backward import check_backward
+from gradwatch.check.higher_order.double_backward import check_double_backward
+from gradwatch.check.independence.check import IndependenceReport, check_independence
+from gradwatch.check.judging.report import CheckReport, TensorCheck, TrainingCheck
+from gradwatch.check.model import check_model, check_numpy
+from gradwatch.check.numerics.differences import max_rel_error, numerical_grad, rel_diff
+from gradwatch.config import GradWatchConfig, load_config
+from gradwatch.errors import ConfigError, GradientCheckError, GradientDriftError, GradWatchError
+from gradwatch.options import CheckOptions
+from gradwatch.watch.gradwatch import GradWatch
+from gradwatch.watch.trend import Alert, TrendTracker
 
 __all__ = [
     "Alert",

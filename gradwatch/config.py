@@ -16,18 +16,17 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 from dataclasses import dataclass, fields
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import yaml
 
-from .check.items import ITEMS_MODES
-from .check.objective import parse_regularizers
-from .errors import ConfigError
-from .options import CheckOptions, document_options, option, option_help
-from .watch.independence import parse_independence
-from .watch.schedule import parse_max_interval
-from .watch.trend import TrendTracker
+from gradwatch.check.independence.structures import parse_independence
+from gradwatch.check.objective.terms import parse_regularizers
+from gradwatch.check.replay.items import ITEMS_MODES
+from gradwatch.errors import ConfigError
+from gradwatch.options import CheckOptions, document_options, option, option_help, trend_options
 
 #: Options that belong to :class:`gradwatch.options.CheckOptions`.
 CHECK_OPTION_NAMES: Tuple[str, ...] = tuple(CheckOptions.names())
@@ -122,7 +121,7 @@ class GradWatchConfig(CheckOptions):
         self.fail_at = self.fail_verdict.value
         self.dtype = None if self.dtype is None else str(self.dtype).replace("torch.", "")
         self._validate_hook_options()
-        TrendTracker(self.bands, **{k: getattr(self, k) for k in TREND_OPTION_NAMES})
+        trend_options(self.bands, **{k: getattr(self, k) for k in TREND_OPTION_NAMES})
         self.drift_decades = float(self.drift_decades)
 
     def _validate_hook_options(self) -> None:
@@ -208,14 +207,14 @@ class GradWatchConfig(CheckOptions):
         """
         return CheckOptions(**{k: getattr(self, k) for k in CHECK_OPTION_NAMES})
 
-    def trend_tracker(self) -> TrendTracker:
-        """A fresh :class:`~gradwatch.watch.trend.TrendTracker` with this config's bands and trend options.
+    def trend_kwargs(self) -> Dict[str, Any]:
+        """This config's bands and trend options, as :class:`gradwatch.TrendTracker` takes them.
 
         Example:
-            >>> GradWatchConfig(drift_window=5).trend_tracker().drift_window
+            >>> GradWatchConfig(drift_window=5).trend_kwargs()["drift_window"]
             5
         """
-        return TrendTracker(self.bands, **{k: getattr(self, k) for k in TREND_OPTION_NAMES})
+        return {"bands": self.bands, **{k: getattr(self, k) for k in TREND_OPTION_NAMES}}
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON/YAML-safe dict of every option (bands as a list; callables by name).
@@ -270,7 +269,7 @@ class GradWatchConfig(CheckOptions):
 
 document_options(GradWatchConfig)
 
-#: One-line meaning of each option (README options table, CLI help, configs/default.yaml), read from its declaration.
+#: One-line meaning of each option (docs options table, CLI help, configs/default.yaml), read from its declaration.
 OPTION_DOCS: Dict[str, str] = option_help(GradWatchConfig)
 
 
@@ -310,7 +309,7 @@ def show_value(value: Any) -> str:
 
 
 def options_markdown() -> str:
-    """The README's table of options, rendered from their declarations (a test keeps the README equal to it).
+    """The table of options of docs/reference/options.md, rendered from their declarations (a test keeps the page equal to it).
 
     Example:
         >>> options_markdown().splitlines()[3]
@@ -439,3 +438,32 @@ def _from_mapping(d: Any, source: str, prefix: str) -> GradWatchConfig:
         return GradWatchConfig(**d)
     except ConfigError as err:
         raise ConfigError(f"{source}: {prefix}{err}") from None
+
+
+_INTERVAL_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(steps?|min|mins|minutes?|m|h|hours?)\s*$", re.I)
+
+
+def parse_max_interval(value: Any) -> Tuple[Optional[int], Optional[float]]:
+    """``max_interval`` as ``(steps, seconds)``: an integer is steps; ``"N steps"``, ``"N min"`` or ``"N h"`` too.
+
+    Raises:
+        ValueError: Anything else, naming what is accepted.
+
+    Example:
+        >>> parse_max_interval(500), parse_max_interval("30 min"), parse_max_interval(None)
+        ((500, None), (None, 1800.0), (None, None))
+    """
+    if value is None:
+        return None, None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return int(value), None
+    m = _INTERVAL_RE.match(value) if isinstance(value, str) else None
+    if m is not None and float(m.group(1)) > 0:
+        number, unit = float(m.group(1)), m.group(2).lower()
+        if unit.startswith("step"):
+            if number.is_integer():
+                return int(number), None
+        else:
+            return None, number * (3600.0 if unit.startswith("h") else 60.0)
+    raise ValueError(f"max_interval: got {value!r}, expected null, a number of steps >= 1 (500), "
+                     "or a time such as '30 min' or '2 h'")

@@ -5,7 +5,7 @@ YAML config, ``--kebab-case`` CLI flags and fields of the JSONL records.
 
 Each option is declared once, as a dataclass field made by :func:`option`:
 its name, type, default and one-line help. The dataclasses, the YAML
-validation, the CLI flags, the docstrings and the README's table all read
+validation, the CLI flags, the docstrings and the docs' options table all read
 that declaration (see :func:`gradwatch.config.options_table`): adding an
 option is adding one field (plus its validation when a type check is not enough).
 """
@@ -13,12 +13,12 @@ option is adding one field (plus its validation when a type check is not enough)
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .check.numeric import DEFAULT_BANDS, Verdict, validate_bands
-from .errors import ConfigError
+from gradwatch.bands import DEFAULT_BANDS, Verdict, validate_bands
+from gradwatch.errors import ConfigError
 
 #: Largest ``eps`` accepted: the step is relative to ``|theta|``, and a central difference over a larger
 #: one measures the curvature of the objective rather than its gradient.
@@ -122,7 +122,7 @@ class CheckOptions:
     """Options shared by every gradient check (each field's help is listed under Attributes below).
 
     With ``eps=None`` the step follows the coarsest precision the objective measurably computes in
-    (see :mod:`gradwatch.check.precision`).
+    (see :mod:`gradwatch.check.objective.precision`).
 
     Example:
         >>> CheckOptions(coords=4).directions
@@ -211,3 +211,30 @@ class CheckOptions:
 
 
 document_options(CheckOptions)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{name}: got {value!r}, expected an integer >= {minimum}")
+    return value
+
+
+def trend_options(bands: Sequence[float] = DEFAULT_BANDS, baseline_checks: int = 3, drift_window: int = 3,
+                  drift_decades: float = 2.0, alert_cooldown: int = 10) -> Tuple[Tuple[float, float, float], int, int, float, int]:
+    """The options of :class:`gradwatch.TrendTracker`, validated: ``(bands, baseline_checks, drift_window, drift_decades, alert_cooldown)``.
+
+    Raises:
+        ConfigError: A value out of range, naming the option and what is accepted.
+
+    Example:
+        >>> trend_options((1e-7, 1e-4, 1e-2), 3, 3, 2, 10)
+        ((1e-07, 0.0001, 0.01), 3, 3, 2.0, 10)
+    """
+    try:
+        checked: Tuple[float, float, float] = validate_bands(bands)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if isinstance(drift_decades, bool) or not isinstance(drift_decades, (int, float)) or not drift_decades > 0:
+        raise ConfigError(f"drift_decades: got {drift_decades!r}, expected a number > 0 (powers of ten)")
+    return (checked, _check_int("baseline_checks", baseline_checks, 1), _check_int("drift_window", drift_window, 1),
+            float(drift_decades), _check_int("alert_cooldown", alert_cooldown, 0))

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# Subprocesses (torchrun ranks, the CLI) on one OpenMP thread too: two ranks of two spinning threads on a
+# 2-core machine beside a second pytest worker only wait for each other.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from torch.autograd import Function
 
 # Tiny models: one intra-op thread is faster than two on a 2-core machine, and

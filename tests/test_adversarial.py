@@ -18,7 +18,7 @@ from torch.nn.utils import prune
 from torch.utils.checkpoint import checkpoint
 
 from gradwatch import ConfigError, GradWatch, check_backward, check_model
-from gradwatch.check.isolation import Shadow
+from gradwatch.check.objective.shadow import Shadow
 from gradwatch.io.sinks import read_jsonl
 
 

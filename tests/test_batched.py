@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import gradwatch.check.batched as batched_mod
+import gradwatch.check.probes.batched as batched_mod
 from gradwatch import GradWatch, check_model
-from gradwatch.check.batched import batched_state, reset_batched_state
+from gradwatch.check.probes.batched import batched_state, reset_batched_state
 
 FALLBACK = "batched evaluation is not available"
 

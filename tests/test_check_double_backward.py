@@ -56,17 +56,14 @@ def test_bad_arguments_name_what_is_expected():
 
 
 def test_the_readme_example_runs():
-    import re
-    from pathlib import Path
+    from docs_text import page, python_blocks
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    start = text.index("\n### A custom autograd Function, in a pytest test\n")
-    first, second = re.findall(r"```python\n(.*?)```", text[start:text.index("\n### ", start + 1)], re.S)[:2]
+    first, second = python_blocks(page("getting-started/custom-function.md"))[:2]
     ns: dict = {}
-    exec(compile(first, "README.md", "exec"), ns)
+    exec(compile(first, "docs/getting-started/custom-function.md", "exec"), ns)
     ns["test_my_sigmoid_backward"]()
     ns["rng"] = np.random.RandomState(0)
-    exec(compile(second, "README.md", "exec"), ns)  # raises on a wrong double backward
+    exec(compile(second, "docs/getting-started/custom-function.md", "exec"), ns)  # raises on a wrong double backward
 
 
 def test_float64_defaults_catch_a_one_percent_error_in_one_element():

@@ -9,6 +9,7 @@ import pytest
 import torch
 import yaml
 
+from gradwatch import TrendTracker
 from gradwatch.config import OPTION_DOCS, GradWatchConfig, load_config, option_names, options_markdown, options_table
 from gradwatch.errors import ConfigError
 from gradwatch.options import CheckOptions
@@ -73,8 +74,8 @@ def test_each_option_is_declared_once_and_every_description_reads_that_declarati
         assert OPTION_DOCS[name] in CheckOptions.__doc__, name
     for name, text in OPTION_DOCS.items():
         assert f"{name}: {text}" in GradWatchConfig.__doc__, name
-    readme = (CONFIGS.parent / "README.md").read_text()
-    assert options_markdown() in readme, "README's options table differs from gradwatch.config.options_markdown()"
+    readme = (CONFIGS.parent / "docs" / "reference" / "options.md").read_text()
+    assert options_markdown() in readme, "docs/reference/options.md's table differs from gradwatch.config.options_markdown()"
 
 
 def test_bool_and_float_options_are_checked_from_their_declared_type():
@@ -214,7 +215,7 @@ def test_callable_regularizers_allowed_from_python():
 
 
 def test_trend_tracker_uses_config_settings():
-    tracker = GradWatchConfig(bands=(1e-6, 1e-3, 1e-1), drift_window=5, alert_cooldown=0).trend_tracker()
+    tracker = TrendTracker(**GradWatchConfig(bands=(1e-6, 1e-3, 1e-1), drift_window=5, alert_cooldown=0).trend_kwargs())
     assert (tracker.bands, tracker.drift_window, tracker.alert_cooldown) == ((1e-6, 1e-3, 1e-1), 5, 0)
 
 

@@ -141,15 +141,12 @@ def test_wrong_double_backward_caught_and_named_in_every_objective(name, form):
 
 
 def test_the_readme_examples_run_without_alert(tmp_path):
-    import re
-    from pathlib import Path
+    from docs_text import page, python_blocks
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text[text.index("\n## Objectives with derivatives inside\n"):]
-    code = re.findall(r"```python\n(.*?)```", section, re.S)[0]
+    code = python_blocks(page("guides/derivatives-inside.md"))[0]
     critic = mlp(8, torch.float32)
     ns = {"torch": torch, "GradWatch": GradWatch, "critic": critic, "opt": torch.optim.SGD(critic.parameters(), lr=1e-3)}
-    exec(compile(code, "README.md (objectives with derivatives inside)", "exec"), ns)
+    exec(compile(code, "docs/guides/derivatives-inside.md", "exec"), ns)
     ns["watch"].close()
     watch, reports = watch_run(ns["critic_loss"], critic, batches(8, torch.float32, 2))
     assert watch.alerts == [] and all(r.ok and r.training for r in reports)
@@ -180,10 +177,9 @@ class PlainGAN(nn.Module):
 
 
 def test_the_readme_plain_gan_loop_gives_each_network_both_verdicts(tmp_path, monkeypatch):
-    from pathlib import Path
+    from docs_text import page
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text[text.index("## Objectives with derivatives inside"):text.index("## Independence")]
+    section = page("guides/derivatives-inside.md")
     code = section.split("in a plain loop, one watch per network", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     gan = PlainGAN()
     g = torch.Generator().manual_seed(1)
@@ -193,7 +189,7 @@ def test_the_readme_plain_gan_loop_gives_each_network_both_verdicts(tmp_path, mo
           "opt_c": torch.optim.Adam(gan.critic.parameters(), lr=1e-3),
           "opt_g": torch.optim.Adam(gan.generator.parameters(), lr=1e-3)}
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, "README.md (plain GAN loop)", "exec"), ns)
+    exec(compile(code, "docs/guides/derivatives-inside.md (plain GAN loop)", "exec"), ns)
     from gradwatch.io.sinks import read_jsonl
 
     for name, net in (("watch_c", "critic"), ("watch_g", "generator")):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradwatch import GradWatch, Verdict, check_model
-from gradwatch.check.dropout import DropoutRecord, FunctionalDropoutOff
+from gradwatch.check.objective.functional_dropout import DropoutRecord, FunctionalDropoutOff
 
 
 class Functional(nn.Module):

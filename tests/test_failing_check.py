@@ -38,10 +38,10 @@ def test_repeated_failures_are_logged_once_then_the_watch_pauses(tmp_path, caplo
     # resume: checks run again (and fail again, counted)
     watch2 = GradWatch(model, broken_loss, every=1)
     watch2.pause("by hand")
-    assert watch2.step(torch.randn(4, 3)) is None and watch2._failures == 0
+    assert watch2.step(torch.randn(4, 3)) is None and watch2.policy.failures == 0
     watch2.resume()
     watch2.step(torch.randn(4, 3))
-    assert watch2._failures == 1
+    assert watch2.policy.failures == 1
 
 
 def test_a_step_from_inside_the_check_is_ignored_not_recursed():

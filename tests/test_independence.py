@@ -18,7 +18,7 @@ from independence_models import MIXERS, TinyLM, inputs_for, leaks
 from torch import nn
 
 from gradwatch import IndependenceReport, check_independence
-from gradwatch.check.structures import (
+from gradwatch.check.independence.structures import (
     batch_probes,
     causal_probes,
     document_probes,

@@ -113,12 +113,11 @@ def test_llama_sdpa_packed_sequences_get_the_verdict_brute_force_gives():
 
 
 def test_the_readme_examples_run_and_say_what_the_readme_says(capsys):
-    from pathlib import Path
+    from docs_text import page
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text[text.index("## Independence: batch, causal, documents, padding"):]
+    section = page("guides/independence.md")
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    exec(compile(code, "README.md (independence)", "exec"), {})
+    exec(compile(code, "docs/guides/independence.md", "exec"), {})
     out = capsys.readouterr().out
     shown = section.split("```\nindependence:", 1)[1].split("```", 1)[0].splitlines()
     assert out.startswith("independence:" + shown[0])  # " LEAK (documents)"

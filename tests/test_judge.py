@@ -1,8 +1,8 @@
-"""One judging core (gradwatch.check.judge): every check gives its verdicts through it, so they say the same things.
+"""One judging core (gradwatch.check.judging.judge): every check gives its verdicts through it, so they say the same things.
 
 check_model and check_numpy (through the engine), localize's module checks and check_backward all
-build their TensorCheck with :func:`gradwatch.check.judge.judge`; a tensor without a verdict is
-:func:`gradwatch.check.judge.inconclusive` with a typed kind.
+build their TensorCheck with :func:`gradwatch.check.judging.judge.judge`; a tensor without a verdict is
+:func:`gradwatch.check.judging.judge.inconclusive` with a typed kind.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 import gradwatch
-from gradwatch.check.judge import BandRule, Slope, ToleranceRule, base_point, judge
-from gradwatch.check.localize import check_module
-from gradwatch.check.report import InconclusiveKind
+from gradwatch.check.judging.judge import BandRule, Slope, ToleranceRule, base_point, judge
+from gradwatch.check.judging.report import InconclusiveKind
+from gradwatch.check.modules.localize import check_module
 from gradwatch.options import CheckOptions
 
 

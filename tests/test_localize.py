@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradwatch import check_model
-from gradwatch.check.localize import ModuleCheck, check_module, localize
+from gradwatch.check.modules.localize import ModuleCheck, check_module, localize
 from gradwatch.options import CheckOptions
 
 FACTOR = 1.27

@@ -22,13 +22,13 @@ from helpers import Act
 from torch import nn
 
 from gradwatch import GradWatch, load_config
-from gradwatch.check.memory import SAFETY, MemoryMeter, in_use_bytes, module_bytes, objective_bytes
-from gradwatch.check.modular import float64_copy, module_units, run_module_check
-from gradwatch.check.objective import Objective
+from gradwatch.check.modules.module_form import float64_copy, module_units, run_module_check
+from gradwatch.check.objective.terms import Objective
 from gradwatch.cli import commands
 from gradwatch.config import GradWatchConfig
 from gradwatch.errors import ConfigError
 from gradwatch.options import CheckOptions
+from gradwatch.plan.memory import SAFETY, MemoryMeter, in_use_bytes, module_bytes, objective_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 make_case = commands.load_bench(ROOT / "benchmarks" / "bench.py").make_case
@@ -170,12 +170,12 @@ def test_module_form_training_bit_identical_with_and_without_the_watch():
 def test_training_part_judges_a_rotating_subset_when_the_room_is_small():
     model = Net()
     watch = GradWatch(model, xent, every=1, log_dir=None, form="module")
-    params = watch._training_params()
+    params = watch.training.params()
     one = max(p.numel() * p.element_size() for p in params.values())
     watch.memory.transient = lambda model=None: 0
     seen = set()
     for _ in range(4):
-        chosen, rows = watch._training_subset(params, int(one / SAFETY) + 1, rows=False)
+        chosen, rows = watch.training.subset(params, int(one / SAFETY) + 1, rows=False)
         assert 0 < len(chosen) < len(params) and rows == {}
         assert sum(p.numel() * p.element_size() for p in chosen.values()) <= one + 1
         seen |= set(chosen)
@@ -188,7 +188,7 @@ def test_a_linear_weight_too_big_for_the_room_is_judged_by_rows_and_every_row_wi
     next block at the next check; the replay holds those rows' gradient only, bit for bit the full gradient's rows."""
     import torch.nn.functional as F
 
-    from gradwatch.check.report import CheckReport
+    from gradwatch.check.judging.report import CheckReport
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4000))
@@ -205,12 +205,12 @@ def test_a_linear_weight_too_big_for_the_room_is_judged_by_rows_and_every_row_wi
         opt.zero_grad()
         loss_fn(model, b).backward()
         if check == 2:  # a wrong .grad in one row of the head's next block (what the optimizer would apply)
-            g, at = model[3].weight.grad, watch._row_cursor["3.weight"]
+            g, at = model[3].weight.grad, watch.training.row_cursor["3.weight"]
             g[at + int(g[at:at + 500].norm(dim=1).argmax())] *= 2.0
-        replay = watch._training_replay(watch._take(b, None), room=room)
+        replay = watch.training.replay(watch._take(b, None), room=room)
         first, end = replay.rows["3.weight"]
         report = CheckReport(tensors={})
-        watch._attach_training(report, replay)
+        watch.training.judge(report, replay)
         assert report.training_rows == {"3.weight": (first, end)} and end - first >= min(500, 4000 - first)
         verdict = report.training["3.weight"].verdict.value
         assert verdict == ("wrong" if check == 2 else "excellent"), (check, verdict)
@@ -228,7 +228,7 @@ def test_a_linear_weight_too_big_for_the_room_is_judged_by_rows_and_every_row_wi
 def test_an_embedding_too_big_for_the_room_is_judged_by_token_rows():
     import torch.nn.functional as F
 
-    from gradwatch.check.report import CheckReport
+    from gradwatch.check.judging.report import CheckReport
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(4000, 16, padding_idx=0), nn.Linear(16, 8))
@@ -245,7 +245,7 @@ def test_an_embedding_too_big_for_the_room_is_judged_by_token_rows():
     loss_fn(model, b).backward()
     model[0].weight.grad[7] *= 2.0  # a wrong .grad in the row of a token the batch uses
     report = CheckReport(tensors={})
-    watch._attach_training(report, watch._training_replay(watch._take(b, None), room=2 * 200_000))
+    watch.training.judge(report, watch.training.replay(watch._take(b, None), room=2 * 200_000))
     first, end = report.training_rows["0.weight"]
     assert first == 0 and end > 500 and model[0].weight.requires_grad
     assert report.training["0.weight"].verdict.value == "wrong"
@@ -263,11 +263,11 @@ def test_the_training_part_rotates_over_every_tensor_with_the_big_weights_by_row
         layers += [nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 16)]
     model = nn.Sequential(*layers, nn.Linear(16, 4000))
     watch = GradWatch(model, lambda m, b: m(b).sum(), every=1000, log_dir=None, form="module")
-    params = watch._training_params()
+    params = watch.training.params()
     room = 2 * 60_000  # a safe share of 60 KB: the two 256 KB weights never fit, a few 8 KB layer weights at a time
     judged = {n: 0 for n in params}
     for check in range(16):
-        out, sliced = watch._training_subset(params, room)
+        out, sliced = watch.training.subset(params, room)
         assert set(sliced) <= {"0.weight", "19.weight"}
         assert all(end - first == 117 for first, end in sliced.values())  # 15 KB each: 117 rows of 128 bytes (copy and gradient)
         used = sum(p.numel() * 4 for n, p in out.items() if n not in sliced) + 117 * 128 * len(sliced)
@@ -401,7 +401,7 @@ def test_peak_is_this_process_image_not_a_bigger_parent():
     import numpy as np
 
     ballast = np.ones(1_500_000_000 // 8)  # 1.5 GB touched: this process's peak RSS is above that
-    code = "import torch; from gradwatch.check.memory import peak_bytes; print(peak_bytes(torch.device('cpu')))"
+    code = "import torch; from gradwatch.plan.memory import peak_bytes; print(peak_bytes(torch.device('cpu')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
     del ballast
@@ -412,7 +412,7 @@ def test_peak_is_this_process_image_not_a_bigger_parent():
 def test_no_peak_to_read_means_no_bound(monkeypatch):
     """Windows has neither /proc nor the resource module (it cannot run here): with no peak to read, the
     budget bounds nothing (the whole objective runs) rather than leaving a room of 0 that would skip every check."""
-    from gradwatch.check import memory
+    from gradwatch.plan import memory as memory
 
     monkeypatch.setattr(memory, "_rss_peak_bytes", lambda: 0)
     monkeypatch.setattr(memory, "_rss_now_bytes", lambda: None)

@@ -11,7 +11,7 @@ import torch
 
 import gradwatch
 from gradwatch import CheckReport, GradientCheckError, TensorCheck, Verdict, max_rel_error, rel_diff
-from gradwatch.check.numeric import default_step, machine_eps
+from gradwatch.check.numerics.differences import default_step, machine_eps
 
 
 def tutorial_rel_error(x, y):

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradwatch import GradWatch
-from gradwatch.check.modular import run_module_check
-from gradwatch.check.objective import Objective
+from gradwatch.check.modules.module_form import run_module_check
+from gradwatch.check.objective.terms import Objective
 from gradwatch.cli import commands
 from gradwatch.options import CheckOptions
 from gradwatch.plan.cycle import ROWS_PER_SLICE, Cycle, row_slices

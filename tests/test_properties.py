@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from gradwatch import Verdict, check_numpy, max_rel_error, numerical_grad, rel_diff
-from gradwatch.check.numeric import central_difference, default_step
+from gradwatch.check.numerics.differences import central_difference, default_step
 
 EPS = float(np.finfo(np.float64).eps)
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,32 +1,28 @@
-"""The README's three integration sections (plain loop, Lightning, Hugging Face) are complete, runnable
-examples: each code block runs as written (in a temporary directory) and leaves the files it promises."""
+"""The three integration pages (plain loop, Lightning, Hugging Face; docs/getting-started/) and README.md's plain
+loop are complete, runnable examples: each code block runs as written (in a temporary directory) and leaves the
+files it promises."""
 
 from __future__ import annotations
 
 import csv
 import logging
-import re
-from pathlib import Path
 
 import pytest
+from docs_text import page, python_blocks
 
 from gradwatch.io.sinks import read_jsonl
 
-README = Path(__file__).resolve().parents[1] / "README.md"
 
-
-def section_code(heading: str) -> str:
-    text = README.read_text()
-    start = text.index(f"\n### {heading}\n")
-    end = text.find("\n### ", start + 1)
-    blocks = re.findall(r"```python\n(.*?)```", text[start:end], re.S)
-    assert blocks, f"no python block under {heading!r}"
+def section_code(name: str) -> str:
+    """The first python block of a page (``"README.md"`` or a page under docs/)."""
+    blocks = python_blocks(page(name))
+    assert blocks, f"no python block in {name}"
     return blocks[0]
 
 
 def run(code: str, where: str, tmp_path, monkeypatch, capsys) -> str:
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, f"README.md ({where})", "exec"), {"__name__": "__readme__"})
+    exec(compile(code, where, "exec"), {"__name__": "__readme__"})
     return capsys.readouterr().out
 
 
@@ -34,9 +30,10 @@ def check_steps(path):
     return [r["step"] for r in read_jsonl(path)[0] if r["type"] == "check"]
 
 
-def test_plain_loop_example(tmp_path, monkeypatch, capsys, caplog):
+@pytest.mark.parametrize("name", ["README.md", "getting-started/plain-loop.md"])
+def test_plain_loop_example(name, tmp_path, monkeypatch, capsys, caplog):
     with caplog.at_level(logging.INFO, logger="gradwatch"):
-        out = run(section_code("A plain training loop"), "plain loop", tmp_path, monkeypatch, capsys)
+        out = run(section_code(name), name, tmp_path, monkeypatch, capsys)
     assert out.strip().endswith("[]")
     steps = check_steps(tmp_path / "runs" / "exp1" / "checks.jsonl")
     assert steps[0] == 0 and len(steps) >= 5 and max(b - a for a, b in zip(steps, steps[1:])) <= 200
@@ -47,7 +44,7 @@ def test_plain_loop_example(tmp_path, monkeypatch, capsys, caplog):
 
 def test_lightning_example(tmp_path, monkeypatch, capsys):
     pytest.importorskip("lightning")
-    out = run(section_code("PyTorch Lightning"), "Lightning", tmp_path, monkeypatch, capsys)
+    out = run(section_code("getting-started/lightning.md"), "getting-started/lightning.md", tmp_path, monkeypatch, capsys)
     assert out.strip().endswith("[]")
     version = tmp_path / "logs" / "lightning_logs" / "version_0"
     assert check_steps(version / "checks.jsonl") == [0, 20, 40]
@@ -59,7 +56,7 @@ def test_lightning_example(tmp_path, monkeypatch, capsys):
 def test_hugging_face_example(tmp_path, monkeypatch, capsys):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    out = run(section_code("Hugging Face Trainer"), "Hugging Face", tmp_path, monkeypatch, capsys)
+    out = run(section_code("getting-started/hugging-face.md"), "getting-started/hugging-face.md", tmp_path, monkeypatch, capsys)
     assert out.strip().endswith("[]")
     [jsonl] = list((tmp_path / "hf_out" / "runs").glob("*/checks.jsonl"))
     assert check_steps(jsonl) == [0, 5]

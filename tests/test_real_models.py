@@ -6,7 +6,7 @@ initialization and batch): no tensor may fail. Several of them compute in float3
 inside the float64 shadow (T5's LayerNorm and Llama-style RMSNorms cast to float32,
 causal LM losses upcast ``logits.float()``, eager attention runs its softmax in
 float32) and the mixture-of-experts model calls ``grouped_mm``, which has no float64
-CPU kernel: see :mod:`gradwatch.check.precision`.
+CPU kernel: see :mod:`gradwatch.check.objective.precision`.
 
 Planted bugs (a custom ``autograd.Function`` swapped into the model, its backward off by
 about 1%) are caught and localized to their module. Cost: about 45 s on one core.
@@ -23,7 +23,7 @@ from torch import nn
 T = pytest.importorskip("transformers")
 
 import gradwatch  # noqa: E402
-from gradwatch.check.precision import ShadowPrecision  # noqa: E402
+from gradwatch.check.objective.precision import ShadowPrecision  # noqa: E402
 
 V = 32
 SEEDS = (0, 1, 2)
@@ -370,7 +370,7 @@ def test_a_one_percent_error_next_to_a_float32_op_is_still_caught():
 def test_the_readme_names_the_architectures_this_file_checks():
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "lower-precision.md").read_text()
     section = text[text.index("`tests/test_real_models.py` checks"):][:600]
     flat = section.replace("-", "").replace("\n", " ").lower()
     assert f"checks {len(ARCHS)} architectures" in flat

@@ -2,7 +2,7 @@
 
 The benchmark's own workers run here, each in a fresh interpreter as the benchmark runs them (the room the
 memory budget leaves is measured from the process's own peak, which earlier tests would inflate), at the
-smallest number of checks that shows the behaviour; the full figures are the benchmark's, in the README.
+smallest number of checks that shows the behaviour; the full figures are the benchmark's, in docs/guides/real-size.md.
 """
 
 from __future__ import annotations

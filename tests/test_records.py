@@ -176,7 +176,7 @@ def test_to_jsonable():
 def test_tensor_records_carry_the_typed_kind_and_ratio():
     import math as _math
 
-    from gradwatch.check.report import CheckReport, InconclusiveKind, TensorCheck
+    from gradwatch.check.judging.report import CheckReport, InconclusiveKind, TensorCheck
     from gradwatch.io.records import check_record
 
     nan = TensorCheck(name="a", shape=(2,), rel_diff=_math.nan, max_rel_error=_math.nan, inconclusive="NaN",

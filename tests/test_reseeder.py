@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from gradwatch import check_model
-from gradwatch.check.isolation import Reseeder, preserved_rng
+from gradwatch.check.objective.rng import Reseeder, preserved_rng
 
 
 def _draw(kind: str) -> float:

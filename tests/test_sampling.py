@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradwatch.check.sampling import _SIGN_TABLE, _top_indices, choose_coords, generator, rademacher_signs
+from gradwatch.check.numerics.sampling import _SIGN_TABLE, _top_indices, choose_coords, generator, rademacher_signs
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -104,8 +104,8 @@ def test_wrong_factor_on_whole_tensor_still_fails_with_full_sample():
 
 def _two_tensor_objective(wrong: float = 1.2, raise_after_verdict: bool = False):
     """J = sum(sin(a)) + sum(b**3)/3 with a's gradient ``wrong`` times too large; the engine's inputs."""
-    from gradwatch.check.engine import EngineSettings, Evaluator
-    from gradwatch.check.numeric import Verdict
+    from gradwatch.bands import Verdict
+    from gradwatch.check.probes.lines import EngineSettings, Evaluator
 
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(40, dtype=torch.float64, generator=gen)
@@ -124,7 +124,7 @@ def _two_tensor_objective(wrong: float = 1.2, raise_after_verdict: bool = False)
 
 
 def test_every_verdict_comes_before_the_failing_tensors_full_samples():
-    from gradwatch.check.engine import check_tensors
+    from gradwatch.check.probes.engine import check_tensors
 
     targets, evaluator, settings, _ = _two_tensor_objective()
     at_verdict = []
@@ -141,7 +141,7 @@ def test_every_verdict_comes_before_the_failing_tensors_full_samples():
 
 
 def test_a_failing_verdict_survives_a_raise_during_its_diagnosis():
-    from gradwatch.check.engine import check_tensors
+    from gradwatch.check.probes.engine import check_tensors
 
     targets, evaluator, settings, state = _two_tensor_objective(raise_after_verdict=True)
     got = []
@@ -171,8 +171,9 @@ def test_a_kink_crossed_by_the_probe_is_not_taken_for_a_wrong_gradient():
     """J = sum(relu(a - c)) with c just beside a: the probe crosses kinks on one side. Its central difference
     disagrees with the (correct) gradient, but its one-sided slopes differ too: no failing verdict on the probe
     alone; the smaller steps tell the kink and the tensor passes."""
-    from gradwatch.check.engine import EngineSettings, Evaluator, check_tensors
-    from gradwatch.check.numeric import Verdict
+    from gradwatch.bands import Verdict
+    from gradwatch.check.probes.engine import check_tensors
+    from gradwatch.check.probes.lines import EngineSettings, Evaluator
 
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(20, dtype=torch.float64, generator=gen)

@@ -176,7 +176,7 @@ class Stateful(nn.Module):
 
 
 def test_live_isolation_runs_a_forward_and_leaves_the_model_as_it_was():
-    from gradwatch.check.isolation import LiveIsolation
+    from gradwatch.check.objective.guards import LiveIsolation
 
     torch.manual_seed(0)
     model = Stateful()
@@ -202,7 +202,7 @@ def test_live_isolation_runs_a_forward_and_leaves_the_model_as_it_was():
 
 
 def test_scalar_grad_is_autograd_grad_bit_for_bit_and_defers_to_it_for_subclasses():
-    from gradwatch.check.replay import scalar_grad
+    from gradwatch.check.replay.reference import scalar_grad
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))

@@ -1,6 +1,6 @@
 """Weights near zero (near-zero init, heavy weight decay): no false alarm on correct ReLU models, where the
 base step crosses ReLU kinks that a smaller step cannot resolve; a 1% error in a last layer's weight gradient,
-tiny against the objective, still caught by a wider step (``gradwatch.check.engine.widen``)."""
+tiny against the objective, still caught by a wider step (``gradwatch.check.probes.reexamine.widen``)."""
 
 import pytest
 import torch
@@ -106,7 +106,7 @@ def test_check_model_judges_what_the_objective_cannot_resolve_on_its_module(scal
     part says so (below_resolution or flat, never a passing verdict), and check_model judges it on its module
     alone, which catches a 1% error there."""
     from gradwatch.check.model import run_model_check
-    from gradwatch.check.objective import Objective
+    from gradwatch.check.objective.terms import Objective
     from gradwatch.options import CheckOptions
 
     gen = torch.Generator().manual_seed(1)

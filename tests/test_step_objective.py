@@ -19,9 +19,9 @@ from token_batches import accumulation_run as train
 from torch import nn
 
 from gradwatch import GradWatch
-from gradwatch.check.cut import Part, explain_cut
-from gradwatch.check.item_probe import SUM_KEY, decide
-from gradwatch.check.items import ItemRule, candidates, step_weights
+from gradwatch.check.replay.cut import Part, explain_cut
+from gradwatch.check.replay.item_probe import SUM_KEY, decide
+from gradwatch.check.replay.items import ItemRule, candidates, step_weights
 from gradwatch.errors import ConfigError
 
 

@@ -1,6 +1,6 @@
 """Surrogate gradients by design: straight-through quantizers, fake quantization and spikes are not bugs.
 
-The objective is cut at each surrogate module (gradwatch.check.surrogate): what is upstream is checked
+The objective is cut at each surrogate module (gradwatch.check.objective.surrogate): what is upstream is checked
 against the gradient the surrogate's backward gives, what is downstream on its output; a real bug on
 either side is still caught and named."""
 

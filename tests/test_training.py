@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gradwatch import GradWatch, Verdict
-from gradwatch.check.training import diagnose_training, judge_training
+from gradwatch.check.judging.training_judge import diagnose_training, judge_training
 from gradwatch.io.sinks import read_jsonl
 
 
@@ -566,7 +566,7 @@ def test_demo_missing_l2_story_and_report_show_the_training_verdict(tmp_path, ca
 def test_trend_follows_the_training_verdict_and_survives_a_state_round_trip():
     import json
 
-    from gradwatch.check.report import CheckReport, TrainingCheck
+    from gradwatch.check.judging.report import CheckReport, TrainingCheck
     from gradwatch.watch.trend import TrendTracker
 
     def report(value):
@@ -612,7 +612,7 @@ def test_training_part_follows_parameters_frozen_or_replaced_between_checks():
         opt.step()
     assert seen[0] == seen[1] == ["0.bias", "0.weight", "2.bias", "2.weight"]
     assert seen[2] == seen[3] == ["0.weight", "2.bias", "2.weight"]
-    assert watch._training_params()["2.bias"] is model[2].bias
+    assert watch.training.params()["2.bias"] is model[2].bias
     assert all(t.verdict is Verdict.EXCELLENT for t in report.training.values())
     watch.close()
 
@@ -633,5 +633,5 @@ def test_training_part_follows_a_replaced_layer_and_an_unfrozen_parameter():
         seen.append(sorted(report.training))
         assert all(t.verdict is Verdict.EXCELLENT for t in report.training.values()), report.training
     assert seen == [["0.weight", "2.bias", "2.weight"]] + [["0.bias", "0.weight", "2.bias", "2.weight"]] * 2
-    assert watch._training_params()["2.weight"] is model[2].weight
+    assert watch.training.params()["2.weight"] is model[2].weight
     watch.close()

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from gradwatch.check.numeric import Verdict
-from gradwatch.check.report import CheckReport, InconclusiveKind, TensorCheck
+from gradwatch.bands import Verdict
+from gradwatch.check.judging.report import CheckReport, InconclusiveKind, TensorCheck
 from gradwatch.errors import ConfigError
 from gradwatch.watch.trend import Alert, TrendTracker
 
@@ -316,4 +316,5 @@ def test_trend_module_is_pure():
             imported |= {n.name.split(".")[0] for n in node.names}
         elif isinstance(node, ast.ImportFrom):
             imported.add(("." * node.level) + (node.module or ""))
-    assert imported <= {"__future__", "math", "statistics", "dataclasses", "typing", "..errors", "..check.numeric", "..check.report"}
+    assert imported <= {"__future__", "math", "statistics", "dataclasses", "typing", "gradwatch.errors", "gradwatch.bands",
+                        "gradwatch.options", "gradwatch.check.judging.report"}

@@ -1,1 +1,14 @@
-"""The math and one check: numeric differences, sampling, the objective and its isolation, judging, the report."""
+"""The math of one check, in packages by job.
+
+Bottom to top: ``numerics`` (differences, sampling), ``judging`` (verdicts, reports), ``objective`` (the
+objective and what keeps it a function) and ``probes`` (slopes along lines), then ``replay`` (the training
+reference), ``modules`` (localization, the module form) and ``independence``, ``backward``
+(``check_backward``), ``higher_order`` (``check_double_backward``, inner derivatives) and ``model``
+(``check_model``, ``check_numpy``) at the top. The public names are imported from :mod:`gradwatch`;
+old paths of 0.1 (``gradwatch.check.engine``, ...) still import, with a ``DeprecationWarning``
+(:mod:`gradwatch.check._moved`).
+"""
+
+from gradwatch.check._moved import install as _install
+
+_install()

@@ -9,14 +9,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import GradientCheckError
-from ..options import parse_dtype, torch_dtype_of_numpy
-from .isolation import preserved_rng, seed_everything
-from .judge import Slope, ToleranceRule, judge
-from .numeric import Verdict
-from .report import CheckReport, TensorCheck
-from .sampling import choose_coords, generator, tensor_seed
-from .vjp_probe import Line, OutputProbe
+from gradwatch.bands import Verdict
+from gradwatch.check.judging.judge import Slope, ToleranceRule, judge
+from gradwatch.check.judging.report import CheckReport, TensorCheck
+from gradwatch.check.numerics.sampling import choose_coords, generator, tensor_seed
+from gradwatch.check.objective.rng import preserved_rng, seed_everything
+from gradwatch.check.probes.outputs import Line, OutputProbe
+from gradwatch.errors import GradientCheckError
+from gradwatch.options import parse_dtype, torch_dtype_of_numpy
 
 #: Arrays up to this size are checked at every element; larger ones at a sample.
 EXHAUSTIVE_LIMIT = 2048
@@ -27,13 +27,13 @@ SAMPLED_COORDS = 256
 BLOCKS = 512
 
 
-def _to_tuple(x: Any) -> Tuple:
+def to_tuple(x: Any) -> Tuple:
     if x is None:
         return ()
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
-def _to_tensor(x: Any, what: str) -> torch.Tensor:
+def to_tensor(x: Any, what: str) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         return x.detach().clone()
     if isinstance(x, (np.ndarray, np.generic, float, int)):
@@ -41,7 +41,7 @@ def _to_tensor(x: Any, what: str) -> torch.Tensor:
     raise TypeError(f"{what} must be a torch tensor or numpy array, got {type(x).__name__}")
 
 
-def _parse_dtype(dtype: Any) -> Optional[torch.dtype]:
+def check_dtype(dtype: Any) -> Optional[torch.dtype]:
     """``dtype=`` as Chainer takes it: a torch dtype, a numpy dtype or type (``numpy.float64``), a name, or None."""
     if dtype is None or isinstance(dtype, (torch.dtype, str)):
         return parse_dtype(dtype)
@@ -54,11 +54,11 @@ def _parse_dtype(dtype: Any) -> Optional[torch.dtype]:
     return converted
 
 
-def _params_tuple(params: Any) -> List[Tuple[str, torch.Tensor]]:
+def params_tuple(params: Any) -> List[Tuple[str, torch.Tensor]]:
     if isinstance(params, nn.Module):
         return [(n, p) for n, p in params.named_parameters() if p.requires_grad]
     out = []
-    for i, p in enumerate(_to_tuple(params)):
+    for i, p in enumerate(to_tuple(params)):
         if not isinstance(p, torch.Tensor) or not p.requires_grad:
             raise TypeError(f"params[{i}] must be a parameter (a tensor with requires_grad=True), got {type(p).__name__}")
         out.append((f"params[{i}]", p))
@@ -134,12 +134,12 @@ def run_check_backward(func: Callable[..., Any], x_data: Any, y_grad: Any, param
         raise ValueError(f"atol and rtol must be >= 0, got atol={atol!r}, rtol={rtol!r}")
     if not callable(func):
         raise TypeError(f"func must be callable, got {type(func).__name__}")
-    num_dtype = _parse_dtype(dtype)
-    xs = [_to_tensor(x, f"x_data[{i}]") for i, x in enumerate(_to_tuple(x_data))]
+    num_dtype = check_dtype(dtype)
+    xs = [to_tensor(x, f"x_data[{i}]") for i, x in enumerate(to_tuple(x_data))]
     if no_grads is not None and len(no_grads) != len(xs):
         raise ValueError(f"no_grads must have one flag per input: got {len(no_grads)} flags for {len(xs)} inputs")
-    gys = None if y_grad is None else [None if g is None else _to_tensor(g, f"y_grad[{i}]") for i, g in enumerate(_to_tuple(y_grad))]
-    plist = _params_tuple(params)
+    gys = None if y_grad is None else [None if g is None else to_tensor(g, f"y_grad[{i}]") for i, g in enumerate(to_tuple(y_grad))]
+    plist = params_tuple(params)
     checked_x = [
         i for i, x in enumerate(xs)
         if (x.is_floating_point() or x.is_complex()) and not (no_grads is not None and no_grads[i])
@@ -151,7 +151,7 @@ def run_check_backward(func: Callable[..., Any], x_data: Any, y_grad: Any, param
     # Analytic side, in the inputs' own dtype.
     with preserved_rng():
         seed_everything(0)
-        ys = _to_tuple(func(*xs))
+        ys = to_tuple(func(*xs))
         loss = _weighted(ys, gys)
         wrt = [xs[i] for i in checked_x] + [p for _, p in plist]
         raw: Sequence[Optional[torch.Tensor]]
@@ -185,7 +185,7 @@ def run_check_backward(func: Callable[..., Any], x_data: Any, y_grad: Any, param
     def outputs() -> Tuple[torch.Tensor, ...]:
         seed_everything(0)
         with torch.no_grad():
-            return tuple(_as_real(y) if isinstance(y, torch.Tensor) else y for y in _to_tuple(func(*nxs)))
+            return tuple(_as_real(y) if isinstance(y, torch.Tensor) else y for y in to_tuple(func(*nxs)))
 
     if gys is not None:
         gys = [None if g is None else _as_real(g.to(y.dtype)) if y.is_complex() else g for g, y in zip(gys, ys)]

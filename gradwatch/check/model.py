@@ -13,34 +13,25 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import blame
-from ..options import CheckOptions
-from .engine import EngineSettings, Evaluator, check_tensors, total
-from .generators import HeldGenerators
-from .graph import CHECKPOINT_NO_GRAD_WARNING, grad_by_backward, reentrant_checkpoint_leaves
-from .isolation import (
-    BufferGuard,
-    Reseeder,
-    Shadow,
-    cast_floats,
-    dropout_off,
-    frozen_batchnorm_stats,
-    frozen_power_iteration,
-    is_sharded,
-    preserved_rng,
-    restore_params,
-    seed_everything,
-    snapshot_params,
-    suspended_hooks,
-)
-from .judge import NOISE_FACTOR, inconclusive
-from .numeric import machine_eps
-from .objective import Objective, coupled_weight_decay
-from .padding import padding_note, padding_rows_constant
-from .precision import ShadowPrecision
-from .report import CheckReport, InconclusiveKind
-from .sampling import match_names
-from .surrogate import SurrogateCut, find_surrogates, surrogate_note, surrogate_parameters
+from gradwatch.check.judging.judge import NOISE_FACTOR, inconclusive
+from gradwatch.check.judging.report import CheckReport, InconclusiveKind
+from gradwatch.check.numerics.differences import machine_eps
+from gradwatch.check.numerics.sampling import match_names
+from gradwatch.check.objective.checkpointed import CHECKPOINT_NO_GRAD_WARNING, grad_by_backward, reentrant_checkpoint_leaves
+from gradwatch.check.objective.dropout_off import dropout_off
+from gradwatch.check.objective.dtensor import is_sharded
+from gradwatch.check.objective.generators import HeldGenerators
+from gradwatch.check.objective.guards import BufferGuard, frozen_batchnorm_stats, frozen_power_iteration, suspended_hooks
+from gradwatch.check.objective.padding_idx import padding_note, padding_rows_constant
+from gradwatch.check.objective.precision import ShadowPrecision
+from gradwatch.check.objective.rng import Reseeder, preserved_rng, seed_everything
+from gradwatch.check.objective.shadow import Shadow, cast_floats, restore_params, snapshot_params
+from gradwatch.check.objective.surrogate import SurrogateCut, find_surrogates, surrogate_note, surrogate_parameters
+from gradwatch.check.objective.terms import Objective, coupled_weight_decay
+from gradwatch.check.probes.engine import check_tensors
+from gradwatch.check.probes.lines import EngineSettings, Evaluator, total
+from gradwatch.errors import blame
+from gradwatch.options import CheckOptions
 
 GradFn = Callable[[nn.Module, Any], Mapping[str, torch.Tensor]]
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -86,16 +77,16 @@ def check_model(
         optimizer: Read coupled ``weight_decay`` from its param groups.
         grad_fn: Hand-written backprop ``grad_fn(model, batch) -> {name: grad}`` of the
             full objective, used instead of autograd.
-        localize: When a tensor fails, check each module alone (:func:`gradwatch.check.localize.localize`)
+        localize: When a tensor fails, check each module alone (:func:`gradwatch.check.modules.localize.localize`)
             to name the module or custom autograd.Function whose backward is wrong; results go to
             ``report.localized`` and ``str(report)``.
         batched: Evaluate perturbations in vmapped batches where the model allows it
-            (:mod:`gradwatch.check.batched`, automatic fallback); False: one evaluation each.
+            (:mod:`gradwatch.check.probes.batched`, automatic fallback); False: one evaluation each.
         screen: Detection first: each tensor is probed along one random direction, and where analytic
             and numeric slopes agree to the EXCELLENT band (with a noise floor that could have shown an
             error) that settles it; only the others get the full sample (``coords``, ``directions``, kink
             re-examination), and where the probe disagrees but the full sample does not fail, the
-            disagreement is traced to one entry by halving (:func:`gradwatch.check.engine.pinpoint`).
+            disagreement is traced to one entry by halving (:func:`gradwatch.check.probes.reexamine.pinpoint`).
             False: the full sample on every tensor.
         **options: See :class:`gradwatch.options.CheckOptions` (``coords``,
             ``directions``, ``eps``, ``bands``, ``fail_at``, ``seed``, ``dtype``,
@@ -132,7 +123,7 @@ def check_model(
     if grad_fn is None:
         judge_unseen_on_modules(report, model, objective, batch, opts, screen)
     if objective.differentiates:  # it trains on the model's second derivatives: each module's double backward too
-        from .inner import check_inner_derivatives
+        from gradwatch.check.higher_order.inner import check_inner_derivatives
 
         start = time.perf_counter()
         report.tensors.update(check_inner_derivatives(model, objective.loss, batch, seed=opts.seed, fail_at=report.fail_at))
@@ -140,7 +131,7 @@ def check_model(
         report.verdict_seconds = report.seconds  # these verdicts come after the diagnosis of the others
         report.verdict_evaluations = report.evaluations
     if localize and report.failures:
-        from .localize import localize as run_localize
+        from gradwatch.check.modules.localize import localize as run_localize
 
         start = time.perf_counter()
         report.localized = run_localize(model, loss_fn, batch, enclosing=True, **options)
@@ -161,7 +152,7 @@ def judge_unseen_on_modules(report: CheckReport, model: nn.Module, objective: Ob
     objective lose it in rounding (``below_resolution``; ``flat`` where the objective does not move at all
     at the widest step, as for a bias before a normalization), or cannot tell a kink from an error at a
     step small enough (``unresolved``). Each module alone, ``<module(x), c>`` on its inputs from the batch
-    (:func:`gradwatch.check.modular.run_module_check`), differences outputs whose size follows the
+    (:func:`gradwatch.check.modules.module_form.run_module_check`), differences outputs whose size follows the
     weights', and resolves them at every scale. Such a tensor takes its module's verdict; an input
     gradient that fails there (a unit's backward wrong where the objective could not see it) joins the
     report under ``"<module>:input"``. Only on the float64 copy (the default ``dtype``).
@@ -169,8 +160,8 @@ def judge_unseen_on_modules(report: CheckReport, model: nn.Module, objective: Ob
     unseen = [n for n, t in report.tensors.items() if t.inconclusive_kind in UNSEEN]
     if not unseen or opts.torch_dtype != torch.float64:
         return  # in a lower precision (dtype=None on a float32 model) modules alone cannot resolve kinks either
-    from ..plan.units import plan_units
-    from .modular import run_module_check
+    from gradwatch.check.modules.module_form import run_module_check
+    from gradwatch.plan.units import plan_units
 
     start = time.perf_counter()
     units = plan_units(model, objective.loss, batch, opts.seed)
@@ -217,7 +208,7 @@ def _validate_target(model: nn.Module, opts: CheckOptions, names: Sequence[str])
             )
 
 
-def _validate_grads(grads: Any, params: Mapping[str, torch.Tensor], source: str) -> Dict[str, torch.Tensor]:
+def validate_grads(grads: Any, params: Mapping[str, torch.Tensor], source: str) -> Dict[str, torch.Tensor]:
     if not isinstance(grads, Mapping):
         raise TypeError(f"{source} must return a mapping {{name: gradient}}, got {type(grads).__name__}")
     missing = [n for n in params if n not in grads]
@@ -284,10 +275,10 @@ def run_model_check(
         names: Tensors to check (default: trainable ones matching ``opts.tensors``).
         shadow: A :class:`Shadow` to reuse (refreshed in place) instead of a new copy.
         batched: Evaluate the perturbations of a tensor in vmapped batches where the model
-            allows it (see :mod:`gradwatch.check.batched`); False: one evaluation each.
+            allows it (see :mod:`gradwatch.check.probes.batched`); False: one evaluation each.
         screen: Detection first (see :func:`check_model`).
         mark_unseen: A tensor whose gradient the objective cannot resolve is inconclusive (``below_resolution``
-            or ``flat``) instead of passing (see :class:`gradwatch.check.engine.EngineSettings`).
+            or ``flat``) instead of passing (see :class:`gradwatch.check.probes.lines.EngineSettings`).
     """
     start = time.perf_counter()
     all_names = trainable_names(model)
@@ -326,7 +317,7 @@ def run_model_check(
             report.notes.append(_hooks_note(hooks))
             warnings.warn(report.notes[-1], stacklevel=3)  # shown once per distinct text by the default filter
         # Analytic side: one forward with grad, then autograd.grad (never the caller's .grad).
-        # On a shadow it also measures the precision the objective really computes in (gradwatch.check.precision).
+        # On a shadow it also measures the precision the objective really computes in (gradwatch.check.objective.precision).
         precision = ShadowPrecision(dtype) if dtype is not None else None
         seed_everything(eval_seed)
         with torch.enable_grad(), (precision.tracing(target) if precision is not None else contextlib.nullcontext()), \
@@ -422,7 +413,7 @@ def run_model_check(
         objective_dtype_eps = machine_eps(getattr(torch, report.dtype))
         probe: Any = None
         if batched:
-            from .batched import BatchedProbe
+            from gradwatch.check.probes.batched import BatchedProbe
 
             tolerance = 2 * NOISE_FACTOR * max(eval_eps, objective_dtype_eps) * max(magnitude, 1e-30)
             probe = BatchedProbe(model, target, objective, batch, reseed, guard, evaluator, tolerance)
@@ -478,13 +469,13 @@ def _floats(terms: Mapping[str, torch.Tensor]) -> Dict[str, float]:
 
 def _analytic(objective, terms_t, total_t, params, target, batch, grad_fn, per_term, leaves=None) -> Dict[str, Dict[str, torch.Tensor]]:
     """``{tensor: {"total": grad, term: grad, ...}}``; through ``backward()`` into ``leaves`` when given
-    (see :mod:`gradwatch.check.graph`)."""
+    (see :mod:`gradwatch.check.objective.checkpointed`)."""
     plist = list(params.values())
     out: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n in params}
     if grad_fn is not None:
         try:
             with torch.enable_grad():
-                given = _validate_grads(grad_fn(target, batch), params, "grad_fn")
+                given = validate_grads(grad_fn(target, batch), params, "grad_fn")
         except Exception as exc:
             blame(exc, "grad_fn")
             raise
@@ -507,7 +498,7 @@ def _grad(value: torch.Tensor, plist: List[torch.Tensor], retain: bool,
     if not value.requires_grad:
         return [torch.zeros_like(p) for p in plist]
     gs: Sequence[Optional[torch.Tensor]]
-    if leaves is not None:  # see gradwatch.check.graph
+    if leaves is not None:  # see gradwatch.check.objective.checkpointed
         gs = grad_by_backward(value, plist, leaves, retain)
     else:
         gs = torch.autograd.grad(value, plist, retain_graph=retain, allow_unused=True)
@@ -523,7 +514,7 @@ def _judge_all(report: CheckReport, params: Dict[str, torch.Tensor], grads, eval
                magnitude: float, eval_eps: float, objective_dtype_eps: float, exhaustive: bool = False,
                probe_batch: Any = None, coarse: Optional[str] = None, screen: bool = False,
                on_verdict: Optional[Callable[[], None]] = None, mark_unseen: bool = False) -> None:
-    """Judge every tensor (:func:`gradwatch.check.engine.check_tensors`); fills ``report``."""
+    """Judge every tensor (:func:`gradwatch.check.probes.engine.check_tensors`); fills ``report``."""
     settings = EngineSettings.from_options(opts, max(eval_eps, objective_dtype_eps), magnitude, exhaustive=exhaustive,
                                            coarse=coarse, screen=screen, mark_unseen=mark_unseen)
     targets = [(n, n, p, grads[n]) for n, p in params.items()]
@@ -591,7 +582,7 @@ def check_numpy(
         views[n] = torch.from_numpy(arr)
     chosen = match_names(list(views), opts.tensors)
     views = {n: views[n] for n in chosen}
-    given = _validate_grads(grads, views, "grads")
+    given = validate_grads(grads, views, "grads")
     takes_params = _takes_argument(loss_fn)
     regs = dict(regularizers or {})
 

@@ -21,10 +21,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import yaml
 
-from .._version import __version__
-from ..config import GradWatchConfig, config_problems, load_config, option_names, options_table, show_value
-from ..errors import ConfigError, GradWatchError
-from .console import plural, unicode_ok
+from gradwatch._version import __version__
+from gradwatch.cli.console import plural, unicode_ok
+from gradwatch.config import GradWatchConfig, config_problems, load_config, option_names, options_table, show_value
+from gradwatch.errors import ConfigError, GradWatchError
 
 EXIT_OK, EXIT_ALERTS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -81,7 +81,7 @@ def build_parser(with_bench: bool = False) -> argparse.ArgumentParser:
 
 
 def _add_demo(sub: Any) -> None:
-    from .demo import BUGS, DEMO_OPTIONS, LATE_THRESHOLD, SCALE_FACTOR, DemoSettings
+    from gradwatch.cli.demo import BUGS, DEMO_OPTIONS, LATE_THRESHOLD, SCALE_FACTOR, DemoSettings
 
     defaults = DemoSettings()
     p = sub.add_parser(
@@ -298,7 +298,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------- report
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from ..io import runs as summary
+    from gradwatch.io import runs as summary
 
     try:
         found = summary.find_runs(args.logdir, args.source)
@@ -337,7 +337,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def _print_report(data: Any, rows: List[Dict[str, Any]], verbose: bool) -> None:
-    from ..io import runs as summary
+    from gradwatch.io import runs as summary
 
     uni = unicode_ok()
     steps = data.check_steps
@@ -350,7 +350,7 @@ def _print_report(data: Any, rows: List[Dict[str, Any]], verbose: bool) -> None:
     forms = getattr(data, "forms", None)
     if forms and set(forms) != {"objective"}:
         print("backward part's form: " + ", ".join(f"{plural(n, 'check')} {form}" for form, n in sorted(forms.items()))
-              + " (module: each unit alone, see README 'Big models')")
+              + " (module: each unit alone, see docs/guides/big-models.md)")
     coverage = getattr(data, "coverage", None)
     if coverage:
         print(summary.coverage_line(coverage, getattr(data, "cycle_length", None), len(steps)))
@@ -369,7 +369,7 @@ def _print_report(data: Any, rows: List[Dict[str, Any]], verbose: bool) -> None:
 
 def _print_alerts(alerts: List[Dict[str, Any]], bands: Any, details: Dict[Any, Any], *, verbose: bool,
                   title: str = "Alerts") -> None:
-    from ..io import runs as summary
+    from gradwatch.io import runs as summary
 
     print()
     if not alerts:
@@ -402,7 +402,7 @@ def _default_demo_dir() -> Path:
 
 def _demo_config(args: argparse.Namespace) -> Tuple[GradWatchConfig, Optional[str]]:
     """Effective options: defaults < demo defaults < --config < option flags; and an error message."""
-    from .demo import demo_config
+    from gradwatch.cli.demo import demo_config
 
     cfg = demo_config()
     file_keys: List[str] = []
@@ -442,10 +442,10 @@ def _demo_config(args: argparse.Namespace) -> Tuple[GradWatchConfig, Optional[st
 def cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
-    from ..check.sampling import match_names
-    from ..io import runs as summary
-    from .demo import DemoSettings, SpiralNet, run_demo
-    from .demo_print import DemoPrinter
+    from gradwatch.check.numerics.sampling import match_names
+    from gradwatch.cli.demo import DemoSettings, SpiralNet, run_demo
+    from gradwatch.cli.demo_print import DemoPrinter
+    from gradwatch.io import runs as summary
 
     if args.steps < 1:
         return _fail("demo", f"--steps: got {args.steps}, expected an integer >= 1")

@@ -38,12 +38,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..check.objective import parse_regularizers
-from ..check.report import CheckReport
-from ..config import GradWatchConfig
-from ..errors import GradientDriftError
-from ..watch.gradwatch import GradWatch
-from ..watch.trend import Alert
+from gradwatch.check.judging.report import CheckReport
+from gradwatch.check.objective.terms import parse_regularizers
+from gradwatch.config import GradWatchConfig
+from gradwatch.errors import GradientDriftError
+from gradwatch.watch.gradwatch import GradWatch
+from gradwatch.watch.trend import Alert
 
 #: The stories ``--bug`` can tell.
 BUGS = ("late", "none", "scale", "missing-l2")

@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from ..config import GradWatchConfig
-from ..io import runs
-from .console import plural, runnable, unicode_ok
-from .demo import GRAD_FACTOR, LATE_THRESHOLD, MISSING_L2, SCALE_FACTOR, DemoResult
+from gradwatch.cli.console import plural, runnable, unicode_ok
+from gradwatch.cli.demo import GRAD_FACTOR, LATE_THRESHOLD, MISSING_L2, SCALE_FACTOR, DemoResult
+from gradwatch.config import GradWatchConfig
+from gradwatch.io import runs
 
 
 class DemoPrinter:

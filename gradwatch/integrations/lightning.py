@@ -41,11 +41,11 @@ except ImportError as err:  # pragma: no cover - exercised only without lightnin
         "pip install 'gradwatch[lightning]'"
     ) from err
 
-from ..config import GradWatchConfig, load_config
-from ..errors import ConfigError, GradWatchError
-from ..io.records import ALERTS_COUNT_TAG, scalars_from_check
-from ..io.sinks import JsonlSink, Sink, TensorBoardSink
-from ..watch.gradwatch import GradWatch
+from gradwatch.config import GradWatchConfig, load_config
+from gradwatch.errors import ConfigError, GradWatchError
+from gradwatch.io.records import ALERTS_COUNT_TAG, scalars_from_check
+from gradwatch.io.sinks import JsonlSink, Sink, TensorBoardSink
+from gradwatch.watch.gradwatch import GradWatch
 
 LossFn = Callable[[LightningModule, Any], torch.Tensor]
 #: ``loss_fn`` as the callback takes it: one objective, or one per optimizer index (manual optimization).

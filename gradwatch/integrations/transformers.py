@@ -56,11 +56,11 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
         "pip install 'gradwatch[hf]'"
     ) from err
 
-from ..config import GradWatchConfig, load_config
-from ..errors import ConfigError
-from ..io.records import ALERTS_COUNT_TAG, scalars_from_check
-from ..io.sinks import Sink
-from ..watch.gradwatch import GradWatch
+from gradwatch.config import GradWatchConfig, load_config
+from gradwatch.errors import ConfigError
+from gradwatch.io.records import ALERTS_COUNT_TAG, scalars_from_check
+from gradwatch.io.sinks import Sink
+from gradwatch.watch.gradwatch import GradWatch
 
 logger = logging.getLogger("gradwatch")
 

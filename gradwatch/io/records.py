@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import numpy as np
 
-from ..check.report import CheckReport, json_float
+from gradwatch.check.judging.report import CheckReport, json_float
 
 #: Per-tensor fields copied into a check record, in this order.
 TENSOR_FIELDS = (

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from ..check.numeric import DEFAULT_BANDS, Verdict
-from ..errors import GradWatchError
-from .records import ALERTS_TEXT_TAG, to_jsonable
-from .sinks import JSONL_NAME, RUN_TEXT_TAG, read_jsonl
+from gradwatch.bands import DEFAULT_BANDS, Verdict
+from gradwatch.errors import GradWatchError
+from gradwatch.io.records import ALERTS_TEXT_TAG, to_jsonable
+from gradwatch.io.sinks import JSONL_NAME, RUN_TEXT_TAG, read_jsonl
 
 #: ``{tensor: [{"step", "judged_rel_diff", "rel_diff", "verdict"}, ...]}`` (the TrendTracker's history shape).
 History = Dict[str, List[Dict[str, Any]]]

@@ -15,8 +15,8 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from ..errors import GradWatchError
-from .records import (
+from gradwatch.errors import GradWatchError
+from gradwatch.io.records import (
     ALERTS_COUNT_TAG,
     ALERTS_TEXT_TAG,
     alert_record,

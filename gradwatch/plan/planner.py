@@ -3,7 +3,7 @@
 :class:`GradWatch` asks the planner before each check and runs what it says:
 
 1. the **form**: the whole objective on a float64 copy where it fits the room ``memory_budget``
-   leaves, else the module form (:mod:`gradwatch.check.modular`);
+   leaves, else the module form (:mod:`gradwatch.check.modules.module_form`);
 2. in the module form, the **units** (:mod:`gradwatch.plan.units`: every module's own code, and the
    modules that call no other) and this check's **pieces** from the **cycle**
    (:mod:`gradwatch.plan.cycle`): after ``K`` checks every unit and every row of every sliced
@@ -30,12 +30,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..check.memory import MODULE_BYTES_PER_ENTRY, SAFETY, mb, objective_bytes
-from ..check.report import CheckReport
-from ..check.surrogate import find_surrogates, inside
-from .coverage import Coverage
-from .cycle import ROWS_PER_SLICE, Cycle, Piece
-from .units import Unit, plan_units, sliceable_rows
+from gradwatch.check.judging.report import CheckReport
+from gradwatch.check.objective.surrogate import find_surrogates, inside
+from gradwatch.plan.coverage import Coverage
+from gradwatch.plan.cycle import ROWS_PER_SLICE, Cycle, Piece
+from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY, SAFETY, mb, objective_bytes
+from gradwatch.plan.units import Unit, plan_units, sliceable_rows
 
 
 def slice_rows(module: nn.Module, room: Optional[int]) -> int:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from typing import List, Mapping, Optional, Sequence, Tuple
 
-from .cycle import Piece
+from gradwatch.plan.cycle import Piece
 
 
 def rows_held(rows: int, rank: int, world: int) -> Tuple[int, int]:

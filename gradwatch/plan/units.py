@@ -9,7 +9,7 @@ run and which module called which. Each module that ran gives one unit:
   between the calls (hand-written attention, residual adds, a loss computed inside ``forward``),
   as a function of its inputs, its own parameters and the outputs of the modules it called. Those
   modules are replaced by stubs that hand back the outputs they gave in the live forward (see
-  :mod:`gradwatch.check.owncode`) and are checked as units of their own.
+  :mod:`gradwatch.check.modules.own_code`) and are checked as units of their own.
 
 So every op the forward executes lies in the unit of the innermost module that ran it. Code of a
 ``nn.Sequential`` or ``nn.ModuleList`` (torch's own, nothing but calls) is not a unit.
@@ -31,16 +31,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set,
 import torch
 from torch import nn
 
-from ..check.isolation import (
-    BufferGuard,
-    Reseeder,
-    dropout_off,
-    frozen_batchnorm_stats,
-    frozen_power_iteration,
-    preserved_rng,
-    suspended_hooks,
-)
-from ..check.padding import padding_rows_constant
+from gradwatch.check.objective.dropout_off import dropout_off
+from gradwatch.check.objective.guards import BufferGuard, frozen_batchnorm_stats, frozen_power_iteration, suspended_hooks
+from gradwatch.check.objective.padding_idx import padding_rows_constant
+from gradwatch.check.objective.rng import Reseeder, preserved_rng
 
 #: Module classes whose own code is torch's plain calling of children (no op of their own to check).
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)

@@ -49,14 +49,15 @@ import dataclasses
 import datetime
 import logging
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple, TypeVar
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..check.report import CheckReport
-from ..errors import GradWatchError
+from gradwatch.check.judging.report import CheckReport
+from gradwatch.errors import GradWatchError, blamed
 
 _T = TypeVar("_T")
 
@@ -71,6 +72,10 @@ _WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
 
 class DistributedCheckError(GradWatchError, RuntimeError):
     """A check failed on another rank, or a rank did not take part in gradwatch's collectives."""
+
+
+class PeerFailed(DistributedCheckError):
+    """Another rank's check raised; this rank stopped at the same agreement point, before any further collective."""
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -194,7 +199,7 @@ class DistributedCoordinator:
                 "torch.distributed.init_process_group() first (or leave distributed='auto')"
             )
         if mode is False and active and dist.get_world_size() > 1:
-            from .sharded import is_sharded
+            from gradwatch.watch.sharded import is_sharded
 
             if is_sharded(model):
                 raise ValueError(
@@ -290,6 +295,25 @@ class DistributedCoordinator:
         smallest = int(both[1].item())
         return bool(both[0].item()), None if smallest == _NO_VALUE else smallest
 
+    def plan_from_main(self, room: Optional[int], decide: Callable[[], Any]) -> Tuple[Optional[int], Any]:
+        """Under DDP: rank 0's room and plan (``decide()``, run on rank 0 only), taken by every rank (one gather).
+
+        Every rank holds the whole model, so rank 0's measure of the room stands for all, and all ranks make the
+        same decisions: the same form, the same pieces of the cycle (split between them), the same tensors
+        replayed by the training part (their replays are averaged).
+
+        Raises:
+            DistributedCheckError: As :meth:`main_decision` (rank 0's ``decide`` raised, or a rank is missing).
+        """
+        local: Any = None
+        if self.is_main:
+            try:
+                local = (room, decide())
+            except Exception as exc:  # noqa: BLE001 - every rank must still reach the gather below
+                local = ("error", f"{type(exc).__name__}: {exc}")
+        room, plan = self.main_decision(local, "the form and the training part's tensors")
+        return room, plan
+
     # ------------------------------------------------------------------ 3. sharing
     def tensors_per_check(self, per_rank: int) -> int:
         """How many tensors one check rotates in: ``tensors_per_check`` per rank (0: all)."""
@@ -313,6 +337,20 @@ class DistributedCoordinator:
         results = sorted((g["result"] for g in gathered), key=lambda r: r.rank)
         self.interval = int(results[0].interval)
         return results
+
+    def gather_check(self, step: int, result: RankResult, error: Optional[BaseException]) -> Optional[List[RankResult]]:
+        """This rank's check (``error``: what it raised, said here and sent with it), gathered with every rank's.
+
+        Returns:
+            Every rank's result, by rank; None when a rank is missing (the coordinator is then broken).
+        """
+        if isinstance(error, PeerFailed):  # the rank that raised says what; this one only stopped with it
+            logger.info("gradwatch: the check at step %d stopped on rank %d: %s", step, self.rank, error)
+        elif error is not None:
+            logger.error("gradwatch: the check at step %d raised on rank %d; training goes on:\n%s", step, self.rank,
+                         "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip())
+            result.error, result.where = f"{type(error).__name__}: {error}", blamed(error)
+        return self.gather(result)
 
     # ------------------------------------------------------------------ 5. training part
     def average(self, tensors: Dict[str, torch.Tensor], in_place: bool = False) -> Dict[str, torch.Tensor]:
@@ -458,7 +496,7 @@ def _worse(a: Any, b: Any) -> bool:
     (a verdict with no figure, NaN, counts as the worst).
 
     Example:
-        >>> from gradwatch.check.report import TrainingCheck
+        >>> from gradwatch.check.judging.report import TrainingCheck
         >>> _worse(TrainingCheck("w", (2,), judged_rel_diff=0.5), TrainingCheck("w", (2,), judged_rel_diff=0.0))
         True
     """

@@ -17,40 +17,17 @@ Example:
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from ..check.generators import HeldGenerators
-from ..check.independence import IndependenceReport, ModelCall, check_independence
-from ..check.isolation import preserved_rng
-from ..check.structures import parse_structures, restarts
-from .trend import Alert
-
-#: Values of the ``independence`` option besides structure names.
-INDEPENDENCE_WORDS = ("auto", "off")
-
-
-def parse_independence(value: Any) -> Union[None, str, List[str]]:
-    """The ``independence`` option normalized: None (off), ``"auto"``, or a list of structures.
-
-    Raises:
-        ValueError: Neither ``auto``/``off``/null nor structure names (the message lists them).
-
-    Example:
-        >>> parse_independence("Causal"), parse_independence(None), parse_independence(["batch", "padding"])
-        (['causal'], None, ['batch', 'padding'])
-    """
-    if value is None or value is False or (isinstance(value, str) and value.lower() == "off"):
-        return None
-    if isinstance(value, str) and value.lower() == "auto":
-        return "auto"
-    try:
-        return list(parse_structures(value))
-    except (ValueError, TypeError):
-        raise ValueError(f"independence: got {value!r}, expected auto, off, null, or one or a list of "
-                         "batch, causal, documents, padding") from None
+from gradwatch.check.independence.check import IndependenceReport, ModelCall, check_independence
+from gradwatch.check.independence.structures import INDEPENDENCE_WORDS, parse_independence, restarts
+from gradwatch.check.objective.generators import HeldGenerators
+from gradwatch.check.objective.rng import preserved_rng
+from gradwatch.watch.context import CheckContext
+from gradwatch.watch.trend import Alert
 
 
 class _Captured(Exception):
@@ -88,12 +65,19 @@ def _hf_causal_lm(model: nn.Module) -> bool:
 
 
 class IndependencePart:
-    """What the watch checks for independence, and the alerts it raises.
+    """What the watch checks for independence, and the alerts it raises (a part: see :class:`~gradwatch.watch.context.Part`).
 
     Args:
         option: The ``independence`` option (see :func:`parse_independence`).
         cooldown: Checks during which the same leak (structure and module) does not alert again.
+
+    Example:
+        >>> part = IndependencePart(["causal"])
+        >>> part.enabled, part.alerts(0, None), part.state_dict()
+        (True, [], {'checks': 1, 'last': []})
     """
+
+    name = "independence"
 
     def __init__(self, option: Any, cooldown: int = 10) -> None:
         self.option = parse_independence(option)
@@ -103,6 +87,7 @@ class IndependencePart:
 
     @property
     def enabled(self) -> bool:
+        """Whether the ``independence`` option asks for any check."""
         return self.option is not None
 
     def structures_for(self, model: nn.Module, args: tuple, kwargs: dict) -> Optional[List[str]]:
@@ -121,8 +106,28 @@ class IndependencePart:
             out.append("documents")
         return out
 
-    def run(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any], batch: Any, seed: int,
-            generators: Sequence[Any] = ()) -> Tuple[Optional[IndependenceReport], Optional[str]]:
+    def run(self, check: CheckContext) -> Optional[IndependenceReport]:
+        """The part on one check: its report put in ``check.report.independence`` (and returned); why it was not
+        checked, or that it failed, becomes a note of the report (the other parts' verdicts stand)."""
+        report = check.report
+        if report is None or not self.enabled:
+            return None
+        ctx = check.watch
+        if ctx.sharded:
+            report.notes.append("independence not checked: a sharded (FSDP2) model is not supported by it yet")
+            return None
+        try:
+            with ctx.recorder_paused():
+                report.independence, why = self.check_call(ctx.model, ctx.objective.loss_fn, check.batch,
+                                                           check.opts.seed, ctx.held_generators())
+        except Exception as exc:  # noqa: BLE001 - the user's model or inputs: say it, keep the other parts
+            why = f"independence not checked: {type(exc).__name__}: {exc}"
+        if why:
+            report.notes.append(why)
+        return report.independence
+
+    def check_call(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any], batch: Any, seed: int,
+                   generators: Sequence[Any] = ()) -> Tuple[Optional[IndependenceReport], Optional[str]]:
         """The check on the batch's model call: ``(report, None)``, or ``(None, why not)``; None, None: off.
 
         ``generators``: those the model and ``loss_fn`` hold; put back afterwards, as are torch's, numpy's
@@ -146,13 +151,13 @@ class IndependencePart:
         finally:
             held.reset()
 
-    def alerts(self, step: int, report: Optional[IndependenceReport]) -> List[Alert]:
+    def alerts(self, step: int, results: Optional[IndependenceReport]) -> List[Alert]:
         """One ``independence`` alert per broken structure (silent for ``cooldown`` checks after it alerted)."""
         self._checks += 1
-        if report is None:
+        if results is None:
             return []
         out = []
-        for v in report.violations:
+        for v in results.violations:
             key = (v.structure, v.module)
             last = self._last.get(key)
             if last is not None and self._checks - last <= self.cooldown:
@@ -167,7 +172,7 @@ class IndependencePart:
     def state_dict(self) -> Dict[str, Any]:
         return {"checks": self._checks, "last": [[s, m, c] for (s, m), c in self._last.items()]}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._checks = int(state.get("checks", 0))
         self._last = {(s, m): int(c) for s, m, c in state.get("last", [])}
 

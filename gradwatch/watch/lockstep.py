@@ -39,11 +39,11 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from ..check.isolation import is_dtensor
-from ..check.owncode import tensor_leaves
-from .distributed import DistributedCheckError
-from .shard_check import reshard
-from .sharded import _FSDPModule
+from gradwatch.check.objective.dtensor import is_dtensor
+from gradwatch.trees import tensor_leaves
+from gradwatch.watch.distributed import DistributedCheckError, PeerFailed
+from gradwatch.watch.shard_check import reshard
+from gradwatch.watch.sharded import fsdp_loaded, is_fsdp
 
 __all__ = ["Lockstep", "PeerFailed", "reset_fsdp"]
 
@@ -53,17 +53,13 @@ def _needing_grad(value: Any) -> List[torch.Tensor]:
     return [t for t in tensor_leaves(value) if t.requires_grad]
 
 
-class PeerFailed(DistributedCheckError):
-    """Another rank's check raised; this rank stopped at the same agreement point, before any further collective."""
-
-
 def reset_fsdp(model: nn.Module) -> None:
     """FSDP2's per-iteration state reset after a forward or backward stopped midway (``reset_iter_state`` on the
     root, where torch has it; otherwise every module resharded)."""
-    if _FSDPModule is None:
+    if not fsdp_loaded():
         return
     for m in model.modules():
-        if isinstance(m, _FSDPModule):
+        if is_fsdp(m):
             reset = getattr(m, "reset_iter_state", None)
             try:
                 if reset is not None:
@@ -158,9 +154,9 @@ class Lockstep:
         self._queued = False
         # Plain parameters as training left them (FSDP2's are DTensors now; these are the ones it does not manage)
         self._plain = {id(p): (p, p.grad) for p in self.model.parameters() if not is_dtensor(p)}
-        if _FSDPModule is not None:
+        if fsdp_loaded():
             for m in self.model.modules():
-                if isinstance(m, _FSDPModule):
+                if is_fsdp(m):
                     self._handles += [m.register_forward_pre_hook(before_forward, prepend=True),
                                       m.register_forward_hook(outputs, prepend=True),
                                       m.register_forward_pre_hook(inputs, with_kwargs=True)]

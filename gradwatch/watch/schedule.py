@@ -6,43 +6,17 @@ Pure bookkeeping: the hook feeds it step and check durations; it never reads a c
 from __future__ import annotations
 
 import math
-import re
 from collections import deque
 from statistics import fmean, median
-from typing import Any, Deque, Dict, Optional, Tuple, Union
+from typing import Any, Deque, Dict, Optional, Union
+
+from gradwatch.config import parse_max_interval
 
 #: Longest gap between two checks in "auto" mode, in steps.
 MAX_AUTO_INTERVAL = 100_000
 #: An ``auto`` interval longer than this many steps is announced as a warning (shorter ones at INFO).
 ANNOUNCE_AS_WARNING_ABOVE = 100
 
-_INTERVAL_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(steps?|min|mins|minutes?|m|h|hours?)\s*$", re.I)
-
-
-def parse_max_interval(value: Any) -> Tuple[Optional[int], Optional[float]]:
-    """``max_interval`` as ``(steps, seconds)``: an integer is steps; ``"N steps"``, ``"N min"`` or ``"N h"`` too.
-
-    Raises:
-        ValueError: Anything else, naming what is accepted.
-
-    Example:
-        >>> parse_max_interval(500), parse_max_interval("30 min"), parse_max_interval(None)
-        ((500, None), (None, 1800.0), (None, None))
-    """
-    if value is None:
-        return None, None
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return int(value), None
-    m = _INTERVAL_RE.match(value) if isinstance(value, str) else None
-    if m is not None and float(m.group(1)) > 0:
-        number, unit = float(m.group(1)), m.group(2).lower()
-        if unit.startswith("step"):
-            if number.is_integer():
-                return int(number), None
-        else:
-            return None, number * (3600.0 if unit.startswith("h") else 60.0)
-    raise ValueError(f"max_interval: got {value!r}, expected null, a number of steps >= 1 (500), "
-                     "or a time such as '30 min' or '2 h'")
 
 
 class Schedule:

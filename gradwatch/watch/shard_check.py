@@ -3,7 +3,7 @@
 Both parts of a check run on the live sharded model, the same collectives on every rank in the same
 order:
 
-- **the backward part** is the module form (:mod:`gradwatch.check.modular`) on the pieces of the
+- **the backward part** is the module form (:mod:`gradwatch.check.modules.module_form`) on the pieces of the
   planner's cycle, split between the ranks by :func:`gradwatch.plan.shards.assign`: a Linear's or an
   Embedding's rows are checked on the rank that holds them, from a view of its shard (no gather, no
   copy but the float64 slice); every other piece (own code, a norm, an activation) by one rank, its
@@ -34,13 +34,13 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 from torch import nn
 
-from ..check.isolation import is_dtensor
-from ..check.owncode import _HOOK_DICTS
-from ..check.training import same_bits
-from ..plan.cycle import Piece
-from ..plan.shards import assign, rows_held
-from ..plan.units import Unit, sliceable_rows
-from .sharded import _FSDP_KEYS, _FSDPModule, _full, _plain_class
+from gradwatch.check.judging.training_judge import same_bits
+from gradwatch.check.modules.own_code import HOOK_DICTS
+from gradwatch.check.objective.dtensor import is_dtensor
+from gradwatch.plan.cycle import Piece
+from gradwatch.plan.shards import assign, rows_held
+from gradwatch.plan.units import Unit, sliceable_rows
+from gradwatch.watch.sharded import FSDP_KEYS, fsdp_loaded, full_tensor, is_fsdp, plain_class
 
 __all__ = ["SHARD_NOTE", "ShardView", "backward_on_shards", "held_rows", "plan_shards", "reshard"]
 
@@ -127,7 +127,7 @@ def plan_shards(model: nn.Module, units: Sequence[Unit], pieces: Sequence[Piece]
         for _, m in _subtree(unit, named):
             for p in m._parameters.values():
                 if p is not None and is_dtensor(p) and id(p) not in gathered:
-                    full = _full(p)  # a collective: every rank, in this order
+                    full = full_tensor(p)  # a collective: every rank, in this order
                     if keep:
                         gathered[id(p)] = full
     offsets = {p.unit: off for p, off in mine if off}
@@ -147,10 +147,10 @@ def _rank_world(model: nn.Module) -> Tuple[int, int]:
 def reshard(model: nn.Module) -> None:
     """Every FSDP2 module of ``model`` back to its sharded parameters (a no-grad forward leaves the root's
     gathered, as training's backward would have freed them)."""
-    if _FSDPModule is None:
+    if not fsdp_loaded():
         return
     for m in model.modules():
-        if isinstance(m, _FSDPModule):
+        if is_fsdp(m):
             cast(Any, m).reshard()
 
 
@@ -206,10 +206,10 @@ class ShardView:
 def _proxy(m: nn.Module, plain: Any, skip: Set[int]) -> nn.Module:
     """A shallow copy of ``m`` in its own class (without FSDP), its parameters through ``plain``, its hooks and
     FSDP state left out, its submodules likewise (those in ``skip`` kept as they are: the check stubs them)."""
-    cls = _plain_class(m)
+    cls = plain_class(m)
     new = object.__new__(cls)
-    state = {k: v for k, v in m.__dict__.items() if not k.startswith("__composable_api") and k not in _FSDP_KEYS}
-    for attr in _HOOK_DICTS:
+    state = {k: v for k, v in m.__dict__.items() if not k.startswith("__composable_api") and k not in FSDP_KEYS}
+    for attr in HOOK_DICTS:
         if attr in state:
             state[attr] = collections.OrderedDict()
     state["_parameters"] = {k: plain(p) for k, p in m._parameters.items()}

@@ -35,26 +35,50 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import sys
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Type, cast
 
 import torch
 from torch import nn
 
-from ..check.isolation import is_dtensor, is_sharded
+from gradwatch.check.objective.dtensor import is_dtensor, is_sharded
 
-_FSDPModule: Optional[type]
-try:  # torch >= 2.6
-    from torch.distributed.fsdp import FSDPModule
 
-    _FSDPModule = FSDPModule
-except ImportError:  # pragma: no cover - an older torch or one built without distributed
-    _FSDPModule = None
+def fsdp_module() -> Optional[type]:
+    """FSDP2's ``FSDPModule`` class once ``torch.distributed.fsdp`` is loaded, else None.
+
+    A model sharded with ``fully_shard`` has loaded it, so a model of a process that never did holds no
+    FSDP2 module; not importing it here keeps ``import gradwatch`` a second faster (FSDP's import is heavy).
+
+    Example:
+        >>> import sys
+        >>> fsdp_module() is None or fsdp_module().__name__ == "FSDPModule"
+        True
+    """
+    loaded = sys.modules.get("torch.distributed.fsdp")
+    return getattr(loaded, "FSDPModule", None) if loaded is not None else None
+
+
+def fsdp_loaded() -> bool:
+    """True once FSDP2 is loaded in this process (see :func:`fsdp_module`)."""
+    return fsdp_module() is not None
+
+
+def is_fsdp(module: Any) -> bool:
+    """True for a module ``fully_shard`` has sharded.
+
+    Example:
+        >>> is_fsdp(nn.Linear(2, 2))
+        False
+    """
+    fsdp = fsdp_module()
+    return fsdp is not None and isinstance(module, fsdp)
 
 __all__ = ["REPLICA_NOTE", "LiveForwardInCheck", "Replica", "is_dtensor", "is_sharded", "layout", "live_forward_forbidden",
            "mixed_precision", "refuse_unsupported"]
 
 #: Module attributes that belong to FSDP (state, flags), never copied into a replica.
-_FSDP_KEYS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
+FSDP_KEYS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
 #: Hook dicts of a module, and the dicts keyed like them that flag a hook's kind.
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
                "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
@@ -75,7 +99,7 @@ def layout(model: nn.Module) -> List[Tuple[str, Tuple[int, ...], str, bool]]:
     return [(n, tuple(p.shape), str(p.dtype), p.grad is not None) for n, p in model.named_parameters()]
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor: a DTensor's ``full_tensor()`` (a collective), a plain one's detached copy."""
     with torch.no_grad():
         if is_dtensor(t):
@@ -87,12 +111,13 @@ def _full(t: torch.Tensor) -> torch.Tensor:
         return t.detach().clone()
 
 
-def _plain_class(module: nn.Module) -> Type[nn.Module]:
+def plain_class(module: nn.Module) -> Type[nn.Module]:
     """The module's own class: the one ``fully_shard`` subclassed (``FSDPLinear`` -> ``Linear``)."""
     cls = type(module)
-    if _FSDPModule is not None and isinstance(module, _FSDPModule):
+    fsdp = fsdp_module()
+    if fsdp is not None and isinstance(module, fsdp):
         for base in cls.__mro__[1:]:
-            if not issubclass(base, _FSDPModule) and issubclass(base, nn.Module):
+            if not issubclass(base, fsdp) and issubclass(base, nn.Module):
                 return base
     return cls
 
@@ -149,12 +174,12 @@ class Replica:
         ``named_parameters()`` order: the same collectives on every rank when the layouts agree.
         """
         for (_, live), mine in zip(model.named_parameters(), self._params):
-            mine.copy_(_full(live))
+            mine.copy_(full_tensor(live))
             mine.requires_grad_(live.requires_grad)
-            mine.grad = None if live.grad is None else _full(live.grad)
+            mine.grad = None if live.grad is None else full_tensor(live.grad)
         for (_, buf), (_, live_buf) in zip(self.module.named_buffers(), model.named_buffers()):
             if buf is not None and live_buf is not None:
-                buf.copy_(_full(live_buf))
+                buf.copy_(full_tensor(live_buf))
         for copied, original in zip(self.module.modules(), model.modules()):
             copied.training = original.training
         return self.module
@@ -175,13 +200,13 @@ def _copy_module(module: nn.Module, memo: Dict[int, Any]) -> nn.Module:
     other attributes deep-copied (with ``memo``, so tied tensors and shared submodules stay shared)."""
     if id(module) in memo:
         return memo[id(module)]
-    cls = _plain_class(module)
+    cls = plain_class(module)
     new = cls.__new__(cls)
     memo[id(module)] = new
     state: Dict[str, Any] = {}
     dropped: set = set()
     for key, value in module.__dict__.items():
-        if key.startswith("__composable_api") or key in _FSDP_KEYS:
+        if key.startswith("__composable_api") or key in FSDP_KEYS:
             continue
         if key == "_modules":
             state[key] = {n: None if c is None else _copy_module(c, memo) for n, c in value.items()}
@@ -239,14 +264,14 @@ def mixed_precision(model: nn.Module) -> Optional[str]:
         >>> mixed_precision(nn.Linear(2, 1)) is None
         True
     """
-    if _FSDPModule is None:
+    if not fsdp_loaded():
         return None
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError:  # pragma: no cover
         return None
     for name, module in model.named_modules():
-        if not isinstance(module, _FSDPModule):
+        if not is_fsdp(module):
             continue
         policy = getattr(cast(Any, fully_shard).state(module), "_mp_policy", None)  # no public getter in torch 2.13
         unit = cast(nn.Module, module)
@@ -290,7 +315,7 @@ def live_forward_forbidden(model: nn.Module) -> Iterator[None]:
         ...     pass
     """
     handles = []
-    if _FSDPModule is not None:
+    if fsdp_loaded():
 
         def refuse(module: nn.Module, args: tuple) -> None:
             raise LiveForwardInCheck(
@@ -301,7 +326,7 @@ def live_forward_forbidden(model: nn.Module) -> Iterator[None]:
 
         refuse._gradwatch_hook = True  # type: ignore[attr-defined]
         for m in model.modules():
-            if isinstance(m, _FSDPModule):
+            if is_fsdp(m):
                 handles.append(m.register_forward_pre_hook(refuse, prepend=True))
     try:
         yield

@@ -8,9 +8,9 @@ accumulation bug). :class:`StepObjective` is the part of the watch that finds th
 
 1. **What is counted** (the ``items`` option): ``"auto"`` finds the rules the batch offers (target
    tokens of a label tensor holding ``-100``, with and without the next-token shift; masks;
-   samples, :mod:`gradwatch.check.items`) and, where one would weigh the step's micro-batches unequally,
+   samples, :mod:`gradwatch.check.replay.items`) and, where one would weigh the step's micro-batches unequally,
    decides which one ``loss_fn`` follows by evaluating its gradient on two samples and their union
-   (:mod:`gradwatch.check.item_probe`), once per run; ``"samples"`` or a callable ``items(batch) -> count`` declare it;
+   (:mod:`gradwatch.check.replay.item_probe`), once per run; ``"samples"`` or a callable ``items(batch) -> count`` declare it;
    ``"micro_batches"`` weighs each micro-batch alike (the mean of micro-batch means).
 2. **Where the cut legitimately matters**: train-mode BatchNorm, or a probe that finds the samples
    of a batch coupled (an in-batch contrastive loss): the step is judged per micro-batch, each
@@ -18,8 +18,8 @@ accumulation bug). :class:`StepObjective` is the part of the watch that finds th
 3. **Across ranks**: every rank's counts are exchanged (one gather, no batch travels), so every
    rank weighs its micro-batches by ``W * n_ri / N`` and the ranks' replays average to the step's
    objective, under DDP and FSDP2 alike.
-4. **The diagnosis**: each micro-batch's replayed gradient is sketched (:mod:`gradwatch.check.sketch`);
-   when training's gradient fails, :func:`gradwatch.check.cut.explain_cut` names the weights it
+4. **The diagnosis**: each micro-batch's replayed gradient is sketched (:mod:`gradwatch.check.numerics.sketch`);
+   when training's gradient fails, :func:`gradwatch.check.replay.cut.explain_cut` names the weights it
    was put together with ("training weighs the 4 micro-batches equally, but they hold 5, 31, 12
    and 40 target tokens ...").
 
@@ -40,10 +40,13 @@ from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequ
 import torch
 from torch import nn
 
-from ..check.cut import Part, describe_counts, explain_cut
-from ..check.isolation import Reseeder
-from ..check.item_probe import ItemDecision, coupling_modules, decide
-from ..check.items import (
+from gradwatch.check.judging.report import TrainingCheck
+from gradwatch.check.judging.training_judge import tolerance_for
+from gradwatch.check.numerics.sketch import Sketch
+from gradwatch.check.objective.rng import Reseeder
+from gradwatch.check.replay.cut import Part, describe_counts, explain_cut
+from gradwatch.check.replay.item_probe import ItemDecision, coupling_modules, decide
+from gradwatch.check.replay.items import (
     ItemCountError,
     ItemRule,
     Path,
@@ -54,10 +57,7 @@ from ..check.items import (
     proportional,
     step_weights,
 )
-from ..check.report import TrainingCheck
-from ..check.sketch import Sketch
-from ..check.training import tolerance_for
-from ..plan.units import isolated
+from gradwatch.plan.units import isolated
 
 #: The rule of ``items="micro_batches"``: one per micro-batch, each weighing ``1 / k`` on its rank.
 MICRO_BATCHES = ItemRule("micro_batches")

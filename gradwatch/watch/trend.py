@@ -13,9 +13,10 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..check.numeric import DEFAULT_BANDS, Verdict, validate_bands
-from ..check.report import CheckReport, InconclusiveKind, TensorCheck, json_float, suspects
-from ..errors import ConfigError, error_key
+from gradwatch.bands import DEFAULT_BANDS, Verdict
+from gradwatch.check.judging.report import CheckReport, InconclusiveKind, TensorCheck, json_float, suspects
+from gradwatch.errors import ConfigError, error_key
+from gradwatch.options import trend_options
 
 #: Alert kinds, in the order they are reported within one check.
 ALERT_KINDS = ("threshold", "drift", "nonfinite", "nondeterministic", "error")
@@ -94,12 +95,6 @@ def _key_kind(kind: str, part: str) -> str:
     return kind if part == "backward" else f"{part}/{kind}"
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name}: got {value!r}, expected an integer >= {minimum}")
-    return value
-
-
 class TrendTracker:
     """Per-tensor history of judged relative differences, baselines, drift and alert deduplication.
 
@@ -133,7 +128,7 @@ class TrendTracker:
         alert_cooldown: Checks during which a persisting alert stays silent; >= 0.
 
     Example:
-        >>> from gradwatch.check.report import CheckReport, TensorCheck
+        >>> from gradwatch.check.judging.report import CheckReport, TensorCheck
         >>> def report(v):
         ...     t = TensorCheck(name="w", shape=(3,), rel_diff=v, max_rel_error=v,
         ...                     judged_rel_diff=v, verdict=Verdict.from_value(v))
@@ -155,16 +150,8 @@ class TrendTracker:
         drift_decades: float = 2.0,
         alert_cooldown: int = 10,
     ) -> None:
-        try:
-            self.bands: Tuple[float, float, float] = validate_bands(bands)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
-        self.baseline_checks = _check_int("baseline_checks", baseline_checks, 1)
-        self.drift_window = _check_int("drift_window", drift_window, 1)
-        if isinstance(drift_decades, bool) or not isinstance(drift_decades, (int, float)) or not drift_decades > 0:
-            raise ConfigError(f"drift_decades: got {drift_decades!r}, expected a number > 0 (powers of ten)")
-        self.drift_decades = float(drift_decades)
-        self.alert_cooldown = _check_int("alert_cooldown", alert_cooldown, 0)
+        (self.bands, self.baseline_checks, self.drift_window, self.drift_decades,
+         self.alert_cooldown) = trend_options(bands, baseline_checks, drift_window, drift_decades, alert_cooldown)
         self._history: Dict[str, List[Dict[str, Any]]] = {}
         self._baseline_samples: Dict[str, List[float]] = {}
         # The training part (live .grad against the objective's gradient): its own series per tensor.
@@ -435,7 +422,7 @@ class TrendTracker:
         return [Alert(step, tensor, kind, severity, float(value), baseline, message, part)]
 
     def _straight_through(self, step: int, report: CheckReport, modules: List[str], explained: List[str]) -> List[Alert]:
-        """One alert for an undeclared straight-through (:func:`gradwatch.check.report.suspects`), for the run.
+        """One alert for an undeclared straight-through (:func:`gradwatch.check.judging.report.suspects`), for the run.
 
         Its tensors are recorded as usual but raise no threshold alert of their own, now or at any later check
         where they fail (not after ``alert_cooldown``: the gradient is the same at every check); a new alert

@@ -1,0 +1,2 @@
+"""Higher-order checks: ``check_double_backward`` and the inner derivatives of each leaf module.
+"""

@@ -1,0 +1,676 @@
+"""The module form of the backward part: the planned pieces, one at a time in float64, within the memory budget.
+
+The whole-objective form (:func:`gradwatch.check.run_model_check`) evaluates a float64 copy
+of the whole model; for a model that fills the machine that copy does not fit. The module
+form checks the units :mod:`gradwatch.plan.units` finds (each module's own code, the modules
+that call no other, ``loss_fn``'s own code) alone, the way Chainer's ``check_backward`` does
+with ``y_grad``:
+
+1. a forward of the *live* model on the check batch (dropout off, BatchNorm's running stats
+   untouched, no grad) captures, in the live dtype, each chosen unit's inputs at its first call
+   and, for own-code units, the outputs of the modules it calls; additive masks (``-inf``, or the
+   dtype's lowest value) are kept as constants. Captures hold at most a third of
+   the room: units that do not fit together are captured by further forwards;
+2. for each piece (a unit, or a block of its rows, :mod:`gradwatch.plan.cycle`), a float64 copy
+   of that piece alone is made (:mod:`gradwatch.check.modules.own_code`; nothing else of the model is
+   copied), and its vector-Jacobian product with a seeded random cotangent ``y_grad`` (with respect
+   to its differentiable inputs, its own parameters and its stubs' outputs) is compared with
+   central differences of ``<y_grad, piece(x)>`` (:func:`gradwatch.localize.check_module`); the
+   copy is dropped before the next piece.
+
+A piece whose float64 check would not fit in the room is cut: a Linear block to the rows that fit,
+any other to the first samples of the batch that fit; what fits in neither way is skipped, and the
+report says so. Not checked here: regularizers and coupled weight decay, and a module's backward on
+later calls than its first; the whole-objective form checks them, and runs whenever it fits.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from gradwatch.check.objective.terms import Objective
+    >>> from gradwatch.options import CheckOptions
+    >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    >>> batch = (torch.randn(8, 3), torch.randn(8, 1))
+    >>> objective = Objective(lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+    >>> report = run_module_check(model, objective, batch, CheckOptions())
+    >>> report.form, report.ok, [m.label for m in report.localized]
+    ('module', True, ['`<loss_fn>` (loss_fn)', '`0` (Linear)', '`1` (Tanh)', '`2` (Linear)'])
+    >>> sorted(report.tensors)[:7]
+    ['0.bias', '0.weight', '0:input', '1:input', '2.bias', '2.weight', '2:input']
+    >>> sorted(report.tensors)[7:]  # loss_fn's own code: the gradient it passes to the model's output
+    ['<loss_fn>:input[0][0]', '<loss_fn>:input[0][1]', '<model>:output']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import nn
+
+from gradwatch.check.judging.report import CheckReport
+from gradwatch.check.modules.localize import ModuleCheck, check_module, copy_opaque, map_tensors
+from gradwatch.check.modules.own_code import LossCode, ModelStub, OwnCode, RowsInPlace, embedding_rows_copy, own_code_copy, rows_copy
+from gradwatch.check.objective.dropout_off import dropout_off
+from gradwatch.check.objective.guards import frozen_power_iteration, suspended_hooks
+from gradwatch.check.objective.precision import ShadowPrecision
+from gradwatch.check.objective.rng import preserved_rng
+from gradwatch.check.objective.shadow import param_signature
+from gradwatch.check.objective.surrogate import find_surrogates, inside, surrogate_note
+from gradwatch.options import CheckOptions
+from gradwatch.plan.cycle import Piece
+from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY, float_bytes, mb, module_bytes, release_freed
+from gradwatch.plan.units import LOSS_FN, Unit, isolated_forward, plan_units, relative, sliceable_rows
+from gradwatch.trees import rebuild, tensor_leaves
+
+#: ``view(unit, rows)``: a context giving ``(unit with plain parameters, offset of its rows)`` (sharded models).
+PieceView = Callable[[Unit, Optional[Tuple[int, int]]], ContextManager[Tuple[Unit, int]]]
+
+
+def module_units(model: nn.Module, loss_fn: Any, batch: Any, seed: int = 0) -> List[Unit]:
+    """The modules that called no other module, in model order (one counting forward of the live model);
+    :func:`gradwatch.plan.units.plan_units` adds the own code of the others.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+        >>> [(u.name, sorted(u.params)) for u in module_units(model, lambda m, b: m(b).sum(), torch.ones(1, 2))]
+        [('0', ['0.bias', '0.weight']), ('1', [])]
+    """
+    return plan_units(model, loss_fn, batch, seed, own_code=False)
+
+
+def float64_copy(module: nn.Module, dtype: torch.dtype = torch.float64) -> nn.Module:
+    """A copy of ``module`` alone with its floating parameters and buffers in ``dtype``, cast straight
+    from the live ones (no intermediate copy in the live dtype); the copy never receives ``.grad``.
+
+    Example:
+        >>> float64_copy(nn.Linear(2, 1)).weight.dtype
+        torch.float64
+    """
+    memo: Dict[int, Any] = {}
+    for p in module.parameters():
+        if id(p) not in memo:
+            value = p.detach().to(dtype) if p.is_floating_point() else p.detach().clone()
+            memo[id(p)] = nn.Parameter(value, requires_grad=p.requires_grad)
+    for b in module.buffers():
+        if id(b) not in memo:
+            memo[id(b)] = b.detach().to(dtype) if b.is_floating_point() else b.detach().clone()
+    try:
+        return copy.deepcopy(module, memo)
+    except Exception as err:  # noqa: BLE001 - say which module and why
+        raise TypeError(f"cannot copy module {type(module).__name__} alone in {dtype} (copy.deepcopy failed: {err})") from err
+
+
+@dataclass
+class Captured:
+    """What one forward of the live model gave the module form, in the live dtype (cast per unit).
+
+    Attributes:
+        inputs: Unit name -> ``(args, kwargs)`` of its first call.
+        output_bytes: Unit name -> float64 bytes of its first call's output.
+        children: Own-code unit name -> called module (relative name) -> its output at each call
+            that the unit's first call made.
+        constants: ``id`` of the captured floating tensors that are additive masks (non-finite, or of magnitude
+            :data:`MASK` or more): the check does not differentiate with respect to them.
+        deferred: Units not captured in this forward, the captures already holding the budget.
+        big: Unit name -> live bytes of what it needs captured, for units over the budget alone.
+        loss: The loss of that forward.
+    """
+
+    inputs: Dict[str, Tuple[Any, Any]] = field(default_factory=dict)
+    output_bytes: Dict[str, int] = field(default_factory=dict)
+    children: Dict[str, Dict[str, List[Any]]] = field(default_factory=dict)
+    constants: Set[int] = field(default_factory=set)
+    deferred: List[str] = field(default_factory=list)
+    big: Dict[str, int] = field(default_factory=dict)
+    loss: float = float("nan")
+
+
+#: A captured floating tensor holding a value this large is an additive mask, not a differentiable input.
+MASK = 1e30
+
+
+def _live_bytes(obj: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensor_leaves(obj) if t.is_floating_point())
+
+
+def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], seed: int,
+            budget: Optional[int] = None) -> Captured:
+    """The chosen units' inputs at their first call in one forward of the live model, and for own-code
+    units the outputs of the modules their first call called (detached copies in the live dtype).
+
+    Floating tensors that hold non-finite values or values of magnitude :data:`MASK` or more (additive
+    attention masks) are known as constants: the check does not differentiate with respect to them.
+    With ``budget`` (bytes), units are captured in
+    forward order while their copies fit in it together; the others are ``deferred`` to another forward,
+    and a unit over the budget alone is left out with its size (``big``).
+    """
+    got = Captured()
+    wanted = {u.name: u for u in units}
+    own = {u.name: {c: relative(u, c) for c in u.stubbed} for u in units if u.kind == "own"}
+    sizes: Dict[str, int] = {}
+    stack: List[List[Any]] = []  # [module, is this the first call of a wanted unit being captured]
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        copy_ = t.detach().clone()
+        if t.is_floating_point() and t.numel() and (not bool(torch.isfinite(copy_).all()) or float(copy_.abs().max()) >= MASK):
+            got.constants.add(id(copy_))  # an additive mask (-inf, or the dtype's lowest): no step can move it
+        return copy_
+
+    def fits(extra: int) -> bool:
+        return budget is None or sum(sizes.values()) + extra <= budget
+
+    def drop(name: str, why: str) -> None:
+        got.inputs.pop(name, None)
+        got.children.pop(name, None)
+        size = sizes.pop(name, 0)
+        if why == "big":
+            got.big[name] = size
+        else:
+            got.deferred.append(name)
+
+    def enter(name: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            first = name in wanted and name not in got.inputs and name not in got.big and name not in got.deferred
+            if first:
+                need = _live_bytes((args, kwargs))
+                if budget is not None and need > budget:
+                    got.big[name] = need
+                    first = False
+                elif not fits(need) and sizes:
+                    got.deferred.append(name)
+                    first = False
+                else:
+                    got.inputs[name] = copy_opaque(map_tensors((args, kwargs), keep))
+                    sizes[name] = need
+                    if name in own:
+                        got.children[name] = {}
+            stack.append([name, first])
+
+        return hook
+
+    def leave(name: str):
+        def hook(module: nn.Module, args: tuple, out: Any) -> None:
+            while stack and stack[-1][0] != name:  # a forward that raised inside left its frame behind
+                stack.pop()
+            frame = stack.pop() if stack else [name, False]
+            if frame[1]:
+                got.output_bytes[name] = float_bytes(out)
+            holder = stack[-1][0] if stack and stack[-1][1] and stack[-1][0] in own else None
+            rel = own[holder].get(name) if holder is not None else None
+            if holder is None and not stack and name == "" and LOSS_FN in got.children:
+                holder, rel = LOSS_FN, ""  # a call of the model by loss_fn itself
+            if holder is None or rel is None:
+                return
+            need = _live_bytes(out)
+            if budget is not None and sizes.get(holder, 0) + need > budget:
+                drop(holder, "big")
+                got.big[holder] += need
+                if stack and stack[-1][0] == holder:
+                    stack[-1][1] = False
+            elif not fits(need):
+                drop(holder, "deferred")
+                if stack and stack[-1][0] == holder:
+                    stack[-1][1] = False
+            else:
+                got.children[holder].setdefault(rel, []).append(copy_opaque(rebuild(out, keep)))
+                sizes[holder] = sizes.get(holder, 0) + need
+
+        return hook
+
+    if LOSS_FN in wanted:
+        got.inputs[LOSS_FN] = copy_opaque(map_tensors(((batch,), {}), keep))
+        got.children[LOSS_FN] = {}
+        sizes[LOSS_FN] = _live_bytes(batch)
+    named = dict(model.named_modules())
+    hooked = set(wanted) | {c for u in units for c in u.stubbed}
+    got.loss = isolated_forward(model, loss_fn, batch, seed, pre={n: enter(n) for n in named if n in hooked},
+                                post={n: leave(n) for n in named if n in hooked})
+    return got
+
+
+def _cast_tree(obj: Any, dtype: torch.dtype, constants: Set[int], out: Set[int]) -> Any:
+    """``obj`` with floating tensors in ``dtype``; the copies of ``constants`` go into ``out``."""
+    def cast_one(t: torch.Tensor) -> torch.Tensor:
+        c = t.to(dtype) if t.is_floating_point() else t
+        if id(t) in constants:
+            out.add(id(c))
+        return c
+
+    return rebuild(obj, cast_one)
+
+
+def run_module_check(
+    model: nn.Module,
+    objective: Any,
+    batch: Any,
+    opts: CheckOptions,
+    *,
+    units: Optional[Sequence[Unit]] = None,
+    pieces: Optional[Sequence[Piece]] = None,
+    room: Optional[int] = None,
+    view: Optional[PieceView] = None,
+    screen: bool = False,
+) -> CheckReport:
+    """The module form of the backward part (see the module docstring).
+
+    Args:
+        model: The live model (never changed: its parameters, buffers and RNG streams are left as they were).
+        objective: An :class:`~gradwatch.objective.Objective`; its ``loss_fn`` runs once, to capture inputs.
+        batch: The check batch.
+        opts: Check options (``coords``, ``directions``, ``eps``, ``bands``, ``fail_at``, ``seed``, ``detect_kinks``).
+        units: The units to choose from (default: every unit of :func:`gradwatch.plan.units.plan_units`).
+        pieces: The pieces to check (:class:`gradwatch.plan.cycle.Piece`; default: each unit whole).
+        room: Bytes a piece's check may hold (None: no bound); a Linear over it is checked on the block of
+            rows that fits, any other piece over it is skipped, and the report says so.
+        view: A sharded model (:mod:`gradwatch.watch.shard_check`): ``view(unit, rows)`` is a context giving
+            the unit with plain parameters (this rank's rows, or the gathered whole) and the offset of its
+            rows. Then exactly one forward of the live model runs (its collectives are the same on every rank,
+            whatever this rank's pieces): no capture is deferred to another forward, and a piece over ``room``
+            is cut to the first samples of what that forward captured instead of captured again.
+        screen: Detection first in each piece (see :func:`gradwatch.localize.check_module`).
+
+    Returns:
+        A :class:`CheckReport` with ``form == "module"``: parameters under their names, a unit's input
+        gradient under ``"<module>:input"``, the gradient an own-code unit passes back to a module it called
+        under ``"<module>:output"``, and one :class:`~gradwatch.localize.ModuleCheck` per piece in ``localized``.
+    """
+    start = time.perf_counter()
+    if units is None:
+        units = plan_units(model, objective.loss, batch, opts.seed)
+    surrogates = find_surrogates(model, opts.surrogates)
+    units = [u for u in units if not inside(u.name, surrogates)]  # their gradient is a surrogate by design
+    by_name = {u.name: u for u in units}
+    if pieces is None:
+        pieces = [Piece(u.name) for u in units]
+    report = CheckReport(tensors={}, fail_at=opts.fail_verdict, seed=opts.seed, dtype="float64")
+    report.form = "module"
+    if surrogates:
+        report.surrogates = list(surrogates)
+        report.notes.append(surrogate_note(surrogates, "module"))
+    if getattr(objective, "differentiates", None):
+        # loss_fn differentiates through the model (a gradient penalty): its own code without the model cannot run
+        if any(p.unit == LOSS_FN for p in pieces):
+            report.notes.append(f"module form: `{LOSS_FN}` (loss_fn) not checked: loss_fn differentiates through the "
+                                "model (torch.autograd.grad inside), which its own code cannot do without the model; "
+                                "the objective form checks it where the whole objective fits memory_budget")
+        pieces = [p for p in pieces if p.unit != LOSS_FN]
+    chosen = list({p.unit: by_name[p.unit] for p in pieces if p.unit in by_name}.values())
+    dtype = opts.torch_dtype or torch.float64
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    skipped: List[str] = []
+    estimate = 0
+    unused = 0
+    remaining = chosen
+    got = Captured()
+    solo: List[Piece] = []  # pieces that fit the room only without the other units' captures beside them
+    once = view is not None  # sharded: one forward on every rank, even with no piece of its own
+    while remaining or once:
+        once = False
+        # Captures take a third of the room at most; units that do not fit together are captured by later forwards.
+        got = capture(model, objective.loss, batch, remaining, opts.seed,
+                      budget=None if room is None or view is not None else room // 3)
+        if report.objective != report.objective:  # NaN: the first forward's loss
+            report.objective = got.loss
+            report.terms = {"loss": got.loss}
+            report.nonfinite = report.nonfinite or not math.isfinite(got.loss)  # said once, for the whole check
+        held = _held(got)
+        for piece in pieces:
+            unit = by_name.get(piece.unit)
+            if unit is None or (unit.name not in got.inputs and unit.name not in got.big):
+                continue
+            estimate, unused = _run_piece(model, objective, batch, opts, unit, piece, got, dtype, canonical,
+                                          None if room is None else max(0, room - held), report, skipped, estimate,
+                                          unused, solo=solo if len(got.inputs) > 1 and view is None else None,
+                                          full_room=room,
+                                          view=view, screen=screen)
+        progress = len(got.inputs) + len(got.big)
+        remaining = [by_name[n] for n in got.deferred if n in by_name] if progress else []
+        if not progress and got.deferred:
+            skipped.extend(f"{by_name[n].label} (its inputs do not fit in the room)" for n in got.deferred)
+        del got
+    for piece in solo:  # each alone: its own captures only beside its check
+        unit = by_name[piece.unit]
+        got = capture(model, objective.loss, batch, [unit], opts.seed, budget=None if room is None else room // 3)
+        if unit.name in got.inputs or unit.name in got.big:
+            estimate, unused = _run_piece(model, objective, batch, opts, unit, piece, got, dtype, canonical,
+                                          None if room is None else max(0, room - _held(got)), report, skipped,
+                                          estimate, unused)
+        del got
+    if unused:
+        report.notes.append(f"module form: {unused} embedding slice(s) held no token of this batch (their rows count "
+                            "as unreached until a batch uses them)")
+    if skipped:
+        report.notes.append(
+            f"module form: {len(skipped)} piece(s) not checked, over the room the memory budget leaves "
+            f"({mb(room)}): {'; '.join(skipped[:4])}{'; ...' if len(skipped) > 4 else ''}")
+    report.memory = {"estimate_bytes": estimate}
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _held(got: Captured) -> int:
+    """Bytes the captures of one forward hold."""
+    return sum(_live_bytes(v) for v in got.inputs.values()) + sum(_live_bytes(v) for v in got.children.values())
+
+
+def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions, unit: Unit, piece: Piece, got: Captured,
+               dtype: torch.dtype, canonical: Dict[int, str], room: Optional[int], report: CheckReport,
+               skipped: List[str], estimate: int, unused: int, solo: Optional[List[Piece]] = None,
+               full_room: Optional[int] = None, view: Optional[PieceView] = None,
+               screen: bool = False) -> Tuple[int, int]:
+    """One piece of a captured unit: fit it to the room (rows, or fewer samples), check it, file the result.
+
+    With ``solo``: a whole piece that fits ``full_room`` but not beside the other captures is put there, to be
+    checked again alone."""
+    constants: Set[int] = set()
+    rows = piece.rows
+    if unit.name in got.inputs:
+        args, kwargs = _cast_tree(got.inputs[unit.name], dtype, got.constants, constants)
+        children = {rel: [_cast_tree(o, dtype, got.constants, constants) for o in outs]
+                    for rel, outs in got.children.get(unit.name, {}).items()}
+        out_bytes = got.output_bytes.get(unit.name, 0)
+        stub_params = [t for outs in children.values() for o in outs for t in tensor_leaves(o) if t.is_floating_point()]
+        share = 1.0 if rows is None else (rows[1] - rows[0]) / max(1, _rows_of(unit) or 1)
+        if rows is None:
+            need = module_bytes(unit.params.values(), (args, kwargs), out_bytes) + _numel(stub_params) * MODULE_BYTES_PER_ENTRY
+        else:
+            need = int(_numel(unit.params.values()) * share) * MODULE_BYTES_PER_ENTRY + 3 * float_bytes((args, kwargs)) \
+                + int(4 * out_bytes * share)
+    else:  # over the capture budget alone: its float64 check cannot fit the room on the whole batch
+        args = kwargs = None
+        children = {}
+        out_bytes = 0
+        need = got.big[unit.name] * 2 * MODULE_BYTES_PER_ENTRY // 8  # float32 to float64, then its copies
+    if room is not None and need > room and solo is not None and full_room is not None and rows is None \
+            and need <= full_room - _live_bytes(got.inputs.get(unit.name)) - _live_bytes(got.children.get(unit.name)):
+        solo.append(piece)
+        return estimate, unused
+    if room is not None and need > room:
+        block = None if args is None else _row_block(unit, (args, kwargs), out_bytes, room // 2, opts.seed, rows)
+        if block is not None:
+            smaller = None
+        elif view is not None:  # one forward only (sharded): cut what it captured
+            smaller = None if args is None else _cut_samples(unit, (args, kwargs), children, constants, need, room)
+        else:
+            smaller = _fewer_samples(model, objective.loss, batch, unit, need, room, opts.seed, dtype)
+        if block is None and smaller is None:
+            skipped.append(f"{unit.label}{'' if rows is None else f' rows {rows[0]}:{rows[1]}'} needs about {mb(need)}")
+            return estimate, unused
+        if block is not None:
+            report.notes.append(f"module form: {unit.label} checked on output rows {block[0]}:{block[1]} of "
+                                f"{_rows_of(unit)} (its {'slice' if rows else 'whole'} float64 check needs about "
+                                f"{mb(need)}; the rows rotate from check to check)")
+            rows, need = (block[0], block[1]), block[2]
+        else:
+            assert smaller is not None
+            whole_need = need
+            (args, kwargs), children, need, what, constants = smaller
+            report.notes.append(f"module form: {unit.label} checked on {what} (on the whole batch its float64 check "
+                                f"needs about {mb(whole_need)})")
+    estimate = max(estimate, need)
+    with view(unit, rows) if view is not None else contextlib.nullcontext((unit, 0)) as (local_unit, offset):
+        result, probed = _check_piece(local_unit, rows, args, kwargs, children, opts, dtype, canonical, objective.loss,
+                                      constants, faithful_room=0.0 if view is not None else float("inf") if room is None
+                                      else max(0, room - need) / 2, offset=offset, screen=screen)
+    del args, kwargs, children
+    if room is not None:
+        release_freed()  # what this piece's check freed, before the next one allocates
+    report.pieces.append(str(Piece(unit.name, rows)))
+    if result.inconclusive == NO_TOKEN:
+        report.probed.extend(probed)  # the rows the batch reached
+        return estimate, unused + 1
+    report.localized.append(result)
+    report.evaluations += result.evaluations
+    if result.inconclusive and not result.tensors:
+        report.notes.append(f"module form: {result.label} not checked: {result.inconclusive}")
+        return estimate, unused
+    report.probed.extend(probed)
+    for key, tc in result.tensors.items():
+        if key.startswith("input"):
+            name = f"{unit.name or '<model>'}:{key}"
+        elif unit.kind == "loss_fn":
+            name = key
+        else:
+            name = f"{unit.name}.{key}" if unit.name else key
+        tc.name = name
+        report.tensors[name] = tc
+    if result.inconclusive:
+        report.notes.append(f"module form: {result.label} not checked: {result.inconclusive}")
+    return estimate, unused
+
+
+#: Why an embedding slice was not checked: the batch uses none of its rows (they count as unreached).
+NO_TOKEN = "the batch uses no token of these rows"
+
+
+def _numel(tensors: Any) -> int:
+    return sum(int(t.numel()) for t in tensors)
+
+
+def _rows_of(unit: Unit) -> Optional[int]:
+    """Rows a unit can be sliced by: a Linear's output rows, an Embedding's token rows (None for any other)."""
+    return sliceable_rows(unit.module) if unit.kind == "module" else None
+
+
+def _row_block(unit: Unit, inputs: Any, output_bytes: int, room: int, seed: int,
+               within: Optional[Tuple[int, int]] = None) -> Optional[Tuple[int, int, int]]:
+    """For a Linear too big for the room: ``(first row, end row, bytes)`` of the largest block of output rows
+    (within ``within``, default all) that fits (rows ``i`` of the output depend on rows ``i`` of the weight and
+    bias alone), at an offset that moves with the check's seed; None for any other module, or when not one row fits."""
+    module = unit.module
+    if not isinstance(module, nn.Linear) or unit.kind != "module":
+        return None
+    rows = module.out_features
+    lo, hi = within if within is not None else (0, rows)
+    per_row = (module.in_features + (1 if module.bias is not None else 0)) * MODULE_BYTES_PER_ENTRY \
+        + 4 * output_bytes // max(rows, 1)
+    fixed = 3 * float_bytes(inputs)
+    k = min(hi - lo, (room - fixed) // per_row) if room > fixed else 0
+    if k < 1:
+        return None
+    first = lo + (seed * k) % (hi - lo)
+    first = min(first, hi - k)
+    return first, first + k, fixed + k * per_row
+
+
+def sub_batch(batch: Any, keep: int, length: Optional[int] = None) -> Tuple[Any, int, int]:
+    """The first ``keep`` samples of ``batch`` (and with ``length``, their first ``length`` positions): every
+    tensor whose first dimension is the batch size (that of the first tensor in it) cut to ``keep``, and those
+    whose second dimension is the sequence length (the first tensor's) cut to ``length``; returns it, the
+    batch size and the sequence length (1 where the first tensor has one dimension).
+
+    Example:
+        >>> part, size, seq = sub_batch({"input_ids": torch.zeros(4, 6), "scale": 2.0}, 1, 3)
+        >>> part["input_ids"].shape, size, seq
+        (torch.Size([1, 3]), 4, 6)
+    """
+    first = next((t for t in tensor_leaves(batch) if t.dim()), None)
+    if first is None:
+        return batch, 1, 1
+    size, seq = int(first.shape[0]), int(first.shape[1]) if first.dim() > 1 else 1
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() and t.shape[0] == size:
+            t = t[:keep]
+        if length is not None and t.dim() > 1 and t.shape[1] == seq:
+            t = t[:, :length]
+        return t
+
+    return rebuild(batch, cut), size, seq
+
+
+def _fewer_samples(model: nn.Module, loss_fn: Any, batch: Any, unit: Unit, need: int, room: int, seed: int,
+                   dtype: torch.dtype) -> Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, str, Set[int]]]:
+    """For a unit too big for the room on the whole batch: its inputs (and stubs' outputs) captured on a cut of
+    the batch that fits: its first samples, or one sample's first positions (a token batch), as
+    ``((args, kwargs), children, bytes, what was kept, constants)``; None when no cut fits (or the model
+    refuses the cut batch)."""
+    _, size, seq = sub_batch(batch, 1)
+    cuts: List[Tuple[int, Optional[int]]] = []
+    keep = min(size - 1, int(size * room / max(need, 1)))
+    if keep >= 1:
+        cuts.append((keep, None))
+    elif seq > 1:  # one sample does not fit: its first positions, about as many as fit, then half of them twice
+        fit = min(seq - 1, int(seq * size * room / max(need, 1)))
+        cuts += [(1, n) for n in dict.fromkeys((fit, fit // 2, fit // 4)) if n >= 1]
+    for kept, length in cuts:
+        part, _, _ = sub_batch(batch, kept, length)
+        try:
+            got = capture(model, loss_fn, part, [unit], seed, budget=room // 3)
+        except Exception:  # noqa: BLE001 - a model that refuses the cut batch: the unit is named as not checked
+            return None
+        if unit.name not in got.inputs:
+            continue
+        constants: Set[int] = set()
+        inputs = _cast_tree(got.inputs[unit.name], dtype, got.constants, constants)
+        children = {rel: [_cast_tree(o, dtype, got.constants, constants) for o in outs]
+                    for rel, outs in got.children.get(unit.name, {}).items()}
+        stub = [t for outs in children.values() for o in outs for t in tensor_leaves(o) if t.is_floating_point()]
+        cost = module_bytes(unit.params.values(), inputs, got.output_bytes.get(unit.name, 0)) \
+            + _numel(stub) * MODULE_BYTES_PER_ENTRY
+        if cost <= room:
+            what = f"{kept} of the batch's {size} samples" + ("" if length is None else f", its first {length} of {seq} positions")
+            return inputs, children, cost, what, constants
+    return None
+
+
+def _cut_samples(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str, List[Any]], constants: Set[int], need: int,
+                 room: int) -> Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, str, Set[int]]]:
+    """For a unit too big for the room, when no other forward may run (a sharded model): its captured inputs and
+    stubs' outputs cut to their first samples (every tensor whose first dimension is the batch size), as many as
+    fit, or, when one sample does not fit, to one sample's first positions (every tensor whose second dimension
+    is the sequence length, and one position fewer where it is one shorter: next-token logits beside the ids),
+    in :func:`_fewer_samples`' form; None when no cut fits, or the inputs hold no batch.
+
+    Example:
+        >>> ids, logits = torch.zeros(4, 8, dtype=torch.long), torch.zeros(4, 7, 3)
+        >>> (args, _), children, need, what, _ = _cut_samples(None, ((ids,), {}), {"h": [logits]}, set(), 64, 4)
+        >>> args[0].shape, children["h"][0].shape, need
+        (torch.Size([1, 2]), torch.Size([1, 1, 3]), 4)
+        >>> what
+        "1 of the batch's 4 samples, its first 2 of 8 positions (cut from the forward's capture)"
+    """
+    whole = (inputs, children)
+    _, size, seq = sub_batch(inputs, 1)
+    keep = min(size - 1, int(size * room / max(need, 1)))
+    length: Optional[int] = None
+    if keep < 1:
+        keep, length = 1, min(seq - 1, int(seq * size * room / max(need, 1)))
+        if length < 1:
+            return None
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() and t.shape[0] == size:
+            t = t[:keep]
+        if length is not None and t.dim() > 1 and t.shape[1] in (seq, seq - 1):  # next-token logits: one fewer
+            t = t[:, :length - (seq - int(t.shape[1]))]
+        return t
+
+    cut_inputs, cut_children = rebuild(whole, cut)
+    kept = {id(new) for old, new in zip(tensor_leaves(whole), tensor_leaves((cut_inputs, cut_children)))
+            if id(old) in constants}
+    what = f"{keep} of the batch's {size} samples" + ("" if length is None else f", its first {length} of {seq} positions")
+    return cut_inputs, cut_children, need * keep * (length or seq) // (size * seq), \
+        what + " (cut from the forward's capture)", kept
+
+
+def _first_ids(args: Any, kwargs: Any) -> Optional[torch.Tensor]:
+    for t in tensor_leaves((args, kwargs)):
+        if not t.is_floating_point() and not t.is_complex():
+            return t
+    return None
+
+
+def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs: Any, children: Dict[str, List[Any]],
+                 opts: CheckOptions, dtype: torch.dtype, canonical: Dict[int, str],
+                 loss_fn: Any = None, constants: Optional[Set[int]] = None,
+                 faithful_room: float = float("inf"), offset: int = 0,
+                 screen: bool = False) -> Tuple[ModuleCheck, List[Tuple[str, Any]]]:
+    """One piece alone: a ``dtype`` copy of the unit (its own code with stubs, its rows, or whole), checked on
+    its captured inputs, then dropped; and what it probed (parameter name, rows).
+
+    ``offset``: the unit's weight holds rows ``offset:`` of the model's (one rank's shard); ``rows`` and what
+    is reported stay the model's rows."""
+    kind = type(unit.module).__name__
+    probed: List[Tuple[str, Any]] = []
+    names = {k: canonical.get(id(p), k) for k, p in unit.params.items()}
+    prefix = f"{unit.name}." if unit.name else ""
+    try:
+        local: nn.Module
+        if unit.kind == "loss_fn":
+            stub = ModelStub(unit.module, children.get("", ()))
+            local = OwnCode(LossCode(loss_fn, stub), [stub])
+            several = len(stub.outputs) > 1 or any(len(leaves) > 1 for leaves in stub.outputs)
+            params = {(f"<model>:output[{k}][{i}]" if several else "<model>:output"): leaf
+                      for k, leaves in enumerate(stub.outputs) for i, leaf in enumerate(leaves)}
+            kind = "loss_fn"
+            probed = [(LOSS_FN, "code")]
+        elif unit.kind == "own":
+            inner, stubs, params = own_code_copy(unit.module, unit.name, [relative(unit, c) or c for c in unit.stubbed],
+                                                 children, unit.params, dtype)
+            local = OwnCode(inner, stubs)
+            kind += ", own code"
+            probed = [(names[k], None) for k in unit.params] + [(unit.name, "code")]
+        elif rows is not None and isinstance(unit.module, nn.Embedding) and type(unit.module) is not nn.Embedding and \
+                2 * _numel([unit.module.weight]) * dtype.itemsize <= faithful_room:
+            # An Embedding subclass (its own forward, maybe a custom backward): checked at its full size, only the
+            # rows of this block moved, so a backward that treats some token ids apart sees them at their index.
+            ids = _first_ids(args, kwargs)
+            reached = torch.unique(ids.reshape(-1)) if ids is not None else torch.zeros(0, dtype=torch.long)
+            probed.append((names.get(prefix + "weight", prefix + "weight"), ("reached", reached)))
+            block = reached[(reached >= rows[0]) & (reached < rows[1])]
+            if not block.numel():
+                return ModuleCheck(name=unit.name, type=f"{kind} rows {rows[0]}:{rows[1]}", calls=unit.calls,
+                                   inconclusive=NO_TOKEN), probed
+            kind += f" rows {rows[0]}:{rows[1]} ({block.numel()} used, in place)"
+            local = RowsInPlace(unit.module, block, dtype)
+            params = {"weight": local.block}
+            if local.bias_base is not None:
+                params["bias"] = local.bias_block
+            probed.extend((names.get(prefix + k, prefix + k), block) for k in params)
+        elif rows is not None and isinstance(unit.module, nn.Embedding):
+            ids = _first_ids(args, kwargs)
+            made = None if ids is None else embedding_rows_copy(unit.module, ids - offset, rows[0] - offset,
+                                                                rows[1] - offset, dtype)
+            if ids is not None:
+                probed.append((names.get(prefix + "weight", prefix + "weight"), ("reached", torch.unique(ids.reshape(-1)))))
+            if made is None:
+                return ModuleCheck(name=unit.name, type=f"{kind} rows {rows[0]}:{rows[1]}", calls=unit.calls,
+                                   inconclusive=NO_TOKEN), probed
+            local, local_ids, used = made
+            used = used + offset
+            args, kwargs = (local_ids,), {}
+            params = {k: p for k, p in local.named_parameters(recurse=False) if p.requires_grad}
+            kind += f" rows {rows[0]}:{rows[1]} ({used.numel()} used)"
+            probed.append((names.get(prefix + "weight", prefix + "weight"), used))
+        elif rows is not None:
+            local = rows_copy(unit.module, rows[0] - offset, rows[1] - offset, dtype)
+            params = {k: p for k, p in local.named_parameters(recurse=False) if p.requires_grad}
+            kind += f" rows {rows[0]}:{rows[1]}"
+            probed = [(names.get(prefix + k, prefix + k), rows) for k in params]
+        else:
+            local = float64_copy(unit.module, dtype)
+            named = dict(local.named_parameters())
+            params = {k[len(prefix):]: named[k[len(prefix):]] for k in unit.params if k[len(prefix):] in named}
+            probed = [(names[k], None) for k in unit.params] + [(unit.name, "code")]
+    except (TypeError, RuntimeError) as err:
+        return ModuleCheck(name=unit.name, type=kind, calls=unit.calls, inconclusive=str(err)), []
+    modules = list(local.modules())
+    with preserved_rng(), dropout_off(local), frozen_power_iteration(local, modules), suspended_hooks(local, modules), \
+            ShadowPrecision(dtype):
+        result = check_module(unit.name, local, args, kwargs, opts, unit.calls, params=params, restore=False,
+                              constants=constants, screen=screen)
+    result.type = kind
+    return result, probed
+
+
+def units_signature(model: nn.Module) -> Tuple:
+    """When this changes, the units must be found again: parameters and buffers (names, shapes,
+    devices), and every module and parameter by identity (a replaced layer of the same shape too)."""
+    return (param_signature(model), tuple((n, id(m)) for n, m in model.named_modules()),
+            tuple(id(p) for p in model.parameters()))

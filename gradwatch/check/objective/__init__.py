@@ -1,0 +1,14 @@
+"""The check objective and what keeps it a function: its terms (``terms``), random generators held still
+(``rng``, ``generators``), dropout off (``dropout_off``, ``functional_dropout``), side-effect guards (``guards``), the float64
+shadow (``shadow``), precision inside (``precision``), ``padding_idx`` rows (``padding_idx``), checkpointed graphs
+(``checkpointed``), surrogates by design (``surrogate``), DTensor tests (``dtensor``).
+"""
+
+from typing import Any
+
+from gradwatch.check._moved import package_attribute
+
+
+def __getattr__(name: str) -> Any:
+    """The names this path held in 0.1, when it was a module (deprecated; see :mod:`gradwatch.check._moved`)."""
+    return package_attribute(__name__, name)

@@ -1,0 +1,403 @@
+"""Guards that keep an evaluation free of side effects: buffers, user hooks, scalar attributes,
+BatchNorm statistics and spectral-norm power iterations."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+import types
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+
+import torch
+from torch import nn
+from torch.nn.modules import module as torch_module
+from torch.nn.utils.parametrizations import _SpectralNorm
+
+
+class BufferGuard:
+    """Puts back any buffer an evaluation changed in place.
+
+    A change is detected by the version counter *or* by value: the native
+    batch-norm kernel updates ``running_mean``/``running_var`` in place
+    without bumping their version counters. Buffers that did not change are
+    not written, so a buffer saved for backward (an eval-mode BatchNorm's
+    running stats) keeps its version. Call :meth:`restore_changed` only after
+    any pending backward of the evaluation: a train-mode BatchNorm saves its
+    running stats for backward too, and restoring them bumps their version.
+
+    Example:
+        >>> bn = nn.BatchNorm1d(2)
+        >>> guard = BufferGuard(bn)
+        >>> _ = bn(torch.randn(4, 2))
+        >>> guard.restore_changed(); int(bn.num_batches_tracked), float(bn.running_mean.abs().sum())
+        (0, 0.0)
+    """
+
+    #: Value comparisons in a row that found a buffer unchanged before :meth:`restore_fast` trusts its version counter.
+    TRUST_AFTER = 2
+
+    def __init__(self, model: nn.Module, attributes: bool = False, modules: Optional[List[nn.Module]] = None,
+                 owners: Optional[List[Tuple[nn.Module, str, torch.Tensor]]] = None) -> None:
+        if owners is None:
+            modules = list(model.modules()) if modules is None else modules  # one walk for buffers, owners, attributes
+            owners = [(m, k, b) for m in modules for k, b in m._buffers.items() if b is not None]
+        self._owners = owners
+        seen: Set[int] = set()
+        unique = []
+        for _, _, b in self._owners:  # a shared buffer once
+            if id(b) not in seen:
+                seen.add(id(b))
+                unique.append(b)
+        self._buffers = [(b, b.detach().clone(), b._version) for b in unique]
+        self._clean = [0] * len(self._buffers)
+        #: With ``attributes``, plain attributes a forward changes (counters) are put back too (:class:`AttributeGuard`).
+        self._attrs = AttributeGuard(model, modules) if attributes else None
+
+    def restore_changed(self) -> None:
+        """Copy the saved value back into every buffer whose version or value moved.
+
+        A buffer the forward replaced by another tensor (``self.cache = torch.zeros(n)``, a
+        shape that follows the batch) is put back too: the module holds the original again.
+        """
+        for m, key, buf in self._owners:
+            if m._buffers.get(key) is not buf:
+                m._buffers[key] = buf
+        if self._attrs is not None:
+            self._attrs.restore()
+        for i, (buf, saved, version) in enumerate(self._buffers):
+            if buf._version != version or not torch.equal(buf, saved):
+                with torch.no_grad():
+                    buf.copy_(saved)
+                self._buffers[i] = (buf, saved, buf._version)
+                self._clean[i] = 0
+            else:
+                self._clean[i] += 1
+
+    def restore_fast(self) -> None:
+        """:meth:`restore_changed` between evaluations, without a value comparison (a device sync) per buffer.
+
+        Version counters are always compared (free). Values are compared only for buffers
+        that changed without a version bump recently (fewer than :attr:`TRUST_AFTER` clean
+        comparisons in a row): with :func:`frozen_batchnorm_stats` in effect, no buffer of a
+        standard module does. Call :meth:`restore_changed` once at the end for an exact restore.
+        """
+        if self._attrs is not None:
+            self._attrs.restore()
+        for i, (buf, saved, version) in enumerate(self._buffers):
+            if buf._version != version or (self._clean[i] < self.TRUST_AFTER and not torch.equal(buf, saved)):
+                with torch.no_grad():
+                    buf.copy_(saved)
+                self._buffers[i] = (buf, saved, buf._version)
+                self._clean[i] = 0
+            elif self._clean[i] < self.TRUST_AFTER:
+                self._clean[i] += 1
+
+
+#: Hook dicts of a module, with the words a note uses for them.
+_HOOK_KINDS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forward hook",
+               "_backward_pre_hooks": "backward pre-hook", "_backward_hooks": "backward hook"}
+
+
+#: Top-level packages whose hooks are part of the function a module computes (weight_norm, pruning, ...).
+_LIBRARY_HOOKS = ("torch",)
+
+
+def _library_hook(hook: Any) -> bool:
+    if getattr(hook, "_gradwatch_hook", False):  # gradwatch's own (the shadow's input casting)
+        return True
+    fn = hook.func if isinstance(hook, functools.partial) else hook
+    fn = getattr(fn, "__func__", fn)  # a bound method: where its function is defined
+    where = fn.__module__ if isinstance(fn, (types.FunctionType, types.BuiltinFunctionType)) else type(fn).__module__
+    return isinstance(where, str) and where.split(".")[0] in _LIBRARY_HOOKS
+
+
+def _hook_name(hook: Any) -> str:
+    fn = hook.func if isinstance(hook, functools.partial) else hook
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _has_hooks(m: nn.Module) -> bool:
+    # Attribute reads, not a loop over _HOOK_KINDS: this runs for every module of every replay.
+    return bool(m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks)
+
+
+@contextlib.contextmanager
+def suspended_hooks(model: nn.Module, modules: Optional[List[nn.Module]] = None) -> Iterator[List[str]]:
+    """Module hooks registered by user code do not run for the duration; yields what was suspended.
+
+    A hook on the live model (or its deep copy, whose hooks are the same functions) would run
+    at every evaluation of a check: a recorder of activations would fill up, a counter rise,
+    by dozens per check. Hooks defined by torch (``weight_norm``, pruning, ``spectral_norm``)
+    and gradwatch's own are part of what a module computes and keep running. Global module
+    hooks (``register_module_forward_hook``) are suspended by the same rule. Each hook is put
+    back in its place afterwards.
+
+    Example:
+        >>> lin = nn.Linear(2, 1)
+        >>> seen = []
+        >>> _ = lin.register_forward_hook(lambda m, i, o: seen.append(1))
+        >>> with suspended_hooks(lin) as names:
+        ...     _ = lin(torch.ones(2))
+        >>> len(seen), names, len(lin._forward_hooks)
+        (0, ['forward hook <lambda> on the model'], 1)
+    """
+    places: List[Tuple[Any, Dict[str, Any]]] = [
+        (m, m.__dict__) for m in (model.modules() if modules is None else modules) if _has_hooks(m)]
+    places.append(("every module (global)", _global_hooks()))
+    removed: List[_Removed] = []
+    names: List[str] = []
+    module_names: Dict[int, str] = {}  # built once, only when a user hook needs naming
+    for where, attrs in places:
+        for key, kind in _HOOK_KINDS.items():
+            user = _take_user_hooks(attrs.get(key), removed)
+            if user:
+                if isinstance(where, nn.Module):
+                    if not module_names:
+                        module_names = {id(m): name or "the model" for name, m in model.named_modules()}
+                    where = module_names.get(id(where), "the model")
+                names.extend(f"{kind} {_hook_name(h)} on {where}" for h in user.values())
+    try:
+        yield names
+    finally:
+        _put_back_hooks(removed)
+
+
+#: A hook dict whose user hooks were taken out: (the dict, its keys in order, the hooks taken out by key).
+_Removed = Tuple[Dict[Any, Any], List[Any], Dict[Any, Any]]
+
+
+def _global_hooks() -> Dict[str, Any]:
+    """The global module hook dicts (``register_module_forward_hook`` ...), by the per-module attribute name."""
+    return {k: getattr(torch_module, "_global" + k, None) for k in _HOOK_KINDS}
+
+
+def _take_user_hooks(hooks: Optional[Dict[Any, Any]], removed: List[_Removed]) -> Optional[Dict[Any, Any]]:
+    """Take the hooks user code registered out of ``hooks`` (noted in ``removed``); returns them (None: none)."""
+    if not hooks:
+        return None
+    user = {k: h for k, h in hooks.items() if not _library_hook(h)}
+    if not user:
+        return None
+    removed.append((hooks, list(hooks), user))
+    for k in user:
+        del hooks[k]
+    return user
+
+
+def _put_back_hooks(removed: List[_Removed]) -> None:
+    """Put every hook :func:`_take_user_hooks` took out back in its place."""
+    for hooks, order, user in removed:
+        current = dict(hooks)  # hooks gradwatch added or removed meanwhile (its casting hooks) stay as they are
+        merged = [(k, user.get(k, current.get(k))) for k in order if k in user or k in current]
+        known = set(order)
+        merged += [(k, v) for k, v in current.items() if k not in known]
+        hooks.clear()
+        hooks.update(merged)
+
+
+#: Attributes every ``nn.Module`` has (``training``, parameter, buffer and hook dicts).
+MODULE_KEYS = frozenset(vars(nn.Module()))
+
+
+_SCALARS = (int, float, bool, str, complex, type(None))
+
+
+class AttributeGuard:
+    """Puts back plain attributes of modules that a forward changes: a call counter, a flag.
+
+    Attributes holding a number, string, boolean or None (not those every ``nn.Module`` has)
+    are saved at construction. The first :meth:`restore` (after the check's first, analytic
+    evaluation) finds those the forward changed and puts them back; later calls put back only
+    those, so gradwatch's own switches between evaluations (BatchNorm's
+    ``track_running_stats`` during a check) are left alone. Lists, dicts and other objects a
+    forward mutates are not guarded.
+
+    Example:
+        >>> class Counting(nn.Linear):
+        ...     calls = 0
+        ...     def forward(self, x):
+        ...         self.calls += 1
+        ...         return super().forward(x)
+        >>> m = Counting(2, 1); m.calls = 0
+        >>> guard = AttributeGuard(m)
+        >>> _ = m(torch.ones(2)); guard.restore(); m.calls
+        0
+    """
+
+    def __init__(self, model: nn.Module, modules: Optional[List[nn.Module]] = None) -> None:
+        self._saved: List[Tuple[Dict[str, Any], str, Any]] = []
+        for m in (model.modules() if modules is None else modules):
+            attrs = m.__dict__
+            if _stateless(type(m)) and "forward" not in attrs:  # torch's forward, which changes no plain attribute
+                continue
+            _save_scalars(attrs, self._saved)
+        self._changed: Optional[list] = None
+
+    def restore(self) -> None:
+        """Put back the attributes the forward changed (found on the first call)."""
+        if self._changed is None:
+            self._changed = [(attrs, k, v) for attrs, k, v in self._saved
+                             if not (attrs.get(k, _MISSING) is v or (type(attrs.get(k)) is type(v) and attrs.get(k) == v))]
+        for attrs, k, v in self._changed:
+            attrs[k] = v
+
+
+_MISSING = object()
+
+
+def _save_scalars(attrs: Dict[str, Any], saved: List[Tuple[Dict[str, Any], str, Any]]) -> None:
+    """Append ``(attrs, key, value)`` for each plain scalar attribute (not one every module has)."""
+    saved.extend((attrs, k, v) for k, v in attrs.items() if type(v) in _SCALARS and k not in MODULE_KEYS)
+
+
+def _restore_scalars(attrs: Dict[str, Any], saved: Dict[str, Any]) -> None:
+    """Put back in ``attrs`` every plain scalar attribute ``saved`` (an earlier copy of it) holds with another value."""
+    kept: List[Tuple[Dict[str, Any], str, Any]] = []
+    _save_scalars(saved, kept)
+    for _, k, v in kept:
+        if attrs.get(k, _MISSING) is not v:
+            attrs[k] = v
+
+
+#: Module classes whose forward is torch's own (``torch.nn.modules``): it changes buffers at most, never a
+#: plain attribute, so :class:`AttributeGuard` skips their instances (a replay guards every module of the model).
+_STATELESS: Dict[type, bool] = {}
+
+
+def _stateless(cls: type) -> bool:
+    known = _STATELESS.get(cls)
+    if known is None:
+        where = getattr(getattr(cls, "forward", None), "__module__", None) or ""
+        known = _STATELESS[cls] = where.startswith("torch.nn.modules.") and cls.__module__.startswith("torch.nn.modules.")
+    return known
+
+
+class LiveIsolation:
+    """The live model as a replay of training's forward runs it, set up in one walk of its modules.
+
+    What :func:`suspended_hooks`, :func:`frozen_power_iteration` and :class:`BufferGuard` (with
+    attributes) do together, plus the gradient hooks of ``params`` detached (``p.register_hook``):
+    hooks user code registered on modules (and global module hooks) do not run, the power iteration
+    of ``spectral_norm`` is off, and on exit every buffer, plain scalar attribute and hook is back as
+    it was. A replay runs on every check, right after training's backward has evicted the caches, so
+    this is one pass over ``modules`` and does nothing for what the model does not have. RNG states
+    are not its job (:func:`preserved_rng`).
+
+    Args:
+        modules: ``list(root.modules())`` (current: the caller walks the tree when it changes).
+        params: Tensors whose gradient hooks are detached for the duration.
+
+    Example:
+        >>> lin = nn.Linear(2, 1)
+        >>> seen = []
+        >>> _ = lin.register_forward_hook(lambda m, i, o: seen.append(1))
+        >>> with LiveIsolation(list(lin.modules()), list(lin.parameters())):
+        ...     _ = lin(torch.ones(2))
+        >>> len(seen), len(lin._forward_hooks)
+        (0, 1)
+    """
+
+    def __init__(self, modules: List[nn.Module], params: List[torch.Tensor] = ()) -> None:  # type: ignore[assignment]
+        self.modules = modules
+        self.params = params
+        self._spectral: List[nn.Module] = []
+        self._hooks: List[_Removed] = []
+        self._attrs: List[Tuple[Dict[str, Any], Dict[str, Any]]] = []  # (a module's __dict__, its copy on entry)
+        self._tensor_hooks: List[Tuple[Dict[Any, Any], Dict[Any, Any]]] = []
+        self._buffers: Optional[BufferGuard] = None
+
+    def __enter__(self) -> "LiveIsolation":
+        owners: List[Tuple[nn.Module, str, torch.Tensor]] = []
+        for m in self.modules:
+            d = m.__dict__
+            if _has_hooks(m):
+                for key in _HOOK_KINDS:
+                    _take_user_hooks(d[key], self._hooks)
+            buffers = d["_buffers"]
+            if buffers:
+                owners.extend((m, k, b) for k, b in buffers.items() if b is not None)
+            if isinstance(m, _SpectralNorm) and m.training:  # before the copy below: the copy holds the flag as set
+                m.training = False
+                self._spectral.append(m)
+            if not _stateless(type(m)) or "forward" in d:  # a forward of user code may change a plain attribute
+                self._attrs.append((d, d.copy()))  # compared on exit
+        for hooks in _global_hooks().values():
+            _take_user_hooks(hooks, self._hooks)
+        for p in self.params:
+            hooks = p._backward_hooks
+            if hooks:
+                self._tensor_hooks.append((hooks, dict(hooks)))
+                hooks.clear()
+        if owners:
+            self._buffers = BufferGuard(self.modules[0], owners=owners)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            if self._buffers is not None:
+                self._buffers.restore_changed()
+            for attrs, saved in self._attrs:
+                if len(attrs) != len(saved) or not all(map(operator.is_, attrs.values(), saved.values())):
+                    _restore_scalars(attrs, saved)
+        finally:
+            for hooks, items in self._tensor_hooks:
+                hooks.update(items)
+            _put_back_hooks(self._hooks)
+            for m in self._spectral:
+                m.training = True
+
+
+@contextlib.contextmanager
+def frozen_batchnorm_stats(model: nn.Module) -> Iterator[None]:
+    """Train-mode BatchNorm keeps normalizing with batch statistics but stops updating running stats.
+
+    Setting ``track_running_stats = False`` on a BatchNorm in train mode leaves
+    its output unchanged (it normalizes with the batch statistics either way)
+    and skips the in-place update of ``running_mean``/``running_var``/
+    ``num_batches_tracked``: evaluations then write no buffer at all, and
+    ``torch.vmap`` can batch them. Eval-mode BatchNorm is left alone.
+
+    Example:
+        >>> bn = nn.BatchNorm1d(2)
+        >>> with frozen_batchnorm_stats(bn):
+        ...     _ = bn(torch.randn(4, 2))
+        >>> int(bn.num_batches_tracked), bn.track_running_stats
+        (0, True)
+    """
+    frozen = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats]
+    for m in frozen:
+        m.track_running_stats = False
+    try:
+        yield
+    finally:
+        for m in frozen:
+            m.track_running_stats = True
+
+
+@contextlib.contextmanager
+def frozen_power_iteration(model: nn.Module, modules: Optional[List[nn.Module]] = None) -> Iterator[None]:
+    """``parametrizations.spectral_norm`` in train mode: ``u``, ``v`` held constant, as torch differentiates.
+
+    In train mode each forward runs a power-iteration step that moves ``u``, ``v`` with the
+    weight, but backprop treats them as constants. Finite differences would see them move and
+    disagree (a false SUSPICIOUS or WRONG); with the power iteration off for the check (the
+    ``_SpectralNorm`` parametrizations in eval mode), the check objective keeps the ``u``, ``v``
+    the last training forward left, the ones training's gradient used. Flags are restored after.
+
+    Example:
+        >>> lin = nn.utils.parametrizations.spectral_norm(nn.Linear(3, 2))
+        >>> u = lin.parametrizations.weight[0]._u.clone()
+        >>> with frozen_power_iteration(lin):
+        ...     _ = lin(torch.randn(4, 3))
+        >>> bool(torch.equal(u, lin.parametrizations.weight[0]._u)), lin.parametrizations.weight[0].training
+        (True, True)
+    """
+    frozen = [m for m in (model.modules() if modules is None else modules) if isinstance(m, _SpectralNorm) and m.training]
+    for m in frozen:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in frozen:
+            m.training = True

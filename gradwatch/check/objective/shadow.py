@@ -1,0 +1,172 @@
+"""The float64 shadow copy of a model, casting of inputs, and exact parameter snapshots."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+
+_COMPLEX_OF = {torch.float64: torch.complex128, torch.float32: torch.complex64, torch.float16: torch.complex32}
+
+
+def cast_floats(obj: Any, dtype: torch.dtype) -> Any:
+    """Cast floating tensors inside standard containers to ``dtype`` (complex ones to the complex dtype of its
+    precision), keeping container types.
+
+    Tensors, lists, tuples, namedtuples, dicts and dataclass instances are
+    walked; any other object is returned as it is (the user's ``loss_fn``
+    receives it untouched).
+
+    Example:
+        >>> cast_floats({"x": torch.ones(1), "y": torch.tensor([1])}, torch.float64)["x"].dtype
+        torch.float64
+    """
+    if isinstance(obj, torch.Tensor):
+        if obj.is_complex():  # complex data beside complex parameters: the complex dtype of the same precision
+            wanted = _COMPLEX_OF.get(dtype, obj.dtype)
+            return obj.to(wanted) if obj.dtype != wanted else obj
+        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(cast_floats(v, dtype) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cast_floats(v, dtype) for v in obj)
+    if isinstance(obj, dict):
+        try:
+            return type(obj)((k, cast_floats(v, dtype)) for k, v in obj.items())
+        except TypeError:
+            return {k: cast_floats(v, dtype) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: cast_floats(getattr(obj, f.name), dtype) for f in dataclasses.fields(obj) if f.init}
+        try:
+            return dataclasses.replace(obj, **changes)
+        except (TypeError, ValueError):
+            return obj
+    return obj
+
+
+def _needs_cast(obj: Any, dtype: torch.dtype) -> bool:
+    """True when :func:`cast_floats` would change something in ``obj``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.is_floating_point() and obj.dtype != dtype
+    if isinstance(obj, (list, tuple)):
+        return any(_needs_cast(v, dtype) for v in obj)
+    if isinstance(obj, dict):
+        return any(_needs_cast(v, dtype) for v in obj.values())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return any(_needs_cast(getattr(obj, f.name), dtype) for f in dataclasses.fields(obj) if f.init)
+    return False
+
+
+def _cast_inputs_hook(dtype: torch.dtype, needed: Optional[set] = None):
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        # Fast path (runs for every module on every evaluation): tensor arguments already in dtype.
+        if not kwargs and all(type(a) is torch.Tensor and (a.dtype == dtype or not a.is_floating_point()) for a in args):
+            return None
+        if not (_needs_cast(args, dtype) or _needs_cast(kwargs, dtype)):
+            return None
+        if needed is not None:
+            needed.add(id(module))
+        return cast_floats(args, dtype), cast_floats(kwargs, dtype)
+
+    hook._gradwatch_hook = True  # type: ignore[attr-defined]  # a marker: suspended_hooks keeps this hook
+    return hook
+
+
+#: Complex dtype a shadow gives complex tensors, per real shadow dtype.
+_COMPLEX_OF = {torch.float64: torch.complex128, torch.float32: torch.complex64}
+
+
+def param_signature(model: nn.Module) -> Tuple:
+    """Names, shapes and devices of parameters and buffers (non-persistent ones too): when it changes, a shadow must be rebuilt."""
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+    return tuple((n, tuple(t.shape), str(t.device)) for n, t in tensors if isinstance(t, torch.Tensor))
+
+
+class Shadow:
+    """A deep copy of the model in ``dtype``, refreshed in place from the live model.
+
+    Floating inputs of every module of the copy are cast to ``dtype`` by
+    forward pre-hooks, so a float32 batch reaching the model directly is
+    evaluated in ``dtype`` too. The copy never receives ``.grad``.
+
+    Example:
+        >>> live = nn.Linear(3, 1)
+        >>> shadow = Shadow(live, torch.float64)
+        >>> shadow.module.weight.dtype
+        torch.float64
+    """
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.signature = param_signature(model)
+        try:
+            self.module = copy.deepcopy(model)
+        except Exception as err:  # noqa: BLE001 - report what failed and the way out
+            raise TypeError(
+                f"cannot make a {dtype} shadow copy of {type(model).__name__} (copy.deepcopy failed: {err}); "
+                "pass dtype=None to check in place in the model's own dtype"
+            ) from err
+        complex_dtype = _COMPLEX_OF.get(dtype)
+        # module.to(dtype) would cast complex tensors to real ones too, discarding their imaginary part.
+        self.module._apply(lambda t: t.to(dtype) if t.is_floating_point()
+                           else (t.to(complex_dtype) if t.is_complex() and complex_dtype else t))
+        for p in self.module.parameters():
+            p.grad = None
+        self._needed: set = set()
+        self._hooks: Dict[int, Any] = {}
+        self.restore_cast_hooks()
+
+    def restore_cast_hooks(self) -> bool:
+        """Give every module of the copy its input-casting hook again; True when some were missing."""
+        missing = False
+        for m in self.module.modules():
+            if id(m) not in self._hooks:
+                self._hooks[id(m)] = m.register_forward_pre_hook(_cast_inputs_hook(self.dtype, self._needed), with_kwargs=True)
+                missing = True
+        return missing
+
+    def casts(self) -> int:
+        """How many modules of the copy have needed an input cast since it was built."""
+        return len(self._needed)
+
+    def trim_cast_hooks(self) -> None:
+        """Remove the casting hooks of modules that have needed no cast so far (until the next refresh).
+
+        Called after the check's first evaluation: the remaining evaluations of a check run
+        the same code on the same batch, and a module hook costs microseconds per call.
+        """
+        for key in [k for k in self._hooks if k not in self._needed]:
+            self._hooks.pop(key).remove()
+
+    def matches(self, model: nn.Module) -> bool:
+        """True when the live model still has the same parameter and buffer layout."""
+        return param_signature(model) == self.signature
+
+    @torch.no_grad()
+    def refresh(self, model: nn.Module) -> None:
+        """Copy live parameters, buffers and train/eval flags into the shadow, in place."""
+        for (_, dst), (_, src) in zip(self.module.named_parameters(), model.named_parameters()):
+            dst.copy_(src.detach())
+            dst.requires_grad_(src.requires_grad)
+        for (_, dbuf), (_, sbuf) in zip(self.module.named_buffers(), model.named_buffers()):
+            if dbuf is not None and sbuf is not None:
+                dbuf.copy_(sbuf.detach())
+        for dmod, smod in zip(self.module.modules(), model.modules()):
+            dmod.training = smod.training
+        self.restore_cast_hooks()
+
+
+def snapshot_params(params: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Exact copies of parameter values, to restore after perturbing in place."""
+    return {n: p.detach().clone() for n, p in params.items()}
+
+
+@torch.no_grad()
+def restore_params(params: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor]) -> None:
+    """Copy saved values back bit for bit."""
+    for n, p in params.items():
+        p.copy_(saved[n])

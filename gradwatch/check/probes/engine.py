@@ -1,0 +1,351 @@
+"""The sampled two-sided comparison for one tensor.
+
+Each *sample* is a line through parameter space (one coordinate, or one
+random unit direction). Along it the engine evaluates the objective at
+``±t`` and compares the central difference with the analytic slope
+``g·(θ(t) - θ(-t)) / 2t``, computed from the perturbation actually applied
+(so rounding of ``θ + t·u`` in low precision does not count as error).
+
+Disagreeing samples are re-examined before they count (see
+:func:`classify_kink`); :mod:`gradwatch.check.judging.judge` then judges the slopes
+against the rounding-noise floor of the finite differences.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from gradwatch.check.judging.judge import (
+    BandRule,
+    Slope,
+    agrees,
+    allowed_jitter,
+    base_point,
+    inconclusive,
+    judge,
+)
+from gradwatch.check.judging.report import InconclusiveKind, TensorCheck
+from gradwatch.check.probes.lines import (
+    BatchProbe,
+    EngineSettings,
+    Evaluator,
+    Outcome,
+    Sample,
+    Target,
+    Terms,
+    all_finite,
+    base_probes,
+    build_samples,
+    central_probe,
+    prepare_slopes,
+    total,
+    unit_sample,
+)
+from gradwatch.check.probes.reexamine import (
+    KINK_SCALES,
+    LOW_PRECISION_EPS,
+    base_step,
+    below_resolution,
+    classify_kink,
+    fails_alone,
+    flat_at_widest,
+    judge_sample,
+    pinpoint,
+    resolve_low_precision,
+    resolves,
+    screen,
+    screen_sample,
+    smooth_sides,
+    unexplained,
+    unresolvable,
+)
+
+
+@dataclass
+class Detection:
+    """A tensor's detection probe (:func:`detect`): one random direction, judged before any other sample.
+
+    Attributes:
+        sample: The probe's line (its direction is dropped once the tensor's verdict no longer needs it).
+        outcome: Its slopes, taken at a wider step where the base step is lost in rounding, re-examined
+            for a kink where they disagree beyond the SUSPICIOUS band.
+        settled: Analytic and numeric agree to the EXCELLENT band (:func:`screened`): the tensor passes
+            on this probe alone.
+        confirmed: They disagree beyond the failing band with no kink or rounding to explain it (a smooth
+            function whose gradient is wrong along the probe): the tensor fails on this probe alone, and the
+            full sample (for the diagnosis) can come after every other tensor's verdict.
+    """
+
+    sample: Sample
+    outcome: Outcome
+    settled: bool = False
+    confirmed: bool = False
+
+
+def detect(name: str, p: torch.Tensor, grads: Dict[str, torch.Tensor], evaluate: Evaluator, j0: float,
+           settings: EngineSettings, seed: int, probe_batch: Optional[BatchProbe] = None) -> Optional[Detection]:
+    """The detection probe of one tensor, judged; None when it has none (one entry: its coordinate is the check).
+
+    ``p`` is perturbed in place and restored bit for bit.
+    """
+    first = screen_sample(name, p, settings, seed, base_step(settings))
+    if first is None:
+        return None
+    saved = p.detach().clone()
+    try:
+        with torch.no_grad():
+            prepare_slopes([first], saved, grads)
+            base = base_probes(name, p, saved, grads, [first], probe_batch)[0] \
+                or central_probe(p, saved, grads, first, first.step, evaluate)
+            out, settled = screen(p, saved, grads, first, base, j0, evaluate, settings)
+            found = Detection(first, out, settled=settled)
+            if not settled and _needs_reexamination(out, settings):
+                alone = set(out.analytic) == {"total"} and fails_alone(out, settings)
+                found.confirmed = alone and smooth_sides(first, base, out, j0, settings)
+                batch = (name, probe_batch) if probe_batch is not None else None
+                taken: Dict[float, Tuple[Terms, Terms, Terms, Terms]] = {}
+                if alone and not found.confirmed:
+                    # One smaller step: a wrong gradient of a smooth function keeps its disagreement there, with
+                    # one-sided slopes that agree; a kink crossed at the base step is left behind or bends one
+                    # side, and one at the point keeps the sides apart at every step.
+                    _reexamine(p, saved, grads, first, base, out, j0, evaluate, settings, scales=KINK_SCALES[:1],
+                               batch=batch, taken=taken)
+                    found.confirmed = not (out.kink or out.unresolved)
+                if not found.confirmed:  # a kink may explain it: every smaller step, as the full sample takes them
+                    out.kink = out.unresolved = False
+                    _reexamine(p, saved, grads, first, base, out, j0, evaluate, settings, batch=batch, taken=taken)
+    finally:
+        with torch.no_grad():
+            p.copy_(saved)
+        first.forget()
+    if found.settled or found.confirmed:
+        first.direction = first.signs = None  # judged: the full sample only needs its slopes
+    first.alone = found.confirmed
+    return found
+
+
+def check_tensor(
+    name: str,
+    p: torch.Tensor,
+    grads: Dict[str, torch.Tensor],
+    evaluate: Evaluator,
+    j0: float,
+    settings: EngineSettings,
+    seed: int,
+    probe_batch: Optional["BatchProbe"] = None,
+    detected: Optional[Detection] = None,
+) -> Tuple[TensorCheck, Dict[str, TensorCheck]]:
+    """Probe one tensor and judge it.
+
+    Args:
+        name: Tensor name for the report.
+        p: The tensor, perturbed in place and restored bit for bit.
+        grads: Analytic gradient per term; key ``"total"`` is the full objective.
+        evaluate: Objective terms at the current parameters.
+        j0: Objective at the unperturbed point.
+        settings: Sample sizes, step, bands and noise model.
+        seed: Sampling seed.
+        probe_batch: Evaluates the base probes of all samples in batches (see
+            :func:`batched_bases`); None, or a batch it declines, means one evaluation each.
+        detected: The tensor's :func:`detect` taken before (detection first): settled, it is the whole
+            check; otherwise the full sample goes on from it. None: taken here when ``settings.screen``.
+
+    Returns:
+        The tensor's :class:`TensorCheck` and one per term (when grads has more than ``"total"``).
+    """
+    if detected is None and settings.detection_first:
+        detected = detect(name, p, grads, evaluate, j0, settings, seed, probe_batch)
+    samples: List[Sample] = [detected.sample] if detected is not None else []
+    outcomes: List[Outcome] = [detected.outcome] if detected is not None else []
+    unseen = unseen_flat = detected is not None and detected.outcome.flat and not detected.settled
+    if (detected is None or not detected.settled) and not unseen:
+        saved = p.detach().clone()
+        h = base_step(settings)
+        try:
+            with torch.no_grad():
+                rest = build_samples(name, p, grads["total"], settings, seed, h)
+                prepare_slopes(rest, saved, grads)
+                _probe_all(p, saved, grads, rest, base_probes(name, p, saved, grads, rest, probe_batch), outcomes, evaluate,
+                           j0, settings, genuine=int(detected is not None and detected.confirmed))
+                samples += rest
+                if detected is not None and unexplained(outcomes[0], settings) \
+                        and not _summarize(name, tuple(p.shape), samples, outcomes, "total", settings).failed:
+                    entry = pinpoint(p, saved, grads, detected.sample, evaluate, settings, h, unit_sample(name, p))
+                    if entry is not None:
+                        prepare_slopes([entry], saved, grads)
+                        samples.append(entry)
+                        _probe_all(p, saved, grads, [entry], None, outcomes, evaluate, j0, settings)
+                if settings.mark_unseen and settings.detect_kinks and settings.eval_eps <= LOW_PRECISION_EPS \
+                        and not resolves(outcomes, settings):
+                    # (In float32 a 1% error is often below what any step resolves; there the judge's rules stand.)
+                    line = next((s_ for s_ in samples if s_.index is None and (s_.direction is not None
+                                                                              or s_.signs is not None)), None)
+                    flat = flat_at_widest(p, saved, grads, line, evaluate, settings) if line is not None else None
+                    unseen, unseen_flat = True, flat is not None
+        finally:
+            with torch.no_grad():
+                p.copy_(saved)
+            for sample in samples:
+                sample.forget()
+    main = _summarize(name, tuple(p.shape), samples, outcomes, "total", settings)
+    if unseen:
+        below_resolution(main, flat=unseen_flat)
+    per_term = {
+        term: _summarize(name, tuple(p.shape), samples, outcomes, term, settings)
+        for term in grads
+        if term != "total"
+    }
+    return main, per_term
+
+
+@dataclass
+class Judged:
+    """One tensor's outcome from :func:`check_tensors`.
+
+    Attributes:
+        key: The caller's key for the tensor.
+        check: Its :class:`TensorCheck`.
+        per_term: One check per term of the objective (when the gradients have more than ``"total"``).
+        before_sampling: Why no slope was taken at all (the objective at the base point is not finite
+            or not deterministic, or the analytic gradient is not finite); None when it was sampled.
+    """
+
+    key: str
+    check: TensorCheck
+    per_term: Dict[str, TensorCheck] = field(default_factory=dict)
+    before_sampling: Optional[InconclusiveKind] = None
+
+
+def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: EngineSettings, seed: int,
+                  probe_batch: Optional[BatchProbe] = None,
+                  on_verdict: Optional[Callable[[], None]] = None) -> Iterator[Judged]:
+    """Judge a set of tensors of one objective: the base point first, then :func:`check_tensor` for each.
+
+    The objective is evaluated twice at the unperturbed point: if the two values are not finite, or differ
+    by more than rounding allows (:func:`gradwatch.check.judging.judge.base_point`), no tensor can be judged and
+    each is inconclusive with that kind. Otherwise their difference (the jitter) joins the noise floor.
+    A tensor whose analytic gradient is not finite is inconclusive without sampling.
+
+    Detection first (``settings.screen``): every tensor's verdict comes before any diagnosis. A tensor
+    whose probe settles it passes; one whose probe disagrees where nothing explains it but a wrong
+    gradient (:class:`Detection` ``confirmed``) fails, and its full sample (which says how: a constant
+    ratio, a sign, a missing term) is taken after every other tensor's verdict, so a buggy model's
+    verdict costs about what a correct one's does. Those tensors are yielded last.
+
+    Args:
+        targets: ``(key, name, tensor, {term: gradient})`` per tensor (``"total"`` is the full objective).
+        evaluate: Objective terms at the current parameters.
+        settings: Sample sizes, step, bands and noise model (``jitter`` is measured here).
+        seed: Sampling seed.
+        probe_batch: Evaluates the base probes of each tensor it ``wants`` in batches.
+        on_verdict: Called once every tensor's verdict (pass or fail) is known, before the failing
+            tensors' full samples.
+
+    Yields:
+        A :class:`Judged` per tensor (a caller keeps those judged before an evaluation raised).
+    """
+    j_a, j_b = evaluate(), evaluate()
+    jitter, kind, why = base_point(total(j_a), total(j_b), allowed_jitter(settings.eval_eps, settings.magnitude))
+    if kind is not None:
+        for key, name, p, _ in targets:
+            yield Judged(key, inconclusive(name, tuple(p.shape), kind, str(why)), before_sampling=kind)
+        if on_verdict is not None:
+            on_verdict()
+        return
+    settings = replace(settings, jitter=jitter)
+    j0 = total(j_a)
+    failing: List[Tuple[str, str, torch.Tensor, Dict[str, torch.Tensor], Optional[BatchProbe], Detection]] = []
+    for key, name, p, grads in targets:
+        if not all(all_finite(t) for t in grads.values()):
+            why = "analytic gradient has non-finite values (NaN or inf)"
+            yield Judged(key, inconclusive(name, tuple(p.shape), InconclusiveKind.NONFINITE, why),
+                         before_sampling=InconclusiveKind.NONFINITE)
+            continue
+        batch = probe_batch if probe_batch is not None and probe_batch.wants(key) else None
+        detected = detect(name, p, grads, evaluate, j0, settings, seed, batch) if settings.detection_first else None
+        if detected is not None and detected.confirmed:
+            failing.append((key, name, p, grads, batch, detected))
+            continue
+        main, per_term = check_tensor(name, p, grads, evaluate, j0, settings, seed, probe_batch=batch, detected=detected)
+        yield Judged(key, main, per_term)
+    if on_verdict is not None:
+        on_verdict()
+    for key, name, p, grads, batch, detected in failing:
+        try:
+            main, per_term = check_tensor(name, p, grads, evaluate, j0, settings, seed, probe_batch=batch,
+                                          detected=detected)
+        except BaseException:
+            # The verdict stands without its diagnosis: the probe alone, judged.
+            yield Judged(key, _summarize(name, tuple(p.shape), [detected.sample], [detected.outcome], "total", settings))
+            raise
+        yield Judged(key, main, per_term)
+
+
+def _probe_all(p, saved, grads, samples: List[Sample], bases, outcomes: List[Outcome], evaluate: Evaluator, j0: float,
+               settings: EngineSettings, genuine: int = 0) -> None:
+    """Probe every sample (or judge its batched base probes), re-examining disagreements; appends to ``outcomes``.
+
+    After three disagreements in a row found genuine (``genuine`` of them before these samples), the rest
+    are taken as they are (a wrong gradient disagrees everywhere; re-examining every sample would only
+    repeat it).
+    """
+    genuine_streak = genuine
+    for i, sample in enumerate(samples):
+        base = bases[i] if bases is not None and bases[i] is not None else central_probe(p, saved, grads, sample, sample.step, evaluate)
+        out = judge_sample(p, saved, grads, sample, base, j0, evaluate, settings)
+        if genuine_streak < 3 and _needs_reexamination(out, settings):
+            kink = _reexamine(p, saved, grads, sample, base, out, j0, evaluate, settings)
+            if kink is not None:
+                genuine_streak = 0 if kink else genuine_streak + 1
+        outcomes.append(out)
+
+
+def _needs_reexamination(out: Outcome, settings: EngineSettings) -> bool:
+    """True when a sample disagrees beyond the SUSPICIOUS band at its base step (a kink may explain it)."""
+    a, n = out.analytic["total"], out.numeric["total"]
+    return settings.detect_kinks and not out.widened and math.isfinite(a) and math.isfinite(n) \
+        and not agrees(a, n, out.floor, settings.bands[1])
+
+
+def _reexamine(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], out: Outcome, j0: float,
+               evaluate: Evaluator, settings: EngineSettings, scales: Sequence[float] = KINK_SCALES,
+               batch: Optional[Tuple[str, BatchProbe]] = None,
+               taken: Optional[Dict[float, Tuple[Terms, Terms, Terms, Terms]]] = None) -> Optional[bool]:
+    """Kink (True), wrong gradient (False) or cannot tell (None) for a disagreeing sample; marked on ``out``.
+
+    ``scales``: the smaller steps of :func:`classify_kink`; ``batch``: the tensor's name and a batched
+    evaluator, to take those not yet ``taken`` in one batch; ``taken``: the probes at smaller steps so far, by
+    scale (kept for a later call on the same sample).
+    """
+    a, n = out.analytic["total"], out.numeric["total"]
+    if unresolvable(sample, a, n, settings):
+        kink = resolve_low_precision(p, saved, grads, sample, a, n, j0, evaluate, settings)
+    else:
+        taken = {} if taken is None else taken
+        missing = [scale for scale in scales if scale not in taken]
+        if batch is not None and missing:
+            scaled = [replace(sample, step=sample.step * scale) for scale in missing]
+            got = base_probes(batch[0], p, saved, grads, scaled, batch[1])
+            taken.update((scale, probe) for scale, probe in zip(missing, got) if probe is not None)
+        kink = classify_kink(p, saved, grads, sample, base, j0, evaluate, settings, scales=scales, taken=taken)
+    if kink is None:
+        out.unresolved = True
+    else:
+        out.kink = kink
+    return kink
+
+
+def _summarize(name, shape, samples: List[Sample], outcomes: List[Outcome], term: str, settings: EngineSettings) -> TensorCheck:
+    """One term's slopes along every sample, judged by the bands (see :func:`gradwatch.check.judging.judge.judge`)."""
+    slopes = [
+        Slope(analytic=o.analytic[term], numeric=o.numeric.get(term, 0.0), floor=o.floor, coordinate=s.index is not None,
+              label=tuple(s.index) if s.index is not None else s.label, excluded=o.kink, unresolved=o.unresolved,
+              alone=s.alone)
+        for s, o in zip(samples, outcomes)
+    ]
+    rule = BandRule(bands=settings.bands, fail_at=settings.fail_at, coarse=settings.coarse)
+    return judge(name, shape, slopes, rule, step=samples[0].step if samples else 0.0)

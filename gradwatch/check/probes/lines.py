@@ -1,0 +1,363 @@
+"""Slopes along lines: the samples of a tensor, its perturbed evaluations and central differences."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
+
+import numpy as np
+import torch
+
+from gradwatch.bands import Verdict
+from gradwatch.check.judging.judge import (
+    NOISE_FACTOR,
+)
+from gradwatch.check.numerics.sampling import choose_coords, generator, rademacher_signs, tensor_seed
+
+if TYPE_CHECKING:
+    from gradwatch.options import CheckOptions
+
+
+Terms = Dict[str, float]
+
+
+#: Largest tensor whose direction signs are drawn in its own dtype (8 MB per direction in float64);
+#: larger ones keep int8 signs (a mixed-dtype add costs twice as much, but 8x less memory).
+DENSE_SIGNS_MAX = 1 << 20
+
+
+class Evaluator:
+    """Wraps ``evaluate() -> {term: float}`` and counts calls.
+
+    Example:
+        >>> ev = Evaluator(lambda: {"loss": 1.0})
+        >>> ev()["loss"], ev.count
+        (1.0, 1)
+    """
+
+    def __init__(self, evaluate: Callable[[], Terms]) -> None:
+        self._evaluate = evaluate
+        self.count = 0
+
+    def __call__(self) -> Terms:
+        self.count += 1
+        return self._evaluate()
+
+
+@dataclass
+class Sample:
+    """One line through parameter space: a coordinate (``index``) or a direction (``direction``)."""
+
+    label: tuple
+    step: float
+    index: Optional[tuple] = None
+    direction: Optional[torch.Tensor] = None
+    #: A direction given as signs ``±1`` times ``scale`` (cheaper than a float ``direction``): in the
+    #: tensor's dtype, or int8 for tensors over ``DENSE_SIGNS_MAX`` entries.
+    signs: Optional[torch.Tensor] = None
+    scale: float = 1.0
+    #: Cached: the unperturbed value at ``index`` (exact, as a Python float).
+    base: Optional[float] = None
+    #: Cached: analytic slope per term along the unit line (``g[index]``, or ``g·direction``).
+    slope: Optional[Terms] = None
+    #: Flat (row-major) position of ``index`` in the tensor, when known.
+    flat: Optional[int] = None
+    #: Judged on its own too (the entry :func:`pinpoint` traced a disagreement to).
+    alone: bool = False
+    #: Cached while the sample is probed: the tensor last written and its element at ``index``.
+    target: Optional[torch.Tensor] = None
+    view: Optional[torch.Tensor] = None
+
+    def forget(self) -> None:
+        """Drop the tensors cached while probing (the sample's record stays)."""
+        self.target = self.view = None
+
+
+@dataclass
+class Outcome:
+    """Analytic and numeric slope of each term along one sample."""
+
+    analytic: Terms
+    numeric: Terms
+    floor: float
+    kink: bool = False
+    unresolved: bool = False
+    #: Taken at a wider step (:func:`widen`): linear within it, so no kink to re-examine.
+    widened: bool = False
+    #: The objective was bit-for-bit the same on both sides at the widest step (:func:`flat_at_widest`).
+    flat: bool = False
+
+
+@dataclass
+class EngineSettings:
+    """What :func:`check_tensor` needs besides the tensor itself."""
+
+    coords: int
+    directions: int
+    eps: Optional[float]
+    bands: Sequence[float]
+    fail_at: Verdict
+    detect_kinks: bool
+    eval_eps: float
+    magnitude: float
+    jitter: float = 0.0
+    exhaustive: bool = False
+    #: Detection first (:func:`screen_sample`): one random direction per tensor, the full sample only
+    #: where it does not agree to the EXCELLENT band (check_model; the training hook's cycle samples every time).
+    screen: bool = False
+    #: Where the objective computes in a lower precision than the tensors (see :mod:`gradwatch.check.objective.precision`).
+    coarse: Optional[str] = None
+    #: In float64: a tensor no sample could resolve (a 1% error could not show) is inconclusive,
+    #: ``below_resolution``, and one the objective is found flat in (bit-for-bit the same at the widest step:
+    #: a zero gradient and one far below rounding look the same) is ``flat``, instead of passing; for a caller
+    #: that judges them another way (check_model: on their modules alone).
+    mark_unseen: bool = False
+
+    @property
+    def detection_first(self) -> bool:
+        """A detection probe comes before the full sample (``screen``, unless every entry is probed anyway)."""
+        return self.screen and not self.exhaustive
+
+    @classmethod
+    def from_options(cls, opts: CheckOptions, eval_eps: float, magnitude: float, **extra: Any) -> EngineSettings:
+        """The settings a :class:`~gradwatch.options.CheckOptions` asks for, at this precision and magnitude."""
+        return cls(coords=opts.coords, directions=opts.directions, eps=opts.eps, bands=opts.bands,
+                   fail_at=opts.fail_verdict, detect_kinks=opts.detect_kinks, eval_eps=eval_eps, magnitude=magnitude,
+                   **extra)
+
+
+def total(terms: Terms) -> float:
+    """Sum of the terms (in a fixed order)."""
+    return float(sum(terms[k] for k in sorted(terms)))
+
+
+def floor_at(settings: EngineSettings, step: float) -> float:
+    """Absolute noise floor of a central difference with this step."""
+    return NOISE_FACTOR * settings.eval_eps * max(settings.magnitude, 1e-30) / step + settings.jitter / step
+
+
+def _slope(saved: torch.Tensor, grads: Dict[str, torch.Tensor], sample: Sample) -> Terms:
+    """Analytic slope of each term along the sample's unit line (computed once, cached on the sample)."""
+    if sample.slope is None:
+        if sample.index is not None:
+            vals = [float(g[sample.index]) for g in grads.values()]
+        elif sample.signs is not None:
+            s64 = sample.signs.reshape(-1).to(torch.float64)  # no copy when the signs are float64
+            vals = [sample.scale * float(torch.dot(g.reshape(-1).to(torch.float64), s64)) for g in grads.values()]
+        else:
+            u64 = cast(torch.Tensor, sample.direction).reshape(-1).to(torch.float64)
+            vals = [float(torch.dot(g.reshape(-1).to(torch.float64), u64)) for g in grads.values()]
+        sample.slope = dict(zip(grads, vals))
+    return sample.slope
+
+
+def _apply(p: torch.Tensor, saved: torch.Tensor, sample: Sample, t: float) -> Optional[float]:
+    """Write ``θ + t·v`` into ``p`` (one fused pass for a direction); return the applied delta of a coordinate."""
+    if sample.index is not None:
+        if sample.base is None:
+            sample.base = float(saved[sample.index])
+        if p is sample.target:
+            view = cast(torch.Tensor, sample.view)  # indexed once per sample (the view's fill_ is 3x cheaper than p[index])
+        else:
+            view = p[sample.index]
+            sample.target, sample.view = p, view
+        view.fill_(sample.base + t)
+        applied = sample.base + t if p.dtype == torch.float64 else float(view)
+        return applied - sample.base
+    if sample.signs is not None:
+        torch.add(saved, sample.signs.reshape(p.shape), alpha=t * sample.scale, out=p)
+    else:
+        torch.add(saved, cast(torch.Tensor, sample.direction).to(p.dtype), alpha=t, out=p)
+    return None
+
+
+def _restore(p: torch.Tensor, saved: torch.Tensor, sample: Sample) -> None:
+    if sample.index is not None:
+        if sample.base is not None:
+            view = cast(torch.Tensor, sample.view) if p is sample.target else p[sample.index]
+            view.fill_(sample.base)  # exact: a Python float holds any float32/16 value
+        else:
+            p[sample.index] = saved[sample.index]
+    else:
+        p.copy_(saved)
+
+
+def _lin(p: torch.Tensor, saved: torch.Tensor, grads: Dict[str, torch.Tensor], sample: Sample, t: float, delta: Optional[float]) -> Terms:
+    """Analytic linear prediction per term for the perturbation now in ``p``.
+
+    Computed from the perturbation actually applied, so rounding of ``θ + t·v`` in low
+    precision does not count as error. In float64 that rounding is ~1e-16 of ``|θ|`` and a
+    direction's prediction is ``t`` times its cached slope (no pass over the tensor).
+    """
+    slope = _slope(saved, grads, sample)
+    if delta is not None:
+        return {k: s * delta for k, s in slope.items()}
+    if p.dtype == torch.float64:
+        return {k: s * t for k, s in slope.items()}
+    d64 = (p.detach().to(torch.float64) - saved.to(torch.float64)).reshape(-1)
+    return {k: float(torch.dot(g.reshape(-1).to(torch.float64), d64)) for k, g in grads.items()}
+
+
+def _probe(p: torch.Tensor, saved: torch.Tensor, grads: Dict[str, torch.Tensor], sample: Sample, t: float,
+           evaluate: Evaluator) -> Tuple[Terms, Terms]:
+    """Evaluate at ``θ + t·v`` and return (terms, analytic linear prediction per term); restores ``p`` exactly."""
+    with torch.no_grad():
+        try:
+            delta = _apply(p, saved, sample, t)
+            terms = evaluate()
+            lin = _lin(p, saved, grads, sample, t, delta)
+        finally:
+            _restore(p, saved, sample)
+    return terms, lin
+
+
+def central_probe(p, saved, grads, sample, t, evaluate) -> Tuple[Terms, Terms, Terms, Terms]:
+    """Both sides of a central difference; ``p`` is written twice and restored once."""
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            return central_probe(p, saved, grads, sample, t, evaluate)
+    # check_tensor probes under one no_grad: entering it per sample would cost more than the check above.
+    try:
+        delta = _apply(p, saved, sample, t)
+        jp = evaluate()
+        lp = _lin(p, saved, grads, sample, t, delta)
+        delta = _apply(p, saved, sample, -t)
+        jm = evaluate()
+        lm = _lin(p, saved, grads, sample, -t, delta)
+    finally:
+        _restore(p, saved, sample)
+    return jp, jm, lp, lm
+
+
+def slopes_of(jp: Terms, jm: Terms, lp: Terms, lm: Terms, t: float) -> Tuple[Terms, Terms]:
+    analytic = {k: (lp[k] - lm[k]) / (2 * t) for k in lp}
+    numeric = {k: (jp.get(k, 0.0) - jm.get(k, 0.0)) / (2 * t) for k in lp if k != "total"}
+    numeric["total"] = (total(jp) - total(jm)) / (2 * t)
+    return analytic, numeric
+
+
+def build_samples(name: str, p: torch.Tensor, g: torch.Tensor, settings: EngineSettings, seed: int, h: float) -> List[Sample]:
+    """The coordinates and directions to probe for one tensor (seeded per tensor)."""
+    gen = generator(tensor_seed(seed, name))
+    shape = tuple(p.shape)
+    samples: List[Sample] = []
+    # An activation (the module form's ``<module>:input``) has no scale of 1 to fall back on: its entries
+    # near zero at small weights sit within a step of 1's scale of every ReLU kink, so its steps follow its
+    # own root-mean-square size.
+    unit = unit_sample(name, p)
+    k = p.numel() if settings.exhaustive else settings.coords
+    flat = choose_coords(g, k, gen) if k else torch.empty(0, dtype=torch.long)
+    if flat.numel():
+        # One gather and one host transfer for all coordinates (no per-coordinate indexing or sync).
+        values = p.detach().reshape(-1)[flat.to(p.device)].tolist()
+        flat_list = flat.tolist()
+        positions = [a.tolist() for a in np.unravel_index(flat.numpy(), shape)] if shape else None
+        for j, value in enumerate(values):
+            pos = tuple(a[j] for a in positions) if positions is not None else ()
+            samples.append(Sample(label=pos, step=h * max(unit, abs(value)), index=pos, base=float(value), flat=flat_list[j]))
+    if settings.directions and p.numel() > 1:
+        n = p.numel()
+        rms = float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) / math.sqrt(n)
+        dtype = p.dtype if p.is_floating_point() and n <= DENSE_SIGNS_MAX else torch.int8
+        signs = rademacher_signs(n, settings.directions, gen, dtype=dtype).to(p.device)
+        for j in range(settings.directions):
+            samples.append(Sample(label=("dir", j), step=h * max(unit, rms), signs=signs[j].reshape(shape), scale=1.0 / math.sqrt(n)))
+    return samples
+
+
+def unit_sample(name: str, p: torch.Tensor) -> float:
+    """The scale a step falls back on: 1, or an activation's own root-mean-square size when below 1."""
+    if name.endswith(":input") or ":output" in name:
+        rms_all = float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) / math.sqrt(max(1, p.numel()))
+        return min(1.0, rms_all) if rms_all > 0 else 1.0
+    return 1.0
+
+
+def prepare_slopes(samples: List[Sample], saved: torch.Tensor, grads: Dict[str, torch.Tensor]) -> None:
+    """Fill every sample's analytic slope per term at once: one gather per term for all coordinates."""
+    coords = [s for s in samples if s.index is not None and s.slope is None]
+    if coords:
+        shape = tuple(saved.shape)
+        idx = torch.tensor([s.flat if s.flat is not None else (int(np.ravel_multi_index(s.index, shape)) if s.index else 0)
+                            for s in coords], dtype=torch.long, device=saved.device)
+        table = torch.stack([g.reshape(-1)[idx].to(torch.float64) for g in grads.values()]).cpu().tolist()
+        for j, s in enumerate(coords):
+            s.slope = {k: row[j] for k, row in zip(grads, table)}
+    for s in samples:
+        if s.index is None:
+            _slope(saved, grads, s)
+
+
+class BatchProbe:
+    """What :func:`batched_bases` needs from a batched evaluator (see :mod:`gradwatch.check.probes.batched`)."""
+
+    def wants(self, name: str) -> bool:
+        """True when tensor ``name`` should be tried in batches."""
+        return True
+
+    def chunk(self, p: torch.Tensor) -> int:
+        """How many perturbed copies of ``p`` to evaluate at once."""
+        raise NotImplementedError
+
+    def __call__(self, name: str, p: torch.Tensor, saved: torch.Tensor, stacked: torch.Tensor) -> Optional[List[Terms]]:
+        """Terms at each ``stacked[i]`` put in place of ``p``; None to fall back to one evaluation each."""
+        raise NotImplementedError
+
+
+def batched_bases(name: str, p: torch.Tensor, saved: torch.Tensor, grads: Dict[str, torch.Tensor], samples: List[Sample],
+                  probe_batch: BatchProbe) -> Optional[List[Tuple[Terms, Terms, Terms, Terms]]]:
+    """The ``(jp, jm, lp, lm)`` of :func:`central_probe` for every sample, evaluated in batches.
+
+    The perturbed tensors ``θ ± t·v`` are stacked (in chunks of ``probe_batch.chunk(p)``)
+    and written exactly as the loop writes them into ``p``; the analytic predictions use
+    the same applied perturbations. Returns None when the evaluator declines (the caller
+    then evaluates one perturbation at a time).
+    """
+    items = [(s, sign * s.step) for s in samples for sign in (1.0, -1.0)]
+    terms: List[Terms] = []
+    lins: List[Terms] = []
+    size = max(1, int(probe_batch.chunk(p)))
+    with torch.no_grad():
+        for start in range(0, len(items), size):
+            part = items[start:start + size]
+            stacked = torch.empty((len(part), *p.shape), dtype=p.dtype, device=p.device)
+            for row, (s, t) in zip(stacked, part):
+                if s.index is not None:
+                    row.copy_(saved)
+                delta = _apply(row, saved, s, t)
+                lins.append(_lin(row, saved, grads, s, t, delta))
+                s.forget()  # the row is a temporary: keep no view of it
+            got = probe_batch(name, p, saved, stacked)
+            if got is None:
+                return None
+            terms.extend(got)
+    return [(terms[2 * i], terms[2 * i + 1], lins[2 * i], lins[2 * i + 1]) for i in range(len(samples))]
+
+
+def outcome_of(sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], settings: EngineSettings) -> Outcome:
+    a, n = slopes_of(*base, sample.step)
+    return Outcome(a, n, floor_at(settings, sample.step))
+
+
+def base_probes(name: str, p: torch.Tensor, saved: torch.Tensor, grads: Dict[str, torch.Tensor], samples: List[Sample],
+           probe_batch: Optional[BatchProbe]) -> List[Optional[Tuple[Terms, Terms, Terms, Terms]]]:
+    """The base probes of ``samples`` in batches where ``probe_batch`` takes them; None each: probed in the loop."""
+    got = batched_bases(name, p, saved, grads, samples, probe_batch) if probe_batch is not None and samples else None
+    return list(got) if got is not None else [None] * len(samples)
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """True when no entry is NaN or infinite: one min/max pass (NaN propagates), 5x cheaper than ``isfinite``.
+
+    Example:
+        >>> all_finite(torch.tensor([1.0, 2.0])), all_finite(torch.tensor([1.0, float("nan")]))
+        (True, False)
+    """
+    if t.numel() == 0 or not t.is_floating_point():
+        return True
+    return bool(torch.isfinite(torch.stack(torch.aminmax(t.detach().reshape(-1)))).all())
+
+
+#: One tensor to check: its key, its name in the report, the tensor (perturbed in place), its gradient per term.
+Target = Tuple[str, str, torch.Tensor, Dict[str, torch.Tensor]]

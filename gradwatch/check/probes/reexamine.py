@@ -1,0 +1,493 @@
+"""A probe that disagrees, examined again: kinks, low precision, flat objectives, screening, pinpointing."""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from gradwatch.bands import Verdict
+from gradwatch.check.judging.judge import (
+    agrees,
+    judged_rel_diff,
+)
+from gradwatch.check.judging.report import InconclusiveKind, TensorCheck
+from gradwatch.check.numerics.sampling import generator, rademacher_signs, tensor_seed
+from gradwatch.check.probes.lines import (
+    DENSE_SIGNS_MAX,
+    EngineSettings,
+    Evaluator,
+    Outcome,
+    Sample,
+    Terms,
+    central_probe,
+    floor_at,
+    outcome_of,
+    slopes_of,
+    total,
+    unit_sample,
+)
+
+#: Smaller steps tried when a sample disagrees (fractions of the base step).
+KINK_SCALES = (0.1, 0.01)
+
+
+#: Detection: a disagreeing probe whose one-sided slopes agree to this fraction of the disagreement is a wrong
+#: gradient without another evaluation (:func:`smooth_sides`).
+SMOOTH_SIDES = 1e-3
+
+
+#: Evaluation precisions coarser than this (float32, half) can leave a disagreement unresolved.
+LOW_PRECISION_EPS = 1e-10
+
+
+#: Steps (fractions of the base step) of the low-precision re-examination, see :func:`resolve_low_precision`.
+LOW_PRECISION_SCALES = (0.25, 0.18, 0.13)
+
+
+#: A base probe whose noise floor exceeds this fraction of its slopes is too imprecise to see a 1% error (a
+#: gradient tiny against the objective, as at weights near zero): it is taken again at a wider step, see :func:`widen`.
+IMPRECISE = 1e-3
+
+
+#: The floor :func:`widen` aims at, as a fraction of the slope.
+PRECISE = 1e-5
+
+
+#: The widest step :func:`widen` takes, as a multiple of the base step.
+WIDEN_MAX = 1e4
+
+
+def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], j0: float, evaluate: Evaluator,
+                  settings: EngineSettings, scales: Sequence[float] = KINK_SCALES,
+                  taken: Optional[Dict[float, Tuple[Terms, Terms, Terms, Terms]]] = None) -> Optional[bool]:
+    """Decide whether a disagreeing sample sits on a non-differentiable point (True), has a wrong gradient
+    (False), or cannot be told (None: no smaller step is above the rounding noise).
+
+    An equivalent of Chainer's ``detect_nondifferentiable`` built from the
+    values at hand: (1) the central difference is repeated at 1/10 and 1/100
+    of the step; if it then agrees with the analytic slope, the function is
+    not smooth within the original step (a kink was crossed) and the
+    analytic gradient is right at this point. (2) Otherwise the one-sided
+    slopes ``(J(θ+t)-J(θ))/t`` and ``(J(θ)-J(θ-t))/t`` are compared: for a
+    smooth function their gap shrinks in proportion to ``t``; if it does not
+    shrink, ``θ`` sits exactly on a kink. For a coordinate the analytic slope
+    must then lie between the one-sided slopes (extrapolated to ``t -> 0``
+    so curvature does not count): a valid subgradient. A random direction
+    can cross several kinks at ``θ`` at once (e.g. zero-initialized biases
+    with a zero input row: every ReLU unit sits on its kink), and then the
+    framework's convention (``relu'(0) = 0``) need not lie between the two
+    one-sided slopes; such a line is non-differentiable and is excluded.
+    Scales whose noise floor exceeds both 1% of the slopes and 30% of the
+    disagreement are not used (they cannot tell; :func:`usable_floor`).
+    ``scales``: the smaller steps, as fractions of the base step. ``taken``: the probes at those steps
+    taken before, by scale (in one batch, or by an earlier call); those taken here are added to it.
+    """
+    rel = settings.bands[1]
+    t0 = sample.step
+    jp0, jm0, _, _ = base
+    gap0 = (total(jp0) - j0) / t0 - (j0 - total(jm0)) / t0
+    a0, n0 = slopes_of(*base, t0)
+    disagreement = abs(n0["total"] - a0["total"])
+    seen: List[Tuple[float, float, float, float, float]] = []
+    last: Tuple[Terms, Terms] = ({}, {})
+    last_numeric = n0["total"]
+    taken = {} if taken is None else taken
+    for scale in scales:
+        t = t0 * scale
+        fl = floor_at(settings, t)
+        if scale not in taken:
+            taken[scale] = central_probe(p, saved, grads, sample, t, evaluate)
+        jp, jm, lp, lm = taken[scale]
+        a, n = slopes_of(jp, jm, lp, lm, t)
+        if not usable_floor(fl, a["total"], n["total"], disagreement):
+            break
+        if agrees(a["total"], n["total"], fl, rel):
+            return True
+        seen.append((t, fl, (total(jp) - j0) / t, (j0 - total(jm)) / t, a["total"]))
+        last = (jp, jm)
+        last_numeric = n["total"]
+    if not seen:  # no smaller step can tell: at weights near zero the base step crosses kinks it cannot resolve
+        return None
+    t, fl, right, left, a_total = seen[-1]
+    gap = right - left
+    if not (abs(gap) > 4 * fl and abs(gap) > 0.3 * abs(gap0)):
+        # Smooth at the smaller step, or its sides within the noise. A wrong gradient of a smooth function keeps
+        # its numeric slope from step to step; one that moved with the step (a kink crossed by the base step and
+        # by the smaller one, the next too noisy to use) cannot be told from a wrong gradient.
+        moved = abs(last_numeric - n0["total"]) > 0.3 * disagreement + fl
+        return None if moved else False
+    if sample.index is None:
+        return True
+    tol = fl
+    if len(seen) >= 2:
+        # One-sided slopes of a function smooth on each side are linear in t: extrapolate to t = 0.
+        t1, fl1, right1, left1, _ = seen[-2]
+        right = right - (right1 - right) * t / (t1 - t)
+        left = left - (left1 - left) * t / (t1 - t)
+        tol = 2.0 * fl + fl1 * t / (t1 - t)
+    lo, hi = min(left, right), max(left, right)
+    if lo - tol <= a_total <= hi + tol:
+        return True
+    jp, jm = last
+    if len(jp) < 2:
+        return False
+    # Kinks of different terms at the same point (an L1 penalty on a zero weight plus a ReLU in the
+    # loss) add their subdifferentials: the framework's choice then lies in the sum of each term's
+    # one-sided range, which can be wider than the range of the total's one-sided slopes.
+    j0_terms = evaluate()
+    lo = sum(min((jp[k] - j0_terms[k]) / t, (j0_terms[k] - jm[k]) / t) for k in jp)
+    hi = sum(max((jp[k] - j0_terms[k]) / t, (j0_terms[k] - jm[k]) / t) for k in jp)
+    return lo - tol - fl <= a_total <= hi + tol + fl
+
+
+def unresolvable(sample: Sample, analytic: float, numeric: float, settings: EngineSettings) -> bool:
+    """True when a disagreeing sample cannot be re-examined in this precision.
+
+    In float64 the smaller steps of :func:`classify_kink` have a noise floor far
+    below the slopes. In float32 the base step (``eps**(1/3)``, about 5e-3)
+    often crosses a ReLU/max-pool kink, and at a tenth of it the noise floor
+    already exceeds 1% of the slopes: the finite differences cannot tell a
+    kink from a wrong gradient. Such a sample is neither a kink nor evidence
+    of an error; it leaves the tensor inconclusive instead of raising a false alarm.
+    """
+    if settings.eval_eps <= LOW_PRECISION_EPS:
+        return False
+    floor = floor_at(settings, sample.step * KINK_SCALES[0])
+    return not usable_floor(floor, analytic, numeric, abs(numeric - analytic))
+
+
+def usable_floor(floor: float, analytic: float, numeric: float, disagreement: float) -> bool:
+    """True when a smaller step whose noise floor is ``floor`` can tell a kink from a wrong gradient: the floor is
+    under 1% of the slopes, or under 30% of the disagreement to explain (slopes near zero at weights near
+    zero, a ReLU unit dead at the point and crossed by the base step: the disagreement is all there is to see).
+
+    Example:
+        >>> usable_floor(1e-9, 0.0, 0.0, 4e-7), usable_floor(1e-9, 0.0, 0.0, 2e-9)
+        (True, False)
+    """
+    return floor <= 1e-2 * max(abs(analytic), abs(numeric), 1e-300) or floor <= 0.3 * disagreement
+
+
+def resolve_low_precision(p, saved, grads, sample: Sample, analytic: float, numeric: float, j0: float,
+                          evaluate: Evaluator, settings: EngineSettings) -> Optional[bool]:
+    """Kink (True), wrong gradient (False) or cannot tell (None), for a sample :func:`unresolvable` flagged.
+
+    The worst-case noise floor is too pessimistic to re-examine at small steps
+    in float32, so the rounding noise is measured instead: the central
+    difference is repeated at three nearby smaller steps. Their spread
+    estimates the noise. If they agree with the analytic slope (the gap to it
+    shrank to under 30%, noise included), the base step crossed a kink. If they
+    agree with the base numeric slope instead, and the one-sided slopes
+    agree with each other (no kink sits at the point itself, where every
+    step would give the same wrong-looking central difference), the function
+    is smooth there and the gradient is wrong. Anything else (the noise is
+    as large as the gap, a kink at or very near the point) cannot be told apart.
+    """
+    gap = abs(numeric - analytic)
+    slopes, one_sided = [], []
+    for scale in LOW_PRECISION_SCALES:
+        t = sample.step * scale
+        jp, jm, lp, lm = central_probe(p, saved, grads, sample, t, evaluate)
+        a_t, n_t = slopes_of(jp, jm, lp, lm, t)
+        if not (math.isfinite(a_t["total"]) and math.isfinite(n_t["total"])):
+            return None
+        slopes.append(n_t["total"])
+        one_sided.append((total(jp) - j0) / t - (j0 - total(jm)) / t)
+    mean = float(np.mean(slopes))
+    noise = 3.0 * (max(slopes) - min(slopes))
+    if abs(mean - analytic) + noise < 0.3 * gap:
+        return True
+    smooth = abs(one_sided[-1]) + 2.0 * noise < 0.3 * gap
+    if smooth and abs(mean - numeric) + noise < 0.3 * gap:
+        return False
+    return None
+
+
+def resolves(outcomes: Sequence[Outcome], settings: EngineSettings) -> bool:
+    """True when some sample taken as it is (no kink, not unresolved, finite) could show an error of the WRONG
+    band: its noise floor is under ``bands[2]`` (1%) of its slopes. Also True when none is taken as it is (the
+    judge says why) or a slope is not finite (the judge calls that nonfinite).
+
+    Example:
+        >>> settings = EngineSettings(coords=8, directions=4, eps=None, bands=(1e-7, 1e-4, 1e-2),
+        ...                           fail_at=Verdict.SUSPICIOUS, detect_kinks=True, eval_eps=2.2e-16, magnitude=1.0)
+        >>> resolves([Outcome({"total": 1e-10}, {"total": 0.0}, floor=1e-9)], settings)
+        False
+        >>> resolves([Outcome({"total": 1e-3}, {"total": 1e-3}, floor=1e-9)], settings)
+        True
+    """
+    kept = [o for o in outcomes if not (o.kink or o.unresolved)]
+    if not kept:
+        return True
+    for o in kept:
+        a, n = o.analytic["total"], o.numeric["total"]
+        if not (math.isfinite(a) and math.isfinite(n)) or o.floor <= settings.bands[2] * max(abs(a), abs(n)):
+            return True
+    return False
+
+
+def below_resolution(check: TensorCheck, flat: bool = False) -> None:
+    """Mark a passing tensor that no sample could resolve (:func:`resolves`) as inconclusive, not as agreeing;
+    ``flat``: the objective did not move at all at the widest step (:func:`flat_at_widest`)."""
+    if check.failed or check.inconclusive is not None:
+        return
+    slopes = [abs(v) for v in check.analytic + check.numeric + check.dir_analytic + check.dir_numeric]
+    check.verdict = None
+    if flat:
+        check.inconclusive = (
+            "the objective is bit-for-bit the same on both sides of a probe 10,000x the base step: the gradient "
+            f"is zero (a bias before a normalization) or far below the objective's rounding (analytic slopes up to "
+            f"{max(slopes, default=0.0):.1e}); check_model, and the watch in one process, judge it on its module alone"
+        )
+        check.inconclusive_kind = InconclusiveKind.FLAT
+        return
+    check.inconclusive = (
+        f"the gradient is lost in the objective's rounding: slopes up to {max(slopes, default=0.0):.1e} against a "
+        f"noise floor of {check.noise_floor:.1e} at every step tried (a 1% error could not show; weights near "
+        "zero make a layer's gradient tiny against the objective); check_model, and the watch in one process, "
+        "judge it on its module alone"
+    )
+    check.inconclusive_kind = InconclusiveKind.BELOW_RESOLUTION
+
+
+def smooth_sides(sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], out: Outcome, j0: float,
+                 settings: EngineSettings) -> bool:
+    """True when the probe's own one-sided slopes rule out a kink as the cause of its disagreement.
+
+    A kink crossed on one side of the point bends that side's slope by twice what it moves the central
+    difference, so the two one-sided slopes ``(J(θ+t)-J(θ))/t`` and ``(J(θ)-J(θ-t))/t`` differ by twice the
+    disagreement. Kinks at the point itself (every unit of a zero input row on its kink, with a zero bias)
+    keep them apart by a sum of terms of mixed signs, which can come out small but rarely to
+    ``SMOOTH_SIDES`` (1e-3) of the disagreement. For a smooth function they differ by the curvature times
+    ``t`` (about 6e-6 in float64) and the rounding. Where they agree to ``SMOOTH_SIDES`` of the disagreement
+    (their noise included), what disagrees is the gradient, with no evaluation more; otherwise the probe is
+    taken again at smaller steps. Not in low precision, where the one-sided slopes are too noisy
+    (:func:`unresolvable`).
+
+    Example:
+        >>> settings = EngineSettings(coords=8, directions=4, eps=None, bands=(1e-7, 1e-4, 1e-2),
+        ...                           fail_at=Verdict.SUSPICIOUS, detect_kinks=True, eval_eps=2.2e-16, magnitude=1.0)
+        >>> line = Sample(label=("screen",), step=1e-5)
+        >>> smooth = ({"total": 1.0 + 1e-5}, {"total": 1.0 - 1e-5}, {"total": 1.2e-5}, {"total": -1.2e-5})
+        >>> smooth_sides(line, smooth, Outcome({"total": 1.2}, {"total": 1.0}, floor=1e-11), 1.0, settings)
+        True
+        >>> kinked = ({"total": 1.0 + 1.4e-5}, {"total": 1.0 - 0.6e-5}, {"total": 1.0e-5}, {"total": -1.0e-5})
+        >>> smooth_sides(line, kinked, Outcome({"total": 1.0}, {"total": 1.0}, floor=1e-11), 1.0, settings)
+        False
+    """
+    a, n = out.analytic["total"], out.numeric["total"]
+    if out.widened or unresolvable(sample, a, n, settings):
+        return False
+    jp, jm = base[0], base[1]
+    t = sample.step
+    right, left = (total(jp) - j0) / t, (j0 - total(jm)) / t
+    return abs(right - left) + 4.0 * out.floor <= SMOOTH_SIDES * abs(a - n)
+
+
+def base_step(settings: EngineSettings) -> float:
+    """The relative step of every probe: ``eps``, or the cube root of the evaluation's machine epsilon."""
+    return settings.eps if settings.eps is not None else settings.eval_eps ** (1.0 / 3.0)
+
+
+def fails_alone(out: Outcome, settings: EngineSettings) -> bool:
+    """True when one sample's disagreement, judged by itself, is a failing verdict."""
+    a_t, n_t = out.analytic["total"], out.numeric["total"]
+    if not (math.isfinite(a_t) and math.isfinite(n_t)):
+        return False
+    return Verdict.from_value(judged_rel_diff([a_t], [n_t], [out.floor]), settings.bands).is_failure(settings.fail_at)
+
+
+def screen_sample(name: str, p: torch.Tensor, settings: EngineSettings, seed: int, h: float) -> Optional[Sample]:
+    """The detection probe of one tensor: one random unit direction (Gaussian; int8 signs for huge tensors).
+
+    Gaussian, not signs: an error spread over entries of equal size and opposite sign cancels exactly
+    along half of all sign vectors, never along a Gaussian one. A single-entry tensor gets none (its one
+    coordinate is the whole check). Seeded apart from :func:`build_samples`.
+    """
+    n = p.numel()
+    if n <= 1:
+        return None
+    gen = generator(tensor_seed(seed, name + "#screen"))
+    rms = float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) / math.sqrt(n)
+    unit = unit_sample(name, p)
+    if n <= DENSE_SIGNS_MAX and p.is_floating_point():
+        z = torch.randn(n, generator=gen, dtype=torch.float64)
+        z /= torch.linalg.vector_norm(z)
+        return Sample(label=("screen",), step=h * max(unit, rms), direction=z.to(p.dtype).reshape(p.shape).to(p.device))
+    signs = rademacher_signs(n, 1, gen).to(p.device)
+    return Sample(label=("screen",), step=h * max(unit, rms), signs=signs[0].reshape(p.shape), scale=1.0 / math.sqrt(n))
+
+
+def screened(out: Outcome, settings: EngineSettings) -> bool:
+    """True when the detection probe's outcome settles the tensor.
+
+    Its analytic and numeric slopes agree to the EXCELLENT band (1e-7 by default), and its noise floor
+    (a pessimistic bound on rounding) is under a tenth of the ACCEPTABLE band, so an error the full
+    sample would call SUSPICIOUS could not hide in the noise. Anything else (a kink on the way, a floor
+    too high, a real error) goes on to the full sample, judged exactly as without the probe.
+
+    Example:
+        >>> settings = EngineSettings(coords=8, directions=4, eps=None, bands=(1e-7, 1e-4, 1e-2),
+        ...                           fail_at=Verdict.SUSPICIOUS, detect_kinks=True, eval_eps=2.2e-16, magnitude=1.0)
+        >>> screened(Outcome({"total": 1.0}, {"total": 1.0 + 1e-9}, floor=1e-9), settings)
+        True
+        >>> screened(Outcome({"total": 1.0}, {"total": 1.0001}, floor=1e-9), settings)
+        False
+    """
+    if set(out.analytic) != {"total"}:
+        return False  # per-term checks keep their full sample
+    a_t, n_t = out.analytic["total"], out.numeric["total"]
+    scale = abs(a_t) + abs(n_t)
+    if not (math.isfinite(a_t) and math.isfinite(n_t)) or scale == 0.0:
+        return False
+    return abs(a_t - n_t) <= settings.bands[0] * scale and out.floor <= 0.1 * settings.bands[1] * scale
+
+
+def screen(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], j0: float, evaluate: Evaluator,
+           settings: EngineSettings) -> Tuple[Outcome, bool]:
+    """The detection probe's outcome, and whether it settles the tensor (:func:`screened`).
+
+    A probe lost in rounding is taken again at a wider step first (:func:`widen`, as the full sample
+    does). A tensor the objective does not depend on at all (a bias before a normalization) is settled
+    when the objective is bit-for-bit the same on both sides of the probe at its step and at the widest
+    step :func:`widen` would take, and the analytic slope is within that step's noise: flat, and found flat.
+    """
+    out = outcome_of(sample, base, settings)
+    a_t, n_t = out.analytic["total"], out.numeric["total"]
+    if not (math.isfinite(a_t) and math.isfinite(n_t)) or not settings.detect_kinks:
+        return out, screened(out, settings)
+    if n_t == 0.0 and abs(a_t) <= out.floor and set(out.analytic) == {"total"}:
+        flat = flat_at_widest(p, saved, grads, sample, evaluate, settings)
+        if flat is not None:
+            return flat, not settings.mark_unseen or settings.eval_eps > LOW_PRECISION_EPS
+        return judge_sample(p, saved, grads, sample, base, j0, evaluate, settings), False
+    out = judge_sample(p, saved, grads, sample, base, j0, evaluate, settings)
+    return out, screened(out, settings)
+
+
+def flat_at_widest(p, saved, grads, sample: Sample, evaluate: Evaluator, settings: EngineSettings) -> Optional[Outcome]:
+    """The outcome along ``sample`` at the widest step :func:`widen` would take when the objective is bit-for-bit
+    the same on both sides there and the analytic slope is within that step's noise (the objective does not
+    depend on the tensor: found flat); else None."""
+    t = sample.step * min(WIDEN_MAX, 0.1 / base_step(settings))
+    jp, jm, lp, lm = central_probe(p, saved, grads, sample, t, evaluate)
+    a_w, _ = slopes_of(jp, jm, lp, lm, t)
+    if total(jp) == total(jm) and abs(a_w["total"]) <= floor_at(settings, t):
+        return Outcome(a_w, {"total": 0.0}, floor_at(settings, t), flat=True)
+    return None
+
+
+def unexplained(out: Outcome, settings: EngineSettings) -> bool:
+    """True when the detection probe disagrees beyond its noise floor by more than the EXCELLENT band, with
+    no kink or unresolved step to explain it: an error diluted along a dense direction (one wrong entry
+    among many) that the full sample's coordinates may have missed; :func:`pinpoint` looks for it.
+    """
+    a_t, n_t = out.analytic["total"], out.numeric["total"]
+    if out.kink or out.unresolved or not (math.isfinite(a_t) and math.isfinite(n_t)):
+        return False
+    return abs(a_t - n_t) - out.floor > settings.bands[0] * (abs(a_t) + abs(n_t))
+
+
+def pinpoint(p, saved, grads, sample: Sample, evaluate: Evaluator, settings: EngineSettings, step: float,
+             unit: float) -> Optional[Sample]:
+    """The entry that the detection probe's disagreement comes from, found by halving; None when it fades.
+
+    The probe's direction is cut into two halves of its entries (in row-major order), each probed as a
+    unit direction of its own; the disagreement along the whole direction is the sum of the halves'
+    (each weighted by its share of the direction's norm), so the half with the larger weighted excess over
+    its noise floor holds the largest error. Repeated down to one entry: ``4 * log2(numel)`` evaluations,
+    spent only where the probe disagreed and the full sample did not fail. The entry comes back as a
+    coordinate sample, judged like any other (kinks re-examined), at a coordinate's step (``step`` relative
+    to ``max(unit, |θ_i|)``, as :func:`build_samples` takes it); its label names it.
+    """
+    if sample.direction is None:
+        return None
+    d = sample.direction.reshape(-1)
+    lo, hi = 0, d.numel()
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        best: Optional[Tuple[float, int, int]] = None
+        for a_, b_ in ((lo, mid), (mid, hi)):
+            part = torch.zeros_like(d)
+            part[a_:b_] = d[a_:b_]
+            norm = float(torch.linalg.vector_norm(part, dtype=torch.float64))
+            if norm == 0.0:
+                continue
+            half = Sample(label=("block", a_, b_), step=sample.step, direction=(part / norm).reshape(p.shape))
+            jp, jm, lp, lm = central_probe(p, saved, grads, half, half.step, evaluate)
+            a, n = slopes_of(jp, jm, lp, lm, half.step)
+            excess = norm * (abs(a["total"] - n["total"]) - floor_at(settings, half.step))
+            if math.isfinite(excess) and excess > 0 and (best is None or excess > best[0]):
+                best = (excess, a_, b_)
+        if best is None:
+            return None  # both halves within their noise: the disagreement was spread too thin to follow
+        lo, hi = best[1], best[2]
+    shape = tuple(p.shape)
+    pos = tuple(int(i) for i in np.unravel_index(lo, shape)) if shape else ()
+    value = float(saved.reshape(-1)[lo])
+    return Sample(label=pos, step=step * max(unit, abs(value)), index=pos, base=value, flat=lo, alone=True)
+
+
+def widen(p, saved, grads, sample: Sample, a: Terms, n: Terms, floor: float, j0: float, evaluate: Evaluator,
+          settings: EngineSettings) -> Optional[Outcome]:
+    """The sample at a wider step, for a base probe lost in the objective's rounding; None when it cannot be had.
+
+    The base step is matched to the parameter's own scale (``eps^(1/3) * max(1, |θ|)``). Where the gradient is
+    tiny against the objective (weights near zero: a last layer's gradient scales with the activations feeding
+    it), the central difference at that step is mostly rounding, and a 1% error is lost in it. The step is
+    widened until the floor is ``PRECISE`` of the slope (at most ``WIDEN_MAX`` times the base step and a tenth
+    of the parameter's scale; narrower wider steps, tried first, passed the tests below with kinks inside:
+    their noise allows more), and the slope is taken at ``t``, ``t/2`` and ``t/4``: they must agree within
+    their noise and 5e-5 of the slope, and so must the one-sided slopes on both sides at each step (the
+    function is linear within the wider step: no kink crossed, no curvature; what the wider step sees is the
+    slope at the point). The Richardson value of ``t`` and ``t/2`` is then the numeric slope. Where they do
+    not agree (a ReLU unit's kink within ``t``), or its floor is still over 1e-3 of the slope, the base probe
+    stands.
+    """
+    slope = max(abs(a["total"]), abs(n["total"]))
+    if not (slope > 0 and math.isfinite(slope)):
+        return None
+    scale = max(1.0, abs(sample.base)) if sample.base is not None else sample.step / (settings.eps or settings.eval_eps ** (1.0 / 3.0))
+    factor = min(WIDEN_MAX, 0.1 * scale / sample.step, 4.0 * floor / (PRECISE * slope))
+    return _linear_at(p, saved, grads, sample, sample.step * factor, slope, j0, evaluate, settings) if factor > 2.0 else None
+
+
+def _linear_at(p, saved, grads, sample: Sample, t: float, slope: float, j0: float, evaluate: Evaluator,
+               settings: EngineSettings) -> Optional[Outcome]:
+    """:func:`widen` at one step ``t``: the Richardson slope when the function is linear within ``t``, else None."""
+    seen, sides = [], []
+    for s in (t, t / 2, t / 4):
+        jp, jm, lp, lm = central_probe(p, saved, grads, sample, s, evaluate)
+        a_s, n_s = slopes_of(jp, jm, lp, lm, s)
+        if not (math.isfinite(a_s["total"]) and math.isfinite(n_s["total"])):
+            return None
+        seen.append((a_s, n_s, floor_at(settings, s)))
+        sides += [(total(jp) - j0) / s, (j0 - total(jm)) / s]
+    # Linear within the wider step: the one-sided slopes on both sides at every step agree (a kink crossed on
+    # one side bends one of them; kinks far inside the step leave the central differences agreeing with each
+    # other but not the sides), and so do the central differences.
+    values = [n_s["total"] for _, n_s, _ in seen]
+    noise = 2.0 * (seen[0][2] + seen[2][2])
+    if max(values) - min(values) > noise + 5e-5 * slope or max(sides) - min(sides) > 2.0 * noise + 1e-4 * slope:
+        return None
+    (_, n1, f1), (a2, n2, f2) = seen[0], seen[1]
+    richardson = {k: (4.0 * n2[k] - n1[k]) / 3.0 for k in n2}
+    floor = (4.0 * f2 + f1) / 3.0
+    if floor > 1e-3 * max(abs(a2["total"]), abs(richardson["total"])):
+        return None  # still lost in the rounding: the tests above could not see a kink
+    return Outcome(a2, richardson, floor, widened=True)
+
+
+def judge_sample(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], j0: float,
+                  evaluate: Evaluator, settings: EngineSettings) -> Outcome:
+    """One sample's outcome from its base probes; taken at a wider step where the base step is lost in rounding."""
+    out = outcome_of(sample, base, settings)
+    a, n, fl = out.analytic["total"], out.numeric["total"], out.floor
+    if settings.detect_kinks and math.isfinite(a) and math.isfinite(n) and fl > IMPRECISE * max(abs(a), abs(n)):
+        wider = widen(p, saved, grads, sample, out.analytic, out.numeric, fl, j0, evaluate, settings)
+        if wider is not None:  # smooth within a wider step: the slope there is the slope at the point
+            return wider
+    return out

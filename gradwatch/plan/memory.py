@@ -1,0 +1,268 @@
+"""The memory budget of a check: what training's own peak is, and what each form of the check would add.
+
+A check may use at most ``memory_budget`` (a fraction, 0.1 by default) above training's own peak:
+on the CPU the peak resident set size (``VmHWM``; ``ru_maxrss`` where ``/proc`` is missing), on CUDA the peak
+allocated memory (``torch.cuda.max_memory_allocated``). Both are monotone over a process, so the
+meter keeps *training's* peak apart from the checks': it is read before each check, and only a
+peak beyond the one the last check left counts as training's.
+
+The room a check has is ``(1 + memory_budget) * training_peak - in_use_now`` (on the CPU
+``in_use_now`` is the resident set size now, ``/proc/self/statm``; where that cannot be read, the
+peak itself). Before a check, each form's cost is estimated from the tensors it holds (pure
+functions below) and the form that fits is chosen (:mod:`gradwatch.check.modules.module_form`).
+
+Example:
+    >>> from torch import nn
+    >>> objective_bytes(nn.Linear(100, 10), ["weight"], torch.float64) > 8 * 1010
+    True
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Dict, Iterable, Optional, Sequence
+
+import torch
+from torch import nn
+
+#: Share of the room an estimate may fill (estimates leave out allocator overhead and small temporaries).
+SAFETY = 0.5
+#: Bytes per float64 parameter entry a module-form check holds at once: the float64 copy, its gradient, the
+#: engine's saved copy and the transient ``|grad|`` of the coordinate choice (8 each), int8 signs, and what the
+#: allocator keeps of freed temporaries (measured: about 40 bytes per entry on a 1.6M-entry block of a Linear).
+MODULE_BYTES_PER_ENTRY = 48
+#: The same for the whole-objective form, per entry of a checked tensor (gradient, saved copy, ``|grad|``, signs).
+CHECKED_BYTES_PER_ENTRY = 8 * 3 + 4
+
+
+def _rss_peak_bytes() -> int:
+    """Peak resident set size of this process image: ``VmHWM`` from ``/proc/self/status``.
+
+    Not ``ru_maxrss`` where ``/proc`` exists: Linux keeps ``ru_maxrss`` across ``execve``, so a
+    process started by a bigger one (a test runner, a launcher, a benchmark driver) would read its
+    parent's peak as its own. ``ru_maxrss`` is the fallback (macOS, no ``/proc``).
+    """
+    try:
+        with open("/proc/self/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource  # POSIX only
+    except ImportError:  # Windows: no peak reading; the room is then measured from the memory in use
+        return _rss_now_bytes() or 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024  # Linux: kilobytes; macOS: bytes
+
+
+def _rss_now_bytes() -> Optional[int]:
+    try:
+        with open("/proc/self/statm", "rb") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def _load_malloc_trim() -> Any:
+    try:
+        import ctypes
+        import ctypes.util
+
+        return ctypes.CDLL(ctypes.util.find_library("c") or None).malloc_trim
+    except (OSError, AttributeError, TypeError):  # not glibc
+        return None
+
+
+_MALLOC_TRIM = _load_malloc_trim() if sys.platform.startswith("linux") else None
+
+
+def release_freed() -> None:
+    """Give memory the check freed back to the system (glibc's ``malloc_trim``; elsewhere nothing).
+
+    Freed blocks below glibc's mmap threshold stay in the process's heap and count in its RSS:
+    training's next forward would then peak above its own peak by what the check left there.
+    """
+    if _MALLOC_TRIM is not None:
+        try:
+            _MALLOC_TRIM(0)
+        except Exception:  # noqa: BLE001 - an optimization only
+            pass
+
+
+def peak_bytes(device: torch.device) -> int:
+    """Peak memory of this process so far: CUDA peak allocated on ``device``, else peak RSS.
+
+    Example:
+        >>> peak_bytes(torch.device("cpu")) > 0
+        True
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return _rss_peak_bytes()
+
+
+def in_use_bytes(device: torch.device) -> int:
+    """Memory in use now (CUDA allocated, else RSS; the peak where RSS cannot be read).
+
+    Example:
+        >>> in_use_bytes(torch.device("cpu")) > 0
+        True
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    now = _rss_now_bytes()
+    return now if now is not None else _rss_peak_bytes()
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (CPU when it has none)."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+class MemoryMeter:
+    """Training's own peak, and the room a check has under ``budget``.
+
+    Call :meth:`observe` before each check and :meth:`checked` after it: the peak is monotone, so a
+    peak read before a check that exceeds the one the last check left was reached by training.
+
+    Args:
+        budget: The fraction above training's peak a check may use (``memory_budget``); None: no bound.
+        device: Where training's tensors live (CUDA: allocated memory; else RSS).
+
+    Example:
+        >>> meter = MemoryMeter(0.1, torch.device("cpu"))
+        >>> meter.observe(); meter.room() is not None
+        True
+    """
+
+    def __init__(self, budget: Optional[float], device: torch.device) -> None:
+        self.budget = budget
+        self.device = device
+        self.training_peak = 0
+        self._after_check = 0  # the peak as the last check left it
+
+    def observe(self) -> None:
+        """A training step ran: a peak beyond the last check's is training's own, and so is what the process
+        holds now, before the check allocates (training's peak is at least that: a later step can peak above
+        the check's peak unseen, e.g. once the optimizer's state exists). On the CPU what training freed is
+        given back to the system first, so that it is not counted as held."""
+        peak = peak_bytes(self.device)
+        if peak > self._after_check:
+            self.training_peak = max(self.training_peak, peak)
+        if self.device.type != "cuda":
+            release_freed()
+        self.training_peak = max(self.training_peak, in_use_bytes(self.device))
+
+    def checked(self) -> None:
+        """A check ended: the peak now may be the check's (what it freed is given back to the system first)."""
+        if self.device.type != "cuda":
+            release_freed()
+        self._after_check = peak_bytes(self.device)
+
+    def room(self) -> Optional[int]:
+        """Bytes a check may add now (None without a budget, or where this platform gives no peak to read)."""
+        if self.budget is None:
+            return None
+        if not self.training_peak:
+            self.observe()
+        if not self.training_peak:  # no /proc and no resource module (Windows): nothing to bound against
+            return None
+        return max(0, int((1.0 + self.budget) * self.training_peak) - in_use_bytes(self.device))
+
+    def transient(self, model: Optional[nn.Module] = None) -> int:
+        """Training's peak above what is held now: its activations and temporaries, freed by now.
+
+        With ``model``, at most the bytes of its parameters (an estimate of one forward's activations:
+        the process's peak may be another computation's, e.g. an evaluation pass or an earlier model).
+        """
+        free = max(0, self.training_peak - in_use_bytes(self.device))
+        if model is not None:
+            free = min(free, sum(p.numel() * p.element_size() for p in model.parameters()))
+        return free
+
+    def summary(self, room: Optional[int], estimate: Optional[int]) -> Dict[str, Any]:
+        """The record's ``memory`` field: budget, training's peak, the room and the chosen form's estimate."""
+        return {"memory_budget": self.budget, "training_peak_bytes": int(self.training_peak),
+                "room_bytes": None if room is None else int(room),
+                "estimate_bytes": None if estimate is None else int(estimate),
+                "device": str(self.device)}
+
+
+def _numel(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(int(t.numel()) for t in tensors)
+
+
+def float_bytes(obj: Any, dtype: torch.dtype = torch.float64) -> int:
+    """Bytes of the floating tensors inside ``obj`` (tensors, lists, tuples, dicts) once in ``dtype``.
+
+    Example:
+        >>> float_bytes((torch.ones(3), {"m": torch.ones(2, dtype=torch.long)}))
+        24
+    """
+    size = torch.empty((), dtype=dtype).element_size()
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * size if obj.is_floating_point() else 0
+    if isinstance(obj, (list, tuple)):
+        return sum(float_bytes(v, dtype) for v in obj)
+    if isinstance(obj, dict):
+        return sum(float_bytes(v, dtype) for v in obj.values())
+    return 0
+
+
+def objective_bytes(model: nn.Module, checked: Sequence[str], dtype: Optional[torch.dtype],
+                    activations: int = 0) -> int:
+    """What the whole-objective form holds: a ``dtype`` copy of every parameter and buffer, what the
+    engine keeps per checked tensor, and the forward's activations in ``dtype``.
+
+    ``dtype=None`` (in place) copies no model, but saves each checked tensor in its own dtype.
+    ``activations``: training's own transient bytes (its forward), scaled to ``dtype``.
+
+    Example:
+        >>> objective_bytes(nn.Linear(10, 10), [], torch.float64)
+        880
+    """
+    params = dict(model.named_parameters())
+    if dtype is None:
+        return sum(params[n].numel() * params[n].element_size() * 4 for n in checked if n in params) + activations
+    size = torch.empty((), dtype=dtype).element_size()
+    live = max((p.element_size() for p in params.values()), default=4)
+    copy = (_numel(params.values()) + _numel(b for b in model.buffers() if b.is_floating_point())) * size
+    engine = sum(params[n].numel() for n in checked if n in params) * CHECKED_BYTES_PER_ENTRY * size // 8
+    return copy + engine + activations * size // live
+
+
+def module_bytes(params: Iterable[torch.Tensor], inputs: Any, outputs: int = 0) -> int:
+    """What the module form holds for one module: its float64 copy, gradient and engine copies
+    (:data:`MODULE_BYTES_PER_ENTRY` per parameter entry), its inputs three times (captured, working,
+    fresh per call) and its output ``outputs`` bytes four times (output, cotangent, gradient, re-run).
+
+    Example:
+        >>> module_bytes(nn.Linear(10, 10).parameters(), torch.ones(4, 10), outputs=320)
+        7520
+    """
+    return _numel(params) * MODULE_BYTES_PER_ENTRY + 3 * float_bytes(inputs) + 4 * int(outputs)
+
+
+def gradient_bytes(params: Iterable[torch.Tensor]) -> int:
+    """What the training part holds per judged tensor: its replayed gradient, in the parameter's dtype.
+
+    Example:
+        >>> gradient_bytes([torch.ones(10)])
+        40
+    """
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def mb(n: Optional[float]) -> str:
+    """Bytes as megabytes for messages.
+
+    Example:
+        >>> mb(3 * 2**20)
+        '3.0 MB'
+    """
+    return "unbounded" if n is None else f"{n / 2**20:.1f} MB"

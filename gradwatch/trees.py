@@ -1,0 +1,70 @@
+"""Tensors inside nested batches and outputs: find them by path, rebuild the structure around new ones."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, Iterator, Mapping, Tuple
+
+import torch
+
+
+def named_leaves(obj: Any, path: Tuple[Any, ...] = ()) -> Iterator[Tuple[Tuple[Any, ...], torch.Tensor]]:
+    """Every tensor inside tuples, lists and dicts (``ModelOutput`` too), in order, with its path of keys and indices.
+
+    Example:
+        >>> [p for p, _ in named_leaves({"x": torch.ones(1), "y": (torch.ones(1), 3)})]
+        [('x',), ('y', 0)]
+    """
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from named_leaves(v, path + (i,))
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from named_leaves(v, path + (k,))
+
+
+def tensor_leaves(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside tuples, lists and dicts (``ModelOutput`` too), in order.
+
+    Example:
+        >>> [t.item() for t in tensor_leaves((torch.tensor(1), {"a": [torch.tensor(2)]}))]
+        [1, 2]
+    """
+    for _, t in named_leaves(obj):
+        yield t
+
+
+def rebuild(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``obj`` with ``fn`` applied to each tensor, keeping every container's type (named tuples,
+    ``OrderedDict``, Hugging Face ``ModelOutput``).
+
+    Example:
+        >>> rebuild({"a": (torch.ones(1), 2)}, lambda t: t * 3)
+        {'a': (tensor([3.]), 2)}
+    """
+    return rebuild_at(obj, lambda _path, t: fn(t))
+
+
+def rebuild_at(obj: Any, fn: Callable[[Tuple[Any, ...], torch.Tensor], Any], path: Tuple[Any, ...] = ()) -> Any:
+    """:func:`rebuild` with ``fn(path, tensor)``: each tensor's path of keys and indices (as :func:`named_leaves`).
+
+    Example:
+        >>> rebuild_at({"a": torch.ones(1), "b": torch.ones(1)}, lambda p, t: t * 2 if p == ("b",) else t)
+        {'a': tensor([1.]), 'b': tensor([2.])}
+    """
+    if isinstance(obj, torch.Tensor):
+        return fn(path, obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(rebuild_at(v, fn, path + (i,)) for i, v in enumerate(obj)))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(rebuild_at(v, fn, path + (i,)) for i, v in enumerate(obj))
+    if isinstance(obj, Mapping):
+        items = {k: rebuild_at(v, fn, path + (k,)) for k, v in obj.items()}
+        kind: Any = type(obj)
+        try:
+            return kind(**items) if kind not in (dict, OrderedDict) else kind(items)
+        except TypeError:  # a mapping type that takes no keywords
+            return dict(items)
+    return obj

@@ -1,0 +1,137 @@
+"""The backward part of a watch: are the backward formulas right?
+
+Each check compares a few parameter tensors' gradients with two-sided numerical gradients of the
+objective, in the form the :class:`~gradwatch.watch.check_plan.CheckPlanner` chose:
+
+- ``"objective"``: the whole objective on a float64 shadow copy (:func:`gradwatch.check.model.run_model_check`);
+- ``"module"``: unit by unit, the cycle's pieces (:func:`gradwatch.check.modules.module_form.run_module_check`),
+  shard by shard for an FSDP2 model (:mod:`gradwatch.watch.shard_check`), split between DDP ranks.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from gradwatch import GradWatch
+    >>> watch = GradWatch(nn.Linear(3, 1), lambda m, b: m(b).pow(2).mean(), every=1, training=False, log_dir=None)
+    >>> _ = watch.step(torch.randn(4, 3))
+    >>> watch.backward.counts
+    {'weight': 1, 'bias': 1}
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional
+
+from gradwatch.check import model as model_check
+from gradwatch.check.judging.report import CheckReport
+from gradwatch.check.modules import module_form
+from gradwatch.check.modules.localize import name_straight_through
+from gradwatch.plan.memory import SAFETY, gradient_bytes, release_freed
+from gradwatch.plan.units import isolated_forward
+from gradwatch.watch.check_plan import CheckPlanner
+from gradwatch.watch.context import CheckContext, WatchContext
+from gradwatch.watch.shard_check import ShardView, plan_shards, reshard
+from gradwatch.watch.trend import Alert
+
+
+class BackwardPart:
+    """Runs the backward part of a check in the planned form and counts the checks of each tensor.
+
+    Args:
+        watch: The watch's setting.
+        planner: Decides the form and the pieces, and holds the shadow copy.
+
+    Example:
+        See the module's example.
+    """
+
+    name = "backward"
+
+    def __init__(self, watch: WatchContext, planner: CheckPlanner) -> None:
+        self.watch = watch
+        self.planner = planner
+        #: Checks each report entry has been in (tensors, and ``"<module>:double_backward"`` entries).
+        self.counts: Dict[str, int] = {}
+        self._straight_through_named = False  # an undeclared straight-through's module is looked for once
+
+    @property
+    def enabled(self) -> bool:
+        return True
+
+    def run(self, check: CheckContext) -> Optional[CheckReport]:
+        """The check's report on ``check.names`` (None when this rank has none); the training part's verdicts
+        are added to it by the caller. Its memory summary is set where this process decided the plan."""
+        if not check.names:
+            return None
+        estimate: Optional[int] = None
+        with self.watch.recorder_paused():
+            form, estimate, why = self.planner.form_for(check)
+            if form == "objective":
+                report = self._objective(check)
+            else:
+                report = self._modules(check)
+                estimate = report.memory.get("estimate_bytes")
+            if why:
+                report.notes.append(why)
+        if check.judge or check.plan is not None:
+            report.memory = self.watch.memory.summary(check.room, estimate)
+        return report
+
+    def _objective(self, check: CheckContext) -> CheckReport:
+        """The whole objective on the shadow copy (one process: what it cannot resolve, judged on modules)."""
+        ctx, target, batch, opts = self.watch, check.target, check.batch, check.opts
+        shadow = self.planner.shadow_for(target, opts)
+        # through the module: a spy on gradwatch.check.model.run_model_check sees every check
+        alone = ctx.grad_fn is None and ctx.dist is None
+        report = model_check.run_model_check(target, ctx.objective, batch, opts, grad_fn=ctx.grad_fn, names=check.names,
+                                             shadow=shadow, mark_unseen=alone)
+        if alone:
+            model_check.judge_unseen_on_modules(report, target, ctx.objective, batch, opts, screen=True)
+        if not self._straight_through_named:
+            self._straight_through_named = name_straight_through(report, target, ctx.objective.loss, batch, opts)
+        return report
+
+    def _modules(self, check: CheckContext) -> CheckReport:
+        """Unit by unit: this check's pieces (this rank's share under DDP; shard by shard under FSDP2)."""
+        ctx, target, batch, opts, room = self.watch, check.target, check.batch, check.opts, check.room
+        self.planner.drop_shadow()
+        replay = check.replay
+        held = 0 if replay is None or replay.grads is None else gradient_bytes(replay.grads.values())
+        piece_room = None if room is None else int(SAFETY * max(0, room - held))  # DDP holds the replay
+        if ctx.objective.differentiates is None:  # once: does loss_fn differentiate inside (a penalty)?
+            isolated_forward(target, ctx.objective.loss, batch, opts.seed)
+        units, pieces = self.planner.module_pieces(check, piece_room)
+        view = None
+        if ctx.by_shard:  # FSDP2: rows on the rank that holds them, the rest gathered piece by piece
+            if ctx.lockstep is not None:
+                ctx.lockstep.point()  # the gathers are collectives: every rank's capture went well
+            reshard(target)  # a forward that found the units left the root's parameters gathered
+            pieces, gathered, offsets = plan_shards(target, units, pieces)
+            view = ShardView(target, gathered, offsets)
+        elif ctx.dist is not None:
+            pieces = ctx.dist.share(pieces)  # DDP: the ranks split the plan
+        try:
+            # through the module: a spy on module_form.run_module_check sees every check
+            return module_form.run_module_check(target, ctx.objective, batch, opts, units=units, pieces=pieces,
+                                                room=piece_room, view=view, screen=True)
+        finally:
+            if view is not None:
+                reshard(target)
+                release_freed()  # the pieces' copies, before training's next forward
+
+    def record(self, report: CheckReport) -> None:
+        """Count the check of every entry of a completed report."""
+        for n in report.tensors:
+            self.counts[n] = self.counts.get(n, 0) + 1
+
+    def alerts(self, step: int, results: Any) -> List[Alert]:
+        """None of its own: its verdicts alert through the watch's trend tracker."""
+        return []
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"counts": dict(self.counts)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.counts = dict(state.get("counts", {}))
+
+
+__all__ = ["BackwardPart"]

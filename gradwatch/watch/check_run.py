@@ -1,0 +1,236 @@
+"""One check, from its plan to its report and alerts: the parts called in order, and the ranks' results merged.
+
+:class:`CheckRunner` runs a check for the façade (:class:`~gradwatch.GradWatch`): the plan
+(:class:`~gradwatch.watch.check_plan.CheckPlanner`; under DDP rank 0's, taken by every rank), then the
+training part's replay, the backward part, and on the reporting rank the inner-derivatives and
+independence parts; distributed, every rank's result is gathered and merged alike
+(:mod:`gradwatch.watch.distributed`). It writes nothing and raises nothing of the user's code: the
+façade gets an :class:`Outcome` to record and to alert on.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from gradwatch import GradWatch
+    >>> watch = GradWatch(nn.Linear(3, 1), lambda m, b: m(b).pow(2).mean(), every=1, training=False, log_dir=None)
+    >>> outcome = watch.runner.run(0, torch.randn(4, 3), scheduled=False)
+    >>> sorted(outcome.report.tensors), outcome.alerts, outcome.error
+    (['bias', 'weight'], [], None)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from typing import Any, List, Optional
+
+from gradwatch.check.judging.report import CheckReport
+from gradwatch.check.objective.rng import preserved_rng
+from gradwatch.plan.memory import MemoryMeter, release_freed
+from gradwatch.watch.backward_part import BackwardPart
+from gradwatch.watch.check_plan import CheckPlanner
+from gradwatch.watch.context import CheckContext, WatchContext
+from gradwatch.watch.distributed import RankResult, merge_results
+from gradwatch.watch.independence import IndependencePart
+from gradwatch.watch.inner_part import InnerPart
+from gradwatch.watch.lockstep import Lockstep
+from gradwatch.watch.schedule import Schedule
+from gradwatch.watch.sharded import live_forward_forbidden
+from gradwatch.watch.step_objective import StepObjective
+from gradwatch.watch.training_part import TrainingPart
+from gradwatch.watch.trend import WHOLE_CHECK, Alert, TrendTracker
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What a check gives the façade to record and alert on.
+
+    Attributes:
+        report: The check's report (merged over the ranks, distributed); None when it has none.
+        alerts: The alerts it raised (its trends', the independence part's, a distributed error's).
+        seconds: The seconds it took (distributed: the slowest rank's).
+        error: In one process, what the check raised (the façade counts it, and may pause the checks).
+        merged: Whether the ranks' results were merged (distributed).
+
+    Example:
+        >>> Outcome(None, [], 0.5).merged
+        False
+    """
+
+    report: Optional[CheckReport]
+    alerts: List[Alert]
+    seconds: float
+    error: Optional[Exception] = None
+    merged: bool = False
+
+
+class CheckRunner:
+    """Runs one check: the plan, the parts, then (distributed) the ranks' results gathered and merged.
+
+    Args:
+        watch: The watch's setting.
+        check_plan: The planner of the checks.
+        backward, training, inner, independence: The parts.
+        schedule: The schedule (a check's seconds are recorded in it; distributed, its interval travels).
+        tracker: The trends, which turn a report into alerts.
+        step_objective: The step's objective (its sketches of the micro-batches travel with the result).
+        notes: Notes every report starts with (the optimizer's weight decay, the sharding...).
+
+    Example:
+        See the module's example.
+    """
+
+    def __init__(self, watch: WatchContext, check_plan: CheckPlanner, backward: BackwardPart, training: TrainingPart,
+                 inner: InnerPart, independence: IndependencePart, schedule: Schedule, tracker: TrendTracker,
+                 step_objective: StepObjective, notes: List[str]) -> None:
+        self.watch = watch
+        self.check_plan = check_plan
+        self.backward, self.training, self.inner, self.independence = backward, training, inner, independence
+        self.schedule = schedule
+        self.tracker = tracker
+        self.step_objective = step_objective
+        self.notes = notes
+        #: A check is running (a step() from inside it, the objective stepping an optimizer, is ignored).
+        self.running = False
+
+    @property
+    def memory(self) -> MemoryMeter:
+        return self.watch.memory
+
+    def run(self, step: int, batch: Any, scheduled: bool = True, pending: Any = None) -> Optional[Outcome]:
+        """One check of ``batch`` at ``step`` (None when the ranks' coordinator is broken: no more checks)."""
+        ctx, coord = self.watch, self.watch.dist
+        if coord is not None and coord.broken is not None:
+            return None
+        opts = dataclasses.replace(ctx.options, seed=ctx.options.seed + ctx.checks)
+        check = CheckContext(ctx, step, ctx.model, batch, opts, pending)
+        start = time.perf_counter()
+        self.running = True
+        error: Optional[Exception] = None
+        try:
+            self._plan_and_run(check)
+            if coord is None:
+                if check.report is None:
+                    raise ValueError(f"no tensor was chosen for the check at step {step} (tensors_per_check="
+                                     f"{self.check_plan.config.tensors_per_check!r})")
+                self.memory.checked()
+        except Exception as exc:  # noqa: BLE001 - the user's code raised: log it, keep training
+            error = exc
+        finally:
+            self.running = False
+            waited = ctx.lockstep.waited if ctx.lockstep is not None else 0.0
+            ctx.lockstep = None
+        seconds = time.perf_counter() - start
+        self.schedule.record_check(step, seconds, scheduled)
+        if coord is not None:
+            try:
+                return self._across_ranks(check, error, seconds, waited)
+            finally:
+                if not ctx.sharded or ctx.by_shard:
+                    self.memory.checked()  # after the replays' averaging: its peak is the check's, not training's
+        if error is not None:
+            return Outcome(None, [], seconds, error)
+        assert check.report is not None
+        return Outcome(check.report, self.completed(step, check.report), seconds)
+
+    def _plan_and_run(self, check: CheckContext) -> None:
+        """The check's plan (room, form, tensors; under DDP rank 0's, taken by every rank), then the parts.
+
+        Distributed, the coordinator is called at fixed points, the same on every rank: the layout of a sharded
+        model agreed and gathered first (before anything that may raise), then this rank's share of the tensors.
+        """
+        ctx, coord = self.watch, self.watch.dist
+        # The memory budget holds in one process and under DDP (rank 0 decides for all, every rank holding
+        # the whole model); under FSDP2 every rank checks the whole objective on its gathered replica.
+        if coord is None or not ctx.sharded or ctx.by_shard:
+            self.memory.observe()
+            check.room = self.memory.room()
+        if coord is not None and ctx.by_shard:
+            # Every rank plans from the same state (a check that failed on some rank is undone on every rank,
+            # in _across_ranks) and with the smallest room (measured after the replay, _run_parts).
+            self.check_plan.mark()
+        if coord is not None and not ctx.sharded:
+            fitting = self.training.fitting if self.training.enabled else None
+            check.room, check.plan = coord.plan_from_main(check.room, lambda: self.check_plan.for_ranks(check.room, fitting))
+            self.training.count(check.plan[1] or ())
+        with preserved_rng():  # one guard for every part: every generator as training left it afterwards
+            check.target = ctx.target()  # the model, or the replica gathered from a sharded one
+            check.chosen = self.check_plan.tensors(self.backward.counts)
+            check.names = self.check_plan.mine(check.chosen, check.plan)
+            check.judge = coord is None or ctx.by_shard
+            if ctx.by_shard and coord is not None:
+                ctx.lockstep = Lockstep(coord, ctx.model)
+            try:
+                with live_forward_forbidden(ctx.model) if ctx.sharded and not ctx.by_shard \
+                        else ctx.lockstep or contextlib.nullcontext():
+                    self._run_parts(check)
+            except BaseException:
+                check.report = check.replay = None  # nothing of a check that raised goes to the other ranks
+                raise
+            if check.report is not None and (coord is None or coord.is_main):
+                self.inner.run(check)
+                self.independence.run(check)
+
+    def _run_parts(self, check: CheckContext) -> None:
+        """The training part's replay (judged first in one process, its replayed gradients freed before the
+        backward part allocates; else kept in ``check.replay`` for the ranks to average), then the backward part."""
+        ctx = self.watch
+        self.training.run(check)  # its replay is in check.replay only: dropped below, its gradients are freed
+        judged: Optional[CheckReport] = None
+        if check.judge:
+            judged = CheckReport(tensors={})
+            self.training.judge(judged, check.replay)
+            check.replay = None
+            if check.room is not None or ctx.by_shard:
+                release_freed()  # the replayed gradients, before the backward part allocates
+        if ctx.by_shard and check.room is not None:
+            # What the replay left held counts against the room (measured again now); every rank plans the same
+            # pieces with the smallest room (an agreement point: a rank that raised above stops the others here).
+            check.room = self.memory.room()
+            if ctx.lockstep is not None:
+                check.room = ctx.lockstep.point(check.room)
+        report = check.report = self.backward.run(check)
+        if report is not None and judged is not None:
+            report.training, report.training_note = judged.training, judged.training_note
+            report.training_rows, report.training_items = judged.training_rows, judged.training_items
+
+    def completed(self, step: int, report: CheckReport) -> List[Alert]:
+        """A check that has a report: notes, counters and coverage, then its trends' alerts."""
+        report.notes[:0] = self.notes
+        self.watch.checks += 1
+        self.backward.record(report)
+        self.check_plan.record(step, report)
+        return self.tracker.update(step, report) + self.independence.alerts(step, report.independence)
+
+    def _across_ranks(self, check: CheckContext, error: Optional[Exception], seconds: float,
+                      waited: float = 0.0) -> Outcome:
+        """This rank's share gathered with the others' and merged alike on every rank; its trends' alerts."""
+        coord, step, replay = self.watch.dist, check.step, check.replay
+        assert coord is not None
+        replayed = replay is not None and replay.grads is not None
+        result = RankResult(rank=coord.rank, report=check.report, seconds=seconds, waited=waited,
+                            interval=self.schedule.interval(),
+                            training=None if replay is None else (replay.grads is not None, replay.reason),
+                            cut=list(self.step_objective.rows) if replayed else None)
+        results = coord.gather_check(step, result, error)
+        if results is None:  # once: the coordinator is broken and checks no more
+            gave_up = Alert(step=int(step), tensor=WHOLE_CHECK, kind="error", severity="error", value=math.nan,
+                            baseline=None, message=f"step {step}: {coord.broken}; training continues")
+            return Outcome(None, [gave_up], seconds, merged=True)
+        merged = merge_results(results, check.chosen, check.opts)
+        if merged.error is not None:
+            self.check_plan.rewind()  # shard by shard: the same plan on every rank again
+        alerts: List[Alert] = []
+        if merged.report is not None:
+            self.training.judge_across_ranks(merged.report, replay, merged.training, [r.cut for r in results])
+            alerts = self.completed(step, merged.report)
+        else:
+            self.watch.checks += 1
+        if merged.error is not None:
+            alert = self.tracker.error(step, merged.error, where=merged.where)
+            alerts.extend([alert] if alert is not None else [])
+        return Outcome(merged.report, alerts, merged.seconds, merged=True)
+
+
+__all__ = ["CheckRunner", "Outcome"]

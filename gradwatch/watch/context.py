@@ -1,0 +1,248 @@
+"""What the parts of a watch share: its setting, one check's context, and the interface of a part.
+
+A :class:`~gradwatch.GradWatch` is a façade over parts (backward, training, inner derivatives,
+independence; :mod:`gradwatch.watch.backward_part`, :mod:`gradwatch.watch.training_part`,
+:mod:`gradwatch.watch.inner_part`, :mod:`gradwatch.watch.independence`). The parts never import each
+other: what they all read lives here, below them.
+
+- :class:`WatchContext`: the watch's setting for the whole run (the model, the objective, the watched
+  tensors, the memory meter, the ranks, the shards, the recorder of training's forwards).
+- :class:`CheckContext`: one check (its step, batch, options, tensors, room and plan), handed to each
+  part's ``run``.
+- :class:`Part`: the interface every part has.
+
+Example:
+    >>> from torch import nn
+    >>> from gradwatch.check.objective.terms import Objective
+    >>> from gradwatch.config import GradWatchConfig
+    >>> from gradwatch.plan.memory import MemoryMeter
+    >>> model = nn.Linear(2, 1)
+    >>> ctx = WatchContext(model, Objective(lambda m, b: m(b).sum(), {}, 0.0), None,
+    ...                    GradWatchConfig().check_options(), MemoryMeter(None, None), None, None, "auto")
+    >>> ctx.watched_names(), ctx.sharded
+    (['weight', 'bias'], False)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Protocol, Tuple, runtime_checkable
+
+from torch import nn
+
+from gradwatch.check.judging.report import CheckReport
+from gradwatch.check.model import GradFn, trainable_names
+from gradwatch.check.numerics.sampling import match_names
+from gradwatch.check.objective.generators import find_generators
+from gradwatch.check.objective.terms import Objective
+from gradwatch.check.replay.reference import ForwardRecorder, MicroBatch, Replay, StartState, Step
+from gradwatch.options import CheckOptions
+from gradwatch.plan.memory import MemoryMeter
+from gradwatch.watch.distributed import DistributedCoordinator
+from gradwatch.watch.lockstep import Lockstep
+from gradwatch.watch.sharded import Replica, is_sharded, layout, mixed_precision
+from gradwatch.watch.trend import Alert
+
+#: Under DDP, rank 0's decisions for a check: ``((form, estimate, note), training tensors or None for all)``.
+Plan = Tuple[Tuple[str, Optional[int], Optional[str]], Optional[List[str]]]
+
+
+def check_arguments(model: Any, loss_fn: Any, on_alert: Any = None, grad_scaler: Any = None) -> None:
+    """Refuse, with a TypeError saying what is expected, arguments a :class:`~gradwatch.GradWatch` cannot use.
+
+    Example:
+        >>> check_arguments(nn.Linear(2, 1), lambda m, b: m(b).sum())
+        >>> check_arguments(nn.Linear(2, 1), "loss")
+        Traceback (most recent call last):
+        TypeError: loss_fn must be callable loss_fn(model, batch) -> scalar tensor, got str
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable loss_fn(model, batch) -> scalar tensor, got {type(loss_fn).__name__}")
+    if on_alert is not None and not callable(on_alert):
+        raise TypeError(f"on_alert must be callable on_alert(alert), got {type(on_alert).__name__}")
+    if grad_scaler is not None and not (callable(getattr(grad_scaler, "scale", None))
+                                        and callable(getattr(grad_scaler, "get_scale", None))):
+        raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
+
+
+class WatchContext:
+    """The watch's setting that every part reads (one per watch, for the whole run).
+
+    Args:
+        model: The (unwrapped) model being trained.
+        objective: The check objective (loss, regularizers, coupled weight decay).
+        grad_fn: Optional hand-written backprop.
+        options: The check options (``tensors`` patterns, bands, seed, dtype...).
+        memory: Training's peak memory and the room a check has.
+        dist: The coordinator of the ranks (None in one process).
+        recorder: The recorder of training's forwards (None when the training part is off).
+        form: The ``form`` option (``"objective"`` makes a sharded model be checked on a gathered replica).
+
+    Example:
+        See the module's example.
+    """
+
+    #: Checks between two searches for generators held by the model or the objective (a search walks closures).
+    GENERATOR_SEARCH_EVERY = 16
+
+    def __init__(self, model: nn.Module, objective: Objective, grad_fn: Optional[GradFn], options: CheckOptions,
+                 memory: MemoryMeter, dist: Optional[DistributedCoordinator], recorder: Optional[ForwardRecorder],
+                 form: str) -> None:
+        self.model = model
+        self.objective = objective
+        self.grad_fn = grad_fn
+        self.options = options
+        self.memory = memory
+        self.dist = dist
+        self.recorder = recorder
+        #: Checks completed (or failed) so far.
+        self.checks = 0
+        # A sharded (FSDP2) model is checked on a plain replica gathered at each check (see gradwatch.watch.sharded).
+        self.sharded = is_sharded(model)
+        self.mixed: Optional[str] = mixed_precision(model) if self.sharded else None
+        # By default shard by shard (gradwatch.watch.shard_check); form="objective" gathers a replica.
+        self.by_shard = self.sharded and form != "objective"
+        self.replica: Optional[Replica] = None  # built at the first check
+        self.last_micro: Any = None  # training part off: the last batch given to GradWatch.accumulate()
+        #: Shard by shard, during a check: its agreement points (:mod:`gradwatch.watch.lockstep`).
+        self.lockstep: Optional[Lockstep] = None
+        self._generator_cache: Optional[Tuple[int, List[Any]]] = None
+
+    def close_micro_batch(self, batch: Any, loss: Any = None) -> None:
+        """A micro-batch's backward is done (:meth:`GradWatch.accumulate`): recorded, or kept as the last one."""
+        if self.recorder is not None:
+            self.recorder.close_micro_batch(batch, loss)
+        else:
+            self.last_micro = batch
+
+    def take(self, batch: Any, loss: Any) -> Step:
+        """The step's micro-batches for a check (the recorded ones, or just ``batch``)."""
+        if self.recorder is not None:
+            pending = self.recorder.take(batch, loss)
+        else:
+            last = batch if batch is not None else self.last_micro
+            pending = Step([MicroBatch(last, loss, StartState.now())])
+        self.last_micro = None
+        if pending.micro[-1].batch is None:
+            raise TypeError("GradWatch.step() needs the batch (or GradWatch.accumulate(micro_batch) calls before it)")
+        return pending
+
+    def watched_names(self) -> List[str]:
+        """The trainable parameters the ``tensors`` patterns match now, in model order."""
+        # Not strict: a pattern may stop matching when its tensors are frozen mid-run (checked at construction).
+        return match_names(trainable_names(self.model), self.options.tensors, strict=False)
+
+    @contextlib.contextmanager
+    def recorder_paused(self) -> Iterator[None]:
+        """The checks' own evaluations (in place with ``dtype=None``) are not training forwards."""
+        if self.recorder is None:
+            yield
+            return
+        self.recorder.paused = True
+        try:
+            yield
+        finally:
+            self.recorder.paused = False
+
+    def held_generators(self) -> List[Any]:
+        """Generators the model, ``loss_fn``, regularizers or ``grad_fn`` hold (searched again every few checks)."""
+        cached = self._generator_cache
+        if cached is None or self.checks - cached[0] >= self.GENERATOR_SEARCH_EVERY:
+            roots = [self.objective.loss_fn, *self.objective.regularizers.values(), self.grad_fn, self.model]
+            cached = self._generator_cache = (self.checks, find_generators(roots))
+        return cached[1]
+
+    def target(self) -> nn.Module:
+        """The module a check evaluates: the model, or for a sharded (FSDP2) model its gathered replica.
+
+        A sharded model's layout is agreed with the other ranks first, so that every rank gathers the
+        same parameters in the same order (the only collectives of the model's group in a check).
+        """
+        if not self.sharded:
+            return self.model
+        if self.dist is not None:
+            self.dist.same_everywhere(layout(self.model), "the parameters to gather (name, shape, dtype, has .grad)")
+        if self.by_shard:
+            return self.model  # checked shard by shard (gradwatch.watch.shard_check)
+        if self.replica is None or not self.replica.matches(self.model):
+            self.replica = Replica(self.model)
+        return self.replica.refresh(self.model)
+
+    def release(self) -> None:
+        """After a check: the replica's gathered ``.grad`` lives for one check only."""
+        if self.replica is not None:
+            self.replica.release()
+
+
+@dataclasses.dataclass
+class CheckContext:
+    """One check, as the parts see it (filled as the check goes: the report by the backward part).
+
+    Attributes:
+        watch: The watch's setting.
+        step: The training step checked.
+        target: The module evaluated (the model, or a sharded model's replica).
+        batch: The checked batch (the step's last micro-batch).
+        opts: The check options, seeded for this check.
+        pending: The step's recorded micro-batches (for the training part's replay).
+        chosen: The check's tensors over every rank (merged by them).
+        names: This rank's tensors for the backward part.
+        room: Bytes ``memory_budget`` leaves the check (None: no budget).
+        plan: Under DDP, rank 0's form and training tensors.
+        judge: Judge the training part here (one process, or shard by shard); else its replay goes to the ranks.
+        replay: The training part's replay, while it is not judged yet (distributed).
+        report: The check's report (None until the backward part made it).
+
+    Example:
+        >>> CheckContext(None, 3, None, None, None).names
+        []
+    """
+
+    watch: Any
+    step: int
+    target: Any
+    batch: Any
+    opts: Any
+    pending: Optional[Step] = None
+    chosen: List[str] = dataclasses.field(default_factory=list)
+    names: List[str] = dataclasses.field(default_factory=list)
+    room: Optional[int] = None
+    plan: Optional[Plan] = None
+    judge: bool = True
+    replay: Optional[Replay] = None
+    report: Optional[CheckReport] = None
+
+
+@runtime_checkable
+class Part(Protocol):
+    """What every part of a watch offers the façade.
+
+    ``run(check)`` does the part's work on one check and returns its results; ``alerts`` turns results
+    into the part's own alerts (the backward, training and inner parts' verdicts alert through the
+    watch's :class:`~gradwatch.watch.trend.TrendTracker`, so theirs is empty); ``state_dict`` is what a
+    checkpoint keeps of the part.
+
+    Example:
+        >>> from gradwatch.watch.independence import IndependencePart
+        >>> isinstance(IndependencePart(None), Part)
+        True
+    """
+
+    name: str
+
+    @property
+    def enabled(self) -> bool: ...
+
+    def run(self, check: CheckContext) -> Any: ...
+
+    def alerts(self, step: int, results: Any) -> List[Alert]: ...
+
+    def state_dict(self) -> Dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+__all__ = ["CheckContext", "Part", "Plan", "WatchContext", "check_arguments"]

@@ -1,0 +1,429 @@
+"""The training part of a watch: is the gradient training applies the gradient of the objective?
+
+Every watched tensor's live ``.grad`` is judged against the objective's gradient recomputed the way
+training computed it (:func:`gradwatch.check.replay.reference.replay_step`: the live model and dtype,
+the same dropout masks and autocast state, ``GradScaler``'s scaling, each micro-batch weighed by its
+share of the step's items, :mod:`gradwatch.watch.step_objective`). Under a ``memory_budget`` only the
+tensors whose replayed gradient fits are judged, least-judged first, the big weights by blocks of rows.
+Distributed, the replays are averaged over the ranks and rank 0's verdicts taken everywhere.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from gradwatch import GradWatch
+    >>> model = nn.Linear(3, 1)
+    >>> watch = GradWatch(model, lambda m, b: m(b).pow(2).mean(), every=1, log_dir=None)
+    >>> sorted(watch.training.params())
+    ['bias', 'weight']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
+
+import torch
+from torch import nn
+
+from gradwatch.check.judging.report import CheckReport
+from gradwatch.check.judging.training_judge import compute_dtype, gradient_scale, judge_training, tolerance_for
+from gradwatch.check.model import validate_grads
+from gradwatch.check.numerics.sampling import match_names
+from gradwatch.check.replay.reference import Replay, Step, replay_step, scalar_grad
+from gradwatch.check.replay.rows import RowGrads, sliceable_linears
+from gradwatch.plan.memory import SAFETY, gradient_bytes, mb, release_freed
+from gradwatch.watch.context import CheckContext, WatchContext
+from gradwatch.watch.shard_check import backward_on_shards, local
+from gradwatch.watch.sharded import is_dtensor
+from gradwatch.watch.step_objective import StepObjective, StepPlan
+from gradwatch.watch.trend import Alert
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+def dense(g: torch.Tensor) -> torch.Tensor:
+    """A gradient as a strided tensor (``Embedding(sparse=True)`` gives sparse ones).
+
+    Example:
+        >>> dense(torch.ones(2).to_sparse()).layout
+        torch.strided
+    """
+    if g.layout != torch.strided:
+        return g.detach().to_dense()
+    return g.detach() if g.requires_grad else g  # autograd.grad's results need no detach (one less view)
+
+
+def same_tree(tree: List[Tuple[Dict[str, Any], Tuple[str, ...], Tuple[Any, ...]]]) -> bool:
+    """Every ``_modules``/``_parameters`` dict still holds exactly the keys and values it held, in order
+    (by identity: a key set again keeps its key object, so only a real change reads as one).
+
+    Example:
+        >>> d = {"a": 1}
+        >>> same_tree([(d, tuple(d), tuple(d.values()))]), same_tree([(d, (), ())])
+        (True, False)
+    """
+    for d, keys, values in tree:
+        if len(d) != len(keys) or not all(map(operator.is_, d.values(), values)) or not all(map(operator.is_, d, keys)):
+            return False
+    return True
+
+
+def shift_hint(model: nn.Module) -> Optional[int]:
+    """1 for a model known to shift its labels by one position (a Hugging Face causal LM), else None.
+
+    Example:
+        >>> shift_hint(nn.Linear(2, 2)) is None
+        True
+    """
+    loss_type = getattr(model, "loss_type", None)
+    return 1 if loss_type == "ForCausalLM" or type(model).__name__.endswith("ForCausalLM") else None
+
+
+class TrainingPart:
+    """Replays the step's objective as training computed it and judges the live ``.grad`` against it.
+
+    Args:
+        watch: The watch's setting (its ``recorder`` is None when the part is off).
+        step_objective: The weights of the step's micro-batches and ranks (``items=``).
+        form: The ``form`` option (``"objective"``: every watched tensor, whatever the room).
+        grad_scaler: Optional ``torch.amp.GradScaler`` of a float16 AMP loop.
+
+    Example:
+        See the module's example.
+    """
+
+    name = "training"
+
+    def __init__(self, watch: WatchContext, step_objective: StepObjective, form: str, grad_scaler: Any = None) -> None:
+        self.watch = watch
+        self.step_objective = step_objective
+        self.form = form
+        self.grad_scaler = grad_scaler
+        #: For integrations: ``() -> context manager`` that training's loss runs in; the replay runs in it too.
+        self.replay_context: Optional[Callable[[], Any]] = None
+        #: Judgments per tensor, when not all fit the room.
+        self.counts: Dict[str, int] = {}
+        #: The next row of each weight judged by rows.
+        self.row_cursor: Dict[str, int] = {}
+        self._params_cache: Optional[Any] = None
+        self._watched_cache: Optional[Any] = None  # (trainable names, the watched ones among them)
+        self._modules_cache: List[nn.Module] = []
+
+    @property
+    def enabled(self) -> bool:
+        return self.watch.recorder is not None
+
+    def run(self, check: CheckContext) -> Optional[Replay]:
+        """The check's replay (None when the part is off); judged into a new report with ``check.judge``,
+        else kept in ``check.replay`` for the ranks to average."""
+        ctx = self.watch
+        if ctx.by_shard:
+            release_freed()  # what training's backward freed: the replay's own backward allocates on top of it
+        # (sharded: the replay is FSDP2's own backward, whole; its shards are let go as they come)
+        replay = self.replay(check.pending, check.target, None if ctx.by_shard else check.room,
+                             only=None if check.plan is None else check.plan[1], seed=check.opts.seed)
+        check.replay = replay
+        return replay
+
+    # ------------------------------------------------------------------ what is replayed
+    def params(self, model: Optional[nn.Module] = None) -> Dict[str, torch.Tensor]:
+        """The watched live parameters of ``model`` (default: the model; a sharded one's replica has the
+        same names); the patterns are matched again only when the trainable set changes.
+
+        The last walk's result is reused while the module tree is the same: every module still holds
+        the same submodules and parameters (compared by identity, with nothing added or removed) and
+        each still has its ``requires_grad``. A replaced layer, a frozen, unfrozen or new parameter makes the next
+        check walk again. Checking that costs a few microseconds; a walk costs 30-50 us on a small model.
+        """
+        model = self.watch.model if model is None else model
+        cached = self._params_cache
+        if (cached is not None and cached[3] is model and same_tree(cached[1])
+                and list(map(_REQUIRES_GRAD, cached[2][0])) == cached[2][1]):
+            return cast(Dict[str, torch.Tensor], cached[0])
+        self._modules_cache = list(model.modules())  # current while the tree is: the replay's guards walk it
+        tree = []
+        named = []
+        flags: List[torch.Tensor] = []  # every parameter (its requires_grad: one frozen or unfrozen changes the watched set)
+        seen = set()
+        for mname, module in model.named_modules():
+            tree.append((module._modules, tuple(module._modules), tuple(module._modules.values())))
+            tree.append((module._parameters, tuple(module._parameters), tuple(module._parameters.values())))
+            for attr, p in module._parameters.items():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    flags.append(p)
+                    if p.requires_grad and (p.is_floating_point() or p.is_complex()):
+                        named.append((f"{mname}.{attr}" if mname else attr, p))
+        key = tuple(n for n, _ in named)
+        if self._watched_cache is None or self._watched_cache[0] != key:
+            self._watched_cache = (key, set(match_names(list(key), self.watch.options.tensors, strict=False)))
+        watched = self._watched_cache[1]
+        params = {n: p for n, p in named if n in watched}
+        self._params_cache = (params, tree, (flags, list(map(_REQUIRES_GRAD, flags))), model)
+        return params
+
+    def subset(self, params: Dict[str, torch.Tensor], room: int, count: bool = True, rows: bool = True
+               ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Tuple[int, int]]]:
+        """The watched tensors whose replayed gradients fit in ``room`` beside the replay's activations (all when they
+        fit; else least-judged first, in model order among equals), and with ``rows`` the weights judged by a block
+        of rows (:mod:`gradwatch.check.replay.rows`; the next block at the next turn). ``count``: count them as
+        judged (and move the row blocks on).
+
+        Only a weight bigger than a quarter of the free share is judged by rows, at its turn, in an equal part of
+        half the share (the other half for the whole tensors): a smaller weight waits for a turn with room for it
+        whole (a few fit each check), and the big weights never starve the rest.
+        """
+        transient = self.watch.memory.transient(self.watch.model)
+        # The safe share beside the replay's activations; at least a quarter of what the room leaves beside them
+        # (a transient near half the room would otherwise leave nothing, and one tensor a check).
+        free = max(SAFETY * room - transient, SAFETY * SAFETY * (room - transient))
+        if gradient_bytes(params.values()) <= free:
+            return params, {}
+        names = list(params)
+        order = sorted(range(len(names)), key=lambda i: (self.counts.get(names[i], 0), i))
+        linears = sliceable_linears(self.watch.model) if rows else {}
+        big = {n for n in names if n in linears and params[n].dim() == 2 and params[n].shape[0] > 1
+               and gradient_bytes([params[n]]) > free / 4}
+        share = free / (2 * max(1, len(big)))
+        least = min(self.counts.get(n, 0) for n in names)
+        chosen = []
+        sliced: Dict[str, Tuple[int, int]] = {}
+        for i in order:  # the big weights' blocks first (an equal part each), then whole tensors in what is left
+            n, p = names[i], params[names[i]]
+            if n not in big or self.counts.get(n, 0) != least:
+                continue
+            per_row = 2 * p.shape[1] * p.element_size()  # the rows' copy and their gradient
+            k = min(int(share // per_row), p.shape[0] - 1)
+            if k >= 1:
+                first = self.row_cursor.get(n, 0) % p.shape[0]
+                end = min(first + k, p.shape[0])
+                sliced[n] = (first, end)
+                chosen.append(i)
+                free -= (end - first) * per_row
+        for i in order:
+            need = gradient_bytes([params[names[i]]])
+            if names[i] not in big and need <= free:
+                chosen.append(i)
+                free -= need
+        if not chosen and order and gradient_bytes([params[names[order[0]]]]) <= room:
+            chosen.append(order[0])  # a tensor bigger than the safe share still gets its turn, alone, within the room
+        out = {names[i]: params[names[i]] for i in sorted(chosen)}
+        for n in out if count else ():
+            self.counts[n] = self.counts.get(n, 0) + 1
+            if n in sliced:
+                self.row_cursor[n] = sliced[n][1] % params[n].shape[0]
+        return out, sliced
+
+    def fitting(self, room: int) -> List[str]:
+        """Rank 0's choice under DDP: the tensors whose replayed gradients fit ``room`` (not counted yet)."""
+        return list(self.subset(self.params(), room, count=False, rows=False)[0])
+
+    def count(self, names: Sequence[str]) -> None:
+        """Count ``names`` as judged (under DDP: rank 0's choice, taken by every rank)."""
+        for n in names:
+            self.counts[n] = self.counts.get(n, 0) + 1
+
+    # ------------------------------------------------------------------ the replay
+    def replay(self, pending: Optional[Step], model: Optional[nn.Module] = None,
+               room: Optional[int] = None, only: Optional[Sequence[str]] = None, seed: int = 0) -> Optional[Replay]:
+        """The objective's gradient recomputed as training computed it (None when the part is off).
+
+        ``model`` is the module the replay runs (default: the model; a sharded model's gathered replica,
+        whose parameters hold the gathered ``.grad``). With a ``room`` (bytes, from ``memory_budget``),
+        the replay takes the gradient of only as many watched tensors as fit beside training's
+        activations, least-judged first (they rotate from check to check); without one, of every
+        watched tensor; with ``only`` (names, under DDP: rank 0's choice), of those. An exception of
+        ``loss_fn`` in the replay propagates: the check is skipped with an error alert. Each micro-batch weighs its
+        share of the step's items (:mod:`gradwatch.watch.step_objective`, agreed with the other ranks first).
+        """
+        ctx = self.watch
+        if ctx.recorder is None or pending is None:
+            return None
+        if ctx.mixed is not None and not ctx.by_shard:
+            return Replay(None, None, None, f"not judged: FSDP2's MixedPrecisionPolicy ({ctx.mixed}) computes "
+                                            "training in another precision than the parameters'; the training part "
+                                            "does not replay it yet")
+        model = ctx.model if model is None else model
+        params = self.params(model)
+        plist = tuple(params.values())
+        if all(p.grad is None for p in plist):
+            return Replay(None, None, None, "not judged: no watched parameter has a .grad yet (watch.step or check "
+                                            "before the first backward)")
+        row_plan: Dict[str, Tuple[int, int]] = {}
+        if only is not None or (room is not None and self.form != "objective"):
+            if only is not None:
+                params = {n: params[n] for n in only if n in params}
+            else:
+                params, row_plan = self.subset(params, cast(int, room), rows=ctx.grad_fn is None)
+            if not params:
+                return Replay(None, None, None, f"not judged: the replayed gradient of the smallest watched tensor does "
+                                                f"not fit in the room memory_budget leaves ({mb(room)})")
+            plist = tuple(p for n, p in params.items() if n not in row_plan)
+        linears = sliceable_linears(model) if row_plan else {}
+        rowgrads = RowGrads({n: (linears[n], params[n], rows) for n, rows in row_plan.items()}) if row_plan else None
+        whole = [(n, p) for n, p in params.items() if n not in row_plan]
+
+        scaler = self.grad_scaler if self.grad_scaler is not None and self.grad_scaler.is_enabled() else None
+        plan = self._plan_step(pending, model, {n: p for n, p in params.items() if n not in row_plan} or params, seed)
+        if plan.weights is None:
+            return Replay(None, None, None, plan.reason)
+        weight_of = {id(mb.batch): w for mb, w in zip(pending.micro, plan.weights)}
+
+        def grad_of(total: torch.Tensor, batch: Any) -> Dict[str, torch.Tensor]:
+            if ctx.grad_fn is not None:
+                grads = validate_grads(ctx.grad_fn(model, batch), params, "grad_fn")
+                weight = weight_of.get(id(batch), 1.0)  # grad_fn gives the micro-batch's own gradient: weighed here
+                return grads if weight == 1.0 else {n: g * weight for n, g in grads.items()}
+            leaves = rowgrads.leaves() if rowgrads is not None else ()
+            if not total.requires_grad:
+                out = {n: torch.zeros_like(p) for n, p in whole}
+                out.update(rowgrads.split([None] * len(leaves)) if rowgrads is not None else {})
+                return out
+            inv = None
+            if scaler is not None:  # scaler.scale(loss).backward(), then unscale_: times the float32 reciprocal
+                inv = torch.tensor(float(scaler.get_scale()), dtype=torch.float64).reciprocal().float()
+                total = scaler.scale(total)
+            gs = (backward_on_shards(model, total, plist, reuse=len(pending.micro) == 1,
+                                     before=ctx.lockstep.point if ctx.lockstep is not None else None)
+                  if ctx.by_shard
+                  else scalar_grad(total, plist + leaves))
+            out = {n: torch.zeros_like(p) if g is None else dense(g) for (n, p), g in zip(whole, gs[:len(plist)])}
+            if rowgrads is not None:  # weights judged by rows: the gradient of those rows only
+                out.update(rowgrads.split(list(gs[len(plist):])))
+            if inv is not None:
+                out = {n: g * inv.to(g.device) for n, g in out.items()}
+            return out
+
+        autocast = next((mb.records[0].autocast for mb in pending.micro if mb.records), ())
+        dtypes = {p.dtype for p in plist}  # a few distinct dtypes, however many tensors
+        worst = compute_dtype(max(dtypes, key=tolerance_for, default=torch.float32), autocast)
+        with rowgrads if rowgrads is not None else contextlib.nullcontext():
+            replay = replay_step(model, ctx.recorder, pending, ctx.objective.training_total, grad_of, params,
+                                 loss_tolerance=10 * tolerance_for(worst), context=self.replay_context,
+                                 generators=ctx.held_generators(), modules=self._modules_cache,
+                                 lockstep=ctx.by_shard, weights=plan.weights,
+                                 each=self.step_objective.each(seed) if plan.cut and not plan.equal else None)
+        replay.params = params
+        replay.rows = row_plan
+        replay.plan = plan
+        return replay
+
+    def _plan_step(self, pending: Step, model: nn.Module, params: Dict[str, torch.Tensor], seed: int) -> StepPlan:
+        """The step's objective (:class:`~gradwatch.watch.step_objective.StepObjective`): on every rank alike (an
+        exchange of counts when distributed); probes evaluate the live model in one process and under DDP."""
+        ctx = self.watch
+        probe = not ctx.sharded and ctx.grad_fn is None
+        with ctx.recorder_paused():
+            return self.step_objective.plan([mb.batch for mb in pending.micro], model if probe else None,
+                                            ctx.objective.loss, params, ctx.dist, seed, probe=probe,
+                                            shift_hint=shift_hint(model))
+
+    # ------------------------------------------------------------------ the verdicts
+    def judge(self, report: CheckReport, replay: Optional[Replay], grads: Optional[Dict[str, torch.Tensor]] = None,
+              rows: Optional[List[torch.Tensor]] = None) -> None:
+        """Judge every watched tensor's live ``.grad`` against the replayed gradient; fills ``report.training``.
+        On a cut step, a failure is named by the weights training gave the micro-batches (``rows``: every rank's
+        sketches, distributed; this rank's by default)."""
+        if replay is None:
+            return
+        if replay.grads is None:
+            report.training_note = replay.reason
+            return
+        grads = grads if grads is not None else replay.grads
+        params = replay.params if replay.params is not None else self.params()
+        scales: List[float] = []  # computed only if some tensor's .grad is not bitwise the replayed gradient
+
+        def scale() -> float:
+            if not scales:
+                scales.append(gradient_scale(list(grads.values())))
+            return scales[0]
+
+        options = self.watch.options
+        bands, fail_at, autocast = options.bands, options.fail_verdict, replay.autocast
+        dtypes: Dict[torch.dtype, torch.dtype] = {}  # parameter dtype -> compute dtype, once per dtype
+        sliced = getattr(replay, "rows", None) or {}
+        lives: Dict[str, Optional[torch.Tensor]] = {}
+        for n, p in params.items():
+            dtype = dtypes.get(p.dtype) or dtypes.setdefault(p.dtype, compute_dtype(p.dtype, autocast))
+            live = p.grad
+            if is_dtensor(p):  # sharded: this rank's shard of both (the ranks' verdicts are merged, worst first)
+                p, live = local(p), None if live is None else local(live)
+            if n in sliced:  # judged by a block of rows: the live .grad's rows against the replayed rows
+                first, end = sliced[n]
+                p, live = p[first:end], None if live is None else live[first:end]
+            lives[n] = live
+            report.training[n] = judge_training(n, live, grads[n], p, dtype, bands, fail_at, scale=scale)
+        report.training_rows = dict(sliced)
+        plan: Optional[StepPlan] = getattr(replay, "plan", None)
+        notes = [f"replayed from the {replay.how} RNG state" if replay.how else ""]
+        if plan is not None:
+            report.training_items = plan.record()
+            notes.insert(0, plan.note or "")
+            if plan.cut:
+                self.step_objective.explain(plan, report.training, lives, rows, folded=self.watch.by_shard)
+        if replay.loss_gap is not None:
+            given, replayed = replay.loss_gap
+            notes.append(
+                f"training's loss {given:.6g} differs from the objective's {replayed:.6g} at the same point "
+                f"(by {given - replayed:+.3g}): the training loss has a term the objective lacks, or the reverse"
+            )
+        report.training_note = "; ".join(n for n in notes if n) or None
+
+    def judge_across_ranks(self, merged: CheckReport, replay: Optional[Replay],
+                           statuses: List[Optional[Tuple[bool, Optional[str]]]],
+                           rows: Optional[List[Optional[List[torch.Tensor]]]] = None) -> None:
+        """The training part on every rank alike: the replayed gradients averaged over the ranks (as DDP and
+        FSDP average ``.grad``; each rank's replay weighed its micro-batches by their share of the step's items),
+        the live ``.grad`` judged against them, and rank 0's verdicts taken everywhere. ``rows``: every rank's
+        sketches of its micro-batches' gradients (they name a step cut wrongly).
+
+        Every branch depends on the gathered ``statuses`` only, so every rank makes the same collectives.
+        """
+        coord = self.watch.dist
+        assert coord is not None
+        if any(s is None for s in statuses):
+            if any(s is not None for s in statuses):
+                merged.training_note = "not judged: the replay failed on another rank"
+            return
+        failed = [(rank, s[1]) for rank, s in enumerate(statuses) if s is not None and not s[0]]
+        if failed:
+            rank, reason = failed[0]
+            merged.training_note = f"rank {rank}: {reason}"
+            return
+        assert replay is not None and replay.grads is not None
+        try:
+            averaged = coord.average(replay.grads, in_place=self.watch.grad_fn is None)  # grad_fn's may be .grad itself
+        except Exception as exc:  # noqa: BLE001 - a collective that fails must not stop training
+            merged.training_note = (f"not judged: averaging the replayed gradients over the ranks failed "
+                                    f"({type(exc).__name__}: {exc})")
+            return
+        try:
+            every = [row for rank in rows or () for row in rank or ()]
+            self.judge(merged, replay, averaged, rows=every if rows and all(r is not None for r in rows) else None)
+            merged.training_note = ((merged.training_note + "; ") if merged.training_note else "") + (
+                f"the reference is averaged over {coord.world_size} ranks, as DDP and FSDP average .grad")
+        except Exception as exc:  # noqa: BLE001 - the broadcast below must still happen on every rank
+            merged.training = {}
+            merged.training_note = f"not judged on rank {coord.rank}: {type(exc).__name__}: {exc}"
+        # A gradient DDP did not synchronize differs from rank to rank: every rank takes rank 0's judgement,
+        # so trends and alerts stay identical everywhere.
+        try:
+            merged.training, merged.training_note = coord.from_main((merged.training, merged.training_note))
+        except Exception as exc:  # noqa: BLE001
+            merged.training = {}
+            merged.training_note = f"not judged: sharing rank 0's training verdicts failed ({type(exc).__name__}: {exc})"
+
+    def alerts(self, step: int, results: Any) -> List[Alert]:
+        """None of its own: its verdicts alert through the watch's trend tracker."""
+        return []
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Nothing is kept in a checkpoint (the rotation starts again after a resume, as it always has)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        return None
+
+
+__all__ = ["TrainingPart", "dense", "same_tree", "shift_hint"]

@@ -1,0 +1,93 @@
+"""The house: packages by job, small modules, no private names across modules, old paths that still import.
+
+The layers themselves are import-linter contracts in pyproject.toml, run by `make test` (`lint-imports`).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from gradwatch.check import _moved
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "gradwatch"
+
+
+def modules():
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_check_keeps_a_handful_of_modules_at_its_top_and_the_rest_in_packages_by_job():
+    top = sorted(p.name for p in (PACKAGE / "check").glob("*.py"))
+    assert top == ["__init__.py", "_moved.py", "backward.py", "model.py"], top
+    packages = sorted(p.name for p in (PACKAGE / "check").iterdir() if (p / "__init__.py").is_file())
+    assert packages == ["higher_order", "independence", "judging", "modules", "numerics", "objective", "probes", "replay"]
+
+
+def test_no_module_is_over_800_lines_and_the_facade_is_under_500():
+    sizes = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines()) for p in modules()}
+    assert {p: n for p, n in sizes.items() if n > 800} == {}
+    assert sizes["gradwatch/watch/gradwatch.py"] < 500, sizes["gradwatch/watch/gradwatch.py"]
+
+
+def test_no_private_name_is_imported_across_modules():
+    crossing = []
+    for path in modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gradwatch"):
+                crossing += [f"{path.relative_to(ROOT)}: from {node.module} import {a.name}"
+                             for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    assert crossing == []
+
+
+def test_the_import_layers_are_kept():
+    # The contracts in pyproject.toml, checked as `make test` checks them.
+    linter = Path(sys.executable).with_name("lint-imports")
+    if not linter.exists():
+        pytest.skip("import-linter is not installed in this environment (the test extra installs it)")
+    out = subprocess.run([str(linter)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "0 broken" in out.stdout
+
+
+@pytest.mark.parametrize("old", sorted(_moved.MOVED))
+def test_an_old_path_of_a_moved_module_still_imports_with_a_warning(old):
+    sys.modules.pop(f"gradwatch.check.{old}", None)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        module = importlib.import_module(f"gradwatch.check.{old}")
+    assert module is importlib.import_module(_moved.MOVED[old])
+    assert any(issubclass(w.category, DeprecationWarning) and _moved.MOVED[old] in str(w.message) for w in seen)
+
+
+@pytest.mark.parametrize("old", sorted(_moved.SPLIT))
+def test_an_old_path_of_a_split_module_answers_each_name_from_its_new_home(old):
+    sys.modules.pop(f"gradwatch.check.{old}", None)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        module = importlib.import_module(f"gradwatch.check.{old}")
+    assert any(issubclass(w.category, DeprecationWarning) for w in seen)
+    default, names = _moved.SPLIT[old]
+    for name, home in names.items():
+        assert getattr(module, name) is getattr(importlib.import_module(home), name), (old, name)
+    public = [n for n in vars(importlib.import_module(default)) if not n.startswith("_")]
+    assert public and all(getattr(module, n) is getattr(importlib.import_module(default), n) for n in public)
+    with pytest.raises(AttributeError):
+        module.no_such_name  # noqa: B018
+
+
+@pytest.mark.parametrize("package, name", [("objective", "Objective"), ("replay", "replay_step"),
+                                           ("independence", "check_independence")])
+def test_a_module_that_became_a_package_answers_its_old_names_with_a_warning(package, name):
+    pkg = importlib.import_module(f"gradwatch.check.{package}")
+    pkg.__dict__.pop(name, None)
+    with pytest.warns(DeprecationWarning, match=_moved.BECAME_PACKAGE[package]):
+        value = getattr(pkg, name)
+    assert value is getattr(importlib.import_module(_moved.BECAME_PACKAGE[package]), name)
