@@ -1,7 +1,7 @@
 # One command sets up and runs the demo, one sets up and runs the tests.
 #   make demo    create .venv, install gradwatch (torch pinned, see constraints.txt), run `gradwatch demo`
 #   make test    create .venv, install gradwatch with test extras, run the gates (ruff, mypy, lint-imports: the
-#                layers in pyproject.toml), build the docs with --strict, then the test suite (2 workers)
+#                layers in pyproject.toml), build the docs with --strict, then the test suite (3 workers)
 #   make docs    build the documentation site (mkdocs.yml, docs/) into site/, warnings as errors
 PYTHON ?= python3
 # mkdocs-material prints a banner about MkDocs 2 at every build; the build itself is what we read.
@@ -10,9 +10,11 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 STAMP  := $(VENV)/.installed
-# pytest-xdist workers: two, the cores CI has (WORKERS=0 runs the suite in one process); each test file runs
-# whole on one worker (--dist loadfile), so the costly fixtures of a module are built once.
-WORKERS ?= 2
+# pytest-xdist workers (WORKERS=0 runs the suite in one process). Three on CI's two cores: much of the suite
+# waits on torchrun ranks, CLI subprocesses and distributed timeouts (measured on 2 cores: 2 workers 6:30,
+# 3 workers 5:29, 4 workers 7:00). Each test file runs whole on one worker (--dist loadfile), so the costly
+# fixtures of a module are built once.
+WORKERS ?= 3
 
 .PHONY: install demo test bench docs clean
 
