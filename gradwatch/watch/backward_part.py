@@ -19,7 +19,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from gradwatch.check import model as model_check
 from gradwatch.check.judging.report import CheckReport
@@ -28,12 +28,11 @@ from gradwatch.check.modules.localize import name_straight_through
 from gradwatch.plan.memory import SAFETY, gradient_bytes, release_freed
 from gradwatch.plan.units import isolated_forward
 from gradwatch.watch.check_plan import CheckPlanner
-from gradwatch.watch.context import CheckContext, WatchContext
+from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
 from gradwatch.watch.shard_check import ShardView, plan_shards, reshard
-from gradwatch.watch.trend import Alert
 
 
-class BackwardPart:
+class BackwardPart(TrendAlerting):
     """Runs the backward part of a check in the planned form and counts the checks of each tensor.
 
     Args:
@@ -122,10 +121,6 @@ class BackwardPart:
         """Count the check of every entry of a completed report."""
         for n in report.tensors:
             self.counts[n] = self.counts.get(n, 0) + 1
-
-    def alerts(self, step: int, results: Any) -> List[Alert]:
-        """None of its own: its verdicts alert through the watch's trend tracker."""
-        return []
 
     def state_dict(self) -> Dict[str, Any]:
         return {"counts": dict(self.counts)}

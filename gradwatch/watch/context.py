@@ -245,4 +245,24 @@ class Part(Protocol):
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
-__all__ = ["CheckContext", "Part", "Plan", "WatchContext", "check_arguments"]
+class TrendAlerting:
+    """Defaults for a part whose verdicts alert through the watch's trend tracker and that a checkpoint does not keep.
+
+    Example:
+        >>> TrendAlerting().alerts(0, None), TrendAlerting().state_dict()
+        ([], {})
+    """
+
+    def alerts(self, step: int, results: Any) -> List[Alert]:
+        """None of its own: its verdicts alert through the watch's trend tracker."""
+        return []
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Nothing is kept in a checkpoint (its rotation starts again after a resume, as it always has)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        return None
+
+
+__all__ = ["CheckContext", "Part", "Plan", "TrendAlerting", "WatchContext", "check_arguments"]

@@ -24,15 +24,14 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping
+from typing import Any, Dict
 
 from gradwatch.check.higher_order.inner import check_inner_derivatives
 from gradwatch.watch.check_plan import CheckPlanner
-from gradwatch.watch.context import CheckContext, WatchContext
-from gradwatch.watch.trend import Alert
+from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
 
 
-class InnerPart:
+class InnerPart(TrendAlerting):
     """Checks a few leaf modules' double backward per check when the objective differentiates.
 
     Args:
@@ -76,17 +75,6 @@ class InnerPart:
             self.counts[name] = self.counts.get(name, 0) + 1
         report.tensors.update(checks)
         return dict(checks)
-
-    def alerts(self, step: int, results: Any) -> List[Alert]:
-        """None of its own: its entries alert through the watch's trend tracker."""
-        return []
-
-    def state_dict(self) -> Dict[str, Any]:
-        """Nothing is kept in a checkpoint (the least-checked order starts again after a resume, as it always has)."""
-        return {}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        return None
 
 
 __all__ = ["InnerPart"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import nn
@@ -33,11 +33,10 @@ from gradwatch.check.numerics.sampling import match_names
 from gradwatch.check.replay.reference import Replay, Step, replay_step, scalar_grad
 from gradwatch.check.replay.rows import RowGrads, sliceable_linears
 from gradwatch.plan.memory import SAFETY, gradient_bytes, mb, release_freed
-from gradwatch.watch.context import CheckContext, WatchContext
+from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
 from gradwatch.watch.shard_check import backward_on_shards, local
 from gradwatch.watch.sharded import is_dtensor
 from gradwatch.watch.step_objective import StepObjective, StepPlan
-from gradwatch.watch.trend import Alert
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
@@ -80,7 +79,7 @@ def shift_hint(model: nn.Module) -> Optional[int]:
     return 1 if loss_type == "ForCausalLM" or type(model).__name__.endswith("ForCausalLM") else None
 
 
-class TrainingPart:
+class TrainingPart(TrendAlerting):
     """Replays the step's objective as training computed it and judges the live ``.grad`` against it.
 
     Args:
@@ -413,17 +412,6 @@ class TrainingPart:
         except Exception as exc:  # noqa: BLE001
             merged.training = {}
             merged.training_note = f"not judged: sharing rank 0's training verdicts failed ({type(exc).__name__}: {exc})"
-
-    def alerts(self, step: int, results: Any) -> List[Alert]:
-        """None of its own: its verdicts alert through the watch's trend tracker."""
-        return []
-
-    def state_dict(self) -> Dict[str, Any]:
-        """Nothing is kept in a checkpoint (the rotation starts again after a resume, as it always has)."""
-        return {}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        return None
 
 
 __all__ = ["TrainingPart", "dense", "same_tree", "shift_hint"]
