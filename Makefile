@@ -1,7 +1,7 @@
 # One command sets up and runs the demo, one sets up and runs the tests.
 #   make demo    create .venv, install gradwatch (torch pinned, see constraints.txt), run `gradwatch demo`
 #   make test    create .venv, install gradwatch with test extras, run the gates (ruff, mypy, lint-imports: the
-#                layers in pyproject.toml), build the docs with --strict, then the test suite (3 workers)
+#                layers in pyproject.toml), then the test suite (3 workers; it builds the docs with --strict)
 #   make docs    build the documentation site (mkdocs.yml, docs/) into site/, warnings as errors
 PYTHON ?= python3
 # mkdocs-material prints a banner about MkDocs 2 at every build; the build itself is what we read.
@@ -33,7 +33,6 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m mypy gradwatch
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile $(ARGS)
 
 bench: $(STAMP)
