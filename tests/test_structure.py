@@ -64,6 +64,7 @@ def test_an_old_path_of_a_moved_module_still_imports_with_a_warning(old):
         warnings.simplefilter("always")
         module = importlib.import_module(f"gradwatch.check.{old}")
     assert module is importlib.import_module(_moved.MOVED[old])
+    assert module.__spec__.name == _moved.MOVED[old]  # the moved module keeps its own spec
     assert any(issubclass(w.category, DeprecationWarning) and _moved.MOVED[old] in str(w.message) for w in seen)
 
 

@@ -182,16 +182,24 @@ def package_attribute(package: str, name: str) -> Any:
 
 
 class _Loader(importlib.abc.Loader):
+    """Answers an old path with the module that moved (the same object) or a :class:`_SplitModule`."""
+
+    def __init__(self) -> None:
+        self._spec: Optional[importlib.machinery.ModuleSpec] = None
+
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[types.ModuleType]:
         old = spec.name.rsplit(".", 1)[1]
         if old in MOVED:
             _warn(spec.name, MOVED[old])
-            return importlib.import_module(MOVED[old])
+            module = importlib.import_module(MOVED[old])
+            self._spec = module.__spec__  # importlib sets the old spec on it next; exec_module puts its own back
+            return module
         _warn(spec.name, ", ".join(sorted({SPLIT[old][0], *SPLIT[old][1].values()})))
         return _SplitModule(spec.name, old)
 
     def exec_module(self, module: types.ModuleType) -> None:
-        return None
+        if self._spec is not None:
+            module.__spec__ = self._spec
 
 
 class _SplitModule(types.ModuleType):
