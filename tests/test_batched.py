@@ -70,6 +70,43 @@ def test_batched_and_loop_give_the_same_numbers_on_an_mlp():
     _assert_same_numbers(loop, fast)
 
 
+def test_samples_lost_in_rounding_are_widened_in_batches_with_the_loops_numbers(monkeypatch):
+    """At small weights the last layer's slopes are lost in the objective's rounding at the base step, and each
+    such sample is taken again at a wider step (three central differences, ``widen``). On the batched path
+    those evaluations go through the batched evaluator too, not one loss call each: same numbers and verdicts
+    as the loop, far fewer calls of ``loss_fn``."""
+    import gradwatch.check.probes.reexamine as reexamine
+
+    model = mlp(seed=2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1e-3)  # activations near zero: the last layer's gradient is tiny against the objective
+    batch = data(seed=4)
+    widened = {"loop": 0}
+    linear_at = reexamine._linear_at
+
+    def counted(*args, **kwargs):
+        widened["loop"] += 1
+        return linear_at(*args, **kwargs)
+
+    monkeypatch.setattr(reexamine, "_linear_at", counted)
+    calls = {"n": 0}
+
+    def loss(m, b):
+        calls["n"] += 1
+        return mse(m, b)
+
+    loop = check_model(model, loss, batch, batched=False, seed=7)
+    loop_calls, loop_widened = calls["n"], widened["loop"]
+    assert loop_widened > 0, "the small weights must put some samples below the rounding (the case under test)"
+    calls["n"] = widened["loop"] = 0
+    fast = check_model(model, loss, batch, batched=True, seed=7)
+    assert batched_state(model)["enabled"]
+    assert widened["loop"] == 0  # every widening was evaluated in a batch
+    assert calls["n"] * 4 < loop_calls, (calls["n"], loop_calls)
+    _assert_same_numbers(loop, fast)
+
+
 def test_regularizer_terms_are_included_exactly_as_in_the_loop():
     model, batch = mlp(), data()
     opts = dict(seed=5, per_term=True, regularizers={"l2": 1e-2, "l1": 1e-3})

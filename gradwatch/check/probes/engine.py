@@ -41,6 +41,7 @@ from gradwatch.check.probes.lines import (
     base_probes,
     build_samples,
     central_probe,
+    outcome_of,
     prepare_slopes,
     total,
     unit_sample,
@@ -48,12 +49,14 @@ from gradwatch.check.probes.lines import (
 from gradwatch.check.probes.reexamine import (
     KINK_SCALES,
     LOW_PRECISION_EPS,
+    WideProbes,
     base_step,
     below_resolution,
     classify_kink,
     fails_alone,
     flat_at_widest,
     judge_sample,
+    needs_widening,
     pinpoint,
     resolve_low_precision,
     resolves,
@@ -62,6 +65,8 @@ from gradwatch.check.probes.reexamine import (
     smooth_sides,
     unexplained,
     unresolvable,
+    wide_probes,
+    widen_step,
 )
 
 
@@ -101,7 +106,8 @@ def detect(name: str, p: torch.Tensor, grads: Dict[str, torch.Tensor], evaluate:
             prepare_slopes([first], saved, grads)
             base = base_probes(name, p, saved, grads, [first], probe_batch)[0] \
                 or central_probe(p, saved, grads, first, first.step, evaluate)
-            out, settled = screen(p, saved, grads, first, base, j0, evaluate, settings)
+            out, settled = screen(p, saved, grads, first, base, j0, evaluate, settings,
+                                  batch=(name, probe_batch) if probe_batch is not None else None)
             found = Detection(first, out, settled=settled)
             if not settled and _needs_reexamination(out, settings):
                 alone = set(out.analytic) == {"total"} and fails_alone(out, settings)
@@ -170,7 +176,8 @@ def check_tensor(
                 rest = build_samples(name, p, grads["total"], settings, seed, h)
                 prepare_slopes(rest, saved, grads)
                 _probe_all(p, saved, grads, rest, base_probes(name, p, saved, grads, rest, probe_batch), outcomes, evaluate,
-                           j0, settings, genuine=int(detected is not None and detected.confirmed))
+                           j0, settings, genuine=int(detected is not None and detected.confirmed),
+                           batch=(name, probe_batch) if probe_batch is not None else None)
                 samples += rest
                 if detected is not None and unexplained(outcomes[0], settings) \
                         and not _summarize(name, tuple(p.shape), samples, outcomes, "total", settings).failed:
@@ -286,22 +293,43 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
 
 
 def _probe_all(p, saved, grads, samples: List[Sample], bases, outcomes: List[Outcome], evaluate: Evaluator, j0: float,
-               settings: EngineSettings, genuine: int = 0) -> None:
+               settings: EngineSettings, genuine: int = 0, batch: Optional[Tuple[str, BatchProbe]] = None) -> None:
     """Probe every sample (or judge its batched base probes), re-examining disagreements; appends to ``outcomes``.
 
     After three disagreements in a row found genuine (``genuine`` of them before these samples), the rest
     are taken as they are (a wrong gradient disagrees everywhere; re-examining every sample would only
-    repeat it).
+    repeat it). With ``batch`` (the tensor's name and a batched evaluator), the wider steps of every base
+    probe lost in rounding (:func:`widen`) are evaluated together, in batches, before the samples are judged.
     """
+    wide = _wide_in_batches(p, saved, grads, samples, bases, settings, batch) if batch is not None and bases is not None else {}
     genuine_streak = genuine
     for i, sample in enumerate(samples):
         base = bases[i] if bases is not None and bases[i] is not None else central_probe(p, saved, grads, sample, sample.step, evaluate)
-        out = judge_sample(p, saved, grads, sample, base, j0, evaluate, settings)
+        out = judge_sample(p, saved, grads, sample, base, j0, evaluate, settings, wide=wide.get(i))
         if genuine_streak < 3 and _needs_reexamination(out, settings):
             kink = _reexamine(p, saved, grads, sample, base, out, j0, evaluate, settings)
             if kink is not None:
                 genuine_streak = 0 if kink else genuine_streak + 1
         outcomes.append(out)
+
+
+def _wide_in_batches(p, saved, grads, samples: List[Sample], bases, settings: EngineSettings,
+                     batch: Tuple[str, BatchProbe]) -> Dict[int, WideProbes]:
+    """The probes :func:`widen` takes for each sample whose base probe needs them, by sample index, evaluated in
+    batches; empty when the batched evaluator declines (each sample then widens one evaluation at a time)."""
+    wanted: List[Tuple[int, Sample, float]] = []
+    for i, (sample, base) in enumerate(zip(samples, bases)):
+        if base is None:
+            continue
+        out = outcome_of(sample, base, settings)
+        if needs_widening(out, settings):
+            t = widen_step(sample, out.analytic, out.numeric, out.floor, settings)
+            if t is not None:
+                wanted.append((i, sample, t))
+    if not wanted:
+        return {}
+    got = wide_probes(batch[0], p, saved, grads, [(s, t) for _, s, t in wanted], batch[1])
+    return {} if got is None else {i: probes for (i, _, _), probes in zip(wanted, got)}
 
 
 def _needs_reexamination(out: Outcome, settings: EngineSettings) -> bool:

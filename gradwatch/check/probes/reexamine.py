@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import replace
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from gradwatch.check.probes.lines import (
     Outcome,
     Sample,
     Terms,
+    batched_bases,
     central_probe,
     floor_at,
     outcome_of,
@@ -347,7 +349,7 @@ def screened(out: Outcome, settings: EngineSettings) -> bool:
 
 
 def screen(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], j0: float, evaluate: Evaluator,
-           settings: EngineSettings) -> Tuple[Outcome, bool]:
+           settings: EngineSettings, batch: Optional[Tuple[str, Any]] = None) -> Tuple[Outcome, bool]:
     """The detection probe's outcome, and whether it settles the tensor (:func:`screened`).
 
     A probe lost in rounding is taken again at a wider step first (:func:`widen`, as the full sample
@@ -363,8 +365,8 @@ def screen(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Ter
         flat = flat_at_widest(p, saved, grads, sample, evaluate, settings)
         if flat is not None:
             return flat, not settings.mark_unseen or settings.eval_eps > LOW_PRECISION_EPS
-        return judge_sample(p, saved, grads, sample, base, j0, evaluate, settings), False
-    out = judge_sample(p, saved, grads, sample, base, j0, evaluate, settings)
+        return judge_sample(p, saved, grads, sample, base, j0, evaluate, settings, batch=batch), False
+    out = judge_sample(p, saved, grads, sample, base, j0, evaluate, settings, batch=batch)
     return out, screened(out, settings)
 
 
@@ -447,20 +449,53 @@ def widen(p, saved, grads, sample: Sample, a: Terms, n: Terms, floor: float, j0:
     not agree (a ReLU unit's kink within ``t``), or its floor is still over 1e-3 of the slope, the base probe
     stands.
     """
+    t = widen_step(sample, a, n, floor, settings)
+    slope = max(abs(a["total"]), abs(n["total"]))
+    return _linear_at(p, saved, grads, sample, t, slope, j0, evaluate, settings) if t is not None else None
+
+
+def widen_step(sample: Sample, a: Terms, n: Terms, floor: float, settings: EngineSettings) -> Optional[float]:
+    """The wider step :func:`widen` takes for a base probe with slopes ``a``, ``n`` and noise ``floor``; None: none.
+
+    Example:
+        >>> from gradwatch.bands import Verdict
+        >>> settings = EngineSettings(4, 0, None, (1e-4, 1e-2), Verdict.WRONG, True, 2.0 ** -52, 1.0)
+        >>> widen_step(Sample(label=(0,), step=1e-5, base=0.5), {"total": 1e-6}, {"total": 1e-6}, 1e-9, settings)
+        0.004
+    """
     slope = max(abs(a["total"]), abs(n["total"]))
     if not (slope > 0 and math.isfinite(slope)):
         return None
     scale = max(1.0, abs(sample.base)) if sample.base is not None else sample.step / (settings.eps or settings.eval_eps ** (1.0 / 3.0))
     factor = min(WIDEN_MAX, 0.1 * scale / sample.step, 4.0 * floor / (PRECISE * slope))
-    return _linear_at(p, saved, grads, sample, sample.step * factor, slope, j0, evaluate, settings) if factor > 2.0 else None
+    return sample.step * factor if factor > 2.0 else None
+
+
+#: The fractions of the wider step :func:`widen` takes the slope at.
+WIDE_FRACTIONS = (1.0, 0.5, 0.25)
+
+#: The probes of one sample at each of :data:`WIDE_FRACTIONS` of its wider step: ``(step, (jp, jm, lp, lm))``.
+WideProbes = List[Tuple[float, Tuple[Terms, Terms, Terms, Terms]]]
 
 
 def _linear_at(p, saved, grads, sample: Sample, t: float, slope: float, j0: float, evaluate: Evaluator,
                settings: EngineSettings) -> Optional[Outcome]:
-    """:func:`widen` at one step ``t``: the Richardson slope when the function is linear within ``t``, else None."""
+    """:func:`widen` at one step ``t``, evaluated one perturbation at a time."""
+    probes: WideProbes = []
+    for s in (t * f for f in WIDE_FRACTIONS):
+        probe = central_probe(p, saved, grads, sample, s, evaluate)
+        probes.append((s, probe))
+        a_s, n_s = slopes_of(*probe, s)
+        if not (math.isfinite(a_s["total"]) and math.isfinite(n_s["total"])):
+            return None
+    return linear_from(probes, slope, j0, settings)
+
+
+def linear_from(probes: WideProbes, slope: float, j0: float, settings: EngineSettings) -> Optional[Outcome]:
+    """The Richardson slope from the probes at ``t``, ``t/2`` and ``t/4`` when the function is linear within ``t``,
+    else None (see :func:`widen`); ``slope``: the larger of the base probe's slopes."""
     seen, sides = [], []
-    for s in (t, t / 2, t / 4):
-        jp, jm, lp, lm = central_probe(p, saved, grads, sample, s, evaluate)
+    for s, (jp, jm, lp, lm) in probes:
         a_s, n_s = slopes_of(jp, jm, lp, lm, s)
         if not (math.isfinite(a_s["total"]) and math.isfinite(n_s["total"])):
             return None
@@ -481,13 +516,46 @@ def _linear_at(p, saved, grads, sample: Sample, t: float, slope: float, j0: floa
     return Outcome(a2, richardson, floor, widened=True)
 
 
-def judge_sample(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], j0: float,
-                  evaluate: Evaluator, settings: EngineSettings) -> Outcome:
-    """One sample's outcome from its base probes; taken at a wider step where the base step is lost in rounding."""
-    out = outcome_of(sample, base, settings)
+def needs_widening(out: Outcome, settings: EngineSettings) -> bool:
+    """True when a base probe's noise floor is over ``IMPRECISE`` of its slopes: :func:`widen` takes it again."""
     a, n, fl = out.analytic["total"], out.numeric["total"], out.floor
-    if settings.detect_kinks and math.isfinite(a) and math.isfinite(n) and fl > IMPRECISE * max(abs(a), abs(n)):
-        wider = widen(p, saved, grads, sample, out.analytic, out.numeric, fl, j0, evaluate, settings)
+    return settings.detect_kinks and math.isfinite(a) and math.isfinite(n) and fl > IMPRECISE * max(abs(a), abs(n))
+
+
+def wide_probes(name: str, p, saved, grads, wanted: Sequence[Tuple[Sample, float]], probe_batch: Any) -> Optional[List[WideProbes]]:
+    """The probes :func:`widen` takes, for several samples at once, in batches of ``probe_batch``.
+
+    ``wanted``: each sample with its wider step (:func:`widen_step`). Returns one :data:`WideProbes` per
+    sample, or None when the batched evaluator declines (the caller then widens one evaluation at a time).
+    """
+    lines = [replace(sample, step=t * f, target=None, view=None) for sample, t in wanted for f in WIDE_FRACTIONS]
+    if not lines:
+        return []
+    got = batched_bases(name, p, saved, grads, lines, probe_batch)
+    if got is None:
+        return None
+    k = len(WIDE_FRACTIONS)
+    return [[(lines[k * i + j].step, got[k * i + j]) for j in range(k)] for i in range(len(wanted))]
+
+
+def judge_sample(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], j0: float,
+                  evaluate: Evaluator, settings: EngineSettings, wide: Optional[WideProbes] = None,
+                  batch: Optional[Tuple[str, Any]] = None) -> Outcome:
+    """One sample's outcome from its base probes; taken at a wider step where the base step is lost in rounding.
+
+    ``wide``: the probes at the wider step, taken before (in a batch, :func:`wide_probes`); None: taken here, in
+    one batch when ``batch`` (the tensor's name and a batched evaluator) is given and takes it.
+    """
+    out = outcome_of(sample, base, settings)
+    if needs_widening(out, settings):
+        if wide is None and batch is not None:
+            t = widen_step(sample, out.analytic, out.numeric, out.floor, settings)
+            got = wide_probes(batch[0], p, saved, grads, [(sample, t)], batch[1]) if t is not None else None
+            wide = got[0] if got else None
+        if wide is not None:
+            wider = linear_from(wide, max(abs(out.analytic["total"]), abs(out.numeric["total"])), j0, settings)
+        else:
+            wider = widen(p, saved, grads, sample, out.analytic, out.numeric, out.floor, j0, evaluate, settings)
         if wider is not None:  # smooth within a wider step: the slope there is the slope at the point
             return wider
     return out
