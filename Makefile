@@ -6,6 +6,9 @@
 PYTHON ?= python3
 # mkdocs-material prints a banner about MkDocs 2 at every build; the build itself is what we read.
 export NO_MKDOCS_2_WARNING := 1
+# Bytecode is written (__pycache__, ignored by git) even where the environment says not to: the suite starts
+# about 80 Python processes, and each would otherwise compile gradwatch's 90 modules again (0.6-0.8 s each).
+export PYTHONDONTWRITEBYTECODE :=
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt

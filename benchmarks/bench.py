@@ -29,7 +29,7 @@ JSON:
 5. ``scaling``: check time at the default sample size as an MLP grows from
    about 1e4 to 1e6 parameters, next to the time of one forward pass.
 6. ``memory``: peak memory (CPU RSS; CUDA peak allocated) of 3 SGD steps of a 7-layer MLP
-   (25M and 100M parameters; 1M and 4M with ``--quick``), batch 64, without and with
+   (25M and 100M parameters; 4M with ``--quick``), batch 64, without and with
    ``GradWatch(every=1)`` at its default options, side by side, one subprocess per
    configuration (``benchmarks/membench.py``); and ``module_form``: the planted bugs caught
    by the backward part's module form (``GradWatch(form="module")``).

@@ -23,7 +23,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 #: Parameter counts of the memory section: (default, quick).
-SIZES = ((25e6, 100e6), (1e6, 4e6))
+SIZES = ((25e6, 100e6), (4e6,))
 
 
 def mlp_width(n_params: float, d_in: int = 1024, d_out: int = 10, hidden_layers: int = 5) -> int:

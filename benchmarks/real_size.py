@@ -374,11 +374,13 @@ def worker(case: str, bug: str, checks: int, watch: bool = True, threads: int = 
     return out
 
 
-def _spawn(case: str, bug: str, checks: int, watch: bool = True) -> Dict[str, Any]:
+def _spawn(case: str, bug: str, checks: int, watch: bool = True, threads: int = 2) -> Dict[str, Any]:
+    """One configuration in a subprocess of its own (its peak memory is its own), on ``threads`` torch threads."""
     here = os.path.abspath(__file__)
     root = os.path.dirname(os.path.dirname(here))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, here, "--worker", case, "--bug", bug, "--checks", str(checks)] + ([] if watch else ["--unwatched"])
+    cmd = [sys.executable, here, "--worker", case, "--bug", bug, "--checks", str(checks), "--threads", str(threads)] \
+        + ([] if watch else ["--unwatched"])
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         return {"case": case, "bug": bug, "error": (done.stderr.strip().splitlines() or ["?"])[-1][:300]}
@@ -415,9 +417,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--worker", choices=sorted(CASES), help="run one configuration in this process")
     parser.add_argument("--bug", default="none")
     parser.add_argument("--unwatched", action="store_true", help="with --worker: the same loop without the watch")
+    parser.add_argument("--threads", type=int, default=2, help="with --worker: torch threads (default 2)")
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker, args.bug, args.checks or CASES[args.worker][2], watch=not args.unwatched)))
+        print(json.dumps(worker(args.worker, args.bug, args.checks or CASES[args.worker][2], watch=not args.unwatched,
+                                threads=args.threads)))
         return 0
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in cases if c not in CASES]

@@ -61,6 +61,7 @@ def late_run(tmp_path_factory):
 
 # --------------------------------------------------------------------- demo
 
+@pytest.mark.slow
 def test_demo_late_bug_alerts_name_the_tensor_and_print_the_summary(late_run):
     logdir, proc = late_run
     out = proc.stdout

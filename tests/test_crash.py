@@ -82,6 +82,7 @@ def _run_and_kill(tmp_path: Path) -> list:
     return checked
 
 
+@pytest.mark.slow
 def test_sigkill_keeps_every_completed_check(tmp_path):
     checked = _run_and_kill(tmp_path)
     run = tmp_path / "run"

@@ -217,6 +217,7 @@ print(json.dumps({"notes": reports[0].notes, "inner": sorted(n for n in reports[
 """
 
 
+@pytest.mark.slow
 def test_a_module_whose_double_backward_check_does_not_fit_memory_budget_is_said_not_checked():
     """A 9M-parameter Linear's float64 copy and check (~430 MB) does not fit the room of a fresh process at the
     default memory_budget: named in a note, not checked; the small modules are (a process of its own: the room

@@ -33,7 +33,8 @@ from helpers import run_two_ranks
 
 from gradwatch.io.sinks import read_jsonl
 
-pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")]
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT = 90.0

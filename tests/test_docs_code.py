@@ -351,6 +351,7 @@ def demo_output(tmp_path_factory) -> Dict[str, str]:
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.marker and b.marker.startswith("output: demo")],
                          ids=lambda b: b.where)
+@pytest.mark.slow
 def test_demo_output_blocks_are_what_the_demo_prints(block, demo_output):
     bugs = re.findall(r"--bug ([\w-]+)", block.marker)
     assert_lines_shown(block, "\n".join(demo_output[bug] for bug in bugs))
@@ -462,6 +463,7 @@ def test_yaml_blocks_load_and_configs_validate(block, tmp_path):
 # ------------------------------------------------------------------ the site
 
 
+@pytest.mark.slow
 def test_the_site_builds_with_no_warning(tmp_path):
     built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                            cwd=ROOT, capture_output=True, text=True, env=None)

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from gradwatch.cli import commands
 
-pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")]
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch < 2.6
     pytest.skip("needs torch.distributed.fsdp.fully_shard (FSDP2)", allow_module_level=True)

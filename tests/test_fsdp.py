@@ -44,7 +44,8 @@ from helpers import run_two_ranks
 
 from gradwatch.io.sinks import read_jsonl
 
-pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")]
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch < 2.6
     pytest.skip("needs torch.distributed.fsdp.fully_shard (FSDP2)", allow_module_level=True)

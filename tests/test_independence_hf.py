@@ -5,17 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-from transformers import (  # noqa: E402
-    BertConfig,
-    BertModel,
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-)
+from gradwatch import check_independence
 
-from gradwatch import check_independence  # noqa: E402
+# The package at collection (every pytest worker collects every module); its models when a test builds one.
+T = pytest.importorskip("transformers")
 
 VOCAB = 60
 
@@ -42,12 +35,12 @@ def _moves(model, inputs, where, guarded) -> bool:
 
 def _gpt2():
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=32))
+    return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=32))
 
 
 def _bert():
     torch.manual_seed(0)
-    return BertModel(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+    return T.BertModel(T.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                 intermediate_size=64, max_position_embeddings=32))
 
 
@@ -94,7 +87,7 @@ def test_bert_with_a_padding_mask_passes_padding_and_batch():
 
 def test_llama_sdpa_packed_sequences_get_the_verdict_brute_force_gives():
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    model = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
                                          attn_implementation="sdpa"))
     ids = _ids()

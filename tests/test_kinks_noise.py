@@ -85,6 +85,7 @@ def train_watched(kind: str, dtype, seed: int = 0):
     return counts, sum(r.kinks for r in reports), watch, reports
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_float64_no_false_alarms_and_kinks_counted(kind):
     counts, kinks, watch, reports = train_watched(kind, "float64")
@@ -111,6 +112,7 @@ def test_kinks_are_reported_and_excluded_at_the_kink():
     assert "kinks excluded" in str(report)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(MODELS))
 @pytest.mark.parametrize("seed", [0, 1])
 def test_float32_in_place_no_false_alarms(kind, seed):
@@ -157,6 +159,7 @@ def test_float32_in_place_still_catches_wrong_gradients(seed):
     assert report.tensors["l2.weight"].verdict is not None and not report.tensors["l2.weight"].failed
 
 
+@pytest.mark.slow
 def test_inconclusive_tensors_raise_no_alert(caplog):
     torch.manual_seed(0)
     with caplog.at_level(logging.WARNING, logger="gradwatch"):

@@ -257,6 +257,7 @@ def test_config_file_and_overrides():
 
 
 # ---------------------------------------------------------------------------- the example
+@pytest.mark.slow
 def test_lightning_example_runs(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(

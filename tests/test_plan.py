@@ -20,7 +20,7 @@ from torch import nn
 from gradwatch import GradWatch
 from gradwatch.check.modules.module_form import run_module_check
 from gradwatch.check.objective.terms import Objective
-from gradwatch.cli import commands
+from gradwatch.cli import commands, main
 from gradwatch.options import CheckOptions
 from gradwatch.plan.cycle import ROWS_PER_SLICE, Cycle, row_slices
 from gradwatch.plan.units import LOSS_FN, plan_units
@@ -225,9 +225,7 @@ def test_k_is_said_once_and_recorded(tmp_path, every, caplog):
     assert checks[-1]["coverage"]["ln.weight"] == {"backward": 1.0, "training": 1.0}
 
 
-def test_report_and_tensorboard_show_coverage_and_what_was_not_checked(tmp_path):
-    import subprocess
-    import sys
+def test_report_and_tensorboard_show_coverage_and_what_was_not_checked(tmp_path, capsys):
     import threading
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -250,10 +248,10 @@ def test_report_and_tensorboard_show_coverage_and_what_was_not_checked(tmp_path)
             report = watch.step(ids)
             model.zero_grad()
     assert any("`ln.1` (Locked) not checked: cannot copy module Locked alone" in n for n in report.notes), report.notes
-    done = subprocess.run([sys.executable, "-m", "gradwatch", "report", str(tmp_path)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "coverage after 3 checks (K = 3): backward" in done.stdout
-    assert "not checked: module form: `ln.1` (Locked) not checked: cannot copy" in done.stdout
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "coverage after 3 checks (K = 3): backward" in out
+    assert "not checked: module form: `ln.1` (Locked) not checked: cannot copy" in out
     acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
     acc.Reload()
     backward = [e.value for e in acc.Scalars("gradwatch/coverage/backward")]

@@ -108,6 +108,7 @@ def test_the_suite_has_the_architectures_the_issue_asks_for():
     assert {"t5", "llama", "mixtral", "vit", "wav2vec2", "whisper"} <= set(ARCHS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(ARCHS))
 def test_architecture_checks_clean_at_default_options_on_three_seeds(name):
     kind = ARCHS[name][2]
@@ -263,6 +264,7 @@ def test_planted_one_percent_bug_in_a_llama_is_caught_and_localized(where):
     assert blamed == [module], f"{where}: localized {blamed}\n{report}"
 
 
+@pytest.mark.slow
 def test_planted_norm_bug_in_t5_next_to_its_float32_norms_is_caught():
     model = build("t5", 0)
     batch = make_batch("s2s", 0)

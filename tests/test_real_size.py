@@ -16,9 +16,11 @@ from gradwatch.cli import commands
 ROOT = Path(__file__).resolve().parents[1]
 real_size = commands.load_bench(ROOT / "benchmarks" / "real_size.py")
 
+pytestmark = pytest.mark.slow  # subprocesses of the benchmarks
+
 
 def test_gpt2_with_its_real_vocabulary_a_softmax_bug_in_attention_is_caught_and_named():
-    row = real_size._spawn("gpt2", "softmax", 2)
+    row = real_size._spawn("gpt2", "softmax", 2, threads=1)
     assert row["forms"] == ["module"] and row["caught_at_check"] == 0, row
     assert row["named"] and all(n.startswith("transformer.h.0.attn") for n in row["named"])
     assert row["alerts_on_other_modules"] == []
@@ -28,7 +30,7 @@ def test_gpt2_with_its_real_vocabulary_a_softmax_bug_in_attention_is_caught_and_
 
 @pytest.mark.parametrize("bug", ["none", "softmax"])
 def test_nanogpt_with_a_50304_vocabulary(bug):
-    row = real_size._spawn("nanogpt", bug, 2)
+    row = real_size._spawn("nanogpt", bug, 2, threads=1)
     assert row["forms"] == ["module"], row
     if bug == "none":
         assert row["alerts"] == 0 and row["caught_at_check"] is None, row

@@ -123,6 +123,7 @@ def test_watched_run_is_bit_identical(unwatched, dtype):
     _assert_identical(unwatched, watched)
 
 
+@pytest.mark.slow
 def test_bit_identical_under_deterministic_algorithms(unwatched):
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)

@@ -14,7 +14,8 @@ import pytest
 import torch.distributed as dist
 from helpers import run_two_ranks
 
-pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")]
 
 _HEAD = textwrap.dedent(
     r'''

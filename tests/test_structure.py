@@ -92,3 +92,25 @@ def test_a_module_that_became_a_package_answers_its_old_names_with_a_warning(pac
     with pytest.warns(DeprecationWarning, match=_moved.BECAME_PACKAGE[package]):
         value = getattr(pkg, name)
     assert value is getattr(importlib.import_module(_moved.BECAME_PACKAGE[package]), name)
+
+
+def _starts_processes(source: str) -> bool:
+    """A test module that starts Python processes: ranks (torchrun, a launcher), the CLI, a benchmark's workers."""
+    return any(s in source for s in ("subprocess.run(", "subprocess.Popen(", "run_two_ranks(", "._spawn(",
+                                     "faults.run(", "mp.spawn(", "start_processes("))
+
+
+def test_the_slow_marker_is_registered_and_every_module_that_starts_ranks_or_benchmarks_carries_it():
+    """`make test ARGS="-m 'not slow'"` leaves out what is slow: the marker is registered (pytest would only warn
+    about an unknown one) and the modules whose tests start ranks or a benchmark's workers carry it."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    markers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
+    assert any(m.startswith("slow:") for m in markers), markers
+    unmarked = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        source = path.read_text()
+        ranks = any(s in source for s in ("torch.distributed.run", "run_two_ranks(", "devices=2", "benchmarks"))
+        if ranks and _starts_processes(source) and "pytest.mark.slow" not in source:
+            unmarked.append(path.name)
+    assert unmarked == [], f"modules that start ranks or benchmark workers without a slow mark: {unmarked}"

@@ -482,54 +482,57 @@ DDP_WORKER = textwrap.dedent(
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
-    rank, port, scenario, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     from gradwatch import GradWatch
 
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Dropout(0.2), nn.Linear(8, 3))
-    if scenario == "unsynced":
-        DDP._set_params_and_buffers_to_ignore_for_model(net, ["3.bias"])  # DDP never all-reduces this gradient
-    model = DDP(net)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    loss_fn = lambda m, b: F.cross_entropy(m(b[0]), b[1])
-    watch = GradWatch(model, loss_fn, every=2, coords=2, directions=1, tensorboard=False, jsonl=False)
-    g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
-    result = {"training": [], "notes": [], "alerts": []}
-    for step in range(4):
-        batch = (torch.randn(8, 5, generator=g), torch.randint(0, 3, (8,), generator=g))
-        opt.zero_grad()
-        loss_fn(model, batch).backward()
-        report = watch.step(batch)
-        if report is not None:
-            result["training"].append({n: [t.verdict.value if t.verdict else None, t.rel_diff]
-                                       for n, t in report.training.items()})
-            result["notes"].append(report.training_note)
-        opt.step()
-    result["alerts"] = [[a.tensor, a.part, a.kind] for a in watch.alerts]
-    watch.close()
-    json.dump(result, open(os.path.join(out, f"rank{rank}.json"), "w"))
+    for scenario in ("correct", "unsynced"):  # one launch, one watched run each
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Dropout(0.2), nn.Linear(8, 3))
+        if scenario == "unsynced":
+            DDP._set_params_and_buffers_to_ignore_for_model(net, ["3.bias"])  # DDP never all-reduces this gradient
+        model = DDP(net)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        loss_fn = lambda m, b: F.cross_entropy(m(b[0]), b[1])
+        watch = GradWatch(model, loss_fn, every=2, coords=2, directions=1, tensorboard=False, jsonl=False)
+        g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+        result = {"training": [], "notes": [], "alerts": []}
+        for step in range(4):
+            batch = (torch.randn(8, 5, generator=g), torch.randint(0, 3, (8,), generator=g))
+            opt.zero_grad()
+            loss_fn(model, batch).backward()
+            report = watch.step(batch)
+            if report is not None:
+                result["training"].append({n: [t.verdict.value if t.verdict else None, t.rel_diff]
+                                           for n, t in report.training.items()})
+                result["notes"].append(report.training_note)
+            opt.step()
+        result["alerts"] = [[a.tensor, a.part, a.kind] for a in watch.alerts]
+        watch.close()
+        json.dump(result, open(os.path.join(out, f"{scenario}_rank{rank}.json"), "w"))
     dist.destroy_process_group()
     '''
 )
 
 
-def run_ddp(tmp_path: Path, scenario: str):
-    codes, logs = run_two_ranks(DDP_WORKER, tmp_path / "ddp_worker.py", [scenario, str(tmp_path)], 90.0, f"the DDP run {scenario!r}")
+def run_ddp(tmp_path: Path):
+    """Both scenarios (``correct``, ``unsynced``) in one launch of 2 ranks: {scenario: [rank 0's, rank 1's]}."""
+    codes, logs = run_two_ranks(DDP_WORKER, tmp_path / "ddp_worker.py", [str(tmp_path)], 90.0, "the DDP runs")
     assert codes == (0, 0), "\n----\n".join(logs)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    return {s: [json.loads((tmp_path / f"{s}_rank{r}.json").read_text()) for r in range(2)] for s in ("correct", "unsynced")}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="needs gloo")
 def test_ddp_reference_is_averaged_and_an_unsynchronized_gradient_is_caught(tmp_path):
-    correct = run_ddp(tmp_path / "correct" if (tmp_path / "correct").mkdir() is None else tmp_path, "correct")
+    runs = run_ddp(tmp_path)
+    correct = runs["correct"]
     for rank in correct:
         assert len(rank["training"]) == 2 and rank["alerts"] == []
         assert all(v[0] == "excellent" for check in rank["training"] for v in check.values())
         assert all("averaged over 2 ranks" in n for n in rank["notes"])
-    (tmp_path / "unsynced").mkdir()
-    unsynced = run_ddp(tmp_path / "unsynced", "unsynced")
+    unsynced = runs["unsynced"]
     for rank in unsynced:
         first = rank["training"][0]
         assert first["3.bias"][0] == "wrong"

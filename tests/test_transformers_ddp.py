@@ -23,7 +23,8 @@ from helpers import free_port
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")]
 
 ROOT = Path(__file__).resolve().parents[1]
 

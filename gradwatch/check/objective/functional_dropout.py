@@ -196,26 +196,27 @@ class FunctionalDropoutOff(TorchFunctionMode):
             self.__exit__(None, None, None)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
-        kwargs = dict(kwargs or {})
         spec = _SPECS.get(func)
-        if spec is not None:
-            p = _get(args, kwargs, spec.p)
-            on = spec.flag is None or _get(args, kwargs, spec.flag) in (True, None)
-            try:
-                dropping = on and float(p) > 0
-            except (TypeError, ValueError):
-                dropping = on
-            if dropping:
-                self.needed = True
-                listed = list(args)
-                if spec.flag is not None:
-                    _set(listed, kwargs, spec.flag, False)
-                else:
-                    _set(listed, kwargs, spec.p, 0.0)
-                args = tuple(listed)
-                if self.counting:
-                    self.record.functional[spec.label] = self.record.functional.get(spec.label, 0) + 1
-        elif self.counting and func in _RANDOM:
-            label = _RANDOM[func]
-            self.record.random_draws[label] = self.record.random_draws.get(label, 0) + 1
+        if spec is None:  # nearly every call: no copy of the arguments (the mode sees every torch function)
+            if self.counting and func in _RANDOM:
+                label = _RANDOM[func]
+                self.record.random_draws[label] = self.record.random_draws.get(label, 0) + 1
+            return func(*args, **kwargs) if kwargs else func(*args)
+        kwargs = dict(kwargs or {})
+        p = _get(args, kwargs, spec.p)
+        on = spec.flag is None or _get(args, kwargs, spec.flag) in (True, None)
+        try:
+            dropping = on and float(p) > 0
+        except (TypeError, ValueError):
+            dropping = on
+        if dropping:
+            self.needed = True
+            listed = list(args)
+            if spec.flag is not None:
+                _set(listed, kwargs, spec.flag, False)
+            else:
+                _set(listed, kwargs, spec.p, 0.0)
+            args = tuple(listed)
+            if self.counting:
+                self.record.functional[spec.label] = self.record.functional.get(spec.label, 0) + 1
         return func(*args, **kwargs)
