@@ -329,23 +329,29 @@ def assert_lines_shown(block: Block, real_output: str) -> None:
 
 @pytest.fixture(scope="module")
 def demo_output(tmp_path_factory) -> Dict[str, str]:
-    """``gradwatch demo --bug BUG`` and ``gradwatch report`` on its run, for each bug an output block names;
-    the demos run side by side, one subprocess each."""
+    """``gradwatch demo --bug BUG`` and ``gradwatch report`` on its run, for each bug an output block names: what
+    the commands print, run in this process (the CLI as a subprocess is tests/test_cli.py's)."""
+    import glob
+    import os
+
+    from gradwatch.cli import main
+
     bugs = sorted({bug for b in BLOCKS if b.marker and b.marker.startswith("output: demo")
                    for bug in re.findall(r"--bug ([\w-]+)", b.marker)})
-    script = ("import glob, sys; from gradwatch.cli import main; code = main(['demo', '--bug', sys.argv[1]]); "
-              "print('=== report ==='); sys.exit(code or main(['report', *glob.glob('runs/*')]))")
-    procs = {}
-    for bug in bugs:
-        cwd = tmp_path_factory.mktemp(f"demo-{bug}")
-        procs[bug] = subprocess.Popen([sys.executable, "-c", script, bug], cwd=cwd, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     outputs = {}
-    for bug, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, f"gradwatch demo --bug {bug}:\n{err[-3000:]}"
-        assert "=== report ===" in out
-        outputs[bug] = out
+    here = os.getcwd()
+    for bug in bugs:
+        os.chdir(tmp_path_factory.mktemp(f"demo-{bug}"))  # the demo writes runs/ where it is started
+        out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")  # as a pipe in a UTF-8 locale: the report's charts
+        try:
+            with contextlib.redirect_stdout(out):
+                assert main(["demo", "--bug", bug]) == 0, f"gradwatch demo --bug {bug}"
+                print("=== report ===")
+                assert main(["report", *glob.glob("runs/*")]) == 0, f"gradwatch report after the demo --bug {bug}"
+        finally:
+            os.chdir(here)
+        out.flush()
+        outputs[bug] = out.buffer.getvalue().decode("utf-8")  # type: ignore[attr-defined]
     return outputs
 
 
