@@ -15,8 +15,9 @@ PIP    := $(PY) -m pip install --quiet --disable-pip-version-check -c constraint
 STAMP  := $(VENV)/.installed
 # pytest-xdist workers (WORKERS=0 runs the suite in one process). Three on CI's two cores: part of the suite
 # waits on torchrun ranks, CLI subprocesses and distributed timeouts. Measured on 2 cores (pytest time): one
-# process 9:16-10:07 (2026-11-25), 2 workers 6:30, 3 workers 5:29 / 7:07 / 7:14, 4 workers 7:00 (11-26). Each test
-# file runs whole on one worker (--dist loadfile), so the costly fixtures of a module are built once.
+# process 9:16-10:07 (2026-11-25), 2 workers 6:30, 3 workers 5:29 / 7:07 / 7:14, 4 workers 7:00 (11-26 morning);
+# 3 workers after the suite's trims, fresh clones: 5:30 and 5:34 (11-26). Each test file runs whole on one worker
+# (--dist loadfile), so the costly fixtures of a module are built once. ARGS="-m 'not slow'" skips the slow ones.
 WORKERS ?= 3
 
 .PHONY: install demo test bench docs clean
