@@ -25,6 +25,7 @@ from gradwatch._version import __version__
 from gradwatch.cli.console import plural, unicode_ok
 from gradwatch.config import GradWatchConfig, config_problems, load_config, option_names, options_table, show_value
 from gradwatch.errors import ConfigError, GradWatchError
+from gradwatch.io import not_judged
 
 EXIT_OK, EXIT_ALERTS, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -358,6 +359,8 @@ def _print_report(data: Any, rows: List[Dict[str, Any]], verbose: bool) -> None:
         print(summary.independence_line(data.independence))
     for note in getattr(data, "unchecked", None) or ():
         print(f"not checked: {note}")
+    for line in not_judged.report_lines(getattr(data, "not_judged", None) or {}):
+        print(line)
     print()
     if rows:
         for line in summary.verdict_tables(data, data.bands, unicode=uni, rows=rows):

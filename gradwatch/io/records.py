@@ -98,7 +98,7 @@ def check_record(
             "rel_diff": json_float(t.rel_diff),
             "directional_rel_diff": json_float(t.directional_rel_diff),
             "max_rel_error": json_float(t.max_rel_error),
-            "judged_rel_diff": json_float(t.judged_rel_diff),
+            "judged_rel_diff": json_float(t.judged_rel_diff) if t.verdict is not None else None,  # not judged: no 0
             "verdict": t.verdict.value if t.verdict is not None else None,
             "kinks": int(t.kinks),
             "noise_floor": json_float(t.noise_floor),
@@ -124,6 +124,8 @@ def check_record(
     for name, tc in report.training.items():
         d = tc.to_dict()
         training[name] = {key: d[key] for key in TRAINING_FIELDS}
+        if tc.verdict is None:
+            training[name]["judged_rel_diff"] = None  # not judged: no value that reads as agreement
     finite_training = [float(tc.rel_diff) for tc in report.training.values() if math.isfinite(tc.rel_diff)]
     summary["training_rel_diff_max"] = max(finite_training) if finite_training else None
     return {
@@ -225,8 +227,9 @@ def scalars_from_check(record: Mapping[str, Any]) -> List[Tuple[str, float]]:
     ``gradwatch/summary/rel_diff_{median,p95,max}``, ``gradwatch/summary/training_rel_diff_max``,
     ``gradwatch/overhead/{seconds,fraction}``, ``gradwatch/coverage/{backward,training}`` (the mean share of
     the watched tensors' rows each part has probed in the run) and ``gradwatch/coverage/cycle_length`` (K).
-    None and non-finite values are skipped. ``gradwatch/alerts/count`` is not here: it
-    depends on the alerts, which the sink is given separately.
+    None and non-finite values are skipped, and so is every metric of a tensor the check did not judge (its
+    verdict is None: a 0 there would chart as agreement; :mod:`gradwatch.io.not_judged` says why, as text).
+    ``gradwatch/alerts/count`` is not here: it depends on the alerts, which the sink is given separately.
 
     Example:
         >>> rec = {"tensors": {"w": {"rel_diff": 1e-9, "directional_rel_diff": None,
@@ -243,11 +246,13 @@ def scalars_from_check(record: Mapping[str, Any]) -> List[Tuple[str, float]]:
             out.append((tag, float(value)))
 
     for name, t in (record.get("tensors") or {}).items():
-        for metric in TENSOR_METRICS:
-            add(f"gradwatch/{metric}/{name}", t.get(metric))
+        if "verdict" not in t or t["verdict"] is not None:
+            for metric in TENSOR_METRICS:
+                add(f"gradwatch/{metric}/{name}", t.get(metric))
     for name, t in (record.get("training") or {}).items():
-        for metric in TRAINING_METRICS:
-            add(f"gradwatch/training/{metric}/{name}", t.get(metric))
+        if "verdict" not in t or t["verdict"] is not None:
+            for metric in TRAINING_METRICS:
+                add(f"gradwatch/training/{metric}/{name}", t.get(metric))
     summary = record.get("summary") or {}
     for key in ("rel_diff_median", "rel_diff_p95", "rel_diff_max", "training_rel_diff_max"):
         add(f"gradwatch/summary/{key}", summary.get(key))

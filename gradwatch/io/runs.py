@@ -26,10 +26,11 @@ import re
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, cast
 
 from gradwatch.bands import DEFAULT_BANDS, Verdict
 from gradwatch.errors import GradWatchError
+from gradwatch.io import not_judged
 from gradwatch.io.records import ALERTS_TEXT_TAG, to_jsonable
 from gradwatch.io.sinks import JSONL_NAME, RUN_TEXT_TAG, read_jsonl
 
@@ -88,6 +89,8 @@ class RunData:
     cycle_length: Optional[int] = None
     unchecked: List[str] = field(default_factory=list)
     independence: Dict[str, List[Any]] = field(default_factory=dict)
+    #: What the checks did not judge, and why (:mod:`gradwatch.io.not_judged`): ``(part, tensor) -> [checks, reason]``.
+    not_judged: not_judged.Tally = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------- reading
@@ -128,6 +131,7 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
     cycle: Optional[int] = None
     unchecked: Dict[str, str] = {}
     independence: Dict[str, List[Any]] = {}
+    unjudged: not_judged.Tally = {}
     for number, rec in enumerate(records, start=1):
         run_id = run_id or rec.get("run_id")
         try:
@@ -142,6 +146,7 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
                                 for k, v in got.items()}
                 cycle = int(rec["cycle_length"]) if rec.get("cycle_length") is not None else cycle
                 _add_independence(rec.get("independence"), independence)
+                not_judged.add(unjudged, not_judged.of_check(rec))
                 for note in rec.get("notes") or ():
                     if "not checked" in str(note):
                         unchecked[re.sub(r"[\d.]+ ?MB|\d+", "#", str(note))] = str(note)
@@ -154,7 +159,7 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
             if isinstance(opt_bands, (list, tuple)) and len(opt_bands) == 3 and all(_num(b) for b in opt_bands):
                 bands = tuple(float(b) for b in opt_bands)  # type: ignore[assignment]
     return RunData(history, alerts, details, "jsonl", path, notes, bands, steps, training, run_id, forms, coverage, cycle,
-                   list(unchecked.values()), independence)
+                   list(unchecked.values()), independence, unjudged)
 
 
 def _add_independence(found: Any, independence: Dict[str, List[Any]]) -> None:
@@ -266,7 +271,17 @@ def from_event_files(path: os.PathLike, bands: Tuple[float, float, float] = DEFA
         history[name] = entries
     alerts: List[Dict[str, Any]] = []
     run_id = None
+    unjudged: not_judged.Tally = {}
     for tag in tags.get(ea.TENSORS, []):
+        if tag == not_judged.TEXT_TAG or tag.startswith(not_judged.TEXT_TAG + "/"):
+            for e in acc.Tensors(tag):  # tensors the check did not judge: no verdict at that step, and why
+                items = [it for raw in e.tensor_proto.string_val for it in not_judged.from_text(raw.decode("utf-8", "replace"))]
+                not_judged.add(unjudged, items)
+                for _, name, _ in (it for it in items if it[0] == "backward"):
+                    history.setdefault(name, []).append({"step": int(e.step), "judged_rel_diff": None, "rel_diff": None,
+                                                         "verdict": None})
+                all_steps.add(int(e.step))
+            continue
         if tag == RUN_TEXT_TAG or tag.startswith(RUN_TEXT_TAG + "/"):
             texts = [raw.decode("utf-8", "replace") for e in acc.Tensors(tag) for raw in e.tensor_proto.string_val]
             ids = [t.split(" ", 1)[1].strip() for t in texts if t.startswith("run_id ")]
@@ -278,7 +293,10 @@ def from_event_files(path: os.PathLike, bands: Tuple[float, float, float] = DEFA
             for raw in e.tensor_proto.string_val:
                 alerts.append(_alert_from_text(int(e.step), raw.decode("utf-8", "replace")))
     alerts.sort(key=lambda a: a["step"])
-    return RunData(history, alerts, {}, "events", os.fspath(path), [], bands, sorted(all_steps), run_id=run_id)
+    for entries in history.values():
+        entries.sort(key=lambda e: int(cast(float, e["step"])))
+    return RunData(history, alerts, {}, "events", os.fspath(path), [], bands, sorted(all_steps), run_id=run_id,
+                   not_judged=unjudged)
 
 
 _NUMBER = r"([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf))"
@@ -394,9 +412,12 @@ def merge_runs(parts: Sequence[RunData]) -> RunData:
     steps: List[int] = []
     warnings: List[str] = []
     forms: Dict[str, int] = {}
+    unjudged: not_judged.Tally = {}
     for part in parts:
         for form, n in part.forms.items():
             forms[form] = forms.get(form, 0) + n
+        for key, (n, reason) in part.not_judged.items():
+            unjudged[key] = [unjudged.get(key, [0])[0] + n, reason]
         for name, entries in part.history.items():
             history.setdefault(name, []).extend(entries)
         for name, entries in part.training.items():
@@ -412,7 +433,8 @@ def merge_runs(parts: Sequence[RunData]) -> RunData:
     paths = list(dict.fromkeys(str(p.path) for p in parts))
     return RunData(history, alerts, details, sources.pop() if len(sources) == 1 else "mixed", ", ".join(paths),
                    warnings, parts[0].bands, sorted(steps), training, parts[0].run_id, forms,
-                   parts[-1].coverage, parts[-1].cycle_length, list(dict.fromkeys(n for p in parts for n in p.unchecked)))
+                   parts[-1].coverage, parts[-1].cycle_length, list(dict.fromkeys(n for p in parts for n in p.unchecked)),
+                   not_judged=unjudged)
 
 
 def read_runs(found: Sequence[Tuple[str, Path]]) -> Tuple[List[RunData], List[str]]:
@@ -749,6 +771,7 @@ def to_json(data: RunData, rows: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
         "cycle_length": data.cycle_length,
         "coverage": dict(data.coverage),
         "unchecked": list(data.unchecked),
+        "not_judged": not_judged.to_json(data.not_judged),
         "tensors": [{**{k: v for k, v in r.items()}, "history": data.history.get(str(r["tensor"]), [])} for r in rows],
         "training": [{**r, "history": data.training.get(str(r["tensor"]), [])} for r in summarize(data, "training")],
         "alerts": data.alerts,

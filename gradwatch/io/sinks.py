@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from gradwatch.errors import GradWatchError
+from gradwatch.io import not_judged
 from gradwatch.io.records import (
     ALERTS_COUNT_TAG,
     ALERTS_TEXT_TAG,
@@ -243,6 +244,9 @@ class TensorBoardSink(Sink):
         for tag, value in scalars_from_check(record):
             self.writer.add_scalar(tag, value, global_step=step, walltime=walltime)
         self.writer.add_scalar(ALERTS_COUNT_TAG, float(alert_count), global_step=step, walltime=walltime)
+        items = not_judged.of_check(record)
+        if items:  # what the check did not judge, and why (its metrics were left out above)
+            self.writer.add_text(not_judged.TEXT_TAG, not_judged.to_text(items), global_step=step, walltime=walltime)
         self.writer.flush()
 
     def write_alert(self, record: Mapping[str, Any]) -> None:
