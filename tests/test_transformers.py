@@ -299,3 +299,50 @@ def test_a_model_without_num_items_in_batch_is_named_under_accumulation(tmp_path
     assert training and all(a.step == 0 for a in training)
     assert f"training weighs the {steps} micro-batches equally, but they hold" in training[0].message
     assert "(in Hugging Face: a model whose forward takes num_items_in_batch" in training[0].message
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_gets_both_verdicts_no_alert_and_training_is_bit_identical(reentrant):
+    """``gradient_checkpointing_enable`` with either ``use_reentrant``. The float64 copy the backward part checks
+    runs without checkpointing (a recomputation in backward would have to match a forward that the check's
+    dropout-off mode rewrote: torch refused it, an error alert and a paused watch). With ``use_reentrant=True``
+    the training part's replay of the live model takes its gradients through ``backward()``, each ``.grad`` set
+    aside and put back (``autograd.grad`` raised "incompatible with .grad()"). Training keeps its checkpointing
+    and ends bit for bit where the unwatched run ends."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from gradwatch import GradWatch
+
+    def loss_fn(m, ids):
+        return m(input_ids=ids, labels=ids).loss
+
+    def train(watched: bool):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=16, n_layer=1, n_head=2, n_positions=16))
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        watch = GradWatch(model, loss_fn, optimizer=opt, every=1, log_dir=None) if watched else None
+        data = torch.Generator().manual_seed(1)
+        reports = []
+        for _ in range(2):
+            ids = torch.randint(0, 100, (2, 12), generator=data)
+            opt.zero_grad()
+            loss_fn(model, ids).backward()
+            if watch is not None:
+                reports.append(watch.step(ids))
+            opt.step()
+        if watch is not None:
+            watch.close()
+        return model, watch, reports
+
+    model, watch, reports = train(True)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    for report in reports:
+        assert {n for n, t in report.tensors.items() if t.verdict is not None} == names
+        assert {n for n, t in report.training.items() if t.verdict is not None} == names
+    assert watch.alerts == [], [str(a.message)[:300] for a in watch.alerts]
+    assert model.is_gradient_checkpointing  # the live model still checkpoints
+    plain, _, _ = train(False)
+    for (n, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), n

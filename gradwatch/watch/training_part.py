@@ -30,6 +30,7 @@ from gradwatch.check.judging.report import CheckReport
 from gradwatch.check.judging.training_judge import compute_dtype, gradient_scale, judge_training, tolerance_for
 from gradwatch.check.model import validate_grads
 from gradwatch.check.numerics.sampling import match_names
+from gradwatch.check.objective.checkpointed import grad_by_backward, reentrant_checkpoint_leaves
 from gradwatch.check.replay.reference import Replay, Step, replay_step, scalar_grad
 from gradwatch.check.replay.rows import RowGrads, sliceable_linears
 from gradwatch.plan.memory import SAFETY, gradient_bytes, mb, release_freed
@@ -286,7 +287,7 @@ class TrainingPart(TrendAlerting):
             gs = (backward_on_shards(model, total, plist, reuse=len(pending.micro) == 1,
                                      before=ctx.lockstep.point if ctx.lockstep is not None else None)
                   if ctx.by_shard
-                  else scalar_grad(total, plist + leaves))
+                  else replay_grads(model, total, plist, leaves, ctx.dist is not None))
             out = {n: torch.zeros_like(p) if g is None else dense(g) for (n, p), g in zip(whole, gs[:len(plist)])}
             if rowgrads is not None:  # weights judged by rows: the gradient of those rows only
                 out.update(rowgrads.split(list(gs[len(plist):])))
@@ -415,3 +416,22 @@ class TrainingPart(TrendAlerting):
 
 
 __all__ = ["TrainingPart", "dense", "same_tree", "shift_hint"]
+
+
+def replay_grads(model: nn.Module, total: torch.Tensor, plist: Tuple[torch.Tensor, ...], leaves: Sequence[torch.Tensor],
+                 distributed: bool) -> Sequence[Optional[torch.Tensor]]:
+    """The replayed objective's gradients by ``plist`` (then ``leaves``: rows), never written to ``.grad``.
+
+    A Hugging Face model checkpointing with ``use_reentrant=True`` hides the parameters inside each checkpoint
+    from ``autograd.grad`` (torch raises "incompatible with .grad()"): in one process, with no rows to judge,
+    those gradients come through ``backward()`` instead, each ``.grad`` set aside and put back (the same objects),
+    as the backward part does (:mod:`gradwatch.check.objective.checkpointed`). Under DDP, or with a hook that runs
+    after a gradient is accumulated (an optimizer stepping in backward), a ``backward()`` would act on training, so
+    there it raises as before.
+    """
+    if getattr(model, "is_gradient_checkpointing", False) and not (leaves or distributed) and total.requires_grad \
+            and not any(getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters()):
+        found = reentrant_checkpoint_leaves(total)
+        if found is not None:
+            return grad_by_backward(total, list(plist), found + list(plist), retain=False)
+    return scalar_grad(total, plist + tuple(leaves))

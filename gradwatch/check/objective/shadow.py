@@ -116,6 +116,11 @@ class Shadow:
                            else (t.to(complex_dtype) if t.is_complex() and complex_dtype else t))
         for p in self.module.parameters():
             p.grad = None
+        # Gradient checkpointing (a Hugging Face model's switch) only trades memory for recomputation: the copy
+        # computes the same function without it, and its backward needs no recomputation to match the forward.
+        disable = getattr(self.module, "gradient_checkpointing_disable", None)
+        if getattr(self.module, "is_gradient_checkpointing", False) and callable(disable):
+            disable()
         self._needed: set = set()
         self._hooks: Dict[int, Any] = {}
         self.restore_cast_hooks()
