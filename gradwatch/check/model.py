@@ -20,6 +20,7 @@ from gradwatch.check.numerics.sampling import match_names
 from gradwatch.check.objective.checkpointed import CHECKPOINT_NO_GRAD_WARNING, grad_by_backward, reentrant_checkpoint_leaves
 from gradwatch.check.objective.dropout_off import dropout_off
 from gradwatch.check.objective.dtensor import is_sharded
+from gradwatch.check.objective.functional_dropout import recomputed_alike
 from gradwatch.check.objective.generators import HeldGenerators
 from gradwatch.check.objective.guards import BufferGuard, frozen_batchnorm_stats, frozen_power_iteration, suspended_hooks
 from gradwatch.check.objective.padding_idx import padding_note, padding_rows_constant
@@ -338,7 +339,8 @@ def run_model_check(
         graph_leaves = reentrant_checkpoint_leaves(total_t) if total_t.requires_grad else None
         if graph_leaves is not None:
             graph_leaves += [p for p in target.parameters() if p.requires_grad]
-        grads = _analytic(objective, terms_t, total_t, leaves, target, batch, grad_fn, opts.per_term, graph_leaves)
+        with recomputed_alike(dropout):  # a checkpoint recomputing in backward drops what the forward dropped
+            grads = _analytic(objective, terms_t, total_t, leaves, target, batch, grad_fn, opts.per_term, graph_leaves)
         # torch's gradient of a real loss by a complex z = x + iy is dJ/dx + i dJ/dy: as a real view, (dJ/dx, dJ/dy).
         grads = {n: {k: _real(g) for k, g in by_term.items()} for n, by_term in grads.items()}
         for name, (output, g) in (cut.outputs.items() if cut is not None else ()):  # checked like a parameter

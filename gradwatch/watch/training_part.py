@@ -422,16 +422,15 @@ def replay_grads(model: nn.Module, total: torch.Tensor, plist: Tuple[torch.Tenso
                  distributed: bool) -> Sequence[Optional[torch.Tensor]]:
     """The replayed objective's gradients by ``plist`` (then ``leaves``: rows), never written to ``.grad``.
 
-    A Hugging Face model checkpointing with ``use_reentrant=True`` hides the parameters inside each checkpoint
-    from ``autograd.grad`` (torch raises "incompatible with .grad()"): in one process, with no rows to judge,
-    those gradients come through ``backward()`` instead, each ``.grad`` set aside and put back (the same objects),
-    as the backward part does (:mod:`gradwatch.check.objective.checkpointed`). Under DDP, or with a hook that runs
+    ``torch.utils.checkpoint(..., use_reentrant=True)`` (a plain loop's, or a Hugging Face model's
+    ``gradient_checkpointing_enable``) hides the parameters inside each checkpoint from ``autograd.grad`` (torch
+    raises "incompatible with .grad()"): in one process, with no rows to judge, those gradients come through
+    ``backward()`` instead, each ``.grad`` set aside and put back (the same objects), as the backward part does
+    (:mod:`gradwatch.check.objective.checkpointed`; one walk of the graph tells). Under DDP, or with a hook that runs
     after a gradient is accumulated (an optimizer stepping in backward), a ``backward()`` would act on training, so
     there it raises as before.
     """
-    if getattr(model, "is_gradient_checkpointing", False) and not (leaves or distributed) and total.requires_grad \
-            and not any(getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters()):
-        found = reentrant_checkpoint_leaves(total)
-        if found is not None:
-            return grad_by_backward(total, list(plist), found + list(plist), retain=False)
+    found = reentrant_checkpoint_leaves(total) if total.requires_grad and not (leaves or distributed) else None
+    if found is not None and not any(getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters()):
+        return grad_by_backward(total, list(plist), found + list(plist), retain=False)
     return scalar_grad(total, plist + tuple(leaves))

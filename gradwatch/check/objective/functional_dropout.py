@@ -25,8 +25,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -220,3 +222,65 @@ class FunctionalDropoutOff(TorchFunctionMode):
             if self.counting:
                 self.record.functional[spec.label] = self.record.functional.get(spec.label, 0) + 1
         return func(*args, **kwargs)
+
+
+#: Where code looks the dropout functions up when it calls them: ``(namespace, attribute)``.
+_LOOKED_UP = [(F, name) for name in ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+                                     "feature_alpha_dropout", "scaled_dot_product_attention",
+                                     "multi_head_attention_forward")] + \
+             [(torch, name) for name in ("dropout", "dropout_", "alpha_dropout", "alpha_dropout_", "feature_dropout",
+                                         "feature_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_",
+                                         "native_dropout")]
+
+
+def _switched_off(fn: Any, spec: _Spec) -> Any:
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        listed, kw = list(args), dict(kwargs)
+        _set(listed, kw, spec.flag, False) if spec.flag is not None else _set(listed, kw, spec.p, 0.0)
+        return fn(*listed, **kw)
+
+    return call
+
+
+@contextlib.contextmanager
+def recomputed_alike(record: Optional[DropoutRecord]) -> Iterator[None]:
+    """While a check's backward runs: the dropout functions themselves switched off, as the forward had them.
+
+    ``torch.utils.checkpoint`` (``use_reentrant=False``) recomputes its forward during backward, and torch runs
+    that recomputation without Python torch function modes: :class:`FunctionalDropoutOff` does not see it, the
+    recomputation would drop what the forward kept, and torch refuses values that differ from the forward's. So
+    for the duration of the backward, the functions code looks up (``F.dropout``, ``torch.dropout``,
+    ``F.scaled_dot_product_attention``'s ``dropout_p``, ...) are replaced by ones that switch dropout off, and
+    put back after. Only when the forward met dropout that would have dropped; the check runs in the training
+    loop's own thread (another thread calling these functions meanwhile would get them switched off too).
+
+    Example:
+        >>> record = DropoutRecord()
+        >>> with FunctionalDropoutOff(record):
+        ...     _ = F.dropout(torch.ones(4), p=0.5, training=True)
+        ...     with recomputed_alike(record):
+        ...         kept = F.dropout(torch.ones(4), p=0.5, training=True)
+        >>> kept.tolist(), F.dropout is _SPECS_BY_NAME["dropout"]
+        ([1.0, 1.0, 1.0, 1.0], True)
+    """
+    mode = getattr(record, "_mode", None)
+    if mode is None or not mode.needed:
+        yield
+        return
+    saved = []
+    try:
+        for space, name in _LOOKED_UP:
+            fn = getattr(space, name, None)
+            spec = _SPECS.get(fn)
+            if spec is not None:
+                saved.append((space, name, fn))
+                setattr(space, name, _switched_off(fn, spec))
+        yield
+    finally:
+        for space, name, fn in saved:
+            setattr(space, name, fn)
+
+
+#: The original functions by name (what :func:`recomputed_alike` puts back).
+_SPECS_BY_NAME = {name: getattr(F, name) for space, name in _LOOKED_UP if space is F}

@@ -118,9 +118,14 @@ class Shadow:
             p.grad = None
         # Gradient checkpointing (a Hugging Face model's switch) only trades memory for recomputation: the copy
         # computes the same function without it, and its backward needs no recomputation to match the forward.
-        disable = getattr(self.module, "gradient_checkpointing_disable", None)
-        if getattr(self.module, "is_gradient_checkpointing", False) and callable(disable):
-            disable()
+        # (transformers 5 renamed the switch "activation checkpointing"; the old names warn there.)
+        for flag, off in (("is_activation_checkpointing", "activation_checkpointing_disable"),
+                          ("is_gradient_checkpointing", "gradient_checkpointing_disable")):
+            if hasattr(type(self.module), flag):
+                disable = getattr(self.module, off, None)
+                if getattr(self.module, flag, False) and callable(disable):
+                    disable()
+                break
         self._needed: set = set()
         self._hooks: Dict[int, Any] = {}
         self.restore_cast_hooks()
