@@ -515,7 +515,7 @@ class CheckpointedBlocks(nn.Module):
 
     def __init__(self, reentrant: bool, functional: bool = False) -> None:
         super().__init__()
-        self.reentrant, self.functional = reentrant, functional
+        self.reentrant, self.functional, self.checkpointing = reentrant, functional, True
         self.inp, self.out = nn.Linear(4, 8), nn.Linear(8, 3)
         self.blocks = nn.ModuleList(nn.ModuleDict({"fc1": nn.Linear(8, 16), "fc2": nn.Linear(16, 8),
                                                    "drop": nn.Dropout(0.1)}) for _ in range(2))
@@ -529,7 +529,10 @@ class CheckpointedBlocks(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
         for b in self.blocks:
-            h = checkpoint(lambda t, b=b: self._block(b, t), h, use_reentrant=self.reentrant)
+            if self.checkpointing:
+                h = checkpoint(lambda t, b=b: self._block(b, t), h, use_reentrant=self.reentrant)
+            else:
+                h = self._block(b, h)
         return self.out(h)
 
 
@@ -587,3 +590,35 @@ def test_not_yet_reentrant_checkpointing_with_a_post_accumulate_grad_hook_is_an_
     reports, alerts = _watch_checkpointed(model)
     assert reports == [None, None] and len(calls) == 2  # training's two backward passes only
     assert alerts and alerts[0].kind == "error" and "incompatible with .grad()" in str(alerts[0].message)
+
+
+def test_a_model_that_starts_reentrant_checkpointing_later_is_judged_again_from_the_next_check():
+    """The replay looks for reentrant checkpoints until it finds none, then stops looking (the walk costs a few
+    percent of a small model's replay); a model that starts checkpointing later costs one check (an error alert
+    naming torch's refusal), and the next check looks again and judges every tensor."""
+    from gradwatch import GradWatch
+
+    torch.manual_seed(0)
+    model = CheckpointedBlocks(reentrant=True)
+    model.checkpointing = False
+
+    def xent(m, b):
+        return F.cross_entropy(m(b[0]), b[1])
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    names = {n for n, _ in model.named_parameters()}
+    judged = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with GradWatch(model, xent, optimizer=opt, every=1, log_dir=None) as watch:
+            for step in range(4):
+                model.checkpointing = step >= 2
+                b = (torch.randn(16, 4), torch.randint(0, 3, (16,)))
+                opt.zero_grad()
+                xent(model, b).backward()
+                report = watch.step(b)
+                judged.append(None if report is None else {n for n, t in report.training.items() if t.verdict is not None})
+                opt.step()
+    assert judged[0] == judged[1] == names and judged[2] is None and judged[3] == names, judged
+    assert [a.step for a in watch.alerts if a.kind == "error"] == [2]
+    assert "incompatible with .grad()" in str(watch.alerts[0].message)
