@@ -112,6 +112,18 @@ def _library_hook(hook: Any) -> bool:
     return isinstance(where, str) and where.split(".")[0] in _LIBRARY_HOOKS
 
 
+#: Hooks a library registers that only mark outputs as requiring grad (Hugging Face's
+#: ``enable_input_require_grads``, which reentrant checkpointing and PEFT use): suspended like the others, but
+#: not named as the user's (they change no value, and the check takes its gradients itself).
+_SILENT_HOOKS = {("transformers", "make_inputs_require_grads")}
+
+
+def _silent_hook(hook: Any) -> bool:
+    fn = hook.func if isinstance(hook, functools.partial) else hook
+    where = getattr(fn, "__module__", None)
+    return isinstance(where, str) and (where.split(".")[0], getattr(fn, "__name__", None)) in _SILENT_HOOKS
+
+
 def _hook_name(hook: Any) -> str:
     fn = hook.func if isinstance(hook, functools.partial) else hook
     return getattr(fn, "__name__", None) or type(fn).__name__
@@ -131,7 +143,8 @@ def suspended_hooks(model: nn.Module, modules: Optional[List[nn.Module]] = None)
     by dozens per check. Hooks defined by torch (``weight_norm``, pruning, ``spectral_norm``)
     and gradwatch's own are part of what a module computes and keep running. Global module
     hooks (``register_module_forward_hook``) are suspended by the same rule. Each hook is put
-    back in its place afterwards.
+    back in its place afterwards. A library hook that only marks outputs as requiring grad (Hugging Face's
+    ``make_inputs_require_grads``) is suspended too, but not named: it is not the user's, and changes no value.
 
     Example:
         >>> lin = nn.Linear(2, 1)
@@ -156,7 +169,7 @@ def suspended_hooks(model: nn.Module, modules: Optional[List[nn.Module]] = None)
                     if not module_names:
                         module_names = {id(m): name or "the model" for name, m in model.named_modules()}
                     where = module_names.get(id(where), "the model")
-                names.extend(f"{kind} {_hook_name(h)} on {where}" for h in user.values())
+                names.extend(f"{kind} {_hook_name(h)} on {where}" for h in user.values() if not _silent_hook(h))
     try:
         yield names
     finally:
