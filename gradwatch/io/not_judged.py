@@ -40,13 +40,19 @@ def _reason(text: Any) -> str:
     return words[len("not judged: "):] if words.startswith("not judged: ") else words
 
 
+def unjudged(entry: Any) -> bool:
+    """True for a tensor's entry of a check record that says it got no verdict (``"verdict": None``; an entry
+    without the key, from an older record, counts as judged)."""
+    return isinstance(entry, Mapping) and "verdict" in entry and entry["verdict"] is None
+
+
 def of_check(record: Mapping[str, Any]) -> List[Item]:
     """The items of one ``check`` record: each tensor whose verdict is None, and the training part when it judged
     nothing although it ran (its ``training_note`` says why)."""
     out: List[Item] = []
     for part, key in (("backward", "tensors"), ("training", "training")):
         for name, t in (record.get(key) or {}).items():
-            if isinstance(t, Mapping) and "verdict" in t and t["verdict"] is None:
+            if unjudged(t):
                 out.append((part, str(name), _reason(t.get("inconclusive"))))
     if not record.get("training") and record.get("training_note"):
         out.append(("training", WHOLE, _reason(record["training_note"])))
@@ -73,6 +79,14 @@ def add(tally: Tally, items: Sequence[Item]) -> None:
     for part, tensor, reason in items:
         entry = tally.setdefault((part, tensor), [0, reason])
         entry[0] += 1
+        entry[1] = reason
+
+
+def merge(tally: Tally, other: Tally) -> None:
+    """Add ``other``'s counts to ``tally`` (the runs of one job read from several places); its reasons are later."""
+    for key, (checks, reason) in other.items():
+        entry = tally.setdefault(key, [0, reason])
+        entry[0] += checks
         entry[1] = reason
 
 

@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 import numpy as np
 
 from gradwatch.check.judging.report import CheckReport, json_float
+from gradwatch.io.not_judged import unjudged
 
 #: Per-tensor fields copied into a check record, in this order.
 TENSOR_FIELDS = (
@@ -245,14 +246,11 @@ def scalars_from_check(record: Mapping[str, Any]) -> List[Tuple[str, float]]:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             out.append((tag, float(value)))
 
-    for name, t in (record.get("tensors") or {}).items():
-        if "verdict" not in t or t["verdict"] is not None:
-            for metric in TENSOR_METRICS:
-                add(f"gradwatch/{metric}/{name}", t.get(metric))
-    for name, t in (record.get("training") or {}).items():
-        if "verdict" not in t or t["verdict"] is not None:
-            for metric in TRAINING_METRICS:
-                add(f"gradwatch/training/{metric}/{name}", t.get(metric))
+    for prefix, key, metrics in (("gradwatch", "tensors", TENSOR_METRICS), ("gradwatch/training", "training", TRAINING_METRICS)):
+        for name, t in (record.get(key) or {}).items():
+            if not unjudged(t):
+                for metric in metrics:
+                    add(f"{prefix}/{metric}/{name}", t.get(metric))
     summary = record.get("summary") or {}
     for key in ("rel_diff_median", "rel_diff_p95", "rel_diff_max", "training_rel_diff_max"):
         add(f"gradwatch/summary/{key}", summary.get(key))

@@ -416,8 +416,7 @@ def merge_runs(parts: Sequence[RunData]) -> RunData:
     for part in parts:
         for form, n in part.forms.items():
             forms[form] = forms.get(form, 0) + n
-        for key, (n, reason) in part.not_judged.items():
-            unjudged[key] = [unjudged.get(key, [0])[0] + n, reason]
+        not_judged.merge(unjudged, part.not_judged)
         for name, entries in part.history.items():
             history.setdefault(name, []).extend(entries)
         for name, entries in part.training.items():

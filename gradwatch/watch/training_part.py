@@ -109,8 +109,8 @@ class TrainingPart(TrendAlerting):
         self._params_cache: Optional[Any] = None
         self._watched_cache: Optional[Any] = None  # (trainable names, the watched ones among them)
         self._modules_cache: List[nn.Module] = []
-        #: Whether the replay's graph holds a reentrant checkpoint: None until a replay looked (see :func:`replay_grads`).
-        self.reentrant: List[Optional[bool]] = [None]
+        #: Whether the replay's graph holds a reentrant checkpoint: None until a replay looked (:meth:`_replay_grads`).
+        self._reentrant: Optional[bool] = None
 
     @property
     def enabled(self) -> bool:
@@ -289,7 +289,7 @@ class TrainingPart(TrendAlerting):
             gs = (backward_on_shards(model, total, plist, reuse=len(pending.micro) == 1,
                                      before=ctx.lockstep.point if ctx.lockstep is not None else None)
                   if ctx.by_shard
-                  else replay_grads(model, total, plist, leaves, ctx.dist is not None, self.reentrant))
+                  else self._replay_grads(model, total, plist, leaves))
             out = {n: torch.zeros_like(p) if g is None else dense(g) for (n, p), g in zip(whole, gs[:len(plist)])}
             if rowgrads is not None:  # weights judged by rows: the gradient of those rows only
                 out.update(rowgrads.split(list(gs[len(plist):])))
@@ -320,6 +320,35 @@ class TrainingPart(TrendAlerting):
             return self.step_objective.plan([mb.batch for mb in pending.micro], model if probe else None,
                                             ctx.objective.loss, params, ctx.dist, seed, probe=probe,
                                             shift_hint=shift_hint(model))
+
+    def _replay_grads(self, model: nn.Module, total: torch.Tensor, plist: Tuple[torch.Tensor, ...],
+                      leaves: Sequence[torch.Tensor]) -> Sequence[Optional[torch.Tensor]]:
+        """The replayed objective's gradients by ``plist`` (then ``leaves``: rows), never written to ``.grad``.
+
+        ``torch.utils.checkpoint(..., use_reentrant=True)`` (a plain loop's, or a Hugging Face model's
+        ``gradient_checkpointing_enable``) hides the parameters inside each checkpoint from ``autograd.grad`` (torch
+        raises "incompatible with .grad()"): in one process, with no rows to judge, those gradients come through
+        ``backward()`` instead, each ``.grad`` set aside and put back (the same objects), as the backward part does
+        (:mod:`gradwatch.check.objective.checkpointed`; a walk of the graph tells). Under DDP, or with a hook that
+        runs after a gradient is accumulated (an optimizer stepping in backward), a ``backward()`` would act on
+        training, so there it raises as before.
+
+        The walk costs a few percent of a small model's replay, so once a replay found no reentrant checkpoint,
+        later ones do not walk, until ``autograd.grad`` refuses one (the model started checkpointing): that check
+        fails as before, and the next walks again.
+        """
+        found = None
+        if total.requires_grad and not leaves and self.watch.dist is None and self._reentrant is not False:
+            found = reentrant_checkpoint_leaves(total)
+            self._reentrant = found is not None
+        if found is not None and not any(getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters()):
+            return grad_by_backward(total, list(plist), found + list(plist), retain=False)
+        try:
+            return scalar_grad(total, plist + tuple(leaves))
+        except RuntimeError as err:
+            if "use_reentrant=True" in str(err):
+                self._reentrant = None  # look again at the next check
+            raise
 
     # ------------------------------------------------------------------ the verdicts
     def judge(self, report: CheckReport, replay: Optional[Replay], grads: Optional[Dict[str, torch.Tensor]] = None,
@@ -418,34 +447,3 @@ class TrainingPart(TrendAlerting):
 
 
 __all__ = ["TrainingPart", "dense", "same_tree", "shift_hint"]
-
-
-def replay_grads(model: nn.Module, total: torch.Tensor, plist: Tuple[torch.Tensor, ...], leaves: Sequence[torch.Tensor],
-                 distributed: bool, seen: Optional[List[Optional[bool]]] = None) -> Sequence[Optional[torch.Tensor]]:
-    """The replayed objective's gradients by ``plist`` (then ``leaves``: rows), never written to ``.grad``.
-
-    ``torch.utils.checkpoint(..., use_reentrant=True)`` (a plain loop's, or a Hugging Face model's
-    ``gradient_checkpointing_enable``) hides the parameters inside each checkpoint from ``autograd.grad`` (torch
-    raises "incompatible with .grad()"): in one process, with no rows to judge, those gradients come through
-    ``backward()`` instead, each ``.grad`` set aside and put back (the same objects), as the backward part does
-    (:mod:`gradwatch.check.objective.checkpointed`; a walk of the graph tells). Under DDP, or with a hook that runs
-    after a gradient is accumulated (an optimizer stepping in backward), a ``backward()`` would act on training, so
-    there it raises as before.
-
-    ``seen`` (one flag the caller keeps): the walk costs a few percent of a small model's replay, so once a replay
-    found no reentrant checkpoint, later ones do not walk, until ``autograd.grad`` refuses one (the model started
-    checkpointing): that check fails as before, and the next walks again.
-    """
-    seen = [None] if seen is None else seen
-    found = None
-    if total.requires_grad and not (leaves or distributed) and seen[0] is not False:
-        found = reentrant_checkpoint_leaves(total)
-        seen[0] = found is not None
-    if found is not None and not any(getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters()):
-        return grad_by_backward(total, list(plist), found + list(plist), retain=False)
-    try:
-        return scalar_grad(total, plist + tuple(leaves))
-    except RuntimeError as err:
-        if "use_reentrant=True" in str(err):
-            seen[0] = None  # look again at the next check
-        raise

@@ -213,32 +213,33 @@ class FunctionalDropoutOff(TorchFunctionMode):
             dropping = on
         if dropping:
             self.needed = True
-            listed = list(args)
-            if spec.flag is not None:
-                _set(listed, kwargs, spec.flag, False)
-            else:
-                _set(listed, kwargs, spec.p, 0.0)
-            args = tuple(listed)
+            args = _switch_off(spec, args, kwargs)
             if self.counting:
                 self.record.functional[spec.label] = self.record.functional.get(spec.label, 0) + 1
         return func(*args, **kwargs)
 
 
-#: Where code looks the dropout functions up when it calls them: ``(namespace, attribute)``.
-_LOOKED_UP = [(F, name) for name in ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
-                                     "feature_alpha_dropout", "scaled_dot_product_attention",
-                                     "multi_head_attention_forward")] + \
-             [(torch, name) for name in ("dropout", "dropout_", "alpha_dropout", "alpha_dropout_", "feature_dropout",
-                                         "feature_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_",
-                                         "native_dropout")]
+#: Where code looks the dropout functions of :data:`_SPECS` up when it calls them: ``(namespace, attribute)``.
+_LOOKED_UP = [(space, name) for fn in _SPECS for name in [getattr(fn, "__name__", "")] for space in (F, torch)
+              if getattr(space, name, None) is fn]
+
+
+def _switch_off(spec: _Spec, args: tuple, kwargs: dict) -> tuple:
+    """``args`` with the call's training flag False (or its probability 0, for those without one); ``kwargs``
+    is changed in place."""
+    listed = list(args)
+    if spec.flag is not None:
+        _set(listed, kwargs, spec.flag, False)
+    else:
+        _set(listed, kwargs, spec.p, 0.0)
+    return tuple(listed)
 
 
 def _switched_off(fn: Any, spec: _Spec) -> Any:
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        listed, kw = list(args), dict(kwargs)
-        _set(listed, kw, spec.flag, False) if spec.flag is not None else _set(listed, kw, spec.p, 0.0)
-        return fn(*listed, **kw)
+        kw = dict(kwargs)
+        return fn(*_switch_off(spec, args, kw), **kw)
 
     return call
 
@@ -256,12 +257,12 @@ def recomputed_alike(record: Optional[DropoutRecord]) -> Iterator[None]:
     loop's own thread (another thread calling these functions meanwhile would get them switched off too).
 
     Example:
-        >>> record = DropoutRecord()
+        >>> record, dropout = DropoutRecord(), F.dropout
         >>> with FunctionalDropoutOff(record):
         ...     _ = F.dropout(torch.ones(4), p=0.5, training=True)
         ...     with recomputed_alike(record):
         ...         kept = F.dropout(torch.ones(4), p=0.5, training=True)
-        >>> kept.tolist(), F.dropout is _SPECS_BY_NAME["dropout"]
+        >>> kept.tolist(), F.dropout is dropout
         ([1.0, 1.0, 1.0, 1.0], True)
     """
     mode = getattr(record, "_mode", None)
@@ -280,7 +281,3 @@ def recomputed_alike(record: Optional[DropoutRecord]) -> Iterator[None]:
     finally:
         for space, name, fn in saved:
             setattr(space, name, fn)
-
-
-#: The original functions by name (what :func:`recomputed_alike` puts back).
-_SPECS_BY_NAME = {name: getattr(F, name) for space, name in _LOOKED_UP if space is F}

@@ -103,10 +103,15 @@ _HOOK_KINDS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forw
 _LIBRARY_HOOKS = ("torch",)
 
 
+def _function_of(hook: Any) -> Any:
+    """The function a hook runs (a ``functools.partial``'s own)."""
+    return hook.func if isinstance(hook, functools.partial) else hook
+
+
 def _library_hook(hook: Any) -> bool:
     if getattr(hook, "_gradwatch_hook", False):  # gradwatch's own (the shadow's input casting)
         return True
-    fn = hook.func if isinstance(hook, functools.partial) else hook
+    fn = _function_of(hook)
     fn = getattr(fn, "__func__", fn)  # a bound method: where its function is defined
     where = fn.__module__ if isinstance(fn, (types.FunctionType, types.BuiltinFunctionType)) else type(fn).__module__
     return isinstance(where, str) and where.split(".")[0] in _LIBRARY_HOOKS
@@ -119,13 +124,13 @@ _SILENT_HOOKS = {("transformers", "make_inputs_require_grads")}
 
 
 def _silent_hook(hook: Any) -> bool:
-    fn = hook.func if isinstance(hook, functools.partial) else hook
+    fn = _function_of(hook)
     where = getattr(fn, "__module__", None)
     return isinstance(where, str) and (where.split(".")[0], getattr(fn, "__name__", None)) in _SILENT_HOOKS
 
 
 def _hook_name(hook: Any) -> str:
-    fn = hook.func if isinstance(hook, functools.partial) else hook
+    fn = _function_of(hook)
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 

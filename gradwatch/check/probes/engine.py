@@ -56,7 +56,6 @@ from gradwatch.check.probes.reexamine import (
     fails_alone,
     flat_at_widest,
     judge_sample,
-    needs_widening,
     pinpoint,
     resolve_low_precision,
     resolves,
@@ -65,8 +64,7 @@ from gradwatch.check.probes.reexamine import (
     smooth_sides,
     unexplained,
     unresolvable,
-    wide_probes,
-    widen_step,
+    widened_in_batches,
 )
 
 
@@ -315,21 +313,12 @@ def _probe_all(p, saved, grads, samples: List[Sample], bases, outcomes: List[Out
 
 def _wide_in_batches(p, saved, grads, samples: List[Sample], bases, settings: EngineSettings,
                      batch: Tuple[str, BatchProbe]) -> Dict[int, WideProbes]:
-    """The probes :func:`widen` takes for each sample whose base probe needs them, by sample index, evaluated in
-    batches; empty when the batched evaluator declines (each sample then widens one evaluation at a time)."""
-    wanted: List[Tuple[int, Sample, float]] = []
-    for i, (sample, base) in enumerate(zip(samples, bases)):
-        if base is None:
-            continue
-        out = outcome_of(sample, base, settings)
-        if needs_widening(out, settings):
-            t = widen_step(sample, out.analytic, out.numeric, out.floor, settings)
-            if t is not None:
-                wanted.append((i, sample, t))
-    if not wanted:
-        return {}
-    got = wide_probes(batch[0], p, saved, grads, [(s, t) for _, s, t in wanted], batch[1])
-    return {} if got is None else {i: probes for (i, _, _), probes in zip(wanted, got)}
+    """The probes :func:`widen` takes for each sample with a batched base probe that needs them, by sample index
+    (:func:`widened_in_batches`)."""
+    based = [(i, sample, outcome_of(sample, base, settings)) for i, (sample, base) in enumerate(zip(samples, bases))
+             if base is not None]
+    wide = widened_in_batches(batch[0], p, saved, grads, [(s, out) for _, s, out in based], batch[1], settings)
+    return {i: probes for (i, _, _), probes in zip(based, wide) if probes is not None}
 
 
 def _needs_reexamination(out: Outcome, settings: EngineSettings) -> bool:

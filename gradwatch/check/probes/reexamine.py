@@ -522,20 +522,24 @@ def needs_widening(out: Outcome, settings: EngineSettings) -> bool:
     return settings.detect_kinks and math.isfinite(a) and math.isfinite(n) and fl > IMPRECISE * max(abs(a), abs(n))
 
 
-def wide_probes(name: str, p, saved, grads, wanted: Sequence[Tuple[Sample, float]], probe_batch: Any) -> Optional[List[WideProbes]]:
-    """The probes :func:`widen` takes, for several samples at once, in batches of ``probe_batch``.
-
-    ``wanted``: each sample with its wider step (:func:`widen_step`). Returns one :data:`WideProbes` per
-    sample, or None when the batched evaluator declines (the caller then widens one evaluation at a time).
-    """
-    lines = [replace(sample, step=t * f, target=None, view=None) for sample, t in wanted for f in WIDE_FRACTIONS]
-    if not lines:
-        return []
-    got = batched_bases(name, p, saved, grads, lines, probe_batch)
-    if got is None:
-        return None
-    k = len(WIDE_FRACTIONS)
-    return [[(lines[k * i + j].step, got[k * i + j]) for j in range(k)] for i in range(len(wanted))]
+def widened_in_batches(name: str, p, saved, grads, based: Sequence[Tuple[Sample, Outcome]], probe_batch: Any,
+                       settings: EngineSettings) -> List[Optional[WideProbes]]:
+    """The probes :func:`widen` takes, for every ``(sample, base outcome)`` that needs them, evaluated together in
+    batches of ``probe_batch``: one :data:`WideProbes` each, None where a sample needs none, and all None when the
+    batched evaluator declines (each sample then widens one evaluation at a time)."""
+    wanted: List[Tuple[int, Sample, float]] = []
+    for i, (sample, out) in enumerate(based):
+        t = widen_step(sample, out.analytic, out.numeric, out.floor, settings) if needs_widening(out, settings) else None
+        if t is not None:
+            wanted.append((i, sample, t))
+    found: List[Optional[WideProbes]] = [None] * len(based)
+    lines = [replace(sample, step=t * f, target=None, view=None) for _, sample, t in wanted for f in WIDE_FRACTIONS]
+    got = batched_bases(name, p, saved, grads, lines, probe_batch) if lines else None
+    if got is not None:
+        k = len(WIDE_FRACTIONS)
+        for j, (i, _, _) in enumerate(wanted):
+            found[i] = [(lines[k * j + m].step, got[k * j + m]) for m in range(k)]
+    return found
 
 
 def judge_sample(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], j0: float,
@@ -543,15 +547,13 @@ def judge_sample(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Term
                   batch: Optional[Tuple[str, Any]] = None) -> Outcome:
     """One sample's outcome from its base probes; taken at a wider step where the base step is lost in rounding.
 
-    ``wide``: the probes at the wider step, taken before (in a batch, :func:`wide_probes`); None: taken here, in
-    one batch when ``batch`` (the tensor's name and a batched evaluator) is given and takes it.
+    ``wide``: the probes at the wider step, taken before (in a batch, :func:`widened_in_batches`); None: taken
+    here, in one batch when ``batch`` (the tensor's name and a batched evaluator) is given and takes it.
     """
     out = outcome_of(sample, base, settings)
     if needs_widening(out, settings):
         if wide is None and batch is not None:
-            t = widen_step(sample, out.analytic, out.numeric, out.floor, settings)
-            got = wide_probes(batch[0], p, saved, grads, [(sample, t)], batch[1]) if t is not None else None
-            wide = got[0] if got else None
+            wide = widened_in_batches(batch[0], p, saved, grads, [(sample, out)], batch[1], settings)[0]
         if wide is not None:
             wider = linear_from(wide, max(abs(out.analytic["total"]), abs(out.numeric["total"])), j0, settings)
         else:
