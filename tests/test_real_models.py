@@ -314,11 +314,15 @@ def test_an_op_without_a_float64_kernel_runs_in_float32_and_is_judged_in_float32
     assert any("still computes in float32 in GroupedExperts: torch._grouped_mm" in n for n in report.notes)
 
 
-def test_shadow_precision_leaves_bit_views_and_constants_alone():
+def test_shadow_precision_leaves_bit_views_and_random_draws_alone_and_makes_buffers_in_float64():
     x = torch.randn(4, dtype=torch.float64)
     with ShadowPrecision(torch.float64) as mode:
         assert x.view(torch.float32).dtype == torch.float32  # reinterpreting bits is not a cast
-        assert torch.zeros(2, dtype=torch.float32).dtype == torch.float32  # no float64 input: a constant
+        assert torch.rand(2, dtype=torch.float32).dtype == torch.float32  # a draw depends on its dtype
+        # a buffer made in float32 (an accumulator: TRL's chunked log-prob kernel) is made in float64
+        assert torch.zeros(2, dtype=torch.float32).dtype == torch.float64
+        assert x.new_full((2,), 1.0, dtype=torch.bfloat16).dtype == torch.float64
+        assert torch.zeros(2, dtype=torch.int64).dtype == torch.int64
         assert x.float().dtype == torch.float64
         assert x.to("cpu", torch.float16).dtype == torch.float64
         assert torch.softmax(x, 0, dtype=torch.float32).dtype == torch.float64

@@ -274,9 +274,17 @@ class GradWatchCallback(TrainerCallback):
         def after_forward(module: nn.Module, args: Tuple[Any, ...], output: Any) -> None:
             if module is not self._model or not self._snapshot_wanted or self._checking or not torch.is_grad_enabled():
                 return
-            tensor = _first_grad_tensor(output)
-            if tensor is not None:
-                tensor.register_hook(lambda grad: _ENGINE.queue_callback(after_backward))
+            queued = [False]
+
+            def queue(grad: torch.Tensor) -> None:
+                if not queued[0]:  # once per backward, from whichever output it runs through first
+                    queued[0] = True
+                    _ENGINE.queue_callback(after_backward)
+
+            # Every output needing a gradient: the loss the Trainer backpropagates need not be the model's ``loss``
+            # (TRL's SFTTrainer sums the ``log_probs`` of its fused LM head itself).
+            for tensor in _grad_tensors(output):
+                tensor.register_hook(queue)
 
         def after_backward() -> None:
             # DDP and FSDP queue the callback that writes their reduced gradients into .grad during the backward,
@@ -350,10 +358,13 @@ class GradWatchCallback(TrainerCallback):
             self.watch.close()
 
 
-def _first_grad_tensor(output: Any) -> Optional[torch.Tensor]:
-    """The model output's ``loss`` if it has one needing a gradient, else its first tensor that does."""
-    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor) and loss.requires_grad:
-        return loss
+def _grad_tensors(output: Any) -> List[torch.Tensor]:
+    """The tensors of a model output that need a gradient: its values (a mapping, a ``ModelOutput``, a sequence) or itself.
+
+    Example:
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> [t.shape for t in _grad_tensors({"loss": w.sum(), "logits": w * 2, "n": torch.ones(1)})]
+        [torch.Size([]), torch.Size([2])]
+    """
     values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else [output]
-    return next((v for v in values if isinstance(v, torch.Tensor) and v.requires_grad), None)
+    return [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]

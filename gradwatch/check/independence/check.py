@@ -101,6 +101,15 @@ def _primary(args: list, kwargs: dict) -> Tuple[Tuple[str, Any], torch.Tensor]:
     raise TypeError("inputs: no tensor to check independence of (give a tensor, or input_ids / inputs_embeds)")
 
 
+#: Keywords of a training call that turn the output into a loss, left out of the checked call (and why).
+_LOSS_ONLY = {
+    "labels": "the outputs are checked, not the loss",
+    # TRL's fused LM head: with it a causal LM returns per-token log-probabilities of the labels, not its logits
+    "fused_lm_head": "the logits are checked (TRL's fused LM head returns the labels' log-probabilities)",
+    "num_items_in_batch": "the outputs are checked, not the loss",
+}
+
+
 def output_tensor(out: Any) -> torch.Tensor:
     """The model output to check: a tensor; a ``ModelOutput``'s ``logits`` or ``last_hidden_state``; a tuple's first.
 
@@ -472,7 +481,8 @@ def check_independence(
     Args:
         model: The model (any ``nn.Module``; a Hugging Face model is called with ``**inputs``).
         inputs: A tensor, a tuple of positional arguments, or a dict of keyword arguments
-            (``input_ids``, ``attention_mask``, ``position_ids``; ``labels`` is dropped).
+            (``input_ids``, ``attention_mask``, ``position_ids``; ``labels``, ``num_items_in_batch`` and TRL's
+            ``fused_lm_head`` are dropped).
         structure: ``"batch"`` (sample i's output does not depend on sample j's input),
             ``"causal"`` (position t's output does not depend on later positions), ``"documents"``
             (packed documents do not depend on each other), ``"padding"`` (real positions do not
@@ -519,9 +529,10 @@ def check_independence(
     allowed = _validate_allow(allow, model)
     args, kwargs = _call_of(inputs)
     notes: List[str] = []
-    if "labels" in kwargs:
-        kwargs.pop("labels")
-        notes.append("labels left out of the call: the outputs are checked, not the loss")
+    for key, why in _LOSS_ONLY.items():
+        if key in kwargs:
+            kwargs.pop(key)
+            notes.append(f"{key} left out of the call: {why}")
     where, primary = _primary(args, kwargs)
     mask = attention_mask if attention_mask is not None else kwargs.get("attention_mask")
     positions = kwargs.get("position_ids")

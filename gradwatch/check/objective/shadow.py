@@ -86,6 +86,29 @@ def param_signature(model: nn.Module) -> Tuple:
     return tuple((n, tuple(t.shape), str(t.device)) for n, t in tensors if isinstance(t, torch.Tensor))
 
 
+def drop_autocast_forward(module: nn.Module) -> bool:
+    """Give a copy the forward it had before ``accelerate`` wrapped it in autocast; True when it had one.
+
+    ``Accelerator.prepare`` (and so the Hugging Face ``Trainer`` under ``bf16``/``fp16``) replaces a model's
+    ``forward`` by one that runs the original under autocast and casts the outputs to float32, keeping the
+    original as ``_original_forward``. A float64 copy computes without autocast: float64 tensors are outside
+    autocast anyway, but code that reads the autocast dtype itself (TRL's chunked log-prob kernel allocates its
+    buffers in it) would compute in bfloat16 inside the check.
+
+    Example:
+        >>> m = nn.Linear(2, 1)
+        >>> m._original_forward = m.forward
+        >>> m.forward = torch.autocast("cpu", dtype=torch.bfloat16)(m.forward)
+        >>> drop_autocast_forward(m), m(torch.ones(1, 2, dtype=torch.float64).float()).dtype
+        (True, torch.float32)
+    """
+    original = module.__dict__.pop("_original_forward", None)
+    if original is None or "forward" not in module.__dict__:
+        return False
+    module.forward = original
+    return True
+
+
 class Shadow:
     """A deep copy of the model in ``dtype``, refreshed in place from the live model.
 
@@ -116,6 +139,7 @@ class Shadow:
                            else (t.to(complex_dtype) if t.is_complex() and complex_dtype else t))
         for p in self.module.parameters():
             p.grad = None
+        drop_autocast_forward(self.module)
         # Gradient checkpointing (a Hugging Face model's switch) only trades memory for recomputation: the copy
         # computes the same function without it, and its backward needs no recomputation to match the forward.
         # (transformers 5 renamed the switch "activation checkpointing"; the old names warn there.)

@@ -1,0 +1,112 @@
+"""GradWatchCallback in real TRL ``SFTTrainer`` runs at TRL's defaults, on CPU.
+
+TRL's defaults are what a user gets: bf16 autocast (accelerate wraps the model's forward in it), gradient
+checkpointing, its fused LM head (a chunked log-prob ``autograd.Function`` that accumulates in float32 buffers and
+reads the autocast dtype), its own division by ``num_items_in_batch``, and transformers' input-grad hook. A tiny
+Llama on padded, variable-length texts with a word-level tokenizer built here (no download).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+trl = pytest.importorskip("trl")
+pytest.importorskip("datasets")
+from datasets import Dataset  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+
+from gradwatch.integrations.transformers import GradWatchCallback  # noqa: E402
+from gradwatch.io.sinks import read_jsonl  # noqa: E402
+
+WORDS = [f"w{i}" for i in range(120)]
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def texts(n: int = 24) -> Dataset:
+    """Texts of 3 to 15 words: every batch is padded, and its rows hold different numbers of target tokens."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 16, (n,), generator=g).tolist()
+    return Dataset.from_dict({"text": [" ".join(WORDS[j] for j in torch.randint(0, len(WORDS), (k,), generator=g).tolist())
+                                       for k in lengths]})
+
+
+class WrongSiluFunction(torch.autograd.Function):
+    """SiLU whose backward is 1.5x the true derivative."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return nn.functional.silu(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return grad * 1.5 * s * (1 + x * (1 - s))
+
+
+class WrongSilu(nn.Module):
+    def forward(self, x):
+        return WrongSiluFunction.apply(x)
+
+
+def tiny_llama(buggy: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(WORDS) + 3, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                         max_position_embeddings=32, pad_token_id=0, eos_token_id=1, bos_token_id=None))
+    if buggy:
+        model.model.layers[0].mlp.act_fn = WrongSilu()
+    return model
+
+
+def sft(tmp_path, callback, model, max_steps):
+    from trl import SFTConfig, SFTTrainer
+
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=4, use_cpu=True,
+                     report_to=[], disable_tqdm=True, logging_steps=100, save_strategy="no", seed=0)
+    # TRL's defaults, which the test is about (a newer TRL changing them should fail here, not pass unseen)
+    assert args.bf16 and args.gradient_checkpointing and args.loss_type == "nll"
+    trainer = SFTTrainer(model=model, args=args, train_dataset=texts(), processing_class=tokenizer(), callbacks=[callback])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    return trainer, [str(w.message) for w in caught]
+
+
+def test_sft_trainer_at_its_defaults_both_verdicts_on_every_tensor_and_no_alert(tmp_path):
+    callback = GradWatchCallback(every=1, tensorboard=False)
+    model = tiny_llama()
+    trainer, said = sft(tmp_path, callback, model, max_steps=4)
+    assert trainer.args.bf16 and model.is_activation_checkpointing  # checked at TRL's defaults, as trained
+    assert callback.watch.paused is None and callback.watch.alerts == [], [a.message for a in callback.watch.alerts]
+    checks = [c for c in read_jsonl(tmp_path / "checks.jsonl")[0] if c["type"] == "check"]
+    assert [c["step"] for c in checks] == [0, 1, 2, 3]
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    for c in checks:
+        assert set(c["tensors"]) == names and set(c["training"]) == names
+        assert {n: t["verdict"] for n, t in c["tensors"].items() if t["verdict"] not in ("excellent", "acceptable")} == {}
+        assert {n: t["verdict"] for n, t in c["training"].items() if t["verdict"] not in ("excellent", "acceptable")} == {}
+        # TRL's fused LM head computed in float64 in the check: no low-precision island left
+        assert not any("still computes in" in n for n in c["notes"]), c["notes"]
+        assert c["independence"]["ok"] and "causal" in c["independence"]["structures"], c["notes"]
+    assert not any("hook(s) your code registered" in s for s in said)
+
+
+def test_sft_trainer_a_planted_wrong_backward_is_named(tmp_path):
+    callback = GradWatchCallback(every=1, tensorboard=False, independence=None)
+    trainer, _ = sft(tmp_path, callback, tiny_llama(buggy=True), max_steps=1)
+    named = {a.tensor for a in callback.watch.alerts if a.kind == "threshold" and a.part == "backward"}
+    assert "model.layers.0.mlp.gate_proj.weight" in named, [a.message for a in callback.watch.alerts]
+    assert not [a for a in callback.watch.alerts if a.part == "training"]  # .grad is what the buggy backward gives
