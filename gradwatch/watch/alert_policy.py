@@ -98,7 +98,8 @@ class AlertPolicy:
             )
 
     def should_raise(self, alert: Alert) -> bool:
-        """Whether ``alert`` raises under ``raise_on`` (a confirmed independence leak raises at any level)."""
+        """Whether ``alert`` raises under ``raise_on`` (a confirmed independence leak raises at any level; a drift and
+        a partial accumulation window, warnings, at ``"suspicious"``)."""
         level = self.raise_on
         if level is None:
             return False
@@ -106,7 +107,7 @@ class AlertPolicy:
             return True
         if alert.kind == "threshold":
             return Verdict.from_value(alert.value, self.bands).is_failure(Verdict.parse(level))
-        return alert.kind == "drift" and Verdict.parse(level) == Verdict.SUSPICIOUS
+        return alert.kind in ("drift", "partial_window") and Verdict.parse(level) == Verdict.SUSPICIOUS
 
     def failed(self, step: int, exc: BaseException) -> str:
         """A check raised: count it, log its cause once per kind of failure; returns the kind (``"Type: message"``)."""

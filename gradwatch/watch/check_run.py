@@ -194,14 +194,16 @@ class CheckRunner:
         if report is not None and judged is not None:
             report.training, report.training_note = judged.training, judged.training_note
             report.training_rows, report.training_items = judged.training_rows, judged.training_items
+            report.training_window = judged.training_window
 
     def completed(self, step: int, report: CheckReport) -> List[Alert]:
-        """A check that has a report: notes, counters and coverage, then its trends' alerts."""
+        """A check that has a report: notes, counters and coverage, then its trends' alerts and the parts' own."""
         report.notes[:0] = self.notes
         self.watch.checks += 1
         self.backward.record(report)
         self.check_plan.record(step, report)
-        return self.tracker.update(step, report) + self.independence.alerts(step, report.independence)
+        return (self.tracker.update(step, report) + self.training.alerts(step, report)
+                + self.independence.alerts(step, report.independence))
 
     def _across_ranks(self, check: CheckContext, error: Optional[Exception], seconds: float,
                       waited: float = 0.0) -> Outcome:

@@ -43,6 +43,7 @@ from gradwatch.watch.distributed import DistributedCoordinator
 from gradwatch.watch.lockstep import Lockstep
 from gradwatch.watch.sharded import Replica, is_sharded, layout, mixed_precision
 from gradwatch.watch.trend import Alert
+from gradwatch.watch.wrappers import Wrapping
 
 #: Under DDP, rank 0's decisions for a check: ``((form, estimate, note), training tensors or None for all)``.
 Plan = Tuple[Tuple[str, Optional[int], Optional[str]], Optional[List[str]]]
@@ -80,6 +81,8 @@ class WatchContext:
         dist: The coordinator of the ranks (None in one process).
         recorder: The recorder of training's forwards (None when the training part is off).
         form: The ``form`` option (``"objective"`` makes a sharded model be checked on a gathered replica).
+        wrapping: The wrappers training calls the model through (:mod:`gradwatch.watch.wrappers`: the module the
+            training part's replay hands ``loss_fn``, where the recorder sits); default: none.
 
     Example:
         See the module's example.
@@ -90,8 +93,10 @@ class WatchContext:
 
     def __init__(self, model: nn.Module, objective: Objective, grad_fn: Optional[GradFn], options: CheckOptions,
                  memory: MemoryMeter, dist: Optional[DistributedCoordinator], recorder: Optional[ForwardRecorder],
-                 form: str) -> None:
+                 form: str, wrapping: Optional[Wrapping] = None) -> None:
         self.model = model
+        #: The wrappers around the model (:class:`~gradwatch.watch.wrappers.Wrapping`; ``model`` is its ``model``).
+        self.wrapping = wrapping if wrapping is not None else Wrapping(model, model, model)
         self.objective = objective
         self.grad_fn = grad_fn
         self.options = options

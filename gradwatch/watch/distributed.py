@@ -58,6 +58,7 @@ from torch import nn
 
 from gradwatch.check.judging.report import CheckReport
 from gradwatch.errors import GradWatchError, blamed
+from gradwatch.watch.wrappers import unwrap_model  # noqa: F401  (its home was here: old imports still work)
 
 _T = TypeVar("_T")
 
@@ -67,7 +68,6 @@ logger = logging.getLogger("gradwatch")
 _NO_VALUE = 2**62
 #: Default seconds gradwatch's own collectives wait for the other ranks.
 DEFAULT_TIMEOUT = 300.0
-_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel)
 
 
 class DistributedCheckError(GradWatchError, RuntimeError):
@@ -76,19 +76,6 @@ class DistributedCheckError(GradWatchError, RuntimeError):
 
 class PeerFailed(DistributedCheckError):
     """Another rank's check raised; this rank stopped at the same agreement point, before any further collective."""
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The module inside DistributedDataParallel / DataParallel wrappers (any depth); others as they are.
-
-    Example:
-        >>> lin = nn.Linear(2, 1)
-        >>> unwrap_model(lin) is lin
-        True
-    """
-    while isinstance(model, _WRAPPERS):
-        model = model.module
-    return model
 
 
 def _mode(distributed: Any) -> Optional[bool]:

@@ -38,7 +38,7 @@ from gradwatch.watch.check_plan import CheckPlanner
 from gradwatch.watch.check_run import CheckRunner
 from gradwatch.watch.clock import OverheadClock
 from gradwatch.watch.context import WatchContext, check_arguments
-from gradwatch.watch.distributed import DEFAULT_TIMEOUT, DistributedCoordinator, unwrap_model
+from gradwatch.watch.distributed import DEFAULT_TIMEOUT, DistributedCoordinator
 from gradwatch.watch.independence import IndependencePart
 from gradwatch.watch.inner_part import InnerPart
 from gradwatch.watch.schedule import Schedule
@@ -47,6 +47,7 @@ from gradwatch.watch.sharded import REPLICA_NOTE, refuse_unsupported
 from gradwatch.watch.step_objective import StepObjective
 from gradwatch.watch.training_part import TrainingPart
 from gradwatch.watch.trend import Alert, TrendTracker
+from gradwatch.watch.wrappers import Wrapping
 
 logger = logging.getLogger("gradwatch")
 
@@ -86,7 +87,7 @@ class GradWatch:
     ``.grad``, buffers and RNG streams are not touched.
 
     Args:
-        model: The model being trained.
+        model: The model being trained (DDP, ``torch.compile`` and Fabric wrappers looked through: :mod:`gradwatch.watch.wrappers`).
         loss_fn: ``loss_fn(model, batch) -> scalar tensor`` (the training loss).
         optimizer: Optional; its coupled ``weight_decay`` joins the objective.
         grad_fn: Optional hand-written backprop ``grad_fn(model, batch) -> {name: grad}``.
@@ -94,8 +95,7 @@ class GradWatch:
             logged and training goes on.
         writer: Optional existing ``SummaryWriter`` to log through (e.g. Lightning's).
         distributed: ``"auto"`` (default): coordinate the ranks when ``torch.distributed`` is
-            initialized with 2+ ranks (see :mod:`gradwatch.watch.distributed`); ``False``: act as a
-            single process. A DDP/DataParallel wrapper is always unwrapped (``model.module``).
+            initialized with 2+ ranks (see :mod:`gradwatch.watch.distributed`); ``False``: act as a single process.
         distributed_timeout: Seconds gradwatch's own collectives wait for a missing rank.
         grad_scaler: Optional ``torch.amp.GradScaler`` of a float16 AMP loop. The training part then
             replays ``scaler.scale(loss).backward()`` and the unscaling as training ran them (the same
@@ -147,7 +147,7 @@ class GradWatch:
         self.config = options.pop("config", None) or GradWatchConfig()
         if options:
             self.config = self.config.replace(**options)
-        model = unwrap_model(model)  # DDP/DataParallel: check the inner module, so no collective fires in a check
+        model = (wrapping := Wrapping.of(model)).model  # the user's module; no collective (DDP) fires in a check
         refuse_unsupported(model)  # FSDP1; FSDP2 is checked on a gathered replica (see gradwatch.watch.sharded)
         self.model = model
         self.loss_fn = loss_fn
@@ -176,10 +176,10 @@ class GradWatch:
         self.planner = Planner(self.config.form, self.config.tensors_per_check, self._check_options.seed,
                                self.config.memory_budget)
         # Training part: a forward pre-hook records what each training forward started from.
-        self._recorder: Optional[ForwardRecorder] = ForwardRecorder(model) if self.config.training else None
+        self._recorder: Optional[ForwardRecorder] = ForwardRecorder(wrapping.root) if self.config.training else None
         #: What every part reads (:mod:`gradwatch.watch.context`).
         self.context = WatchContext(model, self.objective, grad_fn, self._check_options, self.memory, self.dist,
-                                    self._recorder, self.config.form)
+                                    self._recorder, self.config.form, wrapping)
         if self.context.sharded:
             self.notes.append(SHARD_NOTE if self.context.by_shard else REPLICA_NOTE)
         #: The plan of each check: tensors, form, shadow, inner modules (:mod:`gradwatch.watch.check_plan`).
@@ -336,7 +336,7 @@ class GradWatch:
         objective over every micro-batch of the step, each weighing its share of the step's items
         (``items=``; :mod:`gradwatch.watch.step_objective`), as one batch would. Without these
         calls, a step whose ``.grad`` holds several micro-batches is recorded as
-        "skipped: accumulating", never as wrong.
+        "skipped: accumulating", never as wrong (one ``unjudged`` warning says so, once for the run).
 
         Args:
             batch: The micro-batch, as passed to ``loss_fn``.

@@ -26,18 +26,22 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 import torch
 from torch import nn
 
-from gradwatch.check.judging.report import CheckReport
+from gradwatch.check.judging.report import CheckReport, TrainingCheck
 from gradwatch.check.judging.training_judge import compute_dtype, gradient_scale, judge_training, tolerance_for
 from gradwatch.check.model import validate_grads
 from gradwatch.check.numerics.sampling import match_names
 from gradwatch.check.objective.checkpointed import grad_by_backward, reentrant_checkpoint_leaves
 from gradwatch.check.replay.reference import Replay, Step, replay_step, scalar_grad
 from gradwatch.check.replay.rows import RowGrads, sliceable_linears
+from gradwatch.check.replay.window import PartialWindow
 from gradwatch.plan.memory import SAFETY, gradient_bytes, mb, release_freed
+from gradwatch.watch.accumulation import AccumulationWindow
 from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
 from gradwatch.watch.shard_check import backward_on_shards, local
 from gradwatch.watch.sharded import is_dtensor
 from gradwatch.watch.step_objective import StepObjective, StepPlan
+from gradwatch.watch.trend import Alert
+from gradwatch.watch.wrappers import unwrap_model
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
@@ -99,9 +103,11 @@ class TrainingPart(TrendAlerting):
         self.watch = watch
         self.step_objective = step_objective
         self.form = form
-        self.grad_scaler = grad_scaler
-        #: For integrations: ``() -> context manager`` that training's loss runs in; the replay runs in it too.
-        self.replay_context: Optional[Callable[[], Any]] = None
+        #: A float16 AMP loop's ``GradScaler`` (by default a Fabric module's: :mod:`gradwatch.watch.wrappers`).
+        self.grad_scaler = grad_scaler if grad_scaler is not None else watch.wrapping.grad_scaler()
+        #: For integrations: ``() -> context manager`` that training's loss runs in; the replay runs in it too (under
+        #: Fabric none: its module opens its precision's context around the forward itself).
+        self.replay_context: Optional[Callable[[], Any]] = watch.wrapping.region()
         #: Judgments per tensor, when not all fit the room.
         self.counts: Dict[str, int] = {}
         #: The next row of each weight judged by rows.
@@ -111,6 +117,8 @@ class TrainingPart(TrendAlerting):
         self._modules_cache: List[nn.Module] = []
         #: Whether the replay's graph holds a reentrant checkpoint: None until a replay looked (:meth:`_replay_grads`).
         self._reentrant: Optional[bool] = None
+        #: The run's accumulation window: a partial one found and said once (:mod:`gradwatch.watch.accumulation`).
+        self.window = AccumulationWindow()
 
     @property
     def enabled(self) -> bool:
@@ -242,11 +250,15 @@ class TrainingPart(TrendAlerting):
         ctx = self.watch
         if ctx.recorder is None or pending is None:
             return None
+        self.window.observe(len(pending.micro))
         if ctx.mixed is not None and not ctx.by_shard:
             return Replay(None, None, None, f"not judged: FSDP2's MixedPrecisionPolicy ({ctx.mixed}) computes "
                                             "training in another precision than the parameters'; the training part "
                                             "does not replay it yet")
         model = ctx.model if model is None else model
+        # The live model: the replay calls what training called (a compiled or Fabric module), where the recorder sits
+        live = model is ctx.model
+        entry, root = (ctx.wrapping.entry, ctx.recorder.root) if live else (model, model)
         params = self.params(model)
         plist = tuple(params.values())
         if all(p.grad is None for p in plist):
@@ -267,7 +279,8 @@ class TrainingPart(TrendAlerting):
         whole = [(n, p) for n, p in params.items() if n not in row_plan]
 
         scaler = self.grad_scaler if self.grad_scaler is not None and self.grad_scaler.is_enabled() else None
-        plan = self._plan_step(pending, model, {n: p for n, p in params.items() if n not in row_plan} or params, seed)
+        with ctx.wrapping.fabric_backward():
+            plan = self._plan_step(pending, entry, {n: p for n, p in params.items() if n not in row_plan} or params, seed)
         if plan.weights is None:
             return Replay(None, None, None, plan.reason)
         weight_of = {id(mb.batch): w for mb, w in zip(pending.micro, plan.weights)}
@@ -300,15 +313,17 @@ class TrainingPart(TrendAlerting):
         autocast = next((mb.records[0].autocast for mb in pending.micro if mb.records), ())
         dtypes = {p.dtype for p in plist}  # a few distinct dtypes, however many tensors
         worst = compute_dtype(max(dtypes, key=tolerance_for, default=torch.float32), autocast)
-        with rowgrads if rowgrads is not None else contextlib.nullcontext():
-            replay = replay_step(model, ctx.recorder, pending, ctx.objective.training_total, grad_of, params,
+        with rowgrads if rowgrads is not None else contextlib.nullcontext(), ctx.wrapping.fabric_backward():
+            replay = replay_step(root, ctx.recorder, pending, ctx.objective.training_total, grad_of, params,
                                  loss_tolerance=10 * tolerance_for(worst), context=self.replay_context,
                                  generators=ctx.held_generators(), modules=self._modules_cache,
                                  lockstep=ctx.by_shard, weights=plan.weights,
-                                 each=self.step_objective.each(seed) if plan.cut and not plan.equal else None)
+                                 each=self.step_objective.each(seed) if plan.cut and not plan.equal else None,
+                                 entry=entry)
         replay.params = params
         replay.rows = row_plan
         replay.plan = plan
+        self.window.replayed(replay.accumulating, replay.forwards)
         return replay
 
     def _plan_step(self, pending: Step, model: nn.Module, params: Dict[str, torch.Tensor], seed: int) -> StepPlan:
@@ -319,7 +334,7 @@ class TrainingPart(TrendAlerting):
         with ctx.recorder_paused():
             return self.step_objective.plan([mb.batch for mb in pending.micro], model if probe else None,
                                             ctx.objective.loss, params, ctx.dist, seed, probe=probe,
-                                            shift_hint=shift_hint(model))
+                                            shift_hint=shift_hint(unwrap_model(model)))
 
     def _replay_grads(self, model: nn.Module, total: torch.Tensor, plist: Tuple[torch.Tensor, ...],
                       leaves: Sequence[torch.Tensor]) -> Sequence[Optional[torch.Tensor]]:
@@ -354,8 +369,9 @@ class TrainingPart(TrendAlerting):
     def judge(self, report: CheckReport, replay: Optional[Replay], grads: Optional[Dict[str, torch.Tensor]] = None,
               rows: Optional[List[torch.Tensor]] = None) -> None:
         """Judge every watched tensor's live ``.grad`` against the replayed gradient; fills ``report.training``.
-        On a cut step, a failure is named by the weights training gave the micro-batches (``rows``: every rank's
-        sketches, distributed; this rank's by default)."""
+        A partial accumulation window is judged as one (:meth:`_partial_window`); else, on a cut step, a failure is
+        named by the weights training gave the micro-batches (``rows``: every rank's sketches, distributed; this
+        rank's by default)."""
         if replay is None:
             return
         if replay.grads is None:
@@ -375,6 +391,7 @@ class TrainingPart(TrendAlerting):
         dtypes: Dict[torch.dtype, torch.dtype] = {}  # parameter dtype -> compute dtype, once per dtype
         sliced = getattr(replay, "rows", None) or {}
         lives: Dict[str, Optional[torch.Tensor]] = {}
+        judged: Dict[str, Tuple[torch.Tensor, torch.dtype]] = {}  # what each tensor was judged on (a window judges again)
         for n, p in params.items():
             dtype = dtypes.get(p.dtype) or dtypes.setdefault(p.dtype, compute_dtype(p.dtype, autocast))
             live = p.grad
@@ -383,15 +400,19 @@ class TrainingPart(TrendAlerting):
             if n in sliced:  # judged by a block of rows: the live .grad's rows against the replayed rows
                 first, end = sliced[n]
                 p, live = p[first:end], None if live is None else live[first:end]
-            lives[n] = live
+            lives[n], judged[n] = live, (p, dtype)
             report.training[n] = judge_training(n, live, grads[n], p, dtype, bands, fail_at, scale=scale)
         report.training_rows = dict(sliced)
         plan: Optional[StepPlan] = getattr(replay, "plan", None)
         notes = [f"replayed from the {replay.how} RNG state" if replay.how else ""]
+        found = self._partial_window(report, plan, lives, grads, judged, scale)
+        if found is not None:
+            notes.insert(0, f"a partial accumulation window, the step's tensors judged against its objective's "
+                            f"gradient times {found.micro_batches}/{found.window}: {found.text()}")
         if plan is not None:
             report.training_items = plan.record()
             notes.insert(0, plan.note or "")
-            if plan.cut:
+            if plan.cut and found is None:
                 self.step_objective.explain(plan, report.training, lives, rows, folded=self.watch.by_shard)
         if replay.loss_gap is not None:
             given, replayed = replay.loss_gap
@@ -400,6 +421,35 @@ class TrainingPart(TrendAlerting):
                 f"(by {given - replayed:+.3g}): the training loss has a term the objective lacks, or the reverse"
             )
         report.training_note = "; ".join(n for n in notes if n) or None
+
+    def _partial_window(self, report: CheckReport, plan: Optional[StepPlan], lives: Dict[str, Optional[torch.Tensor]],
+                        grads: Dict[str, torch.Tensor], judged: Dict[str, Tuple[torch.Tensor, torch.dtype]],
+                        scale: Callable[[], float]) -> Optional[PartialWindow]:
+        """Where tensors failed: a partial accumulation window that explains them (:mod:`gradwatch.watch.accumulation`:
+        each failing tensor judged again against the step's objective times ``n / K``), kept in
+        ``report.training_window`` (not on a sharded model: each rank holds a shard)."""
+        if plan is None or not plan.parts or self.watch.sharded or not any(tc.failed for tc in report.training.values()):
+            return None
+        ranks: Dict[int, int] = {}
+        for part in plan.parts:
+            ranks[part.rank] = ranks.get(part.rank, 0) + 1
+        each = set(ranks.values())  # the step's micro-batches on each rank, when every rank holds as many
+        options = self.watch.options
+
+        def again(n: str, factor: float) -> TrainingCheck:
+            p, dtype = judged[n]
+            return judge_training(n, lives[n], grads[n] * factor, p, dtype, options.bands, options.fail_verdict,
+                                  scale=lambda: factor * scale())
+
+        found = self.window.judge(report.training, lives, grads, each.pop() if len(each) == 1 else None, again)
+        if found is not None:
+            report.training_window = found.record()
+        return found
+
+    def alerts(self, step: int, results: Any) -> List[Alert]:
+        """The run's accumulation, said once (:meth:`~gradwatch.watch.accumulation.AccumulationWindow.alerts`): a
+        partial window a check found, micro-batches the watch was not handed."""
+        return self.window.alerts(step, results) if isinstance(results, CheckReport) else []
 
     def judge_across_ranks(self, merged: CheckReport, replay: Optional[Replay],
                            statuses: List[Optional[Tuple[bool, Optional[str]]]],
@@ -435,14 +485,15 @@ class TrainingPart(TrendAlerting):
             merged.training_note = ((merged.training_note + "; ") if merged.training_note else "") + (
                 f"the reference is averaged over {coord.world_size} ranks, as DDP and FSDP average .grad")
         except Exception as exc:  # noqa: BLE001 - the broadcast below must still happen on every rank
-            merged.training = {}
+            merged.training, merged.training_window = {}, None
             merged.training_note = f"not judged on rank {coord.rank}: {type(exc).__name__}: {exc}"
         # A gradient DDP did not synchronize differs from rank to rank: every rank takes rank 0's judgement,
         # so trends and alerts stay identical everywhere.
         try:
-            merged.training, merged.training_note = coord.from_main((merged.training, merged.training_note))
+            merged.training, merged.training_note, merged.training_window = coord.from_main(
+                (merged.training, merged.training_note, merged.training_window))
         except Exception as exc:  # noqa: BLE001
-            merged.training = {}
+            merged.training, merged.training_window = {}, None
             merged.training_note = f"not judged: sharing rank 0's training verdicts failed ({type(exc).__name__}: {exc})"
 
 

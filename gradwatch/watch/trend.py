@@ -37,12 +37,15 @@ class Alert:
         tensor: Parameter name, or ``"*"`` for the whole check (nondeterministic,
             non-finite objective, a check that raised).
         kind: ``"threshold"``, ``"drift"``, ``"nonfinite"``, ``"nondeterministic"``, ``"error"``, ``"paused"``,
-            ``"surrogate"`` (an undeclared straight-through; the tensor is its module, once per run)
-            or ``"independence"`` (an output depends on an input it must not; the tensor is the module where
-            it starts, see :mod:`gradwatch.watch.independence`).
+            ``"surrogate"`` (an undeclared straight-through; the tensor is its module, once per run),
+            ``"independence"`` (an output depends on an input it must not; the tensor is the module where
+            it starts, see :mod:`gradwatch.watch.independence`), and of the training part ``"partial_window"`` (a
+            step of a partial accumulation window, its ``.grad`` the step's objective's times ``n / K``) or
+            ``"unjudged"`` (its micro-batches were not handed to the watch; once for the run), both on ``"*"``
+            (see :mod:`gradwatch.watch.accumulation`).
         severity: ``"error"`` (WRONG threshold, nonfinite, error) or ``"warning"``.
         value: The value that triggered it (judged rel_diff, rolling median for drift,
-            the objective for whole-check alerts; ``nan`` when there is none).
+            the objective for whole-check alerts, the scale for a partial window; ``nan`` when there is none).
         baseline: The tensor's baseline judged rel_diff, when established.
         message: What happened and what to check next.
         part: Which verdict raised it: ``"backward"`` (the backward formulas against finite

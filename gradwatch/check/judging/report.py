@@ -212,6 +212,10 @@ class CheckReport:
         training_items: The step's objective of a cut step (several micro-batches or ranks): ``{"rule": what is
             counted, "equal": each micro-batch weighed 1/k, "counts": each rank's micro-batch counts}``
             (:mod:`gradwatch.watch.step_objective`); None for an uncut step.
+        training_window: A partial accumulation window the step was found to be: ``{"micro_batches": n, "window": K,
+            "scale": training's gradient over the step objective's}`` (every micro-batch divided by ``K`` where the step
+            has ``n < K``; the training verdicts are then judged against the objective's gradient times ``n / K``,
+            :mod:`gradwatch.check.replay.window`); None otherwise.
         independence: The independence part's :class:`gradwatch.check.independence.check.IndependenceReport` (a watch
             with ``independence=``), or None.
         surrogates: Modules whose gradient is a surrogate by design (``surrogates=``, torch's fake quantizers):
@@ -251,6 +255,7 @@ class CheckReport:
     training_rows: Dict[str, Tuple[int, int]] = field(default_factory=dict)
     surrogates: List[str] = field(default_factory=list)
     training_items: Optional[Dict[str, Any]] = None
+    training_window: Optional[Dict[str, Any]] = None
 
     @property
     def training_failures(self) -> List[TrainingCheck]:
@@ -311,6 +316,7 @@ class CheckReport:
             "training": {name: t.to_dict() for name, t in self.training.items()},
             "training_note": self.training_note,
             "training_items": self.training_items,
+            "training_window": self.training_window,
             "training_failures": [t.name for t in self.training_failures],
             "dropout": self.dropout.to_dict() if hasattr(self.dropout, "to_dict") else self.dropout,
         }

@@ -382,6 +382,7 @@ class Replay:
     params: Optional[Dict[str, torch.Tensor]] = None  # the live parameters the gradients are of
     rows: Dict[str, Tuple[int, int]] = field(default_factory=dict)  # weights whose gradients are of these rows only
     plan: Any = None  # the step's objective the replay weighed its micro-batches by (gradwatch.watch.step_objective)
+    accumulating: int = 0  # skipped: the micro-batches training's forwards tell of, where the watch was handed one
 
 
 class _Probe:
@@ -471,7 +472,7 @@ class _isolated:
 
 def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of: GradOf, mb: MicroBatch,
          mode: str, params: Dict[str, torch.Tensor], context: Context = None,
-         generators: Sequence[Any] = (), modules: Optional[List[nn.Module]] = None,
+         generators: Sequence[Any] = (), modules: Optional[List[nn.Module]] = None, entry: Optional[nn.Module] = None,
          ) -> Tuple[Dict[str, torch.Tensor], float, _Probe, tuple]:
     """One replay of one micro-batch; restores generators, buffers and attributes, never writes ``.grad``.
 
@@ -482,7 +483,9 @@ def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of
     generators held by the model or the loss (``roots``) are put back; a replay that drew from
     one (``generators``, see :func:`gradwatch.check.objective.generators.find_generators`) cannot reproduce
     training's draws and is marked unfaithful.
-    Returns the gradients, the objective, the probe and the autocast state the replay ran in.
+    ``entry`` (default ``root``) is the module ``evaluate`` is given: the one training called, when it wraps ``root``.
+    Returns the gradients, the objective, the probe and the autocast state the forward ran in (the region's; where
+    the region has none, the one training's recorded forward ran in: a wrapper such as Fabric's opens it inside).
     """
     probe = _Probe(mb.records, mode)
     region = context() if context is not None else autocast_as(mb.records[0].autocast if mb.records else ())
@@ -498,8 +501,8 @@ def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of
                 mb.start.apply()
             with torch.enable_grad():
                 with region:  # the forward in training's autocast region; backward outside it, as training's
-                    autocast = autocast_state()
-                    total = evaluate(root, mb.batch)
+                    autocast = autocast_state() or (mb.records[0].autocast if mb.records else ())
+                    total = evaluate(root if entry is None else entry, mb.batch)
                 grads = grad_of(total, mb.batch)
             value = float(total.item())
     finally:
@@ -515,13 +518,14 @@ def _one(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, grad_of
 
 
 def rng_free(root: nn.Module, recorder: ForwardRecorder, evaluate: Evaluate, mb: MicroBatch,
-             modules: Optional[List[nn.Module]] = None) -> bool:
-    """True when the objective on this batch does not depend on torch's generator (two seeds agree)."""
+             modules: Optional[List[nn.Module]] = None, entry: Optional[nn.Module] = None) -> bool:
+    """True when the objective on this batch does not depend on torch's generator (two seeds agree; ``evaluate`` is
+    given ``entry``, default ``root``)."""
     values = []
     with _isolated(root, recorder, modules), torch.no_grad():
         for seed in (12345, 54321):
             torch.manual_seed(seed)
-            values.append(float(evaluate(root, mb.batch).detach()))
+            values.append(float(evaluate(root if entry is None else entry, mb.batch).detach()))
     return values[0] == values[1]
 
 
@@ -570,7 +574,8 @@ def as_float(value: Any) -> Optional[float]:
 def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate: Evaluate, grad_of: GradOf,
                 params: Dict[str, torch.Tensor], loss_tolerance: float, context: Context = None,
                 generators: Sequence[Any] = (), modules: Optional[List[nn.Module]] = None, lockstep: bool = False,
-                weights: Optional[Sequence[float]] = None, each: Optional[Each] = None) -> Replay:
+                weights: Optional[Sequence[float]] = None, each: Optional[Each] = None,
+                entry: Optional[nn.Module] = None) -> Replay:
     """Recompute the objective's gradient of a whole optimizer step: its micro-batches' objectives, weighed.
 
     The sum is formed as training forms it under gradient accumulation: the gradient of each
@@ -597,6 +602,8 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
             None: ``1 / k`` each. A micro-batch of weight 0 is not replayed (unless ``lockstep``).
         each: ``each(i, grads, weight)`` after micro-batch ``i``'s replay, with its weighted gradients (before
             they are summed into the others'; a sketch of them explains a step cut wrongly, :mod:`gradwatch.check.replay.cut`).
+        entry: The module ``evaluate`` is given, when training called a wrapper of ``root`` (a Lightning Fabric module:
+            its precision converts the inputs and opens autocast around ``root``'s forward); default ``root``.
 
     Returns:
         A :class:`Replay`; ``grads`` is None (with ``reason``) when no replay could be verified.
@@ -629,7 +636,7 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
             modes = modes[:1]
         for mode in modes:
             grads, value, probe, autocast = _one(root, recorder, evaluate, grad_of, mb, mode, params, context, generators,
-                                                  modules)
+                                                  modules, entry)
             if probe.private:
                 return Replay(None, None, None, "the model or loss_fn draws from a random generator of its own "
                               "(torch.Generator, numpy Generator, random.Random): the replay cannot reproduce training's "
@@ -640,7 +647,7 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
             if mb.records:
                 ok = probe.faithful and probe.count == len(mb.records)
             else:
-                ok = mb.start.exact or loss_agrees or (not lockstep and rng_free(root, recorder, evaluate, mb, modules))
+                ok = mb.start.exact or loss_agrees or (not lockstep and rng_free(root, recorder, evaluate, mb, modules, entry))
             if ok:
                 done = (grads, value, mode, autocast)
                 break
@@ -653,7 +660,7 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
                                  f"skipped: accumulating ({n_train} forwards of the model since the last step, while one "
                                  f"replay of the step's batch makes {tried[0][1]}: {k} micro-batches?) — call "
                                  "watch.accumulate(micro_batch) after each micro-batch's backward",
-                                 forwards=(n_train, tried[0][1]))
+                                 forwards=(n_train, tried[0][1]), accumulating=k)
             else:
                 if not mb.records:
                     why = ("no forward of the model was seen since the last step and the objective draws random "
@@ -662,7 +669,9 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
                     why = (f"the replay could not reproduce training's forward (training ran {n_train} forwards; the "
                            f"replays ran {', '.join(str(c) for _, c, _ in tried)}, with other inputs or another RNG "
                            "state): random augmentation drawing from torch's generator inside loss_fn after other draws "
-                           "since the last step, or loss_fn is not the function training calls")
+                           "since the last step, or loss_fn is not the function training calls, or training calls a "
+                           "wrapper of the watched module (give GradWatch the module training calls: Fabric's, a "
+                           "compiled one)")
                 failure = Replay(None, None, None, why, forwards=forwards)
             if not lockstep:
                 return failure
