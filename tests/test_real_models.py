@@ -323,6 +323,8 @@ def test_shadow_precision_leaves_bit_views_and_random_draws_alone_and_makes_buff
         assert torch.zeros(2, dtype=torch.float32).dtype == torch.float64
         assert x.new_full((2,), 1.0, dtype=torch.bfloat16).dtype == torch.float64
         assert torch.zeros(2, dtype=torch.int64).dtype == torch.int64
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's precision, asked for on purpose
+            assert torch.zeros(2, dtype=torch.bfloat16).dtype == torch.bfloat16
         assert x.float().dtype == torch.float64
         assert x.to("cpu", torch.float16).dtype == torch.float64
         assert torch.softmax(x, 0, dtype=torch.float32).dtype == torch.float64

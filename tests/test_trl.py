@@ -110,3 +110,41 @@ def test_sft_trainer_a_planted_wrong_backward_is_named(tmp_path):
     named = {a.tensor for a in callback.watch.alerts if a.kind == "threshold" and a.part == "backward"}
     assert "model.layers.0.mlp.gate_proj.weight" in named, [a.message for a in callback.watch.alerts]
     assert not [a for a in callback.watch.alerts if a.part == "training"]  # .grad is what the buggy backward gives
+
+
+def preferences(n: int = 8) -> Dataset:
+    g = torch.Generator().manual_seed(1)
+
+    def words(lo: int, hi: int) -> str:
+        k = int(torch.randint(lo, hi, (1,), generator=g))
+        return " ".join(WORDS[j] for j in torch.randint(0, len(WORDS), (k,), generator=g).tolist())
+
+    return Dataset.from_dict({"prompt": [words(2, 6) for _ in range(n)], "chosen": [words(2, 8) for _ in range(n)],
+                              "rejected": [words(2, 8) for _ in range(n)]})
+
+
+def test_dpo_trainer_its_loss_is_the_objective_and_its_metrics_are_left_as_they_were(tmp_path):
+    """DPO's loss compares the policy's log-probabilities with a reference model's: no model returns it. The objective is
+    the trainer's own compute_loss; the metrics it appends at every call (hundreds in a check) are put back."""
+    from trl import DPOConfig, DPOTrainer
+
+    def run(callbacks):
+        args = DPOConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, use_cpu=True,
+                         report_to=[], disable_tqdm=True, logging_steps=1, save_strategy="no", seed=0)
+        trainer = DPOTrainer(model=tiny_llama(), ref_model=tiny_llama(), args=args, train_dataset=preferences(),
+                             processing_class=tokenizer(), callbacks=callbacks)
+        trainer.train()
+        return trainer
+
+    callback = GradWatchCallback(every=1, tensorboard=False)
+    watched, plain = run([callback]), run([])
+    assert callback.watch.alerts == [], [a.message for a in callback.watch.alerts]
+    assert repr(callback.watch.loss_fn) == "ComputeLoss(DPOTrainer.compute_loss)"
+    checks = [c for c in read_jsonl(tmp_path / "checks.jsonl")[0] if c["type"] == "check"]
+    assert [c["step"] for c in checks] == [0, 1]
+    for c in checks:
+        assert {n: t["verdict"] for n, t in c["tensors"].items() if t["verdict"] not in ("excellent", "acceptable")} == {}
+        assert {n: t["verdict"] for n, t in c["training"].items() if t["verdict"] not in ("excellent", "acceptable")} == {}
+    logged = [{k: v for k, v in h.items() if "runtime" not in k and "per_second" not in k} for h in watched.state.log_history]
+    assert logged == [{k: v for k, v in h.items() if "runtime" not in k and "per_second" not in k}
+                      for h in plain.state.log_history]  # the loss, rewards, accuracies, as training logged them

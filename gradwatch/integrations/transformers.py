@@ -6,9 +6,10 @@ What the Trainer does not hand a callback, the callback finds itself:
   inputs of the latest training forward (under gradient accumulation: the last
   micro-batch of the optimizer step). The check objective is the model's loss on them
   (:class:`TrainerLoss`: ``outputs.loss``, without the Trainer's ``num_items_in_batch``), or
-  ``loss_fn(model, inputs)``; the training verdict weighs the step's micro-batches and ranks by
-  their share of its items (:mod:`gradwatch.watch.step_objective`), so the Trainer's own scaling
-  is judged, not copied.
+  ``loss_fn(model, inputs)``. A Trainer subclass that overrides ``compute_loss`` (TRL's trainers) is
+  checked on that ``compute_loss``, on the inputs it was given (:mod:`gradwatch.integrations.hf_loss`);
+  the training verdict weighs the step's micro-batches and ranks by their share of its items
+  (:mod:`gradwatch.watch.step_objective`), so the Trainer's own scaling is judged, not copied.
 - **Once per optimizer step.** The check runs in ``on_pre_optimizer_step`` at
   ``state.global_step``, after all micro-batches of the step.
 - **Clipping.** The Trainer clips ``.grad`` (``max_grad_norm``, on by default) right after
@@ -36,6 +37,7 @@ resumes from). Importing this module imports ``transformers``; ``import gradwatc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -58,6 +60,7 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
 
 from gradwatch.config import GradWatchConfig, load_config
 from gradwatch.errors import ConfigError
+from gradwatch.integrations.hf_loss import ComputeLoss, capture_inputs, overrides_compute_loss, trainer_kept
 from gradwatch.io.records import ALERTS_COUNT_TAG, scalars_from_check
 from gradwatch.io.sinks import Sink
 from gradwatch.watch.gradwatch import GradWatch
@@ -186,7 +189,8 @@ class GradWatchCallback(TrainerCallback):
     Args:
         loss_fn: ``loss_fn(model, inputs) -> scalar`` on the inputs the Trainer passed the
             model (without its ``num_items_in_batch``: the loss of that micro-batch alone); default: the
-            ``loss`` the model returns (the batch needs labels).
+            ``loss`` the model returns (the batch needs labels), or, under a Trainer that overrides
+            ``compute_loss``, that ``compute_loss`` on its inputs (:class:`~gradwatch.integrations.hf_loss.ComputeLoss`).
         config: Optional YAML file with GradWatch options; keyword options win.
         **options: Any :class:`~gradwatch.config.GradWatchConfig` option (``every``,
             ``coords``, ``raise_on``, ...) and ``on_alert``/``grad_fn``.
@@ -205,6 +209,7 @@ class GradWatchCallback(TrainerCallback):
         if loss_fn is not None and not callable(loss_fn):
             raise ValueError(f"GradWatchCallback: loss_fn must be callable loss_fn(model, inputs) -> loss, got {type(loss_fn).__name__}")
         self.loss_fn: LossFn = loss_fn if loss_fn is not None else TrainerLoss()
+        self._default_loss = loss_fn is None
         self._objects = {k: options.pop(k) for k in ("on_alert", "grad_fn") if k in options}
         for key, value in self._objects.items():
             if value is not None and not callable(value):
@@ -223,6 +228,8 @@ class GradWatchCallback(TrainerCallback):
         self._accumulated = False  # micro-batches of this step given to the watch before its last
         self._pre_clip: Optional[List[Tuple[nn.Parameter, torch.Tensor]]] = None
         self._context: Tuple[Any, Any, Any] = (None, None, None)
+        self._trainer: Any = None
+        self._uncapture: Optional[Callable[[], None]] = None  # takes the compute_loss wrapper off the trainer
 
     # -- lifecycle -------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Optional[nn.Module] = None,
@@ -244,9 +251,15 @@ class GradWatchCallback(TrainerCallback):
         log_dir = (self.config.log_dir or (getattr(tb, "logging_dir", None) if writer is not None else None)
                    or getattr(args, "logging_dir", None) or args.output_dir)
         tensorboard = self.config.tensorboard and (writer is not None or self.config.log_dir is not None)
-        self._model = model
+        self._model, self._trainer = model, trainer
+        loss_fn = self.loss_fn
+        if self._default_loss and trainer is not None and overrides_compute_loss(trainer, transformers.Trainer):
+            # TRL's trainers and other subclasses computing their own loss: the check's objective is that loss, on
+            # the inputs compute_loss was given (captured there, not at the model's forward)
+            loss_fn = ComputeLoss(trainer)
+            self._uncapture = capture_inputs(trainer, self._keep_inputs)
         self.watch = GradWatch(
-            model, self.loss_fn, optimizer=getattr(optimizer, "optimizer", optimizer), writer=writer,
+            model, loss_fn, optimizer=getattr(optimizer, "optimizer", optimizer), writer=writer,
             config=self.config.replace(log_dir=log_dir if zero else None, tensorboard=tensorboard), **self._objects,
         )
         others = [cb for cb in reporters if cb is not tb or writer is None and self.config.tensorboard]
@@ -258,9 +271,16 @@ class GradWatchCallback(TrainerCallback):
         if getattr(args, "max_grad_norm", 0) and args.max_grad_norm > 0:
             self._hooks.append(model.register_forward_hook(self._pre_clip_hook()))
 
+    def _keep_inputs(self, model: nn.Module, inputs: Any) -> None:
+        """``compute_loss``'s inputs, under a trainer computing its own loss (:class:`ComputeLoss`)."""
+        if model.training and torch.is_grad_enabled() and not self._checking and isinstance(inputs, Mapping):
+            self._batch = dict(inputs)
+
     def _capture_hook(self) -> Callable[..., None]:
         # A plain function, not a bound method: copy.deepcopy (the check's shadow model) keeps functions as they are.
         def capture(module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+            if self._uncapture is not None:
+                return  # the batch is compute_loss's inputs (_keep_inputs)
             if module is self._model and module.training and torch.is_grad_enabled() and not self._checking:
                 # Without the Trainer's num_items_in_batch: a loss_fn gets its batch's own loss, and the step's
                 # objective weighs the micro-batches by their items (gradwatch.watch.step_objective).
@@ -326,7 +346,8 @@ class GradWatchCallback(TrainerCallback):
             if self._accumulated:  # every micro-batch of the step given to the watch, this last one too
                 self.watch.accumulate(batch)
                 batch = None
-            self.watch.step(batch, global_step=int(state.global_step))
+            with trainer_kept(self._trainer) if self._trainer is not None else contextlib.nullcontext():
+                self.watch.step(batch, global_step=int(state.global_step))
         finally:
             for p, clipped in swapped:
                 p.grad = clipped  # the very tensors the optimizer would have stepped with
@@ -352,6 +373,9 @@ class GradWatchCallback(TrainerCallback):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        if self._uncapture is not None:
+            self._uncapture()
+            self._uncapture = None
         self._batch = None
         self._pre_clip = None
         if self.watch is not None:

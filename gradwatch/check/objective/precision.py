@@ -55,11 +55,21 @@ _TYPE_NAMES = {"torch.FloatTensor": torch.float32, "torch.HalfTensor": torch.flo
                "torch.BFloat16Tensor": torch.bfloat16}
 #: Factories whose ``dtype=`` argument makes a new tensor: a low float there is the precision the code computes in
 #: (an accumulator such as TRL's chunked log-prob kernel's ``torch.zeros(n, dtype=torch.float32)``), so the shadow
-#: makes it in its own dtype. Random factories are left alone (their draws depend on the dtype).
+#: makes it in its own dtype, outside autocast. Random factories are left alone (their draws depend on the dtype).
 _FACTORIES = {f for f in (torch.zeros, torch.ones, torch.empty, torch.full, torch.zeros_like, torch.ones_like,
                           torch.empty_like, torch.full_like, torch.eye, torch.arange, torch.linspace, torch.tensor,
                           torch.as_tensor, torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty,
                           torch.Tensor.new_full, torch.Tensor.new_tensor)}
+#: Under autocast a low ``dtype=`` is autocast's own precision, asked for on purpose (a frozen reference model that
+#: training runs under autocast, as TRL's DPO does inside its loss): left alone.
+_ANY_AUTOCAST: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", None) or (
+    lambda: any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")))
+
+
+def _autocasting() -> bool:
+    return bool(_ANY_AUTOCAST())
+
+
 #: Ops whose ``dtype`` argument reinterprets bits instead of converting values: never touched.
 _BIT_VIEWS = {torch.Tensor.view}
 _GROUPED_MM = tuple(f for f in (getattr(torch, "_grouped_mm", None), getattr(nn.functional, "grouped_mm", None)) if f)
@@ -241,7 +251,7 @@ class ShadowPrecision(TorchFunctionMode):
                 self._note_upcast(func, cast(torch.dtype, target))
                 return (args[0], self.dtype), {}
             return None
-        if func in _FACTORIES and self._low(kwargs.get("dtype")):
+        if func in _FACTORIES and self._low(kwargs.get("dtype")) and not _autocasting():
             self._note_upcast(func, kwargs["dtype"])
             return args, {**kwargs, "dtype": self.dtype}
         if self._low(kwargs.get("dtype")) and any(self._high(t) for t in tree_flatten(args)[0]):

@@ -1,0 +1,180 @@
+"""The objective of a ``transformers.Trainer`` subclass that computes its own loss (TRL's trainers, ...).
+
+Trainers built on the Hugging Face ``Trainer`` (TRL's ``SFTTrainer``, ``DPOTrainer``, ...) override
+``compute_loss``: the loss is not the model's ``outputs.loss`` (TRL sums the log-probabilities of its fused LM
+head; DPO compares two forwards of the policy with a reference model). :class:`ComputeLoss` is the check's
+objective there: the trainer's own ``compute_loss`` on the inputs it was given, for that micro-batch alone
+(``num_items_in_batch`` left out, so a trainer dividing by it divides by the micro-batch's own count; the step's
+objective then weighs the micro-batches by their items, :mod:`gradwatch.watch.step_objective`).
+
+``compute_loss`` has effects beyond its value: TRL appends metrics and counts tokens at every call, and gathers
+them across ranks. A check calls it hundreds of times, so :func:`trainer_kept` puts the trainer's plain-data
+state back after the check, and while the check runs :class:`ComputeLoss` keeps ``accelerator.gather`` and
+``gather_for_metrics`` to this rank (a check's evaluations are not in step across ranks).
+
+Example:
+    >>> import torch
+    >>> class Trainer:  # stands for a Trainer subclass: a loss of its own, and a metric it appends to
+    ...     def __init__(self):
+    ...         self.metrics, self.accelerator = [], None
+    ...     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    ...         self.metrics.append(1.0)
+    ...         return (model(inputs["x"]) ** 2).sum()
+    >>> trainer = Trainer()
+    >>> loss = ComputeLoss(trainer)
+    >>> with trainer_kept(trainer):
+    ...     value = loss(torch.nn.Identity(), {"x": torch.ones(3)})
+    >>> float(value), trainer.metrics
+    (3.0, [])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional
+
+import torch
+from torch import nn
+
+#: Largest plain-data attribute (items, recursively) :func:`trainer_kept` copies; larger ones are left as they are.
+_MOST_ITEMS = 100_000
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def overrides_compute_loss(trainer: Any, base: type) -> bool:
+    """True when ``trainer``'s class computes its loss itself (``compute_loss`` is not ``base``'s).
+
+    Example:
+        >>> class Base:
+        ...     def compute_loss(self): ...
+        >>> class Own(Base):
+        ...     def compute_loss(self): ...
+        >>> overrides_compute_loss(Own(), Base), overrides_compute_loss(Base(), Base)
+        (True, False)
+    """
+    own = getattr(type(trainer), "compute_loss", None)
+    return own is not None and own is not getattr(base, "compute_loss", None)
+
+
+class ComputeLoss:
+    """The default objective under a Trainer that overrides ``compute_loss``: that ``compute_loss`` on one micro-batch.
+
+    Args:
+        trainer: The running trainer; its class's ``compute_loss`` is called (not a wrapper on the instance).
+
+    Example:
+        >>> class T:
+        ...     accelerator = None
+        ...     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        ...         return (inputs["x"].sum(), None) if return_outputs else inputs["x"].sum()
+        >>> float(ComputeLoss(T())(nn.Identity(), {"x": torch.ones(2)}))
+        2.0
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self._compute: Callable[..., Any] = type(trainer).compute_loss
+
+    def __call__(self, model: nn.Module, inputs: Any) -> torch.Tensor:
+        # The check's float64 copy computes without autocast (GRPO opens accelerator.autocast() around its forwards,
+        # and TRL's kernel then makes its buffers in bfloat16); the training part's replay of the live model keeps it.
+        copy = all(model is not getattr(self.trainer, key, None) for key in ("model", "model_wrapped"))
+        with _accelerator_local(getattr(self.trainer, "accelerator", None), no_autocast=copy):
+            # a copy: compute_loss may set keys of its inputs (TRL's use_cache)
+            out = self._compute(self.trainer, model, dict(inputs) if isinstance(inputs, Mapping) else inputs)
+        return out[0] if isinstance(out, tuple) else out
+
+    def __repr__(self) -> str:
+        return f"ComputeLoss({type(self.trainer).__name__}.compute_loss)"
+
+
+@contextlib.contextmanager
+def _accelerator_local(accelerator: Any, no_autocast: bool) -> Iterator[None]:
+    """``accelerator.gather`` and ``gather_for_metrics`` return this rank's tensor while active (and, with
+    ``no_autocast``, ``accelerator.autocast()`` opens nothing)."""
+    keys = ("gather", "gather_for_metrics") + (("autocast",) if no_autocast else ())
+    if accelerator is None:
+        yield
+        return
+    saved = {k: accelerator.__dict__[k] for k in keys if k in accelerator.__dict__}
+    for key in keys:
+        setattr(accelerator, key, _no_autocast if key == "autocast" else _local)
+    try:
+        yield
+    finally:
+        for key in keys:
+            if key in saved:
+                setattr(accelerator, key, saved[key])
+            else:
+                delattr(accelerator, key)
+
+
+def _no_autocast(*args: Any, **kwargs: Any) -> Any:
+    return contextlib.nullcontext()
+
+
+def _local(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+    return tensor
+
+
+@contextlib.contextmanager
+def trainer_kept(trainer: Any) -> Iterator[None]:
+    """Put the trainer's plain-data attributes (numbers, and containers of them: metrics, token counts) back on exit.
+
+    Containers are restored in place (their identity kept), so references held elsewhere see the restored values.
+    """
+    saved: Dict[str, Any] = {}
+    for key, value in vars(trainer).items():
+        if _is_plain(value, [0]):
+            saved[key] = copy.deepcopy(value)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            current = trainer.__dict__.get(key)
+            if isinstance(current, dict) and isinstance(value, dict) and type(current) is type(value):
+                current.clear()
+                current.update(value)
+            elif isinstance(current, list) and isinstance(value, list):
+                current[:] = value
+            else:
+                trainer.__dict__[key] = value
+
+
+def _is_plain(value: Any, seen: list, depth: int = 0) -> bool:
+    """Numbers, strings and dicts/lists of them (at most :data:`_MOST_ITEMS` items, 4 levels)."""
+    if isinstance(value, _PLAIN):
+        return True
+    if depth > 4 or not isinstance(value, (dict, list)):
+        return False
+    seen[0] += len(value)
+    if seen[0] > _MOST_ITEMS:
+        return False
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    return all(isinstance(k, _PLAIN) and _is_plain(v, seen, depth + 1) for k, v in items)
+
+
+def capture_inputs(trainer: Any, keep: Callable[[nn.Module, Any], None]) -> Optional[Callable[[], None]]:
+    """Wrap ``trainer.compute_loss`` (on the instance) so that ``keep(model, inputs)`` sees each call's inputs first.
+
+    Returns the function that takes the wrapper off again (None if the instance already had its own attribute).
+    """
+    if "compute_loss" in vars(trainer):
+        return None
+    original = trainer.compute_loss
+
+    def compute_loss(model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        keep(model, inputs)
+        return original(model, inputs, *args, **kwargs)
+
+    trainer.compute_loss = compute_loss
+
+    def remove() -> None:
+        if vars(trainer).get("compute_loss") is compute_loss:
+            del trainer.compute_loss
+
+    return remove
+
+
+__all__ = ["ComputeLoss", "capture_inputs", "overrides_compute_loss", "trainer_kept"]
