@@ -57,6 +57,9 @@ def _hf_causal_lm(model: nn.Module) -> bool:
     """A Hugging Face decoder-only model with a language-modelling head."""
     if "transformers" not in sys.modules:
         return False
+    base = getattr(type(model), "get_base_model", None)  # a PEFT model: the model it wraps says what it is
+    if callable(base):
+        model = base(model)
     config = getattr(model, "config", None)
     if config is None or getattr(config, "is_encoder_decoder", False):
         return False

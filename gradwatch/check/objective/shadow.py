@@ -143,13 +143,16 @@ class Shadow:
         # Gradient checkpointing (a Hugging Face model's switch) only trades memory for recomputation: the copy
         # computes the same function without it, and its backward needs no recomputation to match the forward.
         # (transformers 5 renamed the switch "activation checkpointing"; the old names warn there.)
-        for flag, off in (("is_activation_checkpointing", "activation_checkpointing_disable"),
-                          ("is_gradient_checkpointing", "gradient_checkpointing_disable")):
-            if hasattr(type(self.module), flag):
-                disable = getattr(self.module, off, None)
-                if getattr(self.module, flag, False) and callable(disable):
-                    disable()
-                break
+        # Every module is asked, not only the root: a PEFT model forwards the switch to the model it wraps by
+        # __getattr__, which its class does not declare.
+        for module in self.module.modules():
+            for flag, off in (("is_activation_checkpointing", "activation_checkpointing_disable"),
+                              ("is_gradient_checkpointing", "gradient_checkpointing_disable")):
+                if hasattr(type(module), flag):
+                    disable = getattr(module, off, None)
+                    if getattr(module, flag, False) and callable(disable):
+                        disable()
+                    break
         self._needed: set = set()
         self._hooks: Dict[int, Any] = {}
         self.restore_cast_hooks()
