@@ -129,7 +129,7 @@ def test_dpo_trainer_its_loss_is_the_objective_and_its_metrics_are_left_as_they_
     from trl import DPOConfig, DPOTrainer
 
     def run(callbacks):
-        args = DPOConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, use_cpu=True,
+        args = DPOConfig(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, use_cpu=True,
                          report_to=[], disable_tqdm=True, logging_steps=1, save_strategy="no", seed=0)
         trainer = DPOTrainer(model=tiny_llama(), ref_model=tiny_llama(), args=args, train_dataset=preferences(),
                              processing_class=tokenizer(), callbacks=callbacks)
@@ -141,7 +141,7 @@ def test_dpo_trainer_its_loss_is_the_objective_and_its_metrics_are_left_as_they_
     assert callback.watch.alerts == [], [a.message for a in callback.watch.alerts]
     assert repr(callback.watch.loss_fn) == "ComputeLoss(DPOTrainer.compute_loss)"
     checks = [c for c in read_jsonl(tmp_path / "checks.jsonl")[0] if c["type"] == "check"]
-    assert [c["step"] for c in checks] == [0, 1]
+    assert [c["step"] for c in checks] == [0]
     for c in checks:
         assert {n: t["verdict"] for n, t in c["tensors"].items() if t["verdict"] not in ("excellent", "acceptable")} == {}
         assert {n: t["verdict"] for n, t in c["training"].items() if t["verdict"] not in ("excellent", "acceptable")} == {}

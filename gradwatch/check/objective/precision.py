@@ -70,6 +70,8 @@ def _autocasting() -> bool:
     return bool(_ANY_AUTOCAST())
 
 
+#: Casts whose target dtype may be positional; every other rewrite reads a ``dtype=`` keyword.
+_POSITIONAL_CASTS = {torch.Tensor.to, torch.Tensor.type}
 #: Ops whose ``dtype`` argument reinterprets bits instead of converting values: never touched.
 _BIT_VIEWS = {torch.Tensor.view}
 _GROUPED_MM = tuple(f for f in (getattr(torch, "_grouped_mm", None), getattr(nn.functional, "grouped_mm", None)) if f)
@@ -202,7 +204,8 @@ class ShadowPrecision(TorchFunctionMode):
         if func in _CAST_METHODS and self._high(args[0]) and self._low(_CAST_METHODS[func]):
             self._note_upcast(func, _CAST_METHODS[func])
             return args[0]
-        changed = self._keep_dtype(func, args, kwargs)
+        # Most calls have no keyword and are no cast (every evaluation of a check passes here: keep it short)
+        changed = self._keep_dtype(func, args, kwargs) if kwargs or func in _POSITIONAL_CASTS else None
         if changed is not None:
             args, kwargs = changed
         try:
