@@ -148,3 +148,37 @@ def test_dpo_trainer_its_loss_is_the_objective_and_its_metrics_are_left_as_they_
     logged = [{k: v for k, v in h.items() if "runtime" not in k and "per_second" not in k} for h in watched.state.log_history]
     assert logged == [{k: v for k, v in h.items() if "runtime" not in k and "per_second" not in k}
                       for h in plain.state.log_history]  # the loss, rewards, accuracies, as training logged them
+
+
+def grpo(tmp_path, callback, model, max_steps):
+    from trl import GRPOConfig, GRPOTrainer
+
+    prompts = Dataset.from_dict({"prompt": preferences(8)["prompt"]})
+
+    def longer_is_better(completions, **kwargs):
+        return [len(c.split()) / 8 for c in completions]
+
+    args = GRPOConfig(output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=6, use_cpu=True, report_to=[], disable_tqdm=True, logging_steps=100,
+                      save_strategy="no", seed=0)
+    assert args.bf16 and args.gradient_checkpointing
+    trainer = GRPOTrainer(model=model, reward_funcs=longer_is_better, args=args, train_dataset=prompts,
+                          processing_class=tokenizer(), callbacks=[callback])
+    trainer.train()
+    return trainer
+
+
+def test_grpo_trainer_its_on_policy_surrogate_is_checked_at_the_checks_point(tmp_path):
+    """GRPO's loss on-policy is exp(logp - logp.detach()) times the advantages: its value never moves while its
+    gradient is the policy gradient. The check holds the log-probabilities at its point, as an earlier policy's:
+    both verdicts, no false 'surrogate' alert; a wrong backward is still named."""
+    callback = GradWatchCallback(every=1, tensorboard=False, independence=None)
+    grpo(tmp_path / "clean", callback, tiny_llama(), max_steps=1)
+    assert callback.watch.alerts == [], [a.message for a in callback.watch.alerts]
+    (c,) = [c for c in read_jsonl(tmp_path / "clean" / "checks.jsonl")[0] if c["type"] == "check"]
+    assert {n: t["verdict"] for n, t in c["tensors"].items() if t["verdict"] not in ("excellent", "acceptable")} == {}
+    assert {n: t["verdict"] for n, t in c["training"].items() if t["verdict"] not in ("excellent", "acceptable")} == {}
+    buggy = GradWatchCallback(every=1, tensorboard=False, independence=None)
+    grpo(tmp_path / "buggy", buggy, tiny_llama(buggy=True), max_steps=1)
+    named = {a.tensor for a in buggy.watch.alerts if a.kind == "threshold" and a.part == "backward"}
+    assert "model.layers.0.mlp.gate_proj.weight" in named, [a.message for a in buggy.watch.alerts]

@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
+#: A policy-gradient trainer's per-token log-probabilities, and the batch key of an earlier policy's (TRL's GRPO).
+_LOGPS, _OLD = "_get_per_token_logps_and_entropies", "old_per_token_logps"
 #: Largest plain-data attribute (items, recursively) :func:`trainer_kept` copies; larger ones are left as they are.
 _MOST_ITEMS = 100_000
 _PLAIN = (int, float, bool, str, type(None))
@@ -75,6 +77,11 @@ class ComputeLoss:
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         self._compute: Callable[..., Any] = type(trainer).compute_loss
+        self._anchors: Dict[Tuple[int, int], torch.Tensor] = {}
+
+    def new_check(self) -> None:
+        """Forget the log-probabilities held as the policy's of the batch (:meth:`_anchor`): a new check, a new point."""
+        self._anchors.clear()
 
     def __call__(self, model: nn.Module, inputs: Any) -> torch.Tensor:
         # The check's float64 copy computes without autocast (GRPO opens accelerator.autocast() around its forwards,
@@ -82,8 +89,41 @@ class ComputeLoss:
         copy = all(model is not getattr(self.trainer, key, None) for key in ("model", "model_wrapped"))
         with _accelerator_local(getattr(self.trainer, "accelerator", None), no_autocast=copy):
             # a copy: compute_loss may set keys of its inputs (TRL's use_cache)
-            out = self._compute(self.trainer, model, dict(inputs) if isinstance(inputs, Mapping) else inputs)
+            batch = dict(inputs) if isinstance(inputs, Mapping) else inputs
+            if copy and isinstance(batch, dict) and _OLD not in batch and "completion_ids" in batch \
+                    and callable(getattr(self.trainer, _LOGPS, None)):
+                batch[_OLD] = self._anchor(model, batch)
+            out = self._compute(self.trainer, model, batch)
         return out[0] if isinstance(out, tuple) else out
+
+    def _anchor(self, model: nn.Module, batch: Dict[str, Any]) -> torch.Tensor:
+        """The per-token log-probabilities of the batch's completions at the check's point, held fixed.
+
+        On-policy, TRL's GRPO compares the policy's log-probabilities with themselves detached
+        (``exp(logp - logp.detach())`` times the advantages): its value never moves with the parameters while its
+        gradient is the policy gradient, so finite differences of it are zero. Held at their value at the
+        check's point, as an earlier policy's (``old_per_token_logps``), the loss is the clipped surrogate whose
+        gradient there is the one training applies, and its value moves. Made once per model and batch in a check
+        (the check's first evaluation is at its point).
+        """
+        key = (id(model), id(batch["completion_ids"]))
+        if key not in self._anchors:
+            seen: List[torch.Tensor] = []
+            original = getattr(self.trainer, _LOGPS)
+
+            def logps(*args: Any, **kwargs: Any) -> Any:
+                out = original(*args, **kwargs)
+                seen.append(out[0].detach())
+                return out
+
+            setattr(self.trainer, _LOGPS, logps)
+            try:
+                with torch.no_grad():
+                    self._compute(self.trainer, model, dict(batch))
+            finally:
+                delattr(self.trainer, _LOGPS)
+            self._anchors[key] = seen[0]
+        return self._anchors[key]
 
     def __repr__(self) -> str:
         return f"ComputeLoss({type(self.trainer).__name__}.compute_loss)"

@@ -346,6 +346,8 @@ class GradWatchCallback(TrainerCallback):
             if self._accumulated:  # every micro-batch of the step given to the watch, this last one too
                 self.watch.accumulate(batch)
                 batch = None
+            if isinstance(self.watch.loss_fn, ComputeLoss):
+                self.watch.loss_fn.new_check()
             with trainer_kept(self._trainer) if self._trainer is not None else contextlib.nullcontext():
                 self.watch.step(batch, global_step=int(state.global_step))
         finally:
