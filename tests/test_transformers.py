@@ -226,6 +226,19 @@ def tiny_lm(kind: str) -> nn.Module:
                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16))
 
 
+def test_gpt2_counted_before_the_shift_is_named_without_accumulation_too(tmp_path):
+    """One micro-batch per step: no cut to fit, the ratio alone (the shifted count over every label) names it."""
+    callback = GradWatchCallback(every=1, coords=2, directions=1, tensorboard=False, independence=None)
+    model = tiny_lm("gpt2")
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, use_cpu=True,
+                             disable_tqdm=True, seed=0, report_to=[], save_strategy="no", logging_steps=100)
+    Trainer(model=model, args=args, train_dataset=TokenIds(), callbacks=[callback]).train()
+    training = [a for a in callback.watch.alerts if a.part == "training"]
+    assert len(training) == len([p for p in model.parameters() if p.requires_grad])
+    assert all("the count includes each sample's first label" in a.message and "model.loss_type = 'ForCausalLM'"
+               in a.message for a in training), training[0].message
+
+
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "bert", "bert-dropped", "bert-buggy"])  # GPT-2 told: the test below
 def test_accumulation_training_verdict_at_every_check(tmp_path, kind):
     """gradient_accumulation_steps=4: the training verdict judges the step's .grad against the mean over every

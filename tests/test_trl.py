@@ -136,7 +136,7 @@ def test_dpo_trainer_its_loss_is_the_objective_and_its_metrics_are_left_as_they_
         trainer.train()
         return trainer
 
-    callback = GradWatchCallback(every=1, tensorboard=False)
+    callback = GradWatchCallback(every=1, coords=2, directions=1, tensorboard=False)  # few samples: the loss is the point
     watched, plain = run([callback]), run([])
     assert callback.watch.alerts == [], [a.message for a in callback.watch.alerts]
     assert repr(callback.watch.loss_fn) == "ComputeLoss(DPOTrainer.compute_loss)"
@@ -172,13 +172,13 @@ def test_grpo_trainer_its_on_policy_surrogate_is_checked_at_the_checks_point(tmp
     """GRPO's loss on-policy is exp(logp - logp.detach()) times the advantages: its value never moves while its
     gradient is the policy gradient. The check holds the log-probabilities at its point, as an earlier policy's:
     both verdicts, no false 'surrogate' alert; a wrong backward is still named."""
-    callback = GradWatchCallback(every=1, tensorboard=False, independence=None)
+    callback = GradWatchCallback(every=1, coords=2, directions=1, tensorboard=False, independence=None)
     grpo(tmp_path / "clean", callback, tiny_llama(), max_steps=1)
     assert callback.watch.alerts == [], [a.message for a in callback.watch.alerts]
     (c,) = [c for c in read_jsonl(tmp_path / "clean" / "checks.jsonl")[0] if c["type"] == "check"]
     assert {n: t["verdict"] for n, t in c["tensors"].items() if t["verdict"] not in ("excellent", "acceptable")} == {}
     assert {n: t["verdict"] for n, t in c["training"].items() if t["verdict"] not in ("excellent", "acceptable")} == {}
-    buggy = GradWatchCallback(every=1, tensorboard=False, independence=None)
+    buggy = GradWatchCallback(every=1, coords=2, directions=1, tensorboard=False, independence=None)
     grpo(tmp_path / "buggy", buggy, tiny_llama(buggy=True), max_steps=1)
     named = {a.tensor for a in buggy.watch.alerts if a.kind == "threshold" and a.part == "backward"}
     assert "model.layers.0.mlp.gate_proj.weight" in named, [a.message for a in buggy.watch.alerts]

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, cast
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ from gradwatch.check.judging.report import TrainingCheck
 from gradwatch.check.judging.training_judge import tolerance_for
 from gradwatch.check.numerics.sketch import Sketch
 from gradwatch.check.objective.rng import Reseeder
-from gradwatch.check.replay.cut import Part, describe_counts, explain_cut
+from gradwatch.check.replay.cut import Part, describe_counts, explain_cut, explain_uncut
 from gradwatch.check.replay.item_probe import ItemDecision, coupling_modules, decide
 from gradwatch.check.replay.items import (
     ItemCountError,
@@ -77,6 +77,7 @@ class StepPlan:
         equal: Each micro-batch weighs ``1 / k`` on its rank (no count to weigh them by).
         note: What the report says of the step's objective (None where there is one micro-batch on one rank).
         reason: Why the training part is not judged.
+        batch: The one micro-batch of an uncut step (its counts are read only where training's gradient fails).
     """
 
     weights: Optional[List[float]]
@@ -88,6 +89,7 @@ class StepPlan:
     equal: bool = True
     note: Optional[str] = None
     reason: Optional[str] = None
+    batch: Any = field(default=None, repr=False, compare=False)
 
     @property
     def cut(self) -> bool:
@@ -145,7 +147,7 @@ class StepObjective:
         """
         self.rows = []
         if coord is None and len(batches) == 1:  # one micro-batch in one process: nothing to weigh (the common case)
-            return StepPlan([1.0], parts=[Part(0, 0, 1.0)])
+            return StepPlan([1.0], parts=[Part(0, 0, 1.0)], batch=batches[0])
         try:
             local = self._local(batches, model, probe and model is not None, coord is not None)
         except Exception as exc:  # noqa: BLE001 - the user's items= or batch: said in the report, training goes on
@@ -395,6 +397,8 @@ class StepObjective:
             folded: The replay summed the ranks (a sharded model): no fit per rank; the counts are said instead.
         """
         failing = [tc for tc in training.values() if tc.failed]
+        if failing and not plan.cut and plan.batch is not None:
+            return _uncut(plan.batch, failing)
         if not failing or not plan.cut or plan.equal or self._sketch is None:
             return None
         rows = self.rows if rows is None else rows
@@ -413,6 +417,23 @@ class StepObjective:
             for tc in failing:
                 tc.diagnosis, tc.ratio, tc.param_coef = text, None, None
         return text
+
+
+def _uncut(batch: Any, failing: List[TrainingCheck]) -> Optional[str]:
+    """One micro-batch, every failing tensor off by one constant ratio: a count that explains it, put in their diagnoses."""
+    ratios = [tc.ratio for tc in failing]
+    if any(r is None or r <= 0 for r in ratios):
+        return None
+    ratio = sorted(cast(float, r) for r in ratios)[len(ratios) // 2]
+    if any(abs(cast(float, r) - ratio) > 1e-2 * ratio for r in ratios):
+        return None
+    try:
+        text = explain_uncut(batch, ratio)
+    except Exception:  # noqa: BLE001 - a batch the counting rules cannot read: the judge's own diagnosis stands
+        return None
+    for tc in failing if text is not None else ():
+        tc.diagnosis, tc.ratio, tc.param_coef = text, None, None
+    return text
 
 
 def _by_structure(rules: Sequence[ItemRule], shift_hint: Optional[int], shifts: Mapping[Path, Optional[int]]) -> ItemRule:

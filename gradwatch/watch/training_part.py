@@ -412,7 +412,7 @@ class TrainingPart(TrendAlerting):
         if plan is not None:
             report.training_items = plan.record()
             notes.insert(0, plan.note or "")
-            if plan.cut and found is None:
+            if found is None:
                 self.step_objective.explain(plan, report.training, lives, rows, folded=self.watch.by_shard)
         if replay.loss_gap is not None:
             given, replayed = replay.loss_gap

@@ -22,11 +22,11 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from gradwatch.check.replay.items import ItemRule, path_text, proportional
+from gradwatch.check.replay.items import ItemRule, candidates, counts_by_rule, path_text, proportional
 
 #: Misfit (relative to training's sketch) under which a weighting explains training's gradient.
 EXPLAINED = 1e-2
@@ -212,6 +212,32 @@ def explain_cut(parts: Sequence[Part], sketches: torch.Tensor, live: torch.Tenso
                 return (f"the weights are right relative to each other, but training divides by {_number(alt_total)}, "
                         f"the step's {text}, where loss_fn averages over {_number(total)} {rule.text}: training's "
                         f"gradient is {s:.4f}x the step's{_first_labels(rule, key)}")
+    return None
+
+
+def explain_uncut(batch: Any, ratio: float) -> Optional[str]:
+    """A one-micro-batch step whose gradient is ``ratio`` x the objective's: a count of the labels before the shift?
+
+    Where the loss averages over the target tokens after the next-token shift but training divided by every label
+    (one per row too many), ``ratio`` is the shifted count over the unshifted one.
+
+    Example:
+        >>> batch = {"input_ids": torch.ones(2, 5, dtype=torch.long),
+        ...          "labels": torch.tensor([[1, 1, 1, 1, -100], [1, 1, 1, -100, -100]])}
+        >>> explain_uncut(batch, 5 / 7).split(", where")[0]
+        "training divides by 7, the step's target tokens (labels != -100)"
+    """
+    rules = candidates([batch])
+    counts = counts_by_rule(rules, [batch])
+    for rule in rules:
+        twin = ItemRule("tokens", rule.path)
+        if rule.kind != "tokens" or rule.shift != 1 or rule.key not in counts or twin.key not in counts:
+            continue
+        shifted, every = counts[rule.key][0], counts[twin.key][0]
+        if every > shifted > 0 and abs(ratio - shifted / every) <= 2e-3 * ratio:
+            return (f"training divides by {_number(every)}, the step's {twin.text}, where loss_fn averages over "
+                    f"{_number(shifted)} {rule.text}: training's gradient is {ratio:.4f}x the step's"
+                    f"{_first_labels(rule, twin.key)}")
     return None
 
 
