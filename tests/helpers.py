@@ -149,3 +149,25 @@ def run_two_ranks(script: str, path: Path, args: Sequence[str], timeout: float, 
                 p.kill()
                 p.wait(timeout=10)
     return tuple(p.returncode for p in procs), logs
+
+
+class WrongSiluFunction(torch.autograd.Function):
+    """SiLU whose backward is 1.5x the true derivative."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return nn.functional.silu(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        return grad * 1.5 * s * (1 + x * (1 - s))
+
+
+class WrongSilu(nn.Module):
+    """SiLU with :class:`WrongSiluFunction`'s backward (a planted bug in a transformer's MLP)."""
+
+    def forward(self, x):
+        return WrongSiluFunction.apply(x)

@@ -17,6 +17,7 @@ from torch import nn
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("peft")
+from helpers import WrongSilu  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from token_batches import Rows, collate  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
@@ -29,26 +30,6 @@ GOOD = ("excellent", "acceptable")
 # PEFT's default targets for Llama are q_proj and v_proj; up_proj's adapter is one whose gradient does not pass
 # through the MLP's activation (its output is multiplied by act_fn(gate_proj(x))).
 TARGETS = ["q_proj", "v_proj", "up_proj"]
-
-
-class WrongSiluFunction(torch.autograd.Function):
-    """SiLU whose backward is 1.5x the true derivative."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return nn.functional.silu(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        s = torch.sigmoid(x)
-        return grad * 1.5 * s * (1 + x * (1 - s))
-
-
-class WrongSilu(nn.Module):
-    def forward(self, x):
-        return WrongSiluFunction.apply(x)
 
 
 def lora_llama(buggy: bool = False, task_type: Optional[str] = "CAUSAL_LM") -> nn.Module:

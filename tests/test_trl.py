@@ -17,6 +17,7 @@ from torch import nn
 trl = pytest.importorskip("trl")
 pytest.importorskip("datasets")
 from datasets import Dataset  # noqa: E402
+from helpers import WrongSilu  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
@@ -39,26 +40,6 @@ def texts(n: int = 24) -> Dataset:
     lengths = torch.randint(3, 16, (n,), generator=g).tolist()
     return Dataset.from_dict({"text": [" ".join(WORDS[j] for j in torch.randint(0, len(WORDS), (k,), generator=g).tolist())
                                        for k in lengths]})
-
-
-class WrongSiluFunction(torch.autograd.Function):
-    """SiLU whose backward is 1.5x the true derivative."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return nn.functional.silu(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        s = torch.sigmoid(x)
-        return grad * 1.5 * s * (1 + x * (1 - s))
-
-
-class WrongSilu(nn.Module):
-    def forward(self, x):
-        return WrongSiluFunction.apply(x)
 
 
 def tiny_llama(buggy: bool = False) -> nn.Module:
