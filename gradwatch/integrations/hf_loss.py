@@ -86,7 +86,7 @@ class ComputeLoss:
     def __call__(self, model: nn.Module, inputs: Any) -> torch.Tensor:
         # The check's float64 copy computes without autocast (GRPO opens accelerator.autocast() around its forwards,
         # and TRL's kernel then makes its buffers in bfloat16); the training part's replay of the live model keeps it.
-        copy = all(model is not getattr(self.trainer, key, None) for key in ("model", "model_wrapped"))
+        copy = self._is_copy(model)
         with _accelerator_local(getattr(self.trainer, "accelerator", None), no_autocast=copy):
             # a copy: compute_loss may set keys of its inputs (TRL's use_cache)
             batch = dict(inputs) if isinstance(inputs, Mapping) else inputs
@@ -95,6 +95,28 @@ class ComputeLoss:
                 batch[_OLD] = self._anchor(model, batch)
             out = self._compute(self.trainer, model, batch)
         return out[0] if isinstance(out, tuple) else out
+
+    def _is_copy(self, model: nn.Module) -> bool:
+        """True for a copy of the trainer's model (the check's float64 shadow), False for the model training runs (or
+        a module sharing its parameters: the one inside DDP that the watch replays).
+
+        Example:
+            >>> import copy
+            >>> class T:
+            ...     def compute_loss(self, model, inputs, **kwargs): ...
+            >>> trainer = T()
+            >>> trainer.model = nn.Linear(2, 1)
+            >>> loss = ComputeLoss(trainer)
+            >>> [loss._is_copy(m) for m in (trainer.model, nn.Sequential(trainer.model), copy.deepcopy(trainer.model))]
+            [False, False, True]
+        """
+        live = getattr(self.trainer, "model", None)
+        if model is live or model is getattr(self.trainer, "model_wrapped", None):
+            return False
+        try:
+            return next(model.parameters()) is not next(live.parameters())  # type: ignore[union-attr]
+        except (StopIteration, AttributeError, TypeError):
+            return True
 
     def _anchor(self, model: nn.Module, batch: Dict[str, Any]) -> torch.Tensor:
         """The per-token log-probabilities of the batch's completions at the check's point, held fixed.
