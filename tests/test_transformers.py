@@ -25,6 +25,7 @@ from gradwatch.cli import commands as cli  # noqa: E402
 from gradwatch.integrations.transformers import STATE_NAME, GradWatchCallback  # noqa: E402
 from gradwatch.io.sinks import read_jsonl  # noqa: E402
 
+pytestmark = pytest.mark.slow  # real Trainer runs, several over 5 s
 
 class RandomIds(torch.utils.data.Dataset):
     def __init__(self, n: int = 80, seq: int = 12) -> None:

@@ -24,6 +24,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast 
 from gradwatch.integrations.transformers import GradWatchCallback  # noqa: E402
 from gradwatch.io.sinks import read_jsonl  # noqa: E402
 
+pytestmark = pytest.mark.slow  # real TRL trainers, each check a few seconds
+
 WORDS = [f"w{i}" for i in range(120)]
 
 
