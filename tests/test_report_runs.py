@@ -111,6 +111,15 @@ def test_appended_runs_are_kept_apart_and_both_views_agree(capsys, tmp_path):
     assert "=== run 1 of 2" in out and "=== run 2 of 2" in out and "holds 2 runs" in err
 
 
+def test_event_files_of_one_second_are_read_in_the_order_they_were_written(tmp_path):
+    """A process's 10th event writer sorts after its 9th (the names differ by that count alone within a second)."""
+    from gradwatch.io.runs import event_files
+
+    for count in (10, 9, 11):
+        (tmp_path / f"events.out.tfevents.1764145234.host.4242.{count}").write_bytes(b"")
+    assert [p.name.rsplit(".", 1)[1] for p in event_files(tmp_path)] == ["9", "10", "11"]
+
+
 def test_a_run_resumed_in_another_folder_is_one_history(capsys, tmp_path):
     model, first = small_watch(tmp_path / "version_0")
     train(first, model, 6)

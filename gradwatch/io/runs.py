@@ -234,9 +234,13 @@ def from_watch(watch: Any, details: Optional[Dict[Tuple[int, str], Dict[str, Any
 
 
 def event_files(directory: Path) -> List[Path]:
-    """TensorBoard event files directly in ``directory``."""
+    """TensorBoard event files directly in ``directory``, in the order they were written.
+
+    Their names end ``<seconds>.<host>.<pid>.<writer count>``: two writers of one process within a second differ by
+    the count alone, which sorts as a number (``.9`` before ``.10``), not as text.
+    """
     try:
-        return sorted(p for p in directory.iterdir() if p.is_file() and p.name.startswith(_EVENT_PREFIX))
+        return sorted((p for p in directory.iterdir() if p.is_file() and p.name.startswith(_EVENT_PREFIX)), key=_natural)
     except OSError:
         return []
 
