@@ -11,6 +11,7 @@ warning for the run. The real package, tiny models, in this process.
 
 from __future__ import annotations
 
+import json
 from fractions import Fraction
 
 import pytest
@@ -32,7 +33,7 @@ def loss_fn(model, batch):
     return F.cross_entropy(model(x), y)
 
 
-def train(batches, *, epochs=1, calls="recipe", plugin=None, after_backward=None):
+def train(batches, *, epochs=1, calls="recipe", plugin=None, after_backward=None, state=None):
     """A user's accelerate loop over ``batches`` micro-batches of 4 samples per epoch; the watch on every step.
 
     ``calls``: ``"recipe"`` (accumulate, then step on the sync step) or ``"sync_only"`` (step on the sync step only).
@@ -47,6 +48,8 @@ def train(batches, *, epochs=1, calls="recipe", plugin=None, after_backward=None
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt, loader = accelerator.prepare(model, opt, DataLoader(data, batch_size=4))
     watch = GradWatch(model, loss_fn, optimizer=opt, every=1, tensorboard=False, jsonl=False, coords=2, directions=1)
+    if state is not None:
+        watch.load_state_dict(state)
     reports = []
     for _ in range(epochs):
         for batch in loader:
@@ -127,3 +130,14 @@ def test_step_on_sync_steps_only_is_one_warning_for_the_run():
     assert len(reports) == 3
     for r in reports:  # each check says why, in its record; the backward verdict goes on
         assert r.training == {} and r.training_note.startswith("skipped: accumulating") and r.tensors
+
+
+def test_a_resumed_run_keeps_the_window_it_learned():
+    """A checkpoint keeps the window: after a resume, a last window of one micro-batch (nothing to read the window
+    from but the run's) is named at once, not judged WRONG on every tensor."""
+    first, _, _ = train(2 * K)
+    state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint file holds it
+    assert state["training"] == {"window": K, "warned": False}
+    watch, reports, _ = train(1, state=state)
+    assert [(a.kind, a.tensor) for a in watch.alerts] == [("partial_window", "*")], [a.message[:150] for a in watch.alerts]
+    assert reports[0].training_window["window"] == K and reports[0].training_window["micro_batches"] == 1

@@ -37,7 +37,7 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -62,6 +62,16 @@ class AccumulationWindow:
         #: Whether the ``unjudged`` warning was given (once for the run).
         self.warned = False
         self._unseen: Optional[Tuple[int, int]] = None  # this check: (training's forwards, one replay's), when skipped
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What a resumed run needs: the window learned and whether the warning was given."""
+        return {"window": self.window, "warned": self.warned}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Go on from :meth:`state_dict` (an empty mapping, from a state written before it was kept: a fresh start)."""
+        window = state.get("window")
+        self.window = int(window) if window is not None else None
+        self.warned = bool(state.get("warned", False))
 
     def observe(self, micro_batches: int) -> None:
         """A checked step held ``micro_batches`` (called once per check, before its replay)."""

@@ -427,8 +427,7 @@ class GradWatch:
     def _emit(self, step: int, report: Optional[CheckReport], alerts: List[Alert], seconds: float) -> None:
         if report is not None:
             record = check_record(step, report, seconds=seconds, overhead_fraction=self.clock.fraction_with(seconds),
-                                  coverage=self.coverage, check_counts=self.check_counts,
-                                  cycle_length=self.cycle_length)
+                                  coverage=self.coverage, check_counts=self.check_counts, cycle_length=self.cycle_length)
             record["overhead_fraction_after_baseline"] = self.clock.after_baseline_with(seconds, self.context.checks)
             self.sinks.write_check(record, alerts)
         elif alerts:
@@ -450,6 +449,7 @@ class GradWatch:
             "independence": self.independence.state_dict(),
             **self.policy.state_dict(),  # "alerts"
             **self.clock.state_dict(),  # "monitor_seconds", "baseline_seconds", "wall_seconds"
+            **self.training.state_dict(),  # "training": the accumulation window
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -468,8 +468,8 @@ class GradWatch:
         self.schedule.load_state_dict(state["schedule"])
         self.tracker.load_state_dict(state["tracker"])
         self.independence.load_state_dict(state.get("independence", {}))
-        self.policy.load_state_dict(state)
-        self.clock.load_state_dict(state)
+        for part in (self.policy, self.clock, self.training):  # each reads its own keys of the state
+            part.load_state_dict(state)
         run_id = state.get("run_id")
         if run_id and str(run_id) != self.run_id:  # a resumed run: its records go on under its id
             self.run_id = self.sinks.run_id = str(run_id)

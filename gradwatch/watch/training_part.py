@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import nn
@@ -119,6 +119,13 @@ class TrainingPart(TrendAlerting):
         self._reentrant: Optional[bool] = None
         #: The run's accumulation window: a partial one found and said once (:mod:`gradwatch.watch.accumulation`).
         self.window = AccumulationWindow()
+
+    def state_dict(self) -> Dict[str, Any]:
+        """``{"training": ...}``: the accumulation window learned (a resumed run names a partial window at once)."""
+        return {"training": self.window.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.window.load_state_dict(state.get("training") or {})
 
     @property
     def enabled(self) -> bool:
