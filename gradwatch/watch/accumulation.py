@@ -42,7 +42,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from gradwatch.check.judging.report import CheckReport, TrainingCheck
-from gradwatch.check.replay.window import PartialWindow, scale_of, window_of
+from gradwatch.check.judging.training_judge import fitted_scale
+from gradwatch.check.replay.window import PartialWindow, window_of
 from gradwatch.watch.trend import WHOLE_CHECK, Alert
 
 #: The recipe under accelerate's ``accumulate()``, said where the watch is not handed the micro-batches.
@@ -112,7 +113,7 @@ class AccumulationWindow:
         if 2 * len(explained) <= len(failing):
             return None  # the window explains too few: the tensors are wrong each in its own way
         training.update(judged)
-        return PartialWindow(micro_batches, k, scale_of({n: lives[n] for n in explained}, {n: refs[n] for n in explained}))
+        return PartialWindow(micro_batches, k, fitted_scale({n: lives[n] for n in explained}, {n: refs[n] for n in explained}))
 
     def alerts(self, step: int, report: CheckReport) -> List[Alert]:
         """This check's alerts: the partial window its report keeps (each time one is found), micro-batches the

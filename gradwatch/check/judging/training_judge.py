@@ -16,7 +16,7 @@ differently, DDP's averaging, a float16 GradScaler the watch was not given).
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence, Tuple, Union
+from typing import Callable, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -133,6 +133,23 @@ def gradient_scale(grads: Sequence[torch.Tensor]) -> float:
     total = sum(float(torch.linalg.vector_norm(g.detach() if g.dtype in (torch.float32, torch.float64) else g.detach().float()))
                 ** 2 for g in grads)
     return math.sqrt(total / n)
+
+
+def fitted_scale(lives: Mapping[str, Optional[torch.Tensor]], refs: Mapping[str, torch.Tensor]) -> float:
+    """Training's gradient over the objective's: one least-squares scale over every tensor given (nan: none).
+
+    Example:
+        >>> fitted_scale({"w": torch.tensor([1.0, 2.0]), "b": None}, {"w": torch.tensor([2.0, 4.0]), "b": torch.ones(1)})
+        0.5
+    """
+    gr = rr = 0.0
+    for name, ref in refs.items():
+        live = lives.get(name)
+        if live is not None:
+            g, r = _real(live).reshape(-1).double(), _real(ref).reshape(-1).double().to(live.device)
+            gr += float(g @ r)
+            rr += float(r @ r)
+    return gr / rr if rr > 0.0 else float("nan")
 
 
 _DTYPE_NAMES: dict = {}  # torch.float32 -> "float32", filled as dtypes are met

@@ -27,9 +27,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, Dict, Mapping, Optional, Sequence
-
-import torch
+from typing import Any, Dict, Optional, Sequence
 
 from gradwatch.check.replay.cut import EXPLAINED, MAX_WINDOW
 
@@ -102,30 +100,4 @@ def window_of(ratios: Sequence[float], micro_batches: int, window: Optional[int]
     return k if abs(ratio * k / micro_batches - 1.0) <= EXPLAINED else None
 
 
-def _flat(g: torch.Tensor) -> torch.Tensor:
-    g = g.detach()
-    if g.layout != torch.strided:
-        g = g.to_dense()
-    if g.is_complex():
-        g = torch.view_as_real(g)
-    return g.reshape(-1).to(torch.float64)
-
-
-def scale_of(lives: Mapping[str, Optional[torch.Tensor]], refs: Mapping[str, torch.Tensor]) -> float:
-    """Training's gradient over the objective's, one least-squares scale over every tensor given (nan: none).
-
-    Example:
-        >>> scale_of({"w": torch.tensor([1.0, 2.0]), "b": None}, {"w": torch.tensor([2.0, 4.0]), "b": torch.ones(1)})
-        0.5
-    """
-    gr = rr = 0.0
-    for name, ref in refs.items():
-        live = lives.get(name)
-        if live is not None:
-            g, r = _flat(live), _flat(ref).to(live.device)
-            gr += float(g @ r)
-            rr += float(r @ r)
-    return gr / rr if rr > 0.0 else float("nan")
-
-
-__all__ = ["PartialWindow", "scale_of", "window_of"]
+__all__ = ["PartialWindow", "window_of"]
