@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import operator
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
@@ -437,10 +438,7 @@ class TrainingPart(TrendAlerting):
         ``report.training_window`` (not on a sharded model: each rank holds a shard)."""
         if plan is None or not plan.parts or self.watch.sharded or not any(tc.failed for tc in report.training.values()):
             return None
-        ranks: Dict[int, int] = {}
-        for part in plan.parts:
-            ranks[part.rank] = ranks.get(part.rank, 0) + 1
-        each = set(ranks.values())  # the step's micro-batches on each rank, when every rank holds as many
+        each = set(collections.Counter(part.rank for part in plan.parts).values())  # micro-batches on each rank
         options = self.watch.options
 
         def again(n: str, factor: float) -> TrainingCheck:

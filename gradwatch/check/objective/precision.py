@@ -60,14 +60,34 @@ _FACTORIES = {f for f in (torch.zeros, torch.ones, torch.empty, torch.full, torc
                           torch.empty_like, torch.full_like, torch.eye, torch.arange, torch.linspace, torch.tensor,
                           torch.as_tensor, torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty,
                           torch.Tensor.new_full, torch.Tensor.new_tensor)}
-#: Under autocast a low ``dtype=`` is autocast's own precision, asked for on purpose (a frozen reference model that
-#: training runs under autocast, as TRL's DPO does inside its loss): left alone.
-_ANY_AUTOCAST: Callable[[], bool] = getattr(torch._C, "_is_any_autocast_enabled", None) or (
-    lambda: any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")))
+#: torch's own test of every device's autocast at once (absent from old versions: then each device is asked).
+_ANY_AUTOCAST: Optional[Callable[[], bool]] = getattr(torch._C, "_is_any_autocast_enabled", None)
+#: The device types whose autocast state is read.
+AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
-def _autocasting() -> bool:
-    return bool(_ANY_AUTOCAST())
+def any_autocast() -> bool:
+    """Whether autocast is on for any device type now.
+
+    Under autocast a low ``dtype=`` is autocast's own precision, asked for on purpose (a frozen reference model that
+    training runs under autocast, as TRL's DPO does inside its loss): :class:`ShadowPrecision` leaves it alone.
+
+    Example:
+        >>> any_autocast()
+        False
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     any_autocast()
+        True
+    """
+    if _ANY_AUTOCAST is not None:
+        return bool(_ANY_AUTOCAST())
+    for dev in AUTOCAST_DEVICES:
+        try:
+            if torch.is_autocast_enabled(dev):
+                return True
+        except (RuntimeError, TypeError, AttributeError):  # torch < 2.4 spells it per device
+            continue
+    return False
 
 
 #: Casts whose target dtype may be positional; every other rewrite reads a ``dtype=`` keyword.
@@ -254,7 +274,7 @@ class ShadowPrecision(TorchFunctionMode):
                 self._note_upcast(func, cast(torch.dtype, target))
                 return (args[0], self.dtype), {}
             return None
-        if func in _FACTORIES and self._low(kwargs.get("dtype")) and not _autocasting():
+        if func in _FACTORIES and self._low(kwargs.get("dtype")) and not any_autocast():
             self._note_upcast(func, kwargs["dtype"])
             return args, {**kwargs, "dtype": self.dtype}
         if self._low(kwargs.get("dtype")) and any(self._high(t) for t in tree_flatten(args)[0]):

@@ -50,14 +50,11 @@ from torch import nn
 
 from gradwatch.check.objective.generators import HeldGenerators
 from gradwatch.check.objective.guards import LiveIsolation
+from gradwatch.check.objective.precision import AUTOCAST_DEVICES, any_autocast
 from gradwatch.check.objective.rng import preserved_rng
 
 #: Forwards recorded per micro-batch at most; beyond, the replay cannot be verified.
 MAX_RECORDS = 64
-#: Autocast device types whose state is recorded and replayed.
-AUTOCAST_DEVICES = ("cpu", "cuda")
-
-
 _CUDA: List[bool] = []  # torch.cuda.is_available(), asked once (it costs microseconds on every forward)
 
 
@@ -67,10 +64,6 @@ def _cuda_states() -> Optional[List[torch.Tensor]]:
     if _CUDA[0] and torch.cuda.is_initialized():
         return torch.cuda.get_rng_state_all()
     return None
-
-
-#: torch's own test of every device's autocast at once (absent from old versions: then each device is asked).
-_ANY_AUTOCAST: Optional[Callable[[], bool]] = getattr(torch._C, "_is_any_autocast_enabled", None)
 
 
 def autocast_state() -> Tuple[Tuple[str, bool, torch.dtype], ...]:
@@ -83,7 +76,7 @@ def autocast_state() -> Tuple[Tuple[str, bool, torch.dtype], ...]:
         ...     autocast_state()
         (('cpu', True, torch.bfloat16),)
     """
-    if _ANY_AUTOCAST is not None and not _ANY_AUTOCAST():  # one call where no device's autocast is on (the common case)
+    if not any_autocast():  # one call where no device's autocast is on (the common case)
         return ()
     out = []
     for dev in AUTOCAST_DEVICES:
