@@ -29,6 +29,7 @@ from gradwatch.check.objective.rng import Reseeder, preserved_rng, seed_everythi
 from gradwatch.check.objective.shadow import Shadow, cast_floats, restore_params, snapshot_params
 from gradwatch.check.objective.surrogate import SurrogateCut, find_surrogates, surrogate_note, surrogate_parameters
 from gradwatch.check.objective.terms import Objective, coupled_weight_decay
+from gradwatch.check.probes.batched import compiled_modules
 from gradwatch.check.probes.engine import check_tensors
 from gradwatch.check.probes.lines import EngineSettings, Evaluator, total
 from gradwatch.errors import blame
@@ -401,7 +402,7 @@ def run_model_check(
             guard.restore_fast()
             return _floats(terms)
 
-        evaluator = Evaluator(evaluate)
+        evaluator = Evaluator(evaluate, recordable=not compiled_modules(target))
         magnitude = sum(abs(v) for v in values.values())
         eval_eps = max(machine_eps(t.dtype) for t in params.values()) if params else 0.0
         coarse = None

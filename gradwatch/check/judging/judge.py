@@ -69,6 +69,8 @@ class Slope:
     unresolved: bool = False
     failed: bool = False
     alone: bool = False
+    #: The probe crossed a kink seen in the forward and was taken again at a shorter step that crosses none.
+    crossed: bool = False
 
 
 @dataclass(frozen=True)
@@ -213,7 +215,7 @@ def judge(name: str, shape: Sequence[int], slopes: Sequence[Slope], rule: Rule, 
         directional_rel_diff=rel_diff(da, dn) if da else None,
         noise_floor=float(max((s.floor for s in kept if math.isfinite(s.floor)), default=0.0)),
         step=step,
-        kinks=sum(s.excluded for s in slopes),
+        kinks=sum(s.excluded or s.crossed for s in slopes),
         coords=[tuple(s.label) for s in coords],
         analytic=[s.analytic for s in coords],
         numeric=[s.numeric for s in coords],

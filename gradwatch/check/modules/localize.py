@@ -50,6 +50,7 @@ from gradwatch.check.objective.padding_idx import padding_rows_constant
 from gradwatch.check.objective.precision import ShadowPrecision
 from gradwatch.check.objective.rng import Reseeder, preserved_rng
 from gradwatch.check.objective.shadow import Shadow, cast_floats, restore_params, snapshot_params
+from gradwatch.check.probes.batched import compiled_modules
 from gradwatch.check.probes.engine import check_tensors
 from gradwatch.check.probes.lines import EngineSettings, Evaluator
 from gradwatch.options import CheckOptions
@@ -350,7 +351,7 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
         guard.restore_fast()
         return {"loss": value}
 
-    evaluator = Evaluator(evaluate)
+    evaluator = Evaluator(evaluate, recordable=not compiled_modules(module))
     saved = snapshot_params(params) if restore else {}
     try:
         with frozen_batchnorm_stats(module):

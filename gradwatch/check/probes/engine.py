@@ -29,6 +29,7 @@ from gradwatch.check.judging.judge import (
     judge,
 )
 from gradwatch.check.judging.report import InconclusiveKind, TensorCheck
+from gradwatch.check.probes.kinks import adopt, disagrees, forward_kinks, kink_free
 from gradwatch.check.probes.lines import (
     BatchProbe,
     EngineSettings,
@@ -107,7 +108,14 @@ def detect(name: str, p: torch.Tensor, grads: Dict[str, torch.Tensor], evaluate:
             out, settled = screen(p, saved, grads, first, base, j0, evaluate, settings,
                                   batch=(name, probe_batch) if probe_batch is not None else None)
             found = Detection(first, out, settled=settled)
-            if not settled and _needs_reexamination(out, settings):
+            shorter = kink_free(p, saved, grads, first, out, evaluate, settings) \
+                if not settled and _needs_reexamination(out, settings) else None
+            if shorter is not None:
+                # The probe crossed kinks seen in the forward: judged only where it crosses none (or excluded).
+                found.outcome = out = shorter
+                found.confirmed = not (out.kink or out.unresolved) and set(out.analytic) == {"total"} \
+                    and disagrees(out, settings) and fails_alone(out, settings)
+            elif not settled and _needs_reexamination(out, settings):
                 alone = set(out.analytic) == {"total"} and fails_alone(out, settings)
                 found.confirmed = alone and smooth_sides(first, base, out, j0, settings)
                 batch = (name, probe_batch) if probe_batch is not None else None
@@ -117,11 +125,12 @@ def detect(name: str, p: torch.Tensor, grads: Dict[str, torch.Tensor], evaluate:
                     # one-sided slopes that agree; a kink crossed at the base step is left behind or bends one
                     # side, and one at the point keeps the sides apart at every step.
                     _reexamine(p, saved, grads, first, base, out, j0, evaluate, settings, scales=KINK_SCALES[:1],
-                               batch=batch, taken=taken)
+                               batch=batch, taken=taken, forward=False)
                     found.confirmed = not (out.kink or out.unresolved)
                 if not found.confirmed:  # a kink may explain it: every smaller step, as the full sample takes them
                     out.kink = out.unresolved = False
-                    _reexamine(p, saved, grads, first, base, out, j0, evaluate, settings, batch=batch, taken=taken)
+                    _reexamine(p, saved, grads, first, base, out, j0, evaluate, settings, batch=batch, taken=taken,
+                               forward=False)
     finally:
         with torch.no_grad():
             p.copy_(saved)
@@ -253,7 +262,8 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
     Yields:
         A :class:`Judged` per tensor (a caller keeps those judged before an evaluation raised).
     """
-    j_a, j_b = evaluate(), evaluate()
+    # The first evaluation records the non-smooth ops the forward runs (kinks seen from the forward).
+    j_a, j_b = (forward_kinks(evaluate).evaluate_base() if settings.detect_kinks else evaluate()), evaluate()
     jitter, kind, why = base_point(total(j_a), total(j_b), allowed_jitter(settings.eval_eps, settings.magnitude))
     if kind is not None:
         for key, name, p, _ in targets:
@@ -331,13 +341,22 @@ def _needs_reexamination(out: Outcome, settings: EngineSettings) -> bool:
 def _reexamine(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], out: Outcome, j0: float,
                evaluate: Evaluator, settings: EngineSettings, scales: Sequence[float] = KINK_SCALES,
                batch: Optional[Tuple[str, BatchProbe]] = None,
-               taken: Optional[Dict[float, Tuple[Terms, Terms, Terms, Terms]]] = None) -> Optional[bool]:
+               taken: Optional[Dict[float, Tuple[Terms, Terms, Terms, Terms]]] = None,
+               forward: bool = True) -> Optional[bool]:
     """Kink (True), wrong gradient (False) or cannot tell (None) for a disagreeing sample; marked on ``out``.
 
+    First the forward (``forward``, :func:`kink_free`): a probe that crossed kinks seen there is judged again
+    where it crosses none, and only there; one that crossed none goes to the slopes' own rules.
     ``scales``: the smaller steps of :func:`classify_kink`; ``batch``: the tensor's name and a batched
     evaluator, to take those not yet ``taken`` in one batch; ``taken``: the probes at smaller steps so far, by
     scale (kept for a later call on the same sample).
     """
+    shorter = kink_free(p, saved, grads, sample, out, evaluate, settings) if forward else None
+    if shorter is not None:
+        adopt(out, shorter)
+        if out.unresolved:
+            return None
+        return True if out.kink or not disagrees(out, settings) else False
     a, n = out.analytic["total"], out.numeric["total"]
     if unresolvable(sample, a, n, settings):
         kink = resolve_low_precision(p, saved, grads, sample, a, n, j0, evaluate, settings)
@@ -361,7 +380,7 @@ def _summarize(name, shape, samples: List[Sample], outcomes: List[Outcome], term
     slopes = [
         Slope(analytic=o.analytic[term], numeric=o.numeric.get(term, 0.0), floor=o.floor, coordinate=s.index is not None,
               label=tuple(s.index) if s.index is not None else s.label, excluded=o.kink, unresolved=o.unresolved,
-              alone=s.alone)
+              alone=s.alone, crossed=o.crossed)
         for s, o in zip(samples, outcomes)
     ]
     rule = BandRule(bands=settings.bands, fail_at=settings.fail_at, coarse=settings.coarse)

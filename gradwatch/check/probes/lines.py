@@ -36,9 +36,14 @@ class Evaluator:
         (1.0, 1)
     """
 
-    def __init__(self, evaluate: Callable[[], Terms]) -> None:
+    def __init__(self, evaluate: Callable[[], Terms], recordable: bool = True) -> None:
         self._evaluate = evaluate
         self.count = 0
+        #: Its forward may run under a recording dispatch mode (:mod:`gradwatch.check.probes.kinks`); False for
+        #: a model holding ``torch.compile`` code, whose live graph a mode would throw out of dynamo's cache.
+        self.recordable = recordable
+        #: Its :class:`~gradwatch.check.probes.kinks.ForwardKinks`, once asked for.
+        self.forward_kinks: Any = None
 
     def __call__(self) -> Terms:
         self.count += 1
@@ -87,6 +92,11 @@ class Outcome:
     widened: bool = False
     #: The objective was bit-for-bit the same on both sides at the widest step (:func:`flat_at_widest`).
     flat: bool = False
+    #: Its probe crossed a kink seen in the forward (:mod:`gradwatch.check.probes.kinks`): taken again at a
+    #: step that crosses none, or excluded (``kink``).
+    crossed: bool = False
+    #: The step the slopes were taken at, where it is not the sample's (a wider step, :func:`widen`).
+    step: Optional[float] = None
 
 
 @dataclass

@@ -16,6 +16,7 @@ from gradwatch.check.judging.judge import (
 )
 from gradwatch.check.judging.report import InconclusiveKind, TensorCheck
 from gradwatch.check.numerics.sampling import generator, rademacher_signs, tensor_seed
+from gradwatch.check.probes.kinks import crosses, disagrees
 from gradwatch.check.probes.lines import (
     DENSE_SIGNS_MAX,
     EngineSettings,
@@ -513,7 +514,7 @@ def linear_from(probes: WideProbes, slope: float, j0: float, settings: EngineSet
     floor = (4.0 * f2 + f1) / 3.0
     if floor > 1e-3 * max(abs(a2["total"]), abs(richardson["total"])):
         return None  # still lost in the rounding: the tests above could not see a kink
-    return Outcome(a2, richardson, floor, widened=True)
+    return Outcome(a2, richardson, floor, widened=True, step=probes[0][0])
 
 
 def needs_widening(out: Outcome, settings: EngineSettings) -> bool:
@@ -558,6 +559,11 @@ def judge_sample(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Term
             wider = linear_from(wide, max(abs(out.analytic["total"]), abs(out.numeric["total"])), j0, settings)
         else:
             wider = widen(p, saved, grads, sample, out.analytic, out.numeric, out.floor, j0, evaluate, settings)
+        if wider is not None and disagrees(wider, settings) and wider.step is not None \
+                and crosses(p, saved, grads, sample, wider.step, evaluate):
+            # Linear-looking sides, but kinks crossed inside the wider step (seen in the forward): the base
+            # probe stands, re-examined as any other.
+            return out
         if wider is not None:  # smooth within a wider step: the slope there is the slope at the point
             return wider
     return out
