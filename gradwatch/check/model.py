@@ -32,6 +32,7 @@ from gradwatch.check.objective.terms import Objective, coupled_weight_decay
 from gradwatch.check.probes.batched import compiled_modules
 from gradwatch.check.probes.engine import check_tensors
 from gradwatch.check.probes.lines import EngineSettings, Evaluator, total
+from gradwatch.check.probes.prefix import PrefixCache
 from gradwatch.errors import blame
 from gradwatch.options import CheckOptions
 
@@ -231,12 +232,14 @@ def validate_grads(grads: Any, params: Mapping[str, torch.Tensor], source: str) 
 
 @contextlib.contextmanager
 def _evaluation_context(target: nn.Module, in_place: bool, params: Dict[str, torch.Tensor],
-                        roots: Sequence[Any]) -> Iterator[Tuple[BufferGuard, HeldGenerators, List[str], Any, List[str]]]:
+                        roots: Sequence[Any], prefix: Optional[PrefixCache] = None,
+                        ) -> Iterator[Tuple[BufferGuard, HeldGenerators, List[str], Any, List[str]]]:
     saved = snapshot_params(params) if in_place else None
     held = HeldGenerators([*roots, target])
     try:
         with preserved_rng(), dropout_off(target) as dropout, frozen_power_iteration(target), \
-                padding_rows_constant(target) as padding, suspended_hooks(target) as hooks:
+                padding_rows_constant(target) as padding, suspended_hooks(target) as hooks, \
+                (prefix.installed() if prefix is not None else contextlib.nullcontext()):
             # Inside: the attributes dropout_off switched are saved as switched (see AttributeGuard).
             guard = BufferGuard(target, attributes=True)
             try:
@@ -311,7 +314,10 @@ def run_model_check(
         report.notes.append(surrogate_note(surrogates, "objective"))
 
     roots = [objective.loss_fn, *objective.regularizers.values(), grad_fn, model]
-    with _evaluation_context(target, in_place, params, roots) as (guard, held, hooks, dropout, padding):
+    # A probe of one tensor replays the leaf modules it does not reach (on the float64 copy, real tensors only).
+    prefix = PrefixCache(target, params) if not in_place and cut is None and batched and not objective.differentiates and \
+        all(p is leaves[n] for n, p in params.items()) and not compiled_modules(target) else None
+    with _evaluation_context(target, in_place, params, roots, prefix) as (guard, held, hooks, dropout, padding):
         report.dropout = dropout
         if padding:
             report.notes.append(padding_note(padding))
@@ -390,19 +396,32 @@ def run_model_check(
 
         def evaluate() -> Dict[str, float]:
             reseed()
-            if graph_leaves is not None:  # checkpoint(use_reentrant=True) warns at every evaluation without grad
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message=CHECKPOINT_NO_GRAD_WARNING)
-                    terms = terms_no_grad() if not torch.is_grad_enabled() else _no_grad(terms_no_grad)
-            elif torch.is_grad_enabled():
-                with torch.no_grad():
+            capturing = prefix is not None and prefix.phase == "capture"
+            if prefix is not None:
+                prefix.begin()
+            try:
+                if graph_leaves is not None:  # checkpoint(use_reentrant=True) warns at every evaluation without grad
+                    with warnings.catch_warnings():
+                        warnings.filterwarnings("ignore", message=CHECKPOINT_NO_GRAD_WARNING)
+                        terms = terms_no_grad() if not torch.is_grad_enabled() else _no_grad(terms_no_grad)
+                elif torch.is_grad_enabled():
+                    with torch.no_grad():
+                        terms = terms_no_grad()
+                else:  # the engine probes under no_grad already; entering it again costs more than the check
                     terms = terms_no_grad()
-            else:  # the engine probes under no_grad already; entering it again costs more than the check
-                terms = terms_no_grad()
+            finally:
+                if capturing and prefix is not None:
+                    prefix.captured()  # (the first evaluation: what it kept is replayed from now on)
             guard.restore_fast()
-            return _floats(terms)
+            out = _floats(terms)
+            if capturing:
+                captured_at.append(total(out))
+            return out
 
+        captured_at: List[float] = []
         evaluator = Evaluator(evaluate, recordable=not compiled_modules(target))
+        if prefix is not None:
+            evaluator.on_focus = lambda p: _focus(prefix, p, evaluator, captured_at)
         magnitude = sum(abs(v) for v in values.values())
         eval_eps = max(machine_eps(t.dtype) for t in params.values()) if params else 0.0
         coarse = None
@@ -419,22 +438,94 @@ def run_model_check(
             from gradwatch.check.probes.batched import BatchedProbe
 
             tolerance = 2 * NOISE_FACTOR * max(eval_eps, objective_dtype_eps) * max(magnitude, 1e-30)
-            probe = BatchedProbe(model, target, objective, batch, reseed, guard, evaluator, tolerance)
+            probe = BatchedProbe(model, target, objective, batch, reseed if prefix is None else _Both(reseed, prefix.begin),
+                                 guard, evaluator, tolerance)
             if mode is not None:
                 probe = _InMode(probe, mode)
         verdict_at: List[Tuple[float, int]] = []
         with frozen_batchnorm_stats(target):
             _judge_all(report, params, grads, evaluator, opts, magnitude=magnitude, eval_eps=eval_eps,
                        objective_dtype_eps=objective_dtype_eps, probe_batch=probe, coarse=coarse, screen=screen,
-                       mark_unseen=mark_unseen,
+                       mark_unseen=mark_unseen, base_terms=values,
                        on_verdict=lambda: verdict_at.append((time.perf_counter(), evaluator.count)))
+            flat_at = time.perf_counter()
+            flat_evaluations = _flat_on_leaves(report, target, prefix, opts, screen) \
+                if prefix is not None and prefix.enabled else 0
+            flat_spent = time.perf_counter() - flat_at
     report.evaluations = evaluator.count + 1
     end = time.perf_counter()
     report.seconds = end - start
     at, count = verdict_at[0] if verdict_at else (end, evaluator.count)
-    report.verdict_seconds, report.verdict_evaluations = at - start, count + 1
+    report.verdict_seconds, report.verdict_evaluations = at - start + flat_spent, count + 1 + flat_evaluations
     report.localize_seconds = end - at if report.failures else 0.0
     return report
+
+
+def _flat_on_leaves(report: CheckReport, target: nn.Module, prefix: PrefixCache, opts: CheckOptions,
+                    screen: bool) -> int:
+    """Tensors the objective is flat in (a bias before a normalization) whose module is a leaf that ran once:
+    judged on that module alone, on the inputs the first evaluation kept, with no forward of the model more
+    (:func:`judge_unseen_on_modules` judges the others). Returns the evaluations of those modules made."""
+    from gradwatch.check.modules.localize import check_module
+
+    flat = [n for n, t in report.tensors.items() if t.inconclusive_kind is InconclusiveKind.FLAT]
+    evaluations = 0
+    if not flat:
+        return 0
+    owners = {(f"{m_name}.{local}" if m_name else local): (m_name, m, local, p)
+              for m_name, m in target.named_modules() for local, p in m.named_parameters(recurse=False)}
+    judged = []
+    for n in flat:
+        if n not in owners:
+            continue
+        m_name, module, local, p = owners[n]
+        got = prefix.inputs_of(module)
+        if got is None:
+            continue
+        constants = {id(t) for t in _tensors_in(got)}  # only the parameter's verdict is wanted here
+        result = check_module(m_name, module, got[0], got[1], opts, params={local: p}, constants=constants,
+                              screen=screen)
+        report.evaluations += result.evaluations
+        evaluations += result.evaluations
+        check = result.tensors.get(local)
+        if check is not None and check.inconclusive is None:
+            check.name = n
+            report.tensors[n] = check
+            judged.append(n)
+    if judged:
+        report.notes.append(
+            f"judged on their modules alone (each module on its inputs from the batch), since differences of the "
+            f"whole objective could not resolve their gradient (weights near zero): {', '.join(judged)}"
+        )
+    return evaluations
+
+
+def _tensors_in(value: Any) -> List[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors_in(v)]
+    return []
+
+
+class _Both:
+    """Two calls in one: the batched evaluations' reseeding, and the start of an evaluation's call count."""
+
+    def __init__(self, first: Callable[[], None], second: Callable[[], None]) -> None:
+        self.first, self.second = first, second
+
+    def __call__(self) -> None:
+        self.first()
+        self.second()
+
+
+def _focus(prefix: PrefixCache, p: Optional[torch.Tensor], evaluator: Evaluator, captured_at: List[float]) -> None:
+    """The engine probes ``p`` now: replay what it does not reach, once the replay is found exact (one evaluation)."""
+    if p is not None and not prefix.verified and prefix.enabled:
+        prefix.verify(lambda: total(evaluator()), captured_at[0]) if captured_at else setattr(prefix, "enabled", False)
+    prefix.focus(p)
 
 
 class _InMode:
@@ -516,12 +607,14 @@ def _dense(g: torch.Tensor) -> torch.Tensor:
 def _judge_all(report: CheckReport, params: Dict[str, torch.Tensor], grads, evaluator: Evaluator, opts: CheckOptions,
                magnitude: float, eval_eps: float, objective_dtype_eps: float, exhaustive: bool = False,
                probe_batch: Any = None, coarse: Optional[str] = None, screen: bool = False,
-               on_verdict: Optional[Callable[[], None]] = None, mark_unseen: bool = False) -> None:
+               on_verdict: Optional[Callable[[], None]] = None, mark_unseen: bool = False,
+               base_terms: Optional[Dict[str, float]] = None) -> None:
     """Judge every tensor (:func:`gradwatch.check.probes.engine.check_tensors`); fills ``report``."""
     settings = EngineSettings.from_options(opts, max(eval_eps, objective_dtype_eps), magnitude, exhaustive=exhaustive,
                                            coarse=coarse, screen=screen, mark_unseen=mark_unseen)
     targets = [(n, n, p, grads[n]) for n, p in params.items()]
-    for judged in check_tensors(targets, evaluator, settings, opts.seed, probe_batch=probe_batch, on_verdict=on_verdict):
+    for judged in check_tensors(targets, evaluator, settings, opts.seed, probe_batch=probe_batch, on_verdict=on_verdict,
+                                base_terms=base_terms):
         report.tensors[judged.key] = judged.check
         for term, tc in judged.per_term.items():
             report.term_checks.setdefault(term, {})[judged.key] = tc

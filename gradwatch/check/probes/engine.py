@@ -236,7 +236,8 @@ class Judged:
 
 def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: EngineSettings, seed: int,
                   probe_batch: Optional[BatchProbe] = None,
-                  on_verdict: Optional[Callable[[], None]] = None) -> Iterator[Judged]:
+                  on_verdict: Optional[Callable[[], None]] = None,
+                  base_terms: Optional[Terms] = None) -> Iterator[Judged]:
     """Judge a set of tensors of one objective: the base point first, then :func:`check_tensor` for each.
 
     The objective is evaluated twice at the unperturbed point: if the two values are not finite, or differ
@@ -258,13 +259,20 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
         probe_batch: Evaluates the base probes of each tensor it ``wants`` in batches.
         on_verdict: Called once every tensor's verdict (pass or fail) is known, before the failing
             tensors' full samples.
+        base_terms: The terms at the unperturbed point from the caller's own forward (the analytic side's), if
+            it has them: they stand for the first of the two evaluations there (a third is taken only when
+            they differ from the second by more than rounding, to tell the forward's mode from nondeterminism).
 
     Yields:
         A :class:`Judged` per tensor (a caller keeps those judged before an evaluation raised).
     """
     # The first evaluation records the non-smooth ops the forward runs (kinks seen from the forward).
-    j_a, j_b = (forward_kinks(evaluate).evaluate_base() if settings.detect_kinks else evaluate()), evaluate()
-    jitter, kind, why = base_point(total(j_a), total(j_b), allowed_jitter(settings.eval_eps, settings.magnitude))
+    allowed = allowed_jitter(settings.eval_eps, settings.magnitude)
+    j_a = forward_kinks(evaluate).evaluate_base() if settings.detect_kinks else evaluate()
+    j_b = base_terms if base_terms is not None and set(base_terms) == set(j_a) else None
+    if j_b is None or base_point(total(j_a), total(j_b), allowed)[1] is not None:
+        j_b = evaluate()
+    jitter, kind, why = base_point(total(j_a), total(j_b), allowed)
     if kind is not None:
         for key, name, p, _ in targets:
             yield Judged(key, inconclusive(name, tuple(p.shape), kind, str(why)), before_sampling=kind)
@@ -281,23 +289,28 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
                          before_sampling=InconclusiveKind.NONFINITE)
             continue
         batch = probe_batch if probe_batch is not None and probe_batch.wants(key) else None
+        evaluate.focus(p)
         detected = detect(name, p, grads, evaluate, j0, settings, seed, batch) if settings.detection_first else None
         if detected is not None and detected.confirmed:
             failing.append((key, name, p, grads, batch, detected))
             continue
         main, per_term = check_tensor(name, p, grads, evaluate, j0, settings, seed, probe_batch=batch, detected=detected)
         yield Judged(key, main, per_term)
+    evaluate.focus(None)
     if on_verdict is not None:
         on_verdict()
     for key, name, p, grads, batch, detected in failing:
+        evaluate.focus(p)
         try:
             main, per_term = check_tensor(name, p, grads, evaluate, j0, settings, seed, probe_batch=batch,
                                           detected=detected)
         except BaseException:
             # The verdict stands without its diagnosis: the probe alone, judged.
+            evaluate.focus(None)
             yield Judged(key, _summarize(name, tuple(p.shape), [detected.sample], [detected.outcome], "total", settings))
             raise
         yield Judged(key, main, per_term)
+    evaluate.focus(None)
 
 
 def _probe_all(p, saved, grads, samples: List[Sample], bases, outcomes: List[Outcome], evaluate: Evaluator, j0: float,

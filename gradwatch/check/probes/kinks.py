@@ -188,6 +188,24 @@ class Recorder(TorchDispatchMode):
         self.size = 0
         self.failed = False
 
+    def __enter__(self) -> "Recorder":
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        if _ACTIVE and _ACTIVE[-1] is self:
+            _ACTIVE.pop()
+
+    def size_entries(self) -> int:
+        """How many entries the record holds so far."""
+        return len(self.record)
+
+    def replay(self, entries: Record) -> None:
+        """Add entries taken at the unperturbed point for a module call that was not run again (its output was
+        replayed: :mod:`gradwatch.check.probes.prefix`), so that the records still line up."""
+        self.record.extend(entries)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Tuple = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
         rule = RULES.get(func.overloadpacket) if not self.failed else None
@@ -210,6 +228,15 @@ class Recorder(TorchDispatchMode):
         if self.size > RECORD_LIMIT:
             self.failed = True
             self.record = []
+
+
+#: The recorders in effect, innermost last.
+_ACTIVE: List[Recorder] = []
+
+
+def active_recorder() -> Optional[Recorder]:
+    """The recorder in effect (None: the forward is not being recorded)."""
+    return _ACTIVE[-1] if _ACTIVE else None
 
 
 def record(evaluate: Callable[[], Any]) -> Optional[Record]:
@@ -382,3 +409,4 @@ def crosses(p: torch.Tensor, saved: torch.Tensor, grads: Dict[str, torch.Tensor]
         return False
     _, crossing = kinks.probe(p, saved, grads, sample, t)
     return crossing is not None and crossing.count != 0
+

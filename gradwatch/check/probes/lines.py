@@ -44,6 +44,14 @@ class Evaluator:
         self.recordable = recordable
         #: Its :class:`~gradwatch.check.probes.kinks.ForwardKinks`, once asked for.
         self.forward_kinks: Any = None
+        #: Told which tensor the engine perturbs from now on (None: none), where the evaluation can use it
+        #: (:class:`~gradwatch.check.probes.prefix.PrefixCache`).
+        self.on_focus: Optional[Callable[[Optional[torch.Tensor]], None]] = None
+
+    def focus(self, p: Optional[torch.Tensor]) -> None:
+        """The engine perturbs ``p`` (alone) until the next call; None: nothing."""
+        if self.on_focus is not None:
+            self.on_focus(p)
 
     def __call__(self) -> Terms:
         self.count += 1

@@ -1,0 +1,287 @@
+"""The forward's unchanged part, reused: a perturbed evaluation recomputes only what comes after the tensor's use.
+
+A probe of one tensor perturbs it alone, so everything the forward computes before it first reads that tensor
+is exactly what it computed at the unperturbed point. :class:`PrefixCache` keeps each leaf module call's output
+from the first evaluation at the unperturbed point, notes (under a dispatch mode, op by op) where each
+parameter is first read, and, while the engine probes a tensor (:meth:`focus`), returns a copy of the kept
+output for every leaf call that ended before that tensor's first read instead of running the module. The
+order of execution alone decides, not the autograd graph: a ``.detach()``, a ``no_grad`` block or a
+checkpoint that hides a dependency from autograd cannot hide it here. The first layer's probes still run
+the whole forward; the last layer's run little more than the loss.
+
+A call always runs where replaying it could change a value: it writes to its inputs, draws from torch's
+generators (a later call would draw other numbers), returns a view of an input or something not made of
+tensors. A model whose evaluation with every other call replayed does not give the unperturbed objective bit
+for bit (state outside the modules) runs the whole forward at every evaluation, as without it.
+
+Example:
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    >>> x = torch.randn(5, 3, dtype=torch.float64)
+    >>> cache = PrefixCache(model, dict(model.named_parameters()))
+    >>> with cache.installed(), torch.no_grad():
+    ...     cache.begin(); y0 = model(x).sum()          # the first evaluation: captured
+    ...     cache.captured()
+    ...     ok = cache.verify(lambda: float((cache.begin(), model(x).sum())[1]), float(y0))
+    ...     cache.replayed = 0
+    ...     cache.focus(model[2].weight); cache.begin(); y1 = model(x).sum()   # replays Linear(3, 4), Tanh
+    >>> ok, cache.replayed, bool(y1 == y0)
+    (True, 2, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gradwatch.check.probes import kinks
+
+#: Most bytes of leaf outputs kept.
+KEEP_BYTES = 256 * 2**20
+
+Key = Tuple[int, int]  # (leaf module index, its call number within one evaluation)
+
+
+def _tensors(out: Any) -> Optional[List[torch.Tensor]]:
+    """The tensors an output is made of (a tensor, or a tuple/list of them); None for anything else."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
+        return list(out)
+    return None
+
+
+def _copy(out: Any) -> Any:
+    """A copy of a leaf's output (a tensor, or a tuple/list of them), outside any autograd graph."""
+    if isinstance(out, torch.Tensor):
+        return out.detach().clone()
+    return type(out)(o.detach().clone() for o in out)
+
+
+def _flat(args: Any) -> List[torch.Tensor]:
+    out: List[torch.Tensor] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (tuple, list)):
+            out += _flat(a)
+    return out
+
+
+def _detached(a: Any) -> Any:
+    """A copy of an input: tensors detached and cloned, tuples and lists of them likewise, anything else as is."""
+    if isinstance(a, torch.Tensor):
+        return a.detach().clone()
+    if isinstance(a, (tuple, list)):
+        return type(a)(_detached(x) for x in a)
+    return a
+
+
+def _storages(args: Any) -> Set[int]:
+    found: Set[int] = set()
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            found.add(a.untyped_storage().data_ptr())
+        elif isinstance(a, (tuple, list)):
+            found |= _storages(a)
+    return found
+
+
+def _versions(args: Any) -> List[int]:
+    out: List[int] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a._version)
+        elif isinstance(a, (tuple, list)):
+            out += _versions(a)
+    return out
+
+
+def _rng_states() -> List[torch.Tensor]:
+    """The states of torch's default generators (the CPU one, and the current CUDA device's where CUDA is up)."""
+    states = [torch.default_generator.get_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    return states
+
+
+def _same_states(a: List[torch.Tensor], b: List[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+class _FirstReads(TorchDispatchMode):
+    """Counts the ops of one evaluation and notes the first op that reads each watched storage."""
+
+    def __init__(self, storages: Set[int]) -> None:
+        super().__init__()
+        self.storages = storages
+        self.ops = 0
+        self.first: Dict[int, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Tuple = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        for a in (*args, *(kwargs or {}).values()):
+            for t in (a if isinstance(a, (tuple, list)) else (a,)):
+                if isinstance(t, torch.Tensor):
+                    ptr = t.untyped_storage().data_ptr()
+                    if ptr in self.storages and ptr not in self.first:
+                        self.first[ptr] = self.ops
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+class PrefixCache:
+    """Leaf-module outputs of the unperturbed point, replayed for the calls that end before the probed tensor's
+    first read (see the module's docstring).
+
+    Args:
+        model: The model the check evaluates (its float64 copy).
+        params: The tensors the engine perturbs, by name.
+    """
+
+    def __init__(self, model: nn.Module, params: Dict[str, torch.Tensor]) -> None:
+        self.leaves = [m for m in model.modules() if next(m.children(), None) is None]
+        self.storages = {p.untyped_storage().data_ptr() for p in params.values()}
+        self.spans: Dict[Key, Tuple[int, int]] = {}
+        self.values: Dict[Key, Any] = {}
+        #: The inputs of each call of a leaf holding parameters, from the first evaluation (``(args, kwargs)``).
+        self.inputs: Dict[Key, Tuple[Tuple, Dict[str, Any]]] = {}
+        self.calls: Dict[int, int] = {}
+        self._holds = {i for i, m in enumerate(self.leaves) if next(m.parameters(recurse=False), None) is not None}
+        self.entries: Dict[Key, Tuple[int, int]] = {}
+        self.counts: Dict[int, int] = {}
+        self.phase = "capture"
+        self.enabled = True
+        self.verified = False
+        self.limit: Optional[int] = None
+        self.replayed = 0
+        self.kept_bytes = 0
+        #: The record of the forward at the unperturbed point (:mod:`gradwatch.check.probes.kinks`), when taken.
+        self.base_record: kinks.Record = []
+        self._reads: Optional[_FirstReads] = None
+        self._saved: List[Tuple[nn.Module, Any]] = []
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator["PrefixCache"]:
+        """Wrap every leaf module's ``forward`` (an instance attribute, removed on exit)."""
+        for i, m in enumerate(self.leaves):
+            self._saved.append((m, m.__dict__.get("forward")))
+            m.forward = self._wrap(i, m.forward)
+        try:
+            yield self
+        finally:
+            for m, own in self._saved:
+                if own is None:
+                    m.__dict__.pop("forward", None)
+                else:
+                    m.forward = own
+            self._saved = []
+            self.values.clear()
+            self.inputs.clear()
+            if self._reads is not None:
+                self._reads.__exit__(None, None, None)
+                self._reads = None
+
+    def begin(self) -> None:
+        """A new evaluation starts: calls are counted from zero again (the first one is captured)."""
+        self.counts = {}
+        if self.phase == "capture" and self._reads is None:
+            self._reads = _FirstReads(self.storages)
+            self._reads.__enter__()
+
+    def inputs_of(self, module: nn.Module) -> Optional[Tuple[Tuple, Dict[str, Any]]]:
+        """The inputs a leaf module holding parameters got at the unperturbed point, where it ran once; else None."""
+        index = next((i for i, m in enumerate(self.leaves) if m is module), None)
+        if index is None or self.calls.get(index) != 1:
+            return None
+        return self.inputs.get((index, 0))
+
+    def captured(self) -> None:
+        """The first evaluation at the unperturbed point is over: replay from now on (after :meth:`verify`)."""
+        if self.phase != "capture":
+            return
+        self.phase = "ready"
+        if self._reads is not None:
+            self._reads.__exit__(None, None, None)
+            self.first = dict(self._reads.first)
+            self._reads = None
+        else:
+            self.enabled = False
+
+    def focus(self, p: Optional[torch.Tensor]) -> None:
+        """The tensor the engine perturbs now (None: none, every call runs)."""
+        if p is None:
+            self.limit = None
+            return
+        ptr = p.untyped_storage().data_ptr()
+        self.limit = self.first.get(ptr, 1 << 62) if ptr in self.storages else None
+
+    def verify(self, evaluate: Callable[[], float], expected: float) -> bool:
+        """One evaluation with every call that can be replayed replayed must give ``expected`` bit for bit; else off."""
+        if not self.enabled or self.phase != "ready":
+            self.enabled = False
+            return False
+        limit, self.limit = self.limit, 1 << 62  # a tensor read by nothing: every call can be replayed
+        try:
+            got = evaluate()
+        finally:
+            self.limit = limit
+        self.verified = got == expected
+        self.enabled = self.verified
+        return self.verified
+
+    def _wrap(self, index: int, forward: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            n = self.counts.get(index, 0)
+            self.counts[index] = n + 1
+            key = (index, n)
+            if self.phase == "capture":
+                return self._capture(key, forward, args, kwargs)
+            if self.enabled and self.limit is not None and key in self.values and self.spans[key][1] <= self.limit \
+                    and not torch.is_grad_enabled():  # (an objective differentiating inside needs the graph)
+                recorder = kinks.active_recorder()
+                if recorder is not None and key in self.entries:
+                    start, stop = self.entries[key]
+                    recorder.replay(self.base_record[start:stop])
+                self.replayed += 1
+                return _copy(self.values[key])
+            return forward(*args, **kwargs)
+
+        return wrapped
+
+    def _capture(self, key: Key, forward: Callable[..., Any], args: Tuple, kwargs: Dict[str, Any]) -> Any:
+        """The first evaluation at the unperturbed point: run, and keep what can be replayed."""
+        recorder = kinks.active_recorder()
+        if recorder is not None:
+            self.base_record = recorder.record
+        start = recorder.size_entries() if recorder is not None else 0
+        reads = self._reads
+        first_op = reads.ops if reads is not None else 0
+        inputs = (args, tuple(kwargs.values()))
+        before, drawn = _versions(inputs), _rng_states()
+        self.calls[key[0]] = key[1] + 1
+        if key[0] in self._holds:
+            size = sum(t.numel() * t.element_size() for t in _flat(inputs))
+            if self.kept_bytes + size <= KEEP_BYTES:
+                self.inputs[key] = (_detached(args), {k: _detached(v) for k, v in kwargs.items()})
+                self.kept_bytes += size
+        out = forward(*args, **kwargs)
+        if reads is None:
+            return out
+        self.spans[key] = (first_op, reads.ops)
+        if recorder is not None:
+            self.entries[key] = (start, recorder.size_entries())
+        outs = _tensors(out)
+        if outs is None or _versions(inputs) != before or not _same_states(drawn, _rng_states()) or \
+                {o.untyped_storage().data_ptr() for o in outs} & _storages(inputs):
+            # Not made of tensors, writes to its inputs, draws random numbers (a later call would draw others
+            # if it did not run) or returns a view of an input: it always runs.
+            return out
+        size = sum(o.numel() * o.element_size() for o in outs)
+        if self.kept_bytes + size <= KEEP_BYTES:
+            self.values[key] = _copy(out)
+            self.kept_bytes += size
+        return out
