@@ -32,7 +32,7 @@ from gradwatch.check.objective.terms import Objective, coupled_weight_decay
 from gradwatch.check.probes.batched import compiled_modules
 from gradwatch.check.probes.engine import check_tensors
 from gradwatch.check.probes.lines import EngineSettings, Evaluator, total
-from gradwatch.check.probes.prefix import PrefixCache
+from gradwatch.check.probes.prefix import KEEP_BYTES, PrefixCache
 from gradwatch.errors import blame
 from gradwatch.options import CheckOptions
 
@@ -273,6 +273,7 @@ def run_model_check(
     batched: bool = True,
     screen: bool = False,
     mark_unseen: bool = False,
+    prefix_bytes: Optional[int] = KEEP_BYTES,
 ) -> CheckReport:
     """The check behind :func:`check_model` and the training hook.
 
@@ -284,6 +285,8 @@ def run_model_check(
         screen: Detection first (see :func:`check_model`).
         mark_unseen: A tensor whose gradient the objective cannot resolve is inconclusive (``below_resolution``
             or ``flat``) instead of passing (see :class:`gradwatch.check.probes.lines.EngineSettings`).
+        prefix_bytes: Most bytes of leaf outputs and inputs a probe may replay from
+            (:class:`~gradwatch.check.probes.prefix.PrefixCache`); None or 0: every evaluation runs the whole forward.
     """
     start = time.perf_counter()
     all_names = trainable_names(model)
@@ -315,7 +318,8 @@ def run_model_check(
 
     roots = [objective.loss_fn, *objective.regularizers.values(), grad_fn, model]
     # A probe of one tensor replays the leaf modules it does not reach (on the float64 copy, real tensors only).
-    prefix = PrefixCache(target, params) if not in_place and cut is None and batched and not objective.differentiates and \
+    prefix = PrefixCache(target, params, prefix_bytes) if prefix_bytes and not in_place and cut is None and batched \
+        and not objective.differentiates and \
         all(p is leaves[n] for n, p in params.items()) and not compiled_modules(target) else None
     with _evaluation_context(target, in_place, params, roots, prefix) as (guard, held, hooks, dropout, padding):
         report.dropout = dropout

@@ -81,8 +81,10 @@ class BackwardPart(TrendAlerting):
         shadow = self.planner.shadow_for(target, opts)
         # through the module: a spy on gradwatch.check.model.run_model_check sees every check
         alone = ctx.grad_fn is None and ctx.dist is None
+        # Under memory_budget the room was sized without the outputs a probe replays: every evaluation runs it all.
         report = model_check.run_model_check(target, ctx.objective, batch, opts, grad_fn=ctx.grad_fn, names=check.names,
-                                             shadow=shadow, mark_unseen=alone)
+                                             shadow=shadow, mark_unseen=alone,
+                                             prefix_bytes=model_check.KEEP_BYTES if check.room is None else None)
         if alone:
             model_check.judge_unseen_on_modules(report, target, ctx.objective, batch, opts, screen=True)
         if not self._straight_through_named:

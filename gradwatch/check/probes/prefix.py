@@ -140,9 +140,11 @@ class PrefixCache:
     Args:
         model: The model the check evaluates (its float64 copy).
         params: The tensors the engine perturbs, by name.
+        keep_bytes: Most bytes of outputs and inputs kept (beyond them, calls run).
     """
 
-    def __init__(self, model: nn.Module, params: Dict[str, torch.Tensor]) -> None:
+    def __init__(self, model: nn.Module, params: Dict[str, torch.Tensor], keep_bytes: int = KEEP_BYTES) -> None:
+        self.keep_bytes = int(keep_bytes)
         self.leaves = [m for m in model.modules() if next(m.children(), None) is None]
         self.storages = {p.untyped_storage().data_ptr() for p in params.values()}
         self.spans: Dict[Key, Tuple[int, int]] = {}
@@ -265,7 +267,7 @@ class PrefixCache:
         self.calls[key[0]] = key[1] + 1
         if key[0] in self._holds:
             size = sum(t.numel() * t.element_size() for t in _flat(inputs))
-            if self.kept_bytes + size <= KEEP_BYTES:
+            if self.kept_bytes + size <= self.keep_bytes:
                 self.inputs[key] = (_detached(args), {k: _detached(v) for k, v in kwargs.items()})
                 self.kept_bytes += size
         out = forward(*args, **kwargs)
@@ -281,7 +283,7 @@ class PrefixCache:
             # if it did not run) or returns a view of an input: it always runs.
             return out
         size = sum(o.numel() * o.element_size() for o in outs)
-        if self.kept_bytes + size <= KEEP_BYTES:
+        if self.kept_bytes + size <= self.keep_bytes:
             self.values[key] = _copy(out)
             self.kept_bytes += size
         return out
