@@ -161,14 +161,16 @@ def test_bad_dtype_is_named():
         check_backward(torch.tanh, x, x, dtype=object())
 
 
-def test_a_one_percent_error_below_atol_passes_at_the_defaults_and_fails_with_a_smaller_atol():
-    """Chainer's contract: |numeric - analytic| <= atol + rtol*|analytic|. A 1% error in an element whose
-    gradient (for this y_grad) is 1e-4 is 1e-6, inside the default atol of 1e-5 (what the OpInfo benchmark's
-    mutants avoid by choosing elements with gradients of at least 1e-3)."""
+def test_a_one_percent_error_the_y_grad_weighs_little_is_caught_by_the_one_hot_rows():
+    """A 1% error in an element whose gradient (for this y_grad) is 1e-4 is 1e-6 on the y_grad row, at the
+    float64 atol; the one-hot cotangent on the output element it comes from sees the whole Jacobian entry
+    (x[2, 1] reaches the transpose's output element (1, 2) alone), 1% off."""
     x = _data((4, 5))
     gy = _data((5, 4), seed=1)
     gy[1, 2] = 1e-4  # transpose: the gradient of x[2, 1] is gy[1, 2]
     index = 2 * 5 + 1
-    check_backward(one_element_off(LAYOUT_AND_ACTIVATIONS["transpose"], index), x, gy)
-    with pytest.raises(GradientCheckError, match=r"at \(2, 1\)"):
-        check_backward(one_element_off(LAYOUT_AND_ACTIVATIONS["transpose"], index), x, gy, atol=1e-9)
+    with pytest.raises(GradientCheckError, match=r"at \(2, 1\) for output element \(1, 2\): numeric 1 vs analytic 1.01"):
+        check_backward(one_element_off(LAYOUT_AND_ACTIVATIONS["transpose"], index), x, gy)
+    # The y_grad row alone would not see it: its error is 1e-6 against Chainer's float32 atol of 1e-5.
+    with pytest.raises(GradientCheckError, match=r"output element \(1, 2\)"):
+        check_backward(one_element_off(LAYOUT_AND_ACTIVATIONS["transpose"], index), x, gy, atol=1e-5)

@@ -31,7 +31,7 @@ EXPECTED_OUTPUT = {
         "gradwatch check: OK",
     ],
     "custom_function.py": [
-        "caught: check_backward: gradients disagree (eps=0.001, atol=1e-05, rtol=0.0001)",
+        "caught: check_backward: gradients disagree (eps=0.001, atol=1e-06, rtol=0.0001)",
         "x[0]",
         "numeric",
         "analytic",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+import warnings
+from typing import Any, Callable, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -14,7 +16,7 @@ from gradwatch.check.judging.judge import Slope, ToleranceRule, judge
 from gradwatch.check.judging.report import CheckReport, TensorCheck
 from gradwatch.check.numerics.sampling import choose_coords, generator, tensor_seed
 from gradwatch.check.objective.rng import preserved_rng, seed_everything
-from gradwatch.check.probes.outputs import Line, OutputProbe
+from gradwatch.check.probes.outputs import ISOLATING_BUDGET, ISOLATING_ROWS, Groups, Line, OutputProbe, isolating_groups
 from gradwatch.errors import GradientCheckError
 from gradwatch.options import parse_dtype, torch_dtype_of_numpy
 
@@ -25,6 +27,10 @@ SAMPLED_COORDS = 256
 #: A larger array is also cut into this many random blocks, each checked along a random direction
 #: inside the block: every element is in one block, so one wrong element changes one block's slope.
 BLOCKS = 512
+#: ``(atol, rtol)`` when the check computes in float64 (as :func:`gradwatch.check_double_backward`'s).
+FLOAT64_TOLERANCES = (1e-6, 1e-4)
+#: ``(atol, rtol)`` otherwise: Chainer's ``check_backward`` defaults.
+TOLERANCES = (1e-5, 1e-4)
 
 
 def to_tuple(x: Any) -> Tuple:
@@ -71,8 +77,8 @@ def check_backward(
     y_grad: Any,
     params: Any = (),
     eps: float = 1e-3,
-    atol: float = 1e-5,
-    rtol: float = 1e-4,
+    atol: Optional[float] = None,
+    rtol: Optional[float] = None,
     no_grads: Optional[Sequence[bool]] = None,
     dtype: Any = None,
 ) -> CheckReport:
@@ -86,7 +92,21 @@ def check_backward(
     outputs a perturbation leaves unchanged add no rounding. Arrays up to 2048
     elements are checked at every element; a larger one at 256 elements (the
     largest gradients and random ones) plus one random direction in each of
-    512 random blocks that together hold every element. An entry passes when
+    512 random blocks that together hold every element.
+
+    Each line is also judged on *isolating rows*, from the same evaluations: the
+    outputs (concatenated, a complex one as its real and imaginary parts) are
+    split into groups, each output element its own group when there are at most
+    128 of them (one-hot cotangents: a Jacobian entry exactly), else 128 random
+    groups with random signs; each group's signed output differences are
+    compared with the backward of that group's cotangent (computed once, batched
+    where autograd allows, else one backward per group). A 1% error in one
+    Jacobian element is then caught even where ``y_grad`` weighs its output
+    little. The analytic side holds ``groups x elements`` numbers per array: past
+    2**24 entries (checked elements or output elements times groups) there are
+    fewer groups, none when not one fits.
+
+    An entry (every row) passes when
     ``|numeric - analytic| <= atol + rtol * |analytic|``. An entry that fails
     at ``eps`` but passes at ``eps/10``, ``eps/100`` or ``eps/1000`` (where
     rounding still allows) was not smooth within ``eps``; one whose one-sided
@@ -102,8 +122,10 @@ def check_backward(
             returns a scalar loss. A ``None`` entry skips that output.
         params: Parameters whose gradients are checked too (tensors, or an ``nn.Module``).
         eps: Finite-difference step.
-        atol: Absolute tolerance.
-        rtol: Relative tolerance.
+        atol: Absolute tolerance; None: ``1e-6`` when the check computes in float64 (``dtype`` float64, or
+            every checked input and parameter float64 or complex128), as :func:`gradwatch.check_double_backward`,
+            else Chainer's ``1e-5``. A given value always wins.
+        rtol: Relative tolerance; None: ``1e-4`` (float64 or not).
         no_grads: One flag per input; True skips that input.
         dtype: Cast inputs and params to this dtype for the numerical side: a torch dtype,
             a numpy dtype or type (``numpy.float64``) or a name (``'float64'``); None keeps their dtype.
@@ -112,8 +134,8 @@ def check_backward(
         The :class:`CheckReport` (also attached to the error).
 
     Raises:
-        GradientCheckError: Naming the input or parameter, numeric vs analytic values,
-            eps/atol/rtol and a diagnosis.
+        GradientCheckError: Naming the input or parameter, numeric vs analytic values (and, for an
+            isolating row, the output element or group), eps/atol/rtol and a diagnosis.
 
     Example:
         >>> x = np.random.randn(3, 4)
@@ -124,13 +146,14 @@ def check_backward(
 
 
 def run_check_backward(func: Callable[..., Any], x_data: Any, y_grad: Any, params: Any = (), eps: float = 1e-3,
-                       atol: float = 1e-5, rtol: float = 1e-4, no_grads: Optional[Sequence[bool]] = None,
-                       dtype: Any = None, limits: Optional[Tuple[int, int, int]] = None) -> CheckReport:
+                       atol: Optional[float] = None, rtol: Optional[float] = None,
+                       no_grads: Optional[Sequence[bool]] = None, dtype: Any = None,
+                       limits: Optional[Tuple[int, int, int]] = None) -> CheckReport:
     """:func:`check_backward` with ``limits``: ``(exhaustive up to, sampled coordinates, random blocks)`` per array
     (default: every element up to 2,048, else 256 coordinates and 512 blocks; a watch checks fewer)."""
     if not 0 < eps < float("inf"):
         raise ValueError(f"eps must be > 0 and finite, got {eps!r}")
-    if atol < 0 or rtol < 0:
+    if (atol is not None and atol < 0) or (rtol is not None and rtol < 0):
         raise ValueError(f"atol and rtol must be >= 0, got atol={atol!r}, rtol={rtol!r}")
     if not callable(func):
         raise TypeError(f"func must be callable, got {type(func).__name__}")
@@ -146,6 +169,7 @@ def run_check_backward(func: Callable[..., Any], x_data: Any, y_grad: Any, param
     ]
     for i in checked_x:
         xs[i].requires_grad_(True)
+    atol, rtol = default_tolerances(atol, rtol, num_dtype, [xs[i] for i in checked_x] + [p for _, p in plist])
     start = time.perf_counter()
 
     # Analytic side, in the inputs' own dtype.
@@ -154,6 +178,9 @@ def run_check_backward(func: Callable[..., Any], x_data: Any, y_grad: Any, param
         ys = to_tuple(func(*xs))
         loss = _weighted(ys, gys)
         wrt = [xs[i] for i in checked_x] + [p for _, p in plist]
+        keep = [k for k, g in enumerate(gys or []) if g is not None]
+        groups, note = _groups([ys[k] for k in keep], wrt) if gys is not None and wrt else (None, None)
+        rows = _isolating_vjps([ys[k] for k in keep], wrt, groups) if groups is not None else [None] * len(wrt)
         raw: Sequence[Optional[torch.Tensor]]
         if loss.requires_grad and wrt:
             raw = torch.autograd.grad(loss, wrt, allow_unused=True)
@@ -190,19 +217,19 @@ def run_check_backward(func: Callable[..., Any], x_data: Any, y_grad: Any, param
     if gys is not None:
         gys = [None if g is None else _as_real(g.to(y.dtype)) if y.is_complex() else g for g, y in zip(gys, ys)]
 
-    report = CheckReport(tensors={}, fail_at=Verdict.SUSPICIOUS, seed=0)
+    report = CheckReport(tensors={}, fail_at=Verdict.SUSPICIOUS, seed=0, notes=[note] if note else [])
     failures: List[str] = []
     try:
         with preserved_rng():
-            probe = OutputProbe(outputs, gys, out_dtypes, inputs=targets)
+            probe = OutputProbe(outputs, gys, out_dtypes, inputs=targets, groups=groups)
             report.objective = probe.objective
             report.terms = {"loss": probe.objective}
             report.dtype = str(([nxs[i] for i in checked_x] + [p.data for _, p in plist] or [loss])[0].dtype).replace("torch.", "")
             complex_ = [xs[i].is_complex() for i in checked_x] + [p.is_complex() for _, p in plist]
-            for name, target, g, parts in zip(names, targets, grads, complex_):
+            for name, target, g, a_rows, parts in zip(names, targets, grads, rows, complex_):
                 if target.numel() == 0:
                     continue  # nothing to check (Chainer compares two empty arrays)
-                check, message = _check_array(name, target, g, probe, eps, atol, rtol, limits)
+                check, message = _check_array(name, target, g, probe, eps, atol, rtol, limits, a_rows, groups)
                 if message and parts:
                     message = message.replace(" checked entries", " checked entries (complex: checked as its real and "
                                                                   "imaginary parts, the last index 0 = real, 1 = imaginary)", 1)
@@ -220,6 +247,101 @@ def run_check_backward(func: Callable[..., Any], x_data: Any, y_grad: Any, param
             report=report,
         )
     return report
+
+
+def default_tolerances(atol: Optional[float], rtol: Optional[float], num_dtype: Optional[torch.dtype],
+                       checked: Sequence[torch.Tensor]) -> Tuple[float, float]:
+    """``(atol, rtol)``: the given ones, else :data:`FLOAT64_TOLERANCES` when the check computes in float64
+    (``num_dtype`` float64, or every ``checked`` array float64 or complex128), else :data:`TOLERANCES`.
+
+    Example:
+        >>> default_tolerances(None, None, None, [torch.zeros(2, dtype=torch.float64)])
+        (1e-06, 0.0001)
+        >>> default_tolerances(None, 1e-3, None, [torch.zeros(2)])
+        (1e-05, 0.001)
+    """
+    if num_dtype is not None:
+        float64 = num_dtype == torch.float64
+    else:
+        float64 = bool(checked) and all(t.dtype in (torch.float64, torch.complex128) for t in checked)
+    default_atol, default_rtol = FLOAT64_TOLERANCES if float64 else TOLERANCES
+    return (default_atol if atol is None else atol), (default_rtol if rtol is None else rtol)
+
+
+def _real_shape(t: torch.Tensor) -> Tuple[int, ...]:
+    return tuple(t.shape) + ((2,) if t.is_complex() else ())
+
+
+def _groups(ys: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor]) -> Tuple[Optional[Groups], Optional[str]]:
+    """The isolating rows on the weighted outputs ``ys``: as many as :data:`ISOLATING_BUDGET` allows; and a note
+    for the report when it allows fewer than :data:`ISOLATING_ROWS` (or one per output element)."""
+    floating = [y.is_floating_point() or y.is_complex() for y in ys]
+    n_out = sum(math.prod(_real_shape(y)) for y, f in zip(ys, floating) if f)
+    n_in = sum(math.prod(_real_shape(w)) for w in wrt)
+    rows = min(ISOLATING_ROWS, ISOLATING_BUDGET // max(n_in, n_out, 1))
+    groups = isolating_groups([_real_shape(y) for y in ys], floating, rows, [y.is_complex() for y in ys])
+    wanted = min(ISOLATING_ROWS, n_out)
+    if (groups.rows if groups is not None else 0) >= wanted:
+        return groups, None
+    return groups, (f"isolating rows: {groups.rows if groups is not None else 0} instead of {wanted} (the analytic "
+                    f"side of {n_in:,} checked and {n_out:,} output elements is held to {ISOLATING_BUDGET:,} entries): "
+                    f"an error in one Jacobian element is diluted in larger output groups")
+
+
+def _isolating_vjps(ys: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor], groups: Groups) -> List[torch.Tensor]:
+    """Per array of ``wrt``, the ``(rows, elements)`` float64 matrix of the isolating rows' vector-Jacobian
+    products (real views), the graph of ``ys`` kept for the ``y_grad`` gradient after them."""
+    cot = groups.cotangents()
+    outs, cots, offset = [], [], 0
+    for y, shape in zip(ys, groups.shapes):
+        part = cot[:, offset:offset + math.prod(shape)]
+        offset += math.prod(shape)
+        if not (y.requires_grad and (y.is_floating_point() or y.is_complex())):
+            continue  # an output that does not depend on the inputs for autograd: its rows are zero
+        c = part.reshape((groups.rows,) + shape).to(device=y.device, dtype=_real_dtype(y.dtype)).contiguous()
+        cots.append(torch.view_as_complex(c) if y.is_complex() else c)
+        outs.append(y)
+    sizes = [math.prod(_real_shape(w)) for w in wrt]
+    raw = _batched_vjps(outs, wrt, cots) if outs else [None] * len(wrt)
+    return [torch.zeros(groups.rows, n, dtype=torch.float64) if r is None
+            else _as_real(r.detach()).reshape(groups.rows, -1).to(torch.float64) for r, n in zip(raw, sizes)]
+
+
+def _batched_vjps(outs: Sequence[torch.Tensor], wrt: Sequence[torch.Tensor],
+                  cots: Sequence[torch.Tensor]) -> Sequence[Optional[torch.Tensor]]:
+    """Every row's vector-Jacobian product at once (``is_grads_batched``), checked against the first and last rows
+    computed alone; one backward per row where batching raises (a custom ``autograd.Function`` without batching
+    support) or disagrees."""
+    n_rows = cots[0].shape[0]
+
+    def one(j: int) -> Sequence[Optional[torch.Tensor]]:
+        return torch.autograd.grad(outs, wrt, [c[j] for c in cots], retain_graph=True, allow_unused=True)
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*performance drop.*")
+            batched = torch.autograd.grad(outs, wrt, cots, retain_graph=True, allow_unused=True, is_grads_batched=True)
+        if all(_same_row(batched, one(j), j) for j in {0, n_rows - 1}):
+            return batched
+    except Exception:  # noqa: BLE001 - any failure to batch falls back to one backward per row
+        pass
+    per_row = [one(j) for j in range(n_rows)]
+    return [None if per_row[0][i] is None else torch.stack([cast(torch.Tensor, r[i]) for r in per_row])
+            for i in range(len(wrt))]
+
+
+def _same_row(batched: Sequence[Optional[torch.Tensor]], alone: Sequence[Optional[torch.Tensor]], j: int) -> bool:
+    """Row ``j`` of the batched products agrees with the same product computed alone (up to rounding)."""
+    for b, a in zip(batched, alone):
+        if (b is None) != (a is None):
+            return False
+        if a is None or b is None:
+            continue
+        bj, a = b[j].detach(), a.detach()
+        scale = float(a.abs().nan_to_num(0.0, 0.0, 0.0).max()) if a.numel() else 0.0
+        if bj.shape != a.shape or not torch.allclose(bj, a, rtol=1e-4, atol=1e-6 * scale + 1e-300, equal_nan=True):
+            return False
+    return True
 
 
 def _weighted(ys: Sequence[torch.Tensor], gys: Optional[Sequence[Optional[torch.Tensor]]]) -> torch.Tensor:
@@ -300,36 +422,46 @@ def _lines(name: str, target: torch.Tensor, g: torch.Tensor, limits: Optional[Tu
 
 
 def _check_array(name: str, target: torch.Tensor, g: torch.Tensor, probe: OutputProbe,
-                 eps: float, atol: float, rtol: float,
-                 limits: Optional[Tuple[int, int, int]] = None) -> Tuple[TensorCheck, Optional[str]]:
+                 eps: float, atol: float, rtol: float, limits: Optional[Tuple[int, int, int]] = None,
+                 rows: Optional[torch.Tensor] = None, groups: Optional[Groups] = None) -> Tuple[TensorCheck, Optional[str]]:
+    """Judge every line of one array; ``rows``: its isolating rows' analytic ``(rows, elements)`` matrix."""
     shape = tuple(target.shape)
     lines = _lines(name, target, g, limits)
     g64 = g.detach().reshape(-1).to(torch.float64)
+    # (elements, 1 + rows): column 0 the y_grad gradient, then the isolating rows
+    columns = [g64.unsqueeze(1)] + ([] if rows is None else [rows.T.to(g64.device)])
+    analytic = torch.cat(columns, dim=1).cpu().numpy()
     flat = target.view(-1)
     slopes: List[Slope] = []
+    found = []  # (line, the row that fails, its analytic and numeric values)
     for k, line in enumerate(lines):
-        verdict = probe.judge(flat, g64, line, eps, atol, rtol, noise=k == 0)  # noise: measured once, and where failing
+        verdict = probe.judge(flat, analytic, line, eps, atol, rtol, noise=k == 0)  # noise: measured once, and where failing
         slopes.append(Slope(analytic=verdict.analytic, numeric=verdict.numeric, floor=verdict.noise,
                             coordinate=line.coordinate, label=line.label, excluded=verdict.excluded,
                             failed=not verdict.ok))
+        if not verdict.ok:
+            found.append((k, verdict.row, verdict.row_analytic if verdict.row else verdict.analytic,
+                          verdict.row_numeric if verdict.row else verdict.numeric))
     check = judge(name, shape, slopes, ToleranceRule(atol=atol, rtol=rtol), step=eps)
-    bad = [i for i, s in enumerate(slopes) if s.failed]
-    if not bad:
+    if not found:
         return check, None
-    a_arr = np.array([s.analytic for s in slopes], dtype=np.float64)
-    n_arr = np.array([s.numeric for s in slopes], dtype=np.float64)
+    if all(row for _, row, _, _ in found):
+        check.diagnosis = ("the y_grad-weighted gradient is within tolerance, but the backward is wrong for single "
+                           "output elements (or groups) y_grad weighs little: one-hot cotangents catch it")
     n_blocks = sum(not line.coordinate for line in lines)
-    lines_out = [f"  {name} (shape {shape}): {len(bad)} of {len(lines)} checked entries out of tolerance"
+    lines_out = [f"  {name} (shape {shape}): {len(found)} of {len(lines)} checked entries out of tolerance"
                  + (f" ({n_blocks} of them random blocks)" if n_blocks else "")
                  + (f", {check.kinks} kinks excluded" if check.kinks else "")]
-    if target.numel() <= 16 and not n_blocks:
-        lines_out.append(f"    numeric:  {np.array2string(n_arr.reshape(shape), precision=6)}")
-        lines_out.append(f"    analytic: {np.array2string(a_arr.reshape(shape), precision=6)}")
-    for i in sorted(bad, key=lambda i: -_gap(float(a_arr[i]), float(n_arr[i])))[:5]:
-        label = lines[i].label
-        where = f"block {label[1]} ({label[2]} elements, random direction)" if not lines[i].coordinate else str(label)
-        lines_out.append(f"    at {where}: numeric {n_arr[i]:.6g} vs analytic {a_arr[i]:.6g} "
-                         f"(|diff| {abs(n_arr[i] - a_arr[i]):.3g} > atol + rtol*|analytic| = {atol + rtol * abs(a_arr[i]):.3g})")
+    if target.numel() <= 16 and not n_blocks and not all(row for _, row, _, _ in found):
+        for side, values in (("numeric: ", [s.numeric for s in slopes]), ("analytic:", [s.analytic for s in slopes])):
+            lines_out.append(f"    {side} {np.array2string(np.array(values, dtype=np.float64).reshape(shape), precision=6)}")
+    for k, row, a, n in sorted(found, key=lambda f: -_gap(f[2], f[3]))[:5]:
+        label = lines[k].label
+        where = f"block {label[1]} ({label[2]} elements, random direction)" if not lines[k].coordinate else str(label)
+        if row and groups is not None:
+            where += f" for {groups.describe(row - 1)}"
+        lines_out.append(f"    at {where}: numeric {n:.6g} vs analytic {a:.6g} "
+                         f"(|diff| {abs(n - a):.3g} > atol + rtol*|analytic| = {atol + rtol * abs(a):.3g})")
     if check.diagnosis:
         lines_out.append(f"    diagnosis: {check.diagnosis}")
     return check, "\n".join(lines_out)

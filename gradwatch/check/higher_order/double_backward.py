@@ -23,12 +23,11 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from gradwatch.check.backward import check_dtype, params_tuple, run_check_backward, to_tensor, to_tuple
+from gradwatch.check.backward import FLOAT64_TOLERANCES, check_dtype, params_tuple, run_check_backward, to_tensor, to_tuple
 from gradwatch.check.judging.report import CheckReport
 
-#: ``(atol, rtol)`` when the check computes in float64 (as tight as torch's gradgradcheck needs to be).
-FLOAT64_TOLERANCES = (1e-6, 1e-4)
-#: ``(atol, rtol)`` otherwise: Chainer's ``check_double_backward`` defaults.
+#: ``(atol, rtol)`` otherwise: Chainer's ``check_double_backward`` defaults. In float64 both checks use
+#: :data:`gradwatch.check.backward.FLOAT64_TOLERANCES` (as tight as torch's gradgradcheck needs to be).
 TOLERANCES = (1e-4, 1e-3)
 
 
