@@ -100,7 +100,7 @@ def test_loss_fn_raising_once_inside_a_check_is_reported_not_retried():
 
     def flaky(model, b):
         calls.append(1)
-        if len(calls) == 3:  # the 2nd evaluation of the first check (the first one after the analytic pass)
+        if len(calls) == 2:  # the 2nd evaluation of the first check (the first one after the analytic pass)
             raise KeyError("flaky data source")
         return mse(model, b)
 

@@ -456,7 +456,7 @@ def run_model_check(
             flat_evaluations = _flat_on_leaves(report, target, prefix, opts, screen) \
                 if prefix is not None and prefix.enabled else 0
             flat_spent = time.perf_counter() - flat_at
-    report.evaluations = evaluator.count + 1
+    report.evaluations = evaluator.count + 1 + flat_evaluations
     end = time.perf_counter()
     report.seconds = end - start
     at, count = verdict_at[0] if verdict_at else (end, evaluator.count)
@@ -489,7 +489,6 @@ def _flat_on_leaves(report: CheckReport, target: nn.Module, prefix: PrefixCache,
         constants = {id(t) for t in _tensors_in(got)}  # only the parameter's verdict is wanted here
         result = check_module(m_name, module, got[0], got[1], opts, params={local: p}, constants=constants,
                               screen=screen)
-        report.evaluations += result.evaluations
         evaluations += result.evaluations
         check = result.tensors.get(local)
         if check is not None and check.inconclusive is None:

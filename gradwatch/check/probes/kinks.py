@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -187,6 +187,15 @@ class Recorder(TorchDispatchMode):
         self.record: Record = []
         self.size = 0
         self.failed = False
+        #: Storages whose first reading op is noted (:meth:`watch_reads`), and the op count so far.
+        self.watched: Set[int] = set()
+        self.first: Dict[int, int] = {}
+        self.ops = 0
+
+    def watch_reads(self, storages: Set[int]) -> None:
+        """Also note the first op that reads each of these storages (by op count), as
+        :class:`gradwatch.check.probes.prefix.PrefixCache` needs: one dispatch mode for both."""
+        self.watched = set(storages)
 
     def __enter__(self) -> "Recorder":
         _ACTIVE.append(self)
@@ -208,6 +217,9 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Tuple = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
+        if self.watched:
+            note_reads(self.watched, self.first, self.ops, args, kwargs)
+        self.ops += 1
         rule = RULES.get(func.overloadpacket) if not self.failed else None
         after = getattr(rule, "after", False)
         if rule is not None and not after:
@@ -228,6 +240,16 @@ class Recorder(TorchDispatchMode):
         if self.size > RECORD_LIMIT:
             self.failed = True
             self.record = []
+
+
+def note_reads(watched: Set[int], first: Dict[int, int], op: int, args: Tuple, kwargs: Dict[str, Any]) -> None:
+    """Note ``op`` as the first read of every watched storage among the op's tensor arguments not seen before."""
+    for a in (*args, *kwargs.values()):
+        for t in (a if isinstance(a, (tuple, list)) else (a,)):
+            if isinstance(t, torch.Tensor):
+                ptr = t.untyped_storage().data_ptr()
+                if ptr in watched and ptr not in first:
+                    first[ptr] = op
 
 
 #: The recorders in effect, innermost last.

@@ -32,7 +32,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Union
 
 import torch
 from torch import nn
@@ -123,12 +123,7 @@ class _FirstReads(TorchDispatchMode):
         self.first: Dict[int, int] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Tuple = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
-        for a in (*args, *(kwargs or {}).values()):
-            for t in (a if isinstance(a, (tuple, list)) else (a,)):
-                if isinstance(t, torch.Tensor):
-                    ptr = t.untyped_storage().data_ptr()
-                    if ptr in self.storages and ptr not in self.first:
-                        self.first[ptr] = self.ops
+        kinks.note_reads(self.storages, self.first, self.ops, args, kwargs or {})
         self.ops += 1
         return func(*args, **(kwargs or {}))
 
@@ -163,7 +158,7 @@ class PrefixCache:
         self.kept_bytes = 0
         #: The record of the forward at the unperturbed point (:mod:`gradwatch.check.probes.kinks`), when taken.
         self.base_record: kinks.Record = []
-        self._reads: Optional[_FirstReads] = None
+        self._reads: Optional[Union[_FirstReads, kinks.Recorder]] = None
         self._saved: List[Tuple[nn.Module, Any]] = []
 
     @contextlib.contextmanager
@@ -183,16 +178,22 @@ class PrefixCache:
             self._saved = []
             self.values.clear()
             self.inputs.clear()
-            if self._reads is not None:
+            if isinstance(self._reads, _FirstReads):
                 self._reads.__exit__(None, None, None)
-                self._reads = None
+            self._reads = None
 
     def begin(self) -> None:
-        """A new evaluation starts: calls are counted from zero again (the first one is captured)."""
+        """A new evaluation starts: calls are counted from zero again (the first one is captured, its reads
+        noted by the kink recorder in effect, else by a dispatch mode of its own)."""
         self.counts = {}
         if self.phase == "capture" and self._reads is None:
-            self._reads = _FirstReads(self.storages)
-            self._reads.__enter__()
+            recorder = kinks.active_recorder()
+            if recorder is not None and recorder.ops == 0:
+                recorder.watch_reads(self.storages)
+                self._reads = recorder
+            else:
+                self._reads = _FirstReads(self.storages)
+                self._reads.__enter__()
 
     def inputs_of(self, module: nn.Module) -> Optional[Tuple[Tuple, Dict[str, Any]]]:
         """The inputs a leaf module holding parameters got at the unperturbed point, where it ran once; else None."""
@@ -207,7 +208,8 @@ class PrefixCache:
             return
         self.phase = "ready"
         if self._reads is not None:
-            self._reads.__exit__(None, None, None)
+            if isinstance(self._reads, _FirstReads):
+                self._reads.__exit__(None, None, None)
             self.first = dict(self._reads.first)
             self._reads = None
         else:
