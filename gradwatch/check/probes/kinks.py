@@ -191,6 +191,8 @@ class Recorder(TorchDispatchMode):
         self.watched: Set[int] = set()
         self.first: Dict[int, int] = {}
         self.ops = 0
+        #: The op count of the last recorded op (-1: none).
+        self.last_op = -1
 
     def watch_reads(self, storages: Set[int]) -> None:
         """Also note the first op that reads each of these storages (by op count), as
@@ -235,6 +237,7 @@ class Recorder(TorchDispatchMode):
             for kind, t in rule(args, kwargs, out):
                 self.size += t.numel()
                 self.record.append((kind, t if kind == "l" else t.reshape(-1)))
+                self.last_op = self.ops - 1  # (the op being recorded was counted on entry)
         except Exception:  # noqa: BLE001 - an op this reading does not fit (a subclass, odd arguments)
             self.failed = True
         if self.size > RECORD_LIMIT:
@@ -316,6 +319,8 @@ class ForwardKinks:
         self._evaluate = evaluate
         self._base: Optional[Record] = None
         self._tried = False
+        self._last_op = -1
+        self._first: Dict[int, int] = {}
 
     def evaluate_base(self) -> Terms:
         """Evaluate at the unperturbed point, taking its record on the way (no evaluation more later)."""
@@ -324,7 +329,14 @@ class ForwardKinks:
         with Recorder() as rec:
             terms = self._evaluate()
         self._tried, self._base = True, None if rec.failed else rec.record
+        self._last_op, self._first = rec.last_op, dict(rec.first)
         return terms
+
+    def reaches(self, p: torch.Tensor) -> bool:
+        """False when no recorded op ran after the forward first read ``p`` (known where the first evaluation noted
+        its reads, :class:`gradwatch.check.probes.prefix.PrefixCache`): a probe of ``p`` cannot cross a kink."""
+        first = self._first.get(p.untyped_storage().data_ptr()) if self._first else None
+        return first is None or self._last_op >= first
 
     def base(self) -> Optional[Record]:
         """The record at the unperturbed point (None: not recordable); taken at the first call."""
@@ -385,7 +397,7 @@ def kink_free(p: torch.Tensor, saved: torch.Tensor, grads: Dict[str, torch.Tenso
     recorded op, could not be recorded, or the probe crossed nothing: the slopes' own rules judge it then.
     """
     kinks = kinks_of(evaluate)
-    if kinks is None or not settings.detect_kinks:
+    if kinks is None or not settings.detect_kinks or not kinks.reaches(p):
         return None
     a, n = out.analytic["total"], out.numeric["total"]
     disagreement = abs(a - n)
