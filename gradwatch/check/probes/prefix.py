@@ -72,15 +72,6 @@ def _flat(args: Any) -> List[torch.Tensor]:
     return out
 
 
-def _detached(a: Any) -> Any:
-    """A copy of an input: tensors detached and cloned, tuples and lists of them likewise, anything else as is."""
-    if isinstance(a, torch.Tensor):
-        return a.detach().clone()
-    if isinstance(a, (tuple, list)):
-        return type(a)(_detached(x) for x in a)
-    return a
-
-
 def _storages(args: Any) -> Set[int]:
     found: Set[int] = set()
     for a in args:
@@ -147,6 +138,7 @@ class PrefixCache:
         #: The inputs of each call of a leaf holding parameters, from the first evaluation (``(args, kwargs)``).
         self.inputs: Dict[Key, Tuple[Tuple, Dict[str, Any]]] = {}
         self.calls: Dict[int, int] = {}
+        self.input_versions: Dict[Key, List[int]] = {}
         self._holds = {i for i, m in enumerate(self.leaves) if next(m.parameters(recurse=False), None) is not None}
         self.entries: Dict[Key, Tuple[int, int]] = {}
         self.counts: Dict[int, int] = {}
@@ -198,9 +190,12 @@ class PrefixCache:
     def inputs_of(self, module: nn.Module) -> Optional[Tuple[Tuple, Dict[str, Any]]]:
         """The inputs a leaf module holding parameters got at the unperturbed point, where it ran once; else None."""
         index = next((i for i, m in enumerate(self.leaves) if m is module), None)
-        if index is None or self.calls.get(index) != 1:
+        if index is None or self.calls.get(index) != 1 or (index, 0) not in self.inputs:
             return None
-        return self.inputs.get((index, 0))
+        args, kwargs = self.inputs[(index, 0)]
+        if _versions((args, tuple(kwargs.values()))) != self.input_versions[(index, 0)]:
+            return None  # written to since (an in-place op after the call): not what the module got
+        return args, kwargs
 
     def captured(self) -> None:
         """The first evaluation at the unperturbed point is over: replay from now on (after :meth:`verify`)."""
@@ -270,7 +265,9 @@ class PrefixCache:
         if key[0] in self._holds:
             size = sum(t.numel() * t.element_size() for t in _flat(inputs))
             if self.kept_bytes + size <= self.keep_bytes:
-                self.inputs[key] = (_detached(args), {k: _detached(v) for k, v in kwargs.items()})
+                # Held, not copied: kept with their versions, and given out only while nothing wrote to them.
+                self.inputs[key] = (args, dict(kwargs))
+                self.input_versions[key] = _versions(inputs)
                 self.kept_bytes += size
         out = forward(*args, **kwargs)
         if reads is None:
