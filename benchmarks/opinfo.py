@@ -215,8 +215,9 @@ def _select(fn: Callable[..., Any], keep: Sequence[int]) -> Callable[..., Any]:
     return selected
 
 
-def mutant(fn: Callable[..., Any], which: int, index: int, factor: float = 1.01) -> Callable[..., Any]:
-    """``fn`` (floating outputs only) whose backward multiplies element ``index`` of input ``which``'s gradient."""
+def _mutated(fn: Callable[..., Any], adjust: Callable[[List[torch.Tensor], Sequence[torch.Tensor]], None]) -> Callable[..., Any]:
+    """``fn`` (floating outputs only) as an ``autograd.Function`` whose backward is the true vector-Jacobian
+    product, then ``adjust(grads, gys)`` (in place: contiguous copies, one per input)."""
 
     class Mutant(torch.autograd.Function):
         @staticmethod
@@ -227,10 +228,19 @@ def mutant(fn: Callable[..., Any], which: int, index: int, factor: float = 1.01)
         @staticmethod
         def backward(ctx, *gys):
             grads = _true_vjp(fn, ctx.saved_tensors, gys)
-            grads[which].view(-1)[index] *= factor
+            adjust(grads, gys)
             return tuple(grads)
 
     return lambda *xs: Mutant.apply(*xs)
+
+
+def mutant(fn: Callable[..., Any], which: int, index: int, factor: float = 1.01) -> Callable[..., Any]:
+    """``fn`` (floating outputs only) whose backward multiplies element ``index`` of input ``which``'s gradient."""
+
+    def adjust(grads: List[torch.Tensor], gys: Sequence[torch.Tensor]) -> None:
+        grads[which].view(-1)[index] *= factor
+
+    return _mutated(fn, adjust)
 
 
 def jacobian_mutant(fn: Callable[..., Any], output: int, element: int, which: int, index: int,
@@ -239,20 +249,10 @@ def jacobian_mutant(fn: Callable[..., Any], output: int, element: int, which: in
     element ``index``), ``entry``, is ``factor`` off: its backward returns the true vector-Jacobian product plus
     ``factor * entry * gy[output][element]`` on that input element (whatever the output gradient ``gy``)."""
 
-    class JacobianMutant(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, *xs):
-            ctx.save_for_backward(*xs)
-            return tuple(o.detach().clone() for o in float_outputs(fn(*xs)))
+    def adjust(grads: List[torch.Tensor], gys: Sequence[torch.Tensor]) -> None:
+        grads[which].view(-1)[index] += factor * entry * gys[output].reshape(-1)[element]
 
-        @staticmethod
-        def backward(ctx, *gys):
-            grads = _true_vjp(fn, ctx.saved_tensors, gys)
-            gy = gys[output].reshape(-1)[element]
-            grads[which].view(-1)[index] += factor * entry * gy
-            return tuple(grads)
-
-    return lambda *xs: JacobianMutant.apply(*xs)
+    return _mutated(fn, adjust)
 
 
 def _true_vjp(fn: Callable[..., Any], saved: Sequence[torch.Tensor], gys: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
