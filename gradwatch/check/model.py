@@ -35,6 +35,7 @@ from gradwatch.check.probes.lines import EngineSettings, Evaluator, total
 from gradwatch.check.probes.prefix import KEEP_BYTES, PrefixCache
 from gradwatch.errors import blame
 from gradwatch.options import CheckOptions
+from gradwatch.trees import tensor_leaves
 
 GradFn = Callable[[nn.Module, Any], Mapping[str, torch.Tensor]]
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -189,10 +190,13 @@ def judge_unseen_on_modules(report: CheckReport, model: nn.Module, objective: Ob
     report.verdict_seconds += spent
     report.verdict_evaluations += modular.evaluations
     if judged:
-        report.notes.append(
-            f"judged on their modules alone (each module on its inputs from the batch), since differences of the "
-            f"whole objective could not resolve their gradient (weights near zero): {', '.join(judged)}"
-        )
+        report.notes.append(_alone_note(judged))
+
+
+def _alone_note(judged: Sequence[str]) -> str:
+    """The note naming the tensors judged on their modules alone."""
+    return (f"judged on their modules alone (each module on its inputs from the batch), since differences of the "
+            f"whole objective could not resolve their gradient (weights near zero): {', '.join(judged)}")
 
 
 def _validate_target(model: nn.Module, opts: CheckOptions, names: Sequence[str]) -> None:
@@ -418,14 +422,13 @@ def run_model_check(
                     prefix.captured()  # (the first evaluation: what it kept is replayed from now on)
             guard.restore_fast()
             out = _floats(terms)
-            if capturing:
-                captured_at.append(total(out))
+            if capturing and prefix is not None:
+                prefix.expected = total(out)
             return out
 
-        captured_at: List[float] = []
         evaluator = Evaluator(evaluate, recordable=not compiled_modules(target))
         if prefix is not None:
-            evaluator.on_focus = lambda p: _focus(prefix, p, evaluator, captured_at)
+            evaluator.on_focus = lambda p: _focus(prefix, p, evaluator)
         magnitude = sum(abs(v) for v in values.values())
         eval_eps = max(machine_eps(t.dtype) for t in params.values()) if params else 0.0
         coarse = None
@@ -486,7 +489,7 @@ def _flat_on_leaves(report: CheckReport, target: nn.Module, prefix: PrefixCache,
         got = prefix.inputs_of(module)
         if got is None:
             continue
-        constants = {id(t) for t in _tensors_in(got)}  # only the parameter's verdict is wanted here
+        constants = {id(t) for t in tensor_leaves(got)}  # only the parameter's verdict is wanted here
         result = check_module(m_name, module, got[0], got[1], opts, params={local: p}, constants=constants,
                               screen=screen)
         evaluations += result.evaluations
@@ -496,21 +499,8 @@ def _flat_on_leaves(report: CheckReport, target: nn.Module, prefix: PrefixCache,
             report.tensors[n] = check
             judged.append(n)
     if judged:
-        report.notes.append(
-            f"judged on their modules alone (each module on its inputs from the batch), since differences of the "
-            f"whole objective could not resolve their gradient (weights near zero): {', '.join(judged)}"
-        )
+        report.notes.append(_alone_note(judged))
     return evaluations
-
-
-def _tensors_in(value: Any) -> List[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors_in(v)]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors_in(v)]
-    return []
 
 
 class _Both:
@@ -524,10 +514,10 @@ class _Both:
         self.second()
 
 
-def _focus(prefix: PrefixCache, p: Optional[torch.Tensor], evaluator: Evaluator, captured_at: List[float]) -> None:
+def _focus(prefix: PrefixCache, p: Optional[torch.Tensor], evaluator: Evaluator) -> None:
     """The engine probes ``p`` now: replay what it does not reach, once the replay is found exact (one evaluation)."""
     if p is not None and not prefix.verified and prefix.enabled:
-        prefix.verify(lambda: total(evaluator()), captured_at[0]) if captured_at else setattr(prefix, "enabled", False)
+        prefix.verify(lambda: total(evaluator()))
     prefix.focus(p)
 
 

@@ -13,7 +13,6 @@ against the rounding-noise floor of the finite differences.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -22,7 +21,6 @@ import torch
 from gradwatch.check.judging.judge import (
     BandRule,
     Slope,
-    agrees,
     allowed_jitter,
     base_point,
     inconclusive,
@@ -108,14 +106,14 @@ def detect(name: str, p: torch.Tensor, grads: Dict[str, torch.Tensor], evaluate:
             out, settled = screen(p, saved, grads, first, base, j0, evaluate, settings,
                                   batch=(name, probe_batch) if probe_batch is not None else None)
             found = Detection(first, out, settled=settled)
-            shorter = kink_free(p, saved, grads, first, out, evaluate, settings) \
-                if not settled and _needs_reexamination(out, settings) else None
+            needs = not settled and _needs_reexamination(out, settings)
+            shorter = kink_free(p, saved, grads, first, out, evaluate, settings) if needs else None
             if shorter is not None:
                 # The probe crossed kinks seen in the forward: judged only where it crosses none (or excluded).
                 found.outcome = out = shorter
                 found.confirmed = not (out.kink or out.unresolved) and set(out.analytic) == {"total"} \
                     and disagrees(out, settings) and fails_alone(out, settings)
-            elif not settled and _needs_reexamination(out, settings):
+            elif needs:
                 alone = set(out.analytic) == {"total"} and fails_alone(out, settings)
                 found.confirmed = alone and smooth_sides(first, base, out, j0, settings)
                 batch = (name, probe_batch) if probe_batch is not None else None
@@ -346,9 +344,7 @@ def _wide_in_batches(p, saved, grads, samples: List[Sample], bases, settings: En
 
 def _needs_reexamination(out: Outcome, settings: EngineSettings) -> bool:
     """True when a sample disagrees beyond the SUSPICIOUS band at its base step (a kink may explain it)."""
-    a, n = out.analytic["total"], out.numeric["total"]
-    return settings.detect_kinks and not out.widened and math.isfinite(a) and math.isfinite(n) \
-        and not agrees(a, n, out.floor, settings.bands[1])
+    return settings.detect_kinks and not out.widened and disagrees(out, settings)
 
 
 def _reexamine(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], out: Outcome, j0: float,
@@ -367,9 +363,7 @@ def _reexamine(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms,
     shorter = kink_free(p, saved, grads, sample, out, evaluate, settings) if forward else None
     if shorter is not None:
         adopt(out, shorter)
-        if out.unresolved:
-            return None
-        return True if out.kink or not disagrees(out, settings) else False
+        return None if out.unresolved else out.kink or not disagrees(out, settings)
     a, n = out.analytic["total"], out.numeric["total"]
     if unresolvable(sample, a, n, settings):
         kink = resolve_low_precision(p, saved, grads, sample, a, n, j0, evaluate, settings)

@@ -41,6 +41,7 @@ from gradwatch.check.probes.lines import (
     central_probe,
     floor_at,
     outcome_of,
+    usable_floor,
 )
 
 #: Largest number of entries one evaluation's record may hold (beyond it the forward is not recorded:
@@ -56,30 +57,34 @@ Record = List[Tuple[str, torch.Tensor]]
 
 
 def _margin(x: Any, c: Any = 0.0) -> Optional[torch.Tensor]:
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+    """``x - c`` in float32 (its sign is the branch taken), where ``x`` is a floating tensor and ``c`` a number or
+    a floating tensor; None otherwise (a missing bound, a flag, an integer tensor)."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or c is None or isinstance(c, bool):
         return None
-    return (x - c).detach().to(torch.float32) if not isinstance(c, torch.Tensor) or c.is_floating_point() else None
+    if isinstance(c, torch.Tensor) and not c.is_floating_point():
+        return None
+    return (x - c).detach().to(torch.float32)
+
+
+def _margins(x: Any, *cs: Any) -> List[Tuple[str, torch.Tensor]]:
+    """The record entries of ``x``'s margins to each of ``cs`` (those :func:`_margin` can read)."""
+    return [("m", m) for m in (_margin(x, c) for c in cs) if m is not None]
 
 
 def _pointwise(*bounds: int) -> Callable[..., List[Tuple[str, torch.Tensor]]]:
     """A rule for an op kinked where its first argument crosses the scalar arguments at ``bounds`` (0 when none)."""
 
     def rule(args: Tuple, kwargs: Dict[str, Any], out: Any) -> List[Tuple[str, torch.Tensor]]:
-        x = args[0]
-        cs = [args[i] if len(args) > i else None for i in bounds] if bounds else [0.0]
-        found = []
-        for c in cs:
-            m = _margin(x, c) if c is not None and not isinstance(c, bool) else None
-            if m is not None:
-                found.append(("m", m))
-        return found
+        return _margins(args[0], *([args[i] if len(args) > i else None for i in bounds] if bounds else [0.0]))
 
     return rule
 
 
 def _shifted(*shifts: float) -> Callable[..., List[Tuple[str, torch.Tensor]]]:
+    """A rule for an op kinked where its first argument crosses the constants ``shifts`` (hardswish's -3 and 3)."""
+
     def rule(args: Tuple, kwargs: Dict[str, Any], out: Any) -> List[Tuple[str, torch.Tensor]]:
-        return [("m", m) for m in (_margin(args[0], s) for s in shifts) if m is not None]
+        return _margins(args[0], *shifts)
 
     return rule
 
@@ -87,15 +92,11 @@ def _shifted(*shifts: float) -> Callable[..., List[Tuple[str, torch.Tensor]]]:
 def _clamp(args: Tuple, kwargs: Dict[str, Any], out: Any) -> List[Tuple[str, torch.Tensor]]:
     lo = args[1] if len(args) > 1 else kwargs.get("min")
     hi = args[2] if len(args) > 2 else kwargs.get("max")
-    return [("m", m) for m in (_margin(args[0], c) for c in (lo, hi) if c is not None) if m is not None]
+    return _margins(args[0], lo, hi)
 
 
 def _difference(args: Tuple, kwargs: Dict[str, Any], out: Any) -> List[Tuple[str, torch.Tensor]]:
-    a, b = args[0], args[1] if len(args) > 1 else None
-    if isinstance(a, torch.Tensor) and a.is_floating_point() and b is not None and not isinstance(b, bool) and (
-            not isinstance(b, torch.Tensor) or b.is_floating_point()):
-        return [("m", (a - b).detach().to(torch.float32))]
-    return []
+    return _margins(args[0], args[1] if len(args) > 1 else None)
 
 
 def _indices(position: int) -> Callable[..., List[Tuple[str, torch.Tensor]]]:
@@ -264,10 +265,16 @@ def active_recorder() -> Optional[Recorder]:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
+def recorded(evaluate: Callable[[], Any]) -> Tuple[Any, Recorder]:
+    """One call of ``evaluate`` under a :class:`Recorder`: its result, and the recorder."""
+    with Recorder() as rec:
+        result = evaluate()
+    return result, rec
+
+
 def record(evaluate: Callable[[], Any]) -> Optional[Record]:
     """The record of one call of ``evaluate``; None when it could not be taken (an op it cannot read, too large)."""
-    with Recorder() as rec:
-        evaluate()
+    rec = recorded(evaluate)[1]
     return None if rec.failed else rec.record
 
 
@@ -326,8 +333,7 @@ class ForwardKinks:
         """Evaluate at the unperturbed point, taking its record on the way (no evaluation more later)."""
         if self._tried:
             return self._evaluate()
-        with Recorder() as rec:
-            terms = self._evaluate()
+        terms, rec = recorded(self._evaluate)
         self._tried, self._base = True, None if rec.failed else rec.record
         self._last_op, self._first = rec.last_op, dict(rec.first)
         return terms
@@ -352,8 +358,7 @@ class ForwardKinks:
         records: List[Optional[Record]] = []
 
         def recording() -> Terms:
-            with Recorder() as rec:
-                terms = self._evaluate()
+            terms, rec = recorded(self._evaluate)
             records.append(None if rec.failed else rec.record)
             return terms
 
@@ -409,8 +414,7 @@ def kink_free(p: torch.Tensor, saved: torch.Tensor, grads: Dict[str, torch.Tenso
         if crossing.fraction <= 0.0:
             break  # a kink at the point itself: every step crosses it
         t = t * min(0.5 * crossing.fraction, 0.5)
-        floor = floor_at(settings, t)
-        if floor > 1e-2 * max(abs(a), abs(n), 1e-300) and floor > 0.3 * disagreement:
+        if not usable_floor(floor_at(settings, t), a, n, disagreement):
             # A step this short is lost in the rounding: it could not tell the kinks from a wrong gradient.
             return Outcome(out.analytic, out.numeric, out.floor, unresolved=True, crossed=True)
         probe, crossing = kinks.probe(p, saved, grads, sample, t)

@@ -155,6 +155,18 @@ def floor_at(settings: EngineSettings, step: float) -> float:
     return NOISE_FACTOR * settings.eval_eps * max(settings.magnitude, 1e-30) / step + settings.jitter / step
 
 
+def usable_floor(floor: float, analytic: float, numeric: float, disagreement: float) -> bool:
+    """True when a smaller step whose noise floor is ``floor`` can tell a kink from a wrong gradient: the floor is
+    under 1% of the slopes, or under 30% of the disagreement to explain (slopes near zero at weights near
+    zero, a ReLU unit dead at the point and crossed by the base step: the disagreement is all there is to see).
+
+    Example:
+        >>> usable_floor(1e-9, 0.0, 0.0, 4e-7), usable_floor(1e-9, 0.0, 0.0, 2e-9)
+        (True, False)
+    """
+    return floor <= 1e-2 * max(abs(analytic), abs(numeric), 1e-300) or floor <= 0.3 * disagreement
+
+
 def _slope(saved: torch.Tensor, grads: Dict[str, torch.Tensor], sample: Sample) -> Terms:
     """Analytic slope of each term along the sample's unit line (computed once, cached on the sample)."""
     if sample.slope is None:

@@ -21,8 +21,8 @@ Example:
     >>> cache = PrefixCache(model, dict(model.named_parameters()))
     >>> with cache.installed(), torch.no_grad():
     ...     cache.begin(); y0 = model(x).sum()          # the first evaluation: captured
-    ...     cache.captured()
-    ...     ok = cache.verify(lambda: float((cache.begin(), model(x).sum())[1]), float(y0))
+    ...     cache.captured(); cache.expected = float(y0)
+    ...     ok = cache.verify(lambda: float((cache.begin(), model(x).sum())[1]))
     ...     cache.replayed = 0
     ...     cache.focus(model[2].weight); cache.begin(); y1 = model(x).sum()   # replays Linear(3, 4), Tanh
     >>> ok, cache.replayed, bool(y1 == y0)
@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradwatch.check.probes import kinks
+from gradwatch.trees import tensor_leaves
 
 #: Most bytes of leaf outputs kept.
 KEEP_BYTES = 256 * 2**20
@@ -62,34 +63,12 @@ def _copy(out: Any) -> Any:
     return type(out)(o.detach().clone() for o in out)
 
 
-def _flat(args: Any) -> List[torch.Tensor]:
-    out: List[torch.Tensor] = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, (tuple, list)):
-            out += _flat(a)
-    return out
-
-
 def _storages(args: Any) -> Set[int]:
-    found: Set[int] = set()
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            found.add(a.untyped_storage().data_ptr())
-        elif isinstance(a, (tuple, list)):
-            found |= _storages(a)
-    return found
+    return {t.untyped_storage().data_ptr() for t in tensor_leaves(args)}
 
 
 def _versions(args: Any) -> List[int]:
-    out: List[int] = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            out.append(a._version)
-        elif isinstance(a, (tuple, list)):
-            out += _versions(a)
-    return out
+    return [t._version for t in tensor_leaves(args)]
 
 
 def _rng_states() -> List[torch.Tensor]:
@@ -146,6 +125,10 @@ class PrefixCache:
         self.enabled = True
         self.verified = False
         self.limit: Optional[int] = None
+        #: The first op that reads each parameter's storage, from the first evaluation.
+        self.first: Dict[int, int] = {}
+        #: The objective of the first evaluation (:meth:`verify` compares with it); None until it is known.
+        self.expected: Optional[float] = None
         self.replayed = 0
         self.kept_bytes = 0
         #: The record of the forward at the unperturbed point (:mod:`gradwatch.check.probes.kinks`), when taken.
@@ -218,9 +201,10 @@ class PrefixCache:
         ptr = p.untyped_storage().data_ptr()
         self.limit = self.first.get(ptr, 1 << 62) if ptr in self.storages else None
 
-    def verify(self, evaluate: Callable[[], float], expected: float) -> bool:
-        """One evaluation with every call that can be replayed replayed must give ``expected`` bit for bit; else off."""
-        if not self.enabled or self.phase != "ready":
+    def verify(self, evaluate: Callable[[], float]) -> bool:
+        """One evaluation with every call that can be replayed replayed must give the first evaluation's objective
+        (:attr:`expected`) bit for bit; else off."""
+        if not self.enabled or self.phase != "ready" or self.expected is None:
             self.enabled = False
             return False
         limit, self.limit = self.limit, 1 << 62  # a tensor read by nothing: every call can be replayed
@@ -228,7 +212,7 @@ class PrefixCache:
             got = evaluate()
         finally:
             self.limit = limit
-        self.verified = got == expected
+        self.verified = got == self.expected
         self.enabled = self.verified
         return self.verified
 
@@ -263,11 +247,11 @@ class PrefixCache:
         before, drawn = _versions(inputs), _rng_states()
         self.calls[key[0]] = key[1] + 1
         if key[0] in self._holds:
-            size = sum(t.numel() * t.element_size() for t in _flat(inputs))
+            size = sum(t.numel() * t.element_size() for t in tensor_leaves(inputs))
             if self.kept_bytes + size <= self.keep_bytes:
                 # Held, not copied: kept with their versions, and given out only while nothing wrote to them.
                 self.inputs[key] = (args, dict(kwargs))
-                self.input_versions[key] = _versions(inputs)
+                self.input_versions[key] = before
                 self.kept_bytes += size
         out = forward(*args, **kwargs)
         if reads is None:

@@ -31,6 +31,7 @@ from gradwatch.check.probes.lines import (
     slopes_of,
     total,
     unit_sample,
+    usable_floor,
 )
 
 #: Smaller steps tried when a sample disagrees (fractions of the base step).
@@ -160,18 +161,6 @@ def unresolvable(sample: Sample, analytic: float, numeric: float, settings: Engi
         return False
     floor = floor_at(settings, sample.step * KINK_SCALES[0])
     return not usable_floor(floor, analytic, numeric, abs(numeric - analytic))
-
-
-def usable_floor(floor: float, analytic: float, numeric: float, disagreement: float) -> bool:
-    """True when a smaller step whose noise floor is ``floor`` can tell a kink from a wrong gradient: the floor is
-    under 1% of the slopes, or under 30% of the disagreement to explain (slopes near zero at weights near
-    zero, a ReLU unit dead at the point and crossed by the base step: the disagreement is all there is to see).
-
-    Example:
-        >>> usable_floor(1e-9, 0.0, 0.0, 4e-7), usable_floor(1e-9, 0.0, 0.0, 2e-9)
-        (True, False)
-    """
-    return floor <= 1e-2 * max(abs(analytic), abs(numeric), 1e-300) or floor <= 0.3 * disagreement
 
 
 def resolve_low_precision(p, saved, grads, sample: Sample, analytic: float, numeric: float, j0: float,
