@@ -1,9 +1,10 @@
-"""Faults during a check of an FSDP2 model checked shard by shard: 2 gloo ranks, one fault per run.
+"""Faults during a check of an FSDP2 or a tensor parallel model checked shard by shard: 2 gloo ranks, one fault per run.
 
 Each run starts 2 plain processes (no ``torchrun``: nothing but the process group ends a rank that
 waits) with a process-group timeout of ``--pg-timeout`` seconds and ``distributed_timeout`` of
 ``--timeout``. Every rank first trains a small pre-norm transformer (hand-written attention, each
-block ``fully_shard``-ed) without the watch, then the same run watched with ``every=1``, and one rank
+block ``fully_shard``-ed, or with ``--engine tp`` each block's MLP and the head tensor parallel through
+``parallelize_module``) without the watch, then the same run watched with ``every=1``, and one rank
 meets a fault during the check of step ``--at``:
 
 - ``raise-replay``: ``loss_fn`` raises before calling the model, in the training part's replay;
@@ -27,6 +28,7 @@ Example::
 
     python benchmarks/faults.py                 # the 20 runs
     python benchmarks/faults.py --only killed   # one fault, on both ranks
+    python benchmarks/faults.py --engine tp     # the 20 runs on the tensor parallel model
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ ENDS_THE_JOB = ("killed", "killed-capture")
 
 
 def worker(rank: int, port: str, out: str, fault: str, fault_rank: int, at: int, timeout: float,
-           pg_timeout: float) -> None:
+           pg_timeout: float, engine: str = "fsdp") -> None:
     """One rank: the unwatched run, then the watched run with the fault; writes ``rank{r}.json``."""
     import datetime
     import math
@@ -141,18 +143,28 @@ def worker(rank: int, port: str, out: str, fault: str, fault_rank: int, at: int,
         return F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
 
     def digest(model: nn.Module) -> List[str]:  # the bits of this rank's shards
-        return [str(hash(p.to_local().detach().numpy().tobytes())) for p in model.parameters()]
+        return [str(hash(getattr(p, "to_local", p.detach)().detach().numpy().tobytes())) for p in model.parameters()]
 
     def train(watched: bool) -> Dict[str, Any]:
         torch.manual_seed(0)
         model = LM()
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+        if engine == "tp":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor import Replicate
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            mesh = init_device_mesh("cpu", (2,))
+            for block in model.blocks:
+                parallelize_module(block, mesh, {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
+            parallelize_module(model, mesh, {"head": ColwiseParallel(output_layouts=Replicate())})
+        else:
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         watch = GradWatch(model, loss_fn, optimizer=opt, every=1, distributed_timeout=timeout,
                           log_dir=os.path.join(out, "run") if watched else None) if watched else None
-        gen = torch.Generator().manual_seed(100 + rank)
+        gen = torch.Generator().manual_seed(100 + (rank if engine == "fsdp" else 0))  # TP ranks share a batch
         res: Dict[str, Any] = {"digests": [], "error": None, "check_seconds": []}
 
         def dump() -> None:
@@ -195,7 +207,7 @@ def worker(rank: int, port: str, out: str, fault: str, fault_rank: int, at: int,
     os._exit(0)  # no destroy_process_group: a peer may be gone
 
 
-def run(fault: str, fault_rank: int, at: int, timeout: float, pg_timeout: float) -> Dict[str, Any]:
+def run(fault: str, fault_rank: int, at: int, timeout: float, pg_timeout: float, engine: str = "fsdp") -> Dict[str, Any]:
     """One run of 2 processes; its outcome."""
     from gradwatch.io.sinks import read_jsonl
 
@@ -205,8 +217,8 @@ def run(fault: str, fault_rank: int, at: int, timeout: float, pg_timeout: float)
         port = str(_port())
         start = time.perf_counter()
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", port, out, fault, str(fault_rank), str(at),
-               str(timeout), str(pg_timeout)]
-        procs = [subprocess.Popen(cmd + [str(r)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               str(timeout), str(pg_timeout), engine]
+        procs = [subprocess.Popen(cmd[:-1] + [str(r), engine], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for r in range(2)]
         limit = 60 + 2 * pg_timeout + 2 * timeout  # two runs' start-up, and every wait the timeouts allow
         hung = False
@@ -262,12 +274,14 @@ def main() -> None:
     parser.add_argument("--at", type=int, default=2, help="the step whose check meets the fault")
     parser.add_argument("--timeout", type=float, default=8.0, help="distributed_timeout (s)")
     parser.add_argument("--pg-timeout", type=float, default=30.0, help="the process group's timeout (s)")
+    parser.add_argument("--engine", choices=("fsdp", "tp"), default="fsdp",
+                        help="FSDP2 (fully_shard) or tensor parallel (parallelize_module)")
     parser.add_argument("--json", help="write the outcomes here")
     args = parser.parse_args()
     outcomes = []
     for fault in args.only or FAULTS:
         for rank in args.rank or (0, 1):
-            o = run(fault, rank, args.at, args.timeout, args.pg_timeout)
+            o = run(fault, rank, args.at, args.timeout, args.pg_timeout, args.engine)
             outcomes.append(o)
             ok = "ok" if not o["hung"] and o["identical"] and o["said"] else "FAIL"
             print(f"{ok:4} {fault:15} rank {rank}  {o['seconds']:6.1f}s  exit {o['codes']}  bit-identical "
@@ -287,7 +301,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        port, out, fault, fault_rank, at, timeout, pg_timeout, rank = sys.argv[2:10]
-        worker(int(rank), port, out, fault, int(fault_rank), int(at), float(timeout), float(pg_timeout))
+        port, out, fault, fault_rank, at, timeout, pg_timeout, rank, engine = sys.argv[2:11]
+        worker(int(rank), port, out, fault, int(fault_rank), int(at), float(timeout), float(pg_timeout), engine)
     else:
         main()

@@ -357,6 +357,8 @@ def _print_report(data: Any, rows: List[Dict[str, Any]], verbose: bool) -> None:
         print(summary.coverage_line(coverage, getattr(data, "cycle_length", None), len(steps)))
     if getattr(data, "independence", None):
         print(summary.independence_line(data.independence))
+    for line in not_judged.unchecked_lines(getattr(data, "not_checked", None) or {}, len(steps)):
+        print(line)
     for note in getattr(data, "unchecked", None) or ():
         print(f"not checked: {note}")
     for line in not_judged.report_lines(getattr(data, "not_judged", None) or {}):

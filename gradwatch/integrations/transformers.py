@@ -29,6 +29,11 @@ What the Trainer does not hand a callback, the callback finds itself:
   one run.
 - **Ranks.** Every rank checks (see :mod:`gradwatch.watch.distributed`); files, reporting and the
   state file are written on the world's process zero only.
+- **DeepSpeed.** With ``TrainingArguments(deepspeed=...)`` the watch is given the engine (ZeRO's partitions are
+  read through :mod:`gradwatch.watch.zero`). Accelerate runs ``engine.backward`` and ``engine.step`` in one call,
+  before any callback, and DeepSpeed clips inside ``engine.step``: the check runs at the start of the engine's
+  ``step`` at the accumulation boundary (a wrapper set on the engine for the run), where ZeRO's gradients are the
+  step's, unclipped; ``on_pre_optimizer_step`` then does nothing.
 
 The Trainer is not passed to callbacks either: it is found once, in ``on_train_begin``,
 as the caller of the callback handler (for its reporting callbacks and the checkpoint it
@@ -64,6 +69,7 @@ from gradwatch.integrations.hf_loss import ComputeLoss, capture_inputs, override
 from gradwatch.io.records import ALERTS_COUNT_TAG, scalars_from_check
 from gradwatch.io.sinks import Sink
 from gradwatch.watch.gradwatch import GradWatch
+from gradwatch.watch.zero import is_engine
 
 logger = logging.getLogger("gradwatch")
 
@@ -228,6 +234,8 @@ class GradWatchCallback(TrainerCallback):
         self._accumulated = False  # micro-batches of this step given to the watch before its last
         self._pre_clip: Optional[List[Tuple[nn.Parameter, torch.Tensor]]] = None
         self._context: Tuple[Any, Any, Any] = (None, None, None)
+        self._step_args: Optional[Tuple[Any, Any, Any]] = None  # (args, state, control) of the step (DeepSpeed)
+        self._engine: Any = None  # DeepSpeed's engine, whose step() runs the check
         self._trainer: Any = None
         self._uncapture: Optional[Callable[[], None]] = None  # takes the compute_loss wrapper off the trainer
 
@@ -258,8 +266,11 @@ class GradWatchCallback(TrainerCallback):
             # the inputs compute_loss was given (captured there, not at the model's forward)
             loss_fn = ComputeLoss(trainer)
             self._uncapture = capture_inputs(trainer, self._keep_inputs)
+        wrapped = getattr(trainer, "model_wrapped", None)
+        self._engine = wrapped if is_engine(wrapped) and getattr(wrapped, "module", None) is model else None
         self.watch = GradWatch(
-            model, loss_fn, optimizer=getattr(optimizer, "optimizer", optimizer), writer=writer,
+            self._engine if self._engine is not None else model, loss_fn,
+            optimizer=getattr(optimizer, "optimizer", optimizer), writer=writer,
             config=self.config.replace(log_dir=log_dir if zero else None, tensorboard=tensorboard), **self._objects,
         )
         others = [cb for cb in reporters if cb is not tb or writer is None and self.config.tensorboard]
@@ -268,8 +279,28 @@ class GradWatchCallback(TrainerCallback):
         if pending is not None:
             self.watch.load_state_dict(pending)
         self._hooks.append(model.register_forward_pre_hook(self._capture_hook(), with_kwargs=True))
-        if getattr(args, "max_grad_norm", 0) and args.max_grad_norm > 0:
+        if self._engine is not None:
+            self._check_in_engine_step(self._engine)
+        elif getattr(args, "max_grad_norm", 0) and args.max_grad_norm > 0:
             self._hooks.append(model.register_forward_hook(self._pre_clip_hook()))
+
+    def _check_in_engine_step(self, engine: Any) -> None:
+        """DeepSpeed: the check runs at the start of ``engine.step()`` at the accumulation boundary (between
+        ``engine.backward`` and the step, which accelerate calls together); the wrapper goes at :meth:`_close`."""
+        original = engine.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if self._step_args is not None and engine.is_gradient_accumulation_boundary():
+                self._check(*self._step_args)
+            return original(*args, **kwargs)
+
+        engine.__dict__["step"] = step  # an instance attribute: the engine's own method is untouched
+
+        class _Unwrap:
+            def remove(self) -> None:
+                engine.__dict__.pop("step", None)
+
+        self._hooks.append(_Unwrap())
 
     def _keep_inputs(self, model: nn.Module, inputs: Any) -> None:
         """``compute_loss``'s inputs, under a trainer computing its own loss (:class:`ComputeLoss`)."""
@@ -322,6 +353,7 @@ class GradWatchCallback(TrainerCallback):
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         watch = self.watch
         self._pre_clip = None
+        self._step_args = (args, state, control)
         self._snapshot_wanted = bool(
             watch is not None and watch.paused is None and len(self._hooks) > 1
             and (watch.dist is not None or watch.schedule.due(int(state.global_step)))
@@ -334,6 +366,11 @@ class GradWatchCallback(TrainerCallback):
             self._accumulated = True
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._engine is None:  # DeepSpeed: checked in the engine's step, before it (_check_in_engine_step)
+            self._check(args, state, control)
+
+    def _check(self, args: Any, state: Any, control: Any) -> None:
+        """The step's check: ``.grad`` as backprop left it (before clipping), every micro-batch handed to the watch."""
         if self.watch is None or self._batch is None or self._checking:
             return
         self._context = (args, state, control)
@@ -380,6 +417,7 @@ class GradWatchCallback(TrainerCallback):
             self._uncapture = None
         self._batch = None
         self._pre_clip = None
+        self._step_args = self._engine = None
         if self.watch is not None:
             self.watch.close()
 

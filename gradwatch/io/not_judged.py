@@ -1,5 +1,5 @@
 """What a check could not judge, and why: read from a check record, written to TensorBoard as text, tallied
-for ``gradwatch report``.
+for ``gradwatch report``; and what it could not check at all (a unit, a part), tallied the same way.
 
 A tensor with no verdict (an inconclusive backward result, a training result with none) and a training part
 that judged nothing (skipped, with the reason in ``training_note``) are written as what they are: no scalar
@@ -22,7 +22,10 @@ Example:
 
 from __future__ import annotations
 
+import re
 from typing import Any, Dict, List, Mapping, Sequence, Tuple
+
+from gradwatch.check.judging.report import NotChecked, not_checked_in
 
 #: TensorBoard text tag of the lines (one text per check, one line per item).
 TEXT_TAG = "gradwatch/not_judged"
@@ -103,3 +106,91 @@ def to_json(tally: Tally) -> List[Dict[str, Any]]:
     """The tally as JSON-able rows (``gradwatch report --format json``)."""
     return [{"part": part, "tensor": tensor, "checks": checks, "reason": reason}
             for (part, tensor), (checks, reason) in sorted(tally.items())]
+
+
+# --------------------------------------------------------------------- not checked
+
+#: :attr:`NotChecked.key` -> ``{"part", "what", "why", "how", "label", "checks", "step", "planned"}``: checks at which it
+#: was not checked (None: not known, read from alerts), the first step, its latest wording, and for a unit of the module
+#: form the checks that planned it (it is one piece of a cycle of K checks; None: not known).
+Unchecked = Dict[Tuple[str, str, str], Dict[str, Any]]
+
+#: A ``not_checked`` alert's message (:meth:`gradwatch.watch.trend.TrendTracker.not_checked`), read back.
+_ALERT = re.compile(r"^step (?P<step>\d+): (?P<label>.*?) not checked \((?P<part>\w+) part\): (?P<why>.*) — check it "
+                    r"instead: (?P<how>.*?)\. Said once for the run", re.S)
+
+
+def unchecked_of(record: Mapping[str, Any]) -> List[NotChecked]:
+    """What a ``check`` record's notes say it could not check (:func:`~gradwatch.check.judging.report.not_checked_in`)."""
+    return not_checked_in([str(n) for n in record.get("notes") or ()], record.get("training_note"),
+                          bool(record.get("training")))
+
+
+def add_unchecked(tally: Unchecked, items: Sequence[NotChecked], step: Any) -> None:
+    """Count each item's check (the first step kept, the latest wording)."""
+    for item in items:
+        entry = tally.setdefault(item.key, {"checks": 0, "step": step, "planned": None})
+        entry.update(item.to_dict(), checks=(entry["checks"] or 0) + 1)
+
+
+def unchecked_from_alerts(alerts: Sequence[Mapping[str, Any]]) -> Unchecked:
+    """The tally from the ``not_checked`` alerts alone (event files keep no notes): once each, checks not known.
+
+    Example:
+        >>> msg = ("step 2: `fc` (Linear) not checked (backward part): it raised — check it instead: "
+        ...        "form='objective'. Said once for the run (...)")
+        >>> tally = unchecked_from_alerts([{"kind": "not_checked", "tensor": "fc", "message": msg}])
+        >>> unchecked_lines(tally, 4)
+        ["not checked: `fc` (Linear) in the backward part, from step 2: it raised — check it instead: form='objective'"]
+    """
+    tally: Unchecked = {}
+    for a in alerts:
+        found = _ALERT.match(str(a.get("message") or "")) if a.get("kind") == "not_checked" else None
+        if found is not None:
+            item = NotChecked(found["part"], str(a.get("tensor")), found["why"], found["how"], found["label"])
+            tally.setdefault(item.key, {**item.to_dict(), "checks": None, "step": int(found["step"]), "planned": None})
+    return tally
+
+
+def plan_counts(tally: Unchecked, planned: Mapping[str, int]) -> None:
+    """Give each unit of the module form the checks that planned it (``planned``: unit -> checks whose ``pieces``
+    held it; the root model's unit is ``""``), at least those that said it was not checked."""
+    for entry in tally.values():
+        if entry["part"] == "backward" and entry.get("checks") is not None:
+            unit = "" if entry["what"] == "<model>" else entry["what"]
+            entry["planned"] = max(int(planned.get(unit, 0)), entry["checks"])
+
+
+def planned_units(record: Mapping[str, Any]) -> List[str]:
+    """The units of a ``check`` record's ``pieces`` (``"lm_head[0:256]"`` is a piece of ``lm_head``), each once."""
+    return list(dict.fromkeys(str(p).split("[", 1)[0] for p in record.get("pieces") or ()))
+
+
+def merge_unchecked(tally: Unchecked, other: Unchecked) -> None:
+    """Add ``other``'s counts to ``tally`` (a run read from several places; ``other`` is later)."""
+    for key, entry in other.items():
+        if key not in tally:
+            tally[key] = dict(entry)
+        else:
+            mine = tally[key]
+            counts = {k: None if mine.get(k) is None or entry.get(k) is None else mine[k] + entry[k]
+                      for k in ("checks", "planned")}
+            mine.update({**entry, **counts, "step": mine["step"]})
+
+
+def unchecked_lines(tally: Unchecked, checks: int) -> List[str]:
+    """``not checked: ...`` lines for ``gradwatch report``: what, where, at how many of the run's ``checks``, why, and
+    how to check it instead."""
+    lines = []
+    for entry in tally.values():
+        where = " in the backward part" if entry["part"] == "backward" else ""
+        n, planned = entry.get("checks"), entry.get("planned")
+        of = checks if planned is None else planned
+        if n is None:
+            when = f"from step {entry['step']}"
+        elif n >= of:
+            when = f"never checked in the run ({n} check{'s' if n != 1 else ''}" + (" planned it)" if planned else ")")
+        else:
+            when = f"at {n} of the {of} checks{' that planned it' if planned else ''}, from step {entry['step']}"
+        lines.append(f"not checked: {entry['label']}{where}, {when}: {entry['why']} — check it instead: {entry['how']}")
+    return lines

@@ -29,8 +29,10 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, cast
 
 from gradwatch.bands import DEFAULT_BANDS, Verdict
+from gradwatch.check.judging.report import not_checked_in
 from gradwatch.errors import GradWatchError
 from gradwatch.io import not_judged
+from gradwatch.io.not_judged import Unchecked
 from gradwatch.io.records import ALERTS_TEXT_TAG, to_jsonable
 from gradwatch.io.sinks import JSONL_NAME, RUN_TEXT_TAG, read_jsonl
 
@@ -68,7 +70,8 @@ class RunData:
         coverage: The last check's coverage: tensor -> ``{"backward": fraction, "training": fraction}`` of its
             rows probed in the run (empty when not known).
         cycle_length: K, the checks within which every unit and parameter row is probed once (None: not known).
-        unchecked: What the checks' notes say was not checked (each once, its latest wording).
+        unchecked: What else the checks' notes say was not checked (by design: declared surrogates, padding rows;
+            each once, its latest wording).
         independence: Structure -> ``[checks of it, checks that found a leak, the latest leak's module or None]``
             (checks with ``independence=``; empty when none ran or not known).
     """
@@ -91,6 +94,9 @@ class RunData:
     independence: Dict[str, List[Any]] = field(default_factory=dict)
     #: What the checks did not judge, and why (:mod:`gradwatch.io.not_judged`): ``(part, tensor) -> [checks, reason]``.
     not_judged: not_judged.Tally = field(default_factory=dict)
+    #: What the checks could not check, why and how to check it instead (:data:`gradwatch.io.not_judged.Unchecked`;
+    #: from the ``not_checked`` alerts where the records' notes are not known).
+    not_checked: Unchecked = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------- reading
@@ -132,6 +138,8 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
     unchecked: Dict[str, str] = {}
     independence: Dict[str, List[Any]] = {}
     unjudged: not_judged.Tally = {}
+    never: not_judged.Unchecked = {}
+    planned: Dict[str, int] = {}  # unit -> checks whose pieces held it (the module form)
     for number, rec in enumerate(records, start=1):
         run_id = run_id or rec.get("run_id")
         try:
@@ -147,8 +155,11 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
                 cycle = int(rec["cycle_length"]) if rec.get("cycle_length") is not None else cycle
                 _add_independence(rec.get("independence"), independence)
                 not_judged.add(unjudged, not_judged.of_check(rec))
+                not_judged.add_unchecked(never, not_judged.unchecked_of(rec), int(rec["step"]))
+                for unit in not_judged.planned_units(rec):
+                    planned[unit] = planned.get(unit, 0) + 1
                 for note in rec.get("notes") or ():
-                    if "not checked" in str(note):
+                    if "not checked" in str(note) and not not_checked_in([str(note)]):
                         unchecked[re.sub(r"[\d.]+ ?MB|\d+", "#", str(note))] = str(note)
         except (TypeError, ValueError, AttributeError, KeyError) as err:
             notes.append(f"{path or 'the log'}: record {number} ({str(rec.get('type'))!r}) is malformed "
@@ -158,8 +169,9 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
             opt_bands = (rec.get("options") or {}).get("bands")
             if isinstance(opt_bands, (list, tuple)) and len(opt_bands) == 3 and all(_num(b) for b in opt_bands):
                 bands = tuple(float(b) for b in opt_bands)  # type: ignore[assignment]
+    not_judged.plan_counts(never, planned)
     return RunData(history, alerts, details, "jsonl", path, notes, bands, steps, training, run_id, forms, coverage, cycle,
-                   list(unchecked.values()), independence, unjudged)
+                   list(unchecked.values()), independence, unjudged, never)
 
 
 def _add_independence(found: Any, independence: Dict[str, List[Any]]) -> None:
@@ -230,7 +242,7 @@ def from_watch(watch: Any, details: Optional[Dict[Tuple[int, str], Dict[str, Any
     history = watch.history
     steps = sorted({r["step"] for records in history.values() for r in records})
     return RunData(history, alerts, dict(details or {}), "memory", None, [], tuple(watch.config.bands), steps,
-                   watch.tracker.training_history)
+                   watch.tracker.training_history, not_checked=not_judged.unchecked_from_alerts(alerts))
 
 
 def event_files(directory: Path) -> List[Path]:
@@ -300,7 +312,7 @@ def from_event_files(path: os.PathLike, bands: Tuple[float, float, float] = DEFA
     for entries in history.values():
         entries.sort(key=lambda e: int(cast(float, e["step"])))
     return RunData(history, alerts, {}, "events", os.fspath(path), [], bands, sorted(all_steps), run_id=run_id,
-                   not_judged=unjudged)
+                   not_judged=unjudged, not_checked=not_judged.unchecked_from_alerts(alerts))
 
 
 _NUMBER = r"([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf))"
@@ -417,10 +429,12 @@ def merge_runs(parts: Sequence[RunData]) -> RunData:
     warnings: List[str] = []
     forms: Dict[str, int] = {}
     unjudged: not_judged.Tally = {}
+    never: not_judged.Unchecked = {}
     for part in parts:
         for form, n in part.forms.items():
             forms[form] = forms.get(form, 0) + n
         not_judged.merge(unjudged, part.not_judged)
+        not_judged.merge_unchecked(never, part.not_checked)
         for name, entries in part.history.items():
             history.setdefault(name, []).extend(entries)
         for name, entries in part.training.items():
@@ -437,7 +451,7 @@ def merge_runs(parts: Sequence[RunData]) -> RunData:
     return RunData(history, alerts, details, sources.pop() if len(sources) == 1 else "mixed", ", ".join(paths),
                    warnings, parts[0].bands, sorted(steps), training, parts[0].run_id, forms,
                    parts[-1].coverage, parts[-1].cycle_length, list(dict.fromkeys(n for p in parts for n in p.unchecked)),
-                   not_judged=unjudged)
+                   not_judged=unjudged, not_checked=never)
 
 
 def read_runs(found: Sequence[Tuple[str, Path]]) -> Tuple[List[RunData], List[str]]:
@@ -775,6 +789,7 @@ def to_json(data: RunData, rows: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
         "coverage": dict(data.coverage),
         "unchecked": list(data.unchecked),
         "not_judged": not_judged.to_json(data.not_judged),
+        "not_checked": [dict(entry) for entry in data.not_checked.values()],
         "tensors": [{**{k: v for k, v in r.items()}, "history": data.history.get(str(r["tensor"]), [])} for r in rows],
         "training": [{**r, "history": data.training.get(str(r["tensor"]), [])} for r in summarize(data, "training")],
         "alerts": data.alerts,

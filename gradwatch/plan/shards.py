@@ -1,4 +1,4 @@
-"""Which rank checks which piece of a sharded (FSDP2) model: pure functions of the plan and the layout.
+"""Which rank checks which piece of a sharded model (FSDP2, tensor parallel DTensors): pure functions of the plan and the layout.
 
 FSDP2's ``fully_shard`` splits every parameter on dim 0 as ``torch.chunk`` does: rank ``r`` of ``W``
 holds rows ``r * c`` to ``(r + 1) * c`` (``c = ceil(rows / W)``; the last ranks may hold fewer or none).
@@ -42,7 +42,8 @@ def rows_held(rows: int, rank: int, world: int) -> Tuple[int, int]:
     return first, min(rows, first + chunk)
 
 
-def assign(pieces: Sequence[Piece], held: Mapping[str, int], rank: int, world: int) -> List[Tuple[Piece, int]]:
+def assign(pieces: Sequence[Piece], held: Mapping[str, int], rank: int, world: int,
+           turns: Optional[Tuple[int, int]] = None) -> List[Tuple[Piece, int]]:
     """This rank's pieces, each with the offset of the rows it holds (0 for a piece checked whole).
 
     Args:
@@ -51,6 +52,9 @@ def assign(pieces: Sequence[Piece], held: Mapping[str, int], rank: int, world: i
             Embedding whose weight is sharded on dim 0).
         rank: This rank.
         world: Ranks the parameters are sharded over.
+        turns: ``(rank, world)`` of the round-robin of the pieces checked whole (default: ``(rank, world)``);
+            the process group's, where the rows are sharded over a smaller mesh (tensor parallel inside a
+            2-D mesh).
 
     Example:
         >>> assign([Piece("fc")], {"fc": 5}, rank=1, world=2)
@@ -58,10 +62,11 @@ def assign(pieces: Sequence[Piece], held: Mapping[str, int], rank: int, world: i
     """
     out: List[Tuple[Piece, int]] = []
     turn = 0
+    mine, everyone = turns if turns is not None else (rank, world)
     for piece in pieces:
         rows = held.get(piece.unit)
         if rows is None:
-            if turn % world == rank:
+            if turn % everyone == mine:
                 out.append((piece, 0))
             turn += 1
             continue

@@ -13,6 +13,8 @@ Example:
     >>> alert = Alert(step=3, tensor="w", kind="drift", severity="warning", value=1e-3, baseline=1e-9, message="m")
     >>> policy.should_raise(alert)
     False
+    >>> policy.should_raise(Alert(3, "fc", "not_checked", "warning", math.nan, None, "m"))
+    False
     >>> policy.deliver(3, [alert]); len(policy.alerts)
     1
     >>> alert_from_dict(alert.to_dict()) == alert
@@ -99,9 +101,10 @@ class AlertPolicy:
 
     def should_raise(self, alert: Alert) -> bool:
         """Whether ``alert`` raises under ``raise_on`` (a confirmed independence leak raises at any level; a drift and
-        a partial accumulation window, warnings, at ``"suspicious"``)."""
+        a partial accumulation window, warnings, at ``"suspicious"``; a ``not_checked`` alert never: nothing was
+        judged, see :meth:`~gradwatch.watch.trend.TrendTracker.not_checked`)."""
         level = self.raise_on
-        if level is None:
+        if level is None or alert.kind == "not_checked":
             return False
         if alert.kind == "independence":  # a confirmed leak is wrong at any level
             return True

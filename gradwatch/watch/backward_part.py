@@ -80,7 +80,7 @@ class BackwardPart(TrendAlerting):
         ctx, target, batch, opts = self.watch, check.target, check.batch, check.opts
         shadow = self.planner.shadow_for(target, opts)
         # through the module: a spy on gradwatch.check.model.run_model_check sees every check
-        alone = ctx.grad_fn is None and ctx.dist is None
+        alone = ctx.grad_fn is None  # distributed too: each rank judges its share on modules (no collective)
         # Under memory_budget the room was sized without the outputs a probe replays: every evaluation runs it all.
         report = model_check.run_model_check(target, ctx.objective, batch, opts, grad_fn=ctx.grad_fn, names=check.names,
                                              shadow=shadow, mark_unseen=alone,
@@ -107,7 +107,7 @@ class BackwardPart(TrendAlerting):
                 ctx.lockstep.point()  # the gathers are collectives: every rank's capture went well
             reshard(target)  # a forward that found the units left the root's parameters gathered
             pieces, gathered, offsets = plan_shards(target, units, pieces)
-            view = ShardView(target, gathered, offsets)
+            view = ShardView(target, gathered, offsets, ctx.lockstep.point if ctx.lockstep is not None else None)
         elif ctx.dist is not None:
             pieces = ctx.dist.share(pieces)  # DDP: the ranks split the plan
         try:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from gradwatch.check.higher_order.inner import leaf_modules
-from gradwatch.check.judging.report import CheckReport
+from gradwatch.check.judging.report import CheckReport, not_checked_in
 from gradwatch.check.model import trainable_names
 from gradwatch.check.modules.module_form import units_signature
 from gradwatch.check.numerics.sampling import rotate
@@ -84,7 +84,7 @@ class CheckPlanner:
     def tensors(self, counts: Dict[str, int]) -> List[str]:
         """The check's tensors: the least-checked ``tensors_per_check`` of them (per rank, distributed), or, shard
         by shard, every watched one (the planner's pieces are split by the shards)."""
-        if self.watch.by_shard:
+        if self.watch.by_module:
             return self.watch.watched_names()
         coord, per_check = self.watch.dist, self.config.tensors_per_check
         return rotate(self.names_to_check(), coord.tensors_per_check(per_check) if coord else per_check, counts)
@@ -93,7 +93,7 @@ class CheckPlanner:
         """This rank's round-robin share of ``names`` under DDP (all of them in the module form, whose pieces are
         shared instead, shard by shard, and in one process)."""
         coord = self.watch.dist
-        if coord is not None and not self.watch.by_shard and (plan is None or plan[0][0] != "module"):
+        if coord is not None and not self.watch.by_module and (plan is None or plan[0][0] != "module"):
             return coord.share(names)
         return names
 
@@ -110,7 +110,7 @@ class CheckPlanner:
         a distributed replica is checked whole)."""
         if check.plan is not None:
             return check.plan[0]
-        if self.watch.by_shard:
+        if self.watch.by_module:
             return ("module", None, None)
         return self.choose_form(check.target, check.names, check.room) if check.judge else ("objective", None, None)
 
@@ -148,7 +148,7 @@ class CheckPlanner:
 
     def rewind(self) -> None:
         """The same plan on every rank again (it may have moved on some) after a check failed on a rank."""
-        if self.watch.by_shard and self._mark is not None:
+        if self.watch.by_module and self._mark is not None:
             self.planner.rewind(self._mark[0])
             self.watch.objective.differentiates = self._mark[1]
 
@@ -186,6 +186,8 @@ class CheckPlanner:
         self.planner.record(report)
         self.announce(report, watched)
         for note in self.planner.unchecked_news(report):
+            if not_checked_in([note]):
+                continue  # a not_checked alert says it (and logs it)
             logger.warning("gradwatch: step %d: %s (said once; every check's record repeats it)", step, note)
 
     def announce(self, report: CheckReport, watched: List[str]) -> None:

@@ -146,7 +146,7 @@ class CheckRunner:
         if coord is None or not ctx.sharded or ctx.by_shard:
             self.memory.observe()
             check.room = self.memory.room()
-        if coord is not None and ctx.by_shard:
+        if coord is not None and ctx.by_module:
             # Every rank plans from the same state (a check that failed on some rank is undone on every rank,
             # in _across_ranks) and with the smallest room (measured after the replay, _run_parts).
             self.check_plan.mark()
@@ -168,7 +168,9 @@ class CheckRunner:
             except BaseException:
                 check.report = check.replay = None  # nothing of a check that raised goes to the other ranks
                 raise
-            if check.report is not None and (coord is None or coord.is_main):
+            # every rank: each part says what it does there (every rank's batch); where another rank's check raised
+            # (seen at the region's last agreement point) none does, as on the rank that raised
+            if check.report is not None and not (ctx.lockstep is not None and ctx.lockstep.failed):
                 self.inner.run(check)
                 self.independence.run(check)
 

@@ -41,9 +41,14 @@ from gradwatch.options import CheckOptions
 from gradwatch.plan.memory import MemoryMeter
 from gradwatch.watch.distributed import DistributedCoordinator
 from gradwatch.watch.lockstep import Lockstep
-from gradwatch.watch.sharded import Replica, is_sharded, layout, mixed_precision
+from gradwatch.watch.sharded import REPLICA_NOTE, Replica, is_sharded, layout, mixed_precision
 from gradwatch.watch.trend import Alert
 from gradwatch.watch.wrappers import Wrapping
+from gradwatch.watch.zero import ZeroReplica, engine_of, zero_layout, zero_params
+
+#: The note every report of a model trained with DeepSpeed ZeRO carries.
+ZERO_NOTE = ("the model is trained with DeepSpeed ZeRO: the check ran on a replica gathered through ZeRO's own "
+             "GatheredParameters and safe_get_full_grad on every rank, never on the live engine")
 
 #: Under DDP, rank 0's decisions for a check: ``((form, estimate, note), training tensors or None for all)``.
 Plan = Tuple[Tuple[str, Optional[int], Optional[str]], Optional[List[str]]]
@@ -105,11 +110,20 @@ class WatchContext:
         self.recorder = recorder
         #: Checks completed (or failed) so far.
         self.checks = 0
-        # A sharded (FSDP2) model is checked on a plain replica gathered at each check (see gradwatch.watch.sharded).
-        self.sharded = is_sharded(model)
-        self.mixed: Optional[str] = mixed_precision(model) if self.sharded else None
-        # By default shard by shard (gradwatch.watch.shard_check); form="objective" gathers a replica.
-        self.by_shard = self.sharded and form != "objective"
+        fsdp = is_sharded(model)
+        #: DeepSpeed ZeRO (the engine, or parameters that are ZeRO's): always checked on a gathered replica
+        #: (:mod:`gradwatch.watch.zero`).
+        self.zero = self.wrapping.engine is not None or zero_params(model)
+        #: DeepSpeed's engine (given, or around ``model`` when the watch was given ``engine.module``).
+        self.engine = self.wrapping.engine if self.wrapping.engine is not None else engine_of(model) if self.zero else None
+        # A sharded (FSDP2, ZeRO) model is checked on a plain replica gathered at each check (see gradwatch.watch.sharded).
+        self.sharded = fsdp or self.zero
+        self.mixed: Optional[str] = mixed_precision(model) if fsdp else None
+        # FSDP2: by default shard by shard (gradwatch.watch.shard_check); form="objective" gathers a replica.
+        self.by_shard = fsdp and form != "objective"
+        #: The module form on every rank's share of the pieces: FSDP2 shard by shard, or a ZeRO replica (unless
+        #: ``form="objective"``): a failure is named by its module, and the ranks split the units.
+        self.by_module = self.by_shard or (self.zero and form != "objective")
         self.replica: Optional[Replica] = None  # built at the first check
         self.last_micro: Any = None  # training part off: the last batch given to GradWatch.accumulate()
         #: Shard by shard, during a check: its agreement points (:mod:`gradwatch.watch.lockstep`).
@@ -169,12 +183,18 @@ class WatchContext:
         if not self.sharded:
             return self.model
         if self.dist is not None:
-            self.dist.same_everywhere(layout(self.model), "the parameters to gather (name, shape, dtype, has .grad)")
+            self.dist.same_everywhere(zero_layout(self.model) if self.zero else layout(self.model),
+                                      "the parameters to gather (name, shape, dtype, has .grad)")
         if self.by_shard:
             return self.model  # checked shard by shard (gradwatch.watch.shard_check)
         if self.replica is None or not self.replica.matches(self.model):
-            self.replica = Replica(self.model)
+            self.replica = None  # the old copy goes before the new one is made
+            self.replica = ZeroReplica(self.model, self.engine) if self.zero else Replica(self.model)
         return self.replica.refresh(self.model)
+
+    def sharding_note(self, shard_note: str) -> str:
+        """The note every report of a sharded model carries (``shard_note``: shard by shard's)."""
+        return shard_note if self.by_shard else ZERO_NOTE if self.zero else REPLICA_NOTE
 
     def release(self) -> None:
         """After a check: the replica's gathered ``.grad`` lives for one check only."""
@@ -270,4 +290,4 @@ class TrendAlerting:
         return None
 
 
-__all__ = ["CheckContext", "Part", "Plan", "TrendAlerting", "WatchContext", "check_arguments"]
+__all__ = ["ZERO_NOTE", "CheckContext", "Part", "Plan", "TrendAlerting", "WatchContext", "check_arguments"]

@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradwatch.check.independence.report import merge_ranks
 from gradwatch.check.judging.report import CheckReport
 from gradwatch.errors import GradWatchError, blamed
 from gradwatch.watch.wrappers import unwrap_model  # noqa: F401  (its home was here: old imports still work)
@@ -526,7 +527,7 @@ def merge_reports(reports: Sequence[Any], order: Sequence[str], opts: Any) -> Ch
         nonfinite=any(r.nonfinite for _, r in ranked),
     )
     merged.form, merged.memory = first.form, dict(first.memory)
-    merged.independence = next((r.independence for _, r in ranked if r.independence is not None), None)  # rank 0's
+    merged.independence = merge_ranks([(rank, r.independence) for rank, r in ranked])  # every rank's batch
     for _, r in ranked:
         for name, tc in r.training.items():  # each rank's verdict on its shard (FSDP2 shard by shard): the worst
             have = merged.training.get(name)

@@ -43,7 +43,7 @@ from gradwatch.watch.independence import IndependencePart
 from gradwatch.watch.inner_part import InnerPart
 from gradwatch.watch.schedule import Schedule
 from gradwatch.watch.shard_check import SHARD_NOTE
-from gradwatch.watch.sharded import REPLICA_NOTE, refuse_unsupported
+from gradwatch.watch.sharded import refuse_unsupported
 from gradwatch.watch.step_objective import StepObjective
 from gradwatch.watch.training_part import TrainingPart
 from gradwatch.watch.trend import Alert, TrendTracker
@@ -87,7 +87,7 @@ class GradWatch:
     ``.grad``, buffers and RNG streams are not touched.
 
     Args:
-        model: The model being trained (DDP, ``torch.compile`` and Fabric wrappers looked through: :mod:`gradwatch.watch.wrappers`).
+        model: The model being trained (DDP, ``torch.compile``, Fabric, DeepSpeed looked through: :mod:`gradwatch.watch.wrappers`).
         loss_fn: ``loss_fn(model, batch) -> scalar tensor`` (the training loss).
         optimizer: Optional; its coupled ``weight_decay`` joins the objective.
         grad_fn: Optional hand-written backprop ``grad_fn(model, batch) -> {name: grad}``.
@@ -158,7 +158,7 @@ class GradWatch:
         if not names:
             raise ValueError(f"{type(model).__name__} has no trainable floating-point parameters to watch")
         match_names(names, self._check_options.tensors)  # fail now on a pattern matching nothing
-        weight_decay, notes = coupled_weight_decay(model, optimizer)
+        weight_decay, notes = coupled_weight_decay(model, wrapping.optimizer(optimizer))  # ZeRO's: its groups
         self.notes: List[str] = notes
         self.objective = Objective(loss_fn, self.config.regularizers, weight_decay)
         self.schedule = Schedule(self.config.every, self.config.overhead_budget, max_interval=self.config.max_interval)
@@ -181,7 +181,7 @@ class GradWatch:
         self.context = WatchContext(model, self.objective, grad_fn, self._check_options, self.memory, self.dist,
                                     self._recorder, self.config.form, wrapping)
         if self.context.sharded:
-            self.notes.append(SHARD_NOTE if self.context.by_shard else REPLICA_NOTE)
+            self.notes.append(self.context.sharding_note(SHARD_NOTE))
         #: The plan of each check: tensors, form, shadow, inner modules (:mod:`gradwatch.watch.check_plan`).
         self.check_plan = CheckPlanner(self.context, self.planner, self.config)
         #: The step's objective of the training part: the weights of a step's micro-batches and ranks (``items=``,

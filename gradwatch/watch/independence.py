@@ -23,10 +23,13 @@ import torch
 from torch import nn
 
 from gradwatch.check.independence.check import IndependenceReport, ModelCall, check_independence
+from gradwatch.check.independence.report import merge_ranks
 from gradwatch.check.independence.structures import INDEPENDENCE_WORDS, parse_independence, restarts
 from gradwatch.check.objective.generators import HeldGenerators
 from gradwatch.check.objective.rng import preserved_rng
 from gradwatch.watch.context import CheckContext
+from gradwatch.watch.lockstep import Lockstep
+from gradwatch.watch.shard_check import reshard
 from gradwatch.watch.trend import Alert
 
 
@@ -111,23 +114,75 @@ class IndependencePart:
 
     def run(self, check: CheckContext) -> Optional[IndependenceReport]:
         """The part on one check: its report put in ``check.report.independence`` (and returned); why it was not
-        checked, or that it failed, becomes a note of the report (the other parts' verdicts stand)."""
+        checked, or that it failed, becomes a note of the report (the other parts' verdicts stand).
+
+        Distributed, every rank's batch is checked: under DDP (and on a gathered replica) each rank checks its own
+        on its own copy, the ranks' reports merged with theirs
+        (:func:`gradwatch.check.independence.report.merge_ranks`); a model sharded with FSDP2 is checked on the
+        live model by every rank together, one rank's batch after the other (:meth:`on_shards`).
+        """
         report = check.report
         if report is None or not self.enabled:
             return None
         ctx = check.watch
-        if ctx.sharded:
-            report.notes.append("independence not checked: a sharded (FSDP2) model is not supported by it yet")
-            return None
+        if ctx.by_shard and ctx.dist is not None:
+            return self.on_shards(check)
         try:
             with ctx.recorder_paused():
-                report.independence, why = self.check_call(ctx.model, ctx.objective.loss_fn, check.batch,
+                report.independence, why = self.check_call(check.target, ctx.objective.loss_fn, check.batch,
                                                            check.opts.seed, ctx.held_generators())
         except Exception as exc:  # noqa: BLE001 - the user's model or inputs: say it, keep the other parts
             why = f"independence not checked: {type(exc).__name__}: {exc}"
         if why:
             report.notes.append(why)
         return report.independence
+
+    def on_shards(self, check: CheckContext) -> Optional[IndependenceReport]:
+        """Every rank's batch checked on the live sharded model, by every rank together.
+
+        The live model's forwards all-gather, and a check's passes depend on its batch (the leaks it confirms): so
+        the ranks exchange the model calls of their batches (captured before the model runs: no collective),
+        then each call is checked by every rank alike, one after the other (the same passes, so the same
+        collectives, in the same order), between agreement points (:class:`~gradwatch.watch.lockstep.Lockstep`).
+        A rank that raises there stops the others at their next point: the part is a note on every rank, the
+        other parts' verdicts stand. The merged report is rank 0's to send (the ranks hold the same).
+        """
+        ctx, report = check.watch, check.report
+        assert report is not None and ctx.dist is not None
+        model, seed = check.target, check.opts.seed
+        if self.option == "auto" and not _hf_causal_lm(model):
+            return None
+        generators = ctx.held_generators()
+        mine: Any = None
+        try:
+            held = HeldGenerators.of(generators)
+            with ctx.recorder_paused(), preserved_rng():
+                call = capture_call(model, ctx.objective.loss_fn, check.batch)
+            held.reset()
+            mine = "loss_fn never calls the model itself" if call is None else call
+        except Exception as exc:  # noqa: BLE001 - the user's loss_fn: said on every rank, the others still checked
+            mine = f"{type(exc).__name__}: {exc}"
+        calls = ctx.dist.everyone(mine, "the model calls of the independence check")
+        found: List[Tuple[int, Optional[IndependenceReport]]] = []
+        try:
+            with Lockstep(ctx.dist, model), ctx.recorder_paused():
+                for rank, call in enumerate(calls):
+                    if isinstance(call, str):
+                        report.notes.append(f"independence not checked on the batch of rank {rank}: {call}")
+                        continue
+                    structures = self.structures_for(model, *call)
+                    if structures:
+                        found.append((rank, check_independence(model, ModelCall(*call), structures, seed=seed,
+                                                               generators=generators)))
+        except Exception as exc:  # noqa: BLE001 - every rank stopped at the same point: a note, the rest stands
+            report.notes.append(f"independence not checked: {type(exc).__name__}: {exc}")
+            return None
+        finally:
+            reshard(model)
+        merged = merge_ranks(found)
+        if ctx.dist.is_main:
+            report.independence = merged
+        return merged
 
     def check_call(self, model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any], batch: Any, seed: int,
                    generators: Sequence[Any] = ()) -> Tuple[Optional[IndependenceReport], Optional[str]]:

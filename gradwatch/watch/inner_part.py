@@ -24,11 +24,25 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Dict
+import contextlib
+import dataclasses
+from typing import Any, Dict, List
 
-from gradwatch.check.higher_order.inner import check_inner_derivatives
+import torch
+from torch import nn
+
+from gradwatch.check.higher_order.inner import capture_inner_inputs, check_inner_derivatives, check_module_double_backward
+from gradwatch.check.judging.report import CheckReport, TensorCheck
+from gradwatch.check.model import run_model_check
+from gradwatch.check.modules.localize import map_tensors
+from gradwatch.check.objective.dtensor import is_dtensor
+from gradwatch.plan.shards import rows_held
+from gradwatch.plan.units import Unit, isolated_forward
 from gradwatch.watch.check_plan import CheckPlanner
 from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
+from gradwatch.watch.lockstep import Lockstep
+from gradwatch.watch.shard_check import ShardView, reshard
+from gradwatch.watch.sharded import full_tensor
 
 
 class InnerPart(TrendAlerting):
@@ -58,23 +72,171 @@ class InnerPart(TrendAlerting):
         return bool(self.watch.objective.differentiates)
 
     def run(self, check: CheckContext) -> Dict[str, Any]:
-        """The chosen modules' checks, added to ``check.report.tensors`` (and returned); notes say what was not."""
+        """The chosen modules' checks, added to ``check.report.tensors`` (and returned); notes say what was not.
+
+        Under DDP rank 0 checks them on its batch; a model sharded with FSDP2 is checked by every rank
+        (:meth:`on_shards`).
+        """
         report = check.report
-        if report is None or not self.enabled:
+        if report is None:
             return {}
+        coord = self.watch.dist
+        terms: Dict[str, Any] = {}
+        if self.watch.by_shard or (check.plan is not None and check.plan[0][0] == "module"):
+            terms = self.parameter_terms(check)
+        if not self.enabled:
+            return terms
         if self.watch.by_shard:
-            report.notes.append("double backward not checked: a model sharded with FSDP2 is checked shard by shard, "
-                                "which does not check it yet (form='objective' checks it on a gathered replica)")
+            return {**terms, **self.on_shards(check)}
+        if coord is not None and not coord.is_main:
             return {}
         chosen, leaves = self.planner.inner_modules(check.target, report, self.counts, self.PER_CHECK)
         with self.watch.recorder_paused():
             checks = check_inner_derivatives(check.target, self.watch.objective.loss, check.batch,
                                              names=sorted(chosen, key=leaves.index), seed=check.opts.seed,
                                              fail_at=report.fail_at)
+        return {**terms, **self._record(report, chosen, checks)}
+
+    def _record(self, report: CheckReport, chosen: List[str], checks: Dict[str, TensorCheck]) -> Dict[str, Any]:
         for name in chosen:
             self.counts[name] = self.counts.get(name, 0) + 1
         report.tensors.update(checks)
         return dict(checks)
+
+    def on_shards(self, check: CheckContext) -> Dict[str, Any]:
+        """Shard by shard: every rank captures the chosen modules' inputs from its own batch (one forward of the live
+        sharded model, its all-gathers, between agreement points), gathers each chosen module's parameters (in
+        the same order on every rank, keeping those of its share) and checks its round-robin share of the
+        modules on a float64 copy; the ranks' entries are merged. A rank that raises stops the others at their
+        next point: a note on every rank, the other parts' verdicts stand.
+        """
+        report, coord, model = check.report, self.watch.dist, check.target
+        assert report is not None
+        chosen, leaves = self.planner.inner_modules(model, report, self.counts, self.PER_CHECK)
+        names = sorted(chosen, key=leaves.index)
+        rank, world = (coord.rank, coord.world_size) if coord is not None else (0, 1)
+        if coord is not None:  # the room each rank measured may differ: rank 0's choice for every rank
+            names = coord.main_decision(names, "the modules whose double backward is checked")
+        modules = dict(model.named_modules())
+        checks: Dict[str, TensorCheck] = {}
+        try:
+            with Lockstep(coord, model) if coord is not None else contextlib.nullcontext(), \
+                    self.watch.recorder_paused():
+                seen = capture_inner_inputs(model, self.watch.objective.loss, check.batch, names, check.opts.seed)
+                reshard(model)
+                order = [n for n in names if n in seen]
+                own = set(order[rank::world])
+                gathered: Dict[int, torch.Tensor] = {}
+                for name in names:  # every rank, in the same order: each parameter's all-gather
+                    for p in modules[name].parameters():
+                        if is_dtensor(p) and id(p) not in gathered:
+                            full = full_tensor(p)
+                            if name in own:
+                                gathered[id(p)] = full
+                view = ShardView(model, gathered, {})
+                for i, name in enumerate(order):
+                    if name not in own:
+                        continue
+                    module = modules[name]
+                    with view(Unit(name, module, dict(module.named_parameters())), None) as (unit, _):
+                        entry = check_module_double_backward(name, unit.module, seen[name], check.opts.seed + i)
+                    if entry is not None:
+                        entry.failed = entry.verdict is not None and entry.verdict.is_failure(report.fail_at)
+                        checks[entry.name] = entry
+        except Exception as exc:  # noqa: BLE001 - every rank stopped at the same point: a note, the rest stands
+            report.notes.append(f"double backward not checked: {type(exc).__name__}: {exc}")
+            return {}
+        finally:
+            reshard(model)
+        return self._record(report, names, checks)
+
+
+    def parameter_terms(self, check: CheckContext) -> Dict[str, Any]:
+        """What the module form leaves out: the objective's terms that read the parameters directly (a regularizer
+        inside ``loss_fn``, ``regularizers=``, coupled weight decay), checked with the model's outputs held fixed.
+
+        One forward of the live model (its all-gathers on every rank, between agreement points, when sharded)
+        records the outputs ``loss_fn`` receives; the objective is then evaluated on a copy of the model's tree
+        whose forward hands back those outputs and whose parameters are this rank's (its shards, as plain
+        tensors: no collective), in float64 (:func:`~gradwatch.check.model.run_model_check` on the tensors it
+        reads directly). Entries ``"<tensor>:terms"`` (``"<tensor>[rows]:terms"`` for a shard); the terms' values
+        go to ``report.terms``. Under DDP rank 0 checks them (every rank holds the same parameters).
+        """
+        report, coord, ctx, model = check.report, self.watch.dist, self.watch, check.target
+        assert report is not None
+        if coord is not None and not ctx.by_shard and not coord.is_main:
+            return {}
+        outputs: List[Any] = []
+
+        def record(module: nn.Module, args: Any, output: Any) -> None:
+            outputs.append(map_tensors(output, lambda t: t.detach().to(torch.float64) if t.is_floating_point() else t))
+
+        try:
+            with Lockstep(coord, model) if coord is not None and ctx.by_shard else contextlib.nullcontext(), \
+                    ctx.recorder_paused():
+                isolated_forward(model, ctx.objective.loss, check.batch, check.opts.seed, post={"": record})
+            reshard(model)
+            if not outputs:  # loss_fn calls submodules, never the model itself: no output to hold fixed
+                report.notes.append("terms that read the parameters directly: not looked for, loss_fn never calls the "
+                                    "model it is given (only its submodules), whose outputs the check would hold fixed")
+                return {}
+            with ShardView(model, {}, {})(Unit("", model, dict(model.named_parameters())), None) as (unit, _):
+                proxy = unit.module
+            calls = {"n": 0}
+
+            def fixed(*args: Any, **kwargs: Any) -> Any:  # the model's outputs, held fixed
+                calls["n"] += 1
+                return outputs[(calls["n"] - 1) % len(outputs)]
+
+            vars(proxy)["forward"] = fixed
+            names = _direct(proxy, ctx.objective, check.batch)
+            if not names or not outputs:
+                return {}
+            opts = dataclasses.replace(check.opts, dtype=torch.float64)
+            with ctx.recorder_paused():
+                found = run_model_check(proxy, ctx.objective, check.batch, opts, names=names)
+        except Exception as exc:  # noqa: BLE001 - the user's loss_fn on the held outputs: a note, the rest stands
+            report.notes.append(f"terms that read the parameters directly not checked: {type(exc).__name__}: {exc}")
+            return {}
+        finally:
+            reshard(model)
+        live = dict(model.named_parameters())
+        checks = {}
+        for name, entry in found.tensors.items():
+            label = f"{name}{_rows(live.get(name))}:terms"
+            checks[label] = dataclasses.replace(entry, name=label)
+        report.tensors.update(checks)
+        for term, value in found.terms.items():
+            if term != "loss":
+                report.terms[term] = value
+        held = [t for t in found.terms if t != "loss"]
+        report.notes.append(f"the terms that read the parameters directly ({', '.join(['loss_fn', *held])}) checked on "
+                            f"{len(checks)} tensor{'' if len(checks) == 1 else 's'}, the model's outputs held fixed")
+        return checks
+
+
+def _direct(proxy: nn.Module, objective: Any, batch: Any) -> List[str]:
+    """The parameters the objective reads directly (a nonzero gradient with the model's outputs held fixed)."""
+    named = [(n, p) for n, p in proxy.named_parameters() if p.requires_grad]
+    with torch.enable_grad():
+        total = objective.loss(proxy, batch)
+        for value in objective.param_terms(proxy).values():
+            total = total + value
+        if not total.requires_grad:
+            return []
+        grads = torch.autograd.grad(total, [p for _, p in named], allow_unused=True)
+    return [n for (n, _), g in zip(named, grads) if g is not None and bool(g.detach().ne(0).any())]
+
+
+def _rows(p: Any) -> str:
+    """``"[first:end]"``: the rows of a sharded parameter this rank holds (``""`` for a whole one)."""
+    if p is None or not is_dtensor(p):
+        return ""
+    mesh = p.device_mesh
+    if mesh.size() < 2:
+        return ""
+    first, end = rows_held(int(p.shape[0]), int(mesh.get_local_rank()), int(mesh.size()))
+    return f"[{first}:{end}]"
 
 
 __all__ = ["InnerPart"]

@@ -43,7 +43,7 @@ from gradwatch.check.objective.dtensor import is_dtensor
 from gradwatch.trees import tensor_leaves
 from gradwatch.watch.distributed import DistributedCheckError, PeerFailed
 from gradwatch.watch.shard_check import reshard
-from gradwatch.watch.sharded import fsdp_loaded, is_fsdp
+from gradwatch.watch.sharded import communicates, fsdp_loaded, is_fsdp
 
 __all__ = ["Lockstep", "PeerFailed", "reset_fsdp"]
 
@@ -145,21 +145,28 @@ class Lockstep:
             for t in _needing_grad(output):
                 t.register_hook(self._in_backward)  # before the hook FSDP2 registers next on the same tensor
 
+        def after_forward(module: nn.Module, args: Any, output: Any) -> None:  # before a TP output redistribution
+            self.point()
+            outputs(module, args, output)
+
         def inputs(module: nn.Module, args: Any, kwargs: Any) -> None:  # runs after FSDP2's pre-forward
             for t in _needing_grad((args, kwargs)):
                 t.register_hook(self._in_backward)  # before FSDP2's post-backward node of the module
 
-        for hook in (before_forward, outputs, inputs):
+        for hook in (before_forward, outputs, after_forward, inputs):
             setattr(hook, "_gradwatch_hook", True)  # noqa: B010 - gradwatch's own: kept when user hooks are suspended
         self._queued = False
         # Plain parameters as training left them (FSDP2's are DTensors now; these are the ones it does not manage)
         self._plain = {id(p): (p, p.grad) for p in self.model.parameters() if not is_dtensor(p)}
-        if fsdp_loaded():
-            for m in self.model.modules():
-                if is_fsdp(m):
-                    self._handles += [m.register_forward_pre_hook(before_forward, prepend=True),
-                                      m.register_forward_hook(outputs, prepend=True),
-                                      m.register_forward_pre_hook(inputs, with_kwargs=True)]
+        for m in self.model.modules():
+            if is_fsdp(m):
+                self._handles += [m.register_forward_pre_hook(before_forward, prepend=True),
+                                  m.register_forward_hook(outputs, prepend=True),
+                                  m.register_forward_pre_hook(inputs, with_kwargs=True)]
+            elif communicates(m):  # tensor or sequence parallel: collectives inside its forward, and after it
+                self._handles += [m.register_forward_pre_hook(before_forward, prepend=True),
+                                  m.register_forward_hook(after_forward, prepend=True),
+                                  m.register_forward_pre_hook(inputs, with_kwargs=True)]
         return self
 
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:

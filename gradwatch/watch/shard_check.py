@@ -42,12 +42,13 @@ from gradwatch.plan.shards import assign, rows_held
 from gradwatch.plan.units import Unit, sliceable_rows
 from gradwatch.watch.sharded import FSDP_KEYS, fsdp_loaded, full_tensor, is_fsdp, plain_class
 
-__all__ = ["SHARD_NOTE", "ShardView", "backward_on_shards", "held_rows", "plan_shards", "reshard"]
+__all__ = ["SHARD_NOTE", "ShardView", "backward_on_shards", "held_rows", "is_partial", "plan_shards", "reshard", "settled"]
 
 
 #: The note every report of a model checked shard by shard carries.
-SHARD_NOTE = ("the model is sharded (FSDP2): checked shard by shard on the live model: each rank checks the rows it "
-              "holds, gathers only the small pieces it checks whole, and judges its shard of .grad")
+SHARD_NOTE = ("the model is sharded (FSDP2 or tensor parallel DTensors): checked shard by shard on the live model: "
+              "each rank checks the rows it holds, gathers only the small pieces it checks whole, and judges its shard "
+              "of .grad (a Partial one once reduced)")
 
 
 def _dim0(p: torch.Tensor) -> Optional[Tuple[int, int]]:
@@ -113,8 +114,9 @@ def plan_shards(model: nn.Module, units: Sequence[Unit], pieces: Sequence[Piece]
     those of its own: the same collectives everywhere, before anything of the check that may raise.
     """
     held, where = held_rows(units)
-    rank, world = where if where is not None else _rank_world(model)
-    mine = assign(pieces, held, rank, world)
+    turns = _rank_world()
+    rank, world = where if where is not None else turns
+    mine = assign(pieces, held, rank, world, turns)
     own = {str(p) for p, _ in mine}
     named = dict(model.named_modules())
     by_name = {u.name: u for u in units}
@@ -134,11 +136,8 @@ def plan_shards(model: nn.Module, units: Sequence[Unit], pieces: Sequence[Piece]
     return [p for p, _ in mine], gathered, offsets
 
 
-def _rank_world(model: nn.Module) -> Tuple[int, int]:
-    for p in model.parameters():
-        if is_dtensor(p):
-            mesh = cast(Any, p).device_mesh
-            return int(mesh.get_local_rank()), int(mesh.size())
+def _rank_world() -> Tuple[int, int]:
+    """This process's rank and the world's size (every rank takes its turn at the pieces checked whole)."""
     import torch.distributed as dist
 
     return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
@@ -161,10 +160,14 @@ class ShardView:
         model: The live sharded model.
         gathered: ``id(live parameter)`` -> its gathered whole (:func:`plan_shards`).
         offsets: Unit name -> the first of the rows this rank holds of it.
+        agree: An agreement point (:meth:`gradwatch.watch.lockstep.Lockstep.point`), made before the capture
+            gathers a DTensor input (tensor and sequence parallel).
     """
 
-    def __init__(self, model: nn.Module, gathered: Dict[int, torch.Tensor], offsets: Dict[str, int]) -> None:
+    def __init__(self, model: nn.Module, gathered: Dict[int, torch.Tensor], offsets: Dict[str, int],
+                 agree: Optional[Callable[[], Any]] = None) -> None:
         self.model = model
+        self.agree = agree
         self.gathered = gathered
         self.offsets = offsets
         self._named: Dict[str, nn.Module] = {}
@@ -252,7 +255,10 @@ def backward_on_shards(model: nn.Module, total: torch.Tensor, params: Sequence[t
             mine = local(g)
             ref = live.get(id(p))
             ref_local = None if ref is None else local(ref)
-            out[i] = ref_local if reuse and ref_local is not None and same_bits(mine, ref_local) else mine.clone()
+            if out[i] is not None:  # a second accumulation: a term on the sharded parameter itself (a regularizer)
+                out[i] = cast(torch.Tensor, out[i]) + mine
+            else:
+                out[i] = ref_local if reuse and ref_local is not None and same_bits(mine, ref_local) else mine.clone()
         p.grad = None  # its view of the reduce-scatter buffer goes: the buffer is freed with the last one
 
     handles = [p.register_post_accumulate_grad_hook(take) for p in everything if is_dtensor(p)]
@@ -274,3 +280,30 @@ def backward_on_shards(model: nn.Module, total: torch.Tensor, params: Sequence[t
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (the tensor itself for a plain one)."""
     return cast(Any, t).to_local() if is_dtensor(t) else t
+
+
+def is_partial(t: Any) -> bool:
+    """True for a DTensor with a ``Partial`` placement (a gradient not yet reduced over a mesh dimension).
+
+    Example:
+        >>> is_partial(torch.zeros(2)), is_partial(None)
+        (False, False)
+    """
+    return is_dtensor(t) and any(type(p).__name__ == "Partial" for p in cast(Any, t).placements)
+
+
+def settled(live: torch.Tensor, replayed: Optional[torch.Tensor]) -> torch.Tensor:
+    """This rank's part of a ``Partial`` gradient once reduced: the live ``.grad`` (``replayed`` None) or the
+    replayed gradient's local part laid out as the live one (a collective: every rank, in the same order).
+
+    The ``Partial`` mesh dimensions are reduced (``Replicate``); ``Shard`` ones stay this rank's shard.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    source = cast(Any, live)
+    if replayed is not None:
+        source = DTensor.from_local(replayed, source.device_mesh, source.placements, run_check=False,
+                                    shape=source.shape, stride=source.stride())
+    target = [Replicate() if type(p).__name__ == "Partial" else p for p in source.placements]
+    with torch.no_grad():
+        return local(source.redistribute(placements=target)).detach()

@@ -38,7 +38,7 @@ from gradwatch.check.replay.window import PartialWindow
 from gradwatch.plan.memory import SAFETY, gradient_bytes, mb, release_freed
 from gradwatch.watch.accumulation import AccumulationWindow
 from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
-from gradwatch.watch.shard_check import backward_on_shards, local
+from gradwatch.watch.shard_check import backward_on_shards, is_partial, local, settled
 from gradwatch.watch.sharded import is_dtensor
 from gradwatch.watch.step_objective import StepObjective, StepPlan
 from gradwatch.watch.trend import Alert
@@ -385,7 +385,7 @@ class TrainingPart(TrendAlerting):
         if replay.grads is None:
             report.training_note = replay.reason
             return
-        grads = grads if grads is not None else replay.grads
+        grads = dict(grads if grads is not None else replay.grads)
         params = replay.params if replay.params is not None else self.params()
         scales: List[float] = []  # computed only if some tensor's .grad is not bitwise the replayed gradient
 
@@ -400,11 +400,17 @@ class TrainingPart(TrendAlerting):
         sliced = getattr(replay, "rows", None) or {}
         lives: Dict[str, Optional[torch.Tensor]] = {}
         judged: Dict[str, Tuple[torch.Tensor, torch.dtype]] = {}  # what each tensor was judged on (a window judges again)
+        partial = [n for n, p in params.items() if is_partial(p.grad)]
+        if partial and self.watch.lockstep is not None:
+            self.watch.lockstep.point()  # the reductions below are collectives: every rank is here
+        for n in partial:  # sequence parallel's norms: .grad is a Partial(sum) until the optimizer reduces it
+            grads[n] = settled(cast(torch.Tensor, params[n].grad), grads[n])
         for n, p in params.items():
             dtype = dtypes.get(p.dtype) or dtypes.setdefault(p.dtype, compute_dtype(p.dtype, autocast))
             live = p.grad
             if is_dtensor(p):  # sharded: this rank's shard of both (the ranks' verdicts are merged, worst first)
-                p, live = local(p), None if live is None else local(live)
+                live = None if live is None else settled(live, None) if n in partial else local(live)
+                p = local(p)
             if n in sliced:  # judged by a block of rows: the live .grad's rows against the replayed rows
                 first, end = sliced[n]
                 p, live = p[first:end], None if live is None else live[first:end]

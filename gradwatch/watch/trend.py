@@ -14,12 +14,12 @@ from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from gradwatch.bands import DEFAULT_BANDS, Verdict
-from gradwatch.check.judging.report import CheckReport, InconclusiveKind, TensorCheck, json_float, suspects
+from gradwatch.check.judging.report import CheckReport, InconclusiveKind, NotChecked, TensorCheck, json_float, suspects
 from gradwatch.errors import ConfigError, error_key
 from gradwatch.options import trend_options
 
 #: Alert kinds, in the order they are reported within one check.
-ALERT_KINDS = ("threshold", "drift", "nonfinite", "nondeterministic", "error")
+ALERT_KINDS = ("threshold", "drift", "nonfinite", "nondeterministic", "not_checked", "error")
 #: Tensor name used for alerts about the whole check.
 WHOLE_CHECK = "*"
 #: The two verdicts of a check, each with its own history, baselines and alerts.
@@ -42,15 +42,17 @@ class Alert:
             it starts, see :mod:`gradwatch.watch.independence`), and of the training part ``"partial_window"`` (a
             step of a partial accumulation window, its ``.grad`` the step's objective's times ``n / K``) or
             ``"unjudged"`` (its micro-batches were not handed to the watch; once for the run), both on ``"*"``
-            (see :mod:`gradwatch.watch.accumulation`).
+            (see :mod:`gradwatch.watch.accumulation`), and ``"not_checked"`` (a unit or a part a check could not
+            check, once per run for each thing and reason; the tensor is the unit, or ``"*"`` for a whole part: a
+            warning, never a failed verdict, see :meth:`TrendTracker.not_checked`).
         severity: ``"error"`` (WRONG threshold, nonfinite, error) or ``"warning"``.
         value: The value that triggered it (judged rel_diff, rolling median for drift,
             the objective for whole-check alerts, the scale for a partial window; ``nan`` when there is none).
         baseline: The tensor's baseline judged rel_diff, when established.
         message: What happened and what to check next.
         part: Which verdict raised it: ``"backward"`` (the backward formulas against finite
-            differences), ``"training"`` (the live ``.grad`` against the objective's gradient) or
-            ``"independence"``.
+            differences), ``"training"`` (the live ``.grad`` against the objective's gradient),
+            ``"independence"``, or for a ``not_checked`` alert also ``"inner"`` (a module's double backward).
 
     Example:
         >>> a = Alert(step=3, tensor="w", kind="drift", severity="warning", value=1e-5,
@@ -113,6 +115,7 @@ class TrendTracker:
     - ``nonfinite``: the objective (tensor ``"*"``) or a tensor's samples are not finite.
     - ``nondeterministic``: the objective gave two values at the same point (``"*"``).
     - ``error``: the check raised (see :meth:`error`).
+    - ``not_checked``: a unit or a part the check could not check (:meth:`not_checked`), once per run.
 
     Deduplication: a (tensor, kind) alert is not repeated while the condition
     persists. It is raised again when it gets worse (a higher verdict for
@@ -164,6 +167,7 @@ class TrendTracker:
         self._alerted: Dict[Tuple[str, str], Dict[str, Any]] = {}
         self._alert_counts: Dict[str, int] = {}
         self._checks = 0  # whole checks seen (update and error calls): the clock of "*" alerts
+        self._not_checked: List[List[str]] = []  # the keys of what was said not checked (NotChecked.key), once each
 
     # ------------------------------------------------------------------ queries
 
@@ -275,7 +279,29 @@ class TrendTracker:
             alerts.extend(self._fire(WHOLE_CHECK, "nondeterministic", step, report.objective, None, msg))
         else:
             self._alerted.pop((WHOLE_CHECK, "nondeterministic"), None)
-        return alerts
+        return alerts + self.not_checked(step, report.not_checked())
+
+    def not_checked(self, step: int, items: Sequence[NotChecked]) -> List[Alert]:
+        """One ``not_checked`` alert (a warning) for each unit or part the check could not check, the first time in
+        the run it is not checked for that reason (:attr:`NotChecked.key`): what, why, and how to check it instead.
+
+        Example:
+            >>> item = NotChecked("independence", "*", "loss_fn never calls the model itself", "check_independence")
+            >>> tracker = TrendTracker()
+            >>> [(a.kind, a.tensor, a.part) for a in tracker.not_checked(0, [item])], tracker.not_checked(1, [item])
+            ([('not_checked', '*', 'independence')], [])
+        """
+        out = []
+        for item in items:
+            key = list(item.key)
+            if key in self._not_checked:
+                continue
+            self._not_checked.append(key)
+            self._alert_counts[item.what] = self._alert_counts.get(item.what, 0) + 1
+            msg = (f"step {step}: {item.label} not checked ({item.part} part): {item.why} — check it instead: "
+                   f"{item.how}. Said once for the run (each check record's notes repeat it); not a failed verdict")
+            out.append(Alert(int(step), item.what, "not_checked", "warning", math.nan, None, msg, item.part))
+        return out
 
     def error(self, step: int, exc: BaseException, where: Optional[str] = "loss_fn") -> Optional[Alert]:
         """Record a check that raised; return its alert, or None while it is deduplicated.
@@ -344,6 +370,7 @@ class TrendTracker:
                 for (tensor, kind), s in self._alerted.items()
             ],
             "alert_counts": dict(self._alert_counts),
+            "not_checked": [list(k) for k in self._not_checked],
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -385,6 +412,7 @@ class TrendTracker:
             for s in state["alerted"]
         }
         self._alert_counts = {name: int(n) for name, n in state["alert_counts"].items()}
+        self._not_checked = [[str(x) for x in k] for k in state.get("not_checked", [])]  # absent in older states
 
     # ------------------------------------------------------------------ internals
 

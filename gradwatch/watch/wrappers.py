@@ -3,6 +3,7 @@
 Training often calls a wrapper, not the module the user wrote: DDP and ``DataParallel`` (``.module``),
 ``torch.compile``'s ``OptimizedModule`` (``._orig_mod``), Lightning Fabric's ``_FabricModule``
 (``._forward_module``, which converts the inputs and runs the forward in its precision's context), and
+DeepSpeed's engine (``.module``; its ZeRO partitions are read through :mod:`gradwatch.watch.zero`), and
 any nesting of them (Fabric sets up a compiled model as ``_FabricModule(OptimizedModule(model))``).
 Accelerate's ``prepare`` gives one of these, or the model itself with a patched ``forward``.
 A :class:`Wrapping` takes three modules from the chain:
@@ -12,8 +13,9 @@ A :class:`Wrapping` takes three modules from the chain:
   ``_orig_mod.0.weight`` or ``_forward_module.0.weight``), and the checks' own float64 evaluations run
   it, eager.
 - ``entry``: the module training calls, handed to ``loss_fn`` by the training part's replay, so the replay
-  computes what training computed (the compiled graph; Fabric's input conversion and autocast). DDP and
-  ``DataParallel`` are taken off, as they always were: their forward and backward are collectives.
+  computes what training computed (the compiled graph; Fabric's input conversion and autocast). DDP,
+  ``DataParallel`` and DeepSpeed's engine are taken off, as they always were: their forward and backward are
+  collectives (and the engine's forward keeps ZeRO's counters).
 - ``root``: where the recorder of training's forwards sits: the user's module (under Fabric it sees the
   converted inputs and the autocast state the forward ran in), or the outermost compiled module (the code
   a compiled region runs cannot hold gradwatch's hook).
@@ -43,10 +45,23 @@ import dataclasses
 import sys
 from typing import Any, Callable, ContextManager, Iterator, List, Optional
 
+import torch
 from torch import nn
 
-#: Wrappers whose forward and backward are collectives: the watch never runs them.
+from gradwatch.watch.zero import ZeroLossScale, ZeroOptimizerGroups, is_engine
+
+#: Wrappers whose forward and backward are collectives: the watch never runs them (nor DeepSpeed's engine).
 COLLECTIVE = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+
+
+def is_collective(module: nn.Module) -> bool:
+    """True for a wrapper whose forward and backward are collectives: DDP, ``DataParallel``, DeepSpeed's engine.
+
+    Example:
+        >>> is_collective(nn.DataParallel(nn.Linear(2, 1))), is_collective(nn.Linear(2, 1))
+        (True, False)
+    """
+    return isinstance(module, COLLECTIVE) or is_engine(module)
 
 
 def is_compiled(module: nn.Module) -> bool:
@@ -80,6 +95,8 @@ def inside(module: nn.Module) -> Optional[nn.Module]:
     """
     if isinstance(module, COLLECTIVE):
         return module.module
+    if is_engine(module) and isinstance(getattr(module, "module", None), nn.Module):
+        return module.module  # type: ignore[return-value]
     if is_compiled(module):
         return module._orig_mod  # type: ignore[return-value]
     if is_fabric(module):
@@ -104,8 +121,8 @@ def layers(module: nn.Module) -> List[nn.Module]:
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's module inside DDP, DataParallel, ``torch.compile`` and Lightning Fabric wrappers (any depth and
-    nesting); any other module as it is.
+    """The user's module inside DDP, DataParallel, ``torch.compile``, Lightning Fabric and DeepSpeed wrappers (any
+    depth and nesting); any other module as it is.
 
     Example:
         >>> lin = nn.Linear(2, 1)
@@ -124,6 +141,7 @@ class Wrapping:
         entry: The module training calls, minus DDP/DataParallel (``loss_fn``'s model in the replay).
         root: Where the recorder of training's forwards sits.
         fabric: The Fabric module between ``entry`` and ``model``, or None.
+        engine: DeepSpeed's engine around ``model``, or None.
 
     Example:
         See the module's example.
@@ -133,16 +151,29 @@ class Wrapping:
     entry: nn.Module
     root: nn.Module
     fabric: Optional[nn.Module] = None
+    engine: Optional[nn.Module] = None
 
     @classmethod
     def of(cls, module: nn.Module) -> "Wrapping":
         """The modules of ``module``'s chain of wrappers."""
         chain = layers(module)
-        last_collective = max((i for i, m in enumerate(chain) if isinstance(m, COLLECTIVE)), default=-1)
+        last_collective = max((i for i, m in enumerate(chain) if is_collective(m)), default=-1)
         run = chain[last_collective + 1:]  # what a replay may call: no collective inside
         compiled = [m for m in run if is_compiled(m)]
         fabric = next((m for m in run if is_fabric(m)), None)
-        return cls(model=chain[-1], entry=run[0], root=compiled[0] if compiled else chain[-1], fabric=fabric)
+        engine = next((m for m in chain if is_engine(m)), None)
+        return cls(model=chain[-1], entry=run[0], root=compiled[0] if compiled else chain[-1], fabric=fabric,
+                   engine=engine)
+
+    def optimizer(self, optimizer: Any) -> Optional[torch.optim.Optimizer]:
+        """The optimizer whose ``param_groups`` name the model's parameters: a ZeRO optimizer's (the one
+        ``deepspeed.initialize`` returned, or the torch optimizer handed to it, whose groups ZeRO turned into flat
+        partitions) as :class:`~gradwatch.watch.zero.ZeroOptimizerGroups`; any other as it is."""
+        zero = getattr(self.engine, "optimizer", None)
+        if zero is not None and optimizer is getattr(zero, "optimizer", None):
+            optimizer = zero  # the torch optimizer the user built and handed to deepspeed.initialize
+        groups = ZeroOptimizerGroups.of(optimizer) if optimizer is not None else None
+        return groups if groups is not None else optimizer
 
     def region(self) -> Optional[Callable[[], ContextManager[Any]]]:
         """The context training's ``loss_fn`` ran in, when it is not the recorded forward's autocast: under Fabric,
@@ -167,9 +198,13 @@ class Wrapping:
             flags["_in_fabric_backward"] = before
 
     def grad_scaler(self) -> Any:
-        """The ``GradScaler`` of Fabric's precision ("16-mixed" on a GPU), or None."""
+        """The ``GradScaler`` of Fabric's precision ("16-mixed" on a GPU), DeepSpeed fp16's loss scale
+        (:class:`~gradwatch.watch.zero.ZeroLossScale`), or None."""
+        engine: Any = self.engine
+        if engine is not None:
+            return ZeroLossScale(engine) if engine.fp16_enabled() else None
         strategy = self.fabric.__dict__.get("_strategy") if self.fabric is not None else None
         return getattr(getattr(strategy, "precision", None), "scaler", None)
 
 
-__all__ = ["COLLECTIVE", "Wrapping", "inside", "is_compiled", "is_fabric", "layers", "unwrap_model"]
+__all__ = ["COLLECTIVE", "Wrapping", "inside", "is_collective", "is_compiled", "is_fabric", "layers", "unwrap_model"]

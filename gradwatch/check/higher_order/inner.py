@@ -118,6 +118,32 @@ def check_module_double_backward(name: str, module: nn.Module, inputs: Sequence[
     return dataclasses.replace(worst, name=name + SUFFIX)
 
 
+def capture_inner_inputs(model: nn.Module, loss: Callable[[nn.Module, Any], Any], batch: Any, names: Sequence[str],
+                         seed: int = 0) -> Dict[str, Tuple[torch.Tensor, ...]]:
+    """The positional inputs ``loss(model, batch)`` gives each of the named modules at its first call (detached
+    copies; a module called with other than floating tensors is left out): one forward of the live model as the
+    backward part runs it (dropout off, buffers put back), with autograd on (the objective differentiates).
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh())
+        >>> [x.shape for x in capture_inner_inputs(model, lambda m, b: m(b).sum(), torch.ones(2, 3), ["1"])["1"]]
+        [torch.Size([2, 4])]
+    """
+    from gradwatch.plan.units import isolated_forward  # the planner's forward, as the module form captures its inputs
+
+    seen: Dict[str, Tuple[torch.Tensor, ...]] = {}
+    refused: set = set()
+
+    def with_grad(m: nn.Module, b: Any) -> Any:
+        with torch.enable_grad():
+            value = loss(m, b)
+        return value.detach() if isinstance(value, torch.Tensor) else value
+
+    modules = dict(model.named_modules())
+    isolated_forward(model, with_grad, batch, seed, pre={n: _capture_hook(n, seen, refused) for n in names if n in modules})
+    return seen
+
+
 def check_inner_derivatives(model: nn.Module, loss: Callable[[nn.Module, Any], Any], batch: Any,
                             names: Optional[Sequence[str]] = None, seed: int = 0,
                             fail_at: Verdict = Verdict.SUSPICIOUS) -> Dict[str, TensorCheck]:
@@ -135,19 +161,9 @@ def check_inner_derivatives(model: nn.Module, loss: Callable[[nn.Module, Any], A
     Returns:
         ``"<module>:double_backward"`` -> :class:`TensorCheck`, in model order.
     """
-    from gradwatch.plan.units import isolated_forward  # the planner's forward, as the module form captures its inputs
-
     names = leaf_modules(model) if names is None else list(names)
-    seen: Dict[str, Tuple[torch.Tensor, ...]] = {}
-    refused: set = set()
-
-    def with_grad(m: nn.Module, b: Any) -> Any:
-        with torch.enable_grad():
-            value = loss(m, b)
-        return value.detach() if isinstance(value, torch.Tensor) else value
-
+    seen = capture_inner_inputs(model, loss, batch, names, seed)
     modules = dict(model.named_modules())
-    isolated_forward(model, with_grad, batch, seed, pre={n: _capture_hook(n, seen, refused) for n in names if n in modules})
     out: Dict[str, TensorCheck] = {}
     for i, name in enumerate(n for n in names if n in seen):
         check = check_module_double_backward(name, modules[name], seen[name], seed + i)

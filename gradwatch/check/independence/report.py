@@ -12,7 +12,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from gradwatch.check.judging.report import json_float
 
@@ -156,3 +156,46 @@ class IndependenceReport:
                 lines.append(f"  {name}: ok ({r.probes} probe{'' if r.probes == 1 else 's'})" + (f"; {r.note}" if r.note else ""))
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def merge_ranks(reports: Sequence[Tuple[int, Optional[IndependenceReport]]]) -> Optional[IndependenceReport]:
+    """One report from the ranks' checks of their own batches (``[(rank, report or None), ...]``): per structure,
+    the worst leak of any rank (a note names the rank whose batch showed it), probes, passes and notes added up.
+
+    Example:
+        >>> v = Violation("batch", (0, 0), (1, -1), 0.5, 0.2, "norm")
+        >>> merged = merge_ranks([(0, IndependenceReport({"batch": StructureResult("batch", 2)})),
+        ...                       (1, IndependenceReport({"batch": StructureResult("batch", 2, v)}))])
+        >>> merged.ok, merged.results["batch"].probes, merged.notes
+        (False, 4, ['checked on the batches of ranks 0, 1', 'batch independence broken on the batch of rank 1'])
+    """
+    present = [(rank, r) for rank, r in reports if r is not None]
+    if not present:
+        return None
+    if len(present) == 1:
+        return present[0][1]
+    merged = IndependenceReport({}, [f"checked on the batches of ranks {', '.join(str(rank) for rank, _ in present)}"])
+    broken: Dict[str, int] = {}
+    for rank, r in present:
+        for name, result in r.results.items():
+            have = merged.results.get(name)
+            if have is None:
+                merged.results[name] = StructureResult(name, result.probes, result.violation, result.note)
+                if result.violation is not None:
+                    broken[name] = rank
+                continue
+            have.probes += result.probes
+            have.note = have.note or result.note
+            if result.violation is not None and (have.violation is None or _graver(result.violation, have.violation)):
+                have.violation, broken[name] = result.violation, rank
+        merged.forwards += r.forwards
+        merged.backwards += r.backwards
+        merged.seconds += r.seconds
+        merged.notes.extend(n for n in r.notes if n not in merged.notes)
+    merged.notes.extend(f"{name} independence broken on the batch of rank {rank}" for name, rank in broken.items())
+    return merged
+
+
+def _graver(a: Violation, b: Violation) -> bool:
+    """A leak before an expected dependence, then the larger change."""
+    return (not a.expected, a.change) > (not b.expected, b.change)

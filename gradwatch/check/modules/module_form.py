@@ -56,6 +56,7 @@ from gradwatch.check.judging.report import CheckReport
 from gradwatch.check.modules.localize import ModuleCheck, check_module, copy_opaque, map_tensors
 from gradwatch.check.modules.own_code import LossCode, ModelStub, OwnCode, RowsInPlace, embedding_rows_copy, own_code_copy, rows_copy
 from gradwatch.check.objective.dropout_off import dropout_off
+from gradwatch.check.objective.dtensor import is_dtensor, no_collectives, whole
 from gradwatch.check.objective.guards import frozen_power_iteration, suspended_hooks
 from gradwatch.check.objective.precision import ShadowPrecision
 from gradwatch.check.objective.rng import preserved_rng
@@ -139,7 +140,8 @@ def _live_bytes(obj: Any) -> int:
 
 
 def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], seed: int,
-            budget: Optional[int] = None) -> Captured:
+            budget: Optional[int] = None, everyone: Sequence[Unit] = (),
+            agree: Optional[Callable[[], Any]] = None) -> Captured:
     """The chosen units' inputs at their first call in one forward of the live model, and for own-code
     units the outputs of the modules their first call called (detached copies in the live dtype).
 
@@ -148,15 +150,22 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
     With ``budget`` (bytes), units are captured in
     forward order while their copies fit in it together; the others are ``deferred`` to another forward,
     and a unit over the budget alone is left out with its size (``big``).
+
+    DTensors (tensor and sequence parallel) are captured whole (:func:`~gradwatch.check.objective.dtensor.whole`,
+    a collective): at the first call of each unit of ``everyone`` (the units some rank captures, the same list on
+    every rank) and at every call of a module such a unit calls, every rank gathers the DTensors it is given
+    (and those the called module returns), whether it keeps them or not, so every rank makes the same collectives;
+    ``agree`` (an agreement point, :mod:`gradwatch.watch.lockstep`) is called before each such gather.
     """
     got = Captured()
+    whole_of: Dict[int, torch.Tensor] = {}  # id(DTensor) -> its gathered whole, during one hook
     wanted = {u.name: u for u in units}
     own = {u.name: {c: relative(u, c) for c in u.stubbed} for u in units if u.kind == "own"}
     sizes: Dict[str, int] = {}
     stack: List[List[Any]] = []  # [module, is this the first call of a wanted unit being captured]
 
     def keep(t: torch.Tensor) -> torch.Tensor:
-        copy_ = t.detach().clone()
+        copy_ = whole_of.get(id(t), t).detach().clone()
         if t.is_floating_point() and t.numel() and (not bool(torch.isfinite(copy_).all()) or float(copy_.abs().max()) >= MASK):
             got.constants.add(id(copy_))  # an additive mask (-inf, or the dtype's lowest): no step can move it
         return copy_
@@ -228,8 +237,31 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
         sizes[LOSS_FN] = _live_bytes(batch)
     named = dict(model.named_modules())
     hooked = set(wanted) | {c for u in units for c in u.stubbed}
-    got.loss = isolated_forward(model, loss_fn, batch, seed, pre={n: enter(n) for n in named if n in hooked},
-                                post={n: leave(n) for n in named if n in hooked})
+    gather_in = {u.name for u in everyone}
+    gather_out = {c for u in everyone if u.kind != "module" for c in u.stubbed}
+    seen: Set[str] = set()
+
+    def gathering(name: str, hook: Optional[Callable[..., None]], pre: bool) -> Callable[..., None]:
+        def both(module: nn.Module, args: Any, extra: Any) -> None:
+            gather = name in gather_in and name not in seen if pre else name in gather_out
+            if pre:
+                seen.add(name)
+            dtensors = [t for t in tensor_leaves((args, extra) if pre else extra) if is_dtensor(t)] if gather else []
+            if dtensors and agree is not None:
+                agree()  # a rank whose loss_fn raised since the last point stops the others before the gather
+            if dtensors:
+                whole_of.update((id(t), whole(t)) for t in dtensors)
+            try:
+                if hook is not None:
+                    hook(module, args, extra)
+            finally:
+                whole_of.clear()
+
+        return both
+
+    pre = {n: gathering(n, enter(n) if n in hooked else None, True) for n in named if n in hooked | gather_in}
+    post = {n: gathering(n, leave(n) if n in hooked else None, False) for n in named if n in hooked | gather_out}
+    got.loss = isolated_forward(model, loss_fn, batch, seed, pre=pre, post=post)
     return got
 
 
@@ -313,7 +345,8 @@ def run_module_check(
         once = False
         # Captures take a third of the room at most; units that do not fit together are captured by later forwards.
         got = capture(model, objective.loss, batch, remaining, opts.seed,
-                      budget=None if room is None or view is not None else room // 3)
+                      budget=None if room is None or view is not None else room // 3,
+                      everyone=units if view is not None else (), agree=getattr(view, "agree", None))
         if report.objective != report.objective:  # NaN: the first forward's loss
             report.objective = got.loss
             report.terms = {"loss": got.loss}
@@ -413,7 +446,8 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
             report.notes.append(f"module form: {unit.label} checked on {what} (on the whole batch its float64 check "
                                 f"needs about {mb(whole_need)})")
     estimate = max(estimate, need)
-    with view(unit, rows) if view is not None else contextlib.nullcontext((unit, 0)) as (local_unit, offset):
+    with view(unit, rows) if view is not None else contextlib.nullcontext((unit, 0)) as (local_unit, offset), \
+            no_collectives() if view is not None else contextlib.nullcontext():  # one rank alone: none may communicate
         result, probed = _check_piece(local_unit, rows, args, kwargs, children, opts, dtype, canonical, objective.loss,
                                       constants, faithful_room=0.0 if view is not None else float("inf") if room is None
                                       else max(0, room - need) / 2, offset=offset, screen=screen)

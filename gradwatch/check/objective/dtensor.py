@@ -39,3 +39,61 @@ def is_sharded(model: nn.Module) -> bool:
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         return True
     return any(is_dtensor(p) for p in model.parameters())
+
+
+def whole(t: Any) -> Any:
+    """A DTensor's whole value as a plain tensor (``full_tensor()``: a collective unless every placement is
+    ``Replicate``); any other value as it is.
+
+    Every rank must call it on the same DTensors in the same order: a ``Shard`` or ``Partial`` placement
+    all-gathers or all-reduces over the mesh.
+
+    Example:
+        >>> import torch
+        >>> whole(torch.ones(2)).tolist()
+        [1.0, 1.0]
+    """
+    if not is_dtensor(t):
+        return t
+    if all(type(p).__name__ == "Replicate" for p in t.placements):
+        return t.to_local()  # the same everywhere: no collective
+    full = t.full_tensor()
+    wait = getattr(full, "wait", None)  # an AsyncCollectiveTensor: its values, as a plain tensor
+    if callable(wait) and not is_dtensor(full) and type(full).__name__ == "AsyncCollectiveTensor":
+        full = wait()
+    return full
+
+
+class CollectiveInCheck(RuntimeError):
+    """A piece checked by one rank made a collective (its own code communicates): the others would wait."""
+
+
+#: Operator namespaces of torch.distributed's collectives (functional and in place).
+COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d", "_dtensor")
+
+
+def no_collectives() -> Any:
+    """A context in which a collective raises :class:`CollectiveInCheck` before it starts.
+
+    A piece of a sharded model is checked by one rank alone; a collective there (a ``full_tensor()`` written
+    in a module's ``forward``) would wait for ranks that are not making it. Inside, it raises instead, and
+    the piece is reported as not checked.
+
+    Example:
+        >>> import torch
+        >>> with no_collectives():
+        ...     (torch.ones(2) * 2).tolist()
+        [2.0, 2.0]
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Refuse(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func.namespace in COLLECTIVE_NAMESPACES:
+                raise CollectiveInCheck(
+                    f"its own code makes a collective ({func.namespace}::{func.__name__}), which one rank cannot make "
+                    "alone in a check; parallelize it with torch's plans (parallelize_module) so the collective is in "
+                    "their hooks, or use form='objective'")
+            return func(*args, **(kwargs or {}))
+
+    return _Refuse()

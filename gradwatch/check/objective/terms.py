@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from gradwatch.check.objective.dtensor import is_dtensor
 from gradwatch.errors import blame
 
 Regularizer = Callable[[nn.Module], torch.Tensor]
@@ -241,7 +242,8 @@ class Objective:
             out[name] = _regularizer(name, reg, model)
         if self.weight_decay:
             params = dict(model.named_parameters())
-            out["weight_decay"] = cast(torch.Tensor, sum(0.5 * wd * params[n].pow(2).sum() for n, wd in self.weight_decay.items()))
+            out["weight_decay"] = as_scalar("weight_decay", sum(0.5 * wd * params[n].pow(2).sum()
+                                                                 for n, wd in self.weight_decay.items()))
         return out
 
 
@@ -255,6 +257,17 @@ def _regularizer(name: str, reg: Callable[[nn.Module], torch.Tensor], model: nn.
 
 
 def as_scalar(what: str, value: Any) -> torch.Tensor:
+    """``value`` as a real floating 0-d tensor, or an error naming ``what`` and what is accepted.
+
+    A DTensor (a term summed over sharded parameters: a partial sum on each rank) is made whole, a collective
+    that every rank makes where training makes it.
+
+    Example:
+        >>> as_scalar("loss_fn", torch.ones(1)).shape
+        torch.Size([])
+    """
+    if is_dtensor(value):
+        value = value.full_tensor()
     if type(value) is torch.Tensor and value.dim() == 0 and value.is_floating_point():
         return value
     if isinstance(value, torch.Tensor) and not value.is_floating_point():

@@ -1,0 +1,423 @@
+"""DeepSpeed ZeRO (stages 1, 2 and 3): the engine looked through, and a plain replica gathered for each check.
+
+``deepspeed.initialize`` returns an engine (a ``DeepSpeedEngine``, an ``nn.Module`` around the user's
+module) and a ZeRO optimizer. What a check needs is not where a plain model keeps it:
+
+- the gradients live in ZeRO's partitioned buffers (``.grad`` is None after ``engine.backward``); each rank
+  holds a partition of the step's averaged gradient;
+- under stage 3 the parameters are empty placeholders (``ds_shape`` is their real shape), each rank
+  holding a partition; the forward gathers them through hooks ZeRO registers on every module (and
+  ``torch.nn.functional.linear`` is ZeRO's own ``autograd.Function`` from then on).
+
+So gradwatch never evaluates the live ZeRO model in a check. :class:`ZeroReplica` is a plain copy of the
+user's module (the same module classes, ZeRO's hooks and attributes left out), refreshed at each check,
+one parameter at a time in ``named_parameters()`` order on every rank: its value gathered through
+ZeRO's own ``deepspeed.zero.GatheredParameters`` (stage 3; a no-op for stages 1 and 2), its gradient read
+through DeepSpeed's own ``deepspeed.utils.safe_get_full_grad`` (an all-reduce or all-gather of the
+partitions), divided by the loss scale under fp16. These are the only collectives of the model's groups
+in a check, the same on every rank; both parts of the check then run on the replica with no collective,
+as on an FSDP2 model's replica (:mod:`gradwatch.watch.sharded`). ZeRO's state (its partitions, its loss
+scaler, its micro-step counters) is only read.
+
+ZeRO's gradients are the step's: ``engine.backward`` divides each micro-batch's loss by
+``gradient_accumulation_steps``, and ZeRO averages over the data-parallel ranks. The training part's
+replay averages over the ranks too and weighs the micro-batches handed to :meth:`GradWatch.accumulate`
+by their share of the step's items, so a check belongs at the accumulation boundary:
+``engine.is_gradient_accumulation_boundary()`` between ``engine.backward(loss)`` and ``engine.step()``
+(inside the window ZeRO's partitions are not the step's yet: stage 1 and 2 refuse to give them out).
+
+Importing this module does not import ``deepspeed``; a model of a process that never did holds no engine.
+
+Example:
+    >>> from torch import nn
+    >>> is_engine(nn.Linear(2, 1)), zero_params(nn.Linear(2, 1))
+    (False, False)
+    >>> full_shape(nn.Parameter(torch.ones(3, 2)))
+    (3, 2)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from gradwatch.watch.sharded import LiveForwardInCheck, Replica
+
+#: Attributes ZeRO-3 puts on every module (its bookkeeping and the functions its hooks apply): left out of a replica.
+ZERO_MODULE_KEYS = ("_external_params", "_original_parameters", "pre_bwd_fn", "post_bwd_fn", "all_parameters",
+                    "ds_external_parameters")
+#: Hook dicts of a module, and the dicts keyed like them that flag a hook's kind.
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def deepspeed_loaded() -> bool:
+    """True once ``deepspeed`` is imported in this process (an engine cannot exist before).
+
+    Example:
+        >>> isinstance(deepspeed_loaded(), bool)
+        True
+    """
+    return "deepspeed" in sys.modules
+
+
+def is_engine(module: Any) -> bool:
+    """True for the engine ``deepspeed.initialize`` returns (a ``DeepSpeedEngine`` or a subclass), without importing
+    deepspeed.
+
+    Example:
+        >>> is_engine(nn.Linear(2, 1))
+        False
+    """
+    return deepspeed_loaded() and isinstance(module, nn.Module) and any(
+        c.__name__ == "DeepSpeedEngine" and c.__module__.startswith("deepspeed.") for c in type(module).__mro__)
+
+
+def is_partitioned(p: torch.Tensor) -> bool:
+    """True for a ZeRO-3 parameter (an empty placeholder; ``ds_shape`` is its shape, ``ds_tensor`` this rank's part).
+
+    Example:
+        >>> is_partitioned(torch.ones(2))
+        False
+    """
+    return hasattr(p, "ds_id") and hasattr(p, "ds_shape")
+
+
+def zero_params(model: nn.Module) -> bool:
+    """True when the model's parameters are ZeRO's: partitioned (stage 3) or mapped onto its optimizer's partitions
+    (stages 1 and 2, ``_hp_mapping``).
+
+    Example:
+        >>> zero_params(nn.Linear(2, 1))
+        False
+    """
+    return deepspeed_loaded() and any(is_partitioned(p) or hasattr(p, "_hp_mapping") for p in model.parameters())
+
+
+def engine_of(model: nn.Module) -> Optional[nn.Module]:
+    """The ``DeepSpeedEngine`` around ``model`` when ``model`` is its ``.module`` (``GradWatch(engine.module)``): found
+    in the closure of the forward pre-hook the engine registers on its module; None when there is none.
+
+    Example:
+        >>> engine_of(nn.Linear(2, 1)) is None
+        True
+    """
+    if not deepspeed_loaded():
+        return None
+    for hook in model._forward_pre_hooks.values():
+        for cell in getattr(getattr(hook, "__func__", hook), "__closure__", None) or ():
+            try:
+                held = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if is_engine(held) and getattr(held, "module", None) is model:
+                return held
+    return None
+
+
+def full_shape(p: torch.Tensor) -> Tuple[int, ...]:
+    """A parameter's whole shape (a ZeRO-3 placeholder's ``ds_shape``).
+
+    Example:
+        >>> full_shape(torch.ones(4))
+        (4,)
+    """
+    return tuple(p.ds_shape) if is_partitioned(p) else tuple(p.shape)  # type: ignore[attr-defined]
+
+
+def zero_layout(model: nn.Module) -> List[Tuple[str, Tuple[int, ...], str, bool]]:
+    """``(name, whole shape, dtype, trainable)`` of every parameter, in the order a refresh gathers them: the ranks
+    agree on it before the gather (every rank must make the same collectives).
+
+    Example:
+        >>> zero_layout(nn.Linear(2, 1))
+        [('weight', (1, 2), 'torch.float32', True), ('bias', (1,), 'torch.float32', True)]
+    """
+    return [(n, full_shape(p), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()]
+
+
+def is_deepspeed_hook(hook: Any) -> bool:
+    """True for a hook DeepSpeed registered (the engine's forward prologue, ZeRO-3's gathers and releases, its
+    NVTX ranges): part of ZeRO's machinery, never a user hook of the model's function.
+
+    Example:
+        >>> is_deepspeed_hook(lambda m, i: None)
+        False
+    """
+    fn = getattr(hook, "func", hook)
+    fn = getattr(fn, "__func__", fn)
+    where = getattr(fn, "__module__", None) or type(fn).__module__
+    return isinstance(where, str) and where.split(".")[0] == "deepspeed"
+
+
+def strip_deepspeed(module: nn.Module) -> None:
+    """Take ZeRO's hooks and bookkeeping attributes off every module of ``module`` (a replica's copy of them).
+
+    Example:
+        >>> lin = nn.Linear(2, 1)
+        >>> _ = lin.register_forward_hook(lambda m, i, o: None)
+        >>> strip_deepspeed(lin); len(lin._forward_hooks)  # not DeepSpeed's: kept
+        1
+    """
+    for m in module.modules():
+        attrs = m.__dict__
+        dropped = set()
+        for key in _HOOK_DICTS:
+            hooks = attrs.get(key) or {}
+            for hid in [hid for hid, h in hooks.items() if is_deepspeed_hook(h)]:
+                dropped.add(hid)
+                del hooks[hid]
+        for key in _HOOK_FLAGS:
+            for hid in [hid for hid in attrs.get(key) or {} if hid in dropped]:
+                del attrs[key][hid]
+        for key in [k for k in attrs if k in ZERO_MODULE_KEYS or k.startswith("ds_")]:
+            del attrs[key]
+
+
+def loss_scale(engine: Any) -> float:
+    """The loss scale ZeRO's gradient partitions carry at the check (fp16's dynamic or static scale), 1 otherwise.
+
+    Example:
+        >>> loss_scale(None)
+        1.0
+    """
+    if engine is None or not engine.fp16_enabled():
+        return 1.0
+    return float(getattr(engine.optimizer, "loss_scale", 1.0) or 1.0)
+
+
+class ZeroLossScale:
+    """DeepSpeed fp16's loss scale as the training part's replay reads a ``GradScaler`` (``is_enabled``,
+    ``get_scale``, ``scale``): the replay backpropagates the loss times the scale in float16, as
+    ``engine.backward`` did, then multiplies by its float32 reciprocal, as ZeRO's step unscales.
+
+    Args:
+        engine: The ``DeepSpeedEngine``.
+
+    Example:
+        >>> class Engine:  # what the shim reads of an engine
+        ...     optimizer = type("Opt", (), {"loss_scale": 1024.0})()
+        ...     def fp16_enabled(self): return True
+        >>> s = ZeroLossScale(Engine())
+        >>> s.is_enabled(), s.get_scale(), float(s.scale(torch.tensor(2.0)))
+        (True, 1024.0, 2048.0)
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def is_enabled(self) -> bool:
+        return bool(self.engine.fp16_enabled())
+
+    def get_scale(self) -> float:
+        return loss_scale(self.engine)
+
+    def scale(self, total: torch.Tensor) -> torch.Tensor:
+        return total * self.get_scale()
+
+
+def at_boundary(engine: Any) -> None:
+    """Raise unless the engine is at a gradient accumulation boundary (where ZeRO's gradients are the step's).
+
+    Every rank is at the same micro-step, so every rank raises alike, before any collective.
+
+    Example:
+        >>> class Engine:  # what it reads of an engine
+        ...     micro_steps = 4
+        ...     def is_gradient_accumulation_boundary(self): return False
+        ...     def gradient_accumulation_steps(self): return 2
+        >>> at_boundary(Engine())  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ValueError: GradWatch.step() was called at micro-step 1 of DeepSpeed's accumulation window ...
+    """
+    if engine is None:
+        raise ValueError(
+            "the model's parameters are DeepSpeed ZeRO's, but gradwatch found no DeepSpeedEngine around it (where "
+            "ZeRO's gradients are the step's, and their loss scale): pass the engine deepspeed.initialize returned, "
+            "GradWatch(engine, loss_fn, optimizer=optimizer)")
+    if engine.is_gradient_accumulation_boundary():
+        return
+    steps = engine.gradient_accumulation_steps()
+    raise ValueError(
+        f"GradWatch.step() was called at micro-step {engine.micro_steps % steps + 1} of DeepSpeed's accumulation "
+        f"window (gradient_accumulation_steps={steps}), where ZeRO's gradients are not the step's yet: call "
+        "watch.accumulate(micro_batch) after each engine.backward(loss), and watch.step(micro_batch) only where "
+        "engine.is_gradient_accumulation_boundary() (before engine.step())"
+    )
+
+
+class ZeroReplica(Replica):
+    """A plain copy of a ZeRO model, refreshed at each check from ZeRO's partitions (see the module docstring).
+
+    Building makes no collective. :meth:`refresh` gathers every parameter (``GatheredParameters``, stage 3) and
+    then every trainable parameter's gradient (``safe_get_full_grad``), in ``named_parameters()`` order: every
+    rank must refresh at the same point, for a model of the same :func:`zero_layout`. Under stage 3 a forward of
+    the live model raises until :meth:`release` (its all-gathers would be made on one rank only).
+
+    Args:
+        model: The user's module (``engine.module``).
+        engine: The ``DeepSpeedEngine`` around it (its accumulation boundary, its fp16 loss scale), or None.
+
+    Example:
+        >>> live = nn.Linear(3, 1)
+        >>> replica = ZeroReplica(live)
+        >>> module = replica.refresh(live)  # a plain module: a copy of the values, no gradient
+        >>> module is live, torch.equal(module.weight, live.weight), module.weight.grad is None
+        (False, True, True)
+        >>> replica.release()
+    """
+
+    def __init__(self, model: nn.Module, engine: Any = None) -> None:
+        super().__init__(model)
+        strip_deepspeed(self.module)
+        self.engine = engine
+        self._guard: Optional[Any] = None
+
+    def params(self) -> List[nn.Parameter]:
+        """The replica's parameters, in the order of the live model's ``named_parameters()``."""
+        return [p for _, p in self.module.named_parameters()]
+
+    @torch.no_grad()
+    def refresh(self, model: nn.Module) -> nn.Module:
+        """Gather the live parameters and ZeRO's gradients into the replica (in place); returns the replica module."""
+        live = [p for _, p in model.named_parameters()]
+        if any(is_partitioned(p) or hasattr(p, "_hp_mapping") for p in live):
+            at_boundary(self.engine)  # before any collective: every rank raises alike
+        mine = self.params()
+        for p, q in zip(live, mine):
+            with gathered(p):
+                q.data = p.detach().clone()
+            q.requires_grad_(p.requires_grad)
+        scale = loss_scale(self.engine)
+        for p, q in zip(live, mine):
+            grad = full_grad(p) if p.requires_grad else None
+            if grad is not None:
+                grad = (grad / scale if scale != 1.0 else grad).to(dtype=q.dtype, device=q.device).reshape(q.shape)
+            q.grad = grad
+        for (_, buf), (_, live_buf) in zip(self.module.named_buffers(), model.named_buffers()):
+            if buf is not None and live_buf is not None:
+                buf.copy_(live_buf)
+        for copied, original in zip(self.module.modules(), model.modules()):
+            copied.training = original.training
+        if any(is_partitioned(p) for p in live):
+            self._forbid(model)
+        return self.module
+
+    def _forbid(self, model: nn.Module) -> None:
+        """Until :meth:`release`, a forward of the live ZeRO-3 model raises before ZeRO's hooks gather."""
+        if self._guard is not None:
+            return
+
+        def refuse(module: nn.Module, args: tuple) -> None:
+            raise LiveForwardInCheck(
+                f"loss_fn ran the live ZeRO-3 {type(module).__name__} inside a gradwatch check; its forward "
+                "all-gathers parameters, a collective the other ranks are not making. Use the model loss_fn is "
+                "given (the check passes a gathered replica), not the engine or a model from its closure"
+            )
+
+        refuse._gradwatch_hook = True  # type: ignore[attr-defined]
+        self._guard = model.register_forward_pre_hook(refuse, prepend=True)
+
+    def release(self) -> None:
+        """Drop the gathered gradients and let the live model run again (after each check)."""
+        super().release()
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
+
+
+def gathered(p: torch.Tensor) -> Any:
+    """ZeRO's own ``GatheredParameters([p])`` for a ZeRO-3 parameter (read only: no rank modifies it, so nothing is
+    broadcast and it is partitioned again on exit, as it was), else nothing.
+
+    Example:
+        >>> with gathered(torch.ones(2)):
+        ...     pass
+    """
+    if not is_partitioned(p):
+        return contextlib.nullcontext()
+    import deepspeed  # type: ignore[import-untyped]  # deepspeed.zero is an attribute of the package, not a module of its own
+
+    return deepspeed.zero.GatheredParameters([p], modifier_rank=None)
+
+
+def full_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
+    """The step's whole gradient of a ZeRO parameter, through DeepSpeed's ``safe_get_full_grad`` (a collective on
+    its data-parallel group: every rank calls it for the same parameters in the same order); a plain parameter's
+    ``.grad``.
+
+    Example:
+        >>> full_grad(torch.ones(2, requires_grad=True)) is None
+        True
+    """
+    if not (is_partitioned(p) or hasattr(p, "_hp_mapping")):
+        return p.grad
+    from deepspeed.utils import safe_get_full_grad  # type: ignore[import-untyped]
+
+    grad = safe_get_full_grad(p)
+    return None if grad is None else grad.detach().clone()
+
+
+class ZeroOptimizerGroups(torch.optim.Optimizer):
+    """A ZeRO optimizer's param groups over the model's own parameters (what the check objective reads its coupled
+    ``weight_decay`` from): ZeRO's inner torch optimizer holds flat partitions instead.
+
+    Its class name is the inner optimizer's, so the notes name it (``AdamW applies decoupled weight decay``).
+
+    Args:
+        optimizer: The ZeRO optimizer ``deepspeed.initialize`` returned (``bit16_groups`` for stages 1 and 2,
+            ``fp16_groups`` and ``sub_group_to_group_id`` for stage 3).
+
+    Example:
+        >>> ZeroOptimizerGroups.of(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)) is None
+        True
+    """
+
+    def __init__(self, optimizer: Any) -> None:
+        inner = optimizer.optimizer
+        groups: Dict[int, List[torch.Tensor]] = {}
+        if hasattr(optimizer, "bit16_groups"):
+            for i, params in enumerate(optimizer.bit16_groups):
+                groups.setdefault(i, []).extend(params)
+        else:
+            ids = getattr(optimizer, "sub_group_to_group_id", {})
+            for i, params in enumerate(getattr(optimizer, "fp16_groups", [])):
+                groups.setdefault(int(ids.get(i, 0)), []).extend(params)
+        decoupled = isinstance(inner, torch.optim.AdamW)
+        param_groups = []
+        for i, group in enumerate(inner.param_groups):
+            if groups.get(i):
+                options = {k: v for k, v in group.items() if k != "params"}
+                options["decoupled_weight_decay"] = decoupled or bool(group.get("decoupled_weight_decay", False))
+                param_groups.append({**options, "params": groups[i]})
+        super().__init__(param_groups or [{"params": []}], dict(inner.defaults))
+        self.__class__ = _named(type(inner).__name__)
+
+    @classmethod
+    def of(cls, optimizer: Any) -> Optional["ZeroOptimizerGroups"]:
+        """The groups of a ZeRO optimizer (stages 1, 2 and 3); None for any other optimizer."""
+        if not deepspeed_loaded() or not any(c.__module__.startswith("deepspeed.runtime.zero")
+                                             for c in type(optimizer).__mro__):
+            return None
+        if not isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+            return None
+        return cls(optimizer)
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        raise RuntimeError("ZeroOptimizerGroups only describes a ZeRO optimizer's param groups; it never steps")
+
+
+@functools.cache
+def _named(name: str) -> type:
+    """A subclass of :class:`ZeroOptimizerGroups` named like the inner optimizer (one per name)."""
+    return type(name, (ZeroOptimizerGroups,), {"__module__": __name__})
+
+
+__all__ = ["ZERO_MODULE_KEYS", "ZeroLossScale", "ZeroOptimizerGroups", "ZeroReplica", "at_boundary",
+           "deepspeed_loaded", "engine_of", "full_grad", "full_shape", "gathered", "is_deepspeed_hook", "is_engine", "is_partitioned",
+           "loss_scale", "strip_deepspeed", "zero_layout", "zero_params"]

@@ -1,0 +1,324 @@
+"""GradWatch on DeepSpeed ZeRO stages 1, 2 and 3: 2 gloo ranks on 127.0.0.1, CPU (``DS_ACCELERATOR=cpu``).
+
+One pair of worker processes runs every scenario in turn (each with its own engine), under a hard
+timeout (the parent kills the workers), so a hang fails the test instead of blocking the suite. Each
+rank writes what it saw to a JSON file that the tests then read. The watch is given what
+``deepspeed.initialize`` returns, the engine and the ZeRO optimizer, and ``watch.step(batch)`` runs
+between ``engine.backward(loss)`` and ``engine.step()`` (:mod:`gradwatch.watch.zero`):
+
+- ``zero1``, ``zero2``, ``zero3`` (stage 3 with ``stage3_param_persistence_threshold: 0``: every parameter
+  an empty placeholder): a correct Linear-Tanh MLP, 4 checks at ``every=1``: no alert, every parameter
+  with a backward and a training verdict, Adam's coupled ``weight_decay`` read through ZeRO's groups,
+  training losses and parameters bit-identical to a run without the watch;
+- ``planted1``, ``planted2``, ``planted3``: a tanh whose backward is 1.2x: alerted and named by its module;
+- ``accumulate``: ZeRO-2 with ``gradient_accumulation_steps=2`` (``watch.accumulate`` inside the window,
+  ``watch.step`` at its boundary), the watch given ``engine.module`` (the engine is found around it): the
+  training verdicts judged on the step's objective, training bit-identical; ``watch.step`` inside the window
+  is an error alert that says what to call instead (before any collective: no rank hangs);
+- ``fault``: ZeRO-3; rank 1's ``loss_fn`` raises inside a check, later rank 0's calls the live engine
+  from its closure (ZeRO's gather hooks would all-gather on one rank): an error alert naming the rank on
+  both ranks each time, the checks after them clean, every rank's losses bit-identical to the unwatched run;
+- ``trainer``: the Hugging Face ``Trainer`` with a ZeRO-3 DeepSpeed config (accelerate runs it on CPU) and
+  ``GradWatchCallback``, 2 micro-batches a step: no alert, both verdicts on every parameter, training
+  bit-identical to the same Trainer run without the callback.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch.distributed as dist
+from helpers import run_two_ranks
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")]
+pytest.importorskip("deepspeed")
+
+RUN_TIMEOUT = 240.0
+STAGES = (1, 2, 3)
+SCENARIOS = ("zero1", "zero2", "zero3", "planted1", "planted2", "planted3", "accumulate", "fault", "trainer")
+NAMES = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+
+WORKER = textwrap.dedent(
+    r'''
+    import datetime, json, logging, os, sys, time
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import torch, torch.nn as nn, torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    scenarios = sys.argv[4].split(",")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=60))
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    from gradwatch import GradWatch
+
+
+    class WrongTanh(torch.autograd.Function):  # backward 20% too large
+        @staticmethod
+        def forward(ctx, x):
+            y = torch.tanh(x)
+            ctx.save_for_backward(y)
+            return y
+
+        @staticmethod
+        def backward(ctx, g):
+            (y,) = ctx.saved_tensors
+            return 1.2 * g * (1 - y * y)
+
+
+    class Act(nn.Module):
+        def __init__(self, wrong):
+            super().__init__()
+            self.wrong = wrong
+
+        def forward(self, x):
+            return WrongTanh.apply(x) if self.wrong else torch.tanh(x)
+
+
+    def mlp(wrong=False):
+        torch.manual_seed(0)  # the same initial weights on both ranks
+        return nn.Sequential(nn.Linear(8, 32), Act(wrong), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+    def engine_for(stage, wrong=False, accumulation=1):
+        net = mlp(wrong)
+        opt = torch.optim.Adam(net.parameters(), lr=0.01, weight_decay=1e-3)
+        config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accumulation,
+                  "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+                  "steps_per_print": 10 ** 9}
+        engine, optimizer, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config)
+        return engine, optimizer
+
+
+    state = {"step": -1, "engine": None, "raise_on": None, "closure_on": None}
+
+
+    def loss_fn(m, batch):
+        if m is not state["engine"]:  # a check: gradwatch passes its gathered replica
+            if state["raise_on"] == (rank, state["step"]):
+                raise KeyError("'labels' missing on rank 1")
+            if state["closure_on"] == (rank, state["step"]):
+                m = state["engine"]  # the live engine from the closure: ZeRO-3's forward would all-gather
+        return F.cross_entropy(m(batch[0]), batch[1])
+
+
+    def full_params(engine):  # every rank: the fp32 master weights, gathered through ZeRO
+        return [safe_get_full_fp32_param(p).flatten().tolist() for p in engine.module.parameters()]
+
+
+    def train(stage, steps, watch_options=None, wrong=False, accumulation=1, misuse=False, given="engine"):
+        engine, optimizer = engine_for(stage, wrong, accumulation)
+        state["engine"] = engine
+        watched = engine if given == "engine" else engine.module  # the module: the engine is found around it
+        watch = (GradWatch(watched, loss_fn, optimizer=optimizer, **watch_options)
+                 if watch_options is not None else None)
+        g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+        losses, checks, seconds = [], [], []
+        for micro in range(steps * accumulation):
+            state["step"] = micro // accumulation
+            batch = (torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g))
+            loss = loss_fn(engine, batch)
+            engine.backward(loss)
+            if watch is not None and not engine.is_gradient_accumulation_boundary():
+                watch.accumulate(batch)
+            elif watch is not None:
+                t0 = time.perf_counter()
+                report = watch.step(batch)
+                seconds.append(time.perf_counter() - t0)
+                if report is not None:
+                    checks.append({
+                        "step": state["step"], "ok": report.ok, "form": report.form, "notes": report.notes,
+                        "localized": [ln for ln in str(report).splitlines() if ln.startswith("localized")],
+                        "training_note": report.training_note,
+                        "backward": {n: t.verdict.value if t.verdict else None for n, t in report.tensors.items()},
+                        "training": {n: [t.verdict.value if t.verdict else None, t.rel_diff]
+                                     for n, t in report.training.items()}})
+            engine.step()
+            losses.append(loss.item())
+        res = {"losses": losses, "params": full_params(engine),
+               "partitioned": [tuple(p.shape) == (0,) for p in engine.module.parameters()]}
+        if watch is not None:
+            if misuse:  # watch.step inside the accumulation window
+                batch = (torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g))
+                engine.backward(loss_fn(engine, batch))
+                watch.step(batch)
+            res.update(checks=checks, seconds=seconds, alerts=[a.to_dict() for a in watch.alerts],
+                       coverage=watch.coverage, weight_decay=watch.objective.weight_decay,
+                       live_hooks=sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in engine.module.modules()))
+            watch.close()
+        return res
+
+
+    def trainer_run(callback):
+        from transformers import Trainer, TrainingArguments
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.net = mlp()
+
+            def forward(self, x, labels=None):
+                logits = self.net(x)
+                return {"loss": F.cross_entropy(logits, labels), "logits": logits}
+
+        class Data(torch.utils.data.Dataset):
+            def __init__(self):
+                g = torch.Generator().manual_seed(7)
+                self.x, self.y = torch.randn(64, 8, generator=g), torch.randint(0, 4, (64,), generator=g)
+
+            def __len__(self):
+                return 64
+
+            def __getitem__(self, i):
+                return {"x": self.x[i], "labels": self.y[i]}
+
+        config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                  "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
+                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+        args = TrainingArguments(output_dir=os.path.join(out, f"trainer{rank}"), per_device_train_batch_size=4,
+                                 gradient_accumulation_steps=2, max_steps=4, learning_rate=0.01, deepspeed=config,
+                                 report_to=[], logging_steps=1, save_strategy="no", use_cpu=True, seed=3,
+                                 disable_tqdm=True)
+        model = Net()
+        trainer = Trainer(model=model, args=args, train_dataset=Data(), callbacks=[callback] if callback else [])
+        trainer.train()
+        res = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+               "params": full_params(trainer.model_wrapped)}
+        if callback is not None:
+            watch = callback.watch
+            res.update(alerts=[a.to_dict() for a in watch.alerts], coverage=watch.coverage,
+                       checks=watch.context.checks, engine_step_restored="step" not in vars(trainer.model_wrapped))
+        return res
+
+
+    results = {}
+    for scenario in scenarios:
+        t0 = time.perf_counter()
+        try:
+            if scenario.startswith("zero"):
+                stage = int(scenario[-1])
+                plain = train(stage, 4)
+                res = train(stage, 4, dict(every=1, log_dir=None))
+                res["identical"] = {"losses": plain["losses"] == res["losses"], "params": plain["params"] == res["params"]}
+            elif scenario.startswith("planted"):
+                res = train(int(scenario[-1]), 2, dict(every=1, log_dir=None), wrong=True)
+            elif scenario == "accumulate":
+                plain = train(2, 3, accumulation=2)
+                res = train(2, 3, dict(every=1, log_dir=None), accumulation=2, misuse=True, given="module")
+                res["identical"] = {"losses": plain["losses"] == res["losses"], "params": plain["params"] == res["params"]}
+            elif scenario == "fault":
+                plain = train(3, 6)
+                state["raise_on"], state["closure_on"] = (1, 1), (0, 3)
+                res = train(3, 6, dict(every=1, log_dir=None))
+                state["raise_on"] = state["closure_on"] = None
+                res["identical"] = {"losses": plain["losses"] == res["losses"], "params": plain["params"] == res["params"]}
+            elif scenario == "trainer":
+                from gradwatch.integrations.transformers import GradWatchCallback
+
+                plain = trainer_run(None)
+                res = trainer_run(GradWatchCallback(every=1, log_dir=None))
+                res["identical"] = {"losses": plain["losses"] == res["losses"], "params": plain["params"] == res["params"]}
+        except Exception as exc:  # the test names it
+            import traceback
+
+            res = {"exception": traceback.format_exc()}
+        res.pop("params", None)
+        res["wall"] = time.perf_counter() - t0
+        results[scenario] = res
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f, default=str)
+    '''
+)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("deepspeed")
+    codes, logs = run_two_ranks(WORKER, out / "worker.py", [str(out), ",".join(SCENARIOS)], RUN_TIMEOUT,
+                                "the DeepSpeed run")
+    assert codes == (0, 0), "\n".join(log[-4000:] for log in logs)
+    r0, r1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
+    for scenario in SCENARIOS:
+        for r in (r0, r1):
+            assert "exception" not in r[scenario], r[scenario].get("exception")
+    return r0, r1
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_zero_correct_model_no_alert_both_verdicts_everywhere_training_bit_identical(ranks, stage):
+    for r in ranks:
+        res = r[f"zero{stage}"]
+        assert res["alerts"] == []
+        assert len(res["checks"]) == 4 and all(c["ok"] for c in res["checks"]), res["checks"]
+        for c in res["checks"]:
+            assert c["form"] == "module"  # the ranks split the units of the replica
+            assert set(c["training"]) == set(NAMES)
+            assert all(v[0] in ("excellent", "acceptable") for v in c["training"].values()), c["training"]
+            assert "averaged over 2 ranks" in c["training_note"]
+            assert any("DeepSpeed ZeRO" in n for n in c["notes"])
+        assert all(res["coverage"][n]["backward"] > 0 and res["coverage"][n]["training"] > 0 for n in NAMES)
+        assert res["weight_decay"] == {n: 1e-3 for n in NAMES}  # Adam's coupled decay, through ZeRO's groups
+        assert res["identical"] == {"losses": True, "params": True}
+        assert all(res["partitioned"]) is (stage == 3)  # stage 3: every live parameter an empty placeholder
+        assert res["live_hooks"] > 0  # ZeRO's hooks are still on the live model after the checks
+    assert ranks[0][f"zero{stage}"]["checks"] == ranks[1][f"zero{stage}"]["checks"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_zero_planted_activation_error_alerted_and_named_by_its_module(ranks, stage):
+    for r in ranks:
+        res = r[f"planted{stage}"]
+        wrong = {a["tensor"] for a in res["alerts"] if a["kind"] == "threshold" and a["part"] == "backward"}
+        assert wrong == {"1:input"}, res["alerts"]
+        for c in res["checks"]:
+            assert not c["ok"] and c["backward"]["1:input"] == "wrong"
+            assert c["localized"] == ["localized: `1` (Act, autograd.Function WrongTanh): input gradient wrong, "
+                                      "analytic 1.20x numeric"], c["localized"]
+            assert all(c["backward"][n] in ("excellent", "acceptable") for n in NAMES), c["backward"]
+            # the gradient training applies is the objective's (of the wrong backward): the training part agrees
+            assert all(v[0] in ("excellent", "acceptable") for v in c["training"].values()), c["training"]
+    assert ranks[0][f"planted{stage}"]["alerts"] == ranks[1][f"planted{stage}"]["alerts"]
+
+
+def test_zero_accumulation_judged_on_the_steps_objective_and_a_check_inside_the_window_says_what_to_call(ranks):
+    for r in ranks:
+        res = r["accumulate"]
+        assert len(res["checks"]) == 3 and all(c["ok"] for c in res["checks"]), res["checks"]
+        for c in res["checks"]:
+            assert "4 micro-batches on 2 ranks" in c["training_note"], c["training_note"]
+            assert all(v[0] in ("excellent", "acceptable") for v in c["training"].values()), c["training"]
+        assert res["identical"] == {"losses": True, "params": True}
+        (misuse,) = res["alerts"]  # the watch.step() inside the window, and nothing else
+        assert misuse["kind"] == "error" and "gradient_accumulation_steps=2" in misuse["message"]
+        assert "watch.accumulate(micro_batch)" in misuse["message"]
+
+
+def test_zero3_a_failing_rank_is_an_error_on_every_rank_and_training_is_untouched(ranks):
+    for r in ranks:
+        res = r["fault"]
+        errors = [a for a in res["alerts"] if a["kind"] == "error"]
+        assert [a["step"] for a in errors] == [1, 3], res["alerts"]
+        assert "rank 1" in errors[0]["message"] and "KeyError" in errors[0]["message"], errors[0]
+        assert "rank 0" in errors[1]["message"] and "live ZeRO-3" in errors[1]["message"], errors[1]
+        assert not any(a["kind"] == "threshold" for a in res["alerts"]), res["alerts"]  # no verdict failed
+        # the checks after each failed one are whole and clean (a failed check may still merge the other rank's part)
+        assert {0, 2, 4, 5} <= {c["step"] for c in res["checks"]} and all(c["ok"] for c in res["checks"])
+        assert res["identical"] == {"losses": True, "params": True}
+    assert [a["message"] for a in ranks[0]["fault"]["alerts"]] == [a["message"] for a in ranks[1]["fault"]["alerts"]]
+
+
+def test_hf_trainer_with_a_deepspeed_config_is_checked_between_backward_and_step(ranks):
+    for r in ranks:
+        res = r["trainer"]
+        assert res["alerts"] == [] and res["checks"] == 4
+        assert all(cov["backward"] > 0 and cov["training"] > 0 for cov in res["coverage"].values())
+        assert sorted(res["coverage"]) == sorted(f"net.{n}" for n in NAMES)
+        assert res["identical"] == {"losses": True, "params": True}
+        assert res["engine_step_restored"]

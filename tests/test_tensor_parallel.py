@@ -1,0 +1,347 @@
+"""GradWatch on tensor parallel, sequence parallel and 2-D (FSDP2 over TP) models: 2 gloo ranks on CPU.
+
+The models are parallelized with torch's own ``parallelize_module`` (``ColwiseParallel``, ``RowwiseParallel``,
+``SequenceParallel``, ``PrepareModuleInput``), as torchtitan does, and watched as a new user would:
+``GradWatch(model, loss_fn, optimizer=opt, every=1)``, ``watch.step(batch)`` after backward. One pair of worker
+processes runs every scenario in turn under a hard timeout; each rank writes what it saw to a JSON file.
+
+- ``mlp``, ``attn``, ``sp``, ``2d21``, ``2d12``: a correct model over 4 checks at ``every=1``: no alert, every
+  parameter with a backward and a training verdict, the parameters after training bit-identical to a run
+  without the watch; then the same model with a GELU whose backward is 20% too large (the MLP), and with an
+  attention softmax whose backward is 10% too large (the others): each alerted, naming its module.
+- ``lockstep``: the TP transformer; one rank's check raises before the model, midway in its forward, after
+  it, in a custom backward of the replay, or stalls: an error record naming that rank on both ranks, the run
+  goes on and ends normally, and training is bit-identical to a run without the watch on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch.distributed as dist
+from helpers import run_two_ranks
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")]
+pytest.importorskip("torch.distributed.tensor.parallel")
+
+RUN_TIMEOUT = 240.0
+SHAPES = ("mlp", "attn", "sp", "2d21", "2d12")
+SCENARIOS = SHAPES + ("gathers", "lockstep")
+
+WORKER = textwrap.dedent(
+    r'''
+    import datetime, json, os, sys, time, warnings
+    import torch, torch.nn as nn, torch.nn.functional as F
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    scenarios = sys.argv[4].split(",")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    from gradwatch import GradWatch
+    from gradwatch.watch.shard_check import settled
+
+    faults = {"checking": False, "calls": 0, "step": -1, "at": {}}  # (rank, step) -> (call of loss_fn, what)
+
+
+    def due(what):  # this rank meets fault ``what`` now: inside the check, at the planned call of loss_fn
+        return faults["checking"] and faults["at"].get((rank, faults["step"])) == (faults["calls"], what)
+
+
+    class WrongGelu(torch.autograd.Function):  # backward 20% too large
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return F.gelu(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            with torch.enable_grad():
+                x = x.detach().requires_grad_()
+                (d,) = torch.autograd.grad(F.gelu(x), x, g)
+            return 1.2 * d
+
+
+    class WrongSoftmax(torch.autograd.Function):  # backward 10% too large
+        @staticmethod
+        def forward(ctx, x):
+            y = torch.softmax(x, -1)
+            ctx.save_for_backward(y)
+            return y
+
+        @staticmethod
+        def backward(ctx, g):
+            (y,) = ctx.saved_tensors
+            return 1.1 * y * (g - (g * y).sum(-1, keepdim=True))
+
+
+    class FailsBackward(torch.autograd.Function):  # identity whose backward raises (a custom backward's bug)
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError(f"the custom backward failed on rank {rank}")
+
+
+    class Gelu(nn.Module):
+        def __init__(self, wrong):
+            super().__init__()
+            self.wrong = wrong
+
+        def forward(self, x):
+            return WrongGelu.apply(x) if self.wrong else F.gelu(x)
+
+
+    class Attention(nn.Module):  # q, k, v column-parallel (this rank's heads), o row-parallel
+        def __init__(self, d, heads, wrong):
+            super().__init__()
+            self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+            self.head_dim, self.wrong = d // heads, wrong
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = (m(x).view(b, t, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
+            s = q @ k.transpose(-1, -2) / self.head_dim ** 0.5
+            s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+            a = WrongSoftmax.apply(s) if self.wrong else torch.softmax(s, -1)
+            return self.o((a @ v).transpose(1, 2).reshape(b, t, -1))
+
+
+    class Block(nn.Module):
+        def __init__(self, d, wrong):
+            super().__init__()
+            self.ln1, self.attn, self.ln2 = nn.LayerNorm(d), Attention(d, 4, wrong), nn.LayerNorm(d)
+            self.fc1, self.act, self.fc2 = nn.Linear(d, 4 * d), Gelu(False), nn.Linear(4 * d, d)
+
+        def forward(self, x):
+            if due("mid"):  # inside the model's forward, after the embedding, before the block's collectives
+                raise RuntimeError(f"the block cannot run on rank {rank}")
+            x = x + self.attn(self.ln1(x))
+            return x + self.fc2(self.act(self.fc1(self.ln2(x))))
+
+
+    class LM(nn.Module):
+        def __init__(self, wrong, vocab=40, d=16):
+            super().__init__()
+            self.emb, self.block, self.ln, self.head = nn.Embedding(vocab, d), Block(d, wrong), nn.LayerNorm(d), nn.Linear(d, vocab)
+
+        def forward(self, ids):
+            return self.head(self.ln(self.block(self.emb(ids))))
+
+
+    TP = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+          "attn.o": RowwiseParallel(), "fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+    SP = {"ln1": SequenceParallel(), "ln2": SequenceParallel(),
+          "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+          "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+          "attn.o": RowwiseParallel(output_layouts=Shard(1)),
+          "fc1": ColwiseParallel(input_layouts=Shard(1)), "fc2": RowwiseParallel(output_layouts=Shard(1))}
+
+
+    class Gathers(nn.Module):  # its own forward makes a collective (a full_tensor() written by hand)
+        def forward(self, x):
+            return DTensor.from_local(x, mesh, [Shard(0)]).full_tensor()[: x.shape[0]] * 1.0
+
+
+    class SPLM(LM):  # the block and the final norm see this rank's half of the sequence (torchtitan's plan)
+        def forward(self, ids):
+            return self.head(self.ln(self.block(self.emb(ids).chunk(2, dim=1)[rank])))
+
+
+    def build(shape, wrong):
+        global mesh
+        torch.manual_seed(0)  # the same initial weights on both ranks
+        if shape.startswith("mlp"):
+            mesh = init_device_mesh("cpu", (2,))
+            net = nn.Sequential(nn.Linear(8, 32), Gelu(wrong), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+            if shape == "mlp-gathers":
+                net.append(Gathers())
+            parallelize_module(net, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            return net
+        if shape.startswith("2d"):
+            mesh2 = init_device_mesh("cpu", (2, 1) if shape == "2d21" else (1, 2), mesh_dim_names=("dp", "tp"))
+            mesh = mesh2["tp"]
+        else:
+            mesh = init_device_mesh("cpu", (2,))
+        net = (SPLM if shape == "sp" else LM)(wrong)
+        parallelize_module(net.block, mesh, SP if shape == "sp" else TP)
+        if shape == "sp":  # the final norm on the sequence shards, the head gathering them
+            parallelize_module(net, mesh, {"ln": SequenceParallel(),
+                                           "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+        if shape.startswith("2d"):
+            fully_shard(net.block, mesh=mesh2["dp"])
+            fully_shard(net, mesh=mesh2["dp"])
+        return net
+
+
+    def loss_fn(m, batch):
+        faults["calls"] += faults["checking"]
+        if due("before"):
+            raise KeyError(f"'labels' missing on rank {rank}")
+        if due("stall"):
+            time.sleep(2.5)
+        if isinstance(batch, tuple):
+            return F.cross_entropy(m(batch[0]), batch[1])
+        logits = m(batch[:, :-1])
+        if due("backward"):  # the replay's backward fails on this rank only
+            logits = FailsBackward.apply(logits)
+        if due("after"):
+            raise ValueError(f"the loss could not be computed on rank {rank}")
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
+    def train(shape, steps, options=None, wrong=False):
+        net = build(shape, wrong)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        watch = GradWatch(net, loss_fn, optimizer=opt, **options) if options is not None else None
+        g = torch.Generator().manual_seed(100 if shape != "2d21" else 100 + rank)  # TP ranks share a batch
+        losses, checks = [], []
+        for step in range(steps):
+            faults["step"] = step
+            if shape.startswith("mlp"):
+                batch = (torch.randn(12, 8, generator=g), torch.randint(0, 4, (12,), generator=g))
+            else:
+                batch = torch.randint(0, 40, (3, 9), generator=g)
+            opt.zero_grad()
+            loss = loss_fn(net, batch)
+            loss.backward()
+            losses.append(loss.item())
+            if watch is not None:
+                faults["checking"], faults["calls"] = True, 0
+                report = watch.step(batch)
+                faults["checking"] = False
+                if report is not None:
+                    checks.append({"step": step, "ok": report.ok, "notes": report.notes})
+            opt.step()
+        params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                  for n, p in net.named_parameters()}
+        res = {"losses": losses}
+        if shape == "sp":  # the norms' .grad is Partial(sum): judged once reduced over the mesh
+            g = net.block.ln1.weight.grad
+            reduced = settled(g, None)
+            res["partial"] = [str(pl) for pl in g.placements]
+            res["settled"] = bool(torch.equal(reduced, g.full_tensor())) and not torch.equal(reduced, g.to_local())
+        if watch is not None:
+            res.update(checks=checks, alerts=[a.to_dict() for a in watch.alerts], coverage=watch.coverage,
+                       names=[n for n, _ in net.named_parameters()])
+            watch.close()
+        return params, res
+
+
+    def same(a, b):  # bit for bit
+        return all(torch.equal(a[n].view(torch.int32), b[n].view(torch.int32)) for n in a)
+
+
+    results = {}
+    for scenario in scenarios:
+        t0 = time.perf_counter()
+        if scenario in ("mlp", "attn", "sp", "2d21", "2d12"):
+            plain, base = train(scenario, 4)
+            watched, res = train(scenario, 4, dict(every=1, log_dir=None))
+            res["bit_identical"] = same(plain, watched) and base["losses"] == res["losses"]
+            _, res["wrong"] = train(scenario, 2, dict(every=1, log_dir=None), wrong=True)
+        elif scenario == "gathers":
+            plain, base = train("mlp-gathers", 3)
+            watched, res = train("mlp-gathers", 3, dict(every=1, log_dir=None))
+            res["bit_identical"] = same(plain, watched) and base["losses"] == res["losses"]
+        elif scenario == "lockstep":
+            plain, base = train("attn", 7)
+            faults["at"] = {(1, 1): (1, "before"), (0, 2): (1, "mid"), (1, 3): (2, "after"), (1, 4): (1, "stall"),
+                            (0, 5): (1, "backward")}
+            watched, res = train("attn", 7, dict(every=1, log_dir=None))
+            faults["at"] = {}
+            res["bit_identical"] = same(plain, watched) and base["losses"] == res["losses"]
+        res["seconds"] = time.perf_counter() - t0
+        results[scenario] = res
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+    '''
+)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Run every scenario on 2 ranks once: (rank 0's results, rank 1's results)."""
+    out = tmp_path_factory.mktemp("tp")
+    codes, logs = run_two_ranks(WORKER, out / "worker.py", [str(out), ",".join(SCENARIOS)], RUN_TIMEOUT,
+                                "the tensor parallel run")
+    assert codes == (0, 0), f"exit codes {codes}\n" + "\n----\n".join(logs)
+    return tuple(json.loads((out / f"rank{r}.json").read_text()) for r in range(2))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_correct_parallel_model_fully_checked_no_alert_training_bit_identical(ranks, shape):
+    for r in ranks:
+        res = r[shape]
+        assert res["alerts"] == [], res["alerts"]
+        assert len(res["checks"]) == 4
+        for name in res["names"]:
+            cov = res["coverage"][name]
+            assert cov["backward"] > 0 and cov["training"] > 0, (name, cov)
+        assert res["bit_identical"]
+        assert not any("not checked" in n for c in res["checks"] for n in c["notes"]), res["checks"][0]["notes"]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_planted_backward_errors_named_by_module(ranks, shape):
+    where = "1" if shape == "mlp" else "block.attn"  # the GELU of the MLP, the attention's own softmax
+    for r in ranks:
+        alerts = r[shape]["wrong"]["alerts"]
+        assert alerts, f"{shape}: no alert"
+        named = {a["tensor"].split(":")[0].rsplit(".", 1)[0] if ":" not in a["tensor"] else a["tensor"].split(":")[0]
+                 for a in alerts if a["kind"] != "error"}
+        assert any(n == where or n.startswith(where + ".") for n in named), (shape, named)
+        assert all(n == where or n.startswith(where) or n.startswith("0") or n.startswith("block")
+                   for n in named), named
+
+
+def test_sequence_parallel_partial_gradients_are_judged_reduced(ranks):
+    for r in ranks:
+        assert r["sp"]["partial"] == ["P(sum)"]  # str() of Partial(sum)
+        assert r["sp"]["settled"]  # the reduced gradient (the sum over the ranks), not this rank's part
+
+
+def test_own_code_making_a_collective_is_not_checked_and_never_waits(ranks):
+    for r in ranks:  # checked by one rank alone, its all-gather would wait for the other: refused before it starts
+        res = r["gathers"]
+        said = [a for a in res["alerts"] if a["kind"] == "not_checked"]
+        assert [a["tensor"] for a in said] == ["5"], res["alerts"]
+        assert "makes a collective" in said[0]["message"] and "parallelize_module" in said[0]["message"]
+        assert not [a for a in res["alerts"] if a["kind"] not in ("not_checked",)], res["alerts"]
+        assert res["bit_identical"]
+
+
+def test_a_rank_failing_inside_a_tp_check_stops_every_rank_at_the_same_point(ranks):
+    for r in ranks:  # both ranks exited 0 within the timeout (the fixture asserts it): no hang, no abort
+        res = r["lockstep"]
+        errors = [a for a in res["alerts"] if a["kind"] == "error"]
+        assert [a["step"] for a in errors] == [1, 2, 3, 5], res["alerts"]
+        # named by the rank that raised, where it raised: before the model, midway in its forward (the
+        # embedding run, the block's collectives not), after it, in the replay's custom backward
+        assert "rank 1: KeyError" in errors[0]["message"] and "labels" in errors[0]["message"]
+        assert "rank 0: RuntimeError: the block cannot run on rank 0" in errors[1]["message"]
+        assert "rank 1: ValueError: the loss could not be computed on rank 1" in errors[2]["message"]
+        assert "rank 0: RuntimeError: the custom backward failed on rank 0" in errors[3]["message"]
+        assert not any("rank 0" in a["message"] for a in (errors[0], errors[2]))  # the stopped rank adds nothing
+        # checks go on after each failed one; at step 3 rank 1 raised after the last collective of its check
+        # (the loss after the capture's forward): rank 0's share of that check stands beside the error record
+        assert [c["step"] for c in res["checks"]] == [0, 3, 4, 6]
+        assert all(c["ok"] for c in res["checks"])
+        assert any(n.startswith("rank 1 ran slow in this check") for n in res["checks"][2]["notes"])
+        assert res["bit_identical"], "training altered by a failing check"
+    assert ranks[0]["lockstep"]["alerts"] == ranks[1]["lockstep"]["alerts"]
