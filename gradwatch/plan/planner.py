@@ -53,7 +53,9 @@ def slice_rows(module: nn.Module, room: Optional[int]) -> int:
 
 
 def _rows(p: torch.Tensor) -> int:
-    return int(p.shape[0]) if p.dim() else 1
+    """Rows of a parameter's whole shape (a DeepSpeed ZeRO-3 placeholder's ``ds_shape``, not its empty one)."""
+    shape = tuple(getattr(p, "ds_shape", None) or p.shape)
+    return int(shape[0]) if shape else 1
 
 
 class Planner:
