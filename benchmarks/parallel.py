@@ -1,0 +1,398 @@
+"""Tensor, sequence and 2-D parallel, DeepSpeed ZeRO-3: per-rank peak memory and check time, watched against unwatched.
+
+Run: ``python benchmarks/parallel.py`` (about 7-9 minutes on 2 CPU cores; ``--quick``: about 2). Measured
+2026-11-26 on the shared 2-core AMD EPYC VM, torch 2.13 CPU, deepspeed 0.19.8, default sizes (4.19M
+parameters, 16 MB in fp32), 5 steps; other engineers' tests ran beside it (load average 2.1-3.9 on 2
+cores), which moves the times (TP's 2-rank median was 3.4 s in a first run, 6.1 s in this one), not the peaks:
+
+| engine | peak MB r0 unwatched / watched | r1 | peak ratio r0, r1 | check s 2 ranks | 1 process | ratio |
+|---|---|---|---|---|---|---|
+| tensor parallel | 359 / 414 | 361 / 422 | 1.155, 1.171 | 6.056 | 11.586 | 0.52 |
+| sequence parallel | 367 / 417 | 365 / 422 | 1.138, 1.157 | 6.281 | 11.586 | 0.54 |
+| FSDP2 x TP 2x1 | 443 / 527 | 441 / 475 | 1.189, 1.077 | 8.597 | 11.586 | 0.74 |
+| FSDP2 x TP 1x2 | 383 / 442 | 378 / 431 | 1.155, 1.141 | 6.929 | 11.586 | 0.60 |
+| ZeRO-3 | watched run fails: ``IndexError`` in ``Coverage.reach`` | | | | | |
+
+Every check ``ok``, 0 alerts, module form. Memory is above the 1.10x the issue asks for everywhere (each rank
++50-85 MB; importing gradwatch alone is +13 MB of it). The 2-rank check is faster than one process's
+everywhere. ZeRO-3: the coverage is sized from the live parameters' shapes, ``(0,)`` placeholders under
+ZeRO-3 (``gradwatch/plan/planner.py`` ``_rows``), so the first Embedding block's reached token rows index
+past a mask of 1 (``gradwatch/plan/coverage.py`` ``Coverage.reach``). With ``--configs zero3 --vocab 256``
+(no sliced Embedding; 3.29M parameters) it runs: 559 / 677 MB and 548 / 690 MB (1.211x, 1.260x), check
+7.0 s on 2 ranks against 12.0 s in one process (0.58), 0 alerts, coverage 1, 1 (meaningless: a mask of 1 row).
+
+Every figure comes from its own processes: one ``torchrun`` launch of 2 gloo CPU ranks per arm (peak RSS,
+``ru_maxrss``, is per process, as in ``benchmarks/sharded.py``), SGD (Adam under ZeRO), ``steps`` training
+steps, and the watch ``GradWatch(model, loss_fn, optimizer=opt, every=1, log_dir=None)`` at its default
+options otherwise, given ``watch.step(batch)`` after backward. The model is a pre-norm transformer with
+hand-written causal attention (``--layers`` blocks of width ``--width``, 4 heads, vocabulary ``--vocab``,
+batch ``--batch`` x ``--seq``), parallelized as torchtitan does with torch's ``parallelize_module``:
+
+- ``tp``: each block's q, k, v and first MLP Linear ``ColwiseParallel``, o and the second ``RowwiseParallel``
+  on a mesh of 2 (both ranks the same batch);
+- ``sp``: the same plus ``SequenceParallel`` norms and ``PrepareModuleInput`` before the attention, the final
+  norm on the sequence shards and the head gathering them (each rank half of the sequence);
+- ``2d21``, ``2d12``: FSDP2 ``fully_shard`` (each block and the root) over the TP model on a ``dp x tp``
+  mesh of 2x1 (each rank its own batch) and 1x2 (one batch);
+- ``zero3``: the plain model under DeepSpeed ZeRO-3 (``stage3_param_persistence_threshold: 0``: every
+  parameter partitioned), ``DS_ACCELERATOR=cpu``, the watch given the engine and the ZeRO optimizer,
+  ``watch.step(batch)`` between ``engine.backward(loss)`` and ``engine.step()``.
+
+The memory ratio is each rank's watched peak over the same rank's unwatched peak. The time ratio is the
+median of GradWatch's own check time (the report's ``seconds``; the first check left out as warm-up) on
+2 ranks (the slower rank) over the same in one plain process: the same model, not parallelized, the same
+batch and options (for ``2d21`` the batch of one rank).
+
+Example::
+
+    python benchmarks/parallel.py --quick            # a tiny model, every engine: under 2 minutes
+    python benchmarks/parallel.py                    # 4 blocks, width 256, vocabulary 2000, batch 4 x 64
+    python benchmarks/parallel.py --configs tp,zero3 --steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ddp_memory import _port  # benchmarks/ beside this file: a free port, as the DDP benchmark finds it
+
+CONFIGS = ("tp", "sp", "2d21", "2d12", "zero3")
+#: What each configuration is, in the table.
+ENGINES = {"tp": "tensor parallel", "sp": "sequence parallel", "2d21": "FSDP2 x TP 2x1",
+           "2d12": "FSDP2 x TP 1x2", "zero3": "ZeRO-3"}
+
+
+def models() -> Tuple[Any, Any, Dict[str, Any], Dict[str, Any]]:
+    """``LM`` (a pre-norm transformer), ``SPLM`` (the same on this rank's half of the sequence), the TP and SP plans."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Attention(nn.Module):  # q, k, v column-parallel (this rank's heads), o row-parallel
+        def __init__(self, d: int, heads: int) -> None:
+            super().__init__()
+            self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+            self.head_dim = d // heads
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, t, _ = x.shape
+            q, k, v = (m(x).view(b, t, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
+            s = q @ k.transpose(-1, -2) / self.head_dim ** 0.5
+            s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+            return self.o((torch.softmax(s, -1) @ v).transpose(1, 2).reshape(b, t, -1))
+
+    class Block(nn.Module):
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.ln1, self.attn, self.ln2 = nn.LayerNorm(d), Attention(d, 4), nn.LayerNorm(d)
+            self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x + self.attn(self.ln1(x))
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    class LM(nn.Module):
+        def __init__(self, vocab: int, d: int, layers: int) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(vocab, d)
+            self.blocks = nn.ModuleList([Block(d) for _ in range(layers)])
+            self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+        def body(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln(x))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.body(self.emb(ids))
+
+    class SPLM(LM):  # the blocks and the final norm see this rank's half of the sequence (torchtitan's plan)
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            import torch.distributed as dist
+
+            return self.body(self.emb(ids).chunk(2, dim=1)[dist.get_rank()])
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
+    tp = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+          "attn.o": RowwiseParallel(), "fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+    sp = {"ln1": SequenceParallel(), "ln2": SequenceParallel(),
+          "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+          "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+          "attn.o": RowwiseParallel(output_layouts=Shard(1)),
+          "fc1": ColwiseParallel(input_layouts=Shard(1)), "fc2": RowwiseParallel(output_layouts=Shard(1))}
+    return LM, SPLM, tp, sp
+
+
+def lm_loss(m: Any, ids: Any) -> Any:
+    """Next-token cross entropy of ``m`` on ``ids`` (batch x (seq + 1))."""
+    import torch.nn.functional as F
+
+    logits = m(ids[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def build(config: str, size: Dict[str, int], parallel: bool) -> Tuple[Any, Any, Any]:
+    """(the model as trained, the optimizer, the engine under ZeRO-3 or None): parallelized unless ``parallel`` is
+    False (the one-process arm: the same model and initial weights, plain)."""
+    import torch
+
+    lm, splm, tp, sp = models()
+    torch.manual_seed(0)  # the same initial weights on every rank and in the one-process arm
+    net = (splm if parallel and config == "sp" else lm)(size["vocab"], size["width"], size["layers"])
+    if config == "zero3":
+        opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+        if not parallel:
+            return net, opt, None
+        import deepspeed
+
+        ds = {"train_micro_batch_size_per_gpu": size["batch"], "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 10 ** 9}
+        engine, zopt, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=ds)
+        return engine, zopt, engine
+    if parallel:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, parallelize_module
+
+        mesh2 = None
+        if config.startswith("2d"):
+            mesh2 = init_device_mesh("cpu", (2, 1) if config == "2d21" else (1, 2), mesh_dim_names=("dp", "tp"))
+            mesh = mesh2["tp"]
+        else:
+            mesh = init_device_mesh("cpu", (2,))
+        for block in net.blocks:
+            parallelize_module(block, mesh, sp if config == "sp" else tp)
+        if config == "sp":  # the final norm on the sequence shards, the head gathering them
+            parallelize_module(net, mesh, {"ln": SequenceParallel(),
+                                           "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())})
+        if mesh2 is not None:
+            for block in net.blocks:
+                fully_shard(block, mesh=mesh2["dp"])
+            fully_shard(net, mesh=mesh2["dp"])
+    return net, torch.optim.SGD(net.parameters(), lr=0.01), None
+
+
+def worker(config: str, size: Dict[str, int], watch: bool, steps: int, parallel: bool = True) -> Dict[str, Any]:
+    """One rank of one arm (under ``torchrun``), or with ``parallel=False`` one plain process; returns its figures."""
+    import resource
+    import time
+    import warnings
+
+    if config == "zero3":
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    import torch
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    rank = 0
+    if parallel:
+        import torch.distributed as dist
+
+        if config == "zero3":
+            import logging
+
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend="gloo")
+            logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+        else:
+            dist.init_process_group("gloo")
+        rank = dist.get_rank()
+    model, opt, engine = build(config, size, parallel)
+    gw = None
+    if watch:
+        from gradwatch import GradWatch
+
+        gw = GradWatch(model, lm_loss, optimizer=opt, every=1, log_dir=None)
+    gen = torch.Generator().manual_seed(100 + rank if config in ("2d21", "zero3") else 100)  # TP ranks share a batch
+    check_seconds: List[float] = []
+    step_seconds: List[float] = []
+    oks: List[bool] = []
+    forms: List[str] = []
+    evaluations: List[int] = []
+    for _ in range(steps):
+        b = torch.randint(0, size["vocab"], (size["batch"], size["seq"] + 1), generator=gen)
+        if engine is not None:
+            engine.backward(lm_loss(engine, b))
+        else:
+            opt.zero_grad()
+            lm_loss(model, b).backward()
+        if gw is not None:
+            t0 = time.perf_counter()
+            report = gw.step(b)
+            step_seconds.append(time.perf_counter() - t0)
+            if report is not None:
+                check_seconds.append(report.seconds)
+                oks.append(report.ok)
+                forms.append(report.form)
+                evaluations.append(report.evaluations)
+        if engine is not None:
+            engine.step()
+        else:
+            opt.step()
+    out: Dict[str, Any] = {"config": config, "rank": rank, "watch": watch, "parallel": parallel,
+                           "n_params": sum(p.numel() for p in model.parameters()) if engine is None
+                           else sum(p.ds_numel for p in engine.module.parameters()),
+                           "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "vmhwm_mb": vmhwm_mb(),
+                           "check_seconds": check_seconds, "step_seconds": step_seconds, "ok": oks,
+                           "forms": sorted(set(forms)), "evaluations": evaluations}
+    if gw is not None:
+        cov = gw.coverage
+        out.update(alerts=[f"{a.kind}: {a.tensor}: {a.message[:300]}" for a in gw.alerts],
+                   backward_min=min(v["backward"] for v in cov.values()),
+                   training_min=min(v["training"] for v in cov.values()),
+                   never=sorted(n for n, v in cov.items() if v["backward"] == 0 or v["training"] == 0))
+        gw.close()
+    if parallel:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return out
+
+
+def vmhwm_mb() -> float:
+    """This process image's peak RSS, ``VmHWM`` (Linux keeps ``ru_maxrss`` across ``exec``: a check on it), or NaN."""
+    try:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) / 1024 for line in fh if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        return float("nan")
+
+
+def launch(args: argparse.Namespace, config: str, watch: bool, ranks: int = 2) -> List[Dict[str, Any]]:
+    """Every rank's figures of one arm (one ``torchrun`` launch), or with ``ranks=0`` one plain process's figures
+    of each configuration in ``config`` (comma-separated; run in turn: only its check times are read)."""
+    here = os.path.abspath(__file__)
+    root = os.path.dirname(os.path.dirname(here))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    tail = ["--worker", "--configs", config, "--size", json.dumps(size_of(args)), "--steps", str(args.steps)] \
+        + (["--watch"] if watch else [])
+    if ranks:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_addr",
+               "127.0.0.1", "--master_port", str(_port()), here] + tail
+    else:
+        cmd = [sys.executable, here] + tail + ["--plain"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or len(rows) != (ranks or len(config.split(","))):
+        raised = [ln for ln in done.stderr.splitlines() if re.match(r"(\[rank\d\]: )?\w+(Error|Exception): ", ln)]
+        raise RuntimeError(f"{config} ({'watched' if watch else 'unwatched'}, {ranks or 1} process(es)) failed "
+                           f"({done.returncode}): {raised[0] if raised else ''}\n{done.stderr.strip()[-4000:]}")
+    return sorted(rows, key=lambda r: r["rank"]) if ranks else rows
+
+
+def one_process(config: str) -> str:
+    """The one-process run that ``config``'s check time is compared with: every TP engine's plain model is the same
+    model, batch, optimizer and options (run once, as ``tp``); ZeRO-3's has Adam.
+
+    Example:
+        >>> [one_process(c) for c in CONFIGS]
+        ['tp', 'tp', 'tp', 'tp', 'zero3']
+    """
+    return "zero3" if config == "zero3" else "tp"
+
+
+def size_of(args: argparse.Namespace) -> Dict[str, int]:
+    """The model and batch sizes the flags ask for."""
+    return {"layers": args.layers, "width": args.width, "vocab": args.vocab, "batch": args.batch, "seq": args.seq}
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs[1:] or xs)  # the first check left out: warm-up
+    return s[len(s) // 2] if s else float("nan")
+
+
+def measure(args: argparse.Namespace, config: str, one: Dict[str, Any]) -> Dict[str, Any]:
+    """One configuration, side by side: unwatched and watched on 2 ranks; ``one``: its watched run in one process."""
+    plain, watched = launch(args, config, False), launch(args, config, True)
+    for row in plain + watched:
+        print(json.dumps(row), flush=True)
+    two_s = max(_median(w["check_seconds"]) for w in watched)
+    one_s = _median(one["check_seconds"])
+    return {"config": config, "params": watched[0]["n_params"],
+            "peak_mb_per_rank": [[round(p["peak_mb"]), round(w["peak_mb"])] for p, w in zip(plain, watched)],
+            "peak_ratio_per_rank": [round(w["peak_mb"] / p["peak_mb"], 3) for w, p in zip(watched, plain)],
+            "vmhwm_ratio_per_rank": [round(w["vmhwm_mb"] / p["vmhwm_mb"], 3) for w, p in zip(watched, plain)],
+            "forms": sorted({f for w in watched for f in w["forms"]}),
+            "check_s_2_ranks": round(two_s, 3), "check_s_1_process": round(one_s, 3),
+            "time_ratio_2_over_1": round(two_s / one_s, 3),
+            "alerts": sorted({a for w in watched for a in w["alerts"]}),
+            "backward_min": min(w["backward_min"] for w in watched),
+            "training_min": min(w["training_min"] for w in watched),
+            "never": sorted({n for w in watched for n in w["never"]})}
+
+
+def table(rows: List[Dict[str, Any]]) -> str:
+    """The summary as a Markdown table."""
+    lines = ["| engine | params (fp32 MB) | peak MB r0 unwatched / watched | r1 | peak ratio r0, r1 | "
+             "check s 2 ranks | check s 1 process | time ratio 2/1 | alerts | coverage min (backward, training) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {ENGINES[r['config']]} | failed: {r['error']} |||||||||")
+            continue
+        (p0, w0), (p1, w1) = r["peak_mb_per_rank"]
+        lines.append(f"| {ENGINES[r['config']]} | {r['params'] / 1e6:.2f}M ({r['params'] * 4 / 2 ** 20:.0f}) | "
+                     f"{p0} / {w0} | {p1} / {w1} | "
+                     f"{r['peak_ratio_per_rank'][0]:.3f}, {r['peak_ratio_per_rank'][1]:.3f} | "
+                     f"{r['check_s_2_ranks']:.3f} | {r['check_s_1_process']:.3f} | {r['time_ratio_2_over_1']:.2f} | "
+                     f"{len(r['alerts'])} | {r['backward_min']:.3g}, {r['training_min']:.3g} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python benchmarks/parallel.py [--quick] [--configs tp,sp,2d21,2d12,zero3] [--steps N]``."""
+    parser = argparse.ArgumentParser(prog="python benchmarks/parallel.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    parser.add_argument("--quick", action="store_true", help="a tiny model and 2 steps: a smoke run")
+    parser.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
+    parser.add_argument("--width", type=int, default=256, help="model width, 4 heads (default 256)")
+    parser.add_argument("--vocab", type=int, default=2000, help="vocabulary (default 2000)")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per batch (default 4)")
+    parser.add_argument("--seq", type=int, default=64, help="tokens per sequence, even (default 64)")
+    parser.add_argument("--steps", type=int, default=5, help="training steps, each checked (default 5)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch (default 900)")
+    parser.add_argument("--size", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--watch", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:  # one rank of one configuration, or one plain process running every configuration in turn
+        for config in args.configs.split(","):
+            row = worker(config, json.loads(args.size), args.watch, args.steps, not args.plain)
+            sys.stdout.write(json.dumps(row) + "\n")  # one write: the ranks share torchrun's stdout
+            sys.stdout.flush()
+        return 0
+    if args.quick:
+        args.layers, args.width, args.vocab, args.batch, args.seq, args.steps = 1, 32, 100, 2, 16, 2
+    configs = args.configs.split(",")
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        parser.error(f"--configs {args.configs!r}: {', '.join(unknown)} unknown; accepted: {', '.join(CONFIGS)}")
+    rows: List[Dict[str, Any]] = []
+    plain_runs = sorted({one_process(c) for c in configs}, key=CONFIGS.index)
+    ones = {r["config"]: r for r in launch(args, ",".join(plain_runs), True, ranks=0)}  # the one-process arms first
+    for row in ones.values():
+        print(json.dumps(row), flush=True)
+    for config in configs:
+        try:
+            rows.append(measure(args, config, ones[one_process(config)]))
+        except (RuntimeError, subprocess.TimeoutExpired) as e:  # one engine failing leaves the others' figures
+            print(f"{config}: {e}", file=sys.stderr, flush=True)
+            rows.append({"config": config, "error": str(e).splitlines()[0][:200]})
+        print(json.dumps(rows[-1]), flush=True)
+    print(table(rows), flush=True)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
