@@ -35,14 +35,12 @@ from gradwatch.check.higher_order.inner import capture_inner_inputs, check_inner
 from gradwatch.check.judging.report import CheckReport, TensorCheck
 from gradwatch.check.model import run_model_check
 from gradwatch.check.modules.localize import map_tensors
-from gradwatch.check.objective.dtensor import is_dtensor
 from gradwatch.plan.shards import rows_held
 from gradwatch.plan.units import Unit, isolated_forward
 from gradwatch.watch.check_plan import CheckPlanner
 from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
 from gradwatch.watch.lockstep import Lockstep
-from gradwatch.watch.shard_check import ShardView, reshard
-from gradwatch.watch.sharded import full_tensor
+from gradwatch.watch.shard_check import ShardView, gather_wholes, held_by, reshard
 
 
 class InnerPart(TrendAlerting):
@@ -126,13 +124,8 @@ class InnerPart(TrendAlerting):
                 reshard(model)
                 order = [n for n in names if n in seen]
                 own = set(order[rank::world])
-                gathered: Dict[int, torch.Tensor] = {}
-                for name in names:  # every rank, in the same order: each parameter's all-gather
-                    for p in modules[name].parameters():
-                        if is_dtensor(p) and id(p) not in gathered:
-                            full = full_tensor(p)
-                            if name in own:
-                                gathered[id(p)] = full
+                # every rank, in the same order: each parameter's all-gather
+                gathered = gather_wholes([(name in own, list(modules[name].parameters())) for name in names])
                 view = ShardView(model, gathered, {})
                 for i, name in enumerate(order):
                     if name not in own:
@@ -190,7 +183,7 @@ class InnerPart(TrendAlerting):
 
             vars(proxy)["forward"] = fixed
             names = _direct(proxy, ctx.objective, check.batch)
-            if not names or not outputs:
+            if not names:
                 return {}
             opts = dataclasses.replace(check.opts, dtype=torch.float64)
             with ctx.recorder_paused():
@@ -229,13 +222,12 @@ def _direct(proxy: nn.Module, objective: Any, batch: Any) -> List[str]:
 
 
 def _rows(p: Any) -> str:
-    """``"[first:end]"``: the rows of a sharded parameter this rank holds (``""`` for a whole one)."""
-    if p is None or not is_dtensor(p):
+    """``"[first:end]"``: the rows of a parameter sharded on dim 0 this rank holds (``""`` for a whole one, or one
+    laid out otherwise)."""
+    where = None if p is None else held_by(p)
+    if where is None or where[1] < 2:
         return ""
-    mesh = p.device_mesh
-    if mesh.size() < 2:
-        return ""
-    first, end = rows_held(int(p.shape[0]), int(mesh.get_local_rank()), int(mesh.size()))
+    first, end = rows_held(int(p.shape[0]), *where)
     return f"[{first}:{end}]"
 
 

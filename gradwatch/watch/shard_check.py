@@ -42,7 +42,8 @@ from gradwatch.plan.shards import assign, rows_held
 from gradwatch.plan.units import Unit, sliceable_rows
 from gradwatch.watch.sharded import FSDP_KEYS, fsdp_loaded, full_tensor, is_fsdp, plain_class
 
-__all__ = ["SHARD_NOTE", "ShardView", "backward_on_shards", "held_rows", "is_partial", "plan_shards", "reshard", "settled"]
+__all__ = ["SHARD_NOTE", "ShardView", "backward_on_shards", "gather_wholes", "held_by", "held_rows", "is_partial",
+           "plan_shards", "reshard", "settled"]
 
 
 #: The note every report of a model checked shard by shard carries.
@@ -51,8 +52,13 @@ SHARD_NOTE = ("the model is sharded (FSDP2 or tensor parallel DTensors): checked
               "of .grad (a Partial one once reduced)")
 
 
-def _dim0(p: torch.Tensor) -> Optional[Tuple[int, int]]:
-    """``(rank, world)`` of a DTensor sharded on dim 0 over a 1-D mesh (FSDP2's layout); None for any other."""
+def held_by(p: torch.Tensor) -> Optional[Tuple[int, int]]:
+    """``(rank, world)`` of a DTensor sharded on dim 0 over a 1-D mesh (FSDP2's layout); None for any other.
+
+    Example:
+        >>> held_by(torch.ones(2)) is None
+        True
+    """
     if not is_dtensor(p):
         return None
     mesh: Any = getattr(p, "device_mesh", None)
@@ -80,7 +86,7 @@ def held_rows(units: Sequence[Unit]) -> Tuple[Dict[str, int], Optional[Tuple[int
     for u in units:
         rows = sliceable_rows(u.module) if u.kind == "module" else None
         params = [p for _, p in u.module.named_parameters()]
-        places = [_dim0(p) for p in params]
+        places = [held_by(p) for p in params]
         if rows is None or not params or any(pl is None for pl in places) \
                 or any(int(p.shape[0]) != rows for p in params):
             continue
@@ -120,20 +126,37 @@ def plan_shards(model: nn.Module, units: Sequence[Unit], pieces: Sequence[Piece]
     own = {str(p) for p, _ in mine}
     named = dict(model.named_modules())
     by_name = {u.name: u for u in units}
-    gathered: Dict[int, torch.Tensor] = {}
+    groups = []
     for piece in pieces:
         unit = by_name.get(piece.unit)
-        if unit is None or unit.name in held:
-            continue
-        keep = str(piece) in own
-        for _, m in _subtree(unit, named):
-            for p in m._parameters.values():
-                if p is not None and is_dtensor(p) and id(p) not in gathered:
-                    full = full_tensor(p)  # a collective: every rank, in this order
-                    if keep:
-                        gathered[id(p)] = full
+        if unit is not None and unit.name not in held:
+            groups.append((str(piece) in own, [p for _, m in _subtree(unit, named) for p in m._parameters.values()]))
+    gathered = gather_wholes(groups)
     offsets = {p.unit: off for p, off in mine if off}
     return [p for p, _ in mine], gathered, offsets
+
+
+def gather_wholes(groups: Sequence[Tuple[bool, Sequence[Optional[torch.Tensor]]]]) -> Dict[int, torch.Tensor]:
+    """Every DTensor of ``groups`` (``[(keep, tensors), ...]``, the same list on every rank but ``keep``) gathered
+    whole, each once, in order (collectives: every rank makes the same ones); ``id(tensor)`` -> the whole of those
+    in a group this rank keeps.
+
+    Example:
+        >>> gather_wholes([(True, [torch.ones(2)])])  # plain tensors are not gathered
+        {}
+    """
+    wanted = {id(t) for keep, tensors in groups if keep for t in tensors}
+    seen: Set[int] = set()
+    out: Dict[int, torch.Tensor] = {}
+    for _, tensors in groups:
+        for t in tensors:
+            if t is None or not is_dtensor(t) or id(t) in seen:
+                continue
+            seen.add(id(t))  # once each, whichever groups share it: the same collectives on every rank
+            full = full_tensor(t)
+            if id(t) in wanted:
+                out[id(t)] = full
+    return out
 
 
 def _rank_world() -> Tuple[int, int]:

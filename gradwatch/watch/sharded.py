@@ -36,12 +36,12 @@ import collections
 import contextlib
 import copy
 import sys
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Type, cast
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type, cast
 
 import torch
 from torch import nn
 
-from gradwatch.check.objective.dtensor import is_dtensor, is_sharded
+from gradwatch.check.objective.dtensor import is_dtensor, is_sharded, whole
 
 
 def fsdp_module() -> Optional[type]:
@@ -74,8 +74,8 @@ def is_fsdp(module: Any) -> bool:
     fsdp = fsdp_module()
     return fsdp is not None and isinstance(module, fsdp)
 
-__all__ = ["REPLICA_NOTE", "LiveForwardInCheck", "Replica", "communicates", "is_dtensor", "is_sharded", "layout",
-           "live_forward_forbidden",
+__all__ = ["REPLICA_NOTE", "LiveForwardInCheck", "Replica", "communicates", "is_dtensor", "is_sharded", "kept_hooks",
+           "layout", "live_forward_forbidden", "live_forward_refused",
            "mixed_precision", "refuse_unsupported"]
 
 #: Module attributes that belong to FSDP (state, flags), never copied into a replica.
@@ -101,14 +101,11 @@ def layout(model: nn.Module) -> List[Tuple[str, Tuple[int, ...], str, bool]]:
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: a DTensor's ``full_tensor()`` (a collective), a plain one's detached copy."""
+    """The whole tensor: a DTensor's gathered value (:func:`~gradwatch.check.objective.dtensor.whole`, a
+    collective), a plain one's detached copy."""
     with torch.no_grad():
         if is_dtensor(t):
-            full = cast(Any, t).full_tensor()
-            wait = getattr(full, "wait", None)  # an AsyncCollectiveTensor: its values, as a plain tensor
-            if callable(wait) and type(full) is not torch.Tensor:
-                full = wait()
-            return full.detach().contiguous()
+            return whole(t).detach().contiguous()
         return t.detach().clone()
 
 
@@ -146,6 +143,29 @@ def communicates(module: nn.Module) -> bool:
         return True
     return any(_distributed_hook(h) for hooks in (module._forward_pre_hooks, module._forward_hooks)
                for h in hooks.values())
+
+
+def kept_hooks(attrs: Dict[str, Any], drop: Callable[[Any], bool]) -> Dict[str, Any]:
+    """A module's hook dicts (and the dicts that flag a hook's kind) from its ``__dict__`` ``attrs``, without the hooks
+    ``drop`` picks: new dicts, to put in place of the old.
+
+    Example:
+        >>> lin = nn.Linear(2, 1)
+        >>> _ = lin.register_forward_hook(lambda m, i, o: None, always_call=True)
+        >>> kept = kept_hooks(lin.__dict__, lambda hook: True)
+        >>> len(kept["_forward_hooks"]), len(kept["_forward_hooks_always_called"])
+        (0, 0)
+    """
+    out: Dict[str, Any] = {}
+    dropped: set = set()
+    for key in _HOOK_DICTS:
+        if key in attrs:
+            out[key] = collections.OrderedDict((hid, h) for hid, h in attrs[key].items() if not drop(h))
+            dropped.update(hid for hid in attrs[key] if hid not in out[key])
+    for key in _HOOK_FLAGS:
+        if key in attrs:
+            out[key] = collections.OrderedDict((k, v) for k, v in attrs[key].items() if k not in dropped)
+    return out
 
 
 class Replica:
@@ -193,12 +213,17 @@ class Replica:
             mine.copy_(full_tensor(live))
             mine.requires_grad_(live.requires_grad)
             mine.grad = None if live.grad is None else full_tensor(live.grad)
+        self.refresh_rest(model)
+        return self.module
+
+    @torch.no_grad()
+    def refresh_rest(self, model: nn.Module) -> None:
+        """The live buffers (gathered where they are DTensors) and each module's training mode, into the replica."""
         for (_, buf), (_, live_buf) in zip(self.module.named_buffers(), model.named_buffers()):
             if buf is not None and live_buf is not None:
                 buf.copy_(full_tensor(live_buf))
         for copied, original in zip(self.module.modules(), model.modules()):
             copied.training = original.training
-        return self.module
 
     def release(self) -> None:
         """Drop the gathered gradients (between checks the replica holds the parameters only)."""
@@ -219,30 +244,16 @@ def _copy_module(module: nn.Module, memo: Dict[int, Any]) -> nn.Module:
     cls = plain_class(module)
     new = cls.__new__(cls)
     memo[id(module)] = new
-    state: Dict[str, Any] = {}
-    dropped: set = set()
+    state: Dict[str, Any] = kept_hooks(module.__dict__, _distributed_hook)
     for key, value in module.__dict__.items():
-        if key.startswith("__composable_api") or key in FSDP_KEYS:
+        if key.startswith("__composable_api") or key in FSDP_KEYS or key in state:
             continue
         if key == "_modules":
             state[key] = {n: None if c is None else _copy_module(c, memo) for n, c in value.items()}
         elif key in ("_parameters", "_buffers"):
             state[key] = {n: None if t is None else memo[id(t)] for n, t in value.items()}
-        elif key in _HOOK_DICTS:
-            kept = collections.OrderedDict()
-            for hid, hook in value.items():
-                if _distributed_hook(hook):
-                    dropped.add(hid)
-                else:
-                    kept[hid] = hook
-            state[key] = kept
-        elif key in _HOOK_FLAGS:
-            state[key] = value  # filtered below, once every dropped hook id is known
         else:
             state[key] = _copied(value, memo)
-    for key in _HOOK_FLAGS:
-        if key in state:
-            state[key] = collections.OrderedDict((k, v) for k, v in state[key].items() if k not in dropped)
     new.__dict__.update(state)
     return new
 
@@ -322,6 +333,28 @@ class LiveForwardInCheck(RuntimeError):
     """The live sharded model ran a forward during a check (``loss_fn`` used a model from its closure)."""
 
 
+def live_forward_refused(what: str, instead: str) -> Callable[[nn.Module, tuple], None]:
+    """A forward pre-hook (gradwatch's own: kept when user hooks are suspended) raising :class:`LiveForwardInCheck`
+    for a forward of the live ``what`` model, whose hooks would gather (a collective on one rank only).
+
+    Example:
+        >>> hook = live_forward_refused("FSDP-sharded", "one from its closure")
+        >>> hook(nn.Linear(2, 1), ())  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        gradwatch.watch.sharded.LiveForwardInCheck: loss_fn ran the live FSDP-sharded Linear inside a gradwatch check; ...
+    """
+
+    def refuse(module: nn.Module, args: tuple) -> None:
+        raise LiveForwardInCheck(
+            f"loss_fn ran the live {what} {type(module).__name__} inside a gradwatch check; its forward "
+            "all-gathers parameters, a collective the other ranks are not making. Use the model loss_fn is "
+            f"given (the check passes a gathered replica), not {instead}"
+        )
+
+    refuse._gradwatch_hook = True  # type: ignore[attr-defined]
+    return refuse
+
+
 @contextlib.contextmanager
 def live_forward_forbidden(model: nn.Module) -> Iterator[None]:
     """A forward of the live FSDP model (any of its FSDP units) raises for the duration, before it all-gathers.
@@ -332,15 +365,7 @@ def live_forward_forbidden(model: nn.Module) -> Iterator[None]:
     """
     handles = []
     if fsdp_loaded():
-
-        def refuse(module: nn.Module, args: tuple) -> None:
-            raise LiveForwardInCheck(
-                f"loss_fn ran the live FSDP-sharded {type(module).__name__} inside a gradwatch check; its forward "
-                "all-gathers parameters, a collective the other ranks are not making. Use the model loss_fn is "
-                "given (the check passes a gathered replica), not one from its closure"
-            )
-
-        refuse._gradwatch_hook = True  # type: ignore[attr-defined]
+        refuse = live_forward_refused("FSDP-sharded", "one from its closure")
         for m in model.modules():
             if is_fsdp(m):
                 handles.append(m.register_forward_pre_hook(refuse, prepend=True))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from gradwatch.bands import DEFAULT_BANDS, Verdict
 from gradwatch.check.judging.report import CheckReport, InconclusiveKind, NotChecked, TensorCheck, json_float, suspects
@@ -167,7 +167,7 @@ class TrendTracker:
         self._alerted: Dict[Tuple[str, str], Dict[str, Any]] = {}
         self._alert_counts: Dict[str, int] = {}
         self._checks = 0  # whole checks seen (update and error calls): the clock of "*" alerts
-        self._not_checked: List[List[str]] = []  # the keys of what was said not checked (NotChecked.key), once each
+        self._not_checked: Set[Tuple[str, ...]] = set()  # the keys of what was said not checked (NotChecked.key)
 
     # ------------------------------------------------------------------ queries
 
@@ -293,10 +293,9 @@ class TrendTracker:
         """
         out = []
         for item in items:
-            key = list(item.key)
-            if key in self._not_checked:
+            if item.key in self._not_checked:
                 continue
-            self._not_checked.append(key)
+            self._not_checked.add(item.key)
             self._alert_counts[item.what] = self._alert_counts.get(item.what, 0) + 1
             msg = (f"step {step}: {item.label} not checked ({item.part} part): {item.why} — check it instead: "
                    f"{item.how}. Said once for the run (each check record's notes repeat it); not a failed verdict")
@@ -370,7 +369,7 @@ class TrendTracker:
                 for (tensor, kind), s in self._alerted.items()
             ],
             "alert_counts": dict(self._alert_counts),
-            "not_checked": [list(k) for k in self._not_checked],
+            "not_checked": [list(k) for k in sorted(self._not_checked)],
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -412,7 +411,7 @@ class TrendTracker:
             for s in state["alerted"]
         }
         self._alert_counts = {name: int(n) for name, n in state["alert_counts"].items()}
-        self._not_checked = [[str(x) for x in k] for k in state.get("not_checked", [])]  # absent in older states
+        self._not_checked = {tuple(str(x) for x in k) for k in state.get("not_checked", [])}  # absent in older states
 
     # ------------------------------------------------------------------ internals
 

@@ -93,9 +93,7 @@ def inside(module: nn.Module) -> Optional[nn.Module]:
         >>> inside(nn.DataParallel(lin)) is lin, inside(lin)
         (True, None)
     """
-    if isinstance(module, COLLECTIVE):
-        return module.module
-    if is_engine(module) and isinstance(getattr(module, "module", None), nn.Module):
+    if is_collective(module) and isinstance(getattr(module, "module", None), nn.Module):
         return module.module  # type: ignore[return-value]
     if is_compiled(module):
         return module._orig_mod  # type: ignore[return-value]

@@ -46,14 +46,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from gradwatch.watch.sharded import LiveForwardInCheck, Replica
+from gradwatch.watch.sharded import Replica, kept_hooks, live_forward_refused
 
 #: Attributes ZeRO-3 puts on every module (its bookkeeping and the functions its hooks apply): left out of a replica.
 ZERO_MODULE_KEYS = ("_external_params", "_original_parameters", "pre_bwd_fn", "post_bwd_fn", "all_parameters",
                     "ds_external_parameters")
-#: Hook dicts of a module, and the dicts keyed like them that flag a hook's kind.
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-_HOOK_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
 
 def deepspeed_loaded() -> bool:
@@ -166,15 +163,7 @@ def strip_deepspeed(module: nn.Module) -> None:
     """
     for m in module.modules():
         attrs = m.__dict__
-        dropped = set()
-        for key in _HOOK_DICTS:
-            hooks = attrs.get(key) or {}
-            for hid in [hid for hid, h in hooks.items() if is_deepspeed_hook(h)]:
-                dropped.add(hid)
-                del hooks[hid]
-        for key in _HOOK_FLAGS:
-            for hid in [hid for hid in attrs.get(key) or {} if hid in dropped]:
-                del attrs[key][hid]
+        attrs.update(kept_hooks(attrs, is_deepspeed_hook))
         for key in [k for k in attrs if k in ZERO_MODULE_KEYS or k.startswith("ds_")]:
             del attrs[key]
 
@@ -299,29 +288,16 @@ class ZeroReplica(Replica):
             if grad is not None:
                 grad = (grad / scale if scale != 1.0 else grad).to(dtype=q.dtype, device=q.device).reshape(q.shape)
             q.grad = grad
-        for (_, buf), (_, live_buf) in zip(self.module.named_buffers(), model.named_buffers()):
-            if buf is not None and live_buf is not None:
-                buf.copy_(live_buf)
-        for copied, original in zip(self.module.modules(), model.modules()):
-            copied.training = original.training
+        self.refresh_rest(model)
         if any(is_partitioned(p) for p in live):
             self._forbid(model)
         return self.module
 
     def _forbid(self, model: nn.Module) -> None:
         """Until :meth:`release`, a forward of the live ZeRO-3 model raises before ZeRO's hooks gather."""
-        if self._guard is not None:
-            return
-
-        def refuse(module: nn.Module, args: tuple) -> None:
-            raise LiveForwardInCheck(
-                f"loss_fn ran the live ZeRO-3 {type(module).__name__} inside a gradwatch check; its forward "
-                "all-gathers parameters, a collective the other ranks are not making. Use the model loss_fn is "
-                "given (the check passes a gathered replica), not the engine or a model from its closure"
-            )
-
-        refuse._gradwatch_hook = True  # type: ignore[attr-defined]
-        self._guard = model.register_forward_pre_hook(refuse, prepend=True)
+        if self._guard is None:
+            self._guard = model.register_forward_pre_hook(
+                live_forward_refused("ZeRO-3", "the engine or a model from its closure"), prepend=True)
 
     def release(self) -> None:
         """Drop the gathered gradients and let the live model run again (after each check)."""
