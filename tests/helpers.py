@@ -3,13 +3,14 @@ planted double-backward bug, two gloo ranks."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import pytest
 import torch
@@ -149,6 +150,31 @@ def run_two_ranks(script: str, path: Path, args: Sequence[str], timeout: float, 
                 p.kill()
                 p.wait(timeout=10)
     return tuple(p.returncode for p in procs), logs
+
+
+def two_rank_results(script: str, out: Path, scenarios: Sequence[str], timeout: float,
+                     what: str) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """Run ``script`` on 2 ranks (:func:`run_two_ranks`, ``path rank port out scenarios``), both of which must exit 0,
+    and read back what each wrote to ``out/rank{r}.json``: (rank 0's results, rank 1's)."""
+    codes, logs = run_two_ranks(script, out / "worker.py", [str(out), ",".join(scenarios)], timeout, what)
+    assert codes == (0, 0), f"exit codes {codes}\n" + "\n----\n".join(logs)
+    r0, r1 = (json.loads((out / f"rank{r}.json").read_text()) for r in range(2))
+    return r0, r1
+
+
+class WrongSoftmax(torch.autograd.Function):
+    """softmax over the last dimension whose backward is 10% too large."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.softmax(x, -1)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return 1.1 * y * (g - (g * y).sum(-1, keepdim=True))
 
 
 class WrongSiluFunction(torch.autograd.Function):

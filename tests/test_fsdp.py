@@ -68,6 +68,7 @@ WORKER = textwrap.dedent(
 
     from gradwatch import GradWatch
     from helpers import Act  # tests/helpers.py: tanh, or with wrong=True its planted WrongTanh
+    from helpers import WrongSoftmax  # softmax whose backward is 10% too large
 
 
     def build(wrong=False, mixed=False):
@@ -93,19 +94,6 @@ WORKER = textwrap.dedent(
             if state["closure_on_rank"] == (rank, state["step"]):
                 m = state["net"]  # the live sharded model from the closure: its forward would all-gather
         return F.cross_entropy(m(batch[0]), batch[1])
-
-
-    class WrongSoftmax(torch.autograd.Function):  # backward 10% too large
-        @staticmethod
-        def forward(ctx, x):
-            y = torch.softmax(x, -1)
-            ctx.save_for_backward(y)
-            return y
-
-        @staticmethod
-        def backward(ctx, g):
-            (y,) = ctx.saved_tensors
-            return 1.1 * y * (g - (g * y).sum(-1, keepdim=True))
 
 
     class Attention(nn.Module):  # q k^T, causal mask, softmax, v: all in this module's own forward

@@ -19,12 +19,11 @@ One pair of worker processes runs every scenario in turn under a hard timeout (t
 
 from __future__ import annotations
 
-import json
 import textwrap
 
 import pytest
 import torch.distributed as dist
-from helpers import run_two_ranks
+from helpers import two_rank_results
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")]
@@ -216,11 +215,8 @@ WORKER = textwrap.dedent(
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Every scenario on 2 ranks once: (rank 0's results, rank 1's)."""
-    out = tmp_path_factory.mktemp("shard_complete")
-    codes, logs = run_two_ranks(WORKER, out / "worker.py", [str(out), ",".join(SCENARIOS)], RUN_TIMEOUT,
-                                "the shard-by-shard run")
-    assert codes == (0, 0), f"exit codes {codes}\n" + "\n----\n".join(logs)
-    return tuple(json.loads((out / f"rank{r}.json").read_text()) for r in range(2))
+    return two_rank_results(WORKER, tmp_path_factory.mktemp("shard_complete"), SCENARIOS, RUN_TIMEOUT,
+                            "the shard-by-shard run")
 
 
 def _alerted(res, kind="threshold"):

@@ -16,12 +16,11 @@ processes runs every scenario in turn under a hard timeout; each rank writes wha
 
 from __future__ import annotations
 
-import json
 import textwrap
 
 import pytest
 import torch.distributed as dist
-from helpers import run_two_ranks
+from helpers import two_rank_results
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")]
@@ -51,6 +50,7 @@ WORKER = textwrap.dedent(
 
     from gradwatch import GradWatch
     from gradwatch.watch.shard_check import settled
+    from helpers import WrongSoftmax  # tests/helpers.py: softmax whose backward is 10% too large
 
     faults = {"checking": False, "calls": 0, "step": -1, "at": {}}  # (rank, step) -> (call of loss_fn, what)
 
@@ -72,19 +72,6 @@ WORKER = textwrap.dedent(
                 x = x.detach().requires_grad_()
                 (d,) = torch.autograd.grad(F.gelu(x), x, g)
             return 1.2 * d
-
-
-    class WrongSoftmax(torch.autograd.Function):  # backward 10% too large
-        @staticmethod
-        def forward(ctx, x):
-            y = torch.softmax(x, -1)
-            ctx.save_for_backward(y)
-            return y
-
-        @staticmethod
-        def backward(ctx, g):
-            (y,) = ctx.saved_tensors
-            return 1.1 * y * (g - (g * y).sum(-1, keepdim=True))
 
 
     class FailsBackward(torch.autograd.Function):  # identity whose backward raises (a custom backward's bug)
@@ -277,11 +264,7 @@ WORKER = textwrap.dedent(
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Run every scenario on 2 ranks once: (rank 0's results, rank 1's results)."""
-    out = tmp_path_factory.mktemp("tp")
-    codes, logs = run_two_ranks(WORKER, out / "worker.py", [str(out), ",".join(SCENARIOS)], RUN_TIMEOUT,
-                                "the tensor parallel run")
-    assert codes == (0, 0), f"exit codes {codes}\n" + "\n----\n".join(logs)
-    return tuple(json.loads((out / f"rank{r}.json").read_text()) for r in range(2))
+    return two_rank_results(WORKER, tmp_path_factory.mktemp("tp"), SCENARIOS, RUN_TIMEOUT, "the tensor parallel run")
 
 
 @pytest.mark.parametrize("shape", SHAPES)
