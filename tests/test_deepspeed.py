@@ -40,7 +40,7 @@ pytest.importorskip("deepspeed")
 
 RUN_TIMEOUT = 240.0
 STAGES = (1, 2, 3)
-SCENARIOS = ("zero1", "zero2", "zero3", "planted1", "planted2", "planted3", "accumulate", "fault", "trainer")
+SCENARIOS = ("zero1", "zero2", "zero3", "planted1", "planted2", "planted3", "accumulate", "fault", "trainer", "embedding3")
 NAMES = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
 
 WORKER = textwrap.dedent(
@@ -89,8 +89,18 @@ WORKER = textwrap.dedent(
         return nn.Sequential(nn.Linear(8, 32), Act(wrong), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
 
 
-    def engine_for(stage, wrong=False, accumulation=1):
-        net = mlp(wrong)
+    class Bag(nn.Module):  # an embedding of 2,000 rows (checked in blocks of rows), averaged, then a Linear
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb, self.out = nn.Embedding(2000, 16), nn.Linear(16, 4)
+
+        def forward(self, ids):
+            return self.out(torch.tanh(self.emb(ids).mean(1)))
+
+
+    def engine_for(stage, wrong=False, accumulation=1, embedding=False):
+        net = Bag() if embedding else mlp(wrong)
         opt = torch.optim.Adam(net.parameters(), lr=0.01, weight_decay=1e-3)
         config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accumulation,
                   "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
@@ -115,8 +125,9 @@ WORKER = textwrap.dedent(
         return [safe_get_full_fp32_param(p).flatten().tolist() for p in engine.module.parameters()]
 
 
-    def train(stage, steps, watch_options=None, wrong=False, accumulation=1, misuse=False, given="engine"):
-        engine, optimizer = engine_for(stage, wrong, accumulation)
+    def train(stage, steps, watch_options=None, wrong=False, accumulation=1, misuse=False, given="engine",
+              embedding=False):
+        engine, optimizer = engine_for(stage, wrong, accumulation, embedding)
         state["engine"] = engine
         watched = engine if given == "engine" else engine.module  # the module: the engine is found around it
         watch = (GradWatch(watched, loss_fn, optimizer=optimizer, **watch_options)
@@ -125,7 +136,8 @@ WORKER = textwrap.dedent(
         losses, checks, seconds = [], [], []
         for micro in range(steps * accumulation):
             state["step"] = micro // accumulation
-            batch = (torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g))
+            batch = (torch.randint(0, 2000, (4, 6), generator=g) if embedding else torch.randn(4, 8, generator=g),
+                     torch.randint(0, 4, (4,), generator=g))
             loss = loss_fn(engine, batch)
             engine.backward(loss)
             if watch is not None and not engine.is_gradient_accumulation_boundary():
@@ -209,6 +221,10 @@ WORKER = textwrap.dedent(
                 plain = train(stage, 4)
                 res = train(stage, 4, dict(every=1, log_dir=None))
                 res["identical"] = {"losses": plain["losses"] == res["losses"], "params": plain["params"] == res["params"]}
+            elif scenario == "embedding3":
+                plain = train(3, 3, embedding=True)
+                res = train(3, 3, dict(every=1, log_dir=None), embedding=True)
+                res["identical"] = {"losses": plain["losses"] == res["losses"], "params": plain["params"] == res["params"]}
             elif scenario.startswith("planted"):
                 res = train(int(scenario[-1]), 2, dict(every=1, log_dir=None), wrong=True)
             elif scenario == "accumulate":
@@ -275,6 +291,18 @@ def test_zero_correct_model_no_alert_both_verdicts_everywhere_training_bit_ident
         assert all(res["partitioned"]) is (stage == 3)  # stage 3: every live parameter an empty placeholder
         assert res["live_hooks"] > 0  # ZeRO's hooks are still on the live model after the checks
     assert ranks[0][f"zero{stage}"]["checks"] == ranks[1][f"zero{stage}"]["checks"]
+
+
+def test_zero3_embedding_rows_covered_on_its_whole_shape(ranks):
+    # an embedding of 2,000 rows is checked in blocks of rows; its live ZeRO-3 parameter is an empty placeholder,
+    # whose shape once sized the coverage (1 row) and made every rank raise out of watch.step()
+    for r in ranks:
+        res = r["embedding3"]
+        assert res["alerts"] == [] and len(res["checks"]) == 3 and all(c["ok"] for c in res["checks"]), res
+        assert all(res["partitioned"])
+        assert 0 < res["coverage"]["emb.weight"]["backward"] < 1  # some blocks of its 2,000 rows, not all yet
+        assert res["coverage"]["out.weight"]["backward"] > 0
+        assert res["identical"] == {"losses": True, "params": True}
 
 
 @pytest.mark.parametrize("stage", STAGES)
