@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -311,6 +312,22 @@ def test_meter_keeps_training_peak_apart_from_the_checks():
     del junk
     meter.observe()
     assert meter.training_peak >= peak and meter.room() is not None
+
+
+def test_what_a_check_leaves_held_is_the_checks_not_training_peak():
+    meter = MemoryMeter(0.1, torch.device("cpu"))
+    meter.observe()
+    peak, room = meter.training_peak, meter.room()
+    kept = torch.ones(16 * 2**20)  # 64 MB a "check" allocated and still holds when it ends (a fragmented heap)
+    kept += 1
+    meter.checked()
+    meter.observe()  # the next step: training itself allocated nothing new
+    assert meter.training_peak < peak + 16 * 2**20, "the check's residue was counted as training's peak"
+    assert room is not None and cast(int, meter.room()) < room - 32 * 2**20  # it counts against the next check's room
+    del kept
+    meter.checked()
+    meter.observe()
+    assert meter.training_peak < peak + 16 * 2**20
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the budget reads torch.cuda peak allocated memory")
