@@ -92,6 +92,36 @@ def test_loss_fn_raising_with_raise_on_still_does_not_kill_training():
     assert watch.alerts[0].kind == "error"
 
 
+@pytest.mark.parametrize("where", ["tracker", "record"])
+def test_gradwatch_raising_after_its_check_is_an_error_alert_and_never_reaches_training(where, monkeypatch, tmp_path):
+    # a bug of gradwatch's own after the check (its trends, its record): injected, since none is known to raise
+    from gradwatch.watch import gradwatch as facade
+    from gradwatch.watch import trend
+
+    def broken(*args, **kwargs):
+        raise IndexError(f"injected: {where} broke")
+
+    if where == "tracker":
+        monkeypatch.setattr(trend.TrendTracker, "update", broken)
+    else:
+        monkeypatch.setattr(facade, "check_record", broken)
+    model, plain = mlp(), mlp()
+    plain.load_state_dict(model.state_dict())
+    watch = GradWatch(model, mse, every=1, log_dir=tmp_path, coords=2, raise_on="wrong")
+    batches = [batch(), batch()]
+    assert train(model, watch, mse, batches[:1]) == [None]  # the check's report is not given: its recording failed
+    errors = [a for a in watch.alerts if a.kind == "error"]
+    assert len(errors) == 1 and "IndexError" in errors[0].message and f"injected: {where} broke" in errors[0].message
+    monkeypatch.undo()
+    (report,) = train(model, watch, mse, batches[1:])
+    assert report is not None and report.ok  # the next check runs and is recorded
+    train(plain, GradWatch(plain, mse, every=1000, log_dir=None), mse, batches)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters()))  # training as unwatched
+    records, _ = read_jsonl(tmp_path / "checks.jsonl")
+    assert [r["step"] for r in records if r["type"] == "check"] == [1], records  # the failed check: an alert record
+    assert any(r["type"] == "alert" and r["kind"] == "error" and r["step"] == 0 for r in records), records
+
+
 def test_empty_batch_is_reported_not_raised():
     model = mlp()
     watch = GradWatch(model, mse, every=1, log_dir=None, coords=2)

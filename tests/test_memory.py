@@ -211,7 +211,7 @@ def test_a_linear_weight_too_big_for_the_room_is_judged_by_rows_and_every_row_wi
         if check == 2:  # a wrong .grad in one row of the head's next block (what the optimizer would apply)
             g, at = model[3].weight.grad, watch.training.row_cursor["3.weight"]
             g[at + int(g[at:at + 500].norm(dim=1).argmax())] *= 2.0
-        replay = watch.training.replay(watch._take(b, None), room=room)
+        replay = watch.training.replay(watch.context.take(b, None), room=room)
         first, end = replay.rows["3.weight"]
         report = CheckReport(tensors={})
         watch.training.judge(report, replay)
@@ -249,7 +249,7 @@ def test_an_embedding_too_big_for_the_room_is_judged_by_token_rows():
     loss_fn(model, b).backward()
     model[0].weight.grad[7] *= 2.0  # a wrong .grad in the row of a token the batch uses
     report = CheckReport(tensors={})
-    watch.training.judge(report, watch.training.replay(watch._take(b, None), room=2 * 200_000))
+    watch.training.judge(report, watch.training.replay(watch.context.take(b, None), room=2 * 200_000))
     first, end = report.training_rows["0.weight"]
     assert first == 0 and end > 500 and model[0].weight.requires_grad
     assert report.training["0.weight"].verdict.value == "wrong"

@@ -119,11 +119,14 @@ class AlertPolicy:
         seen = self.failure_counts.get(key, 0)
         self.failure_counts[key] = seen + 1
         if seen == 0:  # the cause and the fix; the alert says it in one line
+            fix = ("make loss_fn(model, batch) compute the training loss of the batch without side effects (no backward, "
+                   "no optimizer step)" if blamed(exc) else "none on your side if loss_fn runs alone: this may be a "
+                   "gradwatch bug; please report it with the traceback below")
             logger.error(
                 "gradwatch: the check at step %d raised %s (in %s); the check is skipped and training goes on. "
-                "Fix: make loss_fn(model, batch) compute the training loss of the batch without side effects "
-                "(no backward, no optimizer step). Later failures like this one are counted, not printed.\n%s",
-                step, key, blamed(exc) or "gradwatch", "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())
+                "Fix: %s. Later failures like this one are counted, not printed.\n%s",
+                step, key, blamed(exc) or "gradwatch", fix,
+                "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())
         else:
             logger.debug("gradwatch: the check at step %d failed again (%d times): %s", step, seen + 1, key)
         return key

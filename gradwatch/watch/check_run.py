@@ -126,13 +126,18 @@ class CheckRunner:
         if coord is not None:
             try:
                 return self._across_ranks(check, error, seconds, waited)
+            except Exception as exc:  # noqa: BLE001 - its bookkeeping after the last collective: a failed check
+                return Outcome(None, [], seconds, exc)
             finally:
                 if not ctx.sharded or ctx.by_shard:
                     self.memory.checked()  # after the replays' averaging: its peak is the check's, not training's
         if error is not None:
             return Outcome(None, [], seconds, error)
         assert check.report is not None
-        return Outcome(check.report, self.completed(step, check.report), seconds)
+        try:
+            return Outcome(check.report, self.completed(step, check.report), seconds)
+        except Exception as exc:  # noqa: BLE001 - gradwatch's own bookkeeping raised: a failed check, never training's
+            return Outcome(None, [], seconds, exc)
 
     def _plan_and_run(self, check: CheckContext) -> None:
         """The check's plan (room, form, tensors; under DDP rank 0's, taken by every rank), then the parts.

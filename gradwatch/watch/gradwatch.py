@@ -27,7 +27,7 @@ from gradwatch.check.numerics.sampling import match_names
 from gradwatch.check.objective.terms import Objective, coupled_weight_decay
 from gradwatch.check.replay.reference import ForwardRecorder, Step
 from gradwatch.config import GradWatchConfig, load_config
-from gradwatch.errors import blamed
+from gradwatch.errors import GradWatchError, blamed
 from gradwatch.io.records import check_record, run_record
 from gradwatch.io.sinks import SinkSet, build_sinks
 from gradwatch.plan.memory import MemoryMeter, model_device
@@ -308,7 +308,7 @@ class GradWatch:
         try:
             if self.paused is not None or not self._due(step):
                 return None
-            pending = self._take(batch, loss)
+            pending = self.context.take(batch, loss)
             return self._run(step, pending.micro[-1].batch, pending=pending)
         finally:
             if self._recorder is not None:  # a new step starts: forget this one's forwards
@@ -324,7 +324,7 @@ class GradWatch:
         step = self._step if global_step is None else int(global_step)
         start = time.perf_counter()
         try:
-            pending = self._take(batch, None)
+            pending = self.context.take(batch, None)
             return self._run(step, pending.micro[-1].batch, scheduled=False, pending=pending)
         finally:
             self.clock.add(time.perf_counter() - start)
@@ -358,16 +358,10 @@ class GradWatch:
         self.context.close_micro_batch(batch, loss)
 
     def start_batch(self) -> None:
-        """For integrations: a micro-batch's ``loss_fn`` starts now, with no random draw before it.
-
-        The replay of the training part can then start every generator from here (see
-        :mod:`gradwatch.check.replay.reference`), even when training never calls the model's own forward.
-        """
+        """For integrations: a micro-batch's ``loss_fn`` starts now, with no random draw before it (the replay
+        starts every generator from here, :mod:`gradwatch.check.replay.reference`, even without a model forward)."""
         if self._recorder is not None:
             self._recorder.mark(exact=True, full=self.paused is None and self._due(self._step))
-
-    def _take(self, batch: Any, loss: Any) -> Step:
-        return self.context.take(batch, loss)
 
     def _due(self, step: int) -> bool:
         return self.schedule.due(step) if self.dist is None else self.dist.due(step, self.schedule)
@@ -388,7 +382,13 @@ class GradWatch:
         if not outcome.merged:
             self.policy.succeeded()
             self.clock.checked(outcome.seconds)
-        self._emit(step, outcome.report, outcome.alerts, outcome.seconds)
+        try:
+            self._emit(step, outcome.report, outcome.alerts, outcome.seconds)
+        except GradWatchError:
+            raise  # GradientDriftError: raise_on asked for it, after the records were written
+        except Exception as exc:  # noqa: BLE001 - recording it failed (a gradwatch bug): an error alert, never training's
+            self._failed(step, exc, outcome.seconds)
+            return None
         return outcome.report
 
     def _failed(self, step: int, exc: Exception, seconds: float) -> None:
