@@ -620,7 +620,7 @@ def measure_training_part(case: Case, repeats: int) -> Dict[str, Any]:
             start = time.perf_counter()
             case.loss_fn(model, case.batch).backward()
             fb = time.perf_counter() - start
-            pending = watch._take(case.batch, None)
+            pending = watch.context.take(case.batch, None)
             with preserved_rng():  # the check's RNG guard, which the backward part shares: not counted here
                 start = time.perf_counter()
                 report = CheckReport(tensors={})

@@ -147,7 +147,7 @@ def measure_training_part(vocab: int, k: int, repeats: int, width: int = 64) -> 
             if k > 1:
                 watch.accumulate(mb)
         fb = time.perf_counter() - start
-        pending = watch._take(None if k > 1 else micro[0], None)
+        pending = watch.context.take(None if k > 1 else micro[0], None)
         with preserved_rng():
             start = time.perf_counter()
             report = CheckReport(tensors={})

@@ -323,7 +323,8 @@ def test_what_a_check_leaves_held_is_the_checks_not_training_peak():
     meter.checked()
     meter.observe()  # the next step: training itself allocated nothing new
     assert meter.training_peak < peak + 16 * 2**20, "the check's residue was counted as training's peak"
-    assert room is not None and cast(int, meter.room()) < room - 32 * 2**20  # it counts against the next check's room
+    # nor does it raise the room: it is the checks' own heap, which the next check reuses
+    assert room is not None and abs(cast(int, meter.room()) - room) < 16 * 2**20
     del kept
     meter.checked()
     meter.observe()

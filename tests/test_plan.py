@@ -139,16 +139,26 @@ def test_embedding_and_head_over_the_room_are_checked_by_rows():
     assert probed["head.weight"] == (first, end)
 
 
-def test_a_custom_linears_backward_is_checked_on_its_row_blocks():
-    """A block of a Linear subclass is a copy of the module itself (its forward and custom Function) holding
-    only those rows: the planted bug (the last 4 rows of the weight it is given) shows in every block."""
+def test_a_custom_linears_backward_is_checked_in_place_on_its_row_blocks():
+    """A block of a Linear subclass with its own forward is checked on the module at its full size, only the
+    block's rows moved (a copy holding only those rows would run another computation): the planted bug (the
+    last 4 rows of the weight its backward is given) shows in the block that holds rows 596:600 only, within K."""
     model = LM(head=RowBugLinear)
+    caught = []
     with GradWatch(model, lm_loss, every=1, log_dir=None, form="module") as watch:
-        lm_loss(model, tokens()).backward()
-        report = watch.step(tokens())
-    failing = [m for m in report.localized if m.failed]
-    assert [m.name for m in failing] == ["head"] and "rows" in failing[0].type and failing[0].functions == ["_RowBug"]
-    assert "head.weight" in {t.name for t in report.failures}
+        for i in range(3):
+            lm_loss(model, tokens(i)).backward()
+            report = watch.step(tokens(i))
+            model.zero_grad()
+            heads = [m for m in report.localized if m.name == "head"]
+            assert heads and all("(in place)" in m.type for m in heads), [m.type for m in heads]
+            failing = [m for m in report.localized if m.failed]
+            if failing:
+                caught.append(i)
+                assert [m.name for m in failing] == ["head"] and failing[0].functions == ["_RowBug"]
+                assert "head.weight" in {t.name for t in report.failures}
+                assert any(p.startswith("head[") and p.endswith(":600]") for p in report.pieces), report.pieces
+        assert watch.cycle_length == 3 and len(caught) == 1, caught  # once in the K checks: its block's turn
 
 
 def test_rare_tokens_dropped_by_an_embedding_subclass_are_caught_within_k():

@@ -6,9 +6,11 @@ allocated memory (``torch.cuda.max_memory_allocated``). Both are monotone over a
 meter keeps *training's* peak apart from the checks': it is read before each check, and only a
 peak beyond the one the last check left counts as training's.
 
-The room a check has is ``(1 + AIM * memory_budget) * training_peak - in_use_now`` (:data:`AIM` keeps a margin) (on the CPU
-``in_use_now`` is the resident set size now, ``/proc/self/statm``; where that cannot be read, the
-peak itself). Before a check, each form's cost is estimated from the tensors it holds (pure
+The room a check has is ``(1 + AIM * memory_budget) * training_peak - (in_use_now - residue)`` (:data:`AIM`
+keeps a margin; on the CPU ``in_use_now`` is the resident set size now, ``/proc/self/statm``, where that
+cannot be read the peak itself). ``residue`` is what the checks left held (heap they fragmented, kept by
+the allocator): neither training's peak (it would raise the bound check by check) nor in the next
+check's way (its allocations reuse it). Before a check, each form's cost is estimated from the tensors it holds (pure
 functions below) and the form that fits is chosen (:mod:`gradwatch.check.modules.module_form`).
 
 Example:
@@ -28,10 +30,11 @@ from torch import nn
 
 #: Share of the room an estimate may fill (estimates leave out allocator overhead and small temporaries).
 SAFETY = 0.5
-#: Share of ``memory_budget`` the room aims at: the rest is a margin for what no estimate sees (the CPU heap a
-#: check leaves fragmented, measurement noise of the peak). Without it a check that fills its room lands on the
-#: bound itself (measured: 1.096x and 1.103x of the unwatched peak in two runs of benchmarks/membench.py at 4M).
-AIM = 0.8
+#: Share of ``memory_budget`` the room aims at: the rest is a margin for what no estimate sees (the transient
+#: temporaries of a probe, the allocator's own, measurement noise of the peak). Without it a check that fills
+#: its room lands on the bound itself (measured: 1.096x and 1.103x of the unwatched peak in two runs of
+#: benchmarks/membench.py at 4M; with 0.8, 1.093x and 1.098x; with 0.5, 1.086x twice).
+AIM = 0.5
 #: Bytes per float64 parameter entry a module-form check holds at once: the float64 copy, its gradient, the
 #: engine's saved copy and the transient ``|grad|`` of the coordinate choice (8 each), int8 signs, and what the
 #: allocator keeps of freed temporaries (measured: about 40 bytes per entry on a 1.6M-entry block of a Linear).
@@ -183,7 +186,7 @@ class MemoryMeter:
             self.observe()
         if not self.training_peak:  # no /proc and no resource module (Windows): nothing to bound against
             return None
-        return max(0, int((1.0 + AIM * self.budget) * self.training_peak) - in_use_bytes(self.device))
+        return max(0, int((1.0 + AIM * self.budget) * self.training_peak) - (in_use_bytes(self.device) - self._residue))
 
     def transient(self, model: Optional[nn.Module] = None) -> int:
         """Training's peak above what is held now: its activations and temporaries, freed by now.

@@ -244,6 +244,25 @@ def sliceable_rows(module: nn.Module) -> Optional[int]:
     return None
 
 
+def faithful_rows(module: nn.Module) -> bool:
+    """Whether a block of a module's rows, sliced out, computes what the module computes: an ``nn.Linear`` or
+    ``nn.Embedding`` whose forward is the library's own (a subclass that only adds attributes too). A subclass
+    with its own forward (quantized, fused, adapter linears; a kernel that treats some rows apart) would run
+    another computation on a slice: its rows are checked in place, at its full size.
+
+    Example:
+        >>> class Fused(nn.Linear):
+        ...     def forward(self, x): return super().forward(x)
+        >>> faithful_rows(nn.Linear(2, 3)), faithful_rows(Fused(2, 3)), faithful_rows(nn.Embedding(5, 2))
+        (True, False, True)
+    """
+    if isinstance(module, nn.Linear):
+        return type(module).forward is nn.Linear.forward
+    if isinstance(module, nn.Embedding):
+        return type(module).forward is nn.Embedding.forward and module.max_norm is None
+    return False
+
+
 def canonical_names(model: nn.Module) -> Dict[int, str]:
     """``id(parameter)`` -> the name ``named_parameters`` gives it (a tied weight's first name)."""
     return {id(p): n for n, p in model.named_parameters()}

@@ -39,7 +39,7 @@ from gradwatch.check.modules.own_code import HOOK_DICTS
 from gradwatch.check.objective.dtensor import is_dtensor
 from gradwatch.plan.cycle import Piece
 from gradwatch.plan.shards import assign, rows_held
-from gradwatch.plan.units import Unit, sliceable_rows
+from gradwatch.plan.units import Unit, faithful_rows, sliceable_rows
 from gradwatch.watch.sharded import FSDP_KEYS, fsdp_loaded, full_tensor, is_fsdp, plain_class
 
 __all__ = ["SHARD_NOTE", "ShardView", "backward_on_shards", "gather_wholes", "held_by", "held_rows", "is_partial",
@@ -78,13 +78,14 @@ def held_by(p: torch.Tensor) -> Optional[Tuple[int, int]]:
 def held_rows(units: Sequence[Unit]) -> Tuple[Dict[str, int], Optional[Tuple[int, int]]]:
     """The units checked on the ranks that hold their rows (name -> rows), and ``(rank, world)`` of the shards.
 
-    A unit qualifies when it is a Linear or an Embedding (:func:`gradwatch.plan.units.sliceable_rows`) called as
+    A unit qualifies when it is a Linear or an Embedding whose forward is the library's own
+    (:func:`gradwatch.plan.units.faithful_rows`: a subclass is gathered whole and checked in place) called as
     a module and each of its parameters is sharded on dim 0 with one row per output row.
     """
     out: Dict[str, int] = {}
     where: Optional[Tuple[int, int]] = None
     for u in units:
-        rows = sliceable_rows(u.module) if u.kind == "module" else None
+        rows = sliceable_rows(u.module) if u.kind == "module" and faithful_rows(u.module) else None
         params = [p for _, p in u.module.named_parameters()]
         places = [held_by(p) for p in params]
         if rows is None or not params or any(pl is None for pl in places) \

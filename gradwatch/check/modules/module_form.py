@@ -65,7 +65,7 @@ from gradwatch.check.objective.surrogate import find_surrogates, inside, surroga
 from gradwatch.options import CheckOptions
 from gradwatch.plan.cycle import Piece
 from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY, float_bytes, mb, module_bytes, release_freed
-from gradwatch.plan.units import LOSS_FN, Unit, isolated_forward, plan_units, relative, sliceable_rows
+from gradwatch.plan.units import LOSS_FN, Unit, faithful_rows, isolated_forward, plan_units, relative, sliceable_rows
 from gradwatch.trees import rebuild, tensor_leaves
 
 #: ``view(unit, rows)``: a context giving ``(unit with plain parameters, offset of its rows)`` (sharded models).
@@ -462,8 +462,8 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
     with view(unit, rows) if view is not None else contextlib.nullcontext((unit, 0)) as (local_unit, offset), \
             no_collectives() if view is not None else contextlib.nullcontext():  # one rank alone: none may communicate
         result, probed = _check_piece(local_unit, rows, args, kwargs, children, opts, dtype, canonical, objective.loss,
-                                      constants, faithful_room=0.0 if view is not None else float("inf") if room is None
-                                      else max(0, room - need) / 2, offset=offset, screen=screen)
+                                      constants, faithful_room=float("inf") if room is None else max(0, room - need) / 2,
+                                      offset=offset, screen=screen)
     del args, kwargs, children
     if room is not None:
         release_freed()  # what this piece's check freed, before the next one allocates
@@ -510,7 +510,7 @@ def _row_block(unit: Unit, inputs: Any, output_bytes: int, room: int, seed: int,
     (within ``within``, default all) that fits (rows ``i`` of the output depend on rows ``i`` of the weight and
     bias alone), at an offset that moves with the check's seed; None for any other module, or when not one row fits."""
     module = unit.module
-    if not isinstance(module, nn.Linear) or unit.kind != "module":
+    if not isinstance(module, nn.Linear) or unit.kind != "module" or not faithful_rows(module):
         return None
     rows = module.out_features
     lo, hi = within if within is not None else (0, rows)
@@ -663,8 +663,22 @@ def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs:
             local = OwnCode(inner, stubs)
             kind += ", own code"
             probed = [(names[k], None) for k in unit.params] + [(unit.name, "code")]
-        elif rows is not None and isinstance(unit.module, nn.Embedding) and type(unit.module) is not nn.Embedding and \
-                2 * _numel([unit.module.weight]) * dtype.itemsize <= faithful_room:
+        elif rows is not None and not faithful_rows(unit.module) and \
+                2 * _numel([unit.module.weight]) * dtype.itemsize > faithful_room:
+            full = 2 * _numel([unit.module.weight]) * dtype.itemsize
+            return ModuleCheck(name=unit.name, type=f"{kind} rows {rows[0]}:{rows[1]}", calls=unit.calls, inconclusive=(
+                f"its own forward is checked at its full size (a slice of its rows would run another computation), "
+                f"which needs about {mb(full)}, over the room memory_budget leaves")), []
+        elif rows is not None and isinstance(unit.module, nn.Linear) and not faithful_rows(unit.module):
+            # A Linear subclass with its own forward (quantized, fused, adapter linears): checked at its full size,
+            # only this block's rows moved, so a kernel that treats some rows apart runs as it did in training.
+            kind += f" rows {rows[0]}:{rows[1]} (in place)"
+            local = RowsInPlace(unit.module, torch.arange(rows[0] - offset, rows[1] - offset), dtype)
+            params = {"weight": local.block}
+            if local.bias_base is not None:
+                params["bias"] = local.bias_block
+            probed.extend((names.get(prefix + k, prefix + k), rows) for k in params)
+        elif rows is not None and isinstance(unit.module, nn.Embedding) and not faithful_rows(unit.module):
             # An Embedding subclass (its own forward, maybe a custom backward): checked at its full size, only the
             # rows of this block moved, so a backward that treats some token ids apart sees them at their index.
             ids = _first_ids(args, kwargs)

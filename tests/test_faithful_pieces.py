@@ -1,0 +1,115 @@
+"""Pieces that compute what the model computes: a Linear subclass with its own forward is never sliced.
+
+A row slice re-runs a module's ``forward`` on a smaller weight. For a plain ``nn.Linear`` that is the
+same computation; for a subclass with its own forward (a quantized, fused or adapter linear, a kernel
+that treats its last partial tile apart) it is another one: the rows of such a module are checked in
+place, at its full size, or not at all, and coverage counts only the rows a comparison covered.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradwatch import GradWatch
+from gradwatch.plan.memory import peak_bytes
+from gradwatch.plan.units import faithful_rows
+
+TILE = 512  # rows past the last full tile of 512 take the kernel's other path
+
+
+class TiledMatmul(torch.autograd.Function):
+    """``x @ w.T + b``; with ``bug`` the weight gradient of the rows past the last full tile is 20% off."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, bug):
+        ctx.save_for_backward(x, w)
+        ctx.bug = bug
+        return x @ w.T + b
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        gw = g2.T @ x2
+        if ctx.bug and w.shape[0] > TILE:
+            gw = torch.cat([gw[:TILE], 1.2 * gw[TILE:]])
+        return g @ w, gw, g2.sum(0), None
+
+
+class TiledLinear(nn.Linear):
+    """A Linear whose forward is its own (a custom kernel): slicing its rows would skip the partial tile."""
+
+    def __init__(self, d_in: int, d_out: int, bug: bool = False) -> None:
+        super().__init__(d_in, d_out)
+        self.bug = bug
+
+    def forward(self, x):
+        return TiledMatmul.apply(x, self.weight, self.bias, self.bug)
+
+
+def model(bug: bool, width: int = 600) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(24, 48), nn.Tanh(), TiledLinear(48, width, bug), nn.Tanh(), nn.Linear(width, 5))
+
+
+def loss_fn(m, b):
+    return F.cross_entropy(m(b[0]), b[1])
+
+
+def run(m, checks, **options):
+    watch = GradWatch(m, loss_fn, every=1, log_dir=None, form="module", **options)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(1)
+    reports = []
+    for _ in range(checks):
+        b = (torch.randn(16, 24, generator=gen), torch.randint(0, 5, (16,), generator=gen))
+        opt.zero_grad()
+        loss_fn(m, b).backward()
+        reports.append(watch.step(b))
+        opt.step()
+    return watch, reports
+
+
+def test_only_a_library_forward_is_sliced():
+    assert faithful_rows(nn.Linear(2, 3)) and faithful_rows(nn.Embedding(4, 2))
+    assert not faithful_rows(TiledLinear(2, 3)) and not faithful_rows(nn.Embedding(4, 2, max_norm=1.0))
+
+    class Tagged(nn.Linear):  # a subclass that only adds attributes computes what nn.Linear computes
+        tag = "head"
+
+    assert faithful_rows(Tagged(2, 3))
+
+
+@pytest.mark.parametrize("width", [600, 700])
+def test_a_linear_subclass_wrong_in_its_last_rows_is_caught_within_k_checks(width):
+    watch, reports = run(model(bug=True, width=width), 4)
+    k = watch.cycle_length
+    assert k is not None and k <= 4
+    wrong = [a for a in watch.alerts if a.kind == "threshold" and a.tensor == "2.weight"]
+    assert wrong, [(a.kind, a.tensor) for a in watch.alerts]
+    assert wrong[0].step < k
+    # its pieces ran at full size, only the block's rows moved
+    types = {c.type for r in reports if r is not None for c in r.localized if c.name == "2"}
+    assert types and all("(in place)" in t for t in types), types
+    assert not [a for a in watch.alerts if a.tensor not in ("2.weight", "2:input", "2:output")], watch.alerts
+
+
+def test_the_same_subclass_correct_no_alert_and_every_row_covered():
+    watch, _ = run(model(bug=False), 4)
+    assert not watch.alerts, [(a.kind, a.tensor, a.message[:120]) for a in watch.alerts]
+    assert watch.coverage["2.weight"]["backward"] == 1.0
+
+
+def test_rows_that_cannot_be_checked_in_place_are_never_counted_as_covered():
+    # a budget that leaves about 1.5 MB: room for the small plain Linear, not for the two full-size float64 copies
+    # (2.3 MB) a block of the subclass checked in place needs (the room is half the budget of this process's peak)
+    budget = 2 * 1.5 * 2**20 / peak_bytes(torch.device("cpu"))
+    watch, reports = run(model(bug=False, width=3000), 3, memory_budget=budget)
+    said = [n for r in reports if r is not None for n in r.notes if "`2` (TiledLinear rows" in n and "not checked" in n]
+    assert said and "its own forward is checked at its full size" in said[0], [n for r in reports if r for n in r.notes]
+    assert watch.coverage["2.weight"]["backward"] == 0.0
+    assert watch.coverage["0.weight"]["backward"] == 1.0  # the small plain Linear before it was checked
+    assert any(a.kind == "not_checked" and a.tensor == "2" for a in watch.alerts)
