@@ -6,6 +6,9 @@ A user's loop, ``GradWatch(model, loss_fn, optimizer=opt, every=1)`` at default 
 - ``gpt2``: Hugging Face ``GPT2LMHeadModel`` (eager attention, 2 layers, width 64) with its real
   50,257-token vocabulary, batch 4 x 32. Bug ``softmax``: layer 0's attention softmax backward 10% too
   large (``transformer.h.0.attn``).
+- ``gpt2lora``: the same GPT-2 under ``peft`` LoRA (rank 8 on ``c_attn``, the base frozen: only the adapters
+  train). Bug ``softmax`` as for ``gpt2``: it reaches the adapters through the frozen attention code, which is
+  checked for what it passes back to them.
 - ``nanogpt``: a nanoGPT-style model written here (tied embedding, causal self-attention with an explicit
   softmax in its ``forward``), vocabulary 50,304, 2 layers, width 64, batch 4 x 32. Bug ``softmax`` in
   ``transformer.h.0.attn``.
@@ -16,7 +19,9 @@ A user's loop, ``GradWatch(model, loss_fn, optimizer=opt, every=1)`` at default 
   drops that of ids 7,990 and up (the rarest, at the end of the vocabulary), watched with
   ``memory_budget=0.5`` (room for the full-size copy such a bug needs, see docs/guides/big-models.md); ``linear_rows``,
   the head's weight gradient 20% too large in the last 4 output rows of the weight its backward is given
-  (``head``; a block of a Linear subclass is a copy holding only its rows, so every block shows it).
+  (``head``, a Linear subclass with its own forward: its blocks of rows are checked in place at its full size,
+  so only the block holding rows 7,996:8,000 shows it; ``memory_budget=0.5`` too, for the two full-size float64
+  copies, about 47 MB, that needs).
 - ``t100m``: width 768, 12 ``nn.TransformerEncoderLayer`` (``nn.MultiheadAttention``, norm first), vocabulary
   32,000, learned positions, untied head (~100M parameters), batch 2 x 64. No bug: every tensor's coverage,
   peak RSS and median step time against the same loop unwatched.
@@ -49,10 +54,11 @@ from torch import nn
 
 #: Options of the watch other than the defaults, per bug: a backward that depends on the absolute row index is
 #: seen only with room for two float64 copies of the weight (see docs/guides/big-models.md).
-OPTIONS: Dict[str, Dict[str, Any]] = {"embedding_rare_index": {"memory_budget": 0.5}}
+OPTIONS: Dict[str, Dict[str, Any]] = {"embedding_rare_index": {"memory_budget": 0.5}, "linear_rows": {"memory_budget": 0.5}}
 #: case -> (bugs, planted module per bug, checks by default)
 CASES: Dict[str, Tuple[Tuple[str, ...], Dict[str, str], int]] = {
     "gpt2": (("softmax",), {"softmax": "transformer.h.0.attn"}, 10),
+    "gpt2lora": (("softmax",), {"softmax": "base_model.model.transformer.h.0.attn"}, 10),
     "nanogpt": (("softmax",), {"softmax": "transformer.h.0.attn"}, 10),
     "hand15m": (("softmax", "embedding_rare", "embedding_rare_index", "linear_rows"),
                 {"softmax": "blocks.3.attn", "embedding_rare": "tok", "embedding_rare_index": "tok", "linear_rows": "head"}, 30),
@@ -284,8 +290,13 @@ def _setup(case: str, bug: str) -> Tuple[Any, Any, Any]:
     """``(model, loss_fn, batch maker)`` of a case."""
     models = _models()
     gen = torch.Generator().manual_seed(1)
-    if case == "gpt2":
+    if case in ("gpt2", "gpt2lora"):
         model = _gpt2(bug == "softmax")
+        if case == "gpt2lora":
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["c_attn"],
+                                                     fan_in_fan_out=True))
 
         def batch(i: int) -> Any:
             return torch.randint(0, 50257, (4, 32), generator=gen)

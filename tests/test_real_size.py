@@ -28,6 +28,15 @@ def test_gpt2_with_its_real_vocabulary_a_softmax_bug_in_attention_is_caught_and_
     assert row["unreached_rows"]["transformer.wte.weight"] > 49_000  # 128 tokens reach few of 50,257 rows
 
 
+def test_lora_gpt2_a_softmax_bug_in_the_frozen_attention_is_caught_through_the_adapters():
+    # only the adapters train: the frozen attention code between them and the loss is checked for what it passes back
+    row = real_size._spawn("gpt2lora", "softmax", 1, threads=1)
+    assert row["caught_at_check"] == 0, row
+    assert row["named"] == ["base_model.model.transformer.h.0.attn.c_attn:output"], row
+    assert row["alerts_on_other_modules"] == [] and row["not_checked"] == [], row
+    assert row["backward_coverage_zero"] == [] and row["training_coverage_zero"] == []
+
+
 @pytest.mark.parametrize("bug", ["none", "softmax"])
 def test_nanogpt_with_a_50304_vocabulary(bug):
     row = real_size._spawn("nanogpt", bug, 2, threads=1)

@@ -52,6 +52,34 @@ def slice_rows(module: nn.Module, room: Optional[int]) -> int:
     return max(1, (room // 2) // per_row)
 
 
+def frozen_only(model: nn.Module, watched: Any) -> bool:
+    """Whether the watch is narrower than the model only because the rest is frozen (adapters: LoRA over a frozen
+    base), not because ``tensors`` narrows it.
+
+    Example:
+        >>> m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)); m[0].requires_grad_(False)
+        >>> frozen_only(m, {"1.weight", "1.bias"}), frozen_only(m, {"1.weight"})
+        (True, False)
+    """
+    return {n for n, p in model.named_parameters() if p.requires_grad} <= set(watched)
+
+
+def between(unit: Unit) -> bool:
+    """A unit of the frozen code between adapters and the loss that is checked for what it passes back to them: code
+    with no parameter (own code, ``loss_fn``, activations) and modules whose frozen parameters are all 1-D (norms).
+
+    Example:
+        >>> between(Unit("ln", nn.LayerNorm(4), dict(nn.LayerNorm(4).named_parameters())))
+        True
+        >>> between(Unit("fc", nn.Linear(2, 2), dict(nn.Linear(2, 2).named_parameters())))
+        False
+    """
+    if unit.kind == "loss_fn":
+        return True
+    held = unit.module.parameters(recurse=unit.kind == "module")  # own code: the module's own, not its children's
+    return all(p.dim() <= 1 for p in list(held) + list(unit.params.values()))
+
+
 def _rows(p: torch.Tensor) -> int:
     """Rows of a parameter's whole shape (a DeepSpeed ZeRO-3 placeholder's ``ds_shape``, not its empty one)."""
     shape = tuple(getattr(p, "ds_shape", None) or p.shape)
@@ -133,8 +161,9 @@ class Planner:
             units = [u for u in plan_units(model, loss_fn, batch, seed) if not inside(u.name, found)]
             chosen = set(watched)
             names = {id(p): n for n, p in model.named_parameters()}
-            if len(chosen) < len(names):  # tensors= narrows the watch: the units that hold a watched tensor
-                units = [u for u in units if any(names.get(id(p)) in chosen for p in u.params.values())]
+            if len(chosen) < len(names):  # a narrower watch: the units that hold a watched tensor
+                units = [u for u in units if any(names.get(id(p)) in chosen for p in u.params.values())
+                         or (frozen_only(model, chosen) and between(u))]
             self._units, self._key = units, key
             rows = {u.name: sliceable_rows(u.module) if u.kind == "module" else None for u in units}
             per_slice = {u.name: slice_rows(u.module, room) for u in units if rows[u.name] and room is not None}

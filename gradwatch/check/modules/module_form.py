@@ -462,7 +462,7 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
     with view(unit, rows) if view is not None else contextlib.nullcontext((unit, 0)) as (local_unit, offset), \
             no_collectives() if view is not None else contextlib.nullcontext():  # one rank alone: none may communicate
         result, probed = _check_piece(local_unit, rows, args, kwargs, children, opts, dtype, canonical, objective.loss,
-                                      constants, faithful_room=float("inf") if room is None else max(0, room - need) / 2,
+                                      constants, faithful_room=float("inf") if room is None else max(0, room - need),
                                       offset=offset, screen=screen)
     del args, kwargs, children
     if room is not None:

@@ -77,8 +77,11 @@ class Stub(nn.Module):
         ([1.0, 1.0], 1)
     """
 
-    def __init__(self, name: str, outputs: Sequence[Any]) -> None:
+    def __init__(self, name: str, outputs: Sequence[Any], original: Optional[nn.Module] = None,
+                 dtype: torch.dtype = torch.float64) -> None:
         super().__init__()
+        self.__dict__["original"] = original  # not a submodule: only its plain attributes are read
+        self.dtype = dtype
         self.stub_name = name
         self.templates = list(outputs)
         self.outputs: List[List[nn.Parameter]] = []
@@ -91,6 +94,22 @@ class Stub(nn.Module):
             self.outputs.append(leaves)
         self.calls = 0
         self.given: List[torch.Tensor] = []
+
+    def __getattr__(self, name: str) -> Any:
+        """What the own code reads of the module it calls (a LoRA wrapper reads ``base_layer.weight.dtype``): its
+        plain attributes, and its tensors as ``meta`` tensors of their shape in the check's dtype (nothing to
+        compute with: the module's output is the stub's)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get("original")
+            value = getattr(original, name, None) if original is not None else None
+            if value is None or isinstance(value, nn.Module) or callable(value) and not isinstance(value, torch.Tensor):
+                raise
+            if isinstance(value, torch.Tensor):
+                return torch.empty(value.shape, dtype=self.dtype if value.is_floating_point() else value.dtype,
+                                   device="meta")
+            return value
 
     def reset(self) -> None:
         """Before each evaluation: no call yet, nothing given."""
@@ -189,6 +208,13 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.detach().to(dtype) if t.is_floating_point() else t.detach().clone()
 
 
+def _submodule(module: nn.Module, name: str) -> Optional[nn.Module]:
+    try:
+        return module.get_submodule(name) if name else module
+    except AttributeError:
+        return None
+
+
 def own_code_copy(module: nn.Module, name: str, stubbed: Sequence[str], outputs: Mapping[str, Sequence[Any]],
                   params: Mapping[str, nn.Parameter], dtype: torch.dtype = torch.float64,
                   ) -> Tuple[nn.Module, List[Stub], Dict[str, nn.Parameter]]:
@@ -211,7 +237,7 @@ def own_code_copy(module: nn.Module, name: str, stubbed: Sequence[str], outputs:
     memo: Dict[int, Any] = {}
     for p in params.values():
         memo[id(p)] = nn.Parameter(_cast(p, dtype), requires_grad=True)
-    stubs = {s: Stub(prefix + s, outputs.get(s, ())) for s in stubbed}
+    stubs = {s: Stub(prefix + s, outputs.get(s, ()), _submodule(module, s), dtype) for s in stubbed}
 
     def cast_param(p: Optional[nn.Parameter]) -> Any:
         if p is None:
