@@ -141,7 +141,7 @@ def _live_bytes(obj: Any) -> int:
 
 def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], seed: int,
             budget: Optional[int] = None, everyone: Sequence[Unit] = (),
-            agree: Optional[Callable[[], Any]] = None) -> Captured:
+            agree: Optional[Callable[[], Any]] = None, alone: bool = False) -> Captured:
     """The chosen units' inputs at their first call in one forward of the live model, and for own-code
     units the outputs of the modules their first call called (detached copies in the live dtype).
 
@@ -149,7 +149,9 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
     attention masks) are known as constants: the check does not differentiate with respect to them.
     With ``budget`` (bytes), units are captured in
     forward order while their copies fit in it together; the others are ``deferred`` to another forward,
-    and a unit over the budget alone is left out with its size (``big``).
+    and a unit over the budget alone is left out with its size (``big``); with ``alone`` it is captured instead,
+    by a forward where nothing else is (a sharded model: its piece is cut from that capture, since another
+    forward on one rank alone would leave the others' collectives unpaired).
 
     DTensors (tensor and sequence parallel) are captured whole (:func:`~gradwatch.check.objective.dtensor.whole`,
     a collective): at the first call of each unit of ``everyone`` (the units some rank captures, the same list on
@@ -187,8 +189,11 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
             first = name in wanted and name not in got.inputs and name not in got.big and name not in got.deferred
             if first:
                 need = _live_bytes((args, kwargs))
-                if budget is not None and need > budget:
-                    got.big[name] = need
+                if budget is not None and need > budget and not (alone and not sizes):
+                    if alone:
+                        got.deferred.append(name)
+                    else:
+                        got.big[name] = need
                     first = False
                 elif not fits(need) and sizes:
                     got.deferred.append(name)
@@ -216,12 +221,16 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
             if holder is None or rel is None:
                 return
             need = _live_bytes(out)
-            if budget is not None and sizes.get(holder, 0) + need > budget:
+            if alone and not fits(need) and not set(sizes) <= {holder}:
+                drop(holder, "deferred")  # captured again by a forward where it is alone, whatever its size
+                if stack and stack[-1][0] == holder:
+                    stack[-1][1] = False
+            elif not alone and budget is not None and sizes.get(holder, 0) + need > budget:
                 drop(holder, "big")
                 got.big[holder] += need
                 if stack and stack[-1][0] == holder:
                     stack[-1][1] = False
-            elif not fits(need):
+            elif not alone and not fits(need):
                 drop(holder, "deferred")
                 if stack and stack[-1][0] == holder:
                     stack[-1][1] = False
@@ -341,12 +350,14 @@ def run_module_check(
     got = Captured()
     solo: List[Piece] = []  # pieces that fit the room only without the other units' captures beside them
     once = view is not None  # sharded: one forward on every rank, even with no piece of its own
+    agree = getattr(view, "agree", None)
+    # Captures take a third of the room at most; units that do not fit together are captured by later forwards
+    # (sharded: as many on every rank, agreed after each; without a way to agree, one forward holding them all).
+    budget = None if room is None or (view is not None and agree is None) else room // 3
     while remaining or once:
         once = False
-        # Captures take a third of the room at most; units that do not fit together are captured by later forwards.
-        got = capture(model, objective.loss, batch, remaining, opts.seed,
-                      budget=None if room is None or view is not None else room // 3,
-                      everyone=units if view is not None else (), agree=getattr(view, "agree", None))
+        got = capture(model, objective.loss, batch, remaining, opts.seed, budget=budget,
+                      everyone=units if view is not None else (), agree=agree, alone=view is not None)
         if report.objective != report.objective:  # NaN: the first forward's loss
             report.objective = got.loss
             report.terms = {"loss": got.loss}
@@ -366,6 +377,8 @@ def run_module_check(
         if not progress and got.deferred:
             skipped.extend(f"{by_name[n].label} (its inputs do not fit in the room)" for n in got.deferred)
         del got
+        if view is not None and budget is not None and agree is not None:
+            once = agree(0 if remaining else 1) == 0  # another forward on every rank while any rank needs one
     for piece in solo:  # each alone: its own captures only beside its check
         unit = by_name[piece.unit]
         got = capture(model, objective.loss, batch, [unit], opts.seed, budget=None if room is None else room // 3)
