@@ -1,25 +1,20 @@
 """Tensor, sequence and 2-D parallel, DeepSpeed ZeRO-3: per-rank peak memory and check time, watched against unwatched.
 
-Run: ``python benchmarks/parallel.py`` (about 7-9 minutes on 2 CPU cores; ``--quick``: about 2). Measured
-2026-11-26 on the shared 2-core AMD EPYC VM, torch 2.13 CPU, deepspeed 0.19.8, default sizes (4.19M
-parameters, 16 MB in fp32), 5 steps; other engineers' tests ran beside it (load average 2.1-3.9 on 2
-cores), which moves the times (TP's 2-rank median was 3.4 s in a first run, 6.1 s in this one), not the peaks:
+Run: ``python benchmarks/parallel.py`` (about 9 minutes on 2 CPU cores; ``--quick``: about 2). Measured
+2026-11-26 (commit 927bc60) on the shared 2-core AMD EPYC VM, quiet, torch 2.13 CPU, deepspeed 0.19.8, default
+sizes (4.19M parameters, 16 MB in fp32), 5 steps:
 
 | engine | peak MB r0 unwatched / watched | r1 | peak ratio r0, r1 | check s 2 ranks | 1 process | ratio |
 |---|---|---|---|---|---|---|
-| tensor parallel | 359 / 414 | 361 / 422 | 1.155, 1.171 | 6.056 | 11.586 | 0.52 |
-| sequence parallel | 367 / 417 | 365 / 422 | 1.138, 1.157 | 6.281 | 11.586 | 0.54 |
-| FSDP2 x TP 2x1 | 443 / 527 | 441 / 475 | 1.189, 1.077 | 8.597 | 11.586 | 0.74 |
-| FSDP2 x TP 1x2 | 383 / 442 | 378 / 431 | 1.155, 1.141 | 6.929 | 11.586 | 0.60 |
-| ZeRO-3 | watched run fails: ``IndexError`` in ``Coverage.reach`` | | | | | |
+| tensor parallel | 358 / 439 | 358 / 421 | 1.228, 1.179 | 5.821 | 9.673 | 0.60 |
+| sequence parallel | 368 / 438 | 366 / 422 | 1.188, 1.153 | 6.122 | 9.673 | 0.63 |
+| FSDP2 x TP 2x1 | 443 / 509 | 437 / 486 | 1.150, 1.113 | 5.692 | 9.673 | 0.59 |
+| FSDP2 x TP 1x2 | 383 / 469 | 380 / 440 | 1.224, 1.159 | 5.991 | 9.673 | 0.62 |
+| ZeRO-3 | 589 / 722 | 600 / 733 | 1.227, 1.221 | 4.514 | 9.325 | 0.48 |
 
-Every check ``ok``, 0 alerts, module form. Memory is above the 1.10x the issue asks for everywhere (each rank
-+50-85 MB; importing gradwatch alone is +13 MB of it). The 2-rank check is faster than one process's
-everywhere. ZeRO-3: the coverage is sized from the live parameters' shapes, ``(0,)`` placeholders under
-ZeRO-3 (``gradwatch/plan/planner.py`` ``_rows``), so the first Embedding block's reached token rows index
-past a mask of 1 (``gradwatch/plan/coverage.py`` ``Coverage.reach``). With ``--configs zero3 --vocab 256``
-(no sliced Embedding; 3.29M parameters) it runs: 559 / 677 MB and 548 / 690 MB (1.211x, 1.260x), check
-7.0 s on 2 ranks against 12.0 s in one process (0.58), 0 alerts, coverage 1, 1 (meaningless: a mask of 1 row).
+Every check ``ok``, 0 alerts, module form, every parameter with both verdicts. Memory is above the 1.10x the
+issue asks for everywhere (each rank +50-140 MB; importing gradwatch alone is +13 MB of it). The 2-rank check
+is faster than one process's everywhere.
 
 Every figure comes from its own processes: one ``torchrun`` launch of 2 gloo CPU ranks per arm (peak RSS,
 ``ru_maxrss``, is per process, as in ``benchmarks/sharded.py``), SGD (Adam under ZeRO), ``steps`` training
