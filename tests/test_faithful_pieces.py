@@ -8,6 +8,12 @@ place, at its full size, or not at all, and coverage counts only the rows a comp
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -103,13 +109,25 @@ def test_the_same_subclass_correct_no_alert_and_every_row_covered():
     assert watch.coverage["2.weight"]["backward"] == 1.0
 
 
-def test_rows_that_cannot_be_checked_in_place_are_never_counted_as_covered():
-    # a budget that leaves about 1.5 MB: room for the small plain Linear, not for the two full-size float64 copies
-    # (2.3 MB) a block of the subclass checked in place needs (the room is half the budget of this process's peak)
+def tight_room() -> dict:
+    """A budget that leaves about 1.5 MB: room for the small plain Linear, not for the two full-size float64 copies
+    (2.3 MB) a block of the subclass checked in place needs (the room is half the budget of this process's peak)."""
     budget = 2 * 1.5 * 2**20 / peak_bytes(torch.device("cpu"))
     watch, reports = run(model(bug=False, width=3000), 3, memory_budget=budget)
-    said = [n for r in reports if r is not None for n in r.notes if "`2` (TiledLinear rows" in n and "not checked" in n]
-    assert said and "its own forward is checked at its full size" in said[0], [n for r in reports if r for n in r.notes]
-    assert watch.coverage["2.weight"]["backward"] == 0.0
-    assert watch.coverage["0.weight"]["backward"] == 1.0  # the small plain Linear before it was checked
-    assert any(a.kind == "not_checked" and a.tensor == "2" for a in watch.alerts)
+    return {"notes": [n for r in reports if r is not None for n in r.notes],
+            "coverage": {n: v["backward"] for n, v in watch.coverage.items()},
+            "not_checked": [a.tensor for a in watch.alerts if a.kind == "not_checked"]}
+
+
+def test_rows_that_cannot_be_checked_in_place_are_never_counted_as_covered():
+    # in a fresh interpreter: the room is measured from the process's own peak, which earlier tests would inflate
+    code = "import json, test_faithful_pieces as t; print(json.dumps(t.tight_room()))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parent, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    said = [n for n in got["notes"] if "`2` (TiledLinear rows" in n and "not checked" in n]
+    assert said and "its own forward is checked at its full size" in said[0], got["notes"]
+    assert got["coverage"]["2.weight"] == 0.0
+    assert got["coverage"]["0.weight"] == 1.0  # the small plain Linear before it was checked
+    assert "2" in got["not_checked"]

@@ -57,7 +57,7 @@ def frozen_only(model: nn.Module, watched: Any) -> bool:
     base), not because ``tensors`` narrows it.
 
     Example:
-        >>> m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)); m[0].requires_grad_(False)
+        >>> m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)); _ = m[0].requires_grad_(False)
         >>> frozen_only(m, {"1.weight", "1.bias"}), frozen_only(m, {"1.weight"})
         (True, False)
     """
