@@ -260,7 +260,7 @@ def test_report_and_tensorboard_show_coverage_and_what_was_not_checked(tmp_path,
     assert any("`ln.1` (Locked) not checked: cannot copy module Locked alone" in n for n in report.notes), report.notes
     assert main(["report", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "coverage after 3 checks (K = 3): backward" in out
+    assert "coverage after 3 checks (K = 3, about 3 steps): backward" in out
     assert "not checked: `ln.1` (Locked) in the backward part, never checked in the run (3 checks planned it): cannot copy" in out
     acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
     acc.Reload()

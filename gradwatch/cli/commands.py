@@ -354,7 +354,8 @@ def _print_report(data: Any, rows: List[Dict[str, Any]], verbose: bool) -> None:
               + " (module: each unit alone, see docs/guides/big-models.md)")
     coverage = getattr(data, "coverage", None)
     if coverage:
-        print(summary.coverage_line(coverage, getattr(data, "cycle_length", None), len(steps)))
+        print(summary.coverage_line(coverage, getattr(data, "cycle_length", None), len(steps),
+                                    getattr(data, "steps_to_full", None)))
     if getattr(data, "independence", None):
         print(summary.independence_line(data.independence))
     for line in not_judged.unchecked_lines(getattr(data, "not_checked", None) or {}, len(steps)):

@@ -84,7 +84,7 @@ def check_record(
         cut step: what is counted and each rank's micro-batch counts), "training_window" (a partial accumulation
         window: its micro-batches, the window each was divided by, the scale), "summary": {"rel_diff_median",
         "rel_diff_p95", "rel_diff_max", "training_rel_diff_max"}, "coverage": {...}, "check_counts": {...},
-        "cycle_length", "pieces"}`` (``pieces``: the module form's units and row slices checked).
+        "cycle_length", "steps_to_full", "pieces"}`` (``pieces``: the module form's units and row slices checked).
 
     Example:
         >>> from gradwatch import CheckReport, TensorCheck
@@ -157,6 +157,7 @@ def check_record(
         "coverage": {str(k): to_jsonable(v) for k, v in (coverage or {}).items()},
         "check_counts": {str(k): int(v) for k, v in (check_counts or {}).items()},
         "cycle_length": cycle_length,
+        "steps_to_full": report.steps_to_full,
         "pieces": list(report.pieces),
         "independence": None if report.independence is None else report.independence.to_dict(),
     }
@@ -229,7 +230,8 @@ def scalars_from_check(record: Mapping[str, Any]) -> List[Tuple[str, float]]:
     part), ``gradwatch/training/{rel_diff,judged_rel_diff}/<param>`` (the training part),
     ``gradwatch/summary/rel_diff_{median,p95,max}``, ``gradwatch/summary/training_rel_diff_max``,
     ``gradwatch/overhead/{seconds,fraction}``, ``gradwatch/coverage/{backward,training}`` (the mean share of
-    the watched tensors' rows each part has probed in the run) and ``gradwatch/coverage/cycle_length`` (K).
+    the watched tensors' rows each part has probed in the run), ``gradwatch/coverage/cycle_length`` (K) and
+    ``gradwatch/coverage/steps_to_full`` (K checks in training steps).
     None and non-finite values are skipped, and so is every metric of a tensor the check did not judge (its
     verdict is None: a 0 there would chart as agreement; :mod:`gradwatch.io.not_judged` says why, as text).
     ``gradwatch/alerts/count`` is not here: it depends on the alerts, which the sink is given separately.
@@ -261,6 +263,7 @@ def scalars_from_check(record: Mapping[str, Any]) -> List[Tuple[str, float]]:
     for part, value in coverage_means(record.get("coverage")).items():
         add(f"gradwatch/coverage/{part}", value)
     add("gradwatch/coverage/cycle_length", record.get("cycle_length"))
+    add("gradwatch/coverage/steps_to_full", record.get("steps_to_full"))
     return out
 
 

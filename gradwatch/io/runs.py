@@ -65,13 +65,12 @@ class RunData:
         bands: Verdict bands of the run (from its ``run`` record; defaults otherwise).
         check_steps: Steps at which a check completed.
         run_id: The run's id (from its records), when known.
-        forms: Checks per form of the backward part (``"objective"``, ``"module"``; records written
-            before the memory budget count as ``"objective"``); empty when not known (event files).
+        forms: Checks per form of the backward part (``"objective"``, ``"module"``); empty when not known.
         coverage: The last check's coverage: tensor -> ``{"backward": fraction, "training": fraction}`` of its
             rows probed in the run (empty when not known).
-        cycle_length: K, the checks within which every unit and parameter row is probed once (None: not known).
-        unchecked: What else the checks' notes say was not checked (by design: declared surrogates, padding rows;
-            each once, its latest wording).
+        cycle_length, steps_to_full: K, the checks within which every unit and parameter row is probed once, and K
+            in training steps (None: not known).
+        unchecked: What else the checks' notes say was not checked (by design: surrogates, padding rows), each once.
         independence: Structure -> ``[checks of it, checks that found a leak, the latest leak's module or None]``
             (checks with ``independence=``; empty when none ran or not known).
     """
@@ -94,9 +93,9 @@ class RunData:
     independence: Dict[str, List[Any]] = field(default_factory=dict)
     #: What the checks did not judge, and why (:mod:`gradwatch.io.not_judged`): ``(part, tensor) -> [checks, reason]``.
     not_judged: not_judged.Tally = field(default_factory=dict)
-    #: What the checks could not check, why and how to check it instead (:data:`gradwatch.io.not_judged.Unchecked`;
-    #: from the ``not_checked`` alerts where the records' notes are not known).
+    #: What the checks could not check, why, how to check it instead (:data:`gradwatch.io.not_judged.Unchecked`).
     not_checked: Unchecked = field(default_factory=dict)
+    steps_to_full: Optional[int] = None
 
 
 # --------------------------------------------------------------------- reading
@@ -135,6 +134,7 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
     forms: Dict[str, int] = {}
     coverage: Dict[str, Dict[str, float]] = {}
     cycle: Optional[int] = None
+    full: Optional[int] = None
     unchecked: Dict[str, str] = {}
     independence: Dict[str, List[Any]] = {}
     unjudged: not_judged.Tally = {}
@@ -153,6 +153,7 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
                     coverage = {str(k): {part: float(v.get(part) or 0.0) for part in ("backward", "training")}
                                 for k, v in got.items()}
                 cycle = int(rec["cycle_length"]) if rec.get("cycle_length") is not None else cycle
+                full = int(rec["steps_to_full"]) if rec.get("steps_to_full") is not None else full
                 _add_independence(rec.get("independence"), independence)
                 not_judged.add(unjudged, not_judged.of_check(rec))
                 not_judged.add_unchecked(never, not_judged.unchecked_of(rec), int(rec["step"]))
@@ -171,7 +172,7 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
                 bands = tuple(float(b) for b in opt_bands)  # type: ignore[assignment]
     not_judged.plan_counts(never, planned)
     return RunData(history, alerts, details, "jsonl", path, notes, bands, steps, training, run_id, forms, coverage, cycle,
-                   list(unchecked.values()), independence, unjudged, never)
+                   list(unchecked.values()), independence, unjudged, never, steps_to_full=full)
 
 
 def _add_independence(found: Any, independence: Dict[str, List[Any]]) -> None:
@@ -451,7 +452,7 @@ def merge_runs(parts: Sequence[RunData]) -> RunData:
     return RunData(history, alerts, details, sources.pop() if len(sources) == 1 else "mixed", ", ".join(paths),
                    warnings, parts[0].bands, sorted(steps), training, parts[0].run_id, forms,
                    parts[-1].coverage, parts[-1].cycle_length, list(dict.fromkeys(n for p in parts for n in p.unchecked)),
-                   not_judged=unjudged, not_checked=never)
+                   not_judged=unjudged, not_checked=never, steps_to_full=parts[-1].steps_to_full)
 
 
 def read_runs(found: Sequence[Tuple[str, Path]]) -> Tuple[List[RunData], List[str]]:
@@ -750,7 +751,8 @@ def wrap_message(message: str, indent: str = "    ", width: int = 100) -> List[s
                          break_long_words=False, break_on_hyphens=False) or [indent]
 
 
-def coverage_line(coverage: Mapping[str, Mapping[str, float]], cycle_length: Optional[int], checks: int) -> str:
+def coverage_line(coverage: Mapping[str, Mapping[str, float]], cycle_length: Optional[int], checks: int,
+                  steps_to_full: Optional[int] = None) -> str:
     """What ``gradwatch report`` says of coverage: the share of rows each part probed, and what no check reached.
 
     Example:
@@ -770,7 +772,7 @@ def coverage_line(coverage: Mapping[str, Mapping[str, float]], cycle_length: Opt
         missing = [n for n, v in coverage.items() if not float(v.get(part) or 0.0)]
         if missing:
             never.append(f"{part}: {', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''}")
-    k = f" (K = {cycle_length})" if cycle_length else ""
+    k = f" (K = {cycle_length}{f', about {steps_to_full} steps' if steps_to_full else ''})" if cycle_length else ""
     tail = f"; never checked: {'; '.join(never)}" if never else ""
     return f"coverage after {checks} check{'s' if checks != 1 else ''}{k}: {', '.join(parts)}{tail}"
 
@@ -786,6 +788,7 @@ def to_json(data: RunData, rows: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
         "bands": list(data.bands),
         "forms": dict(data.forms),
         "cycle_length": data.cycle_length,
+        "steps_to_full": data.steps_to_full,
         "coverage": dict(data.coverage),
         "unchecked": list(data.unchecked),
         "not_judged": not_judged.to_json(data.not_judged),

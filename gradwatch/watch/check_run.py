@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import time
 from typing import Any, List, Optional
@@ -40,6 +41,8 @@ from gradwatch.watch.sharded import live_forward_forbidden
 from gradwatch.watch.step_objective import StepObjective
 from gradwatch.watch.training_part import TrainingPart
 from gradwatch.watch.trend import WHOLE_CHECK, Alert, TrendTracker
+
+logger = logging.getLogger("gradwatch")
 
 
 @dataclasses.dataclass
@@ -88,6 +91,7 @@ class CheckRunner:
         self.check_plan = check_plan
         self.backward, self.training, self.inner, self.independence = backward, training, inner, independence
         self.schedule = schedule
+        self._said_steps: Optional[int] = None
         self.tracker = tracker
         self.step_objective = step_objective
         self.notes = notes
@@ -209,8 +213,20 @@ class CheckRunner:
         self.watch.checks += 1
         self.backward.record(report)
         self.check_plan.record(step, report)
+        self.steps_to_full(report)
         return (self.tracker.update(step, report) + self.training.alerts(step, report)
                 + self.independence.alerts(step, report.independence))
+
+    def steps_to_full(self, report: CheckReport) -> None:
+        """K checks in steps (the report's ``steps_to_full``), said once each time it changes."""
+        k, per = self.check_plan.cycle_length, self.schedule.steps_per_check()
+        report.steps_to_full = None if k is None or per is None else k * per
+        if report.steps_to_full is not None and report.steps_to_full != self._said_steps:
+            self._said_steps = report.steps_to_full
+            budget = f" at the {self.schedule.overhead_budget * 100:g}% overhead_budget" \
+                if self.schedule.every == "auto" else ""
+            logger.info("gradwatch: every op and parameter row checked within about %d steps%s (K = %d checks, one "
+                        "every %d steps)", report.steps_to_full, budget, k, per)
 
     def _across_ranks(self, check: CheckContext, error: Optional[Exception], seconds: float,
                       waited: float = 0.0) -> Outcome:

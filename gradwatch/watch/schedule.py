@@ -100,6 +100,17 @@ class Schedule:
         gap = int(min(MAX_AUTO_INTERVAL, max(1, math.ceil(gap * (1 - 1e-12)))))  # float noise: a gap of 45.000000001 is 45
         return min(gap, self._cap(t))
 
+    def steps_per_check(self) -> Optional[int]:
+        """Steps between checks: ``every``, or ``auto``'s interval once a check and a step were timed (else None).
+
+        Example:
+            >>> Schedule(every=5).steps_per_check(), Schedule(every="auto").steps_per_check()
+            (5, None)
+        """
+        if self.every == "auto" and not (self._check_seconds and self._step_seconds):
+            return None
+        return self.interval()
+
     def _cap(self, step_seconds: float) -> int:
         """The longest gap ``max_interval`` allows, in steps (``MAX_AUTO_INTERVAL`` without one)."""
         cap = MAX_AUTO_INTERVAL

@@ -208,6 +208,8 @@ class CheckReport:
             for all, ``(first, end)``, or a tensor of row indices), and ``(module name, "code")`` for each
             module whose own code a checked unit held (read by :class:`gradwatch.plan.coverage.Coverage`).
         pieces: Module form: the pieces checked (``"lm_head[0:256]"``), in order.
+        steps_to_full: Training steps within which every op and parameter row is checked: K checks, one every
+            ``every`` steps (``every="auto"``: the interval the measured check and step times give; None before).
         training_rows: The training part's weights judged by a block of rows: name -> ``(first, end)``
             (their gradient does not fit the room whole, :mod:`gradwatch.check.replay.rows`).
         training_items: The step's objective of a cut step (several micro-batches or ranks): ``{"rule": what is
@@ -252,6 +254,7 @@ class CheckReport:
     memory: Dict[str, Any] = field(default_factory=dict)
     probed: List[Tuple[str, Any]] = field(default_factory=list)
     pieces: List[str] = field(default_factory=list)
+    steps_to_full: Optional[int] = None
     independence: Any = None
     training_rows: Dict[str, Tuple[int, int]] = field(default_factory=dict)
     surrogates: List[str] = field(default_factory=list)
