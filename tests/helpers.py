@@ -162,6 +162,13 @@ def two_rank_results(script: str, out: Path, scenarios: Sequence[str], timeout: 
     return r0, r1
 
 
+def save_rank_results(out: str, rank: int, results: Any, default: Any = None) -> None:
+    """In a 2-rank worker: write this rank's results where :func:`two_rank_results` reads them (``out/rank{r}.json``;
+    ``default``: as :func:`json.dump`'s, for values JSON cannot hold)."""
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f, default=default)
+
+
 class WrongSoftmax(torch.autograd.Function):
     """softmax over the last dimension whose backward is 10% too large."""
 

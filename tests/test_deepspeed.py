@@ -45,9 +45,10 @@ NAMES = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
 
 WORKER = textwrap.dedent(
     r'''
-    import datetime, json, logging, os, sys, time
+    import datetime, logging, os, sys, time
     os.environ["DS_ACCELERATOR"] = "cpu"
     import torch, torch.nn as nn, torch.nn.functional as F
+    from helpers import save_rank_results  # tests/helpers.py: where two_rank_results reads this rank's results
 
     torch.set_num_threads(1)
     rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -250,8 +251,7 @@ WORKER = textwrap.dedent(
         res.pop("params", None)
         res["wall"] = time.perf_counter() - t0
         results[scenario] = res
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f, default=str)
+    save_rank_results(out, rank, results, default=str)
     '''
 )
 

@@ -38,7 +38,7 @@ SCENARIOS = ("fsdp:reg_ok", "fsdp:reg_bad", "fsdp:regopt_bad", "fsdp:sgd_wd", "f
 
 WORKER = textwrap.dedent(
     r'''
-    import datetime, json, os, sys, time
+    import datetime, os, sys, time
     import torch, torch.nn as nn, torch.nn.functional as F
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -51,7 +51,7 @@ WORKER = textwrap.dedent(
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
 
     from gradwatch import GradWatch
-    from helpers import make_tanh
+    from helpers import make_tanh, save_rank_results
 
 
     class WrongSquare(torch.autograd.Function):  # p ** 2 whose backward forgets the 2
@@ -205,8 +205,7 @@ WORKER = textwrap.dedent(
             res["bit_identical"] = same(run(kind, **kw, watched=False), params)
         res["seconds"] = time.perf_counter() - t0
         results[scenario] = res
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    save_rank_results(out, rank, results)
     dist.destroy_process_group()
     '''
 )

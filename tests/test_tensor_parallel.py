@@ -32,7 +32,7 @@ SCENARIOS = SHAPES + ("gathers", "lockstep")
 
 WORKER = textwrap.dedent(
     r'''
-    import datetime, json, os, sys, time, warnings
+    import datetime, os, sys, time, warnings
     import torch, torch.nn as nn, torch.nn.functional as F
     import torch.distributed as dist
 
@@ -50,7 +50,7 @@ WORKER = textwrap.dedent(
 
     from gradwatch import GradWatch
     from gradwatch.watch.shard_check import settled
-    from helpers import WrongSoftmax  # tests/helpers.py: softmax whose backward is 10% too large
+    from helpers import WrongSoftmax, save_rank_results  # tests/helpers.py: softmax whose backward is 10% too large
 
     faults = {"checking": False, "calls": 0, "step": -1, "at": {}}  # (rank, step) -> (call of loss_fn, what)
 
@@ -254,8 +254,7 @@ WORKER = textwrap.dedent(
             res["bit_identical"] = same(plain, watched) and base["losses"] == res["losses"]
         res["seconds"] = time.perf_counter() - t0
         results[scenario] = res
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    save_rank_results(out, rank, results)
     dist.destroy_process_group()
     '''
 )

@@ -162,8 +162,9 @@ class Planner:
             chosen = set(watched)
             names = {id(p): n for n, p in model.named_parameters()}
             if len(chosen) < len(names):  # a narrower watch: the units that hold a watched tensor
+                adapters = frozen_only(model, chosen)  # and, over a frozen base, the code between them and the loss
                 units = [u for u in units if any(names.get(id(p)) in chosen for p in u.params.values())
-                         or (frozen_only(model, chosen) and between(u))]
+                         or (adapters and between(u))]
             self._units, self._key = units, key
             rows = {u.name: sliceable_rows(u.module) if u.kind == "module" else None for u in units}
             per_slice = {u.name: slice_rows(u.module, room) for u in units if rows[u.name] and room is not None}
