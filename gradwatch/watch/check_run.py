@@ -218,15 +218,21 @@ class CheckRunner:
                 + self.independence.alerts(step, report.independence))
 
     def steps_to_full(self, report: CheckReport) -> None:
-        """K checks in steps (the report's ``steps_to_full``), said once each time it changes."""
+        """K checks in steps: the report's ``steps_to_full`` (:meth:`say_steps_to_full`)."""
+        report.steps_to_full = self.say_steps_to_full()
+
+    def say_steps_to_full(self) -> Optional[int]:
+        """K checks in steps (None before K and the interval are known), said once each time it changes: at each
+        check, and under ``every="auto"`` as soon as the first step after the first check is timed."""
         k, per = self.check_plan.cycle_length, self.schedule.steps_per_check()
-        report.steps_to_full = None if k is None or per is None else k * per
-        if report.steps_to_full is not None and report.steps_to_full != self._said_steps:
-            self._said_steps = report.steps_to_full
+        full = None if k is None or per is None else k * per
+        if full is not None and full != self._said_steps:
+            self._said_steps = full
             budget = f" at the {self.schedule.overhead_budget * 100:g}% overhead_budget" \
                 if self.schedule.every == "auto" else ""
             logger.info("gradwatch: every op and parameter row checked within about %d steps%s (K = %d checks, one "
-                        "every %d steps)", report.steps_to_full, budget, k, per)
+                        "every %d steps)", full, budget, k, per)
+        return full
 
     def _across_ranks(self, check: CheckContext, error: Optional[Exception], seconds: float,
                       waited: float = 0.0) -> Outcome:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 from gradwatch.watch.schedule import ANNOUNCE_AS_WARNING_ABOVE, Schedule
 
@@ -32,7 +32,9 @@ class OverheadClock:
         See the module's example.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, timed: Optional[Callable[[], Any]] = None) -> None:
+        #: Called once the schedule has a check and a step timed (the watch says its steps to full coverage).
+        self.timed = timed
         #: When the first step was seen (None before it, and after a resume until the next step).
         self.started: Optional[float] = None
         #: When the last :meth:`GradWatch.step` returned.
@@ -71,6 +73,8 @@ class OverheadClock:
         self._explained = True
         far = schedule.interval() > ANNOUNCE_AS_WARNING_ABOVE
         logger.log(logging.WARNING if far else logging.INFO, "gradwatch: %s", text)
+        if self.timed is not None:
+            self.timed()
 
     def start(self, now: Optional[float] = None) -> None:
         """The run's wall time starts now (at the first step)."""

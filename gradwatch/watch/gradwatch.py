@@ -195,11 +195,11 @@ class GradWatch:
         self.independence = IndependencePart(self.config.independence, self.config.alert_cooldown)
         #: What follows an alert: ``on_alert``, ``raise_on``, and the count of failed checks.
         self.policy = AlertPolicy(self.config.raise_on, self._check_options.bands, on_alert)
-        #: The monitor's seconds against the run's wall time.
-        self.clock = OverheadClock()
         #: Runs one check: the plan, the parts, the ranks' results merged (:mod:`gradwatch.watch.check_run`).
         self.runner = CheckRunner(self.context, self.check_plan, self.backward, self.training, self.inner,
                                   self.independence, self.schedule, self.tracker, self.step_objective, self.notes)
+        #: The monitor's seconds against the run's wall time.
+        self.clock = OverheadClock(timed=self.runner.say_steps_to_full)
         #: Why the checks are paused (None while they run); see :meth:`pause` and :meth:`resume`.
         self.paused: Optional[str] = None
         #: Names this run in every record; kept in the state, so a resumed run goes on under the same id.

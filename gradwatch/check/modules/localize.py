@@ -328,6 +328,7 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
             cot = [torch.randn(o.shape, generator=gen, dtype=torch.float32).to(o.device, o.dtype) for o in out]
             j = sum(((o * c).sum() for o, c in zip(out, cot)), torch.zeros((), dtype=out[0].dtype, device=out[0].device))
             magnitude = float(sum(float((o.detach() * c).abs().sum()) for o, c in zip(out, cot)))
+            term_norm = math.sqrt(sum(float((o.detach() * c).square().sum()) for o, c in zip(out, cot)))
             wrt = list(leaves.values()) + list(params.values())
             gs: Sequence[Optional[torch.Tensor]]
             if j.requires_grad and j.grad_fn is not None:
@@ -357,7 +358,7 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
     try:
         with frozen_batchnorm_stats(module):
             eps = max([machine_eps(t.dtype) for t in work.values()] + [machine_eps(p.dtype) for p in params.values()])
-            settings = EngineSettings.from_options(opts, eps, magnitude)
+            settings = EngineSettings.from_options(opts, eps, magnitude, term_norm=term_norm)
             if screen:
                 settings = dataclasses.replace(settings, screen=True)
             tensors = list(work.values()) + list(params.values())

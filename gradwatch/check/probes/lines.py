@@ -131,6 +131,10 @@ class EngineSettings:
     #: a zero gradient and one far below rounding look the same) is ``flat``, instead of passing; for a caller
     #: that judges them another way (check_model: on their modules alone).
     mark_unseen: bool = False
+    #: The Euclidean norm of the objective's terms (``magnitude`` is their absolute sum), where the caller knows
+    #: them (the module form: the products of a unit's outputs and its cotangent): the scale of the rounding a
+    #: probe really carries (:func:`probable_floor`); None: unknown, only the worst case is used.
+    term_norm: Optional[float] = None
 
     @property
     def detection_first(self) -> bool:
@@ -153,6 +157,29 @@ def total(terms: Terms) -> float:
 def floor_at(settings: EngineSettings, step: float) -> float:
     """Absolute noise floor of a central difference with this step."""
     return NOISE_FACTOR * settings.eval_eps * max(settings.magnitude, 1e-30) / step + settings.jitter / step
+
+
+def probable_floor(settings: EngineSettings, step: float, param_norm: float) -> Optional[float]:
+    """The noise floor of a central difference with this step from rounding that does not add up in one direction;
+    None where the objective's terms are unknown (``settings.term_norm``).
+
+    :func:`floor_at` bounds the worst case: every term of the objective rounded the same way, ``eps`` times their
+    absolute sum. Roundings of many terms (and of the perturbed entries) are independent: they add up as the
+    Euclidean norm of the terms (``term_norm``) and of the entries' contributions to the objective
+    (``param_norm``: the norm of the gradient times the tensor, entry by entry), ``sqrt(n)`` below the worst case
+    for ``n`` terms of one size, with the same factor for rounding inside the ops. Used only to let a probe that
+    agrees settle a tensor (see :func:`gradwatch.check.probes.reexamine.screened`), never to discount a
+    disagreement.
+
+    Example:
+        >>> settings = EngineSettings(4, 0, None, (1e-7, 1e-4, 1e-2), Verdict.WRONG, True, 2.0 ** -52, 1e4,
+        ...                           term_norm=10.0)
+        >>> probable_floor(settings, 1e-5, 0.0) < floor_at(settings, 1e-5) / 100
+        True
+    """
+    if settings.term_norm is None:
+        return None
+    return NOISE_FACTOR * settings.eval_eps * (settings.term_norm + param_norm) / step + settings.jitter / step
 
 
 def usable_floor(floor: float, analytic: float, numeric: float, disagreement: float) -> bool:

@@ -28,6 +28,7 @@ from gradwatch.check.probes.lines import (
     central_probe,
     floor_at,
     outcome_of,
+    probable_floor,
     slopes_of,
     total,
     unit_sample,
@@ -321,7 +322,8 @@ def screened(out: Outcome, settings: EngineSettings) -> bool:
     (a pessimistic bound on rounding, as the judge discounts it), and that floor is under a tenth of the
     ACCEPTABLE band, so an error the full sample would call SUSPICIOUS could not hide in the noise.
     Anything else (a kink on the way, a floor too high, a real error) goes on to the full sample, judged
-    exactly as without the probe.
+    exactly as without the probe. :func:`screen` also asks this of the probe with its probable floor
+    (:func:`~gradwatch.check.probes.lines.probable_floor`) in place of the worst case, before any wider step.
 
     Example:
         >>> settings = EngineSettings(coords=8, directions=4, eps=None, bands=(1e-7, 1e-4, 1e-2),
@@ -353,6 +355,10 @@ def screen(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Ter
     a_t, n_t = out.analytic["total"], out.numeric["total"]
     if not (math.isfinite(a_t) and math.isfinite(n_t)) or not settings.detect_kinks:
         return out, screened(out, settings)
+    probable = probable_floor(settings, sample.step, _param_norm(saved, grads))
+    if probable is not None and probable < out.floor and screened(replace(out, floor=probable), settings):
+        # The worst-case floor kept it from settling; the rounding it really carries does not (see probable_floor).
+        return out, True
     if n_t == 0.0 and abs(a_t) <= out.floor and set(out.analytic) == {"total"}:
         flat = flat_at_widest(p, saved, grads, sample, evaluate, settings)
         if flat is not None:
@@ -360,6 +366,13 @@ def screen(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Ter
         return judge_sample(p, saved, grads, sample, base, j0, evaluate, settings, batch=batch), False
     out = judge_sample(p, saved, grads, sample, base, j0, evaluate, settings, batch=batch)
     return out, screened(out, settings)
+
+
+def _param_norm(saved: torch.Tensor, grads: Dict[str, torch.Tensor]) -> float:
+    """The norm of the tensor's entries' contributions to the objective (gradient times value, entry by entry)."""
+    g = grads["total"]
+    return float(torch.linalg.vector_norm(g.to(torch.float64) * saved.to(torch.float64))) \
+        if g.shape == saved.shape else 0.0
 
 
 def flat_at_widest(p, saved, grads, sample: Sample, evaluate: Evaluator, settings: EngineSettings) -> Optional[Outcome]:
