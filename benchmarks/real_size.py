@@ -22,9 +22,15 @@ A user's loop, ``GradWatch(model, loss_fn, optimizer=opt, every=1)`` at default 
   (``head``, a Linear subclass with its own forward: its blocks of rows are checked in place at its full size,
   so only the block holding rows 7,996:8,000 shows it; ``memory_budget=0.5`` too, for the two full-size float64
   copies, about 47 MB, that needs).
+- ``gpt2small``: HF ``GPT2LMHeadModel`` in GPT-2 small's configuration (12 layers, width 768, vocabulary 50,257,
+  124M parameters), batch 2 x 256. No bug: coverage, peak RSS and check time against the same loop unwatched.
 - ``t100m``: width 768, 12 ``nn.TransformerEncoderLayer`` (``nn.MultiheadAttention``, norm first), vocabulary
   32,000, learned positions, untied head (~100M parameters), batch 2 x 64. No bug: every tensor's coverage,
   peak RSS and median step time against the same loop unwatched.
+
+Each case also runs its loop unwatched (the same batches, in a subprocess of its own): every run's median check is
+printed in that loop's median training steps (``check_in_steps``), and for ``t100m`` and ``gpt2small`` the peak
+RSS watched against unwatched (``peak_ratio``).
 
 A run with a bug stops at the first check whose alerts name the planted module ("caught"); a run without
 one runs all its checks and counts alerts (false alarms).
@@ -63,7 +69,10 @@ CASES: Dict[str, Tuple[Tuple[str, ...], Dict[str, str], int]] = {
     "hand15m": (("softmax", "embedding_rare", "embedding_rare_index", "linear_rows"),
                 {"softmax": "blocks.3.attn", "embedding_rare": "tok", "embedding_rare_index": "tok", "linear_rows": "head"}, 30),
     "t100m": ((), {}, 30),
+    "gpt2small": ((), {}, 4),
 }
+#: Cases whose watched and unwatched peak memory and step time are compared (the big ones).
+MEASURED = ("t100m", "gpt2small")
 
 
 class BadSoftmax(torch.autograd.Function):
@@ -262,8 +271,9 @@ def _models() -> Any:
     return dict(NanoGPT=NanoGPT, Hand15M=Hand15M, T100M=T100M)
 
 
-def _gpt2(bug: bool) -> Any:
-    """HF GPT-2 (eager attention, real vocabulary), the softmax of layer 0 planted with ``BadSoftmax``."""
+def _gpt2(bug: bool, small: bool = False) -> Any:
+    """HF GPT-2 (eager attention, real vocabulary), the softmax of layer 0 planted with ``BadSoftmax``; ``small``:
+    GPT-2 small's configuration (12 layers, width 768, 124M parameters, context 256) instead of 2 layers of 64."""
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.models.gpt2 import modeling_gpt2
 
@@ -281,7 +291,8 @@ def _gpt2(bug: bool) -> Any:
             return torch.matmul(w, value).transpose(1, 2), w
 
         modeling_gpt2.eager_attention_forward = planted
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=50257, n_positions=128)
+    config = GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=256) if small \
+        else GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=50257, n_positions=128)
     config._attn_implementation = "eager"
     return GPT2LMHeadModel(config)
 
@@ -300,6 +311,13 @@ def _setup(case: str, bug: str) -> Tuple[Any, Any, Any]:
 
         def batch(i: int) -> Any:
             return torch.randint(0, 50257, (4, 32), generator=gen)
+
+        return model, (lambda m, b: m(input_ids=b, labels=b).loss), batch
+    if case == "gpt2small":
+        model = _gpt2(False, small=True)
+
+        def batch(i: int) -> Any:
+            return torch.randint(0, 50257, (2, 256), generator=gen)
 
         return model, (lambda m, b: m(input_ids=b, labels=b).loss), batch
     if case == "nanogpt":
@@ -408,15 +426,19 @@ def run(cases: Sequence[str], checks: Optional[int]) -> List[Dict[str, Any]]:
             row = _spawn(case, bug, n)
             print(json.dumps(row), flush=True)
             rows.append(row)
-        if case == "t100m":
-            plain = _spawn(case, "none", n, watch=False)
-            print(json.dumps(plain), flush=True)
-            watched = rows[-1]
-            if "peak_bytes" in plain and "peak_bytes" in watched:
-                ratios = {"case": case, "peak_ratio": watched["peak_bytes"] / plain["peak_bytes"],
-                          "median_step_ratio": watched["median_step_seconds"] / plain["median_step_seconds"]}
-                print(json.dumps(ratios), flush=True)
-                rows.append(ratios)
+        watched = [r for r in rows if r.get("case") == case and "median_step_seconds" in r]
+        plain = _spawn(case, "none", n if case in MEASURED else min(n, 6), watch=False)
+        print(json.dumps(plain), flush=True)
+        if "median_step_seconds" not in plain or not watched:
+            continue
+        # A check in training steps: each run's median check against the unwatched loop's median step, same run.
+        ratios: Dict[str, Any] = {"case": case, "unwatched_step_seconds": plain["median_step_seconds"],
+                                  "check_in_steps": {r["bug"]: r["median_check_seconds"] / plain["median_step_seconds"]
+                                                     for r in watched if r.get("median_check_seconds")}}
+        if case in MEASURED:
+            ratios["peak_ratio"] = watched[0]["peak_bytes"] / plain["peak_bytes"]
+        print(json.dumps(ratios), flush=True)
+        rows.append(ratios)
     return rows
 
 

@@ -131,3 +131,27 @@ def test_rows_that_cannot_be_checked_in_place_are_never_counted_as_covered():
     assert got["coverage"]["2.weight"] == 0.0
     assert got["coverage"]["0.weight"] == 1.0  # the small plain Linear before it was checked
     assert "2" in got["not_checked"]
+
+
+def test_a_piece_the_room_did_not_hold_is_taken_first_by_the_next_check():
+    # the room changes from check to check: a block of rows it could not hold is owed to the next check, not left
+    # for the next pass of the cycle (K checks later)
+    from gradwatch.plan.planner import Planner
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2000))
+    batch = torch.randn(4, 8)
+    loss = lambda m, b: m(b).square().mean()  # noqa: E731
+    names = [n for n, _ in model.named_parameters()]
+    planner = Planner()
+    _, first = planner.module_pieces(model, loss, batch, names, key=("k",))
+    head = [p for p in first if p.rows is not None]
+    assert head and planner.cycle_length == 8
+    planner.owe([str(head[-1]), "not a piece of this check"])
+    _, second = planner.module_pieces(model, loss, batch, names, key=("k",))
+    assert second[0] == head[-1] and second.count(head[-1]) == 1
+    _, third = planner.module_pieces(model, loss, batch, names, key=("k",))
+    assert head[-1] not in third  # owed once: paid
+    fresh = Planner()
+    fresh.module_pieces(model, loss, batch, names, key=("k",))
+    assert [p for p in fresh.module_pieces(model, loss, batch, names, key=("k",))[1]] == second[1:]

@@ -108,6 +108,8 @@ class Planner:
         self._cycle: Optional[Cycle] = None
         self._checks = 0  # module-form checks planned on this cycle
         self._resume_at = 0  # from a resumed run's state: where the cycle goes on once the units are found
+        self._handed: List[Piece] = []  # the last check's pieces
+        self._owed: List[Piece] = []  # of those, the ones that did not fit its room: the next check takes them first
         self.announced: Optional[str] = None  # the line said once when the cycle is known
         self._said: set = set()  # what was not checked, said once each
 
@@ -172,8 +174,15 @@ class Planner:
             self._checks, self._resume_at = self._resume_at, 0
             self.announced = None
         pieces = self._cycle.pieces(self._checks)
-        self._checks += 1
+        pieces = self._owed + [p for p in pieces if p not in self._owed]
+        self._checks, self._owed, self._handed = self._checks + 1, [], pieces
         return self._units, pieces
+
+    def owe(self, unfit: Sequence[str]) -> None:
+        """The pieces of the last check that did not fit its room (``str`` of each): the next check takes them first,
+        before its own turn of the cycle (a room that changes from check to check delays a piece, never skips it
+        for a whole pass)."""
+        self._owed = [p for p in self._handed if str(p) in set(unfit)]
 
     @property
     def cycle_length(self) -> Optional[int]:

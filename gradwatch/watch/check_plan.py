@@ -184,6 +184,8 @@ class CheckPlanner:
         watched = self.watch.watched_names()
         self.planner.attach(self.watch.model, watched)
         self.planner.record(report)
+        if self.watch.dist is None:  # one process: pieces its room could not hold come first next time (ranks keep one plan)
+            self.planner.owe(report.unfit)
         self.announce(report, watched)
         for note in self.planner.unchecked_news(report):
             if not_checked_in([note]):

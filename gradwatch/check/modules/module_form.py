@@ -446,6 +446,7 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
             smaller = _fewer_samples(model, objective.loss, batch, unit, need, room, opts.seed, dtype)
         if block is None and smaller is None:
             skipped.append(f"{unit.label}{'' if rows is None else f' rows {rows[0]}:{rows[1]}'} needs about {mb(need)}")
+            report.unfit.append(str(piece))
             return estimate, unused
         if block is not None:
             report.notes.append(f"module form: {unit.label} checked on output rows {block[0]}:{block[1]} of "
@@ -465,6 +466,8 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
                                       constants, faithful_room=float("inf") if room is None else max(0, room - need),
                                       offset=offset, screen=screen)
     del args, kwargs, children
+    if result.inconclusive is not None and result.inconclusive.endswith(OVER_ROOM):
+        report.unfit.append(str(piece))
     if room is not None:
         release_freed()  # what this piece's check freed, before the next one allocates
     report.pieces.append(str(Piece(unit.name, rows)))
@@ -493,6 +496,8 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
 
 #: Why an embedding slice was not checked: the batch uses none of its rows (they count as unreached).
 NO_TOKEN = "the batch uses no token of these rows"
+#: How the reason ends where a piece checked at its full size did not fit the room (the next check takes it first).
+OVER_ROOM = "over the room memory_budget leaves"
 
 
 def _numel(tensors: Any) -> int:
@@ -668,7 +673,7 @@ def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs:
             full = 2 * _numel([unit.module.weight]) * dtype.itemsize
             return ModuleCheck(name=unit.name, type=f"{kind} rows {rows[0]}:{rows[1]}", calls=unit.calls, inconclusive=(
                 f"its own forward is checked at its full size (a slice of its rows would run another computation), "
-                f"which needs about {mb(full)}, over the room memory_budget leaves")), []
+                f"which needs about {mb(full)}, {OVER_ROOM}")), []
         elif rows is not None and isinstance(unit.module, nn.Linear) and not faithful_rows(unit.module):
             # A Linear subclass with its own forward (quantized, fused, adapter linears): checked at its full size,
             # only this block's rows moved, so a kernel that treats some rows apart runs as it did in training.
