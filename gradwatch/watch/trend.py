@@ -14,7 +14,15 @@ from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from gradwatch.bands import DEFAULT_BANDS, Verdict
-from gradwatch.check.judging.report import CheckReport, InconclusiveKind, NotChecked, TensorCheck, json_float, suspects
+from gradwatch.check.judging.report import (
+    OVER_ROOM,
+    CheckReport,
+    InconclusiveKind,
+    NotChecked,
+    TensorCheck,
+    json_float,
+    suspects,
+)
 from gradwatch.errors import ConfigError, error_key
 from gradwatch.options import trend_options
 
@@ -168,6 +176,7 @@ class TrendTracker:
         self._alert_counts: Dict[str, int] = {}
         self._checks = 0  # whole checks seen (update and error calls): the clock of "*" alerts
         self._not_checked: Set[Tuple[str, ...]] = set()  # the keys of what was said not checked (NotChecked.key)
+        self._over_room_once: Set[Tuple[str, ...]] = set()  # over the room at one check so far: said at the second
 
     # ------------------------------------------------------------------ queries
 
@@ -284,16 +293,25 @@ class TrendTracker:
     def not_checked(self, step: int, items: Sequence[NotChecked]) -> List[Alert]:
         """One ``not_checked`` alert (a warning) for each unit or part the check could not check, the first time in
         the run it is not checked for that reason (:attr:`NotChecked.key`): what, why, and how to check it instead.
+        A piece over the room :data:`OVER_ROOM` is said the second time: the room changes from check to check, and
+        the next check takes such a piece first (a piece checked there was only delayed; the record's notes say
+        each check's gaps either way).
 
         Example:
             >>> item = NotChecked("independence", "*", "loss_fn never calls the model itself", "check_independence")
             >>> tracker = TrendTracker()
             >>> [(a.kind, a.tensor, a.part) for a in tracker.not_checked(0, [item])], tracker.not_checked(1, [item])
             ([('not_checked', '*', 'independence')], [])
+            >>> room = NotChecked("backward", "head", "needs about 9 MB, over the room memory_budget leaves (4 MB)", "...")
+            >>> len(tracker.not_checked(2, [room])), len(tracker.not_checked(3, [room]))
+            (0, 1)
         """
         out = []
         for item in items:
             if item.key in self._not_checked:
+                continue
+            if OVER_ROOM in item.why and item.key not in self._over_room_once:
+                self._over_room_once.add(item.key)
                 continue
             self._not_checked.add(item.key)
             self._alert_counts[item.what] = self._alert_counts.get(item.what, 0) + 1

@@ -610,6 +610,9 @@ _NOT_CHECKED_NOTE = re.compile(r"^(?P<subject>.+?) not checked(?P<on> on [^:]*)?
 _OVER_ROOM = re.compile(r"^module form: \d+ piece\(s\) not checked, over the room the memory budget leaves "
                         r"\((?P<room>[^)]*)\): (?P<pieces>.*)$", re.S)
 _PIECE = re.compile(r"^(?P<label>(?:own code of )?`(?P<what>[^`]*)` \([^)]*\))(?P<rest>.*)$", re.S)
+#: How the reason ends where a piece of the module form did not fit the room its check had (the next check of one
+#: process takes it first; its not_checked alert waits for a second check without it).
+OVER_ROOM = "over the room memory_budget leaves"
 #: The training part's note at a check before the first backward (no ``.grad`` yet).
 _NO_GRAD_YET = "no watched parameter has a .grad yet"
 #: What a whole part is called in words.
@@ -684,7 +687,7 @@ def not_checked_in(notes: Sequence[str], training_note: Optional[str] = None, tr
             for piece in over["pieces"].split("; "):
                 found = _PIECE.match(piece.strip())
                 if found is not None:
-                    why = f"{found['rest'].strip()}, over the room memory_budget leaves ({over['room']})"
+                    why = f"{found['rest'].strip()}, {OVER_ROOM} ({over['room']})"
                     out.append(NotChecked("backward", found["what"], why, _how("backward", found["what"], why),
                                           found["label"]))
             continue

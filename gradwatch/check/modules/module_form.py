@@ -52,7 +52,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from gradwatch.check.judging.report import CheckReport
+from gradwatch.check.judging.report import OVER_ROOM, CheckReport
 from gradwatch.check.modules.localize import ModuleCheck, check_module, copy_opaque, map_tensors
 from gradwatch.check.modules.own_code import LossCode, ModelStub, OwnCode, RowsInPlace, embedding_rows_copy, own_code_copy, rows_copy
 from gradwatch.check.objective.dropout_off import dropout_off
@@ -496,8 +496,6 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
 
 #: Why an embedding slice was not checked: the batch uses none of its rows (they count as unreached).
 NO_TOKEN = "the batch uses no token of these rows"
-#: How the reason ends where a piece checked at its full size did not fit the room (the next check takes it first).
-OVER_ROOM = "over the room memory_budget leaves"
 
 
 def _numel(tensors: Any) -> int:
