@@ -340,7 +340,8 @@ class _Checker:
 
     def gradient(self, probe: Probe, generator: torch.Generator) -> torch.Tensor:
         """Per (sample, position), the largest |gradient| of the probe's cotangent with respect to the input."""
-        cot = torch.randn(self.out.shape, generator=generator, dtype=torch.float64).to(self.out.dtype)
+        # drawn in float32 (float64 draws cost 6x more: 170 ms for GPT-2's logits over its 50,257-token vocabulary)
+        cot = torch.randn(self.out.shape, generator=generator, dtype=torch.float32).to(self.out.dtype)
         cot = cot.to(self.out.device) * self.layout.spread(probe.outputs.to(self.out.device), self.out)
         (g,) = torch.autograd.grad(self.out, self.var, cot, retain_graph=True, allow_unused=True)
         self.backwards += 1
