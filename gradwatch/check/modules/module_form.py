@@ -385,7 +385,7 @@ def run_module_check(
         if unit.name in got.inputs or unit.name in got.big:
             estimate, unused = _run_piece(model, objective, batch, opts, unit, piece, got, dtype, canonical,
                                           None if room is None else max(0, room - _held(got)), report, skipped,
-                                          estimate, unused)
+                                          estimate, unused, screen=screen)  # detection first there too
         del got
     if unused:
         report.notes.append(f"module form: {unused} embedding slice(s) held no token of this batch (their rows count "
