@@ -116,7 +116,9 @@ class Captured:
         children: Own-code unit name -> called module (relative name) -> its output at each call
             that the unit's first call made.
         constants: ``id`` of the captured floating tensors that are additive masks (non-finite, or of magnitude
-            :data:`MASK` or more): the check does not differentiate with respect to them.
+            :data:`MASK` or more): the check does not differentiate with respect to them. ``masks`` holds those
+            tensors, so that no id is taken by another tensor while the capture lives (a unit's capture dropped
+            for another forward frees its mask; a later capture could reuse its id and lose its input).
         deferred: Units not captured in this forward, the captures already holding the budget.
         big: Unit name -> live bytes of what it needs captured, for units over the budget alone.
         loss: The loss of that forward.
@@ -126,6 +128,7 @@ class Captured:
     output_bytes: Dict[str, int] = field(default_factory=dict)
     children: Dict[str, Dict[str, List[Any]]] = field(default_factory=dict)
     constants: Set[int] = field(default_factory=set)
+    masks: List[torch.Tensor] = field(default_factory=list)
     deferred: List[str] = field(default_factory=list)
     big: Dict[str, int] = field(default_factory=dict)
     loss: float = float("nan")
@@ -170,6 +173,7 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
         copy_ = whole_of.get(id(t), t).detach().clone()
         if t.is_floating_point() and t.numel() and (not bool(torch.isfinite(copy_).all()) or float(copy_.abs().max()) >= MASK):
             got.constants.add(id(copy_))  # an additive mask (-inf, or the dtype's lowest): no step can move it
+            got.masks.append(copy_)  # alive as long as its id is in constants
         return copy_
 
     def fits(extra: int) -> bool:
