@@ -46,3 +46,41 @@ def test_nanogpt_with_a_50304_vocabulary(bug):
     else:
         assert row["caught_at_check"] == 0 and row["alerts_on_other_modules"] == [], row
     assert row["cycle_length"] == 8 and row["backward_coverage_zero"] == []
+
+
+LORA_OBJECTIVE = """
+import json, resource, sys, torch
+sys.path.insert(0, {bench!r})
+import real_size as rs
+torch.set_num_threads(1); torch.manual_seed(0)
+model, loss_fn, make_batch = rs._setup("gpt2lora", "none")
+opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+def step(watch, i):
+    b = make_batch(i); opt.zero_grad(); loss_fn(model, b).backward()
+    report = watch.step(b) if watch is not None else None
+    opt.step()
+    return report
+for i in range(2):
+    step(None, i)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+from gradwatch import GradWatch
+watch = GradWatch(model, loss_fn, optimizer=opt, every=1, log_dir=None, form="objective")
+report = step(watch, 2)
+print(json.dumps({{"form": report.form, "alerts": len(watch.alerts),
+                  "ratio": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / before}}))
+"""
+
+
+def test_the_whole_objective_of_a_lora_gpt2_holds_one_forwards_activations_per_batched_evaluation():
+    # vmapped batches were sized by the perturbed tensor alone: 32 copies of a LoRA adapter, and with them 32
+    # forwards' logits over the 50,257-token vocabulary in float64 at once (3.7 GB against 0.5 GB trained)
+    import json
+    import subprocess
+    import sys
+
+    code = LORA_OBJECTIVE.format(bench=str(ROOT / "benchmarks"))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["form"] == "objective" and got["alerts"] == 0, got
+    assert got["ratio"] < 1.6, got  # 1.2x measured; 7x before

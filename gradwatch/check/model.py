@@ -278,6 +278,7 @@ def run_model_check(
     screen: bool = False,
     mark_unseen: bool = False,
     prefix_bytes: Optional[int] = KEEP_BYTES,
+    activations: int = 0,
 ) -> CheckReport:
     """The check behind :func:`check_model` and the training hook.
 
@@ -291,6 +292,8 @@ def run_model_check(
             or ``flat``) instead of passing (see :class:`gradwatch.check.probes.lines.EngineSettings`).
         prefix_bytes: Most bytes of leaf outputs and inputs a probe may replay from
             (:class:`~gradwatch.check.probes.prefix.PrefixCache`); None or 0: every evaluation runs the whole forward.
+        activations: Bytes of one evaluation's activations (the batched evaluations hold one set per perturbation
+            and are sized to that); 0: not known, only the perturbed copies are counted.
     """
     start = time.perf_counter()
     all_names = trainable_names(model)
@@ -446,7 +449,7 @@ def run_model_check(
 
             tolerance = 2 * NOISE_FACTOR * max(eval_eps, objective_dtype_eps) * max(magnitude, 1e-30)
             probe = BatchedProbe(model, target, objective, batch, reseed if prefix is None else _Both(reseed, prefix.begin),
-                                 guard, evaluator, tolerance)
+                                 guard, evaluator, tolerance, activations=activations)
             if mode is not None:
                 probe = _InMode(probe, mode)
         verdict_at: List[Tuple[float, int]] = []

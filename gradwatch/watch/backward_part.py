@@ -82,9 +82,11 @@ class BackwardPart(TrendAlerting):
         # through the module: a spy on gradwatch.check.model.run_model_check sees every check
         alone = ctx.grad_fn is None  # distributed too: each rank judges its share on modules (no collective)
         # Under memory_budget the room was sized without the outputs a probe replays: every evaluation runs it all.
+        # The batched evaluations hold one forward's activations per perturbation: training's, in float64.
         report = model_check.run_model_check(target, ctx.objective, batch, opts, grad_fn=ctx.grad_fn, names=check.names,
                                              shadow=shadow, mark_unseen=alone,
-                                             prefix_bytes=model_check.KEEP_BYTES if check.room is None else None)
+                                             prefix_bytes=model_check.KEEP_BYTES if check.room is None else None,
+                                             activations=2 * ctx.memory.transient(ctx.model))
         if alone:
             model_check.judge_unseen_on_modules(report, target, ctx.objective, batch, opts, screen=True)
         if not self._straight_through_named:

@@ -147,11 +147,14 @@ class BatchedProbe(BatchProbe):
             count grows by the number of perturbations each batch evaluates.
         tolerance: Largest acceptable absolute difference between a batched and a loop
             value of the loss (the noise floor of one evaluation).
+        activations: Bytes of one evaluation's activations, where the caller knows them (0: not counted).
     """
 
     def __init__(self, key_model: nn.Module, target: nn.Module, objective: Objective, batch: Any,
-                 reseed: Callable[[], None], guard: Any, evaluator: Evaluator, tolerance: float) -> None:
+                 reseed: Callable[[], None], guard: Any, evaluator: Evaluator, tolerance: float,
+                 activations: int = 0) -> None:
         self.key_model = key_model
+        self.activations = max(0, int(activations))
         self.state = _state(key_model)
         self.objective = objective
         self.batch = batch
@@ -177,7 +180,10 @@ class BatchedProbe(BatchProbe):
         return self.state.disabled is None and (self.loss_key, name) not in self.state.loop_tensors
 
     def chunk(self, p: torch.Tensor) -> int:
-        per_copy = max(1, p.numel() * p.element_size())
+        """Perturbed copies of ``p`` per vmapped call: each holds the copy and, under vmap, one forward's
+        activations (``activations``: a model with a large output, a language model's logits over its vocabulary,
+        would otherwise hold 32 of them at once)."""
+        per_copy = max(1, p.numel() * p.element_size() + self.activations)
         return max(1, min(MAX_BATCH, BATCH_BYTES // per_copy))
 
     def disable(self, reason: str) -> None:
