@@ -182,7 +182,8 @@ class Planner:
         """The pieces of the last check that did not fit its room (``str`` of each): the next check takes them first,
         before its own turn of the cycle (a room that changes from check to check delays a piece, never skips it
         for a whole pass)."""
-        self._owed = [p for p in self._handed if str(p) in set(unfit)]
+        names = set(unfit)
+        self._owed = [p for p in self._handed if str(p) in names]
 
     @property
     def cycle_length(self) -> Optional[int]:

@@ -213,13 +213,9 @@ class CheckRunner:
         self.watch.checks += 1
         self.backward.record(report)
         self.check_plan.record(step, report)
-        self.steps_to_full(report)
+        report.steps_to_full = self.say_steps_to_full()
         return (self.tracker.update(step, report) + self.training.alerts(step, report)
                 + self.independence.alerts(step, report.independence))
-
-    def steps_to_full(self, report: CheckReport) -> None:
-        """K checks in steps: the report's ``steps_to_full`` (:meth:`say_steps_to_full`)."""
-        report.steps_to_full = self.say_steps_to_full()
 
     def say_steps_to_full(self) -> Optional[int]:
         """K checks in steps (None before K and the interval are known), said once each time it changes: at each

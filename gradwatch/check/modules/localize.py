@@ -327,8 +327,10 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
             # drawn in float32 (float64 draws cost 6x more; the cotangent used is the one stored, either way)
             cot = [torch.randn(o.shape, generator=gen, dtype=torch.float32).to(o.device, o.dtype) for o in out]
             j = sum(((o * c).sum() for o, c in zip(out, cot)), torch.zeros((), dtype=out[0].dtype, device=out[0].device))
-            magnitude = float(sum(float((o.detach() * c).abs().sum()) for o, c in zip(out, cot)))
-            term_norm = math.sqrt(sum(float((o.detach() * c).square().sum()) for o, c in zip(out, cot)))
+            terms = [o.detach() * c for o, c in zip(out, cot)]
+            magnitude = float(sum(float(t.abs().sum()) for t in terms))
+            term_norm = math.sqrt(sum(float(t.square().sum()) for t in terms))
+            del terms
             wrt = list(leaves.values()) + list(params.values())
             gs: Sequence[Optional[torch.Tensor]]
             if j.requires_grad and j.grad_fn is not None:

@@ -355,7 +355,8 @@ def screen(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Ter
     a_t, n_t = out.analytic["total"], out.numeric["total"]
     if not (math.isfinite(a_t) and math.isfinite(n_t)) or not settings.detect_kinks:
         return out, screened(out, settings)
-    probable = probable_floor(settings, sample.step, _param_norm(saved, grads))
+    # Only where the objective's terms are known (the module form): no product over the tensor elsewhere.
+    probable = None if settings.term_norm is None else probable_floor(settings, sample.step, _param_norm(saved, grads))
     if probable is not None and probable < out.floor and screened(replace(out, floor=probable), settings):
         # The worst-case floor kept it from settling; the rounding it really carries does not (see probable_floor).
         return out, True
