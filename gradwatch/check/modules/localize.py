@@ -327,6 +327,8 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
             # drawn in float32 (float64 draws cost 6x more; the cotangent used is the one stored, either way)
             cot = [torch.randn(o.shape, generator=gen, dtype=torch.float32).to(o.device, o.dtype) for o in out]
             j = sum(((o * c).sum() for o, c in zip(out, cot)), torch.zeros((), dtype=out[0].dtype, device=out[0].device))
+            # The analytic side's forward stands for the first of the engine's two evaluations at the point.
+            base_terms = {"loss": float(j.detach())}
             terms = [o.detach() * c for o, c in zip(out, cot)]
             magnitude = float(sum(float(t.abs().sum()) for t in terms))
             term_norm = math.sqrt(sum(float(t.square().sum()) for t in terms))
@@ -366,7 +368,7 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
             tensors = list(work.values()) + list(params.values())
             keys_all = keys[:len(work)] + list(params)  # one key per distinct input tensor, as `work` holds them
             targets = [(key, f"{name}:{key}", t, {"total": g}) for key, t, g in zip(keys_all, tensors, grads)]
-            for judged in check_tensors(targets, evaluator, settings, opts.seed):
+            for judged in check_tensors(targets, evaluator, settings, opts.seed, base_terms=base_terms):
                 result.tensors[judged.key] = judged.check
             result.tensors = {key: result.tensors[key] for key in keys_all if key in result.tensors}
     except Exception as err:  # noqa: BLE001 - as above: a module whose evaluations raise is reported, not fatal

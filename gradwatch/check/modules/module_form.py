@@ -472,8 +472,8 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
     del args, kwargs, children
     if result.inconclusive is not None and result.inconclusive.endswith(OVER_ROOM):
         report.unfit.append(str(piece))
-    if room is not None:
-        release_freed()  # what this piece's check freed, before the next one allocates
+    if room is not None and need >= TRIM_BYTES:
+        release_freed()  # what this piece's check freed, before the next one allocates (smaller frees are reused)
     report.pieces.append(str(Piece(unit.name, rows)))
     if result.inconclusive == NO_TOKEN:
         report.probed.extend(probed)  # the rows the batch reached
@@ -497,6 +497,10 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
         report.notes.append(f"module form: {result.label} not checked: {result.inconclusive}")
     return estimate, unused
 
+
+#: A piece's check that needs this much gives what it freed back to the system before the next piece (glibc's
+#: ``malloc_trim`` walks the whole heap: about a millisecond, more than a small piece's check itself).
+TRIM_BYTES = 32 << 20
 
 #: Why an embedding slice was not checked: the batch uses none of its rows (they count as unreached).
 NO_TOKEN = "the batch uses no token of these rows"

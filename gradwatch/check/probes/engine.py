@@ -27,6 +27,7 @@ from gradwatch.check.judging.judge import (
     judge,
 )
 from gradwatch.check.judging.report import InconclusiveKind, TensorCheck
+from gradwatch.check.probes.joint import joint_detect
 from gradwatch.check.probes.kinks import adopt, disagrees, forward_kinks, kink_free
 from gradwatch.check.probes.lines import (
     BatchProbe,
@@ -238,16 +239,18 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
                   base_terms: Optional[Terms] = None) -> Iterator[Judged]:
     """Judge a set of tensors of one objective: the base point first, then :func:`check_tensor` for each.
 
-    The objective is evaluated twice at the unperturbed point: if the two values are not finite, or differ
-    by more than rounding allows (:func:`gradwatch.check.judging.judge.base_point`), no tensor can be judged and
-    each is inconclusive with that kind. Otherwise their difference (the jitter) joins the noise floor.
-    A tensor whose analytic gradient is not finite is inconclusive without sampling.
+    Unless joint probes settle every tensor (below), the objective is evaluated twice at the unperturbed point: if
+    the two values are not finite, or differ by more than rounding allows
+    (:func:`gradwatch.check.judging.judge.base_point`), no tensor can be judged and each is inconclusive with that
+    kind. Otherwise their difference (the jitter) joins the noise floor. A tensor whose analytic gradient is not
+    finite is inconclusive without sampling.
 
-    Detection first (``settings.screen``): every tensor's verdict comes before any diagnosis. A tensor
-    whose probe settles it passes; one whose probe disagrees where nothing explains it but a wrong
-    gradient (:class:`Detection` ``confirmed``) fails, and its full sample (which says how: a constant
-    ratio, a sign, a missing term) is taken after every other tensor's verdict, so a buggy model's
-    verdict costs about what a correct one's does. Those tensors are yielded last.
+    Detection first (``settings.screen``): every tensor's verdict comes before any diagnosis. Where the objective's
+    terms are known (the module form), joint probes of the unit's tensors first settle those they can
+    (:func:`~gradwatch.check.probes.joint.joint_detect`). A tensor whose probe settles it passes; one whose probe
+    disagrees where nothing explains it but a wrong gradient (:class:`Detection` ``confirmed``) fails, and its full
+    sample (which says how: a constant ratio, a sign, a missing term) is taken after every other tensor's verdict,
+    so a buggy model's verdict costs about what a correct one's does. Those tensors are yielded last.
 
     Args:
         targets: ``(key, name, tensor, {term: gradient})`` per tensor (``"total"`` is the full objective).
@@ -264,6 +267,17 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
     Yields:
         A :class:`Judged` per tensor (a caller keeps those judged before an evaluation raised).
     """
+    # The module form: joint probes first settle the unit's tensors whose shares show their errors. They need no
+    # evaluation at the point (a central difference only): evaluations that differ from call to call would make
+    # them disagree beyond the EXCELLENT band, and every tensor they leave goes the way below.
+    joint = joint_detect(targets, evaluate, settings, seed) if probe_batch is None else {}
+    if joint and all(key in joint for key, _, _, _ in targets):
+        for key, name, p, _ in targets:
+            record, outcome = joint[key]
+            yield Judged(key, _summarize(name, tuple(p.shape), [record], [outcome], "total", settings))
+        if on_verdict is not None:
+            on_verdict()
+        return
     # The first evaluation records the non-smooth ops the forward runs (kinks seen from the forward).
     allowed = allowed_jitter(settings.eval_eps, settings.magnitude)
     j_a = forward_kinks(evaluate).evaluate_base() if settings.detect_kinks else evaluate()
@@ -288,7 +302,10 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
             continue
         batch = probe_batch if probe_batch is not None and probe_batch.wants(key) else None
         evaluate.focus(p)
-        detected = detect(name, p, grads, evaluate, j0, settings, seed, batch) if settings.detection_first else None
+        if key in joint:
+            detected: Optional[Detection] = Detection(*joint[key], settled=True)
+        else:
+            detected = detect(name, p, grads, evaluate, j0, settings, seed, batch) if settings.detection_first else None
         if detected is not None and detected.confirmed:
             failing.append((key, name, p, grads, batch, detected))
             continue

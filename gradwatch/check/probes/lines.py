@@ -269,6 +269,17 @@ def _probe(p: torch.Tensor, saved: torch.Tensor, grads: Dict[str, torch.Tensor],
     return terms, lin
 
 
+def perturb(p: torch.Tensor, saved: torch.Tensor, grads: Dict[str, torch.Tensor], sample: Sample, t: float) -> Terms:
+    """Write ``θ + t·v`` into ``p`` and return the analytic linear prediction per term for the perturbation applied
+    (undone by :func:`restore_line`); for probes that perturb several tensors before one evaluation."""
+    return _lin(p, saved, grads, sample, t, _apply(p, saved, sample, t))
+
+
+def restore_line(p: torch.Tensor, saved: torch.Tensor, sample: Sample) -> None:
+    """Undo :func:`perturb` exactly."""
+    _restore(p, saved, sample)
+
+
 def central_probe(p, saved, grads, sample, t, evaluate) -> Tuple[Terms, Terms, Terms, Terms]:
     """Both sides of a central difference; ``p`` is written twice and restored once."""
     if torch.is_grad_enabled():

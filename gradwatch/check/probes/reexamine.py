@@ -356,7 +356,7 @@ def screen(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Ter
     if not (math.isfinite(a_t) and math.isfinite(n_t)) or not settings.detect_kinks:
         return out, screened(out, settings)
     # Only where the objective's terms are known (the module form): no product over the tensor elsewhere.
-    probable = None if settings.term_norm is None else probable_floor(settings, sample.step, _param_norm(saved, grads))
+    probable = None if settings.term_norm is None else probable_floor(settings, sample.step, param_norm(saved, grads))
     if probable is not None and probable < out.floor and screened(replace(out, floor=probable), settings):
         # The worst-case floor kept it from settling; the rounding it really carries does not (see probable_floor).
         return out, True
@@ -369,7 +369,7 @@ def screen(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Ter
     return out, screened(out, settings)
 
 
-def _param_norm(saved: torch.Tensor, grads: Dict[str, torch.Tensor]) -> float:
+def param_norm(saved: torch.Tensor, grads: Dict[str, torch.Tensor]) -> float:
     """The norm of the tensor's entries' contributions to the objective (gradient times value, entry by entry)."""
     g = grads["total"]
     return float(torch.linalg.vector_norm(g.to(torch.float64) * saved.to(torch.float64))) \
