@@ -436,8 +436,9 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
         children = {}
         out_bytes = 0
         need = got.big[unit.name] * 2 * MODULE_BYTES_PER_ENTRY // 8  # float32 to float64, then its copies
-    if room is not None and need > room and solo is not None and full_room is not None and rows is None \
-            and need <= full_room - _live_bytes(got.inputs.get(unit.name)) - _live_bytes(got.children.get(unit.name)):
+    if room is not None and solo is not None and full_room is not None and \
+            _alone(unit, rows, need, dtype, room, full_room - _live_bytes(got.inputs.get(unit.name))
+                   - _live_bytes(got.children.get(unit.name))):
         solo.append(piece)
         return estimate, unused
     if room is not None and need > room:
@@ -739,6 +740,17 @@ def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs:
                               constants=constants, screen=screen)
     result.type = kind
     return result, probed
+
+
+def _alone(unit: Unit, rows: Optional[Tuple[int, int]], need: int, dtype: torch.dtype, room: int, alone: int) -> bool:
+    """Whether a piece is better checked alone, with only its own captures beside it (``alone`` bytes of room), than
+    now (``room``): a whole piece, or a Linear or Embedding subclass's block (checked in place at its full size: two
+    ``dtype`` copies of its weight more, :func:`_check_piece`), that fits only there."""
+    if rows is not None:
+        if not isinstance(unit.module, (nn.Linear, nn.Embedding)) or faithful_rows(unit.module):
+            return False
+        need += 2 * _numel([unit.module.weight]) * dtype.itemsize
+    return room < need <= alone
 
 
 def units_signature(model: nn.Module) -> Tuple:
