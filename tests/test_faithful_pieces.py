@@ -155,3 +155,19 @@ def test_a_piece_the_room_did_not_hold_is_taken_first_by_the_next_check():
     fresh = Planner()
     fresh.module_pieces(model, loss, batch, names, key=("k",))
     assert [p for p in fresh.module_pieces(model, loss, batch, names, key=("k",))[1]] == second[1:]
+
+
+def test_a_subclass_block_that_fits_only_alone_is_checked_alone():
+    # a block of a subclass is checked in place: two float64 copies of its whole weight beside the block's own need;
+    # where those fit only without the other units' captures, the block waits to be checked alone
+    from gradwatch.check.modules.module_form import _alone
+    from gradwatch.plan.units import Unit
+
+    sub, plain = Unit("head", TiledLinear(48, 600)), Unit("head", nn.Linear(48, 600))
+    copies = 2 * 48 * 600 * 8
+    need = 10_000
+    assert _alone(sub, (0, 256), need, torch.float64, room=copies, alone=need + copies)
+    assert not _alone(sub, (0, 256), need, torch.float64, room=need + copies, alone=need + copies)  # fits now
+    assert not _alone(sub, (0, 256), need, torch.float64, room=copies, alone=copies)  # fits nowhere: said over the room
+    assert not _alone(plain, (0, 256), need, torch.float64, room=need, alone=10 * need)  # a slice needs no copies
+    assert _alone(plain, None, need, torch.float64, room=need - 1, alone=need)  # a whole piece, as before
