@@ -171,3 +171,42 @@ def test_a_subclass_block_that_fits_only_alone_is_checked_alone():
     assert not _alone(sub, (0, 256), need, torch.float64, room=copies, alone=copies)  # fits nowhere: said over the room
     assert not _alone(plain, (0, 256), need, torch.float64, room=need, alone=10 * need)  # a slice needs no copies
     assert _alone(plain, None, need, torch.float64, room=need - 1, alone=need)  # a whole piece, as before
+
+
+class FirstRowsMatmul(torch.autograd.Function):
+    """``x @ w.T + b`` whose weight gradient is 20% off in the first 4 output rows."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        return x @ w.T + b
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        gw = g2.T @ x2
+        return g @ w, torch.cat([1.2 * gw[:4], gw[4:]]), g2.sum(0)
+
+
+class FirstRowsLinear(nn.Linear):
+    def forward(self, x):
+        return FirstRowsMatmul.apply(x, self.weight, self.bias)
+
+
+@pytest.mark.parametrize("order", [0, 1])
+def test_a_failing_block_is_not_hidden_by_a_later_block_of_the_same_check(order):
+    # two blocks of one weight in one check: the report keeps the failing one, whichever comes last
+    from gradwatch.check.modules.module_form import run_module_check
+    from gradwatch.check.objective.terms import Objective
+    from gradwatch.options import CheckOptions
+    from gradwatch.plan.cycle import Piece
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(24, 48), nn.Tanh(), FirstRowsLinear(48, 600))
+    batch = (torch.randn(16, 24), torch.randint(0, 600, (16,)))
+    pieces = [Piece("2", (0, 200)), Piece("2", (200, 400))][::1 if order == 0 else -1]
+    report = run_module_check(m, Objective(loss_fn), batch, CheckOptions(), pieces=pieces, screen=True)
+    assert [str(p) for p in pieces] == report.pieces
+    assert report.tensors["2.weight"].failed, report.tensors["2.weight"]
+    assert sum(c.failed for c in report.localized) == 1

@@ -52,7 +52,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from gradwatch.check.judging.report import OVER_ROOM, CheckReport
+from gradwatch.check.judging.report import OVER_ROOM, CheckReport, InconclusiveKind, TensorCheck
 from gradwatch.check.modules.localize import ModuleCheck, check_module, copy_opaque, map_tensors
 from gradwatch.check.modules.own_code import LossCode, ModelStub, OwnCode, RowsInPlace, embedding_rows_copy, own_code_copy, rows_copy
 from gradwatch.check.objective.dropout_off import dropout_off
@@ -493,7 +493,7 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
         else:
             name = f"{unit.name}.{key}" if unit.name else key
         tc.name = name
-        report.tensors[name] = tc
+        report.tensors[name] = worse(report.tensors.get(name), tc)
     if result.inconclusive:
         report.notes.append(f"module form: {result.label} not checked: {result.inconclusive}")
     return estimate, unused
@@ -502,6 +502,28 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
 #: A piece's check that needs this much gives what it freed back to the system before the next piece (glibc's
 #: ``malloc_trim`` walks the whole heap: about a millisecond, more than a small piece's check itself).
 TRIM_BYTES = 32 << 20
+
+def worse(kept: Optional[TensorCheck], new: TensorCheck) -> TensorCheck:
+    """The check a tensor is reported with when several pieces of one check judged it (blocks of its rows): a
+    failing one, then one whose values are not finite, then a judged one, then the larger judged difference.
+
+    Example:
+        >>> from gradwatch.bands import Verdict
+        >>> ok = TensorCheck("w", (4, 2), rel_diff=0.0, max_rel_error=0.0, verdict=Verdict.EXCELLENT)
+        >>> bad = TensorCheck("w", (4, 2), rel_diff=0.06, max_rel_error=0.2, verdict=Verdict.WRONG, failed=True,
+        ...                   judged_rel_diff=0.06)
+        >>> worse(worse(None, bad), ok) is bad and worse(ok, bad) is bad
+        True
+    """
+    if kept is None:
+        return new
+
+    def rank(tc: TensorCheck) -> Tuple[bool, bool, bool, float]:
+        return (tc.failed, tc.inconclusive_kind is InconclusiveKind.NONFINITE, tc.verdict is not None,
+                tc.judged_rel_diff if math.isfinite(tc.judged_rel_diff) else math.inf)
+
+    return new if rank(new) > rank(kept) else kept
+
 
 #: Why an embedding slice was not checked: the batch uses none of its rows (they count as unreached).
 NO_TOKEN = "the batch uses no token of these rows"
