@@ -37,7 +37,11 @@ from gradwatch.check.probes.lines import (
 from gradwatch.check.probes.reexamine import base_step, param_norm, screen_sample
 
 #: Largest memory the joint probe holds beyond what one tensor's probe holds (copies and directions of the
-#: unit's other tensors); a unit over it is probed tensor by tensor.
+#: unit's other tensors) and beyond what the room already counts for them; a unit over it is probed tensor by tensor.
+#: A parameter's or a called module's output's entries are counted at 48 bytes each where the room is sized
+#: (:data:`gradwatch.plan.memory.MODULE_BYTES_PER_ENTRY`: their copy, gradient, the engine's saved copy and a
+#: transient as large), so their saved copy and direction (16 bytes an entry) are held within it; a unit's
+#: inputs are counted three times (captured, working, fresh per call), with no room for a copy more.
 JOINT_EXTRA_BYTES = 16 << 20
 #: Longest joint step, in detection steps (``eps^(1/3)`` of each tensor's scale): a central difference's curvature
 #: error grows with the step's square, about 1e-9 of the slope at 8 times the detection step for a smooth unit.
@@ -94,7 +98,8 @@ def joint_detect(targets: Sequence[Target], evaluate: Evaluator, settings: Engin
         if sample is not None:
             lines.append((key, p, grads, sample, p))
     sizes = [p.numel() * p.element_size() * 2 for _, p, _, _, _ in lines]
-    if not lines or sum(sizes) - max(sizes) > JOINT_EXTRA_BYTES:
+    counted = sum(size for size, (key, _, _, _, _) in zip(sizes, lines) if not key.startswith("input"))
+    if not lines or sum(sizes) - max(sizes) > JOINT_EXTRA_BYTES + counted:
         return {}
     with torch.no_grad():
         lines = [(key, p, grads, sample, p.detach().clone()) for key, p, grads, sample, _ in lines]
