@@ -46,6 +46,28 @@ class WrongTanh(torch.autograd.Function):
         return g * (1 - y)
 
 
+class ScaledAffine(torch.autograd.Function):
+    """``x @ w.T + b`` whose gradients are off: input, weight and bias scaled by ``factors``, and the weight's
+    output rows ``rows`` (a slice, or None) by ``row_factor`` more (a kernel that treats some rows apart)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, factors=(1.0, 1.0, 1.0), rows=None, row_factor=1.0):
+        ctx.save_for_backward(x, w)
+        ctx.factors, ctx.rows, ctx.row_factor = factors, rows, row_factor
+        return x @ w.T + b
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        fx, fw, fb = ctx.factors
+        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        gw = g2.T @ x2 * fw
+        if ctx.rows is not None and ctx.row_factor != 1.0:
+            gw = gw.clone()
+            gw[ctx.rows] *= ctx.row_factor
+        return g @ w * fx, gw, g2.sum(0) * fb, None, None, None
+
+
 class Act(nn.Module):
     """tanh, or with ``wrong`` the :class:`WrongTanh` whose backward is wrong."""
 

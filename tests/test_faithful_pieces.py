@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import ScaledAffine
 from torch import nn
 
 from gradwatch import GradWatch
@@ -24,25 +25,6 @@ from gradwatch.plan.memory import peak_bytes
 from gradwatch.plan.units import faithful_rows
 
 TILE = 512  # rows past the last full tile of 512 take the kernel's other path
-
-
-class TiledMatmul(torch.autograd.Function):
-    """``x @ w.T + b``; with ``bug`` the weight gradient of the rows past the last full tile is 20% off."""
-
-    @staticmethod
-    def forward(ctx, x, w, b, bug):
-        ctx.save_for_backward(x, w)
-        ctx.bug = bug
-        return x @ w.T + b
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-        gw = g2.T @ x2
-        if ctx.bug and w.shape[0] > TILE:
-            gw = torch.cat([gw[:TILE], 1.2 * gw[TILE:]])
-        return g @ w, gw, g2.sum(0), None
 
 
 class TiledLinear(nn.Linear):
@@ -53,7 +35,8 @@ class TiledLinear(nn.Linear):
         self.bug = bug
 
     def forward(self, x):
-        return TiledMatmul.apply(x, self.weight, self.bias, self.bug)
+        # with ``bug`` the weight gradient of the rows past the last full tile is 20% off
+        return ScaledAffine.apply(x, self.weight, self.bias, (1.0, 1.0, 1.0), slice(TILE, None), 1.2 if self.bug else 1.0)
 
 
 def model(bug: bool, width: int = 600) -> nn.Module:
@@ -173,25 +156,11 @@ def test_a_subclass_block_that_fits_only_alone_is_checked_alone():
     assert _alone(plain, None, need, torch.float64, room=need - 1, alone=need)  # a whole piece, as before
 
 
-class FirstRowsMatmul(torch.autograd.Function):
-    """``x @ w.T + b`` whose weight gradient is 20% off in the first 4 output rows."""
-
-    @staticmethod
-    def forward(ctx, x, w, b):
-        ctx.save_for_backward(x, w)
-        return x @ w.T + b
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-        gw = g2.T @ x2
-        return g @ w, torch.cat([1.2 * gw[:4], gw[4:]]), g2.sum(0)
-
-
 class FirstRowsLinear(nn.Linear):
+    """A Linear whose weight gradient is 20% off in its first 4 output rows."""
+
     def forward(self, x):
-        return FirstRowsMatmul.apply(x, self.weight, self.bias)
+        return ScaledAffine.apply(x, self.weight, self.bias, (1.0, 1.0, 1.0), slice(0, 4), 1.2)
 
 
 @pytest.mark.parametrize("order", [0, 1])

@@ -12,6 +12,7 @@ from typing import Tuple
 
 import pytest
 import torch
+from helpers import ScaledAffine
 from torch import nn
 
 from gradwatch.bands import Verdict
@@ -19,25 +20,6 @@ from gradwatch.check.modules.localize import check_module
 from gradwatch.check.probes.joint import balance, joint_detect
 from gradwatch.check.probes.lines import EngineSettings, Evaluator
 from gradwatch.options import CheckOptions
-
-
-class _Affine(torch.autograd.Function):
-    """``x @ w.T + b`` whose gradients for (input, weight, bias) are scaled by ``factors``."""
-
-    @staticmethod
-    def forward(ctx, x, w, b, factors):
-        ctx.save_for_backward(x, w)
-        ctx.factors = factors
-        return x @ w.T + b
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        fx, fw, fb = ctx.factors
-        gx = g @ w * fx
-        gw = g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1]) * fw
-        gb = g.reshape(-1, g.shape[-1]).sum(0) * fb
-        return gx, gw, gb, None
 
 
 class Affine(nn.Module):
@@ -50,7 +32,7 @@ class Affine(nn.Module):
         self.factors = factors
 
     def forward(self, x):
-        return torch.tanh(_Affine.apply(x, self.weight, self.bias, self.factors))
+        return torch.tanh(ScaledAffine.apply(x, self.weight, self.bias, self.factors))
 
 
 def _check(d_in: int, d_out: int, batch: int, factors=(1.0, 1.0, 1.0), seed: int = 0):
