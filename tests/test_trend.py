@@ -318,3 +318,16 @@ def test_trend_module_is_pure():
             imported.add(("." * node.level) + (node.module or ""))
     assert imported <= {"__future__", "math", "statistics", "dataclasses", "typing", "gradwatch.errors", "gradwatch.bands",
                         "gradwatch.options", "gradwatch.check.judging.report"}
+
+
+def test_a_piece_over_the_room_once_is_said_at_its_second_time_across_a_resume():
+    # the first time over the room is not said (the next check takes the piece first); a run resumed from its
+    # state between the two times says it at the second, as the run that went on would have
+    from gradwatch.watch.trend import NotChecked
+
+    room = NotChecked("backward", "head", "needs about 9 MB, over the room memory_budget leaves (4 MB)", "...")
+    first = TrendTracker()
+    assert first.not_checked(0, [room]) == []
+    resumed = TrendTracker()
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert [a.kind for a in resumed.not_checked(1, [room])] == ["not_checked"]

@@ -388,6 +388,7 @@ class TrendTracker:
             ],
             "alert_counts": dict(self._alert_counts),
             "not_checked": [list(k) for k in sorted(self._not_checked)],
+            "over_room_once": [list(k) for k in sorted(self._over_room_once)],
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -430,6 +431,7 @@ class TrendTracker:
         }
         self._alert_counts = {name: int(n) for name, n in state["alert_counts"].items()}
         self._not_checked = {tuple(str(x) for x in k) for k in state.get("not_checked", [])}  # absent in older states
+        self._over_room_once = {tuple(str(x) for x in k) for k in state.get("over_room_once", [])}  # likewise
 
     # ------------------------------------------------------------------ internals
 
