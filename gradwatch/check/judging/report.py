@@ -429,6 +429,28 @@ def _localized_lines(localized: List[Any], failed_only: bool = False) -> List[st
     return [f"localized: {c.summary() if hasattr(c, 'summary') else c}" for c in failed]
 
 
+def worse(kept: Optional[TensorCheck], new: TensorCheck) -> TensorCheck:
+    """The check a tensor is reported with when several checks of one step judged it (blocks of its rows in the
+    module form, or ranks' shares): a failing one, then one whose values are not finite, then a judged one, then the
+    larger judged difference.
+
+    Example:
+        >>> ok = TensorCheck("w", (4, 2), rel_diff=0.0, max_rel_error=0.0, verdict=Verdict.EXCELLENT)
+        >>> bad = TensorCheck("w", (4, 2), rel_diff=0.06, max_rel_error=0.2, verdict=Verdict.WRONG, failed=True,
+        ...                   judged_rel_diff=0.06)
+        >>> worse(worse(None, bad), ok) is bad and worse(ok, bad) is bad
+        True
+    """
+    if kept is None:
+        return new
+
+    def rank(tc: TensorCheck) -> Tuple[bool, bool, bool, float]:
+        return (tc.failed, tc.inconclusive_kind is InconclusiveKind.NONFINITE, tc.verdict is not None,
+                tc.judged_rel_diff if math.isfinite(tc.judged_rel_diff) else math.inf)
+
+    return new if rank(new) > rank(kept) else kept
+
+
 def _badness(t: TensorCheck) -> float:
     if t.verdict is None:
         return -1.0

@@ -52,7 +52,7 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from gradwatch.check.judging.report import OVER_ROOM, CheckReport, InconclusiveKind, TensorCheck
+from gradwatch.check.judging.report import OVER_ROOM, CheckReport, worse
 from gradwatch.check.modules.localize import ModuleCheck, check_module, copy_opaque, map_tensors
 from gradwatch.check.modules.own_code import LossCode, ModelStub, OwnCode, RowsInPlace, embedding_rows_copy, own_code_copy, rows_copy
 from gradwatch.check.objective.dropout_off import dropout_off
@@ -503,27 +503,6 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
 #: ``malloc_trim`` walks the whole heap: about a millisecond, more than a small piece's check itself).
 TRIM_BYTES = 32 << 20
 
-def worse(kept: Optional[TensorCheck], new: TensorCheck) -> TensorCheck:
-    """The check a tensor is reported with when several pieces of one check judged it (blocks of its rows): a
-    failing one, then one whose values are not finite, then a judged one, then the larger judged difference.
-
-    Example:
-        >>> from gradwatch.bands import Verdict
-        >>> ok = TensorCheck("w", (4, 2), rel_diff=0.0, max_rel_error=0.0, verdict=Verdict.EXCELLENT)
-        >>> bad = TensorCheck("w", (4, 2), rel_diff=0.06, max_rel_error=0.2, verdict=Verdict.WRONG, failed=True,
-        ...                   judged_rel_diff=0.06)
-        >>> worse(worse(None, bad), ok) is bad and worse(ok, bad) is bad
-        True
-    """
-    if kept is None:
-        return new
-
-    def rank(tc: TensorCheck) -> Tuple[bool, bool, bool, float]:
-        return (tc.failed, tc.inconclusive_kind is InconclusiveKind.NONFINITE, tc.verdict is not None,
-                tc.judged_rel_diff if math.isfinite(tc.judged_rel_diff) else math.inf)
-
-    return new if rank(new) > rank(kept) else kept
-
 
 #: Why an embedding slice was not checked: the batch uses none of its rows (they count as unreached).
 NO_TOKEN = "the batch uses no token of these rows"
@@ -697,9 +676,8 @@ def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs:
             local = OwnCode(inner, stubs)
             kind += ", own code"
             probed = [(names[k], None) for k in unit.params] + [(unit.name, "code")]
-        elif rows is not None and not faithful_rows(unit.module) and \
-                2 * _numel([unit.module.weight]) * dtype.itemsize > faithful_room:
-            full = 2 * _numel([unit.module.weight]) * dtype.itemsize
+        elif rows is not None and not faithful_rows(unit.module) and _in_place_bytes(unit.module, dtype) > faithful_room:
+            full = _in_place_bytes(unit.module, dtype)
             return ModuleCheck(name=unit.name, type=f"{kind} rows {rows[0]}:{rows[1]}", calls=unit.calls, inconclusive=(
                 f"its own forward is checked at its full size (a slice of its rows would run another computation), "
                 f"which needs about {mb(full)}, {OVER_ROOM}")), []
@@ -771,8 +749,14 @@ def _alone(unit: Unit, rows: Optional[Tuple[int, int]], need: int, dtype: torch.
     if rows is not None:
         if not isinstance(unit.module, (nn.Linear, nn.Embedding)) or faithful_rows(unit.module):
             return False
-        need += 2 * _numel([unit.module.weight]) * dtype.itemsize
+        need += _in_place_bytes(unit.module, dtype)
     return room < need <= alone
+
+
+def _in_place_bytes(module: nn.Module, dtype: torch.dtype) -> int:
+    """What checking a block of a Linear or Embedding subclass in place adds: two ``dtype`` copies of its whole weight
+    (:class:`~gradwatch.check.modules.own_code.RowsInPlace`)."""
+    return 2 * _numel([module.weight]) * dtype.itemsize
 
 
 def units_signature(model: nn.Module) -> Tuple:

@@ -90,19 +90,19 @@ def joint_detect(targets: Sequence[Target], evaluate: Evaluator, settings: Engin
     if settings.term_norm is None or not settings.detection_first:
         return {}
     h = base_step(settings)
-    lines: List[Line] = []
+    drawn = []
     for key, name, p, grads in targets:
         if set(grads) != {"total"} or not p.is_floating_point() or not all_finite(grads["total"]):
             continue
         sample = screen_sample(name, p, settings, seed, h)
         if sample is not None:
-            lines.append((key, p, grads, sample, p))
-    sizes = [p.numel() * p.element_size() * 2 for _, p, _, _, _ in lines]
-    counted = sum(size for size, (key, _, _, _, _) in zip(sizes, lines) if not key.startswith("input"))
-    if not lines or sum(sizes) - max(sizes) > JOINT_EXTRA_BYTES + counted:
+            drawn.append((key, p, grads, sample))
+    sizes = [p.numel() * p.element_size() * 2 for _, p, _, _ in drawn]
+    counted = sum(size for size, (key, _, _, _) in zip(sizes, drawn) if not key.startswith("input"))
+    if not drawn or sum(sizes) - max(sizes) > JOINT_EXTRA_BYTES + counted:
         return {}
     with torch.no_grad():
-        lines = [(key, p, grads, sample, p.detach().clone()) for key, p, grads, sample, _ in lines]
+        lines: List[Line] = [(key, p, grads, sample, p.detach().clone()) for key, p, grads, sample in drawn]
         for _, _, grads, sample, saved in lines:
             prepare_slopes([sample], saved, grads)
     settled: Dict[str, Tuple[Sample, Outcome]] = {}
