@@ -378,6 +378,21 @@ def test_merge_reports_orders_tensors_and_keeps_nonfinite():
     assert merged.nonfinite and merged.objective != merged.objective and not merged.ok
 
 
+def test_merge_reports_keeps_a_ranks_failing_verdict_whatever_rank_comes_after():
+    # ranks judge different rows of one weight (DDP splits the pieces, FSDP2 checks each rank's shard): the merged
+    # report keeps the failing one, not the last rank's
+    from gradwatch import CheckReport, TensorCheck
+    from gradwatch.bands import Verdict
+    from gradwatch.watch.distributed import merge_reports
+
+    bad = TensorCheck("w", (4, 2), 0.06, 0.2, judged_rel_diff=0.06, verdict=Verdict.WRONG, failed=True)
+    ok = TensorCheck("w", (4, 2), 0.0, 0.0, verdict=Verdict.EXCELLENT)
+    for ranks in ((bad, ok), (ok, bad)):
+        reports = [(r, CheckReport(tensors={"w": t}, objective=1.0, terms={"loss": 1.0})) for r, t in enumerate(ranks)]
+        merged = merge_reports(reports, ["w"], None)
+        assert merged.tensors["w"] is bad and not merged.ok
+
+
 def test_coordinator_shares_gathers_and_merges_only():
     """The seam of issue 13: the coordinator neither imports the GradWatch facade nor reaches into it."""
     import ast

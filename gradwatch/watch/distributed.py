@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradwatch.check.independence.report import merge_ranks
-from gradwatch.check.judging.report import CheckReport
+from gradwatch.check.judging.report import CheckReport, TensorCheck, worse
 from gradwatch.errors import GradWatchError, blamed
 from gradwatch.watch.wrappers import unwrap_model  # noqa: F401  (its home was here: old imports still work)
 
@@ -503,17 +503,18 @@ def _worse(a: Any, b: Any) -> bool:
 def merge_reports(reports: Sequence[Any], order: Sequence[str], opts: Any) -> CheckReport:
     """One :class:`CheckReport` from the per-rank reports of one check (``[(rank, report), ...]``).
 
-    Tensors come in ``order``; the objective and terms are rank 0's (each rank
+    Tensors come in ``order``, each with the worse of the ranks' verdicts on it
+    (:func:`~gradwatch.check.judging.report.worse`); the objective and terms are rank 0's (each rank
     evaluates its own batch), unless some rank's objective is not finite;
     evaluations add up; seconds is the slowest rank's.
     """
     ranked = sorted(reports, key=lambda rr: rr[0])
     first = ranked[0][1]
-    tensors = {}
-    for name in order:
+    tensors: Dict[str, TensorCheck] = {}
+    for name in order:  # ranks that judged other rows of one tensor (pieces split, FSDP2 shards): the worse verdict
         for _, r in ranked:
             if name in r.tensors:
-                tensors[name] = r.tensors[name]
+                tensors[name] = worse(tensors.get(name), r.tensors[name])
     for _, r in ranked:  # anything not in order (should not happen), after
         for name, t in r.tensors.items():
             tensors.setdefault(name, t)
