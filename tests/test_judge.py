@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import gradwatch
+from gradwatch.bands import Verdict
 from gradwatch.check.judging.judge import BandRule, Slope, ToleranceRule, base_point, judge
 from gradwatch.check.judging.report import InconclusiveKind
 from gradwatch.check.modules.localize import check_module
@@ -112,3 +113,42 @@ def test_the_base_point_tells_not_finite_from_nondeterministic():
     assert base_point(1.0, math.nan, 1e-12)[1] is InconclusiveKind.NONDETERMINISTIC
     jitter, kind, why = base_point(1.0, 1.0 + 1e-15, 1e-12)
     assert kind is None and why is None and jitter == pytest.approx(1e-15, rel=0.2)
+
+
+def test_a_disagreement_only_the_noise_floor_excuses_is_not_agreement():
+    """Every line's floor above its slopes (float32 over a large output): inconclusive, never EXCELLENT."""
+    lost = [Slope(0.0, 0.13, floor=129.0, coordinate=False, label=("d", 0)),
+            Slope(0.0, -0.06, floor=129.0, coordinate=False, label=("d", 1))]
+    t = judge("emb.weight", (8000, 256), lost, BandRule(), step=1e-3)
+    assert t.verdict is None and not t.failed
+    assert t.inconclusive_kind is InconclusiveKind.BELOW_RESOLUTION
+    assert "1.3e+02" in t.inconclusive and "dtype=float64" in t.inconclusive
+    # One line that resolves (its floor far below its slopes) and agrees: the tensor is judged, a lost
+    # coordinate of a zero gradient beside it notwithstanding.
+    resolved = [Slope(0.18, 0.18 + 1e-12, floor=1e-9, coordinate=False, label=("d", 0)),
+                Slope(-1.6e-17, 0.0, floor=1e-9, coordinate=True, label=(3,))]
+    assert judge("head.bias", (4,), resolved, BandRule(), step=1e-6).verdict is Verdict.EXCELLENT
+    # Lost lines that agree closely: the floor was pessimistic, the agreement stands.
+    agreeing = [Slope(0.13, 0.13 + 1e-9, floor=129.0, coordinate=False, label=("d", 0))]
+    assert judge("w", (3,), agreeing, BandRule(), step=1e-3).verdict is Verdict.EXCELLENT
+
+
+def test_float32_module_check_of_a_dropped_rare_row_is_inconclusive_and_float64_finds_it():
+    """A custom backward that drops a rare row's gradient, checked at its real size (8,000 x 256, batch 8 x 128):
+    in float32 the floor (about 130) swamps slopes of about 0.1, so it is not judged; float64 says WRONG."""
+    from pathlib import Path
+
+    from gradwatch.check.modules.own_code import RowsInPlace
+    from gradwatch.cli import commands
+
+    rare_drop = commands.load_bench(Path(__file__).resolve().parents[1] / "benchmarks" / "real_size.py").RareDropEmbedding
+    verdicts = {}
+    for dtype in (torch.float32, torch.float64):
+        torch.manual_seed(0)
+        block = RowsInPlace(rare_drop(8000, 256, rare_from=None), torch.arange(7750, 8000), dtype)
+        ids = torch.randint(0, 7000, (8, 128))
+        ids[0, 0] = 7995  # seen once in the batch: its gradient is dropped
+        t = check_module("tok", block, (ids,), {}, CheckOptions(), restore=False, screen=True).tensors["block"]
+        verdicts[dtype] = (t.verdict, t.inconclusive_kind)
+    assert verdicts[torch.float32] == (None, InconclusiveKind.BELOW_RESOLUTION), verdicts
+    assert verdicts[torch.float64] == (Verdict.WRONG, None), verdicts

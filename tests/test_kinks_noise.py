@@ -123,7 +123,7 @@ def test_float32_in_place_no_false_alarms(kind, seed):
     # float32 cannot resolve every kink: those tensors say so instead of failing.
     inconclusive = [t for r in reports for t in r.tensors.values() if t.verdict is None]
     for t in inconclusive:
-        assert "low-precision central differences can resolve" in t.inconclusive
+        assert "central differences can resolve" in t.inconclusive or "in this precision can resolve" in t.inconclusive
         assert "dtype=float64" in t.inconclusive
         assert not t.failed
     assert counts[Verdict.EXCELLENT] + counts[Verdict.ACCEPTABLE] > len(inconclusive)

@@ -252,6 +252,18 @@ def _by_bands(check: TensorCheck, slopes: Sequence[Slope], kept: List[Slope], ru
         )
         check.inconclusive_kind = InconclusiveKind.LOW_PRECISION
         return check
+    if not verdict.is_failure(rule.fail_at) and math.isfinite(raw) and raw > rule.bands[-1] and _swamped(kept, rule):
+        # Only the noise floors excuse a disagreement in the WRONG band, and no line resolves a 1% error: the
+        # rounding of central differences in this precision is larger than the slopes themselves (a float32
+        # objective summed over a large output), so the lines could not have shown an error. That is not agreement.
+        check.inconclusive = (
+            f"the sampled slopes disagree by {raw:.1e} (relative), by less than central differences in this "
+            f"precision can resolve (a noise floor of {check.noise_floor:.1e} against slopes of "
+            f"{max((abs(s.analytic) + abs(s.numeric) for s in kept), default=0.0):.1e}): an error of that size "
+            "cannot be told from the rounding; in float32 check with dtype=float64 (the default shadow copy) to judge it"
+        )
+        check.inconclusive_kind = InconclusiveKind.BELOW_RESOLUTION
+        return check
     if unresolved and not verdict.is_failure(rule.fail_at):
         # The resolvable samples pass, but some disagreed by less than this precision can resolve.
         check.inconclusive = (
@@ -267,6 +279,13 @@ def _by_bands(check: TensorCheck, slopes: Sequence[Slope], kept: List[Slope], ru
     if check.failed:
         _explain(check, ca + da, cn + dn, check.noise_floor)
     return check
+
+
+def _swamped(kept: Sequence[Slope], rule: BandRule) -> bool:
+    """True when every line's noise floor is as large as the WRONG band of its own slopes: none could show an
+    error of that size (a line with a floor that was not measured resolves)."""
+    return bool(kept) and all(math.isfinite(s.floor) and s.floor >= rule.bands[-1] * (abs(s.analytic) + abs(s.numeric))
+                              for s in kept)
 
 
 def _by_tolerance(check: TensorCheck, slopes: Sequence[Slope], kept: List[Slope], rule: ToleranceRule) -> TensorCheck:

@@ -225,7 +225,7 @@ def resolves(outcomes: Sequence[Outcome], settings: EngineSettings) -> bool:
 def below_resolution(check: TensorCheck, flat: bool = False) -> None:
     """Mark a passing tensor that no sample could resolve (:func:`resolves`) as inconclusive, not as agreeing;
     ``flat``: the objective did not move at all at the widest step (:func:`flat_at_widest`)."""
-    if check.failed or check.inconclusive is not None:
+    if check.failed or (check.inconclusive is not None and check.inconclusive_kind is not InconclusiveKind.BELOW_RESOLUTION):
         return
     slopes = [abs(v) for v in check.analytic + check.numeric + check.dir_analytic + check.dir_numeric]
     check.verdict = None
