@@ -20,11 +20,11 @@ pytestmark = pytest.mark.slow  # subprocesses of the benchmarks
 
 
 def test_gpt2_with_its_real_vocabulary_a_softmax_bug_in_attention_is_caught_and_named():
-    row = real_size._spawn("gpt2", "softmax", 2, threads=1)
-    assert row["forms"] == ["module"] and row["caught_at_check"] == 0, row
+    # whole units are spread over the K = 8 checks the LM head's blocks take: caught within K
+    row = real_size._spawn("gpt2", "softmax", 8, threads=1)
+    assert row["forms"] == ["module"] and row["caught_at_check"] is not None and row["caught_at_check"] < 8, row
     assert row["named"] and all(n.startswith("transformer.h.0.attn") for n in row["named"])
-    assert row["alerts_on_other_modules"] == []
-    assert row["backward_coverage_zero"] == [] and row["training_coverage_zero"] == []
+    assert row["alerts_on_other_modules"] == [] and row["training_coverage_zero"] == []
     assert row["unreached_rows"]["transformer.wte.weight"] > 49_000  # 128 tokens reach few of 50,257 rows
 
 
@@ -39,13 +39,15 @@ def test_lora_gpt2_a_softmax_bug_in_the_frozen_attention_is_caught_through_the_a
 
 @pytest.mark.parametrize("bug", ["none", "softmax"])
 def test_nanogpt_with_a_50304_vocabulary(bug):
-    row = real_size._spawn("nanogpt", bug, 2, threads=1)
+    row = real_size._spawn("nanogpt", bug, 8, threads=1)  # K = 8 checks: every unit and row block once
     assert row["forms"] == ["module"], row
     if bug == "none":
         assert row["alerts"] == 0 and row["caught_at_check"] is None, row
+        assert row["backward_coverage_zero"] == [] and row["training_coverage_zero"] == [], row
     else:
-        assert row["caught_at_check"] == 0 and row["alerts_on_other_modules"] == [], row
-    assert row["cycle_length"] == 8 and row["backward_coverage_zero"] == []
+        assert row["caught_at_check"] is not None and row["caught_at_check"] < 8, row
+        assert row["alerts_on_other_modules"] == [], row
+    assert row["cycle_length"] == 8
 
 
 LORA_OBJECTIVE = """

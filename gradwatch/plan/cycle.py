@@ -5,7 +5,8 @@ rows (a Linear's output rows, an Embedding's token rows), in slices of at most
 :data:`ROWS_PER_SLICE` rows: small enough that an error in a few rows stands above the noise of
 the slice's random directions. Each check takes
 
-- the next ``per_check`` whole units in model order (all of them when ``per_check`` is 0), and
+- the next ``per_check`` whole units in model order (when ``per_check`` is 0: all of them where nothing is
+  sliced, else as many as spread them evenly over the K checks the slices take), and
 - from each sliced unit, the next ``ceil(slices / K)`` of its slices, in an order shuffled afresh
   at each pass (drawn without replacement: a pass probes every slice once),
 
@@ -15,8 +16,8 @@ where ``K`` (:attr:`Cycle.length`) is the number of checks in which every piece 
 
 Example:
     >>> cycle = Cycle({"a": None, "b": None, "head": 1000}, per_check=0, seed=0)
-    >>> cycle.length, [str(p) for p in cycle.pieces(0)]
-    (4, ['a', 'b', 'head[0:250]'])
+    >>> cycle.length, [str(p) for p in cycle.pieces(0)], [str(p) for p in cycle.pieces(1)]
+    (4, ['a', 'head[0:250]'], ['b', 'head[250:500]'])
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class Cycle:
 
     Args:
         units: Unit name -> rows to slice it by (None: checked whole), in model order.
-        per_check: Whole units per check (``tensors_per_check``; 0: all of them).
+        per_check: Whole units per check (``tensors_per_check``; 0: all of them where no unit is sliced, else
+            spread evenly over the checks a pass of the slices takes).
         seed: The watch's seed (the slices' order in each pass follows it).
         per_slice: Unit name -> rows of one of its slices, where fewer than :data:`ROWS_PER_SLICE` fit the room.
     """
@@ -82,11 +84,16 @@ class Cycle:
         self.whole = [n for n, rows in units.items() if rows is None or rows <= size[n]]
         self.slices: Dict[str, List[Tuple[int, int]]] = {
             n: row_slices(rows, size[n]) for n, rows in units.items() if rows is not None and rows > size[n]}
+        most = max((len(s) for s in self.slices.values()), default=0)
+        passes = min(CHECKS_PER_PASS, most)
+        if per_check <= 0 and passes > 1:
+            # The slices take K checks anyway: the whole units are spread over the same K, each checked once a
+            # pass, instead of all of them at every check (a check then costs about a K-th of a pass).
+            per_check = math.ceil(len(self.whole) / passes)
         self.per_check = per_check if 0 < per_check < len(self.whole) else max(1, len(self.whole))
         self.seed = seed
         whole_checks = math.ceil(len(self.whole) / self.per_check) if self.whole else 1
-        most = max((len(s) for s in self.slices.values()), default=0)
-        self.length = max(whole_checks, min(CHECKS_PER_PASS, most)) if most else whole_checks
+        self.length = max(whole_checks, passes) if most else whole_checks
         self.take = {n: math.ceil(len(s) / self.length) for n, s in self.slices.items()}
 
     def pieces(self, i: int) -> List[Piece]:

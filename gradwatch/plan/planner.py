@@ -18,7 +18,7 @@ Example:
     >>> watched = [n for n, _ in model.named_parameters()]
     >>> units, pieces = planner.module_pieces(model, lambda m, b: m(b).sum(), torch.ones(3, 2), watched)
     >>> planner.cycle_length, [str(p) for p in pieces]
-    (3, ['<loss_fn>', '1', '2', '0[400:600]'])
+    (3, ['<loss_fn>', '0[400:600]'])
 """
 
 from __future__ import annotations
