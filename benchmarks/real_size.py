@@ -28,8 +28,10 @@ A user's loop, ``GradWatch(model, loss_fn, optimizer=opt, every=1)`` at default 
   32,000, learned positions, untied head (~100M parameters), batch 2 x 64. No bug: every tensor's coverage,
   peak RSS and median step time against the same loop unwatched.
 
-Each case also runs its loop unwatched (the same batches, in a subprocess of its own): every run's median check is
-printed in that loop's median training steps (``check_in_steps``), and for ``t100m`` and ``gpt2small`` the peak
+Each case also runs its loop unwatched (the same batches, in a subprocess of its own): every run's median check (the
+whole ``watch.step`` call that checked: backward, training and independence parts and planning;
+``median_backward_part_seconds`` is the backward part alone, the report's ``seconds``) is printed in that loop's median
+training steps (``check_in_steps``), and for ``t100m`` and ``gpt2small`` the peak
 RSS watched against unwatched (``peak_ratio``).
 
 A run with a bug stops at the first check whose alerts name the planted module ("caught"); a run without
@@ -361,19 +363,24 @@ def worker(case: str, bug: str, checks: int, watch: bool = True, threads: int = 
 
         gw = GradWatch(model, loss_fn, optimizer=opt, every=1, log_dir=None, **OPTIONS.get(bug, {}))
     steps, caught_at, named, forms, check_seconds, unchecked = [], None, [], [], [], []
+    backward_seconds: List[float] = []
     for i in range(checks):
         b = make_batch(i)
         start = time.perf_counter()
         opt.zero_grad()
         loss_fn(model, b).backward()
+        at = time.perf_counter()
         report = gw.step(b) if gw is not None else None
+        watched = time.perf_counter() - at  # the whole check: backward, training and independence parts, planning
         opt.step()
         steps.append(time.perf_counter() - start)
         if report is not None:
-            print(f"{case}/{bug}: check {i} took {report.seconds:.1f} s, {len(report.pieces)} pieces, "
-                  f"{len(gw.alerts) if gw is not None else 0} alerts so far", file=sys.stderr, flush=True)
+            print(f"{case}/{bug}: check {i} took {watched:.2f} s (backward part {report.seconds:.2f} s), "
+                  f"{len(report.pieces)} pieces, {len(gw.alerts) if gw is not None else 0} alerts so far",
+                  file=sys.stderr, flush=True)
             forms.append(report.form)
-            check_seconds.append(report.seconds)
+            check_seconds.append(watched)
+            backward_seconds.append(report.seconds)
             unchecked = [n for n in report.notes if "not checked" in n]
         if gw is not None and planted is not None:
             hits = [a for a in gw.alerts if a.kind in ("threshold", "drift") and a.tensor.startswith(planted)]
@@ -393,6 +400,7 @@ def worker(case: str, bug: str, checks: int, watch: bool = True, threads: int = 
             "alert_messages": [f"{a.kind} {a.severity} step {a.step}: {a.message}"[:600] for a in gw.alerts[:5]],
             "cycle_length": gw.cycle_length, "forms": sorted(set(forms)),
             "median_check_seconds": statistics.median(check_seconds) if check_seconds else None,
+            "median_backward_part_seconds": statistics.median(backward_seconds) if backward_seconds else None,
             "backward_coverage_zero": [n for n, v in coverage.items() if not v["backward"]],
             "training_coverage_zero": [n for n, v in coverage.items() if not v["training"]],
             "backward_coverage_below_1": {n: v["backward"] for n, v in coverage.items() if 0 < v["backward"] < 1},
