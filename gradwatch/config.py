@@ -81,7 +81,8 @@ class GradWatchConfig(CheckOptions):
     max_interval: Optional[Union[int, str]] = option(
         None, "with every: auto, longest gap between checks: steps (500) or a time ('30 min', '2 h'); null: no cap")
     tensors_per_check: int = option(
-        0, "parameter tensors checked per check, rotating through all; 0 checks all (module form: whole units per check)")
+        0, "parameter tensors checked per check, rotating through all; 0 checks all (module form: whole units per check; "
+           "0: all, or spread over the K checks the row blocks take where some unit is sliced)")
     memory_budget: Optional[float] = option(
         0.1, "memory a check may add above training's own peak (CPU RSS, CUDA allocated), as a fraction; > 0, null: unbounded")
     form: str = option(
