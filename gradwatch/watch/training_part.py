@@ -192,12 +192,10 @@ class TrainingPart(TrendAlerting):
         half the share (the other half for the whole tensors): a smaller weight waits for a turn with room for it
         whole (a few fit each check), and the big weights never starve the rest.
         """
-        # The replay is a training forward and backward: its activations are training's, as measured now (the peak
-        # above what is held), not the estimate by the parameters' bytes that the form's choice uses (GPT-2 small:
-        # 472 MB against 1,164 MB measured, and the replay's gradients then took the process 1.07x over its peak).
-        # The safe share of what the room leaves beside them (at least the part of training's peak the budget aims at,
-        # AIM, whatever the checks left held) is what the replayed gradients get.
-        free = SAFETY * (room - self.watch.memory.transient())
+        transient = self.watch.memory.transient(self.watch.model)
+        # The safe share beside the replay's activations; at least a quarter of what the room leaves beside them
+        # (a transient near half the room would otherwise leave nothing, and one tensor a check).
+        free = max(SAFETY * room - transient, SAFETY * SAFETY * (room - transient))
         if gradient_bytes(params.values()) <= free:
             return params, {}
         names = list(params)
