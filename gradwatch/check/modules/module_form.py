@@ -58,6 +58,7 @@ from gradwatch.check.modules.own_code import LossCode, ModelStub, OwnCode, RowsI
 from gradwatch.check.objective.dropout_off import dropout_off
 from gradwatch.check.objective.dtensor import is_dtensor, no_collectives, whole
 from gradwatch.check.objective.guards import frozen_power_iteration, suspended_hooks
+from gradwatch.check.objective.padding_idx import padding_rows_constant
 from gradwatch.check.objective.precision import ShadowPrecision
 from gradwatch.check.objective.rng import preserved_rng
 from gradwatch.check.objective.shadow import param_signature
@@ -734,8 +735,10 @@ def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs:
     except (TypeError, RuntimeError) as err:
         return ModuleCheck(name=unit.name, type=kind, calls=unit.calls, inconclusive=str(err)), []
     modules = list(local.modules())
+    # An Embedding's padding row is a constant by torch's contract, as in the whole objective (padding_idx.py): the
+    # unit's random cotangent reaches the padding positions, which the loss masks.
     with preserved_rng(), dropout_off(local), frozen_power_iteration(local, modules), suspended_hooks(local, modules), \
-            ShadowPrecision(dtype):
+            padding_rows_constant(local), ShadowPrecision(dtype):
         result = check_module(unit.name, local, args, kwargs, opts, unit.calls, params=params, restore=False,
                               constants=constants, screen=screen)
     result.type = kind
