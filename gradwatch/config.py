@@ -86,7 +86,8 @@ class GradWatchConfig(CheckOptions):
     memory_budget: Optional[float] = option(
         0.1, "memory a check may add above training's own peak (CPU RSS, CUDA allocated), as a fraction; > 0, null: unbounded")
     form: str = option(
-        "auto", "backward part's form: auto (the whole objective where it fits memory_budget, else module by module), objective, module")
+        "auto", "backward part's form: auto (the whole objective where it fits memory_budget and costs less, "
+                "else module by module), objective, module")
     baseline_checks: int = option(3, "first checks of a tensor whose median is its baseline; >= 1")
     drift_window: int = option(3, "checks in the rolling median compared with the baseline; >= 1")
     drift_decades: float = option(2.0, "powers of ten above the baseline that count as drift; > 0")

@@ -284,3 +284,26 @@ def test_report_and_tensorboard_show_coverage_and_what_was_not_checked(tmp_path,
     assert len(backward) == 3 and backward[0] < backward[1] <= 1.0  # the second check probed more rows
     assert [e.value for e in acc.Scalars("gradwatch/coverage/training")] == [1.0, 1.0, 1.0]
     assert [e.value for e in acc.Scalars("gradwatch/coverage/cycle_length")] == [3.0, 3.0, 3.0]
+
+
+def test_auto_weighs_the_forms_measured_cost_where_the_whole_objective_fits():
+    from gradwatch.plan.planner import Planner
+
+    model = LM()
+    names = [n for n, _ in model.named_parameters()]
+    choose = lambda planner, plain=True: planner.choose_form(model, names, None, torch.float64, False, 0, False,  # noqa: E731
+                                                              plain=plain)
+    planner = Planner()
+    assert choose(planner)[0] == "objective"  # nothing timed yet: the whole objective, where it fits
+    planner.timed("objective", 0.4)
+    assert choose(planner)[0] == "objective"  # under a second: not worth a trial
+    planner.timed("objective", 12.0)
+    form, estimate, note = choose(planner)
+    assert (form, estimate) == ("module", None) and "timed against it once" in note
+    assert choose(planner, plain=False)[0] == "objective"  # regularizers, weight decay: only the whole objective
+    planner.timed("module", 0.8)
+    assert choose(planner)[0] == "module" and "against 12.0 s a check of the whole objective" in choose(planner)[2]
+    planner.timed("module", 30.0)
+    assert choose(planner)[0] == "objective"
+    assert Planner(form="objective").choose_form(model, names, None, torch.float64, False, 0, False, plain=True)[0] \
+        == "objective"

@@ -86,3 +86,38 @@ def test_the_whole_objective_of_a_lora_gpt2_holds_one_forwards_activations_per_b
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["form"] == "objective" and got["alerts"] == 0, got
     assert got["ratio"] < 1.6, got  # 1.2x measured; 7x before
+
+
+LORA_FORMS = """
+import json, sys, torch
+sys.path.insert(0, {bench!r})
+import real_size as rs
+torch.set_num_threads(1); torch.manual_seed(0)
+model, loss_fn, make_batch = rs._setup("gpt2lora", "none")
+opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0)
+from gradwatch import GradWatch
+watch = GradWatch(model, loss_fn, optimizer=opt, every=1, log_dir=None, memory_budget=None)  # the whole objective fits
+forms, notes = [], []
+for i in range(3):
+    b = make_batch(i); opt.zero_grad(); loss_fn(model, b).backward()
+    report = watch.step(b); opt.step()
+    forms.append(report.form); notes += [n for n in report.notes if n.startswith("form:")]
+print(json.dumps({{"forms": forms, "notes": notes, "alerts": len(watch.alerts),
+                  "coverage": sorted({{v["backward"] for v in watch.coverage.values()}})}}))
+"""
+
+
+def test_auto_moves_a_lora_gpt2_to_the_module_form_once_it_measured_it_cheaper():
+    # where the whole objective fits, form="auto" weighs the measured cost: 13.7 s a check of the whole objective
+    # against 0.75 s in modules (LoRA GPT-2, vocabulary 50,257), so after one trial every check is in modules
+    import json
+    import subprocess
+    import sys
+
+    code = LORA_FORMS.format(bench=str(ROOT / "benchmarks"))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["forms"] == ["objective", "module", "module"], got
+    assert "timed against it once" in got["notes"][0] and "against" in got["notes"][-1], got
+    assert got["alerts"] == 0 and got["coverage"] == [1.0], got

@@ -86,6 +86,12 @@ def _rows(p: torch.Tensor) -> int:
     return int(shape[0]) if shape else 1
 
 
+#: Seconds a check of the whole objective may take before ``form="auto"`` times the module form against it: below
+#: this, which form is cheaper matters little (a LoRA GPT-2 with its 50,257-token vocabulary: 13.7 s a check of the
+#: whole objective, 0.75 s in modules).
+TRIAL_SECONDS = 1.0
+
+
 class Planner:
     """Chooses the form and the pieces of each check, and keeps the coverage.
 
@@ -112,19 +118,29 @@ class Planner:
         self._owed: List[Piece] = []  # of those, the ones that did not fit its room: the next check takes them first
         self.announced: Optional[str] = None  # the line said once when the cycle is known
         self._said: set = set()  # what was not checked, said once each
+        self._seconds: Dict[str, float] = {}  # the last check's seconds in each form (what the form's choice weighs)
 
     # ------------------------------------------------------------------ the form
     def choose_form(self, model: nn.Module, names: Sequence[str], room: Optional[int], dtype: Optional[torch.dtype],
-                    held: bool, transient: int, hand_written: bool) -> Tuple[str, Optional[int], Optional[str]]:
+                    held: bool, transient: int, hand_written: bool, plain: bool = False
+                    ) -> Tuple[str, Optional[int], Optional[str]]:
         """``(form, estimate in bytes, a note or None)``: the whole objective where it fits the room, else modules.
 
         ``held``: the float64 copy of the model is held already (counted in what is in use now);
         ``transient``: training's activations; ``hand_written``: a ``grad_fn`` gives the whole gradient.
+        ``plain``: the objective is the loss alone (no regularizer, coupled weight decay or derivative inside: what
+        only the whole objective checks), so where it fits, ``form="auto"`` also weighs the forms' measured cost
+        (:meth:`timed`, :meth:`cheaper_in_modules`).
         """
         estimate = objective_bytes(model, names, dtype, activations=transient)
         if held:
             estimate -= objective_bytes(model, [], dtype)
-        if self.form == "objective" or (self.form == "auto" and (room is None or estimate <= SAFETY * room)):
+        fits = room is None or estimate <= SAFETY * room
+        if self.form == "auto" and fits and plain and not hand_written and dtype is not None:
+            cheaper = self.cheaper_in_modules(len(names))
+            if cheaper is not None:
+                return "module", None, cheaper
+        if self.form == "objective" or (self.form == "auto" and fits):
             note = None
             if room is not None and estimate > SAFETY * room:
                 note = (f"form: objective (forced): about {mb(estimate)} above what training holds, over the room "
@@ -139,6 +155,39 @@ class Planner:
         return "module", None, (f"form: module: the whole objective in {str(dtype).replace('torch.', '')} needs about "
                                 f"{mb(estimate)}, over the room memory_budget={self.memory_budget} leaves "
                                 f"({mb(room)}); each unit is checked alone")
+
+    def timed(self, form: str, seconds: float) -> None:
+        """A check in ``form`` (``"objective"`` or ``"module"``) took ``seconds``, every part of it."""
+        self._seconds[form] = float(seconds)
+
+    def cheaper_in_modules(self, tensors: int) -> Optional[str]:
+        """Why the module form is taken where the whole objective fits (None: it is not): a check of the whole
+        objective took over :data:`TRIAL_SECONDS` and the module form was never timed (it is, once), or checking
+        every unit in modules takes less than checking every tensor in the whole objective (each form's last check
+        times its K).
+
+        Example:
+            >>> p = Planner()
+            >>> p.timed("objective", 0.5); p.cheaper_in_modules(4) is None
+            True
+            >>> p.timed("objective", 13.7); p.cheaper_in_modules(4)[:40]
+            'form: module: a check of the whole objec'
+            >>> p.timed("module", 0.75); p.cheaper_in_modules(4)[:40]
+            'form: module: every unit in 1 check of 0'
+            >>> p.timed("module", 20.0); p.cheaper_in_modules(4) is None
+            True
+        """
+        whole, modules = self._seconds.get("objective"), self._seconds.get("module")
+        if whole is None or whole < TRIAL_SECONDS:
+            return None
+        if modules is None:
+            return (f"form: module: a check of the whole objective took {whole:.1f} s; the module form is timed "
+                    "against it once (form='objective' keeps the whole objective)")
+        k, k_whole = self.cycle_length or 1, self.objective_cycle(tensors)
+        if modules * k >= whole * k_whole:
+            return None
+        return (f"form: module: every unit in {k} check{'s' if k != 1 else ''} of {modules:.2f} s, against "
+                f"{whole:.1f} s a check of the whole objective (form='objective' keeps the whole objective)")
 
     # ------------------------------------------------------------------ the module form
     def mark(self) -> Tuple[Any, ...]:

@@ -102,8 +102,10 @@ class CheckPlanner:
         """``(form, estimate in bytes, a note or None)`` from the planner (:meth:`Planner.choose_form`)."""
         dtype = self.watch.options.torch_dtype
         held = dtype is not None and self.shadow is not None and self.shadow.matches(model)
+        objective = self.watch.objective
+        plain = not (objective.regularizers or objective.weight_decay or objective.differentiates)
         return self.planner.choose_form(model, names, room, dtype, held, self.watch.memory.transient(model),
-                                        self.watch.grad_fn is not None)
+                                        self.watch.grad_fn is not None, plain=plain)
 
     def form_for(self, check: CheckContext) -> Form:
         """The form of this check: rank 0's (DDP), the module form shard by shard, else chosen here (one process;

@@ -138,6 +138,7 @@ class CheckRunner:
         if error is not None:
             return Outcome(None, [], seconds, error)
         assert check.report is not None
+        self.check_plan.planner.timed(check.report.form, seconds)
         try:
             return Outcome(check.report, self.completed(step, check.report), seconds)
         except Exception as exc:  # noqa: BLE001 - gradwatch's own bookkeeping raised: a failed check, never training's
