@@ -87,9 +87,10 @@ def _rows(p: torch.Tensor) -> int:
 
 
 #: Seconds a check of the whole objective may take before ``form="auto"`` times the module form against it: below
-#: this, which form is cheaper matters little (a LoRA GPT-2 with its 50,257-token vocabulary: 13.7 s a check of the
-#: whole objective, 0.75 s in modules).
-TRIAL_SECONDS = 1.0
+#: this, the whole objective's fuller view stays (a tiny Llama under TRL's SFTTrainer took over a second on a loaded
+#: 2-core machine); a LoRA GPT-2 with its 50,257-token vocabulary took 13.7 s a check of the whole objective, 0.75 s
+#: in modules.
+TRIAL_SECONDS = 5.0
 
 
 class Planner:
@@ -162,13 +163,13 @@ class Planner:
 
     def cheaper_in_modules(self, tensors: int) -> Optional[str]:
         """Why the module form is taken where the whole objective fits (None: it is not): a check of the whole
-        objective took over :data:`TRIAL_SECONDS` and the module form was never timed (it is, once), or checking
+        objective took over :data:`TRIAL_SECONDS` (5 s) and the module form was never timed (it is, once), or checking
         every unit in modules takes less than checking every tensor in the whole objective (each form's last check
         times its K).
 
         Example:
             >>> p = Planner()
-            >>> p.timed("objective", 0.5); p.cheaper_in_modules(4) is None
+            >>> p.timed("objective", 3.0); p.cheaper_in_modules(4) is None
             True
             >>> p.timed("objective", 13.7); p.cheaper_in_modules(4)[:40]
             'form: module: a check of the whole objec'
