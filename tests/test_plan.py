@@ -291,8 +291,10 @@ def test_auto_weighs_the_forms_measured_cost_where_the_whole_objective_fits():
 
     model = LM()
     names = [n for n, _ in model.named_parameters()]
-    choose = lambda planner, plain=True: planner.choose_form(model, names, None, torch.float64, False, 0, False,  # noqa: E731
-                                                              plain=plain)
+
+    def choose(planner, plain=True):
+        return planner.choose_form(model, names, None, torch.float64, False, 0, False, plain=plain)
+
     planner = Planner()
     assert choose(planner)[0] == "objective"  # nothing timed yet: the whole objective, where it fits
     planner.timed("objective", 4.0)

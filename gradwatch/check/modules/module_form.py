@@ -504,7 +504,6 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
 #: ``malloc_trim`` walks the whole heap: about a millisecond, more than a small piece's check itself).
 TRIM_BYTES = 32 << 20
 
-
 #: Why an embedding slice was not checked: the batch uses none of its rows (they count as unreached).
 NO_TOKEN = "the batch uses no token of these rows"
 
@@ -677,8 +676,7 @@ def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs:
             local = OwnCode(inner, stubs)
             kind += ", own code"
             probed = [(names[k], None) for k in unit.params] + [(unit.name, "code")]
-        elif rows is not None and not faithful_rows(unit.module) and _in_place_bytes(unit.module, dtype) > faithful_room:
-            full = _in_place_bytes(unit.module, dtype)
+        elif rows is not None and not faithful_rows(unit.module) and (full := _in_place_bytes(unit.module, dtype)) > faithful_room:
             return ModuleCheck(name=unit.name, type=f"{kind} rows {rows[0]}:{rows[1]}", calls=unit.calls, inconclusive=(
                 f"its own forward is checked at its full size (a slice of its rows would run another computation), "
                 f"which needs about {mb(full)}, {OVER_ROOM}")), []
