@@ -182,7 +182,13 @@ class CheckRunner:
             # (seen at the region's last agreement point) none does, as on the rank that raised
             if check.report is not None and not (ctx.lockstep is not None and ctx.lockstep.failed):
                 self.inner.run(check)
-                self.independence.run(check)
+                k = self.check_plan.cycle_length
+                later = None if coord is not None else self.independence.due(ctx.checks, k)
+                if later is None:
+                    self.independence.run(check)
+                elif self.independence.enabled:
+                    check.report.notes.append(f"independence: checked at the first check of each pass of K = {k} checks "
+                                              f"(the next: check {later + 1})")
 
     def _run_parts(self, check: CheckContext) -> None:
         """The training part's replay (judged first in one process, its replayed gradients freed before the

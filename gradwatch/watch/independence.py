@@ -96,6 +96,23 @@ class IndependencePart:
         """Whether the ``independence`` option asks for any check."""
         return self.option is not None
 
+    @staticmethod
+    def due(checks: int, cycle: Optional[int]) -> Optional[int]:
+        """None when a check that follows ``checks`` checks runs the part, else the number of the check that next does:
+        the first check of each pass of ``cycle`` (K) checks, and every check while K is 1 or not known yet.
+
+        A leak between samples or positions is the model's code, as a backward formula is: it is looked for once
+        in the K checks in which every op and parameter row is checked, not at each of them (at GPT-2's size the
+        check is a forward and two backward passes through the LM head, most of a training step).
+
+        Example:
+            >>> [IndependencePart.due(n, 4) for n in range(6)], IndependencePart.due(3, None)
+            ([None, 4, 4, 4, None, 8], None)
+        """
+        if cycle is None or cycle <= 1 or checks % cycle == 0:
+            return None
+        return checks + cycle - checks % cycle
+
     def structures_for(self, model: nn.Module, args: tuple, kwargs: dict) -> Optional[List[str]]:
         """The structures to check on this call (None: nothing)."""
         if self.option is None:

@@ -55,6 +55,7 @@ from torch import nn
 from gradwatch.check.judging.report import OVER_ROOM, CheckReport, worse
 from gradwatch.check.modules.localize import ModuleCheck, check_module, copy_opaque, map_tensors
 from gradwatch.check.modules.own_code import LossCode, ModelStub, OwnCode, RowsInPlace, embedding_rows_copy, own_code_copy, rows_copy
+from gradwatch.check.modules.row_groups import NO_TOKEN, check_group, chunks, first_ids, grouped, param_of
 from gradwatch.check.objective.dropout_off import dropout_off
 from gradwatch.check.objective.dtensor import is_dtensor, no_collectives, whole
 from gradwatch.check.objective.guards import frozen_power_iteration, suspended_hooks
@@ -368,15 +369,19 @@ def run_module_check(
             report.terms = {"loss": got.loss}
             report.nonfinite = report.nonfinite or not math.isfinite(got.loss)  # said once, for the whole check
         held = _held(got)
-        for piece in pieces:
-            unit = by_name.get(piece.unit)
+        for item in grouped(pieces, by_name, view is None):
+            unit = by_name.get(item[0].unit)
             if unit is None or (unit.name not in got.inputs and unit.name not in got.big):
                 continue
-            estimate, unused = _run_piece(model, objective, batch, opts, unit, piece, got, dtype, canonical,
-                                          None if room is None else max(0, room - held), report, skipped, estimate,
-                                          unused, solo=solo if len(got.inputs) > 1 and view is None else None,
-                                          full_room=room,
-                                          view=view, screen=screen)
+            left = None if room is None else max(0, room - held)
+            if len(item) > 1 and unit.name in got.inputs:
+                estimate, unused, item = _run_group(opts, unit, [p.rows for p in item if p.rows], got, dtype, canonical,
+                                                    left, report, estimate, unused, screen)
+            for piece in item:
+                estimate, unused = _run_piece(model, objective, batch, opts, unit, piece, got, dtype, canonical, left,
+                                              report, skipped, estimate, unused,
+                                              solo=solo if len(got.inputs) > 1 and view is None else None,
+                                              full_room=room, view=view, screen=screen)
         progress = len(got.inputs) + len(got.big)
         remaining = [by_name[n] for n in got.deferred if n in by_name] if progress else []
         if not progress and got.deferred:
@@ -402,6 +407,32 @@ def run_module_check(
     report.memory = {"estimate_bytes": estimate}
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _run_group(opts: CheckOptions, unit: Unit, blocks: List[Tuple[int, int]], got: Captured, dtype: torch.dtype,
+               canonical: Dict[int, str], room: Optional[int], report: CheckReport, estimate: int, unused: int,
+               screen: bool) -> Tuple[int, int, List[Piece]]:
+    """The row blocks of a plain Linear or Embedding in one piece each run of them that fits the room; returns the
+    largest estimate, the count of blocks with no token and the blocks alone in their run (checked as any piece)."""
+    constants: Set[int] = set()
+    args, kwargs = _cast_tree(got.inputs[unit.name], dtype, got.constants, constants)
+    total = _rows_of(unit) or 1
+    per_row = (_numel(unit.params.values()) * MODULE_BYTES_PER_ENTRY + 4 * got.output_bytes.get(unit.name, 0)) / total
+    fixed = 3 * float_bytes((args, kwargs))
+    capacity = total if room is None else int(max(0, room - fixed) // max(per_row, 1.0))
+    single: List[Piece] = []
+    for run in chunks(sorted(blocks), capacity):
+        if len(run) == 1:
+            single.append(Piece(unit.name, run[0]))
+            continue
+        need = fixed + int(per_row * sum(b - a for a, b in run))
+        estimate = max(estimate, need)
+        result, probed, empty = check_group(unit, run, args, kwargs, opts, dtype, canonical, constants, screen)
+        report.pieces.extend(str(Piece(unit.name, b)) for b in run)
+        unused += max(empty, _file(report, unit, result, probed))
+        if room is not None and need >= TRIM_BYTES:
+            release_freed()
+    return estimate, unused, single
 
 
 def _held(got: Captured) -> int:
@@ -477,14 +508,20 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
     if room is not None and need >= TRIM_BYTES:
         release_freed()  # what this piece's check freed, before the next one allocates (smaller frees are reused)
     report.pieces.append(str(Piece(unit.name, rows)))
+    return estimate, unused + _file(report, unit, result, probed)
+
+
+def _file(report: CheckReport, unit: Unit, result: ModuleCheck, probed: List[Tuple[str, Any]]) -> int:
+    """A piece's check into the report (its tensors under the model's names, a block's under its parameter's, the
+    worse verdict kept); 1 when it was an embedding slice the batch used no token of, else 0."""
     if result.inconclusive == NO_TOKEN:
         report.probed.extend(probed)  # the rows the batch reached
-        return estimate, unused + 1
+        return 1
     report.localized.append(result)
     report.evaluations += result.evaluations
     if result.inconclusive and not result.tensors:
         report.notes.append(f"module form: {result.label} not checked: {result.inconclusive}")
-        return estimate, unused
+        return 0
     report.probed.extend(probed)
     for key, tc in result.tensors.items():
         if key.startswith("input"):
@@ -492,21 +529,17 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
         elif unit.kind == "loss_fn":
             name = key
         else:
-            name = f"{unit.name}.{key}" if unit.name else key
+            name = f"{unit.name}.{param_of(key)}" if unit.name else param_of(key)
         tc.name = name
         report.tensors[name] = worse(report.tensors.get(name), tc)
     if result.inconclusive:
         report.notes.append(f"module form: {result.label} not checked: {result.inconclusive}")
-    return estimate, unused
+    return 0
 
 
 #: A piece's check that needs this much gives what it freed back to the system before the next piece (glibc's
 #: ``malloc_trim`` walks the whole heap: about a millisecond, more than a small piece's check itself).
 TRIM_BYTES = 32 << 20
-
-#: Why an embedding slice was not checked: the batch uses none of its rows (they count as unreached).
-NO_TOKEN = "the batch uses no token of these rows"
-
 
 def _numel(tensors: Any) -> int:
     return sum(int(t.numel()) for t in tensors)
@@ -639,13 +672,6 @@ def _cut_samples(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str, List[A
         what + " (cut from the forward's capture)", kept
 
 
-def _first_ids(args: Any, kwargs: Any) -> Optional[torch.Tensor]:
-    for t in tensor_leaves((args, kwargs)):
-        if not t.is_floating_point() and not t.is_complex():
-            return t
-    return None
-
-
 def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs: Any, children: Dict[str, List[Any]],
                  opts: CheckOptions, dtype: torch.dtype, canonical: Dict[int, str],
                  loss_fn: Any = None, constants: Optional[Set[int]] = None,
@@ -692,7 +718,7 @@ def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs:
         elif rows is not None and isinstance(unit.module, nn.Embedding) and not faithful_rows(unit.module):
             # An Embedding subclass (its own forward, maybe a custom backward): checked at its full size, only the
             # rows of this block moved, so a backward that treats some token ids apart sees them at their index.
-            ids = _first_ids(args, kwargs)
+            ids = first_ids(args, kwargs)
             reached = torch.unique(ids.reshape(-1)) if ids is not None else torch.zeros(0, dtype=torch.long)
             probed.append((names.get(prefix + "weight", prefix + "weight"), ("reached", reached)))
             block = reached[(reached >= rows[0]) & (reached < rows[1])]
@@ -706,7 +732,7 @@ def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs:
                 params["bias"] = local.bias_block
             probed.extend((names.get(prefix + k, prefix + k), block) for k in params)
         elif rows is not None and isinstance(unit.module, nn.Embedding):
-            ids = _first_ids(args, kwargs)
+            ids = first_ids(args, kwargs)
             made = None if ids is None else embedding_rows_copy(unit.module, ids - offset, rows[0] - offset,
                                                                 rows[1] - offset, dtype)
             if ids is not None:
