@@ -32,6 +32,7 @@ from gradwatch.check.judging.training_judge import compute_dtype, gradient_scale
 from gradwatch.check.model import validate_grads
 from gradwatch.check.numerics.sampling import match_names
 from gradwatch.check.objective.checkpointed import grad_by_backward, reentrant_checkpoint_leaves
+from gradwatch.check.replay.checkpoint_blocks import checkpointing
 from gradwatch.check.replay.reference import Replay, Step, replay_step, scalar_grad
 from gradwatch.check.replay.rows import RowGrads, sliceable_linears
 from gradwatch.check.replay.window import PartialWindow
@@ -321,8 +322,11 @@ class TrainingPart(TrendAlerting):
         autocast = next((mb.records[0].autocast for mb in pending.micro if mb.records), ())
         dtypes = {p.dtype for p in plist}  # a few distinct dtypes, however many tensors
         worst = compute_dtype(max(dtypes, key=tolerance_for, default=torch.float32), autocast)
+        total: Callable[[nn.Module, Any], Any] = ctx.objective.training_total
+        if live and room is not None and self._tight(model, params, room):
+            total = checkpointing(root, total)
         with rowgrads if rowgrads is not None else contextlib.nullcontext(), ctx.wrapping.fabric_backward():
-            replay = replay_step(root, ctx.recorder, pending, ctx.objective.training_total, grad_of, params,
+            replay = replay_step(root, ctx.recorder, pending, total, grad_of, params,
                                  loss_tolerance=10 * tolerance_for(worst), context=self.replay_context,
                                  generators=ctx.held_generators(), modules=self._modules_cache,
                                  lockstep=ctx.by_shard, weights=plan.weights,
@@ -333,6 +337,19 @@ class TrainingPart(TrendAlerting):
         replay.plan = plan
         self.window.replayed(replay.accumulating, replay.forwards)
         return replay
+
+    def _tight(self, model: nn.Module, params: Dict[str, torch.Tensor], room: int) -> bool:
+        """Whether the replay checkpoints the model's repeated blocks (:mod:`gradwatch.check.replay.checkpoint_blocks`):
+        in one process, where training's ``.grad`` held now and the replayed gradients are more than the room leaves
+        above training's activations (the replay's forward runs beside ``.grad``, training's ran with none), unless the
+        model checkpoints already (its own checkpoints are left as they are)."""
+        ctx = self.watch
+        if ctx.dist is not None or ctx.by_shard or ctx.grad_fn is not None or self._reentrant:
+            return False
+        if any(getattr(m, "gradient_checkpointing", False) is True for m in self._modules_cache or model.modules()):
+            return False
+        held = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+        return held + gradient_bytes(params.values()) > room - ctx.memory.transient()
 
     def _plan_step(self, pending: Step, model: nn.Module, params: Dict[str, torch.Tensor], seed: int) -> StepPlan:
         """The step's objective (:class:`~gradwatch.watch.step_objective.StepObjective`): on every rank alike (an

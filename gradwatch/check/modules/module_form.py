@@ -781,9 +781,9 @@ def _alone(unit: Unit, rows: Optional[Tuple[int, int]], need: int, dtype: torch.
 
 
 def _in_place_bytes(module: nn.Module, dtype: torch.dtype) -> int:
-    """What checking a block of a Linear or Embedding subclass in place adds: two ``dtype`` copies of its whole weight
+    """What checking a block of a Linear or Embedding subclass in place adds: a ``dtype`` copy of its whole weight
     (:class:`~gradwatch.check.modules.own_code.RowsInPlace`)."""
-    return 2 * _numel([module.weight]) * dtype.itemsize
+    return _numel([module.weight]) * dtype.itemsize
 
 
 def units_signature(model: nn.Module) -> Tuple:

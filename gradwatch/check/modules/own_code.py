@@ -281,10 +281,11 @@ def own_code_copy(module: nn.Module, name: str, stubbed: Sequence[str], outputs:
 class RowsInPlace(nn.Module):
     """A copy of a module (an Embedding subclass) at its full size, of which only some rows are checked.
 
-    Its ``weight`` is rebuilt at each call as a ``dtype`` constant copy of the live weight with ``rows``
-    taken from the leaf :attr:`block` (and ``bias`` likewise from :attr:`bias_block`), so the module's
-    own forward and backward see every row at its real index: a custom backward that treats some
-    rows apart is checked as it runs in training. Costs two full-size ``dtype`` copies of the weight.
+    Its ``weight`` is a ``dtype`` copy of the live weight into whose ``rows`` the leaf :attr:`block` is written
+    at each call (and ``bias`` likewise from :attr:`bias_block`), so the module's own forward and backward see
+    every row at its real index: a custom backward that treats some rows apart is checked as it runs in
+    training. The rows are written in place, through a view of the copy (the gradient reaches :attr:`block`
+    through the write): one full-size ``dtype`` copy of the weight, not a fresh one per call.
 
     Example:
         >>> local = RowsInPlace(nn.Linear(3, 10), torch.tensor([8, 9]), torch.float64)
@@ -311,9 +312,9 @@ class RowsInPlace(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inner = self.__dict__["inner"]
-        inner.__dict__["weight"] = self.base.index_copy(0, self.rows, self.block)
+        inner.__dict__["weight"] = self.base.detach().index_copy_(0, self.rows, self.block)
         if self.bias_base is not None:
-            inner.__dict__["bias"] = self.bias_base.index_copy(0, self.rows, self.bias_block)
+            inner.__dict__["bias"] = self.bias_base.detach().index_copy_(0, self.rows, self.bias_block)
         return inner(*args, **kwargs)
 
 

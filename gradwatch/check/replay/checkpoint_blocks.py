@@ -1,0 +1,126 @@
+"""The training part's replay with the model's repeated blocks checkpointed, where its activations would not fit.
+
+The replay is a forward and backward of training's batch run while training's ``.grad`` is held: at the start of
+its backward the process holds training's activations and a whole gradient more than training's own peak did
+(training's forward ran with no ``.grad``). On GPT-2 small (124M parameters, batch 2 x 256) that is 497 MB of
+gradient on top of 1,164 MB of activations, 1.15 times training's peak. Checkpointing the model's repeated blocks
+(a transformer's layers: the modules of the outermost ``ModuleList`` or ``Sequential`` whose members are two or
+more modules of one class holding parameters) keeps only their inputs through the forward, and recomputes each
+block's activations when its backward comes, as ``torch.utils.checkpoint`` with ``use_reentrant=False`` and
+``preserve_rng_state=True`` does: the same operations on the same inputs, with the same random draws (dropout's
+masks), so the same values and the same gradients, bit for bit, for one more forward of the blocks.
+
+A block is called as it is, without a checkpoint, where its call carries an object that is not a tensor or a plain
+value (the recompute would run it on that object again). A Hugging Face key-value cache is the exception: the block
+is given none, as Hugging Face's own gradient checkpointing does (the recompute would update it a second time);
+training's forward filled a cache its loss never read. Without it GPT-2's attention multiplies its keys as they are
+instead of the cache's contiguous copy of them, which changes the gradients in their last bits (about 1e-7 of them,
+well within float32's training tolerance, ``gradwatch.check.judging.training_judge``); everywhere else the
+gradients are training's, bit for bit.
+
+Example:
+    >>> model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), nn.Linear(8, 1))
+    >>> [type(b).__name__ for b in repeated_blocks(model)]
+    ['Linear', 'Linear']
+    >>> x = torch.randn(3, 4)
+    >>> plain = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    >>> with checkpointed(model):
+    ...     again = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    >>> all(torch.equal(a, b) for a, b in zip(plain, again))
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Callable, Iterator, List, Tuple
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+_PLAIN = (torch.Tensor, str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
+
+
+def repeated_blocks(root: nn.Module) -> List[nn.Module]:
+    """The members of the outermost ``ModuleList`` / ``Sequential`` containers whose members are two or more modules
+    of one class holding parameters (a container inside a found one is not looked into)."""
+    found: List[nn.Module] = []
+
+    def walk(module: nn.Module) -> None:
+        for child in module.children():
+            members = list(child.children()) if isinstance(child, (nn.ModuleList, nn.Sequential)) else []
+            if (len(members) >= 2 and len({type(m) for m in members}) == 1
+                    and all(any(True for _ in m.parameters()) for m in members)):
+                found.extend(members)
+            else:
+                walk(child)
+
+    walk(root)
+    return found
+
+
+def _plain(obj: Any) -> bool:
+    """Only tensors and plain values, in tuples, lists and dicts."""
+    if isinstance(obj, (list, tuple)):
+        return all(_plain(v) for v in obj)
+    if isinstance(obj, dict):
+        return all(_plain(v) for v in obj.values())
+    return isinstance(obj, _PLAIN)
+
+
+def _hf_cache(obj: Any) -> bool:
+    """A Hugging Face ``Cache`` (looked up only where transformers is imported already)."""
+    module = sys.modules.get("transformers.cache_utils")
+    cls = getattr(module, "Cache", None)
+    return cls is not None and isinstance(obj, cls)
+
+
+def _checkpointing(forward: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        args = tuple(None if _hf_cache(a) else a for a in args)
+        kwargs = {k: None if _hf_cache(v) else v for k, v in kwargs.items()}
+        if not _plain((args, kwargs)):
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+    return call
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def checkpointed(root: nn.Module) -> Iterator[int]:
+    """For the duration, each of ``root``'s repeated blocks (:func:`repeated_blocks`) runs its forward under a
+    non-reentrant checkpoint; yields how many blocks. Each block's own ``forward`` is put back on exit."""
+    changed: List[Tuple[nn.Module, Any]] = []
+    try:
+        for block in repeated_blocks(root):
+            changed.append((block, vars(block).get("forward", _MISSING)))
+            block.forward = _checkpointing(block.forward)  # per instance, removed after
+        yield len(changed)
+    finally:
+        for block, previous in reversed(changed):
+            if previous is _MISSING:
+                vars(block).pop("forward", None)
+            else:
+                block.forward = previous
+
+
+def checkpointing(root: nn.Module, evaluate: Callable[[nn.Module, Any], Any]) -> Callable[[nn.Module, Any], Any]:
+    """``evaluate(model, batch)`` run with ``root``'s repeated blocks checkpointed (:func:`checkpointed`).
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        >>> checkpointing(model, lambda m, b: m(b).sum())(model, torch.ones(1, 2)).grad_fn is not None
+        True
+    """
+    def run(model: nn.Module, batch: Any) -> Any:
+        with checkpointed(root):
+            return evaluate(model, batch)
+
+    return run
