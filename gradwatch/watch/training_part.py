@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import operator
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
@@ -32,7 +33,7 @@ from gradwatch.check.judging.training_judge import compute_dtype, gradient_scale
 from gradwatch.check.model import validate_grads
 from gradwatch.check.numerics.sampling import match_names
 from gradwatch.check.objective.checkpointed import grad_by_backward, reentrant_checkpoint_leaves
-from gradwatch.check.replay.checkpoint_blocks import checkpointing
+from gradwatch.check.replay.checkpoint_blocks import checkpointing, repeated_blocks
 from gradwatch.check.replay.reference import Replay, Step, replay_step, scalar_grad
 from gradwatch.check.replay.rows import RowGrads, sliceable_linears
 from gradwatch.check.replay.window import PartialWindow
@@ -323,8 +324,9 @@ class TrainingPart(TrendAlerting):
         dtypes = {p.dtype for p in plist}  # a few distinct dtypes, however many tensors
         worst = compute_dtype(max(dtypes, key=tolerance_for, default=torch.float32), autocast)
         total: Callable[[nn.Module, Any], Any] = ctx.objective.training_total
-        if live and room is not None and self._tight(model, params, room):
-            total = checkpointing(root, total)
+        blocks = self._blocks_to_checkpoint(model, params, room) if live and room is not None else 0
+        if blocks:
+            total = checkpointing(root, total, blocks)
         with rowgrads if rowgrads is not None else contextlib.nullcontext(), ctx.wrapping.fabric_backward():
             replay = replay_step(root, ctx.recorder, pending, total, grad_of, params,
                                  loss_tolerance=10 * tolerance_for(worst), context=self.replay_context,
@@ -338,18 +340,26 @@ class TrainingPart(TrendAlerting):
         self.window.replayed(replay.accumulating, replay.forwards)
         return replay
 
-    def _tight(self, model: nn.Module, params: Dict[str, torch.Tensor], room: int) -> bool:
-        """Whether the replay checkpoints the model's repeated blocks (:mod:`gradwatch.check.replay.checkpoint_blocks`):
-        in one process, where training's ``.grad`` held now and the replayed gradients are more than the room leaves
-        above training's activations (the replay's forward runs beside ``.grad``, training's ran with none), unless the
-        model checkpoints already (its own checkpoints are left as they are)."""
+    def _blocks_to_checkpoint(self, model: nn.Module, params: Dict[str, torch.Tensor], room: int) -> int:
+        """How many of the model's repeated blocks the replay checkpoints (:mod:`gradwatch.check.replay.checkpoint_blocks`;
+        the first ones, whose activations live longest): in one process, as many as keep training's ``.grad`` held
+        now and the replayed gradients within what the room leaves above training's activations (the replay's
+        forward runs beside ``.grad``, training's ran with none), each block counted at its share of those
+        activations, with half as many again for what lives outside the blocks (the logits); none where they fit,
+        or where the model checkpoints already (its own checkpoints are left as they are)."""
         ctx = self.watch
         if ctx.dist is not None or ctx.by_shard or ctx.grad_fn is not None or self._reentrant:
-            return False
-        if any(getattr(m, "gradient_checkpointing", False) is True for m in self._modules_cache or model.modules()):
-            return False
+            return 0
+        modules = self._modules_cache or list(model.modules())
+        if any(getattr(m, "gradient_checkpointing", False) is True for m in modules):
+            return 0
         held = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-        return held + gradient_bytes(params.values()) > room - ctx.memory.transient()
+        activations = ctx.memory.transient()
+        excess = held + gradient_bytes(params.values()) - (room - activations)
+        if excess <= 0:
+            return 0
+        count = len(repeated_blocks(model))
+        return min(count, math.ceil(1.5 * excess * count / max(activations + held, 1)))
 
     def _plan_step(self, pending: Step, model: nn.Module, params: Dict[str, torch.Tensor], seed: int) -> StepPlan:
         """The step's objective (:class:`~gradwatch.watch.step_objective.StepObjective`): on every rank alike (an

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Callable, Iterator, List, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -94,12 +94,13 @@ _MISSING = object()
 
 
 @contextlib.contextmanager
-def checkpointed(root: nn.Module) -> Iterator[int]:
-    """For the duration, each of ``root``'s repeated blocks (:func:`repeated_blocks`) runs its forward under a
-    non-reentrant checkpoint; yields how many blocks. Each block's own ``forward`` is put back on exit."""
+def checkpointed(root: nn.Module, count: Optional[int] = None) -> Iterator[int]:
+    """For the duration, each of ``root``'s repeated blocks (:func:`repeated_blocks`; with ``count``, the first
+    ``count`` of them) runs its forward under a non-reentrant checkpoint; yields how many blocks. Each block's own
+    ``forward`` is put back on exit."""
     changed: List[Tuple[nn.Module, Any]] = []
     try:
-        for block in repeated_blocks(root):
+        for block in repeated_blocks(root)[:count]:
             changed.append((block, vars(block).get("forward", _MISSING)))
             block.forward = _checkpointing(block.forward)  # per instance, removed after
         yield len(changed)
@@ -111,8 +112,10 @@ def checkpointed(root: nn.Module) -> Iterator[int]:
                 block.forward = previous
 
 
-def checkpointing(root: nn.Module, evaluate: Callable[[nn.Module, Any], Any]) -> Callable[[nn.Module, Any], Any]:
-    """``evaluate(model, batch)`` run with ``root``'s repeated blocks checkpointed (:func:`checkpointed`).
+def checkpointing(root: nn.Module, evaluate: Callable[[nn.Module, Any], Any], count: Optional[int] = None
+                  ) -> Callable[[nn.Module, Any], Any]:
+    """``evaluate(model, batch)`` run with ``root``'s repeated blocks (the first ``count``) checkpointed
+    (:func:`checkpointed`).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
@@ -120,7 +123,7 @@ def checkpointing(root: nn.Module, evaluate: Callable[[nn.Module, Any], Any]) ->
         True
     """
     def run(model: nn.Module, batch: Any) -> Any:
-        with checkpointed(root):
+        with checkpointed(root, count):
             return evaluate(model, batch)
 
     return run
