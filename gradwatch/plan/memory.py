@@ -86,6 +86,12 @@ def _load_malloc_trim() -> Any:
 _MALLOC_TRIM = _load_malloc_trim() if sys.platform.startswith("linux") else None
 
 
+#: A part of a check that freed this much gives it back to the system before the next part allocates (glibc's
+#: ``malloc_trim`` walks the whole heap: 5 to 10 ms in a process of a few hundred MB, more than a small piece's
+#: check itself); smaller frees are reused by the next allocations.
+TRIM_BYTES = 32 << 20
+
+
 def release_freed() -> None:
     """Give memory the check freed back to the system (glibc's ``malloc_trim``; elsewhere nothing).
 

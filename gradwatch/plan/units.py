@@ -117,10 +117,16 @@ def isolated(model: nn.Module, modules: Optional[List[nn.Module]] = None) -> Ite
             guard.restore_changed()
 
 
+class Enough(Exception):
+    """Raised by a hook of :func:`isolated_forward` once the forward gave all it was run for: it stops there."""
+
+
 def isolated_forward(model: nn.Module, loss_fn: Any, batch: Any, seed: int,
-                     pre: Optional[Dict[str, Callable]] = None, post: Optional[Dict[str, Callable]] = None) -> float:
+                     pre: Optional[Dict[str, Callable]] = None, post: Optional[Dict[str, Callable]] = None
+                     ) -> Optional[float]:
     """One forward of the live model without grad, as the backward part evaluates it (:func:`isolated`), with
-    forward pre-hooks ``pre`` and forward hooks ``post`` (module name -> hook) attached; returns the loss."""
+    forward pre-hooks ``pre`` and forward hooks ``post`` (module name -> hook) attached; returns the loss (None
+    where a hook stopped the forward with :class:`Enough`)."""
     named = dict(model.named_modules())
     handles = []
     with isolated(model, list(named.values())):
@@ -131,7 +137,10 @@ def isolated_forward(model: nn.Module, loss_fn: Any, batch: Any, seed: int,
                 handles.append(named[name].register_forward_hook(hook, always_call=True))
             Reseeder(seed)()
             with torch.no_grad():
-                value = loss_fn(model, batch)
+                try:
+                    value = loss_fn(model, batch)
+                except Enough:
+                    return None
             return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
         finally:
             for h in handles:
@@ -261,6 +270,29 @@ def faithful_rows(module: nn.Module) -> bool:
     if isinstance(module, nn.Embedding):
         return type(module).forward is nn.Embedding.forward and module.max_norm is None
     return False
+
+
+def output_shape(unit: Unit, args: Any, kwargs: Any) -> Optional[Tuple[int, ...]]:
+    """The output shape of a plain ``nn.Linear`` or ``nn.Embedding`` unit (:func:`faithful_rows`) called on one tensor,
+    known before it runs; None for any other unit or call.
+
+    Example:
+        >>> output_shape(Unit("h", nn.Linear(8, 50)), (torch.ones(4, 3, 8),), {})
+        (4, 3, 50)
+        >>> output_shape(Unit("e", nn.Embedding(9, 5)), (torch.ones(2, 7, dtype=torch.long),), {})
+        (2, 7, 5)
+        >>> output_shape(Unit("t", nn.Tanh()), (torch.ones(2),), {}) is None
+        True
+    """
+    module = unit.module
+    if unit.kind != "module" or not faithful_rows(module) or kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+        return None
+    x = args[0]
+    if isinstance(module, nn.Linear) and x.dim() >= 1 and x.shape[-1] == module.in_features:
+        return (*x.shape[:-1], int(module.out_features))
+    if isinstance(module, nn.Embedding) and not x.is_floating_point():
+        return (*x.shape, int(module.embedding_dim))
+    return None
 
 
 def canonical_names(model: nn.Module) -> Dict[int, str]:

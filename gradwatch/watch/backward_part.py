@@ -115,7 +115,7 @@ class BackwardPart(TrendAlerting):
         try:
             # through the module: a spy on module_form.run_module_check sees every check
             return module_form.run_module_check(target, ctx.objective, batch, opts, units=units, pieces=pieces,
-                                                room=piece_room, view=view, screen=True)
+                                                room=piece_room, view=view, screen=True, early=ctx.dist is None)
         finally:
             if view is not None:
                 reshard(target)

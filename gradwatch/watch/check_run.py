@@ -28,7 +28,7 @@ from typing import Any, List, Optional
 
 from gradwatch.check.judging.report import CheckReport
 from gradwatch.check.objective.rng import preserved_rng
-from gradwatch.plan.memory import MemoryMeter, release_freed
+from gradwatch.plan.memory import TRIM_BYTES, MemoryMeter, gradient_bytes, release_freed
 from gradwatch.watch.backward_part import BackwardPart
 from gradwatch.watch.check_plan import CheckPlanner
 from gradwatch.watch.context import CheckContext, WatchContext
@@ -196,11 +196,14 @@ class CheckRunner:
         ctx = self.watch
         self.training.run(check)  # its replay is in check.replay only: dropped below, its gradients are freed
         judged: Optional[CheckReport] = None
+        objective: Optional[float] = None
         if check.judge:
             judged = CheckReport(tensors={})
             self.training.judge(judged, check.replay)
+            freed = gradient_bytes((getattr(check.replay, "grads", None) or {}).values())
+            objective = getattr(check.replay, "objective", None)
             check.replay = None
-            if check.room is not None or ctx.by_shard:
+            if ctx.by_shard or (check.room is not None and freed >= TRIM_BYTES):
                 release_freed()  # the replayed gradients, before the backward part allocates
         if ctx.by_shard and check.room is not None:
             # What the replay left held counts against the room (measured again now); every rank plans the same
@@ -209,6 +212,10 @@ class CheckRunner:
             if ctx.lockstep is not None:
                 check.room = ctx.lockstep.point(check.room)
         report = check.report = self.backward.run(check)
+        if report is not None and report.objective != report.objective and objective is not None:
+            # the module form's capture stopped before the loss (one process): the replay's is the step's objective
+            report.objective, report.terms = objective, {"loss": objective}
+            report.nonfinite = report.nonfinite or not math.isfinite(objective)
         if report is not None and judged is not None:
             report.training, report.training_note = judged.training, judged.training_note
             report.training_rows, report.training_items = judged.training_rows, judged.training_items

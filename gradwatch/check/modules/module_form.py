@@ -46,18 +46,18 @@ import contextlib
 import copy
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
 
 from gradwatch.check.judging.report import OVER_ROOM, CheckReport, worse
-from gradwatch.check.modules.localize import ModuleCheck, check_module, copy_opaque, map_tensors
+from gradwatch.check.modules.capture import Captured, capture, live_bytes
+from gradwatch.check.modules.localize import ModuleCheck, check_module
 from gradwatch.check.modules.own_code import LossCode, ModelStub, OwnCode, RowsInPlace, embedding_rows_copy, own_code_copy, rows_copy
-from gradwatch.check.modules.row_groups import NO_TOKEN, check_group, chunks, first_ids, grouped, param_of
+from gradwatch.check.modules.row_groups import NO_TOKEN, check_group, chunks, first_ids, grouped, param_of, positions_kept
 from gradwatch.check.objective.dropout_off import dropout_off
-from gradwatch.check.objective.dtensor import is_dtensor, no_collectives, whole
+from gradwatch.check.objective.dtensor import no_collectives
 from gradwatch.check.objective.guards import frozen_power_iteration, suspended_hooks
 from gradwatch.check.objective.padding_idx import padding_rows_constant
 from gradwatch.check.objective.precision import ShadowPrecision
@@ -66,8 +66,8 @@ from gradwatch.check.objective.shadow import param_signature
 from gradwatch.check.objective.surrogate import find_surrogates, inside, surrogate_note
 from gradwatch.options import CheckOptions
 from gradwatch.plan.cycle import Piece
-from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY, float_bytes, mb, module_bytes, release_freed
-from gradwatch.plan.units import LOSS_FN, Unit, faithful_rows, isolated_forward, plan_units, relative, sliceable_rows
+from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY, TRIM_BYTES, float_bytes, mb, module_bytes, release_freed
+from gradwatch.plan.units import LOSS_FN, Unit, faithful_rows, plan_units, relative, sliceable_rows
 from gradwatch.trees import rebuild, tensor_leaves
 
 #: ``view(unit, rows)``: a context giving ``(unit with plain parameters, offset of its rows)`` (sharded models).
@@ -108,178 +108,6 @@ def float64_copy(module: nn.Module, dtype: torch.dtype = torch.float64) -> nn.Mo
         raise TypeError(f"cannot copy module {type(module).__name__} alone in {dtype} (copy.deepcopy failed: {err})") from err
 
 
-@dataclass
-class Captured:
-    """What one forward of the live model gave the module form, in the live dtype (cast per unit).
-
-    Attributes:
-        inputs: Unit name -> ``(args, kwargs)`` of its first call.
-        output_bytes: Unit name -> float64 bytes of its first call's output.
-        children: Own-code unit name -> called module (relative name) -> its output at each call
-            that the unit's first call made.
-        constants: ``id`` of the captured floating tensors that are additive masks (non-finite, or of magnitude
-            :data:`MASK` or more): the check does not differentiate with respect to them. ``masks`` holds those
-            tensors, so that no id is taken by another tensor while the capture lives (a unit's capture dropped
-            for another forward frees its mask; a later capture could reuse its id and lose its input).
-        deferred: Units not captured in this forward, the captures already holding the budget.
-        big: Unit name -> live bytes of what it needs captured, for units over the budget alone.
-        loss: The loss of that forward.
-    """
-
-    inputs: Dict[str, Tuple[Any, Any]] = field(default_factory=dict)
-    output_bytes: Dict[str, int] = field(default_factory=dict)
-    children: Dict[str, Dict[str, List[Any]]] = field(default_factory=dict)
-    constants: Set[int] = field(default_factory=set)
-    masks: List[torch.Tensor] = field(default_factory=list)
-    deferred: List[str] = field(default_factory=list)
-    big: Dict[str, int] = field(default_factory=dict)
-    loss: float = float("nan")
-
-
-#: A captured floating tensor holding a value this large is an additive mask, not a differentiable input.
-MASK = 1e30
-
-
-def _live_bytes(obj: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tensor_leaves(obj) if t.is_floating_point())
-
-
-def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], seed: int,
-            budget: Optional[int] = None, everyone: Sequence[Unit] = (),
-            agree: Optional[Callable[[], Any]] = None, alone: bool = False) -> Captured:
-    """The chosen units' inputs at their first call in one forward of the live model, and for own-code
-    units the outputs of the modules their first call called (detached copies in the live dtype).
-
-    Floating tensors that hold non-finite values or values of magnitude :data:`MASK` or more (additive
-    attention masks) are known as constants: the check does not differentiate with respect to them.
-    With ``budget`` (bytes), units are captured in
-    forward order while their copies fit in it together; the others are ``deferred`` to another forward,
-    and a unit over the budget alone is left out with its size (``big``); with ``alone`` it is captured instead,
-    by a forward where nothing else is (a sharded model: its piece is cut from that capture, since another
-    forward on one rank alone would leave the others' collectives unpaired).
-
-    DTensors (tensor and sequence parallel) are captured whole (:func:`~gradwatch.check.objective.dtensor.whole`,
-    a collective): at the first call of each unit of ``everyone`` (the units some rank captures, the same list on
-    every rank) and at every call of a module such a unit calls, every rank gathers the DTensors it is given
-    (and those the called module returns), whether it keeps them or not, so every rank makes the same collectives;
-    ``agree`` (an agreement point, :mod:`gradwatch.watch.lockstep`) is called before each such gather.
-    """
-    got = Captured()
-    whole_of: Dict[int, torch.Tensor] = {}  # id(DTensor) -> its gathered whole, during one hook
-    wanted = {u.name: u for u in units}
-    own = {u.name: {c: relative(u, c) for c in u.stubbed} for u in units if u.kind == "own"}
-    sizes: Dict[str, int] = {}
-    stack: List[List[Any]] = []  # [module, is this the first call of a wanted unit being captured]
-
-    def keep(t: torch.Tensor) -> torch.Tensor:
-        copy_ = whole_of.get(id(t), t).detach().clone()
-        if t.is_floating_point() and t.numel() and (not bool(torch.isfinite(copy_).all()) or float(copy_.abs().max()) >= MASK):
-            got.constants.add(id(copy_))  # an additive mask (-inf, or the dtype's lowest): no step can move it
-            got.masks.append(copy_)  # alive as long as its id is in constants
-        return copy_
-
-    def fits(extra: int) -> bool:
-        return budget is None or sum(sizes.values()) + extra <= budget
-
-    def drop(name: str, why: str) -> None:
-        got.inputs.pop(name, None)
-        got.children.pop(name, None)
-        size = sizes.pop(name, 0)
-        if why == "big":
-            got.big[name] = size
-        else:
-            got.deferred.append(name)
-
-    def enter(name: str):
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            first = name in wanted and name not in got.inputs and name not in got.big and name not in got.deferred
-            if first:
-                need = _live_bytes((args, kwargs))
-                if budget is not None and need > budget and not (alone and not sizes):
-                    if alone:
-                        got.deferred.append(name)
-                    else:
-                        got.big[name] = need
-                    first = False
-                elif not fits(need) and sizes:
-                    got.deferred.append(name)
-                    first = False
-                else:
-                    got.inputs[name] = copy_opaque(map_tensors((args, kwargs), keep))
-                    sizes[name] = need
-                    if name in own:
-                        got.children[name] = {}
-            stack.append([name, first])
-
-        return hook
-
-    def leave(name: str):
-        def hook(module: nn.Module, args: tuple, out: Any) -> None:
-            while stack and stack[-1][0] != name:  # a forward that raised inside left its frame behind
-                stack.pop()
-            frame = stack.pop() if stack else [name, False]
-            if frame[1]:
-                got.output_bytes[name] = float_bytes(out)
-            holder = stack[-1][0] if stack and stack[-1][1] and stack[-1][0] in own else None
-            rel = own[holder].get(name) if holder is not None else None
-            if holder is None and not stack and name == "" and LOSS_FN in got.children:
-                holder, rel = LOSS_FN, ""  # a call of the model by loss_fn itself
-            if holder is None or rel is None:
-                return
-            need = _live_bytes(out)
-            if alone and not fits(need) and not set(sizes) <= {holder}:
-                drop(holder, "deferred")  # captured again by a forward where it is alone, whatever its size
-                if stack and stack[-1][0] == holder:
-                    stack[-1][1] = False
-            elif not alone and budget is not None and sizes.get(holder, 0) + need > budget:
-                drop(holder, "big")
-                got.big[holder] += need
-                if stack and stack[-1][0] == holder:
-                    stack[-1][1] = False
-            elif not alone and not fits(need):
-                drop(holder, "deferred")
-                if stack and stack[-1][0] == holder:
-                    stack[-1][1] = False
-            else:
-                got.children[holder].setdefault(rel, []).append(copy_opaque(rebuild(out, keep)))
-                sizes[holder] = sizes.get(holder, 0) + need
-
-        return hook
-
-    if LOSS_FN in wanted:
-        got.inputs[LOSS_FN] = copy_opaque(map_tensors(((batch,), {}), keep))
-        got.children[LOSS_FN] = {}
-        sizes[LOSS_FN] = _live_bytes(batch)
-    named = dict(model.named_modules())
-    hooked = set(wanted) | {c for u in units for c in u.stubbed}
-    gather_in = {u.name for u in everyone}
-    gather_out = {c for u in everyone if u.kind != "module" for c in u.stubbed}
-    seen: Set[str] = set()
-
-    def gathering(name: str, hook: Optional[Callable[..., None]], pre: bool) -> Callable[..., None]:
-        def both(module: nn.Module, args: Any, extra: Any) -> None:
-            gather = name in gather_in and name not in seen if pre else name in gather_out
-            if pre:
-                seen.add(name)
-            dtensors = [t for t in tensor_leaves((args, extra) if pre else extra) if is_dtensor(t)] if gather else []
-            if dtensors and agree is not None:
-                agree()  # a rank whose loss_fn raised since the last point stops the others before the gather
-            if dtensors:
-                whole_of.update((id(t), whole(t)) for t in dtensors)
-            try:
-                if hook is not None:
-                    hook(module, args, extra)
-            finally:
-                whole_of.clear()
-
-        return both
-
-    pre = {n: gathering(n, enter(n) if n in hooked else None, True) for n in named if n in hooked | gather_in}
-    post = {n: gathering(n, leave(n) if n in hooked else None, False) for n in named if n in hooked | gather_out}
-    got.loss = isolated_forward(model, loss_fn, batch, seed, pre=pre, post=post)
-    return got
-
-
 def _cast_tree(obj: Any, dtype: torch.dtype, constants: Set[int], out: Set[int]) -> Any:
     """``obj`` with floating tensors in ``dtype``; the copies of ``constants`` go into ``out``."""
     def cast_one(t: torch.Tensor) -> torch.Tensor:
@@ -302,6 +130,7 @@ def run_module_check(
     room: Optional[int] = None,
     view: Optional[PieceView] = None,
     screen: bool = False,
+    early: bool = False,
 ) -> CheckReport:
     """The module form of the backward part (see the module docstring).
 
@@ -320,6 +149,8 @@ def run_module_check(
             whatever this rank's pieces): no capture is deferred to another forward, and a piece over ``room``
             is cut to the first samples of what that forward captured instead of captured again.
         screen: Detection first in each piece (see :func:`gradwatch.localize.check_module`).
+        early: Stop each capture forward once every unit it was run for is captured (one process): the loss is then
+            not known here (``report.objective`` stays NaN, for the caller to fill).
 
     Returns:
         A :class:`CheckReport` with ``form == "module"``: parameters under their names, a unit's input
@@ -363,8 +194,8 @@ def run_module_check(
     while remaining or once:
         once = False
         got = capture(model, objective.loss, batch, remaining, opts.seed, budget=budget,
-                      everyone=units if view is not None else (), agree=agree, alone=view is not None)
-        if report.objective != report.objective:  # NaN: the first forward's loss
+                      everyone=units if view is not None else (), agree=agree, alone=view is not None, early=early)
+        if report.objective != report.objective and got.loss is not None:  # NaN: the first forward's loss
             report.objective = got.loss
             report.terms = {"loss": got.loss}
             report.nonfinite = report.nonfinite or not math.isfinite(got.loss)  # said once, for the whole check
@@ -391,7 +222,8 @@ def run_module_check(
             once = agree(0 if remaining else 1) == 0  # another forward on every rank while any rank needs one
     for piece in solo:  # each alone: its own captures only beside its check
         unit = by_name[piece.unit]
-        got = capture(model, objective.loss, batch, [unit], opts.seed, budget=None if room is None else room // 3)
+        got = capture(model, objective.loss, batch, [unit], opts.seed, budget=None if room is None else room // 3,
+                      early=early)
         if unit.name in got.inputs or unit.name in got.big:
             estimate, unused = _run_piece(model, objective, batch, opts, unit, piece, got, dtype, canonical,
                                           None if room is None else max(0, room - _held(got)), report, skipped,
@@ -417,7 +249,8 @@ def _run_group(opts: CheckOptions, unit: Unit, blocks: List[Tuple[int, int]], go
     constants: Set[int] = set()
     args, kwargs = _cast_tree(got.inputs[unit.name], dtype, got.constants, constants)
     total = _rows_of(unit) or 1
-    per_row = (_numel(unit.params.values()) * MODULE_BYTES_PER_ENTRY + 4 * got.output_bytes.get(unit.name, 0)) / total
+    per_row = (_numel(unit.params.values()) * MODULE_BYTES_PER_ENTRY
+               + 4 * got.output_bytes.get(unit.name, 0) * positions_kept(unit.module, args, kwargs)) / total
     fixed = 3 * float_bytes((args, kwargs))
     capacity = total if room is None else int(max(0, room - fixed) // max(per_row, 1.0))
     single: List[Piece] = []
@@ -437,7 +270,7 @@ def _run_group(opts: CheckOptions, unit: Unit, blocks: List[Tuple[int, int]], go
 
 def _held(got: Captured) -> int:
     """Bytes the captures of one forward hold."""
-    return sum(_live_bytes(v) for v in got.inputs.values()) + sum(_live_bytes(v) for v in got.children.values())
+    return sum(live_bytes(v) for v in got.inputs.values()) + sum(live_bytes(v) for v in got.children.values())
 
 
 def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions, unit: Unit, piece: Piece, got: Captured,
@@ -469,8 +302,8 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
         out_bytes = 0
         need = got.big[unit.name] * 2 * MODULE_BYTES_PER_ENTRY // 8  # float32 to float64, then its copies
     if room is not None and solo is not None and full_room is not None and \
-            _alone(unit, rows, need, dtype, room, full_room - _live_bytes(got.inputs.get(unit.name))
-                   - _live_bytes(got.children.get(unit.name))):
+            _alone(unit, rows, need, dtype, room, full_room - live_bytes(got.inputs.get(unit.name))
+                   - live_bytes(got.children.get(unit.name))):
         solo.append(piece)
         return estimate, unused
     if room is not None and need > room:
@@ -537,9 +370,6 @@ def _file(report: CheckReport, unit: Unit, result: ModuleCheck, probed: List[Tup
     return 0
 
 
-#: A piece's check that needs this much gives what it freed back to the system before the next piece (glibc's
-#: ``malloc_trim`` walks the whole heap: about a millisecond, more than a small piece's check itself).
-TRIM_BYTES = 32 << 20
 
 def _numel(tensors: Any) -> int:
     return sum(int(t.numel()) for t in tensors)

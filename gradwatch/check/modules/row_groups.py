@@ -168,6 +168,24 @@ class EmbeddingRowBlocks(nn.Module):
 GROUP_POSITIONS = 32
 
 
+def _linear_input(args: Any, kwargs: Any) -> Optional[torch.Tensor]:
+    """A Linear's input when it is called on one tensor alone (what a group may cut to fewer positions)."""
+    if isinstance(args, tuple) and len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor) and args[0].dim() > 1:
+        return args[0]
+    return None
+
+
+def positions_kept(module: nn.Module, args: Any, kwargs: Any) -> float:
+    """The share of its input's positions a group of ``module``'s row blocks is checked on (1 for an Embedding's).
+
+    Example:
+        >>> positions_kept(nn.Linear(8, 4), (torch.ones(4, 32, 8),), {}), positions_kept(nn.Linear(8, 4), (torch.ones(3, 8),), {})
+        (0.25, 1.0)
+    """
+    x = _linear_input(args, kwargs) if isinstance(module, nn.Linear) else None
+    return 1.0 if x is None else min(1.0, GROUP_POSITIONS / max(1, x.numel() // x.shape[-1]))
+
+
 def fewer_positions(x: torch.Tensor, keep: int, seed: int) -> torch.Tensor:
     """``keep`` positions of a Linear's input drawn at random (a generator of ``seed``), as a ``(keep, width)``
     tensor; ``x`` as it is where it has no more.
@@ -253,8 +271,8 @@ def check_group(unit: Unit, blocks: List[Tuple[int, int]], args: Any, kwargs: An
         kind = f"{type(module).__name__} {span} ({sum(int(r.numel()) for r in local.used)} used)"
     else:
         local = LinearRowBlocks(module, blocks, dtype)
-        x = args[0] if isinstance(args, tuple) and len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor) else None
-        if x is not None and x.dim() > 1 and x.numel() // x.shape[-1] > GROUP_POSITIONS:
+        x = _linear_input(args, kwargs)
+        if x is not None and x.numel() // x.shape[-1] > GROUP_POSITIONS:
             cut = fewer_positions(x, GROUP_POSITIONS, opts.seed)
             if id(x) in constants:
                 constants.add(id(cut))

@@ -1,0 +1,233 @@
+"""The module form's capture: one forward of the live model that copies the chosen units' inputs.
+
+A forward of the live model on the check batch (dropout off, BatchNorm's running stats untouched, no grad)
+captures, in the live dtype, each chosen unit's inputs at its first call and, for own-code units, the outputs of
+the modules it calls; additive masks (``-inf``, or the dtype's lowest value) are kept as constants. In one process
+the forward stops once every chosen unit is captured: what follows (an LM head's product, the loss over a
+vocabulary) is not computed for nothing.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from gradwatch.plan.units import plan_units
+    >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    >>> loss = lambda m, b: m(b).square().sum()
+    >>> units = [u for u in plan_units(model, loss, torch.ones(2, 3)) if u.name == "0"]
+    >>> got = capture(model, loss, torch.ones(2, 3), units, seed=0, early=True)
+    >>> list(got.inputs), got.output_bytes, got.loss is None
+    (['0'], {'0': 64}, True)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import nn
+
+from gradwatch.check.modules.localize import copy_opaque, map_tensors
+from gradwatch.check.objective.dtensor import is_dtensor, whole
+from gradwatch.plan.memory import float_bytes
+from gradwatch.plan.units import LOSS_FN, Enough, Unit, isolated_forward, output_shape, relative
+from gradwatch.trees import rebuild, tensor_leaves
+
+
+@dataclass
+class Captured:
+    """What one forward of the live model gave the module form, in the live dtype (cast per unit).
+
+    Attributes:
+        inputs: Unit name -> ``(args, kwargs)`` of its first call.
+        output_bytes: Unit name -> float64 bytes of its first call's output.
+        children: Own-code unit name -> called module (relative name) -> its output at each call
+            that the unit's first call made.
+        constants: ``id`` of the captured floating tensors that are additive masks (non-finite, or of magnitude
+            :data:`MASK` or more): the check does not differentiate with respect to them. ``masks`` holds those
+            tensors, so that no id is taken by another tensor while the capture lives (a unit's capture dropped
+            for another forward frees its mask; a later capture could reuse its id and lose its input).
+        deferred: Units not captured in this forward, the captures already holding the budget.
+        big: Unit name -> live bytes of what it needs captured, for units over the budget alone.
+        loss: The loss of that forward (None where it stopped once every unit was captured).
+    """
+
+    inputs: Dict[str, Tuple[Any, Any]] = field(default_factory=dict)
+    output_bytes: Dict[str, int] = field(default_factory=dict)
+    children: Dict[str, Dict[str, List[Any]]] = field(default_factory=dict)
+    constants: Set[int] = field(default_factory=set)
+    masks: List[torch.Tensor] = field(default_factory=list)
+    deferred: List[str] = field(default_factory=list)
+    big: Dict[str, int] = field(default_factory=dict)
+    loss: Optional[float] = float("nan")
+
+
+#: A captured floating tensor holding a value this large is an additive mask, not a differentiable input.
+MASK = 1e30
+
+
+def live_bytes(obj: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensor_leaves(obj) if t.is_floating_point())
+
+
+def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], seed: int,
+            budget: Optional[int] = None, everyone: Sequence[Unit] = (),
+            agree: Optional[Callable[[], Any]] = None, alone: bool = False, early: bool = False) -> Captured:
+    """The chosen units' inputs at their first call in one forward of the live model, and for own-code
+    units the outputs of the modules their first call called (detached copies in the live dtype).
+
+    Floating tensors that hold non-finite values or values of magnitude :data:`MASK` or more (additive
+    attention masks) are known as constants: the check does not differentiate with respect to them.
+    With ``budget`` (bytes), units are captured in
+    forward order while their copies fit in it together; the others are ``deferred`` to another forward,
+    and a unit over the budget alone is left out with its size (``big``); with ``alone`` it is captured instead,
+    by a forward where nothing else is (a sharded model: its piece is cut from that capture, since another
+    forward on one rank alone would leave the others' collectives unpaired).
+
+    DTensors (tensor and sequence parallel) are captured whole (:func:`~gradwatch.check.objective.dtensor.whole`,
+    a collective): at the first call of each unit of ``everyone`` (the units some rank captures, the same list on
+    every rank) and at every call of a module such a unit calls, every rank gathers the DTensors it is given
+    (and those the called module returns), whether it keeps them or not, so every rank makes the same collectives;
+    ``agree`` (an agreement point, :mod:`gradwatch.watch.lockstep`) is called before each such gather.
+    """
+    got = Captured()
+    whole_of: Dict[int, torch.Tensor] = {}  # id(DTensor) -> its gathered whole, during one hook
+    wanted = {u.name: u for u in units}
+    own = {u.name: {c: relative(u, c) for c in u.stubbed} for u in units if u.kind == "own"}
+    sizes: Dict[str, int] = {}
+    stack: List[List[Any]] = []  # [module, is this the first call of a wanted unit being captured]
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        copy_ = whole_of.get(id(t), t).detach().clone()
+        # one reduction: the largest magnitude is NaN or inf where any entry is, and MASK or more in an additive mask
+        if t.is_floating_point() and t.numel() and not float(copy_.abs().max()) < MASK:
+            got.constants.add(id(copy_))  # an additive mask (-inf, or the dtype's lowest): no step can move it
+            got.masks.append(copy_)  # alive as long as its id is in constants
+        return copy_
+
+    def fits(extra: int) -> bool:
+        return budget is None or sum(sizes.values()) + extra <= budget
+
+    def drop(name: str, why: str) -> None:
+        got.inputs.pop(name, None)
+        got.children.pop(name, None)
+        size = sizes.pop(name, 0)
+        if why == "big":
+            got.big[name] = size
+        else:
+            got.deferred.append(name)
+
+    # One process: the forward stops once every chosen unit is captured (an LM head's product and the loss over the
+    # vocabulary are not computed for nothing); its loss is then not known (``got.loss`` None).
+    early = early and LOSS_FN not in wanted and not everyone and agree is None and not alone
+    stopped: List[bool] = []
+
+    def settled() -> bool:
+        return all(n in got.big or n in got.deferred or n in got.output_bytes for n in wanted)
+
+    def stop() -> None:
+        if early and not any(frame[1] for frame in stack) and settled():
+            stopped.append(True)
+            raise Enough
+
+    def enter(name: str):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if stopped:
+                return
+            first = name in wanted and name not in got.inputs and name not in got.big and name not in got.deferred
+            if first:
+                need = live_bytes((args, kwargs))
+                if budget is not None and need > budget and not (alone and not sizes):
+                    if alone:
+                        got.deferred.append(name)
+                    else:
+                        got.big[name] = need
+                    first = False
+                elif not fits(need) and sizes:
+                    got.deferred.append(name)
+                    first = False
+                else:
+                    got.inputs[name] = copy_opaque(map_tensors((args, kwargs), keep))
+                    sizes[name] = need
+                    if name in own:
+                        got.children[name] = {}
+                    shape = output_shape(wanted[name], args, kwargs)
+                    if shape is not None:  # a plain Linear or Embedding: its output is known without running it
+                        got.output_bytes[name] = math.prod(shape) * 8
+                        stop()
+                        del got.output_bytes[name]
+            stack.append([name, first])
+
+        return hook
+
+    def leave(name: str):
+        def hook(module: nn.Module, args: tuple, out: Any) -> None:
+            if stopped:
+                return
+            left(name, out)
+            stop()
+
+        return hook
+
+    def left(name: str, out: Any) -> None:
+        while stack and stack[-1][0] != name:  # a forward that raised inside left its frame behind
+            stack.pop()
+        frame = stack.pop() if stack else [name, False]
+        if frame[1]:
+            got.output_bytes[name] = float_bytes(out)
+        holder = stack[-1][0] if stack and stack[-1][1] and stack[-1][0] in own else None
+        rel = own[holder].get(name) if holder is not None else None
+        if holder is None and not stack and name == "" and LOSS_FN in got.children:
+            holder, rel = LOSS_FN, ""  # a call of the model by loss_fn itself
+        if holder is None or rel is None:
+            return
+        need = live_bytes(out)
+        if alone and not fits(need) and not set(sizes) <= {holder}:
+            drop(holder, "deferred")  # captured again by a forward where it is alone, whatever its size
+            if stack and stack[-1][0] == holder:
+                stack[-1][1] = False
+        elif not alone and budget is not None and sizes.get(holder, 0) + need > budget:
+            drop(holder, "big")
+            got.big[holder] += need
+            if stack and stack[-1][0] == holder:
+                stack[-1][1] = False
+        elif not alone and not fits(need):
+            drop(holder, "deferred")
+            if stack and stack[-1][0] == holder:
+                stack[-1][1] = False
+        else:
+            got.children[holder].setdefault(rel, []).append(copy_opaque(rebuild(out, keep)))
+            sizes[holder] = sizes.get(holder, 0) + need
+
+    if LOSS_FN in wanted:
+        got.inputs[LOSS_FN] = copy_opaque(map_tensors(((batch,), {}), keep))
+        got.children[LOSS_FN] = {}
+        sizes[LOSS_FN] = live_bytes(batch)
+    named = dict(model.named_modules())
+    hooked = set(wanted) | {c for u in units for c in u.stubbed}
+    gather_in = {u.name for u in everyone}
+    gather_out = {c for u in everyone if u.kind != "module" for c in u.stubbed}
+    seen: Set[str] = set()
+
+    def gathering(name: str, hook: Optional[Callable[..., None]], pre: bool) -> Callable[..., None]:
+        def both(module: nn.Module, args: Any, extra: Any) -> None:
+            gather = name in gather_in and name not in seen if pre else name in gather_out
+            if pre:
+                seen.add(name)
+            dtensors = [t for t in tensor_leaves((args, extra) if pre else extra) if is_dtensor(t)] if gather else []
+            if dtensors and agree is not None:
+                agree()  # a rank whose loss_fn raised since the last point stops the others before the gather
+            if dtensors:
+                whole_of.update((id(t), whole(t)) for t in dtensors)
+            try:
+                if hook is not None:
+                    hook(module, args, extra)
+            finally:
+                whole_of.clear()
+
+        return both
+
+    pre = {n: gathering(n, enter(n) if n in hooked else None, True) for n in named if n in hooked | gather_in}
+    post = {n: gathering(n, leave(n) if n in hooked else None, False) for n in named if n in hooked | gather_out}
+    got.loss = isolated_forward(model, loss_fn, batch, seed, pre=pre, post=post)
+    return got
