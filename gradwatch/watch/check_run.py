@@ -28,7 +28,7 @@ from typing import Any, List, Optional
 
 from gradwatch.check.judging.report import CheckReport
 from gradwatch.check.objective.rng import preserved_rng
-from gradwatch.plan.memory import TRIM_BYTES, MemoryMeter, gradient_bytes, release_freed
+from gradwatch.plan.memory import MemoryMeter, release_freed
 from gradwatch.watch.backward_part import BackwardPart
 from gradwatch.watch.check_plan import CheckPlanner
 from gradwatch.watch.context import CheckContext, WatchContext
@@ -200,11 +200,12 @@ class CheckRunner:
         if check.judge:
             judged = CheckReport(tensors={})
             self.training.judge(judged, check.replay)
-            freed = gradient_bytes((getattr(check.replay, "grads", None) or {}).values())
             objective = getattr(check.replay, "objective", None)
             check.replay = None
-            if ctx.by_shard or (check.room is not None and freed >= TRIM_BYTES):
-                release_freed()  # the replayed gradients, before the backward part allocates
+            if check.room is not None or ctx.by_shard:
+                # the replay's activations and gradients, before the backward part allocates and measures (the whole
+                # objective's batches are sized to training's activations: what the process holds now is taken off)
+                release_freed()
         if ctx.by_shard and check.room is not None:
             # What the replay left held counts against the room (measured again now); every rank plans the same
             # pieces with the smallest room (an agreement point: a rank that raised above stops the others here).
