@@ -427,21 +427,38 @@ def sub_batch(batch: Any, keep: int, length: Optional[int] = None) -> Tuple[Any,
     return rebuild(batch, cut), size, seq
 
 
-def _fewer_samples(model: nn.Module, loss_fn: Any, batch: Any, unit: Unit, need: int, room: int, seed: int,
-                   dtype: torch.dtype) -> Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, str, Set[int]]]:
-    """For a unit too big for the room on the whole batch: its inputs (and stubs' outputs) captured on a cut of
-    the batch that fits: its first samples, or one sample's first positions (a token batch), as
-    ``((args, kwargs), children, bytes, what was kept, constants)``; None when no cut fits (or the model
-    refuses the cut batch)."""
-    _, size, seq = sub_batch(batch, 1)
+def cuts_to_try(size: int, seq: int, need: int, room: int) -> List[Tuple[int, Optional[int]]]:
+    """``(samples, positions)`` cuts of a batch of ``size`` x ``seq`` to try, in order, for a piece that needs ``need``
+    bytes on the whole batch and has ``room``: the first samples that fit by that estimate, then one sample's first
+    positions, about as many as fit, then half of them twice (the estimate by samples may keep one that does not fit:
+    GPT-2's logits and loss over 50,257 tokens, a 1.2 GB piece at batch 8 x 64 in a room of 190 MB).
+
+    Example:
+        >>> cuts_to_try(8, 64, 1184, 190)
+        [(1, None), (1, 63), (1, 31), (1, 15)]
+        >>> cuts_to_try(8, 64, 4000, 190)
+        [(1, 24), (1, 12), (1, 6)]
+        >>> cuts_to_try(4, 1, 100, 60)
+        [(2, None)]
+    """
     cuts: List[Tuple[int, Optional[int]]] = []
     keep = min(size - 1, int(size * room / max(need, 1)))
     if keep >= 1:
         cuts.append((keep, None))
-    elif seq > 1:  # one sample does not fit: its first positions, about as many as fit, then half of them twice
+    if seq > 1:
         fit = min(seq - 1, int(seq * size * room / max(need, 1)))
         cuts += [(1, n) for n in dict.fromkeys((fit, fit // 2, fit // 4)) if n >= 1]
-    for kept, length in cuts:
+    return cuts
+
+
+def _fewer_samples(model: nn.Module, loss_fn: Any, batch: Any, unit: Unit, need: int, room: int, seed: int,
+                   dtype: torch.dtype) -> Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, str, Set[int]]]:
+    """For a unit too big for the room on the whole batch: its inputs (and stubs' outputs) captured on a cut of
+    the batch that fits (:func:`cuts_to_try`): its first samples, or one sample's first positions (a token batch), as
+    ``((args, kwargs), children, bytes, what was kept, constants)``; None when no cut fits (or the model
+    refuses the cut batch)."""
+    _, size, seq = sub_batch(batch, 1)
+    for kept, length in cuts_to_try(size, seq, need, room):
         part, _, _ = sub_batch(batch, kept, length)
         try:
             got = capture(model, loss_fn, part, [unit], seed, budget=room // 3)
