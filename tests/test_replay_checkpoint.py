@@ -106,9 +106,9 @@ def test_a_tight_room_replays_with_the_blocks_checkpointed_and_leaves_training_a
     # the tensors judged whole, bit for bit (a weight judged by rows is its block's own product, rounded apart)
     whole = [tc for r in reports for n, tc in r.training.items() if n not in r.training_rows]
     assert whole and all(tc.rel_diff == 0.0 for tc in whole), whole
-    # the replay's backward ran some of the blocks' forward again (their checkpoints' recompute): as many as the room
-    # needs, each check
-    assert all(1 <= c <= 4 for c in calls), calls
+    # the replay's backward ran some of the blocks' forward again (their checkpoints' recompute), as many as the room
+    # needed at each check (measured from the process's own memory: how many, and at which checks, moves with it)
+    assert sum(calls) >= 1 and all(0 <= c <= 4 for c in calls), calls
     assert _train(True, budget=None)[3] == [0, 0, 0]  # with room (no budget) the replay is training's forward alone
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import math
 import operator
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
@@ -33,7 +32,7 @@ from gradwatch.check.judging.training_judge import compute_dtype, gradient_scale
 from gradwatch.check.model import validate_grads
 from gradwatch.check.numerics.sampling import match_names
 from gradwatch.check.objective.checkpointed import grad_by_backward, reentrant_checkpoint_leaves
-from gradwatch.check.replay.checkpoint_blocks import checkpointing, repeated_blocks
+from gradwatch.check.replay.checkpoint_blocks import blocks_needed, checkpointing, repeated_blocks
 from gradwatch.check.replay.reference import Replay, Step, replay_step, scalar_grad
 from gradwatch.check.replay.rows import RowGrads, sliceable_linears
 from gradwatch.check.replay.window import PartialWindow
@@ -354,12 +353,8 @@ class TrainingPart(TrendAlerting):
         if any(getattr(m, "gradient_checkpointing", False) is True for m in modules):
             return 0
         held = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-        activations = ctx.memory.transient()
-        excess = held + gradient_bytes(params.values()) - (room - activations)
-        if excess <= 0:
-            return 0
-        count = len(repeated_blocks(model))
-        return min(count, math.ceil(1.5 * excess * count / max(activations + held, 1)))
+        return blocks_needed(held, gradient_bytes(params.values()), room, ctx.memory.transient(),
+                             len(repeated_blocks(model)))
 
     def _plan_step(self, pending: Step, model: nn.Module, params: Dict[str, torch.Tensor], seed: int) -> StepPlan:
         """The step's objective (:class:`~gradwatch.watch.step_objective.StepObjective`): on every rank alike (an

@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
@@ -127,3 +128,22 @@ def checkpointing(root: nn.Module, evaluate: Callable[[nn.Module, Any], Any], co
             return evaluate(model, batch)
 
     return run
+
+
+def blocks_needed(held: int, replayed: int, room: int, activations: int, count: int) -> int:
+    """How many of ``count`` repeated blocks a replay checkpoints: as many as keep training's ``held`` gradient and the
+    ``replayed`` ones within what the ``room`` leaves above training's ``activations``, each block counted at its
+    share of those activations (and of ``held``, which training's forward did not hold), with half as many again for
+    what lives outside the blocks (the logits); 0 where they fit.
+
+    Example:
+        >>> mb = 2**20
+        >>> blocks_needed(472 * mb, 250 * mb, 1450 * mb, 1200 * mb, 12)  # GPT-2 small, as measured at one check
+        6
+        >>> blocks_needed(13 * mb, 13 * mb, 137 * mb, 102 * mb, 2)  # GPT-2 3.3M: they fit
+        0
+    """
+    excess = held + replayed - (room - activations)
+    if excess <= 0 or count <= 0:
+        return 0
+    return min(count, math.ceil(1.5 * excess * count / max(activations + held, 1)))
