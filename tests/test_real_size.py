@@ -88,43 +88,6 @@ def test_the_whole_objective_of_a_lora_gpt2_holds_one_forwards_activations_per_b
     assert got["ratio"] < 1.6, got  # 1.2x measured; 7x before
 
 
-LORA_AUTO = """
-import json, resource, sys, torch
-sys.path.insert(0, {bench!r})
-import real_size as rs
-torch.set_num_threads(2); torch.manual_seed(0)
-model, loss_fn, make_batch = rs._setup("gpt2lora", "none")
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
-from gradwatch import GradWatch
-watch = GradWatch(model, loss_fn, optimizer=opt, every=1, log_dir=None, form="objective")
-forms = []
-for i in range(2):
-    b = make_batch(i); opt.zero_grad(); loss_fn(model, b).backward()
-    report = watch.step(b); opt.step()
-    forms.append(report.form)
-print(json.dumps({{"forms": forms, "alerts": len(watch.alerts),
-                  "ratio": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / report.memory["training_peak_bytes"]}}))
-"""
-
-
-def test_the_whole_objective_sizes_its_batches_on_training_alone_at_every_check():
-    # a LoRA GPT-2 from its first step, two checks of the whole objective. Its batches are sized to training's
-    # activations, measured as training's peak less what the process holds: at 47bfeb2 the replay's freed memory was
-    # not given back to the system before that measurement, so the activations looked half as large and the batches
-    # took 3.7 GB against training's 0.5 GB (under form="auto" that happened at its check of the whole objective
-    # after one in modules)
-    import json
-    import subprocess
-    import sys
-
-    code = LORA_AUTO.format(bench=str(ROOT / "benchmarks"))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-2000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert got["forms"] == ["objective", "objective"] and got["alerts"] == 0, got
-    assert got["ratio"] < 1.6, got  # 1.36x measured; 8.0x at 47bfeb2
-
-
 LORA_FORMS = """
 import json, sys, torch
 sys.path.insert(0, {bench!r})
