@@ -7,7 +7,7 @@ import contextlib
 import functools
 import operator
 import types
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -419,3 +419,32 @@ def frozen_power_iteration(model: nn.Module, modules: Optional[List[nn.Module]] 
     finally:
         for m in frozen:
             m.training = True
+
+
+_NO_FORWARD = object()
+
+
+@contextlib.contextmanager
+def instance_forwards(patches: Iterable[Tuple[nn.Module, Callable[..., Any]]]) -> Iterator[None]:
+    """For the duration, each module's ``forward`` is the one given (an instance attribute); on exit each is put back
+    exactly as it was: the instance's own ``forward`` where it had one, else none (its class's again).
+
+    Example:
+        >>> lin = nn.Linear(2, 2)
+        >>> with instance_forwards([(lin, lambda x: x * 0)]):
+        ...     zero = lin(torch.ones(1, 2))
+        >>> zero.abs().sum().item(), "forward" in vars(lin)
+        (0.0, False)
+    """
+    saved: List[Tuple[nn.Module, Any]] = []
+    try:
+        for module, forward in patches:
+            saved.append((module, vars(module).get("forward", _NO_FORWARD)))
+            module.forward = forward  # per instance, removed after
+        yield
+    finally:
+        for module, previous in reversed(saved):
+            if previous is _NO_FORWARD:
+                vars(module).pop("forward", None)
+            else:
+                module.forward = previous  # the instance's own forward, put back

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import contextlib
 import types
-from typing import Iterator, List, Tuple
+from typing import Iterator, List
 
 import torch
 from torch import nn
 
-_MISSING = object()
+from gradwatch.check.objective.guards import instance_forwards
 
 
 def _holding_forward(module: nn.Embedding, row: torch.Tensor):
@@ -69,27 +69,20 @@ def padding_rows_constant(model: nn.Module) -> Iterator[List[str]]:
         >>> torch.equal(moved[0], emb.weight[0] - 1.0), torch.equal(moved[1], emb.weight[1])
         (True, True)
     """
-    changed: List[Tuple[nn.Module, object]] = []
+    patches = []
     held: List[str] = []
-    try:
-        for name, module in model.named_modules():
-            if not isinstance(module, nn.Embedding) or module.padding_idx is None:
-                continue
-            weight = module.weight
-            if weight is None or not weight.is_floating_point():
-                continue
-            row = weight.detach()[module.padding_idx].clone()
-            changed.append((module, vars(module).get("forward", _MISSING)))
-            module.forward = _holding_forward(module, row)  # type: ignore[method-assign]  # per instance, removed after
-            prefix = f"{name}." if name else ""
-            held.append(f"{prefix}weight row {module.padding_idx % module.num_embeddings} (padding_idx)")
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Embedding) or module.padding_idx is None:
+            continue
+        weight = module.weight
+        if weight is None or not weight.is_floating_point():
+            continue
+        row = weight.detach()[module.padding_idx].clone()
+        patches.append((module, _holding_forward(module, row)))
+        prefix = f"{name}." if name else ""
+        held.append(f"{prefix}weight row {module.padding_idx % module.num_embeddings} (padding_idx)")
+    with instance_forwards(patches):
         yield held
-    finally:
-        for module, previous in reversed(changed):
-            if previous is _MISSING:
-                vars(module).pop("forward", None)
-            else:
-                module.forward = previous  # type: ignore[assignment]  # the instance's own forward, put back
 
 
 def padding_note(held: List[str]) -> str:

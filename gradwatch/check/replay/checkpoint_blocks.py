@@ -35,11 +35,13 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from gradwatch.check.objective.guards import instance_forwards
 
 _PLAIN = (torch.Tensor, str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.device)
 
@@ -91,26 +93,14 @@ def _checkpointing(forward: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-_MISSING = object()
-
-
 @contextlib.contextmanager
 def checkpointed(root: nn.Module, count: Optional[int] = None) -> Iterator[int]:
     """For the duration, each of ``root``'s repeated blocks (:func:`repeated_blocks`; with ``count``, the first
     ``count`` of them) runs its forward under a non-reentrant checkpoint; yields how many blocks. Each block's own
     ``forward`` is put back on exit."""
-    changed: List[Tuple[nn.Module, Any]] = []
-    try:
-        for block in repeated_blocks(root)[:count]:
-            changed.append((block, vars(block).get("forward", _MISSING)))
-            block.forward = _checkpointing(block.forward)  # per instance, removed after
-        yield len(changed)
-    finally:
-        for block, previous in reversed(changed):
-            if previous is _MISSING:
-                vars(block).pop("forward", None)
-            else:
-                block.forward = previous
+    blocks = repeated_blocks(root)[:count]
+    with instance_forwards((block, _checkpointing(block.forward)) for block in blocks):
+        yield len(blocks)
 
 
 def checkpointing(root: nn.Module, evaluate: Callable[[nn.Module, Any], Any], count: Optional[int] = None
