@@ -32,7 +32,7 @@ from gradwatch.check.judging.training_judge import compute_dtype, gradient_scale
 from gradwatch.check.model import validate_grads
 from gradwatch.check.numerics.sampling import match_names
 from gradwatch.check.objective.checkpointed import grad_by_backward, reentrant_checkpoint_leaves
-from gradwatch.check.replay.checkpoint_blocks import blocks_needed, checkpointing, repeated_blocks
+from gradwatch.check.replay.checkpoint_blocks import blocks_needed, checkpointing, repeated_blocks, replay_excess
 from gradwatch.check.replay.reference import Replay, Step, replay_step, scalar_grad
 from gradwatch.check.replay.rows import RowGrads, sliceable_linears
 from gradwatch.check.replay.window import PartialWindow
@@ -352,9 +352,11 @@ class TrainingPart(TrendAlerting):
         modules = self._modules_cache or list(model.modules())
         if any(getattr(m, "gradient_checkpointing", False) is True for m in modules):
             return 0
-        held = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-        return blocks_needed(held, gradient_bytes(params.values()), room, ctx.memory.transient(),
-                             len(repeated_blocks(model)))
+        held = gradient_bytes(p.grad for p in model.parameters() if p.grad is not None)
+        replayed, activations = gradient_bytes(params.values()), ctx.memory.transient()
+        if replay_excess(held, replayed, room, activations) <= 0:
+            return 0  # it fits: no walk of the module tree for its blocks, at every check
+        return blocks_needed(held, replayed, room, activations, len(repeated_blocks(model)))
 
     def _plan_step(self, pending: Step, model: nn.Module, params: Dict[str, torch.Tensor], seed: int) -> StepPlan:
         """The step's objective (:class:`~gradwatch.watch.step_objective.StepObjective`): on every rank alike (an

@@ -120,6 +120,17 @@ def checkpointing(root: nn.Module, evaluate: Callable[[nn.Module, Any], Any], co
     return run
 
 
+def replay_excess(held: int, replayed: int, room: int, activations: int) -> int:
+    """Bytes by which training's ``held`` gradient and the ``replayed`` ones exceed what the ``room`` leaves above
+    training's ``activations`` (0 or less: the replay fits as it is).
+
+    Example:
+        >>> replay_excess(10, 5, 100, 90), replay_excess(10, 5, 100, 50)
+        (5, -35)
+    """
+    return held + replayed - (room - activations)
+
+
 def blocks_needed(held: int, replayed: int, room: int, activations: int, count: int) -> int:
     """How many of ``count`` repeated blocks a replay checkpoints: as many as keep training's ``held`` gradient and the
     ``replayed`` ones within what the ``room`` leaves above training's ``activations``, each block counted at its
@@ -133,7 +144,7 @@ def blocks_needed(held: int, replayed: int, room: int, activations: int, count: 
         >>> blocks_needed(13 * mb, 13 * mb, 137 * mb, 102 * mb, 2)  # GPT-2 3.3M: they fit
         0
     """
-    excess = held + replayed - (room - activations)
+    excess = replay_excess(held, replayed, room, activations)
     if excess <= 0 or count <= 0:
         return 0
     return min(count, math.ceil(1.5 * excess * count / max(activations + held, 1)))
