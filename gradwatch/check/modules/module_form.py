@@ -248,11 +248,9 @@ def _run_group(opts: CheckOptions, unit: Unit, blocks: List[Tuple[int, int]], go
     largest estimate, the count of blocks with no token and the blocks alone in their run (checked as any piece)."""
     constants: Set[int] = set()
     args, kwargs = _cast_tree(got.inputs[unit.name], dtype, got.constants, constants)
-    total = _rows_of(unit) or 1
-    per_row = (_numel(unit.params.values()) * MODULE_BYTES_PER_ENTRY
-               + 4 * got.output_bytes.get(unit.name, 0) * positions_kept(unit.module, args, kwargs)) / total
-    fixed = 3 * float_bytes((args, kwargs))
-    capacity = total if room is None else int(max(0, room - fixed) // max(per_row, 1.0))
+    fixed, per_row = _rows_cost(unit, (args, kwargs), got.output_bytes.get(unit.name, 0),
+                                positions_kept(unit.module, args, kwargs))
+    capacity = (_rows_of(unit) or 1) if room is None else int(max(0, room - fixed) // max(per_row, 1.0))
     single: List[Piece] = []
     for run in chunks(sorted(blocks), capacity):
         if len(run) == 1:
@@ -266,6 +264,14 @@ def _run_group(opts: CheckOptions, unit: Unit, blocks: List[Tuple[int, int]], go
         if room is not None and need >= TRIM_BYTES:
             release_freed()
     return estimate, unused, single
+
+
+def _rows_cost(unit: Unit, inputs: Any, out_bytes: int, positions: float = 1.0) -> Tuple[int, float]:
+    """``(fixed bytes, bytes per row)`` of checking blocks of a unit's rows: its inputs three times (captured, working,
+    fresh per call), and per row its share of the parameters' entries and four times its share of the output (of the
+    ``positions`` share of the input a group is checked on)."""
+    per_row = (_numel(unit.params.values()) * MODULE_BYTES_PER_ENTRY + 4 * out_bytes * positions) / max(1, _rows_of(unit) or 1)
+    return 3 * float_bytes(inputs), per_row
 
 
 def _held(got: Captured) -> int:
@@ -290,12 +296,11 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
                     for rel, outs in got.children.get(unit.name, {}).items()}
         out_bytes = got.output_bytes.get(unit.name, 0)
         stub_params = [t for outs in children.values() for o in outs for t in tensor_leaves(o) if t.is_floating_point()]
-        share = 1.0 if rows is None else (rows[1] - rows[0]) / max(1, _rows_of(unit) or 1)
         if rows is None:
             need = module_bytes(unit.params.values(), (args, kwargs), out_bytes) + _numel(stub_params) * MODULE_BYTES_PER_ENTRY
         else:
-            need = int(_numel(unit.params.values()) * share) * MODULE_BYTES_PER_ENTRY + 3 * float_bytes((args, kwargs)) \
-                + int(4 * out_bytes * share)
+            fixed, per_row = _rows_cost(unit, (args, kwargs), out_bytes)
+            need = fixed + int(per_row * (rows[1] - rows[0]))
     else:  # over the capture budget alone: its float64 check cannot fit the room on the whole batch
         args = kwargs = None
         children = {}
