@@ -1,15 +1,21 @@
-"""Agreement points for a check whose collectives run inside the user's code (FSDP2, shard by shard).
+"""Agreement points for a check whose collectives run inside the user's code (FSDP2, tensor parallel, shard by shard).
 
 Checked shard by shard, a check runs the live sharded model: its forwards all-gather and the replayed
 backward reduce-scatters, on the model's own process group, inside ``loss_fn``. A rank whose
 ``loss_fn`` raised there would leave the others in the next collective until that group's timeout
 (with gloo, mismatched collectives can abort them). :class:`Lockstep` puts an agreement point before
-each FSDP2 module's forward (before its all-gather) and before the replayed backward: a one-element
-all-reduce on gradwatch's own group, bounded by ``distributed_timeout``
-(:meth:`~gradwatch.watch.distributed.DistributedCoordinator.agree`). In the replayed backward, tensor
-hooks make points where each module's output gradient arrives (before FSDP2's pre-backward all-gather),
-where its input gradient leaves (before its reduce-scatter) and at the backward's end (before the
-root's reduce-scatter).
+each of those collectives: a one-element all-reduce on gradwatch's own group, bounded by
+``distributed_timeout`` (:meth:`~gradwatch.watch.distributed.DistributedCoordinator.agree`).
+
+- **DTensor's collectives** (tensor and sequence parallel, a ``full_tensor()``, whatever module or hook makes
+  them): a dispatch mode sees each functional collective (``_c10d_functional``) as it is issued, in the forward
+  and in the backward, and makes a point just before it, and only there (a check of ``benchmarks/parallel.py``'s
+  4-block tensor parallel model made 67 points, where a point at every such module's entry, exit and gradients
+  made 251).
+- **FSDP2's** (``c10d`` calls): a point before each FSDP2 module's forward (before its all-gather) and, by
+  tensor hooks, where each module's output gradient arrives (before FSDP2's pre-backward all-gather), where its
+  input gradient leaves (before its reduce-scatter) and at the backward's end (before the root's
+  reduce-scatter).
 
 A rank whose check raised joins the next point saying so; every other rank stops at that same point
 (:class:`PeerFailed`) before any further collective, so every rank has made the same collectives.
@@ -43,9 +49,42 @@ from gradwatch.check.objective.dtensor import is_dtensor
 from gradwatch.trees import tensor_leaves
 from gradwatch.watch.distributed import DistributedCheckError, PeerFailed
 from gradwatch.watch.shard_check import reshard
-from gradwatch.watch.sharded import communicates, fsdp_loaded, is_fsdp
+from gradwatch.watch.sharded import fsdp_loaded, is_fsdp
 
 __all__ = ["Lockstep", "PeerFailed", "reset_fsdp"]
+
+
+#: The functional collectives' operator namespaces (DTensor's redistributions, ``full_tensor()``, funcol), and the ops
+#: in them that are no collective of their own (a wait, an autograd wrapper) or involve some ranks only (point to point).
+FUNCTIONAL_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "_dtensor")
+NOT_COLLECTIVE = ("wait_tensor", "_wrap_tensor_autograd", "send", "recv", "isend", "irecv")
+
+
+def makes_collective(func: Any) -> bool:
+    """True for a functional collective's operator (a point goes before it).
+
+    Example:
+        >>> makes_collective(torch.ops.aten.mm.default)
+        False
+        >>> makes_collective(torch.ops._c10d_functional.all_reduce.default)
+        True
+        >>> makes_collective(torch.ops._c10d_functional.wait_tensor.default)
+        False
+    """
+    return func.namespace in FUNCTIONAL_NAMESPACES and func.__name__.split(".")[0] not in NOT_COLLECTIVE
+
+
+def _before_collectives(step: "Lockstep") -> Any:
+    """A dispatch mode that makes ``step``'s agreement point before each functional collective issued under it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Points(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if makes_collective(func):
+                step.point()
+            return func(*args, **(kwargs or {}))
+
+    return _Points()
 
 
 def _needing_grad(value: Any) -> List[torch.Tensor]:
@@ -96,6 +135,7 @@ class Lockstep:
         self._handles: List[Any] = []
         self._queued = False  # the end-of-backward point is queued for the backward running now
         self._plain: Dict[int, Tuple[Any, Any]] = {}
+        self._mode: Any = None
 
     def _agree(self, ok: bool, value: Optional[int] = None) -> Tuple[bool, Optional[int]]:
         start = time.perf_counter()
@@ -145,15 +185,11 @@ class Lockstep:
             for t in _needing_grad(output):
                 t.register_hook(self._in_backward)  # before the hook FSDP2 registers next on the same tensor
 
-        def after_forward(module: nn.Module, args: Any, output: Any) -> None:  # before a TP output redistribution
-            self.point()
-            outputs(module, args, output)
-
         def inputs(module: nn.Module, args: Any, kwargs: Any) -> None:  # runs after FSDP2's pre-forward
             for t in _needing_grad((args, kwargs)):
                 t.register_hook(self._in_backward)  # before FSDP2's post-backward node of the module
 
-        for hook in (before_forward, outputs, after_forward, inputs):
+        for hook in (before_forward, outputs, inputs):
             setattr(hook, "_gradwatch_hook", True)  # noqa: B010 - gradwatch's own: kept when user hooks are suspended
         self._queued = False
         # Plain parameters as training left them (FSDP2's are DTensors now; these are the ones it does not manage)
@@ -163,13 +199,14 @@ class Lockstep:
                 self._handles += [m.register_forward_pre_hook(before_forward, prepend=True),
                                   m.register_forward_hook(outputs, prepend=True),
                                   m.register_forward_pre_hook(inputs, with_kwargs=True)]
-            elif communicates(m):  # tensor or sequence parallel: collectives inside its forward, and after it
-                self._handles += [m.register_forward_pre_hook(before_forward, prepend=True),
-                                  m.register_forward_hook(after_forward, prepend=True),
-                                  m.register_forward_pre_hook(inputs, with_kwargs=True)]
+        self._mode = _before_collectives(self)
+        self._mode.__enter__()
         return self
 
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
         for h in self._handles:
             h.remove()
         self._handles = []

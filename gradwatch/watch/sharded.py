@@ -74,7 +74,7 @@ def is_fsdp(module: Any) -> bool:
     fsdp = fsdp_module()
     return fsdp is not None and isinstance(module, fsdp)
 
-__all__ = ["REPLICA_NOTE", "LiveForwardInCheck", "Replica", "communicates", "is_dtensor", "is_sharded", "kept_hooks",
+__all__ = ["REPLICA_NOTE", "LiveForwardInCheck", "Replica", "is_dtensor", "is_sharded", "kept_hooks",
            "layout", "live_forward_forbidden", "live_forward_refused",
            "mixed_precision", "refuse_unsupported"]
 
@@ -128,21 +128,6 @@ def _distributed_hook(hook: Any) -> bool:
     where = getattr(fn, "__module__", None) or type(fn).__module__
     owner_where = type(owner).__module__ if owner is not None else ""
     return any(isinstance(w, str) and w.startswith("torch.distributed") for w in (where, owner_where))
-
-
-def communicates(module: nn.Module) -> bool:
-    """True for a module whose forward or backward makes collectives: an FSDP2 module, one holding DTensor
-    parameters of its own (tensor or sequence parallel), or one that ``parallelize_module`` gave input or
-    output hooks (``PrepareModuleInput``: a redistribution).
-
-    Example:
-        >>> communicates(nn.Linear(2, 2))
-        False
-    """
-    if is_fsdp(module) or any(p is not None and is_dtensor(p) for p in module._parameters.values()):
-        return True
-    return any(_distributed_hook(h) for hooks in (module._forward_pre_hooks, module._forward_hooks)
-               for h in hooks.values())
 
 
 def kept_hooks(attrs: Dict[str, Any], drop: Callable[[Any], bool]) -> Dict[str, Any]:

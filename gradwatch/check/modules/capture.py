@@ -87,8 +87,9 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
     DTensors (tensor and sequence parallel) are captured whole (:func:`~gradwatch.check.objective.dtensor.whole`,
     a collective): at the first call of each unit of ``everyone`` (the units some rank captures, the same list on
     every rank) and at every call of a module such a unit calls, every rank gathers the DTensors it is given
-    (and those the called module returns), whether it keeps them or not, so every rank makes the same collectives;
-    ``agree`` (an agreement point, :mod:`gradwatch.watch.lockstep`) is called before each such gather.
+    (and those the called module returns), whether it keeps them or not, so every rank makes the same collectives
+    (the :mod:`gradwatch.watch.lockstep` region around the check makes an agreement point before each). ``agree``
+    (such a point) tells the capture it runs on several ranks: it never stops early.
     """
     got = Captured()
     whole_of: Dict[int, torch.Tensor] = {}  # id(DTensor) -> its gathered whole, during one hook
@@ -214,9 +215,8 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
             gather = name in gather_in and name not in seen if pre else name in gather_out
             if pre:
                 seen.add(name)
+            # (under a Lockstep region each gather's collective is preceded by an agreement point of its own)
             dtensors = [t for t in tensor_leaves((args, extra) if pre else extra) if is_dtensor(t)] if gather else []
-            if dtensors and agree is not None:
-                agree()  # a rank whose loss_fn raised since the last point stops the others before the gather
             if dtensors:
                 whole_of.update((id(t), whole(t)) for t in dtensors)
             try:
