@@ -214,13 +214,17 @@ def worker(config: str, size: Dict[str, int], watch: bool, steps: int, parallel:
     oks: List[bool] = []
     forms: List[str] = []
     evaluations: List[int] = []
+    train_seconds: List[float] = []
+    full: Optional[int] = None  # K checks in steps, as the watch says it
     for _ in range(steps):
         b = torch.randint(0, size["vocab"], (size["batch"], size["seq"] + 1), generator=gen)
+        t_train = time.perf_counter()
         if engine is not None:
             engine.backward(lm_loss(engine, b))
         else:
             opt.zero_grad()
             lm_loss(model, b).backward()
+        trained = time.perf_counter() - t_train
         if gw is not None:
             t0 = time.perf_counter()
             report = gw.step(b)
@@ -230,16 +234,19 @@ def worker(config: str, size: Dict[str, int], watch: bool, steps: int, parallel:
                 oks.append(report.ok)
                 forms.append(report.form)
                 evaluations.append(report.evaluations)
+                full = report.steps_to_full if report.steps_to_full is not None else full
+        t_opt = time.perf_counter()
         if engine is not None:
             engine.step()
         else:
             opt.step()
+        train_seconds.append(trained + time.perf_counter() - t_opt)
     out: Dict[str, Any] = {"config": config, "rank": rank, "watch": watch, "parallel": parallel,
                            "n_params": sum(p.numel() for p in model.parameters()) if engine is None
                            else sum(p.ds_numel for p in engine.module.parameters()),
                            "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "vmhwm_mb": vmhwm_mb(),
-                           "check_seconds": check_seconds, "step_seconds": step_seconds, "ok": oks,
-                           "forms": sorted(set(forms)), "evaluations": evaluations}
+                           "check_seconds": check_seconds, "step_seconds": step_seconds, "train_seconds": train_seconds, "ok": oks,
+                           "forms": sorted(set(forms)), "evaluations": evaluations, "steps_to_full": full}
     if gw is not None:
         cov = gw.coverage
         out.update(alerts=[f"{a.kind}: {a.tensor}: {a.message[:300]}" for a in gw.alerts],
@@ -311,8 +318,10 @@ def measure(args: argparse.Namespace, config: str, one: Dict[str, Any]) -> Dict[
     plain, watched = launch(args, config, False), launch(args, config, True)
     for row in plain + watched:
         print(json.dumps(row), flush=True)
-    two_s = max(_median(w["check_seconds"]) for w in watched)
-    one_s = _median(one["check_seconds"])
+    two_s = max(_median(w["step_seconds"]) for w in watched)  # the whole watch.step of a checking step, slower rank
+    one_s = _median(one["step_seconds"])
+    two_train = max(_median(p["train_seconds"]) for p in plain)  # an unwatched training step on 2 ranks
+    one_train = _median(one["train_seconds"])
     return {"config": config, "params": watched[0]["n_params"],
             "peak_mb_per_rank": [[round(p["peak_mb"]), round(w["peak_mb"])] for p, w in zip(plain, watched)],
             "peak_ratio_per_rank": [round(w["peak_mb"] / p["peak_mb"], 3) for w, p in zip(watched, plain)],
@@ -320,6 +329,9 @@ def measure(args: argparse.Namespace, config: str, one: Dict[str, Any]) -> Dict[
             "forms": sorted({f for w in watched for f in w["forms"]}),
             "check_s_2_ranks": round(two_s, 3), "check_s_1_process": round(one_s, 3),
             "time_ratio_2_over_1": round(two_s / one_s, 3),
+            "train_step_s_2_ranks": round(two_train, 3), "train_step_s_1_process": round(one_train, 3),
+            "check_in_steps_2_ranks": round(two_s / two_train, 2), "check_in_steps_1_process": round(one_s / one_train, 2),
+            "steps_to_full": max((w["steps_to_full"] or 0) for w in watched),
             "alerts": sorted({a for w in watched for a in w["alerts"]}),
             "backward_min": min(w["backward_min"] for w in watched),
             "training_min": min(w["training_min"] for w in watched),
@@ -329,18 +341,21 @@ def measure(args: argparse.Namespace, config: str, one: Dict[str, Any]) -> Dict[
 def table(rows: List[Dict[str, Any]]) -> str:
     """The summary as a Markdown table."""
     lines = ["| engine | params (fp32 MB) | peak MB r0 unwatched / watched | r1 | peak ratio r0, r1 | "
-             "check s 2 ranks | check s 1 process | time ratio 2/1 | alerts | coverage min (backward, training) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "check s 2 ranks | check s 1 process | time ratio 2/1 | training step s 2 ranks, 1 process | "
+             "check in steps 2 ranks, 1 process | alerts | coverage min (backward, training) | K in steps |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {ENGINES[r['config']]} | failed: {r['error']} |||||||||")
+            lines.append(f"| {ENGINES[r['config']]} | failed: {r['error']} ||||||||||||")
             continue
         (p0, w0), (p1, w1) = r["peak_mb_per_rank"]
         lines.append(f"| {ENGINES[r['config']]} | {r['params'] / 1e6:.2f}M ({r['params'] * 4 / 2 ** 20:.0f}) | "
                      f"{p0} / {w0} | {p1} / {w1} | "
                      f"{r['peak_ratio_per_rank'][0]:.3f}, {r['peak_ratio_per_rank'][1]:.3f} | "
                      f"{r['check_s_2_ranks']:.3f} | {r['check_s_1_process']:.3f} | {r['time_ratio_2_over_1']:.2f} | "
-                     f"{len(r['alerts'])} | {r['backward_min']:.3g}, {r['training_min']:.3g} |")
+                     f"{r['train_step_s_2_ranks']:.3f}, {r['train_step_s_1_process']:.3f} | "
+                     f"{r['check_in_steps_2_ranks']:.1f}, {r['check_in_steps_1_process']:.1f} | {len(r['alerts'])} | "
+                     f"{r['backward_min']:.3g}, {r['training_min']:.3g} | {r['steps_to_full']} |")
     return "\n".join(lines)
 
 
@@ -354,7 +369,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--vocab", type=int, default=2000, help="vocabulary (default 2000)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per batch (default 4)")
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence, even (default 64)")
-    parser.add_argument("--steps", type=int, default=5, help="training steps, each checked (default 5)")
+    parser.add_argument("--steps", type=int, default=8, help="training steps, each checked (default 8)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch (default 900)")
     parser.add_argument("--size", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
