@@ -9,6 +9,8 @@ processes runs every scenario in turn under a hard timeout; each rank writes wha
   parameter with a backward and a training verdict, the parameters after training bit-identical to a run
   without the watch; then the same model with a GELU whose backward is 20% too large (the MLP), and with an
   attention softmax whose backward is 10% too large (the others): each alerted, naming its module.
+- ``terms``: the TP attention block with ``tensors_per_check=4`` (K > 1 checks): ``loss_fn`` reads no parameter
+  directly, so the forward that looks for such terms runs at the first check of each pass of K checks only.
 - ``lockstep``: the TP transformer; one rank's check raises before the model, midway in its forward, after
   it, in a custom backward of the replay, or stalls: an error record naming that rank on both ranks, the run
   goes on and ends normally, and training is bit-identical to a run without the watch on every rank.
@@ -28,7 +30,7 @@ pytest.importorskip("torch.distributed.tensor.parallel")
 
 RUN_TIMEOUT = 240.0
 SHAPES = ("mlp", "attn", "sp", "2d21", "2d12")
-SCENARIOS = SHAPES + ("gathers", "lockstep")
+SCENARIOS = SHAPES + ("gathers", "lockstep", "terms")
 
 WORKER = textwrap.dedent(
     r'''
@@ -212,7 +214,7 @@ WORKER = textwrap.dedent(
                 report = watch.step(batch)
                 faults["checking"] = False
                 if report is not None:
-                    checks.append({"step": step, "ok": report.ok, "notes": report.notes})
+                    checks.append({"step": step, "ok": report.ok, "notes": report.notes, "k": report.steps_to_full})
             opt.step()
         params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                   for n, p in net.named_parameters()}
@@ -245,6 +247,8 @@ WORKER = textwrap.dedent(
             plain, base = train("mlp-gathers", 3)
             watched, res = train("mlp-gathers", 3, dict(every=1, log_dir=None))
             res["bit_identical"] = same(plain, watched) and base["losses"] == res["losses"]
+        elif scenario == "terms":  # K > 1 checks: whole units spread over the checks
+            _, res = train("attn", 6, dict(every=1, log_dir=None, tensors_per_check=4))
         elif scenario == "lockstep":
             plain, base = train("attn", 7)
             faults["at"] = {(1, 1): (1, "before"), (0, 2): (1, "mid"), (1, 3): (2, "after"), (1, 4): (1, "stall"),
@@ -327,3 +331,23 @@ def test_a_rank_failing_inside_a_tp_check_stops_every_rank_at_the_same_point(ran
         assert any(n.startswith("rank 1 ran slow in this check") for n in res["checks"][1]["notes"])
         assert res["bit_identical"], "training altered by a failing check"
     assert ranks[0]["lockstep"]["alerts"] == ranks[1]["lockstep"]["alerts"]
+
+
+def test_terms_no_parameter_is_read_by_directly_are_looked_for_once_a_pass(ranks):
+    """loss_fn reads no parameter directly (no regularizer, no weight decay): the forward that looks for such terms runs
+    at the first check, then at the first check of each pass of K checks only, on both ranks alike."""
+    def said(r):
+        return [[n for n in c["notes"] if n.startswith("terms that read the parameters directly")] for c in r["terms"]["checks"]]
+
+    assert said(ranks[0]) == said(ranks[1])
+    checks = ranks[0]["terms"]["checks"]
+    k = checks[0]["k"] or checks[-1]["k"]
+    assert k is not None and 1 < k < len(checks), [c["k"] for c in checks]
+    for i, notes in enumerate(said(ranks[0])):
+        if i % k == 0:
+            assert notes == [], (i, notes)  # a pass's first check looks
+        else:
+            looked = i - i % k  # the pass's first check (0-based) found none; the next pass's looks again
+            assert notes == [f"terms that read the parameters directly: loss_fn read none at check {looked + 1}; looked "
+                             f"for again at check {looked + k + 1} (once a pass of K = {k} checks)"], (i, notes)
+    assert ranks[0]["terms"]["alerts"] == []

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, cast
 
 import torch
 from torch import nn
@@ -63,6 +63,9 @@ class InnerPart(TrendAlerting):
         self.planner = planner
         #: Modules whose double backward was checked, and how often.
         self.counts: Dict[str, int] = {}
+        #: The check (``watch.checks``) at which ``loss_fn`` was last seen reading no parameter directly (on every
+        #: rank), with neither ``regularizers`` nor coupled weight decay: the terms are looked for once a pass then.
+        self.no_terms_at: Optional[int] = None
 
     @property
     def enabled(self) -> bool:
@@ -154,11 +157,54 @@ class InnerPart(TrendAlerting):
         tensors: no collective), in float64 (:func:`~gradwatch.check.model.run_model_check` on the tensors it
         reads directly). Entries ``"<tensor>:terms"`` (``"<tensor>[rows]:terms"`` for a shard); the terms' values
         go to ``report.terms``. Under DDP rank 0 checks them (every rank holds the same parameters).
+
+        Where neither ``regularizers`` nor coupled weight decay adds a term and ``loss_fn`` was seen reading no
+        parameter directly (on every rank), they are looked for again at the first check of each pass of K checks
+        (:meth:`looked_for_at`), not at every check: the forward costs about half a training step under tensor
+        parallel.
         """
-        report, coord, ctx, model = check.report, self.watch.dist, self.watch, check.target
+        report, coord, ctx = check.report, self.watch.dist, self.watch
         assert report is not None
         if coord is not None and not ctx.by_shard and not coord.is_main:
             return {}
+        declared = bool(ctx.objective.regularizers or ctx.objective.weight_decay)
+        later = None if declared else self.looked_for_at(ctx.checks)
+        if later is not None:
+            report.notes.append(f"terms that read the parameters directly: loss_fn read none at check "
+                                f"{cast(int, self.no_terms_at) + 1}; looked for again at check {later + 1} (once "
+                                f"a pass of K = {self.planner.cycle_length} checks)")
+            return {}
+        found = self._terms(check)
+        if not declared:
+            seen = [bool(found)] if coord is None or not ctx.by_shard else coord.everyone(bool(found), "terms found")
+            self.no_terms_at = None if any(seen) else ctx.checks
+        return found
+
+    def looked_for_at(self, checks: int) -> Optional[int]:
+        """None when the check after ``checks`` checks looks for terms that read the parameters directly, else the
+        number of the check that next does: every check until one found none, then the first of each pass.
+
+        Example:
+            >>> part = InnerPart.__new__(InnerPart)
+            >>> part.planner = type("Planner", (), {"cycle_length": 4})()
+            >>> part.no_terms_at = None
+            >>> part.looked_for_at(1) is None
+            True
+            >>> part.no_terms_at = 1
+            >>> [part.looked_for_at(n) for n in (2, 3, 4, 5)]
+            [4, 4, None, 8]
+        """
+        if self.no_terms_at is None:
+            return None
+        k = self.planner.cycle_length
+        if k is None or k <= 1 or checks % k == 0:
+            return None
+        return checks + k - checks % k
+
+    def _terms(self, check: CheckContext) -> Dict[str, Any]:
+        """:meth:`parameter_terms`' check itself (one forward of the live model, then the terms on the held outputs)."""
+        report, coord, ctx, model = check.report, self.watch.dist, self.watch, check.target
+        assert report is not None
         outputs: List[Any] = []
 
         def record(module: nn.Module, args: Any, output: Any) -> None:
