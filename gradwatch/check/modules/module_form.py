@@ -66,7 +66,16 @@ from gradwatch.check.objective.shadow import param_signature
 from gradwatch.check.objective.surrogate import find_surrogates, inside, surrogate_note
 from gradwatch.options import CheckOptions
 from gradwatch.plan.cycle import Piece
-from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY, TRIM_BYTES, float_bytes, mb, module_bytes, release_freed
+from gradwatch.plan.memory import (
+    MODULE_BYTES_PER_ENTRY,
+    TRIM_BYTES,
+    float_bytes,
+    in_use_bytes,
+    mb,
+    model_device,
+    module_bytes,
+    release_freed,
+)
 from gradwatch.plan.units import LOSS_FN, Unit, faithful_rows, plan_units, relative, sliceable_rows
 from gradwatch.trees import rebuild, tensor_leaves
 
@@ -191,6 +200,10 @@ def run_module_check(
     # Captures take a third of the room at most; units that do not fit together are captured by later forwards
     # (sharded: as many on every rank, agreed after each; without a way to agree, one forward holding them all).
     budget = None if room is None or (view is not None and agree is None) else room // 3
+    # Sharded, what the pieces leave in the process's heap (freed, not given back) is measured too: the pieces of a
+    # check never hold more than the room above what the process held when they began.
+    device = model_device(model)
+    limit = None if room is None or view is None else in_use_bytes(device) + room
     while remaining or once:
         once = False
         got = capture(model, objective.loss, batch, remaining, opts.seed, budget=budget,
@@ -205,6 +218,8 @@ def run_module_check(
             if unit is None or (unit.name not in got.inputs and unit.name not in got.big):
                 continue
             left = None if room is None else max(0, room - held)
+            if limit is not None and left is not None:
+                left = _measured(left, limit, device)
             if len(item) > 1 and unit.name in got.inputs:
                 estimate, unused, item = _run_group(opts, unit, [p.rows for p in item if p.rows], got, dtype, canonical,
                                                     left, report, estimate, unused, screen)
@@ -272,6 +287,15 @@ def _rows_cost(unit: Unit, inputs: Any, out_bytes: int, positions: float = 1.0) 
     ``positions`` share of the input a group is checked on)."""
     per_row = (_numel(unit.params.values()) * MODULE_BYTES_PER_ENTRY + 4 * out_bytes * positions) / max(1, _rows_of(unit) or 1)
     return 3 * float_bytes(inputs), per_row
+
+
+def _measured(left: int, limit: int, device: torch.device) -> int:
+    """``left`` (the room an estimate leaves a piece) within what the process may still add under ``limit``: where the
+    heap kept what earlier pieces freed, it is given back first (glibc's ``malloc_trim``; elsewhere nothing)."""
+    if in_use_bytes(device) + left <= limit:
+        return left
+    release_freed()
+    return max(0, min(left, limit - in_use_bytes(device)))
 
 
 def _held(got: Captured) -> int:
