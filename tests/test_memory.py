@@ -424,3 +424,19 @@ def test_no_peak_to_read_means_no_bound(monkeypatch):
     meter = memory.MemoryMeter(0.1, torch.device("cpu"))
     meter.observe()
     assert meter.training_peak == 0 and meter.room() is None
+
+
+def test_a_sharded_piece_room_is_what_the_process_may_still_add_the_heap_given_back_first():
+    """The heap left holding what earlier pieces freed is given back before a piece's room is measured; a piece's room
+    is never more than what the process may still add under the pieces' limit."""
+    from gradwatch.check.modules.module_form import _measured
+
+    cpu = torch.device("cpu")
+    now = in_use_bytes(cpu)
+    assert _measured(1 << 20, now + (64 << 20), cpu) == 1 << 20  # room to spare: the estimate's room stands
+    assert _measured(64 << 20, now + (4 << 20), cpu) <= 8 << 20  # the limit binds (a few MB of measurement slack)
+    junk = [torch.ones(1 << 14) for _ in range(2000)]  # 128 MB of small blocks, freed into the heap
+    held = in_use_bytes(cpu)
+    del junk
+    assert in_use_bytes(cpu) > held - (96 << 20)  # glibc keeps most of it: the process still holds it
+    assert _measured(16 << 20, held - (64 << 20), cpu) > 0  # given back first, the piece gets room again
