@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from torch import nn
@@ -85,6 +86,12 @@ def no_collectives() -> Any:
         ...     (torch.ones(2) * 2).tolist()
         [2.0, 2.0]
     """
+    return _refusing_mode()()
+
+
+@functools.cache
+def _refusing_mode() -> Any:
+    """The dispatch mode class of :func:`no_collectives`, made once (torch keeps the classes of the modes it ran)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class _Refuse(TorchDispatchMode):
@@ -96,4 +103,4 @@ def no_collectives() -> Any:
                     "their hooks, or use form='objective'")
             return func(*args, **(kwargs or {}))
 
-    return _Refuse()
+    return _Refuse
