@@ -11,6 +11,8 @@ processes runs every scenario in turn under a hard timeout; each rank writes wha
   attention softmax whose backward is 10% too large (the others): each alerted, naming its module.
 - ``terms``: the TP attention block with ``tensors_per_check=4`` (K > 1 checks): ``loss_fn`` reads no parameter
   directly, so the forward that looks for such terms runs at the first check of each pass of K checks only.
+- ``ckpt``: a 2-block TP transformer in a room too small for the replay beside ``.grad``: the replay checkpoints
+  its blocks (as many on each rank), the training verdicts stand, training is bit-identical.
 - ``lockstep``: the TP transformer; one rank's check raises before the model, midway in its forward, after
   it, in a custom backward of the replay, or stalls: an error record naming that rank on both ranks, the run
   goes on and ends normally, and training is bit-identical to a run without the watch on every rank.
@@ -30,7 +32,7 @@ pytest.importorskip("torch.distributed.tensor.parallel")
 
 RUN_TIMEOUT = 240.0
 SHAPES = ("mlp", "attn", "sp", "2d21", "2d12")
-SCENARIOS = SHAPES + ("gathers", "lockstep", "terms")
+SCENARIOS = ("ckpt",) + SHAPES + ("gathers", "lockstep", "terms")  # ckpt first: its room, from the process peak, is its own
 
 WORKER = textwrap.dedent(
     r'''
@@ -117,6 +119,7 @@ WORKER = textwrap.dedent(
             self.fc1, self.act, self.fc2 = nn.Linear(d, 4 * d), Gelu(False), nn.Linear(4 * d, d)
 
         def forward(self, x):
+            recomputed["n"] += torch._C._current_graph_task_id() >= 0  # a forward inside a backward: a recompute
             if due("mid"):  # inside the model's forward, after the embedding, before the block's collectives
                 raise RuntimeError(f"the block cannot run on rank {rank}")
             x = x + self.attn(self.ln1(x))
@@ -132,6 +135,20 @@ WORKER = textwrap.dedent(
             return self.head(self.ln(self.block(self.emb(ids))))
 
 
+    class LM2(nn.Module):  # two blocks: what the replay may checkpoint
+        def __init__(self, wrong, vocab=40, d=16):
+            super().__init__()
+            self.emb, self.ln, self.head = nn.Embedding(vocab, d), nn.LayerNorm(d), nn.Linear(d, vocab)
+            self.blocks = nn.ModuleList(Block(d, wrong) for _ in range(2))
+
+        def forward(self, ids):
+            x = self.emb(ids)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln(x))
+
+
+    recomputed = {"n": 0}
     TP = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
           "attn.o": RowwiseParallel(), "fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
     SP = {"ln1": SequenceParallel(), "ln2": SequenceParallel(),
@@ -160,6 +177,12 @@ WORKER = textwrap.dedent(
             if shape == "mlp-gathers":
                 net.append(Gathers())
             parallelize_module(net, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            return net
+        if shape == "ckpt":
+            mesh = init_device_mesh("cpu", (2,))
+            net = LM2(wrong, vocab=2000, d=128)  # its gradients well above what a check leaves held (the room's noise)
+            for block in net.blocks:
+                parallelize_module(block, mesh, TP)
             return net
         if shape.startswith("2d"):
             mesh2 = init_device_mesh("cpu", (2, 1) if shape == "2d21" else (1, 2), mesh_dim_names=("dp", "tp"))
@@ -249,6 +272,12 @@ WORKER = textwrap.dedent(
             res["bit_identical"] = same(plain, watched) and base["losses"] == res["losses"]
         elif scenario == "terms":  # K > 1 checks: whole units spread over the checks
             _, res = train("attn", 6, dict(every=1, log_dir=None, tensors_per_check=4))
+        elif scenario == "ckpt":  # a room too small for the replay beside .grad: its blocks checkpointed
+            plain, base = train("ckpt", 4)
+            recomputed["n"] = 0
+            watched, res = train("ckpt", 4, dict(every=1, log_dir=None, memory_budget=1e-6))
+            res["recomputed"] = recomputed["n"]
+            res["bit_identical"] = same(plain, watched) and base["losses"] == res["losses"]
         elif scenario == "lockstep":
             plain, base = train("attn", 7)
             faults["at"] = {(1, 1): (1, "before"), (0, 2): (1, "mid"), (1, 3): (2, "after"), (1, 4): (1, "stall"),
@@ -351,3 +380,13 @@ def test_terms_no_parameter_is_read_by_directly_are_looked_for_once_a_pass(ranks
             assert notes == [f"terms that read the parameters directly: loss_fn read none at check {looked + 1}; looked "
                              f"for again at check {looked + k + 1} (once a pass of K = {k} checks)"], (i, notes)
     assert ranks[0]["terms"]["alerts"] == []
+
+
+def test_a_tight_room_replays_tp_blocks_checkpointed_alike_on_every_rank_and_training_is_untouched(ranks):
+    assert ranks[0]["ckpt"]["recomputed"] > 0  # the replay's backward ran the blocks' forward again
+    assert ranks[0]["ckpt"]["recomputed"] == ranks[1]["ckpt"]["recomputed"]  # the same blocks on both ranks
+    for r in ranks:
+        res = r["ckpt"]
+        assert res["bit_identical"]
+        assert [a for a in res["alerts"] if a["kind"] != "not_checked"] == [], res["alerts"]
+        assert all(res["coverage"][n]["training"] > 0 for n in res["names"]), res["coverage"]

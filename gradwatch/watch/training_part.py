@@ -40,7 +40,7 @@ from gradwatch.plan.memory import SAFETY, gradient_bytes, mb, release_freed
 from gradwatch.watch.accumulation import AccumulationWindow
 from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
 from gradwatch.watch.shard_check import backward_on_shards, is_partial, local, settled
-from gradwatch.watch.sharded import is_dtensor
+from gradwatch.watch.sharded import is_dtensor, is_fsdp
 from gradwatch.watch.step_objective import StepObjective, StepPlan
 from gradwatch.watch.trend import Alert
 from gradwatch.watch.wrappers import unwrap_model
@@ -139,9 +139,12 @@ class TrainingPart(TrendAlerting):
         ctx = self.watch
         if ctx.by_shard:
             release_freed()  # what training's backward freed: the replay's own backward allocates on top of it
-        # (sharded: the replay is FSDP2's own backward, whole; its shards are let go as they come)
+        # (sharded: the replay is FSDP2's own backward, whole; its shards are let go as they come; tensor and sequence
+        # parallel without FSDP2: its blocks checkpointed as the room needs, as in one process)
+        plain_dtensor = ctx.by_shard and not any(is_fsdp(m) for m in ctx.model.modules())
         replay = self.replay(check.pending, check.target, None if ctx.by_shard else check.room,
-                             only=None if check.plan is None else check.plan[1], seed=check.opts.seed)
+                             only=None if check.plan is None else check.plan[1], seed=check.opts.seed,
+                             checkpoint_room=check.room if plain_dtensor else None)
         check.replay = replay
         return replay
 
@@ -245,7 +248,8 @@ class TrainingPart(TrendAlerting):
 
     # ------------------------------------------------------------------ the replay
     def replay(self, pending: Optional[Step], model: Optional[nn.Module] = None,
-               room: Optional[int] = None, only: Optional[Sequence[str]] = None, seed: int = 0) -> Optional[Replay]:
+               room: Optional[int] = None, only: Optional[Sequence[str]] = None, seed: int = 0,
+               checkpoint_room: Optional[int] = None) -> Optional[Replay]:
         """The objective's gradient recomputed as training computed it (None when the part is off).
 
         ``model`` is the module the replay runs (default: the model; a sharded model's gathered replica,
@@ -323,7 +327,8 @@ class TrainingPart(TrendAlerting):
         dtypes = {p.dtype for p in plist}  # a few distinct dtypes, however many tensors
         worst = compute_dtype(max(dtypes, key=tolerance_for, default=torch.float32), autocast)
         total: Callable[[nn.Module, Any], Any] = ctx.objective.training_total
-        blocks = self._blocks_to_checkpoint(model, params, room) if live and room is not None else 0
+        sizing = room if room is not None else checkpoint_room
+        blocks = self._blocks_to_checkpoint(model, params, sizing) if live and sizing is not None else 0
         if blocks:
             total = checkpointing(root, total, blocks)
         with rowgrads if rowgrads is not None else contextlib.nullcontext(), ctx.wrapping.fabric_backward():
@@ -345,18 +350,27 @@ class TrainingPart(TrendAlerting):
         now and the replayed gradients within what the room leaves above training's activations (the replay's
         forward runs beside ``.grad``, training's ran with none), each block counted at its share of those
         activations, with half as many again for what lives outside the blocks (the logits); none where they fit,
-        or where the model checkpoints already (its own checkpoints are left as they are)."""
+        or where the model checkpoints already (its own checkpoints are left as they are).
+
+        Tensor and sequence parallel (shard by shard, no FSDP2 module: ``checkpoint_room``), each rank counts its own
+        shards and the ranks take the largest count (an agreement point: the recomputed forwards' collectives must
+        be the same on every rank)."""
         ctx = self.watch
-        if ctx.dist is not None or ctx.by_shard or ctx.grad_fn is not None or self._reentrant:
+        sharded = ctx.by_shard and ctx.lockstep is not None
+        if (ctx.dist is not None and not sharded) or (ctx.by_shard and not sharded) or ctx.grad_fn is not None \
+                or self._reentrant:
             return 0
         modules = self._modules_cache or list(model.modules())
         if any(getattr(m, "gradient_checkpointing", False) is True for m in modules):
             return 0
-        held = gradient_bytes(p.grad for p in model.parameters() if p.grad is not None)
-        replayed, activations = gradient_bytes(params.values()), ctx.memory.transient()
-        if replay_excess(held, replayed, room, activations) <= 0:
-            return 0  # it fits: no walk of the module tree for its blocks, at every check
-        return blocks_needed(held, replayed, room, activations, len(repeated_blocks(model)))
+        held = gradient_bytes(local(p.grad) for p in model.parameters() if p.grad is not None)
+        replayed, activations = gradient_bytes(local(p) for p in params.values()), ctx.memory.transient()
+        count = 0  # it fits: no walk of the module tree for its blocks, at every check
+        if replay_excess(held, replayed, room, activations) > 0:
+            count = blocks_needed(held, replayed, room, activations, len(repeated_blocks(model)))
+        if sharded:
+            count = -cast(int, cast(Any, ctx.lockstep).point(-count))  # the largest count of the ranks
+        return count
 
     def _plan_step(self, pending: Step, model: nn.Module, params: Dict[str, torch.Tensor], seed: int) -> StepPlan:
         """The step's objective (:class:`~gradwatch.watch.step_objective.StepObjective`): on every rank alike (an
