@@ -1,20 +1,31 @@
 """Tensor, sequence and 2-D parallel, DeepSpeed ZeRO-3: per-rank peak memory and check time, watched against unwatched.
 
-Run: ``python benchmarks/parallel.py`` (about 9 minutes on 2 CPU cores; ``--quick``: about 2). Measured
-2026-11-26 (commit 927bc60) on the shared 2-core AMD EPYC VM, quiet, torch 2.13 CPU, deepspeed 0.19.8, default
-sizes (4.19M parameters, 16 MB in fp32), 5 steps:
+Run: ``python benchmarks/parallel.py`` (about 10 minutes on 2 CPU cores; ``--quick``: about 2). Measured
+2026-11-27 (commit f586f8f) on the shared 2-core AMD EPYC VM, quiet, torch 2.13 CPU, deepspeed 0.19.8, default
+sizes (4.19M parameters, 16 MB in fp32), 8 steps:
 
-| engine | peak MB r0 unwatched / watched | r1 | peak ratio r0, r1 | check s 2 ranks | 1 process | ratio |
-|---|---|---|---|---|---|---|
-| tensor parallel | 358 / 439 | 358 / 421 | 1.228, 1.179 | 5.821 | 9.673 | 0.60 |
-| sequence parallel | 368 / 438 | 366 / 422 | 1.188, 1.153 | 6.122 | 9.673 | 0.63 |
-| FSDP2 x TP 2x1 | 443 / 509 | 437 / 486 | 1.150, 1.113 | 5.692 | 9.673 | 0.59 |
-| FSDP2 x TP 1x2 | 383 / 469 | 380 / 440 | 1.224, 1.159 | 5.991 | 9.673 | 0.62 |
-| ZeRO-3 | 589 / 722 | 600 / 733 | 1.227, 1.221 | 4.514 | 9.325 | 0.48 |
+| engine | peak MB r0 unwatched / watched | r1 | peak ratio r0, r1 | check s 2 ranks | 1 process | ratio | in training steps, 2 ranks / 1 |
+|---|---|---|---|---|---|---|---|
+| tensor parallel | 361 / 396 | 360 / 388 | 1.096, 1.078 | 0.644 | 0.342 | 1.88 | 3.5 / 2.8 |
+| sequence parallel | 367 / 391 | 367 / 392 | 1.066, 1.067 | 0.696 | 0.342 | 2.04 | 3.1 / 2.8 |
+| FSDP2 x TP 2x1 | 446 / 457 | 443 / 453 | 1.025, 1.022 | 0.687 | 0.342 | 2.01 | 2.9 / 2.8 |
+| FSDP2 x TP 1x2 | 381 / 408 | 380 / 409 | 1.070, 1.079 | 0.602 | 0.342 | 1.76 | 2.6 / 2.8 |
+| ZeRO-3 | 608 / 659 | 640 / 648 | 1.083, 1.012 | 0.641 | 0.331 | 1.94 | 2.4 / 2.6 |
 
-Every check ``ok``, 0 alerts, module form, every parameter with both verdicts. Memory is above the 1.10x the
-issue asks for everywhere (each rank +50-140 MB; importing gradwatch alone is +13 MB of it). The 2-rank check
-is faster than one process's everywhere.
+and with ``--width 512 --vocab 8000 --seq 128 --steps 6`` (20.8M parameters):
+
+| engine | peak MB r0 unwatched / watched | r1 | peak ratio r0, r1 | check s 2 ranks | 1 process | ratio | in training steps, 2 ranks / 1 |
+|---|---|---|---|---|---|---|---|
+| tensor parallel | 552 / 593 | 559 / 603 | 1.075, 1.078 | 1.757 | 5.946 | 0.30 | 2.7 / 6.8 |
+| sequence parallel | 614 / 646 | 591 / 644 | 1.052, 1.090 | 2.504 | 5.946 | 0.42 | 3.1 / 6.8 |
+| FSDP2 x TP 2x1 | 977 / 922 | 941 / 896 | 0.944, 0.952 | 2.950 | 5.946 | 0.50 | 2.1 / 6.8 |
+| FSDP2 x TP 1x2 | 685 / 752 | 691 / 744 | 1.099, 1.077 | 2.500 | 5.946 | 0.42 | 3.2 / 6.8 |
+| ZeRO-3 | 1203 / 1442 | 1211 / 1464 | 1.198, 1.209 | 2.065 | 1.580 | 1.31 | 1.3 / 1.7 |
+
+Every check ``ok``, 0 alerts, module form. At 4.2M the 2-rank training step itself is 1.5x to 2.1x slower than one
+process's (tensor parallel does not pay at that size on 2 gloo CPU ranks), and so is the check; at 20.8M the 2-rank
+check takes 0.30x to 0.50x of one process's, except ZeRO-3's (a whole replica on every rank, which also keeps it
+above 1.10x there).
 
 Every figure comes from its own processes: one ``torchrun`` launch of 2 gloo CPU ranks per arm (peak RSS,
 ``ru_maxrss``, is per process, as in ``benchmarks/sharded.py``), SGD (Adam under ZeRO), ``steps`` training
@@ -34,9 +45,10 @@ batch ``--batch`` x ``--seq``), parallelized as torchtitan does with torch's ``p
   ``watch.step(batch)`` between ``engine.backward(loss)`` and ``engine.step()``.
 
 The memory ratio is each rank's watched peak over the same rank's unwatched peak. The time ratio is the
-median of GradWatch's own check time (the report's ``seconds``; the first check left out as warm-up) on
+median of the whole ``watch.step`` at a checking step (every step checks; the first left out as warm-up) on
 2 ranks (the slower rank) over the same in one plain process: the same model, not parallelized, the same
-batch and options (for ``2d21`` the batch of one rank).
+batch and options (for ``2d21`` the batch of one rank). A training step's time (forward, backward, optimizer)
+is the unwatched arm's median on 2 ranks (the slower rank) and the one-process arm's.
 
 Example::
 
