@@ -357,8 +357,7 @@ class TrainingPart(TrendAlerting):
         be the same on every rank)."""
         ctx = self.watch
         sharded = ctx.by_shard and ctx.lockstep is not None
-        if (ctx.dist is not None and not sharded) or (ctx.by_shard and not sharded) or ctx.grad_fn is not None \
-                or self._reentrant:
+        if ((ctx.dist is not None or ctx.by_shard) and not sharded) or ctx.grad_fn is not None or self._reentrant:
             return 0
         modules = self._modules_cache or list(model.modules())
         if any(getattr(m, "gradient_checkpointing", False) is True for m in modules):
