@@ -12,7 +12,8 @@ import weakref
 import torch
 from torch import nn
 
-from gradwatch.watch.lockstep import Lockstep, makes_collective
+from gradwatch.check.objective.dtensor import makes_collective
+from gradwatch.watch.lockstep import Lockstep
 
 
 class Agreeing:

@@ -50,6 +50,19 @@ class Piece:
         return self.unit if self.rows is None else f"{self.unit}[{self.rows[0]}:{self.rows[1]}]"
 
 
+def next_pass(checks: int, cycle: Optional[int]) -> Optional[int]:
+    """For a part that runs once a pass of K checks: None when the check that follows ``checks`` checks is the first
+    of a pass (or K is 1 or not known yet: every check), else the number of the check that begins the next pass.
+
+    Example:
+        >>> [next_pass(n, 4) for n in range(6)], next_pass(3, None)
+        ([None, 4, 4, 4, None, 8], None)
+    """
+    if cycle is None or cycle <= 1 or checks % cycle == 0:
+        return None
+    return checks + cycle - checks % cycle
+
+
 def row_slices(rows: int, per_slice: int = ROWS_PER_SLICE) -> List[Tuple[int, int]]:
     """Blocks of at most ``per_slice`` rows covering ``rows``, of near-equal size.
 

@@ -27,6 +27,7 @@ from gradwatch.check.independence.report import merge_ranks
 from gradwatch.check.independence.structures import INDEPENDENCE_WORDS, parse_independence, restarts
 from gradwatch.check.objective.generators import HeldGenerators
 from gradwatch.check.objective.rng import preserved_rng
+from gradwatch.plan.cycle import next_pass
 from gradwatch.watch.context import CheckContext
 from gradwatch.watch.lockstep import Lockstep
 from gradwatch.watch.shard_check import reshard
@@ -109,9 +110,7 @@ class IndependencePart:
             >>> [IndependencePart.due(n, 4) for n in range(6)], IndependencePart.due(3, None)
             ([None, 4, 4, 4, None, 8], None)
         """
-        if cycle is None or cycle <= 1 or checks % cycle == 0:
-            return None
-        return checks + cycle - checks % cycle
+        return next_pass(checks, cycle)
 
     def structures_for(self, model: nn.Module, args: tuple, kwargs: dict) -> Optional[List[str]]:
         """The structures to check on this call (None: nothing)."""

@@ -35,6 +35,7 @@ from gradwatch.check.higher_order.inner import capture_inner_inputs, check_inner
 from gradwatch.check.judging.report import CheckReport, TensorCheck
 from gradwatch.check.model import run_model_check
 from gradwatch.check.modules.localize import map_tensors
+from gradwatch.plan.cycle import next_pass
 from gradwatch.plan.shards import rows_held
 from gradwatch.plan.units import Unit, isolated_forward
 from gradwatch.watch.check_plan import CheckPlanner
@@ -194,12 +195,7 @@ class InnerPart(TrendAlerting):
             >>> [part.looked_for_at(n) for n in (2, 3, 4, 5)]
             [4, 4, None, 8]
         """
-        if self.no_terms_at is None:
-            return None
-        k = self.planner.cycle_length
-        if k is None or k <= 1 or checks % k == 0:
-            return None
-        return checks + k - checks % k
+        return None if self.no_terms_at is None else next_pass(checks, self.planner.cycle_length)
 
     def _terms(self, check: CheckContext) -> Dict[str, Any]:
         """:meth:`parameter_terms`' check itself (one forward of the live model, then the terms on the held outputs)."""

@@ -46,33 +46,13 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gradwatch.check.objective.dtensor import is_dtensor
+from gradwatch.check.objective.dtensor import is_dtensor, makes_collective
 from gradwatch.trees import tensor_leaves
 from gradwatch.watch.distributed import DistributedCheckError, PeerFailed
 from gradwatch.watch.shard_check import reshard
 from gradwatch.watch.sharded import fsdp_loaded, is_fsdp
 
 __all__ = ["Lockstep", "PeerFailed", "reset_fsdp"]
-
-
-#: The functional collectives' operator namespaces (DTensor's redistributions, ``full_tensor()``, funcol), and the ops
-#: in them that are no collective of their own (a wait, an autograd wrapper) or involve some ranks only (point to point).
-FUNCTIONAL_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "_dtensor")
-NOT_COLLECTIVE = ("wait_tensor", "_wrap_tensor_autograd", "send", "recv", "isend", "irecv")
-
-
-def makes_collective(func: Any) -> bool:
-    """True for a functional collective's operator (a point goes before it).
-
-    Example:
-        >>> makes_collective(torch.ops.aten.mm.default)
-        False
-        >>> makes_collective(torch.ops._c10d_functional.all_reduce.default)
-        True
-        >>> makes_collective(torch.ops._c10d_functional.wait_tensor.default)
-        False
-    """
-    return func.namespace in FUNCTIONAL_NAMESPACES and func.__name__.split(".")[0] not in NOT_COLLECTIVE
 
 
 class _PointsBeforeCollectives(TorchDispatchMode):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from torch import nn
@@ -71,6 +70,25 @@ class CollectiveInCheck(RuntimeError):
 
 #: Operator namespaces of torch.distributed's collectives (functional and in place).
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d", "_dtensor")
+#: The functional collectives' operator namespaces (DTensor's redistributions, ``full_tensor()``, funcol), and the ops
+#: in them that are no collective of their own (a wait, an autograd wrapper) or involve some ranks only (point to point).
+FUNCTIONAL_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "_dtensor")
+NOT_COLLECTIVE = ("wait_tensor", "_wrap_tensor_autograd", "send", "recv", "isend", "irecv")
+
+
+def makes_collective(func: Any) -> bool:
+    """True for a functional collective's operator (:mod:`gradwatch.watch.lockstep` makes a point before it).
+
+    Example:
+        >>> import torch
+        >>> makes_collective(torch.ops.aten.mm.default)
+        False
+        >>> makes_collective(torch.ops._c10d_functional.all_reduce.default)
+        True
+        >>> makes_collective(torch.ops._c10d_functional.wait_tensor.default)
+        False
+    """
+    return func.namespace in FUNCTIONAL_NAMESPACES and func.__name__.split(".")[0] not in NOT_COLLECTIVE
 
 
 def no_collectives() -> Any:
@@ -86,12 +104,6 @@ def no_collectives() -> Any:
         ...     (torch.ones(2) * 2).tolist()
         [2.0, 2.0]
     """
-    return _refusing_mode()()
-
-
-@functools.cache
-def _refusing_mode() -> Any:
-    """The dispatch mode class of :func:`no_collectives`, made once (torch keeps the classes of the modes it ran)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class _Refuse(TorchDispatchMode):
@@ -103,4 +115,4 @@ def _refusing_mode() -> Any:
                     "their hooks, or use form='objective'")
             return func(*args, **(kwargs or {}))
 
-    return _Refuse
+    return _Refuse()
