@@ -1,4 +1,5 @@
-"""Tensors inside nested batches and outputs: find them by path, rebuild the structure around new ones."""
+"""Tensors inside nested batches and outputs: find them by path, rebuild the structure around new ones; and a
+parameter's whole shape where the tensor itself is a placeholder (DeepSpeed ZeRO-3)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,26 @@ def rebuild_at(obj: Any, fn: Callable[[Tuple[Any, ...], torch.Tensor], Any], pat
         except TypeError:  # a mapping type that takes no keywords
             return dict(items)
     return obj
+
+
+def whole_shape(p: torch.Tensor) -> Tuple[int, ...]:
+    """A parameter's whole shape: a DeepSpeed ZeRO-3 placeholder's ``ds_shape`` (the tensor itself is empty, its
+    values partitioned over the ranks), any other tensor's own shape.
+
+    Example:
+        >>> whole_shape(torch.ones(3, 2))
+        (3, 2)
+    """
+    shape = getattr(p, "ds_shape", None)
+    return tuple(shape) if shape is not None else tuple(p.shape)
+
+
+def whole_numel(p: torch.Tensor) -> int:
+    """Entries of a parameter's whole shape (:func:`whole_shape`).
+
+    Example:
+        >>> whole_numel(torch.ones(3, 2))
+        6
+    """
+    numel = getattr(p, "ds_numel", None)
+    return int(numel) if numel is not None else int(p.numel())

@@ -9,7 +9,9 @@ between ``engine.backward(loss)`` and ``engine.step()`` (:mod:`gradwatch.watch.z
 - ``zero1``, ``zero2``, ``zero3`` (stage 3 with ``stage3_param_persistence_threshold: 0``: every parameter
   an empty placeholder): a correct Linear-Tanh MLP, 4 checks at ``every=1``: no alert, every parameter
   with a backward and a training verdict, Adam's coupled ``weight_decay`` read through ZeRO's groups,
-  training losses and parameters bit-identical to a run without the watch;
+  training losses and parameters bit-identical to a run without the watch; stages 1 and 2 on a gathered
+  replica, stage 3 piece by piece on the live engine (no replica: each rank judges its partition);
+- ``objective3``: ZeRO-3 with ``form="objective"``: the whole objective on a gathered replica;
 - ``planted1``, ``planted2``, ``planted3``: a tanh whose backward is 1.2x: alerted and named by its module;
 - ``accumulate``: ZeRO-2 with ``gradient_accumulation_steps=2`` (``watch.accumulate`` inside the window,
   ``watch.step`` at its boundary), the watch given ``engine.module`` (the engine is found around it): the
@@ -40,7 +42,8 @@ pytest.importorskip("deepspeed")
 
 RUN_TIMEOUT = 240.0
 STAGES = (1, 2, 3)
-SCENARIOS = ("zero1", "zero2", "zero3", "planted1", "planted2", "planted3", "accumulate", "fault", "trainer", "embedding3")
+SCENARIOS = ("zero1", "zero2", "zero3", "planted1", "planted2", "planted3", "accumulate", "fault", "trainer", "embedding3",
+             "objective3")
 NAMES = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
 
 WORKER = textwrap.dedent(
@@ -165,6 +168,7 @@ WORKER = textwrap.dedent(
                 engine.backward(loss_fn(engine, batch))
                 watch.step(batch)
             res.update(checks=checks, seconds=seconds, alerts=[a.to_dict() for a in watch.alerts],
+                       replica=watch.context.replica is not None,
                        coverage=watch.coverage, weight_decay=watch.objective.weight_decay,
                        live_hooks=sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in engine.module.modules()))
             watch.close()
@@ -226,6 +230,8 @@ WORKER = textwrap.dedent(
                 plain = train(3, 3, embedding=True)
                 res = train(3, 3, dict(every=1, log_dir=None), embedding=True)
                 res["identical"] = {"losses": plain["losses"] == res["losses"], "params": plain["params"] == res["params"]}
+            elif scenario == "objective3":
+                res = train(3, 2, dict(every=1, log_dir=None, form="objective"))
             elif scenario.startswith("planted"):
                 res = train(int(scenario[-1]), 2, dict(every=1, log_dir=None), wrong=True)
             elif scenario == "accumulate":
@@ -280,11 +286,15 @@ def test_zero_correct_model_no_alert_both_verdicts_everywhere_training_bit_ident
         assert res["alerts"] == []
         assert len(res["checks"]) == 4 and all(c["ok"] for c in res["checks"]), res["checks"]
         for c in res["checks"]:
-            assert c["form"] == "module"  # the ranks split the units of the replica
+            assert c["form"] == "module"  # the ranks split the units (of the replica; stage 3: of the live model)
             assert set(c["training"]) == set(NAMES)
             assert all(v[0] in ("excellent", "acceptable") for v in c["training"].values()), c["training"]
             assert "averaged over 2 ranks" in c["training_note"]
-            assert any("DeepSpeed ZeRO" in n for n in c["notes"])
+            assert any(("DeepSpeed ZeRO-3: checked piece by piece" in n) is (stage == 3) and "DeepSpeed ZeRO" in n
+                       for n in c["notes"])
+            if stage == 3:  # each rank judged its partition of ZeRO's gradient (no whole gradient anywhere)
+                assert "each rank judged its partition" in c["training_note"]
+        assert res["replica"] is (stage != 3)  # stage 3: no copy of the model, at any check
         assert all(res["coverage"][n]["backward"] > 0 and res["coverage"][n]["training"] > 0 for n in NAMES)
         assert res["weight_decay"] == {n: 1e-3 for n in NAMES}  # Adam's coupled decay, through ZeRO's groups
         assert res["identical"] == {"losses": True, "params": True}
@@ -356,3 +366,12 @@ def test_hf_trainer_with_a_deepspeed_config_is_checked_between_backward_and_step
         assert sorted(res["coverage"]) == sorted(f"net.{n}" for n in NAMES)
         assert res["identical"] == {"losses": True, "params": True}
         assert res["engine_step_restored"]
+
+
+def test_zero3_form_objective_checks_the_whole_objective_on_a_gathered_replica(ranks):
+    for r in ranks:
+        res = r["objective3"]
+        assert res["alerts"] == [] and len(res["checks"]) == 2 and all(c["ok"] for c in res["checks"]), res
+        assert res["replica"] and all(c["form"] == "objective" for c in res["checks"])
+        assert all(set(c["training"]) == set(NAMES) for c in res["checks"])
+        assert all(any("replica gathered through ZeRO's own" in n for n in c["notes"]) for c in res["checks"])

@@ -28,6 +28,8 @@ from typing import Any, Dict, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
+from gradwatch.trees import whole_numel
+
 #: Share of the room an estimate may fill (estimates leave out allocator overhead and small temporaries).
 SAFETY = 0.5
 #: Share of ``memory_budget`` the room aims at: the rest is a margin for what no estimate sees (the transient
@@ -202,7 +204,7 @@ class MemoryMeter:
         """
         free = max(0, self.training_peak - in_use_bytes(self.device))
         if model is not None:
-            free = min(free, sum(p.numel() * p.element_size() for p in model.parameters()))
+            free = min(free, sum(whole_numel(p) * p.element_size() for p in model.parameters()))
         return free
 
     def summary(self, room: Optional[int], estimate: Optional[int]) -> Dict[str, Any]:
@@ -269,13 +271,14 @@ def module_bytes(params: Iterable[torch.Tensor], inputs: Any, outputs: int = 0) 
 
 
 def gradient_bytes(params: Iterable[torch.Tensor]) -> int:
-    """What the training part holds per judged tensor: its replayed gradient, in the parameter's dtype.
+    """What the training part holds per judged tensor: its replayed gradient, in the parameter's dtype (a ZeRO-3
+    placeholder's at its whole shape: the replay's gradient is whole).
 
     Example:
         >>> gradient_bytes([torch.ones(10)])
         40
     """
-    return sum(p.numel() * p.element_size() for p in params)
+    return sum(whole_numel(p) * p.element_size() for p in params)
 
 
 def mb(n: Optional[float]) -> str:

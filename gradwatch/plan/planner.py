@@ -36,6 +36,7 @@ from gradwatch.plan.coverage import Coverage
 from gradwatch.plan.cycle import ROWS_PER_SLICE, Cycle, Piece
 from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY, SAFETY, mb, objective_bytes
 from gradwatch.plan.units import Unit, plan_units, sliceable_rows
+from gradwatch.trees import whole_shape
 
 
 def slice_rows(module: nn.Module, room: Optional[int]) -> int:
@@ -46,9 +47,11 @@ def slice_rows(module: nn.Module, room: Optional[int]) -> int:
         109
     """
     weight = getattr(module, "weight", None)
-    if room is None or not isinstance(weight, torch.Tensor) or weight.dim() == 0:
+    shape = whole_shape(weight) if isinstance(weight, torch.Tensor) else ()
+    if room is None or not shape:
         return ROWS_PER_SLICE
-    per_row = (math.prod(weight.shape[1:]) + 1) * MODULE_BYTES_PER_ENTRY  # from the shape: a DTensor row is a collective
+    # from the whole shape: a DTensor row is a collective, a ZeRO-3 placeholder is empty
+    per_row = (math.prod(shape[1:]) + 1) * MODULE_BYTES_PER_ENTRY
     return max(1, (room // 2) // per_row)
 
 

@@ -44,11 +44,15 @@ from gradwatch.watch.lockstep import Lockstep
 from gradwatch.watch.sharded import REPLICA_NOTE, Replica, is_sharded, layout, mixed_precision
 from gradwatch.watch.trend import Alert
 from gradwatch.watch.wrappers import Wrapping
-from gradwatch.watch.zero import ZeroReplica, engine_of, zero_layout, zero_params
+from gradwatch.watch.zero import ZeroReplica, at_boundary, engine_of, zero3, zero_layout, zero_params
 
-#: The note every report of a model trained with DeepSpeed ZeRO carries.
+#: The note every report of a model trained with DeepSpeed ZeRO (stages 1 and 2, or ``form="objective"``) carries.
 ZERO_NOTE = ("the model is trained with DeepSpeed ZeRO: the check ran on a replica gathered through ZeRO's own "
              "GatheredParameters and safe_get_full_grad on every rank, never on the live engine")
+#: The note every report of a ZeRO-3 model checked piece by piece carries.
+ZERO3_NOTE = ("the model is trained with DeepSpeed ZeRO-3: checked piece by piece on the live model, ZeRO's hooks "
+              "gathering each module's parameters as in training; each rank gathers its pieces' parameters through "
+              "GatheredParameters and judges its partition of ZeRO's gradient (safe_get_local_grad)")
 
 #: Under DDP, rank 0's decisions for a check: ``((form, estimate, note), training tensors or None for all)``.
 Plan = Tuple[Tuple[str, Optional[int], Optional[str]], Optional[List[str]]]
@@ -119,8 +123,8 @@ class WatchContext:
         # A sharded (FSDP2, ZeRO) model is checked on a plain replica gathered at each check (see gradwatch.watch.sharded).
         self.sharded = fsdp or self.zero
         self.mixed: Optional[str] = mixed_precision(model) if fsdp else None
-        # FSDP2: by default shard by shard (gradwatch.watch.shard_check); form="objective" gathers a replica.
-        self.by_shard = fsdp and form != "objective"
+        # FSDP2 and ZeRO-3: by default shard by shard (gradwatch.watch.shard_check); form="objective" gathers a replica.
+        self.by_shard = (fsdp or zero3(model)) and form != "objective"
         #: The module form on every rank's share of the pieces: FSDP2 shard by shard, or a ZeRO replica (unless
         #: ``form="objective"``): a failure is named by its module, and the ranks split the units.
         self.by_module = self.by_shard or (self.zero and form != "objective")
@@ -182,6 +186,8 @@ class WatchContext:
         """
         if not self.sharded:
             return self.model
+        if self.by_shard and self.zero:
+            at_boundary(self.engine)  # before any collective: every rank raises alike
         if self.dist is not None:
             self.dist.same_everywhere(zero_layout(self.model) if self.zero else layout(self.model),
                                       "the parameters to gather (name, shape, dtype, has .grad)")
@@ -194,7 +200,9 @@ class WatchContext:
 
     def sharding_note(self, shard_note: str) -> str:
         """The note every report of a sharded model carries (``shard_note``: shard by shard's)."""
-        return shard_note if self.by_shard else ZERO_NOTE if self.zero else REPLICA_NOTE
+        if self.by_shard:
+            return ZERO3_NOTE if self.zero else shard_note
+        return ZERO_NOTE if self.zero else REPLICA_NOTE
 
     def release(self) -> None:
         """After a check: the replica's gathered ``.grad`` lives for one check only."""
@@ -290,4 +298,4 @@ class TrendAlerting:
         return None
 
 
-__all__ = ["ZERO_NOTE", "CheckContext", "Part", "Plan", "TrendAlerting", "WatchContext", "check_arguments"]
+__all__ = ["ZERO3_NOTE", "ZERO_NOTE", "CheckContext", "Part", "Plan", "TrendAlerting", "WatchContext", "check_arguments"]

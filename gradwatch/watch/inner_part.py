@@ -42,6 +42,7 @@ from gradwatch.watch.check_plan import CheckPlanner
 from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
 from gradwatch.watch.lockstep import Lockstep
 from gradwatch.watch.shard_check import ShardView, gather_wholes, held_by, reshard
+from gradwatch.watch.zero import is_partitioned, partition_span
 
 
 class InnerPart(TrendAlerting):
@@ -264,8 +265,10 @@ def _direct(proxy: nn.Module, objective: Any, batch: Any) -> List[str]:
 
 
 def _rows(p: Any) -> str:
-    """``"[first:end]"``: the rows of a parameter sharded on dim 0 this rank holds (``""`` for a whole one, or one
-    laid out otherwise)."""
+    """``"[first:end]"``: the rows of a parameter sharded on dim 0 this rank holds, ``"[flat first:end]"`` the entries
+    of its flattened whole a ZeRO-3 partition holds (``""`` for a whole one, or one laid out otherwise)."""
+    if p is not None and is_partitioned(p):
+        return "[flat {}:{}]".format(*partition_span(p))
     where = None if p is None else held_by(p)
     if where is None or where[1] < 2:
         return ""

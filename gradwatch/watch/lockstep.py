@@ -16,10 +16,16 @@ each of those collectives: a one-element all-reduce on gradwatch's own group, bo
   tensor hooks, where each module's output gradient arrives (before FSDP2's pre-backward all-gather), where its
   input gradient leaves (before its reduce-scatter) and at the backward's end (before the root's
   reduce-scatter).
+- **DeepSpeed ZeRO-3's** (``c10d`` calls of its hooks, on every module): a point before each module's forward
+  (before ZeRO's hook gathers its parameters and prefetches the next ones) and, by a tensor hook on the output
+  ZeRO's hook hands back, where its gradient arrives (before ZeRO's pre-backward gather). A check's backward is
+  ``torch.autograd.grad``, which never runs ZeRO's reduce-scatter hooks (they run on accumulation). The engine
+  itself may not run inside the region (its forward keeps ZeRO's counters): it raises, before any collective.
 
 A rank whose check raised joins the next point saying so; every other rank stops at that same point
 (:class:`PeerFailed`) before any further collective, so every rank has made the same collectives.
-FSDP2's per-iteration state is then reset (``reset_iter_state``) and training goes on. A rank that
+FSDP2's per-iteration state is then reset (``reset_iter_state``), what ZeRO-3 holds gathered is released
+(:func:`~gradwatch.watch.zero.reset_zero`), and training goes on. A rank that
 stalls past ``distributed_timeout`` at a point breaks the coordinator on every rank (the check is an
 error record and checks stop), with the same collectives made everywhere. What a point cannot cover:
 a rank that fails *inside* a collective (out of memory in FSDP2's own buffers) leaves the others in
@@ -50,7 +56,8 @@ from gradwatch.check.objective.dtensor import is_dtensor, makes_collective
 from gradwatch.trees import tensor_leaves
 from gradwatch.watch.distributed import DistributedCheckError, PeerFailed
 from gradwatch.watch.shard_check import reshard
-from gradwatch.watch.sharded import fsdp_loaded, is_fsdp
+from gradwatch.watch.sharded import fsdp_loaded, is_fsdp, live_forward_refused
+from gradwatch.watch.zero import engine_of, release_leftovers, reset_zero, zero3
 
 __all__ = ["Lockstep", "PeerFailed", "reset_fsdp"]
 
@@ -123,6 +130,7 @@ class Lockstep:
         self._queued = False  # the end-of-backward point is queued for the backward running now
         self._plain: Dict[int, Tuple[Any, Any]] = {}
         self._mode: Optional[_PointsBeforeCollectives] = None
+        self._engine: Optional[nn.Module] = None  # DeepSpeed's engine around a ZeRO-3 model
 
     def _agree(self, ok: bool, value: Optional[int] = None) -> Tuple[bool, Optional[int]]:
         start = time.perf_counter()
@@ -158,6 +166,8 @@ class Lockstep:
 
     def _at_end(self) -> None:
         self._queued = False
+        if self._engine is not None:
+            release_leftovers(self._engine)  # ZeRO-3's backward epilogue (a check's autograd.grad has none)
         self.point()  # before FSDP2's reduce-scatter of the modules whose inputs need no gradient (the root's)
 
     def __enter__(self) -> "Lockstep":
@@ -186,9 +196,30 @@ class Lockstep:
                 self._handles += [m.register_forward_pre_hook(before_forward, prepend=True),
                                   m.register_forward_hook(outputs, prepend=True),
                                   m.register_forward_pre_hook(inputs, with_kwargs=True)]
+        self._engine = engine_of(self.model) if zero3(self.model) else None
+        if zero3(self.model):
+            self._zero_hooks(before_forward)
         self._mode = _PointsBeforeCollectives(self)
         self._mode.__enter__()
         return self
+
+    def _zero_hooks(self, before_forward: Any) -> None:
+        """ZeRO-3: a point before every module's forward (ZeRO's pre-forward hook gathers, on every module), a tensor
+        hook on the output ZeRO's forward hook hands back (its gradient arrives before ZeRO's pre-backward gather),
+        and the engine's own forward refused (see the module docstring)."""
+
+        def zero_outputs(module: nn.Module, args: Any, output: Any) -> None:  # runs after ZeRO's: its wrapped output
+            for t in _needing_grad(output):
+                t.register_hook(self._in_backward)
+
+        setattr(zero_outputs, "_gradwatch_hook", True)  # noqa: B010 - gradwatch's own
+        for m in self.model.modules():
+            self._handles += [m.register_forward_pre_hook(before_forward, prepend=True),
+                              m.register_forward_hook(zero_outputs)]
+        if self._engine is not None:
+            self._handles.append(self._engine.register_forward_pre_hook(live_forward_refused(
+                "DeepSpeed engine", "the engine from its closure (its forward keeps ZeRO's counters)",
+                "the live ZeRO-3 model itself"), prepend=True))
 
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
         if self._mode is not None:
@@ -218,3 +249,5 @@ class Lockstep:
         for p, grad in plain.values():
             p.grad = grad
         reset_fsdp(self.model)
+        if self._engine is not None:
+            reset_zero(self.model, self._engine)

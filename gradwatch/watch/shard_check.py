@@ -41,6 +41,7 @@ from gradwatch.plan.cycle import Piece
 from gradwatch.plan.shards import assign, rows_held
 from gradwatch.plan.units import Unit, faithful_rows, sliceable_rows
 from gradwatch.watch.sharded import FSDP_KEYS, fsdp_loaded, full_tensor, is_fsdp, plain_class
+from gradwatch.watch.zero import gathered, is_partitioned
 
 __all__ = ["SHARD_NOTE", "ShardView", "backward_on_shards", "gather_wholes", "held_by", "held_rows", "is_partial",
            "plan_shards", "reshard", "settled"]
@@ -138,9 +139,10 @@ def plan_shards(model: nn.Module, units: Sequence[Unit], pieces: Sequence[Piece]
 
 
 def gather_wholes(groups: Sequence[Tuple[bool, Sequence[Optional[torch.Tensor]]]]) -> Dict[int, torch.Tensor]:
-    """Every DTensor of ``groups`` (``[(keep, tensors), ...]``, the same list on every rank but ``keep``) gathered
-    whole, each once, in order (collectives: every rank makes the same ones); ``id(tensor)`` -> the whole of those
-    in a group this rank keeps.
+    """Every DTensor and ZeRO-3 placeholder of ``groups`` (``[(keep, tensors), ...]``, the same list on every rank
+    but ``keep``) gathered whole, each once, in order (collectives: every rank makes the same ones); ``id(tensor)``
+    -> the whole of those in a group this rank keeps. A ZeRO-3 parameter is gathered through ZeRO's own
+    ``GatheredParameters`` and partitioned again at once: a rank holds only the copies it keeps.
 
     Example:
         >>> gather_wholes([(True, [torch.ones(2)])])  # plain tensors are not gathered
@@ -151,9 +153,14 @@ def gather_wholes(groups: Sequence[Tuple[bool, Sequence[Optional[torch.Tensor]]]
     out: Dict[int, torch.Tensor] = {}
     for _, tensors in groups:
         for t in tensors:
-            if t is None or not is_dtensor(t) or id(t) in seen:
+            if t is None or not (is_dtensor(t) or is_partitioned(t)) or id(t) in seen:
                 continue
             seen.add(id(t))  # once each, whichever groups share it: the same collectives on every rank
+            if is_partitioned(t):
+                with gathered(t), torch.no_grad():
+                    if id(t) in wanted:
+                        out[id(t)] = t.detach().clone()
+                continue
             full = full_tensor(t)
             if id(t) in wanted:
                 out[id(t)] = full
@@ -212,9 +219,9 @@ class ShardView:
             if id(p) not in made:
                 if id(p) in self.gathered:
                     value = self.gathered[id(p)]
-                elif is_dtensor(p):
+                elif is_dtensor(p) or is_partitioned(p):
                     with torch.no_grad():
-                        value = local(p).detach()  # this rank's rows: a view, no copy
+                        value = local(p).detach()  # this rank's rows (a ZeRO-3 partition, flat): a view, no copy
                 else:
                     made[id(p)] = cast(nn.Parameter, p)
                     return p
@@ -302,8 +309,11 @@ def backward_on_shards(model: nn.Module, total: torch.Tensor, params: Sequence[t
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (the tensor itself for a plain one)."""
-    return cast(Any, t).to_local() if is_dtensor(t) else t
+    """This rank's shard of a DTensor, its flat partition of a ZeRO-3 placeholder (the tensor itself for a plain
+    one)."""
+    if is_dtensor(t):
+        return cast(Any, t).to_local()
+    return cast(Any, t).ds_tensor if is_partitioned(t) else t
 
 
 def is_partial(t: Any) -> bool:

@@ -318,7 +318,8 @@ class LiveForwardInCheck(RuntimeError):
     """The live sharded model ran a forward during a check (``loss_fn`` used a model from its closure)."""
 
 
-def live_forward_refused(what: str, instead: str) -> Callable[[nn.Module, tuple], None]:
+def live_forward_refused(what: str, instead: str, given: str = "a gathered replica"
+                         ) -> Callable[[nn.Module, tuple], None]:
     """A forward pre-hook (gradwatch's own: kept when user hooks are suspended) raising :class:`LiveForwardInCheck`
     for a forward of the live ``what`` model, whose hooks would gather (a collective on one rank only).
 
@@ -333,7 +334,7 @@ def live_forward_refused(what: str, instead: str) -> Callable[[nn.Module, tuple]
         raise LiveForwardInCheck(
             f"loss_fn ran the live {what} {type(module).__name__} inside a gradwatch check; its forward "
             "all-gathers parameters, a collective the other ranks are not making. Use the model loss_fn is "
-            f"given (the check passes a gathered replica), not {instead}"
+            f"given (the check passes {given}), not {instead}"
         )
 
     refuse._gradwatch_hook = True  # type: ignore[attr-defined]

@@ -44,6 +44,7 @@ from gradwatch.watch.sharded import is_dtensor, is_fsdp
 from gradwatch.watch.step_objective import StepObjective, StepPlan
 from gradwatch.watch.trend import Alert
 from gradwatch.watch.wrappers import unwrap_model
+from gradwatch.watch.zero import is_partitioned, loss_scale, zero_part
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
@@ -140,11 +141,14 @@ class TrainingPart(TrendAlerting):
         if ctx.by_shard:
             release_freed()  # what training's backward freed: the replay's own backward allocates on top of it
         # (sharded: the replay is FSDP2's own backward, whole; its shards are let go as they come; tensor and sequence
-        # parallel without FSDP2: its blocks checkpointed as the room needs, as in one process)
-        plain_dtensor = ctx.by_shard and not any(is_fsdp(m) for m in ctx.model.modules())
-        replay = self.replay(check.pending, check.target, None if ctx.by_shard else check.room,
-                             only=None if check.plan is None else check.plan[1], seed=check.opts.seed,
-                             checkpoint_room=check.room if plain_dtensor else None)
+        # parallel without FSDP2: its blocks checkpointed as the room needs, as in one process; ZeRO-3: autograd.grad by
+        # the tensors that fit the room, the smallest room of the ranks: every rank gathers for the same backward)
+        room = None if ctx.by_shard and not ctx.zero else check.room
+        if ctx.by_shard and ctx.zero and room is not None and ctx.lockstep is not None:
+            room = ctx.lockstep.point(room)
+        plain_dtensor = ctx.by_shard and not ctx.zero and not any(is_fsdp(m) for m in ctx.model.modules())
+        replay = self.replay(check.pending, check.target, room, only=None if check.plan is None else check.plan[1],
+                             seed=check.opts.seed, checkpoint_room=check.room if plain_dtensor else None)
         check.replay = replay
         return replay
 
@@ -274,7 +278,7 @@ class TrainingPart(TrendAlerting):
         entry, root = (ctx.wrapping.entry, ctx.recorder.root) if live else (model, model)
         params = self.params(model)
         plist = tuple(params.values())
-        if all(p.grad is None for p in plist):
+        if not ctx.zero and all(p.grad is None for p in plist):  # ZeRO's are in its partitions (at_boundary said)
             return Replay(None, None, None, "not judged: no watched parameter has a .grad yet (watch.step or check "
                                             "before the first backward)")
         row_plan: Dict[str, Tuple[int, int]] = {}
@@ -282,7 +286,7 @@ class TrainingPart(TrendAlerting):
             if only is not None:
                 params = {n: params[n] for n in only if n in params}
             else:
-                params, row_plan = self.subset(params, cast(int, room), rows=ctx.grad_fn is None)
+                params, row_plan = self.subset(params, cast(int, room), rows=ctx.grad_fn is None and not ctx.zero)
             if not params:
                 return Replay(None, None, None, f"not judged: the replayed gradient of the smallest watched tensor does "
                                                 f"not fit in the room memory_budget leaves ({mb(room)})")
@@ -314,7 +318,7 @@ class TrainingPart(TrendAlerting):
                 total = scaler.scale(total)
             gs = (backward_on_shards(model, total, plist, reuse=len(pending.micro) == 1,
                                      before=ctx.lockstep.point if ctx.lockstep is not None else None)
-                  if ctx.by_shard
+                  if ctx.by_shard and not ctx.zero
                   else self._replay_grads(model, total, plist, leaves))
             out = {n: torch.zeros_like(p) if g is None else dense(g) for (n, p), g in zip(whole, gs[:len(plist)])}
             if rowgrads is not None:  # weights judged by rows: the gradient of those rows only
@@ -357,7 +361,8 @@ class TrainingPart(TrendAlerting):
         be the same on every rank)."""
         ctx = self.watch
         sharded = ctx.by_shard and ctx.lockstep is not None
-        if ((ctx.dist is not None or ctx.by_shard) and not sharded) or ctx.grad_fn is not None or self._reentrant:
+        if ((ctx.dist is not None or ctx.by_shard) and not sharded) or ctx.grad_fn is not None or self._reentrant \
+                or ctx.zero:  # ZeRO-3's hooks gather in a recomputed forward too: not tried, so never
             return 0
         modules = self._modules_cache or list(model.modules())
         if any(getattr(m, "gradient_checkpointing", False) is True for m in modules):
@@ -438,14 +443,20 @@ class TrainingPart(TrendAlerting):
         lives: Dict[str, Optional[torch.Tensor]] = {}
         judged: Dict[str, Tuple[torch.Tensor, torch.dtype]] = {}  # what each tensor was judged on (a window judges again)
         partial = [n for n, p in params.items() if is_partial(p.grad)]
-        if partial and self.watch.lockstep is not None:
+        zero = self.watch.by_shard and self.watch.zero and self.watch.dist is not None
+        if (partial or zero) and self.watch.lockstep is not None:
             self.watch.lockstep.point()  # the reductions below are collectives: every rank is here
+        if zero:  # ZeRO-3: each rank's whole-shape gradients averaged, as ZeRO averages (every rank, the same tensors)
+            grads.update(cast(Any, self.watch.dist).average(grads, in_place=self.watch.grad_fn is None))
+        zero_scale = loss_scale(self.watch.engine) if self.watch.zero else 1.0
         for n in partial:  # sequence parallel's norms: .grad is a Partial(sum) until the optimizer reduces it
             grads[n] = settled(cast(torch.Tensor, params[n].grad), grads[n])
         for n, p in params.items():
             dtype = dtypes.get(p.dtype) or dtypes.setdefault(p.dtype, compute_dtype(p.dtype, autocast))
             live = p.grad
-            if is_dtensor(p):  # sharded: this rank's shard of both (the ranks' verdicts are merged, worst first)
+            if is_partitioned(p):  # ZeRO-3: this rank's partition of the parameter, of ZeRO's gradient, of the replay's
+                p, live, grads[n] = zero_part(p, grads[n], zero_scale)
+            elif is_dtensor(p):  # sharded: this rank's shard of both (the ranks' verdicts are merged, worst first)
                 live = None if live is None else settled(live, None) if n in partial else local(live)
                 p = local(p)
             if n in sliced:  # judged by a block of rows: the live .grad's rows against the replayed rows
@@ -456,6 +467,9 @@ class TrainingPart(TrendAlerting):
         report.training_rows = dict(sliced)
         plan: Optional[StepPlan] = getattr(replay, "plan", None)
         notes = [f"replayed from the {replay.how} RNG state" if replay.how else ""]
+        if zero:
+            notes.append(f"the reference is averaged over {cast(Any, self.watch.dist).world_size} ranks, as ZeRO averages "
+                         "its gradient; each rank judged its partition of ZeRO's gradient")
         found = self._partial_window(report, plan, lives, grads, judged, scale)
         if found is not None:
             notes.insert(0, f"a partial accumulation window, the step's tensors judged against its objective's "

@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO (stages 1, 2 and 3): the engine looked through, and a plain replica gathered for each check.
+"""DeepSpeed ZeRO (stages 1, 2 and 3): the engine looked through; stage 3 checked piece by piece on the live engine,
+stages 1 and 2 on a plain replica gathered for each check.
 
 ``deepspeed.initialize`` returns an engine (a ``DeepSpeedEngine``, an ``nn.Module`` around the user's
 module) and a ZeRO optimizer. What a check needs is not where a plain model keeps it:
@@ -9,15 +10,26 @@ module) and a ZeRO optimizer. What a check needs is not where a plain model keep
   holding a partition; the forward gathers them through hooks ZeRO registers on every module (and
   ``torch.nn.functional.linear`` is ZeRO's own ``autograd.Function`` from then on).
 
-So gradwatch never evaluates the live ZeRO model in a check. :class:`ZeroReplica` is a plain copy of the
-user's module (the same module classes, ZeRO's hooks and attributes left out), refreshed at each check,
-one parameter at a time in ``named_parameters()`` order on every rank: its value gathered through
-ZeRO's own ``deepspeed.zero.GatheredParameters`` (stage 3; a no-op for stages 1 and 2), its gradient read
-through DeepSpeed's own ``deepspeed.utils.safe_get_full_grad`` (an all-reduce or all-gather of the
-partitions), divided by the loss scale under fp16. These are the only collectives of the model's groups
-in a check, the same on every rank; both parts of the check then run on the replica with no collective,
-as on an FSDP2 model's replica (:mod:`gradwatch.watch.sharded`). ZeRO's state (its partitions, its loss
-scaler, its micro-step counters) is only read.
+**Stage 3, piece by piece** (the default; shard by shard, :mod:`gradwatch.watch.shard_check`): no copy of the
+model. The checks' forwards run ``engine.module`` itself, ZeRO's hooks gathering each module's parameters and
+releasing them after it, as in training; a rank reaches an agreement point before each of them
+(:mod:`gradwatch.watch.lockstep`). The training part's replay takes ``torch.autograd.grad`` of the step's
+objective by a room-bounded set of parameters the ranks agree on (whole-shape gradients; ZeRO's
+reduce-scatter hooks run on accumulation only, so never), averages them over the ranks, and each rank
+judges its partition against ZeRO's own (:func:`zero_part`, through DeepSpeed's ``safe_get_local_grad``).
+The backward part gathers each of its pieces' parameters through ZeRO's own ``GatheredParameters``, the same
+gathers in the same order on every rank, keeping only its own pieces'. A check that stops midway (a rank
+raised) releases what ZeRO holds gathered (:func:`reset_zero`).
+
+**Stages 1 and 2, or** ``form="objective"``: :class:`ZeroReplica` is a plain copy of the user's module (the
+same module classes, ZeRO's hooks and attributes left out), refreshed at each check, one parameter at a time in
+``named_parameters()`` order on every rank: its value gathered through ZeRO's own
+``deepspeed.zero.GatheredParameters`` (stage 3; a no-op for stages 1 and 2), its gradient read through
+DeepSpeed's own ``deepspeed.utils.safe_get_full_grad`` (an all-reduce or all-gather of the partitions),
+divided by the loss scale under fp16. These are the only collectives of the model's groups in a check, the
+same on every rank; both parts of the check then run on the replica with no collective, as on an FSDP2
+model's replica (:mod:`gradwatch.watch.sharded`). ZeRO's state (its partitions, its loss scaler, its
+micro-step counters) is only read.
 
 ZeRO's gradients are the step's: ``engine.backward`` divides each micro-batch's loss by
 ``gradient_accumulation_steps``, and ZeRO averages over the data-parallel ranks. The training part's
@@ -30,10 +42,10 @@ Importing this module does not import ``deepspeed``; a model of a process that n
 
 Example:
     >>> from torch import nn
-    >>> is_engine(nn.Linear(2, 1)), zero_params(nn.Linear(2, 1))
-    (False, False)
-    >>> full_shape(nn.Parameter(torch.ones(3, 2)))
-    (3, 2)
+    >>> is_engine(nn.Linear(2, 1)), zero_params(nn.Linear(2, 1)), zero3(nn.Linear(2, 1))
+    (False, False, False)
+    >>> zero_layout(nn.Linear(2, 1))[0]
+    ('weight', (1, 2), 'torch.float32', True)
 """
 
 from __future__ import annotations
@@ -41,11 +53,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import torch
 from torch import nn
 
+from gradwatch.trees import whole_numel, whole_shape
 from gradwatch.watch.sharded import Replica, kept_hooks, live_forward_refused
 
 #: Attributes ZeRO-3 puts on every module (its bookkeeping and the functions its hooks apply): left out of a replica.
@@ -117,14 +130,14 @@ def engine_of(model: nn.Module) -> Optional[nn.Module]:
     return None
 
 
-def full_shape(p: torch.Tensor) -> Tuple[int, ...]:
-    """A parameter's whole shape (a ZeRO-3 placeholder's ``ds_shape``).
+def zero3(model: nn.Module) -> bool:
+    """True when some parameter of ``model`` is a ZeRO-3 placeholder (checked piece by piece on the live engine).
 
     Example:
-        >>> full_shape(torch.ones(4))
-        (4,)
+        >>> zero3(nn.Linear(2, 1))
+        False
     """
-    return tuple(p.ds_shape) if is_partitioned(p) else tuple(p.shape)  # type: ignore[attr-defined]
+    return deepspeed_loaded() and any(is_partitioned(p) for p in model.parameters())
 
 
 def zero_layout(model: nn.Module) -> List[Tuple[str, Tuple[int, ...], str, bool]]:
@@ -135,7 +148,7 @@ def zero_layout(model: nn.Module) -> List[Tuple[str, Tuple[int, ...], str, bool]
         >>> zero_layout(nn.Linear(2, 1))
         [('weight', (1, 2), 'torch.float32', True), ('bias', (1,), 'torch.float32', True)]
     """
-    return [(n, full_shape(p), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()]
+    return [(n, whole_shape(p), str(p.dtype), p.requires_grad) for n, p in model.named_parameters()]
 
 
 def is_deepspeed_hook(hook: Any) -> bool:
@@ -339,6 +352,62 @@ def full_grad(p: torch.Tensor) -> Optional[torch.Tensor]:
     return None if grad is None else grad.detach().clone()
 
 
+def zero_part(p: torch.Tensor, replayed: torch.Tensor, scale: float = 1.0
+              ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """This rank's partition of a ZeRO-3 parameter: ``(its values, ZeRO's gradient partition, the same entries of
+    ``replayed``)``, flat, without the padding of the last partition. ZeRO's partition is read through DeepSpeed's
+    ``safe_get_local_grad`` (no collective), divided by the fp16 loss ``scale``, in ``replayed``'s dtype.
+
+    A partition is the ``ds_tensor.numel()`` entries of the flattened whole starting at the rank's index in the
+    parameter's process group times that count (ZeRO's layout: ``set_fp32_grad_for_param`` reads it so).
+    """
+    from deepspeed.utils import safe_get_local_grad
+
+    first, end = partition_span(p)
+    live = safe_get_local_grad(p) if p.requires_grad else None
+    if live is not None:
+        live = live.detach().reshape(-1)[:end - first]
+        live = (live / scale if scale != 1.0 else live).to(replayed.dtype)
+    return cast(Any, p).ds_tensor.detach().reshape(-1)[:end - first], live, replayed.reshape(-1)[first:end]
+
+
+def partition_span(p: torch.Tensor) -> Tuple[int, int]:
+    """``(first, end)``: the entries of a ZeRO-3 parameter's flattened whole this rank's partition holds (its
+    ``ds_tensor``, whose tail past the whole is padding on the last rank)."""
+    import torch.distributed as dist
+
+    size = int(cast(Any, p).ds_tensor.numel())
+    first = size * dist.get_rank(group=cast(Any, p).ds_process_group)
+    return first, first + max(0, min(size, whole_numel(p) - first))
+
+
+def _coordinator(engine: Any) -> Any:
+    """ZeRO-3's parameter coordinator (None for another engine)."""
+    offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
+    return None if offload is None else offload.get_param_coordinator()
+
+
+def release_leftovers(engine: Any) -> None:
+    """After a backward of the live ZeRO-3 model: the parameters of the modules whose post-backward hook never ran
+    (the first module's input needs no gradient) released, as ZeRO's own ``backward_epilogue`` does after
+    ``engine.backward`` (a ``torch.autograd.grad`` of a check has no epilogue). No collective."""
+    coordinator = _coordinator(engine)
+    leftovers = getattr(coordinator, "release_backward_leftovers", None)
+    if leftovers is not None:
+        leftovers()
+
+
+def reset_zero(model: nn.Module, engine: Any) -> None:
+    """After a check stopped midway (a forward or backward cut short by a rank that raised): every parameter ZeRO-3
+    holds gathered released, and its coordinator's step state reset, as the next training forward expects."""
+    coordinator = _coordinator(engine)
+    if coordinator is None:
+        return
+    release_leftovers(engine)
+    coordinator.release_and_reset_all(model)
+    coordinator.reset_step()
+
+
 class ZeroOptimizerGroups(torch.optim.Optimizer):
     """A ZeRO optimizer's param groups over the model's own parameters (what the check objective reads its coupled
     ``weight_decay`` from): ZeRO's inner torch optimizer holds flat partitions instead.
@@ -395,5 +464,6 @@ def _named(name: str) -> type:
 
 
 __all__ = ["ZERO_MODULE_KEYS", "ZeroLossScale", "ZeroOptimizerGroups", "ZeroReplica", "at_boundary",
-           "deepspeed_loaded", "engine_of", "full_grad", "full_shape", "gathered", "is_deepspeed_hook", "is_engine", "is_partitioned",
-           "loss_scale", "strip_deepspeed", "zero_layout", "zero_params"]
+           "deepspeed_loaded", "engine_of", "full_grad", "gathered", "is_deepspeed_hook", "is_engine", "is_partitioned",
+           "loss_scale", "partition_span", "release_leftovers", "reset_zero", "strip_deepspeed", "zero3", "zero_layout",
+           "zero_params", "zero_part"]

@@ -99,8 +99,9 @@ _HOOK_KINDS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forw
                "_backward_pre_hooks": "backward pre-hook", "_backward_hooks": "backward hook"}
 
 
-#: Top-level packages whose hooks are part of the function a module computes (weight_norm, pruning, ...).
-_LIBRARY_HOOKS = ("torch",)
+#: Top-level packages whose hooks are part of the function a module computes (weight_norm, pruning, ...; DeepSpeed
+#: ZeRO-3's gather their module's parameters, and its engine's casts the inputs under fp16).
+_LIBRARY_HOOKS = ("torch", "deepspeed")
 
 
 def _function_of(hook: Any) -> Any:
@@ -145,8 +146,9 @@ def suspended_hooks(model: nn.Module, modules: Optional[List[nn.Module]] = None)
 
     A hook on the live model (or its deep copy, whose hooks are the same functions) would run
     at every evaluation of a check: a recorder of activations would fill up, a counter rise,
-    by dozens per check. Hooks defined by torch (``weight_norm``, pruning, ``spectral_norm``)
-    and gradwatch's own are part of what a module computes and keep running. Global module
+    by dozens per check. Hooks defined by torch (``weight_norm``, pruning, ``spectral_norm``), by DeepSpeed
+    (ZeRO-3 gathers a module's parameters in its hooks) and gradwatch's own are part of what a module computes
+    and keep running. Global module
     hooks (``register_module_forward_hook``) are suspended by the same rule. Each hook is put
     back in its place afterwards. A library hook that only marks outputs as requiring grad (Hugging Face's
     ``make_inputs_require_grads``) is suspended too, but not named: it is not the user's, and changes no value.

@@ -10,6 +10,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
+from gradwatch.trees import whole_shape
+
 _COMPLEX_OF = {torch.float64: torch.complex128, torch.float32: torch.complex64, torch.float16: torch.complex32}
 
 
@@ -81,9 +83,11 @@ _COMPLEX_OF = {torch.float64: torch.complex128, torch.float32: torch.complex64}
 
 
 def param_signature(model: nn.Module) -> Tuple:
-    """Names, shapes and devices of parameters and buffers (non-persistent ones too): when it changes, a shadow must be rebuilt."""
+    """Names, whole shapes (:func:`~gradwatch.trees.whole_shape`: a ZeRO-3 parameter's is the same whether ZeRO holds
+    it gathered or not) and devices of parameters and buffers (non-persistent ones too): when it changes, a shadow must
+    be rebuilt."""
     tensors = itertools.chain(model.named_parameters(), model.named_buffers())
-    return tuple((n, tuple(t.shape), str(t.device)) for n, t in tensors if isinstance(t, torch.Tensor))
+    return tuple((n, whole_shape(t), str(t.device)) for n, t in tensors if isinstance(t, torch.Tensor))
 
 
 def drop_autocast_forward(module: nn.Module) -> bool:
