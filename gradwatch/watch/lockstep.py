@@ -196,11 +196,15 @@ class Lockstep:
                 self._handles += [m.register_forward_pre_hook(before_forward, prepend=True),
                                   m.register_forward_hook(outputs, prepend=True),
                                   m.register_forward_pre_hook(inputs, with_kwargs=True)]
-        self._engine = engine_of(self.model) if zero3(self.model) else None
-        if zero3(self.model):
+        zero = zero3(self.model)
+        self._engine = engine_of(self.model) if zero else None
+        if zero:
             self._zero_hooks(before_forward)
-        self._mode = _PointsBeforeCollectives(self)
-        self._mode.__enter__()
+        if not zero or any(is_dtensor(p) for p in self.model.parameters()):
+            # (a ZeRO-3 model's collectives are its hooks' c10d calls: no functional one for the mode to see, only the
+            # Python dispatch of every op it would add)
+            self._mode = _PointsBeforeCollectives(self)
+            self._mode.__enter__()
         return self
 
     def _zero_hooks(self, before_forward: Any) -> None:
