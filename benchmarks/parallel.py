@@ -10,7 +10,7 @@ sizes (4.19M parameters, 16 MB in fp32), 8 steps:
 | sequence parallel | 367 / 391 | 367 / 392 | 1.066, 1.067 | 0.696 | 0.342 | 2.04 | 3.1 / 2.8 |
 | FSDP2 x TP 2x1 | 446 / 457 | 443 / 453 | 1.025, 1.022 | 0.687 | 0.342 | 2.01 | 2.9 / 2.8 |
 | FSDP2 x TP 1x2 | 381 / 408 | 380 / 409 | 1.070, 1.079 | 0.602 | 0.342 | 1.76 | 2.6 / 2.8 |
-| ZeRO-3 | 608 / 659 | 640 / 648 | 1.083, 1.012 | 0.641 | 0.331 | 1.94 | 2.4 / 2.6 |
+| ZeRO-3 (c607763) | 609 / 593 | 637 / 596 | 0.974, 0.936 | 0.917 | 0.352 | 2.61 | 3.9 / 2.6 |
 
 and with ``--width 512 --vocab 8000 --seq 128 --steps 6`` (20.8M parameters):
 
@@ -20,12 +20,13 @@ and with ``--width 512 --vocab 8000 --seq 128 --steps 6`` (20.8M parameters):
 | sequence parallel | 614 / 646 | 591 / 644 | 1.052, 1.090 | 2.504 | 5.946 | 0.42 | 3.1 / 6.8 |
 | FSDP2 x TP 2x1 | 977 / 922 | 941 / 896 | 0.944, 0.952 | 2.950 | 5.946 | 0.50 | 2.1 / 6.8 |
 | FSDP2 x TP 1x2 | 685 / 752 | 691 / 744 | 1.099, 1.077 | 2.500 | 5.946 | 0.42 | 3.2 / 6.8 |
-| ZeRO-3 | 1203 / 1442 | 1211 / 1464 | 1.198, 1.209 | 2.065 | 1.580 | 1.31 | 1.3 / 1.7 |
+| ZeRO-3 (c607763) | 1242 / 1183 | 1193 / 1186 | 0.952, 0.994 | 3.253 | 1.708 | 1.90 | 2.3 / 1.7 |
 
 Every check ``ok``, 0 alerts, module form. At 4.2M the 2-rank training step itself is 1.5x to 2.1x slower than one
 process's (tensor parallel does not pay at that size on 2 gloo CPU ranks), and so is the check; at 20.8M the 2-rank
-check takes 0.30x to 0.50x of one process's, except ZeRO-3's (a whole replica on every rank, which also keeps it
-above 1.10x there).
+check takes 0.30x to 0.50x of one process's, except ZeRO-3's: checked piece by piece on the live engine (c607763),
+its forwards gather every module's parameters, and each data-parallel rank replays its own batch as one process
+does. On a whole replica (f586f8f) ZeRO-3 was 1.198x, 1.209x in memory and 1.31x in time at 20.8M.
 
 Every figure comes from its own processes: one ``torchrun`` launch of 2 gloo CPU ranks per arm (peak RSS,
 ``ru_maxrss``, is per process, as in ``benchmarks/sharded.py``), SGD (Adam under ZeRO), ``steps`` training
