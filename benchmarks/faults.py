@@ -1,11 +1,12 @@
-"""Faults during a check of an FSDP2 or a tensor parallel model checked shard by shard: 2 gloo ranks, one fault per run.
+"""Faults during a check of an FSDP2, tensor parallel or ZeRO-3 model checked shard by shard: 2 gloo ranks, one fault per run.
 
 Each run starts 2 plain processes (no ``torchrun``: nothing but the process group ends a rank that
 waits) with a process-group timeout of ``--pg-timeout`` seconds and ``distributed_timeout`` of
 ``--timeout``. Every rank first trains a small pre-norm transformer (hand-written attention, each
-block ``fully_shard``-ed, or with ``--engine tp`` each block's MLP and the head tensor parallel through
-``parallelize_module``) without the watch, then the same run watched with ``every=1``, and one rank
-meets a fault during the check of step ``--at``:
+block ``fully_shard``-ed; with ``--engine tp`` each block's MLP and the head tensor parallel through
+``parallelize_module``; with ``--engine zero3`` under DeepSpeed ZeRO-3, every parameter partitioned by
+``stage3_param_persistence_threshold`` 0, the watch given the engine) without the watch, then the same run
+watched with ``every=1``, and one rank meets a fault during the check of step ``--at``:
 
 - ``raise-replay``: ``loss_fn`` raises before calling the model, in the training part's replay;
 - ``raise-loss``: ``loss_fn`` raises after the model's forward (its all-gathers done), in the replay;
@@ -29,6 +30,7 @@ Example::
     python benchmarks/faults.py                 # the 20 runs
     python benchmarks/faults.py --only killed   # one fault, on both ranks
     python benchmarks/faults.py --engine tp     # the 20 runs on the tensor parallel model
+    python benchmarks/faults.py --engine zero3  # the 20 runs on the ZeRO-3 model (needs deepspeed)
 """
 
 from __future__ import annotations
@@ -69,7 +71,16 @@ def worker(rank: int, port: str, out: str, fault: str, fault_rank: int, at: int,
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=pg_timeout))
+    if engine == "zero3":
+        import logging
+
+        os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=pg_timeout))
+        logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=pg_timeout))
     state = {"checking": False, "calls": 0, "step": -1}
     mine = rank == fault_rank
 
@@ -142,8 +153,9 @@ def worker(rank: int, port: str, out: str, fault: str, fault_rank: int, at: int,
             raise ValueError("injected: the loss could not be computed")
         return F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
 
-    def digest(model: nn.Module) -> List[str]:  # the bits of this rank's shards
-        return [str(hash(getattr(p, "to_local", p.detach)().detach().numpy().tobytes())) for p in model.parameters()]
+    def digest(model: nn.Module) -> List[str]:  # the bits of this rank's shards (ZeRO-3: its partitions)
+        return [str(hash((p.ds_tensor if hasattr(p, "ds_tensor") else getattr(p, "to_local", p.detach)()).detach()
+                         .numpy().tobytes())) for p in model.parameters()]
 
     def train(watched: bool) -> Dict[str, Any]:
         torch.manual_seed(0)
@@ -157,14 +169,20 @@ def worker(rank: int, port: str, out: str, fault: str, fault_rank: int, at: int,
             for block in model.blocks:
                 parallelize_module(block, mesh, {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
             parallelize_module(model, mesh, {"head": ColwiseParallel(output_layouts=Replicate())})
-        else:
+        elif engine == "fsdp":
             for block in model.blocks:
                 fully_shard(block)
             fully_shard(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        watch = GradWatch(model, loss_fn, optimizer=opt, every=1, distributed_timeout=timeout,
-                          log_dir=os.path.join(out, "run") if watched else None) if watched else None
-        gen = torch.Generator().manual_seed(100 + (rank if engine == "fsdp" else 0))  # TP ranks share a batch
+        opt: Any = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine_: Any = None
+        if engine == "zero3":
+            config = {"train_micro_batch_size_per_gpu": BATCH, "steps_per_print": 10 ** 9, "zero_allow_untested_optimizer": True,
+                      "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+            engine_, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+        watch = GradWatch(engine_ if engine_ is not None else model, loss_fn, optimizer=opt, every=1,
+                          distributed_timeout=timeout, log_dir=os.path.join(out, "run") if watched else None) \
+            if watched else None
+        gen = torch.Generator().manual_seed(100 + (0 if engine == "tp" else rank))  # TP ranks share a batch
         res: Dict[str, Any] = {"digests": [], "error": None, "check_seconds": []}
 
         def dump() -> None:
@@ -177,10 +195,14 @@ def worker(rank: int, port: str, out: str, fault: str, fault_rank: int, at: int,
             for step in range(STEPS):
                 state["step"] = step
                 ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
-                opt.zero_grad()
                 x = ids
-                loss = loss_fn(model, x)
-                loss.backward()
+                if engine_ is not None:
+                    loss = loss_fn(engine_, x)
+                    engine_.backward(loss)
+                else:
+                    opt.zero_grad()
+                    loss = loss_fn(model, x)
+                    loss.backward()
                 if watch is not None:
                     state["checking"], state["calls"] = True, 0
                     t0 = time.perf_counter()
@@ -189,7 +211,10 @@ def worker(rank: int, port: str, out: str, fault: str, fault_rank: int, at: int,
                     finally:
                         state["checking"] = False
                         res["check_seconds"].append(time.perf_counter() - t0)
-                opt.step()
+                if engine_ is not None:
+                    engine_.step()
+                else:
+                    opt.step()
                 res["digests"].append(digest(model))
                 if watched:
                     dump()
@@ -274,8 +299,8 @@ def main() -> None:
     parser.add_argument("--at", type=int, default=2, help="the step whose check meets the fault")
     parser.add_argument("--timeout", type=float, default=8.0, help="distributed_timeout (s)")
     parser.add_argument("--pg-timeout", type=float, default=30.0, help="the process group's timeout (s)")
-    parser.add_argument("--engine", choices=("fsdp", "tp"), default="fsdp",
-                        help="FSDP2 (fully_shard) or tensor parallel (parallelize_module)")
+    parser.add_argument("--engine", choices=("fsdp", "tp", "zero3"), default="fsdp",
+                        help="FSDP2 (fully_shard), tensor parallel (parallelize_module) or DeepSpeed ZeRO-3")
     parser.add_argument("--json", help="write the outcomes here")
     args = parser.parse_args()
     outcomes = []
