@@ -11,6 +11,7 @@ sizes (4.19M parameters, 16 MB in fp32), 8 steps:
 | FSDP2 x TP 2x1 | 446 / 457 | 443 / 453 | 1.025, 1.022 | 0.687 | 0.342 | 2.01 | 2.9 / 2.8 |
 | FSDP2 x TP 1x2 | 381 / 408 | 380 / 409 | 1.070, 1.079 | 0.602 | 0.342 | 1.76 | 2.6 / 2.8 |
 | ZeRO-3 (c607763) | 609 / 593 | 637 / 596 | 0.974, 0.936 | 0.917 | 0.352 | 2.61 | 3.9 / 2.6 |
+| ZeRO-2 (live) | 549 / 563 | 555 / 550 | 1.026, 0.991 | 0.523 | 0.316 | 1.66 | 3.1 / 2.5 |
 
 and with ``--width 512 --vocab 8000 --seq 128 --steps 6`` (20.8M parameters):
 
@@ -21,12 +22,14 @@ and with ``--width 512 --vocab 8000 --seq 128 --steps 6`` (20.8M parameters):
 | FSDP2 x TP 2x1 | 977 / 922 | 941 / 896 | 0.944, 0.952 | 2.950 | 5.946 | 0.50 | 2.1 / 6.8 |
 | FSDP2 x TP 1x2 | 685 / 752 | 691 / 744 | 1.099, 1.077 | 2.500 | 5.946 | 0.42 | 3.2 / 6.8 |
 | ZeRO-3 (c607763) | 1242 / 1183 | 1193 / 1186 | 0.952, 0.994 | 3.253 | 1.708 | 1.90 | 2.3 / 1.7 |
+| ZeRO-2 (live) | 955 / 969 | 914 / 1002 | 1.015, 1.096 | 1.920 | 1.594 | 1.21 | 1.6 / 1.8 |
 
 Every check ``ok``, 0 alerts, module form. At 4.2M the 2-rank training step itself is 1.5x to 2.1x slower than one
 process's (tensor parallel does not pay at that size on 2 gloo CPU ranks), and so is the check; at 20.8M the 2-rank
 check takes 0.30x to 0.50x of one process's, except ZeRO-3's: checked piece by piece on the live engine (c607763),
 its forwards gather every module's parameters, and each data-parallel rank replays its own batch as one process
-does. On a whole replica (f586f8f) ZeRO-3 was 1.198x, 1.209x in memory and 1.31x in time at 20.8M.
+does. On a whole replica (f586f8f) ZeRO-3 was 1.198x, 1.209x in memory and 1.31x in time at 20.8M; ZeRO-2 on a
+replica (ce754c6) 1.353x, 1.566x at 20.8M.
 
 Every figure comes from its own processes: one ``torchrun`` launch of 2 gloo CPU ranks per arm (peak RSS,
 ``ru_maxrss``, is per process, as in ``benchmarks/sharded.py``), SGD (Adam under ZeRO), ``steps`` training
@@ -43,7 +46,8 @@ batch ``--batch`` x ``--seq``), parallelized as torchtitan does with torch's ``p
   mesh of 2x1 (each rank its own batch) and 1x2 (one batch);
 - ``zero3``: the plain model under DeepSpeed ZeRO-3 (``stage3_param_persistence_threshold: 0``: every
   parameter partitioned), ``DS_ACCELERATOR=cpu``, the watch given the engine and the ZeRO optimizer,
-  ``watch.step(batch)`` between ``engine.backward(loss)`` and ``engine.step()``.
+  ``watch.step(batch)`` between ``engine.backward(loss)`` and ``engine.step()``;
+- ``zero2``: the same under ZeRO-2 (parameters whole on every rank, gradients and Adam's state partitioned).
 
 The memory ratio is each rank's watched peak over the same rank's unwatched peak. The time ratio is the
 median of the whole ``watch.step`` at a checking step (every step checks; the first left out as warm-up) on
@@ -70,10 +74,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ddp_memory import _port  # benchmarks/ beside this file: a free port, as the DDP benchmark finds it
 
-CONFIGS = ("tp", "sp", "2d21", "2d12", "zero3")
+CONFIGS = ("tp", "sp", "2d21", "2d12", "zero3", "zero2")
 #: What each configuration is, in the table.
 ENGINES = {"tp": "tensor parallel", "sp": "sequence parallel", "2d21": "FSDP2 x TP 2x1",
-           "2d12": "FSDP2 x TP 1x2", "zero3": "ZeRO-3"}
+           "2d12": "FSDP2 x TP 1x2", "zero3": "ZeRO-3", "zero2": "ZeRO-2"}
 
 
 def models() -> Tuple[Any, Any, Dict[str, Any], Dict[str, Any]]:
@@ -155,14 +159,15 @@ def build(config: str, size: Dict[str, int], parallel: bool) -> Tuple[Any, Any, 
     lm, splm, tp, sp = models()
     torch.manual_seed(0)  # the same initial weights on every rank and in the one-process arm
     net = (splm if parallel and config == "sp" else lm)(size["vocab"], size["width"], size["layers"])
-    if config == "zero3":
+    if config.startswith("zero"):
         opt = torch.optim.Adam(net.parameters(), lr=1e-3)
         if not parallel:
             return net, opt, None
         import deepspeed
 
         ds = {"train_micro_batch_size_per_gpu": size["batch"], "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 10 ** 9}
+              "zero_optimization": {"stage": int(config[-1]), "stage3_param_persistence_threshold": 0},
+              "steps_per_print": 10 ** 9}
         engine, zopt, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=ds)
         return engine, zopt, engine
     if parallel:
@@ -195,7 +200,7 @@ def worker(config: str, size: Dict[str, int], watch: bool, steps: int, parallel:
     import time
     import warnings
 
-    if config == "zero3":
+    if config.startswith("zero"):
         os.environ["DS_ACCELERATOR"] = "cpu"
     import torch
 
@@ -205,7 +210,7 @@ def worker(config: str, size: Dict[str, int], watch: bool, steps: int, parallel:
     if parallel:
         import torch.distributed as dist
 
-        if config == "zero3":
+        if config.startswith("zero"):
             import logging
 
             import deepspeed
@@ -221,7 +226,7 @@ def worker(config: str, size: Dict[str, int], watch: bool, steps: int, parallel:
         from gradwatch import GradWatch
 
         gw = GradWatch(model, lm_loss, optimizer=opt, every=1, log_dir=None)
-    gen = torch.Generator().manual_seed(100 + rank if config in ("2d21", "zero3") else 100)  # TP ranks share a batch
+    gen = torch.Generator().manual_seed(100 + rank if config in ("2d21", "zero3", "zero2") else 100)  # TP ranks share a batch
     check_seconds: List[float] = []
     step_seconds: List[float] = []
     oks: List[bool] = []
@@ -256,7 +261,7 @@ def worker(config: str, size: Dict[str, int], watch: bool, steps: int, parallel:
         train_seconds.append(trained + time.perf_counter() - t_opt)
     out: Dict[str, Any] = {"config": config, "rank": rank, "watch": watch, "parallel": parallel,
                            "n_params": sum(p.numel() for p in model.parameters()) if engine is None
-                           else sum(p.ds_numel for p in engine.module.parameters()),
+                           else sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()),
                            "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "vmhwm_mb": vmhwm_mb(),
                            "check_seconds": check_seconds, "step_seconds": step_seconds, "train_seconds": train_seconds, "ok": oks,
                            "forms": sorted(set(forms)), "evaluations": evaluations, "steps_to_full": full}
@@ -311,9 +316,9 @@ def one_process(config: str) -> str:
 
     Example:
         >>> [one_process(c) for c in CONFIGS]
-        ['tp', 'tp', 'tp', 'tp', 'zero3']
+        ['tp', 'tp', 'tp', 'tp', 'zero3', 'zero3']
     """
-    return "zero3" if config == "zero3" else "tp"
+    return "zero3" if config.startswith("zero") else "tp"
 
 
 def size_of(args: argparse.Namespace) -> Dict[str, int]:
@@ -373,7 +378,7 @@ def table(rows: List[Dict[str, Any]]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python benchmarks/parallel.py [--quick] [--configs tp,sp,2d21,2d12,zero3] [--steps N]``."""
+    """``python benchmarks/parallel.py [--quick] [--configs tp,sp,2d21,2d12,zero3,zero2] [--steps N]``."""
     parser = argparse.ArgumentParser(prog="python benchmarks/parallel.py", description=__doc__.splitlines()[0])
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     parser.add_argument("--quick", action="store_true", help="a tiny model and 2 steps: a smoke run")

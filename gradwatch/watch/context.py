@@ -46,13 +46,16 @@ from gradwatch.watch.trend import Alert
 from gradwatch.watch.wrappers import Wrapping
 from gradwatch.watch.zero import ZeroReplica, at_boundary, engine_of, zero3, zero_layout, zero_params
 
-#: The note every report of a model trained with DeepSpeed ZeRO (stages 1 and 2, or ``form="objective"``) carries.
+#: The note every report of a model trained with DeepSpeed ZeRO checked with ``form="objective"`` carries.
 ZERO_NOTE = ("the model is trained with DeepSpeed ZeRO: the check ran on a replica gathered through ZeRO's own "
              "GatheredParameters and safe_get_full_grad on every rank, never on the live engine")
 #: The note every report of a ZeRO-3 model checked piece by piece carries.
 ZERO3_NOTE = ("the model is trained with DeepSpeed ZeRO-3: checked piece by piece on the live model, ZeRO's hooks "
               "gathering each module's parameters as in training; each rank gathers its pieces' parameters through "
               "GatheredParameters and judges its partition of ZeRO's gradient (safe_get_local_grad)")
+#: The note every report of a ZeRO-1 or ZeRO-2 model checked on the live model carries.
+ZERO12_NOTE = ("the model is trained with DeepSpeed ZeRO (stage 1 or 2): checked on the live model, the ranks "
+               "splitting its pieces; ZeRO's gradient read one tensor at a time through safe_get_full_grad")
 
 #: Under DDP, rank 0's decisions for a check: ``((form, estimate, note), training tensors or None for all)``.
 Plan = Tuple[Tuple[str, Optional[int], Optional[str]], Optional[List[str]]]
@@ -115,19 +118,19 @@ class WatchContext:
         #: Checks completed (or failed) so far.
         self.checks = 0
         fsdp = is_sharded(model)
-        #: DeepSpeed ZeRO (the engine, or parameters that are ZeRO's): always checked on a gathered replica
-        #: (:mod:`gradwatch.watch.zero`).
+        #: DeepSpeed ZeRO (the engine, or parameters that are ZeRO's): checked on the live model, or with
+        #: ``form="objective"`` on a gathered replica (:mod:`gradwatch.watch.zero`).
         self.zero = self.wrapping.engine is not None or zero_params(model)
         #: DeepSpeed's engine (given, or around ``model`` when the watch was given ``engine.module``).
         self.engine = self.wrapping.engine if self.wrapping.engine is not None else engine_of(model) if self.zero else None
-        # A sharded (FSDP2, ZeRO) model is checked on a plain replica gathered at each check (see gradwatch.watch.sharded).
+        # A sharded (FSDP2, ZeRO) model: checked shard by shard, or on a plain replica gathered at each check.
         self.sharded = fsdp or self.zero
         self.mixed: Optional[str] = mixed_precision(model) if fsdp else None
-        # FSDP2 and ZeRO-3: by default shard by shard (gradwatch.watch.shard_check); form="objective" gathers a replica.
-        self.by_shard = (fsdp or zero3(model)) and form != "objective"
-        #: The module form on every rank's share of the pieces: FSDP2 shard by shard, or a ZeRO replica (unless
-        #: ``form="objective"``): a failure is named by its module, and the ranks split the units.
-        self.by_module = self.by_shard or (self.zero and form != "objective")
+        # FSDP2 and ZeRO: by default shard by shard (gradwatch.watch.shard_check); form="objective" gathers a replica.
+        self.by_shard = (fsdp or self.zero) and form != "objective"
+        #: The module form on every rank's share of the pieces (shard by shard): a failure is named by its module,
+        #: and the ranks split the units.
+        self.by_module = self.by_shard
         self.replica: Optional[Replica] = None  # built at the first check
         self.last_micro: Any = None  # training part off: the last batch given to GradWatch.accumulate()
         #: Shard by shard, during a check: its agreement points (:mod:`gradwatch.watch.lockstep`).
@@ -201,7 +204,7 @@ class WatchContext:
     def sharding_note(self, shard_note: str) -> str:
         """The note every report of a sharded model carries (``shard_note``: shard by shard's)."""
         if self.by_shard:
-            return ZERO3_NOTE if self.zero else shard_note
+            return (ZERO3_NOTE if zero3(self.model) else ZERO12_NOTE) if self.zero else shard_note
         return ZERO_NOTE if self.zero else REPLICA_NOTE
 
     def release(self) -> None:
@@ -298,4 +301,4 @@ class TrendAlerting:
         return None
 
 
-__all__ = ["ZERO3_NOTE", "ZERO_NOTE", "CheckContext", "Part", "Plan", "TrendAlerting", "WatchContext", "check_arguments"]
+__all__ = ["ZERO12_NOTE", "ZERO3_NOTE", "ZERO_NOTE", "CheckContext", "Part", "Plan", "TrendAlerting", "WatchContext", "check_arguments"]

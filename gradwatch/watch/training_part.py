@@ -44,7 +44,7 @@ from gradwatch.watch.sharded import is_dtensor, is_fsdp
 from gradwatch.watch.step_objective import StepObjective, StepPlan
 from gradwatch.watch.trend import Alert
 from gradwatch.watch.wrappers import unwrap_model
-from gradwatch.watch.zero import is_partitioned, loss_scale, zero_part
+from gradwatch.watch.zero import is_partitioned, loss_scale, whole_grad, zero3, zero_part
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
@@ -146,6 +146,8 @@ class TrainingPart(TrendAlerting):
         room = None if ctx.by_shard and not ctx.zero else check.room
         if ctx.by_shard and ctx.zero and room is not None and ctx.lockstep is not None:
             room = ctx.lockstep.point(room)
+        if ctx.by_shard and ctx.zero and room is not None and not zero3(ctx.model):
+            room //= 2  # ZeRO 1 and 2: the judge reads ZeRO's whole gradients beside the replayed ones
         plain_dtensor = ctx.by_shard and not ctx.zero and not any(is_fsdp(m) for m in ctx.model.modules())
         replay = self.replay(check.pending, check.target, room, only=None if check.plan is None else check.plan[1],
                              seed=check.opts.seed, checkpoint_room=check.room if plain_dtensor else None)
@@ -443,12 +445,15 @@ class TrainingPart(TrendAlerting):
         lives: Dict[str, Optional[torch.Tensor]] = {}
         judged: Dict[str, Tuple[torch.Tensor, torch.dtype]] = {}  # what each tensor was judged on (a window judges again)
         partial = [n for n, p in params.items() if is_partial(p.grad)]
-        zero = self.watch.by_shard and self.watch.zero and self.watch.dist is not None
+        zero = self.watch.by_shard and self.watch.zero
         if (partial or zero) and self.watch.lockstep is not None:
             self.watch.lockstep.point()  # the reductions below are collectives: every rank is here
-        if zero:  # ZeRO-3: each rank's whole-shape gradients averaged, as ZeRO averages (every rank, the same tensors)
+        if zero and self.watch.dist is not None:  # ZeRO: each rank's whole gradients averaged, as ZeRO averages
             grads.update(cast(Any, self.watch.dist).average(grads, in_place=self.watch.grad_fn is None))
         zero_scale = loss_scale(self.watch.engine) if self.watch.zero else 1.0
+        # ZeRO 1 and 2: the step's whole gradient of each tensor, read on every rank in the same order (collectives)
+        wholes = {n: whole_grad(p, grads[n], zero_scale) for n, p in params.items()
+                  if zero and not is_partitioned(p)}
         for n in partial:  # sequence parallel's norms: .grad is a Partial(sum) until the optimizer reduces it
             grads[n] = settled(cast(torch.Tensor, params[n].grad), grads[n])
         for n, p in params.items():
@@ -456,6 +461,8 @@ class TrainingPart(TrendAlerting):
             live = p.grad
             if is_partitioned(p):  # ZeRO-3: this rank's partition of the parameter, of ZeRO's gradient, of the replay's
                 p, live, grads[n] = zero_part(p, grads[n], zero_scale)
+            elif n in wholes:
+                live = wholes[n]
             elif is_dtensor(p):  # sharded: this rank's shard of both (the ranks' verdicts are merged, worst first)
                 live = None if live is None else settled(live, None) if n in partial else local(live)
                 p = local(p)
@@ -467,9 +474,11 @@ class TrainingPart(TrendAlerting):
         report.training_rows = dict(sliced)
         plan: Optional[StepPlan] = getattr(replay, "plan", None)
         notes = [f"replayed from the {replay.how} RNG state" if replay.how else ""]
-        if zero:
+        if zero and self.watch.dist is not None:
+            whose = "each rank judged its partition of ZeRO's gradient" if any(map(is_partitioned, params.values())) \
+                else "ZeRO's gradient read one tensor at a time"
             notes.append(f"the reference is averaged over {cast(Any, self.watch.dist).world_size} ranks, as ZeRO averages "
-                         "its gradient; each rank judged its partition of ZeRO's gradient")
+                         f"its gradient; {whose}")
         found = self._partial_window(report, plan, lives, grads, judged, scale)
         if found is not None:
             notes.insert(0, f"a partial accumulation window, the step's tensors judged against its objective's "

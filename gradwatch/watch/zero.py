@@ -1,5 +1,5 @@
-"""DeepSpeed ZeRO (stages 1, 2 and 3): the engine looked through; stage 3 checked piece by piece on the live engine,
-stages 1 and 2 on a plain replica gathered for each check.
+"""DeepSpeed ZeRO (stages 1, 2 and 3): the engine looked through and its model checked live, with no copy of it;
+``form="objective"`` on a plain replica gathered for each check.
 
 ``deepspeed.initialize`` returns an engine (a ``DeepSpeedEngine``, an ``nn.Module`` around the user's
 module) and a ZeRO optimizer. What a check needs is not where a plain model keeps it:
@@ -21,7 +21,12 @@ The backward part gathers each of its pieces' parameters through ZeRO's own ``Ga
 gathers in the same order on every rank, keeping only its own pieces'. A check that stops midway (a rank
 raised) releases what ZeRO holds gathered (:func:`reset_zero`).
 
-**Stages 1 and 2, or** ``form="objective"``: :class:`ZeroReplica` is a plain copy of the user's module (the
+**Stages 1 and 2** (shard by shard too): the parameters are whole on every rank and a forward makes no
+collective; the backward part checks the ranks' shares of the pieces on the live model, and the training part
+replays as for stage 3, then reads ZeRO's whole gradient of each judged tensor through ``safe_get_full_grad``,
+one tensor at a time in the same order on every rank (:func:`whole_grad`).
+
+``form="objective"``: :class:`ZeroReplica` is a plain copy of the user's module (the
 same module classes, ZeRO's hooks and attributes left out), refreshed at each check, one parameter at a time in
 ``named_parameters()`` order on every rank: its value gathered through ZeRO's own
 ``deepspeed.zero.GatheredParameters`` (stage 3; a no-op for stages 1 and 2), its gradient read through
@@ -371,6 +376,20 @@ def zero_part(p: torch.Tensor, replayed: torch.Tensor, scale: float = 1.0
     return cast(Any, p).ds_tensor.detach().reshape(-1)[:end - first], live, replayed.reshape(-1)[first:end]
 
 
+def whole_grad(p: torch.Tensor, like: torch.Tensor, scale: float = 1.0) -> Optional[torch.Tensor]:
+    """The step's whole gradient of a ZeRO-1 or ZeRO-2 parameter (:func:`full_grad`: a collective, every rank for the
+    same parameters in the same order), divided by the fp16 loss ``scale``, in ``like``'s dtype and shape.
+
+    Example:
+        >>> whole_grad(torch.ones(2, requires_grad=True), torch.zeros(2)) is None  # no gradient yet
+        True
+    """
+    grad = full_grad(p) if p.requires_grad else None
+    if grad is None:
+        return None
+    return (grad / scale if scale != 1.0 else grad).to(dtype=like.dtype, device=like.device).reshape(like.shape)
+
+
 def partition_span(p: torch.Tensor) -> Tuple[int, int]:
     """``(first, end)``: the entries of a ZeRO-3 parameter's flattened whole this rank's partition holds (its
     ``ds_tensor``, whose tail past the whole is padding on the last rank)."""
@@ -465,5 +484,5 @@ def _named(name: str) -> type:
 
 __all__ = ["ZERO_MODULE_KEYS", "ZeroLossScale", "ZeroOptimizerGroups", "ZeroReplica", "at_boundary",
            "deepspeed_loaded", "engine_of", "full_grad", "gathered", "is_deepspeed_hook", "is_engine", "is_partitioned",
-           "loss_scale", "partition_span", "release_leftovers", "reset_zero", "strip_deepspeed", "zero3", "zero_layout",
+           "loss_scale", "partition_span", "release_leftovers", "reset_zero", "strip_deepspeed", "whole_grad", "zero3", "zero_layout",
            "zero_params", "zero_part"]
