@@ -11,7 +11,7 @@ sizes (4.19M parameters, 16 MB in fp32), 8 steps:
 | FSDP2 x TP 2x1 | 446 / 457 | 443 / 453 | 1.025, 1.022 | 0.687 | 0.342 | 2.01 | 2.9 / 2.8 |
 | FSDP2 x TP 1x2 | 381 / 408 | 380 / 409 | 1.070, 1.079 | 0.602 | 0.342 | 1.76 | 2.6 / 2.8 |
 | ZeRO-3 (c607763) | 609 / 593 | 637 / 596 | 0.974, 0.936 | 0.917 | 0.352 | 2.61 | 3.9 / 2.6 |
-| ZeRO-2 (live) | 549 / 563 | 555 / 550 | 1.026, 0.991 | 0.523 | 0.316 | 1.66 | 3.1 / 2.5 |
+| ZeRO-2 (8cebef2, live) | 549 / 563 | 555 / 550 | 1.026, 0.991 | 0.523 | 0.316 | 1.66 | 3.1 / 2.5 |
 
 and with ``--width 512 --vocab 8000 --seq 128 --steps 6`` (20.8M parameters):
 
@@ -22,7 +22,7 @@ and with ``--width 512 --vocab 8000 --seq 128 --steps 6`` (20.8M parameters):
 | FSDP2 x TP 2x1 | 977 / 922 | 941 / 896 | 0.944, 0.952 | 2.950 | 5.946 | 0.50 | 2.1 / 6.8 |
 | FSDP2 x TP 1x2 | 685 / 752 | 691 / 744 | 1.099, 1.077 | 2.500 | 5.946 | 0.42 | 3.2 / 6.8 |
 | ZeRO-3 (c607763) | 1242 / 1183 | 1193 / 1186 | 0.952, 0.994 | 3.253 | 1.708 | 1.90 | 2.3 / 1.7 |
-| ZeRO-2 (live) | 955 / 969 | 914 / 1002 | 1.015, 1.096 | 1.920 | 1.594 | 1.21 | 1.6 / 1.8 |
+| ZeRO-2 (8cebef2, live) | 955 / 969 | 914 / 1002 | 1.015, 1.096 | 1.920 | 1.594 | 1.21 | 1.6 / 1.8 |
 
 Every check ``ok``, 0 alerts, module form. At 4.2M the 2-rank training step itself is 1.5x to 2.1x slower than one
 process's (tensor parallel does not pay at that size on 2 gloo CPU ranks), and so is the check; at 20.8M the 2-rank
