@@ -1,12 +1,13 @@
-"""Faults during a check of an FSDP2, tensor parallel or ZeRO-3 model checked shard by shard: 2 gloo ranks, one fault per run.
+"""Faults during a check of an FSDP2, tensor parallel or ZeRO model checked shard by shard: 2 gloo ranks, one fault per run.
 
 Each run starts 2 plain processes (no ``torchrun``: nothing but the process group ends a rank that
 waits) with a process-group timeout of ``--pg-timeout`` seconds and ``distributed_timeout`` of
 ``--timeout``. Every rank first trains a small pre-norm transformer (hand-written attention, each
 block ``fully_shard``-ed; with ``--engine tp`` each block's MLP and the head tensor parallel through
 ``parallelize_module``; with ``--engine zero3`` under DeepSpeed ZeRO-3, every parameter partitioned by
-``stage3_param_persistence_threshold`` 0, the watch given the engine) without the watch, then the same run
-watched with ``every=1``, and one rank meets a fault during the check of step ``--at``:
+``stage3_param_persistence_threshold`` 0, the watch given the engine; ``--engine zero2`` the same under ZeRO-2)
+without the watch, then the same run watched with ``every=1``, and one rank meets a fault during the check of
+step ``--at``:
 
 - ``raise-replay``: ``loss_fn`` raises before calling the model, in the training part's replay;
 - ``raise-loss``: ``loss_fn`` raises after the model's forward (its all-gathers done), in the replay;
@@ -30,7 +31,7 @@ Example::
     python benchmarks/faults.py                 # the 20 runs
     python benchmarks/faults.py --only killed   # one fault, on both ranks
     python benchmarks/faults.py --engine tp     # the 20 runs on the tensor parallel model
-    python benchmarks/faults.py --engine zero3  # the 20 runs on the ZeRO-3 model (needs deepspeed)
+    python benchmarks/faults.py --engine zero3  # the 20 runs on the ZeRO-3 model (needs deepspeed; zero2: ZeRO-2)
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def worker(rank: int, port: str, out: str, fault: str, fault_rank: int, at: int,
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    if engine == "zero3":
+    if engine.startswith("zero"):
         import logging
 
         os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
@@ -175,9 +176,9 @@ def worker(rank: int, port: str, out: str, fault: str, fault_rank: int, at: int,
             fully_shard(model)
         opt: Any = torch.optim.SGD(model.parameters(), lr=0.1)
         engine_: Any = None
-        if engine == "zero3":
+        if engine.startswith("zero"):
             config = {"train_micro_batch_size_per_gpu": BATCH, "steps_per_print": 10 ** 9, "zero_allow_untested_optimizer": True,
-                      "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+                      "zero_optimization": {"stage": int(engine[-1]), "stage3_param_persistence_threshold": 0}}
             engine_, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
         watch = GradWatch(engine_ if engine_ is not None else model, loss_fn, optimizer=opt, every=1,
                           distributed_timeout=timeout, log_dir=os.path.join(out, "run") if watched else None) \
@@ -299,8 +300,8 @@ def main() -> None:
     parser.add_argument("--at", type=int, default=2, help="the step whose check meets the fault")
     parser.add_argument("--timeout", type=float, default=8.0, help="distributed_timeout (s)")
     parser.add_argument("--pg-timeout", type=float, default=30.0, help="the process group's timeout (s)")
-    parser.add_argument("--engine", choices=("fsdp", "tp", "zero3"), default="fsdp",
-                        help="FSDP2 (fully_shard), tensor parallel (parallelize_module) or DeepSpeed ZeRO-3")
+    parser.add_argument("--engine", choices=("fsdp", "tp", "zero3", "zero2"), default="fsdp",
+                        help="FSDP2 (fully_shard), tensor parallel (parallelize_module), DeepSpeed ZeRO-3 or ZeRO-2")
     parser.add_argument("--json", help="write the outcomes here")
     args = parser.parse_args()
     outcomes = []
