@@ -25,7 +25,7 @@ between ``engine.backward(loss)`` and ``engine.step()`` (:mod:`gradwatch.watch.z
 - ``fault``: ZeRO-3; rank 1's ``loss_fn`` raises inside a check, later rank 0's calls the live engine
   from its closure (ZeRO's gather hooks would all-gather on one rank): an error alert naming the rank on
   both ranks each time, the checks after them clean, every rank's losses bit-identical to the unwatched run;
-- ``trainer``: the Hugging Face ``Trainer`` with a ZeRO-3 DeepSpeed config (accelerate runs it on CPU) and
+- ``trainer``, ``trainer2``: the Hugging Face ``Trainer`` with a ZeRO-3 (ZeRO-2) DeepSpeed config (accelerate runs it on CPU) and
   ``GradWatchCallback``, 2 micro-batches a step: no alert, both verdicts on every parameter, training
   bit-identical to the same Trainer run without the callback.
 """
@@ -48,7 +48,7 @@ pytest.importorskip("deepspeed")
 RUN_TIMEOUT = 240.0
 STAGES = (1, 2, 3)
 SCENARIOS = ("zero1", "zero2", "zero3", "planted1", "planted2", "planted3", "accumulate", "fault", "trainer", "embedding3",
-             "objective3", "gpt3", "gpt3mean")
+             "objective3", "gpt3", "gpt3mean", "trainer2")
 NAMES = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
 
 WORKER = textwrap.dedent(
@@ -222,7 +222,7 @@ WORKER = textwrap.dedent(
             watch.close()
         return res
 
-    def trainer_run(callback):
+    def trainer_run(callback, stage=3):
         from transformers import Trainer, TrainingArguments
 
         class Net(nn.Module):
@@ -247,7 +247,7 @@ WORKER = textwrap.dedent(
 
         config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                   "gradient_clipping": "auto", "zero_allow_untested_optimizer": True,
-                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+                  "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
         args = TrainingArguments(output_dir=os.path.join(out, f"trainer{rank}"), per_device_train_batch_size=4,
                                  gradient_accumulation_steps=2, max_steps=4, learning_rate=0.01, deepspeed=config,
                                  report_to=[], logging_steps=1, save_strategy="no", use_cpu=True, seed=3,
@@ -295,11 +295,12 @@ WORKER = textwrap.dedent(
                 res = train(3, 6, dict(every=1, log_dir=None))
                 state["raise_on"] = state["closure_on"] = None
                 res["identical"] = {"losses": plain["losses"] == res["losses"], "params": plain["params"] == res["params"]}
-            elif scenario == "trainer":
+            elif scenario in ("trainer", "trainer2"):
                 from gradwatch.integrations.transformers import GradWatchCallback
 
-                plain = trainer_run(None)
-                res = trainer_run(GradWatchCallback(every=1, log_dir=None))
+                stage = 2 if scenario == "trainer2" else 3
+                plain = trainer_run(None, stage)
+                res = trainer_run(GradWatchCallback(every=1, log_dir=None), stage)
                 res["identical"] = {"losses": plain["losses"] == res["losses"], "params": plain["params"] == res["params"]}
         except Exception as exc:  # the test names it
             import traceback
@@ -409,9 +410,10 @@ def test_zero3_a_failing_rank_is_an_error_on_every_rank_and_training_is_untouche
     assert [a["message"] for a in ranks[0]["fault"]["alerts"]] == [a["message"] for a in ranks[1]["fault"]["alerts"]]
 
 
-def test_hf_trainer_with_a_deepspeed_config_is_checked_between_backward_and_step(ranks):
-    for r in ranks:
-        res = r["trainer"]
+@pytest.mark.parametrize("scenario", ["trainer", "trainer2"])
+def test_hf_trainer_with_a_deepspeed_config_is_checked_between_backward_and_step(ranks, scenario):
+    for r in ranks:  # ZeRO-3 and ZeRO-2, both on the live model
+        res = r[scenario]
         assert res["alerts"] == [] and res["checks"] == 4
         assert all(cov["backward"] > 0 and cov["training"] > 0 for cov in res["coverage"].values())
         assert sorted(res["coverage"]) == sorted(f"net.{n}" for n in NAMES)
