@@ -1,4 +1,6 @@
-"""A sharded (FSDP2) model checked shard by shard: no copy of the model, no gather of it.
+"""A sharded (FSDP2, tensor parallel, DeepSpeed ZeRO) model checked shard by shard: no copy of the model, no gather
+of it. (ZeRO: its pieces' parameters gathered through ``GatheredParameters``, its training part in
+:mod:`gradwatch.watch.zero`.)
 
 Both parts of a check run on the live sharded model, the same collectives on every rank in the same
 order:
