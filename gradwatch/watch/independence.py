@@ -32,12 +32,6 @@ from gradwatch.watch.context import CheckContext
 from gradwatch.watch.lockstep import Lockstep
 from gradwatch.watch.shard_check import reshard
 from gradwatch.watch.trend import Alert
-from gradwatch.watch.zero import zero3
-
-#: Why the independence part does not run on a ZeRO-3 model (a note of every check).
-ZERO3_INDEPENDENCE = ("independence not checked: under DeepSpeed ZeRO-3 the check's probes backpropagate one forward "
-                      "several times, and ZeRO-3's hooks gather a module's parameters for one backward per forward; "
-                      "check it with gradwatch.check_independence on the model unsharded (or under ZeRO 1 or 2)")
 
 
 class _Captured(Exception):
@@ -168,19 +162,13 @@ class IndependencePart:
         collectives, in the same order), between agreement points (:class:`~gradwatch.watch.lockstep.Lockstep`).
         A rank that raises there stops the others at their next point: the part is a note on every rank, the
         other parts' verdicts stand. The merged report is rank 0's to send (the ranks hold the same).
-
-        Not under DeepSpeed ZeRO-3: the check backpropagates one forward several times (``retain_graph``), and
-        ZeRO-3's hooks gather a module's parameters for one backward per forward (a second finds them released):
-        a note says so, every check.
         """
         ctx, report = check.watch, check.report
         assert report is not None and ctx.dist is not None
         model, seed = check.target, check.opts.seed
         if self.option == "auto" and not _hf_causal_lm(model):
             return None
-        if zero3(model):
-            report.notes.append(ZERO3_INDEPENDENCE)
-            return None
+
         generators = ctx.held_generators()
         mine: Any = None
         try:

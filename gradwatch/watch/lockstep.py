@@ -210,11 +210,27 @@ class Lockstep:
     def _zero_hooks(self, before_forward: Any) -> None:
         """ZeRO-3: a point before every module's forward (ZeRO's pre-forward hook gathers, on every module), a tensor
         hook on the output ZeRO's forward hook hands back (its gradient arrives before ZeRO's pre-backward gather),
-        and the engine's own forward refused (see the module docstring)."""
+        and the engine's own forward refused (see the module docstring).
+
+        ZeRO-3 counts one backward per forward: a module's pre-backward gather runs while its count of forwards
+        (``applied_pre_backward_ref_cnt``) is positive, and its post-backward release when its inputs' gradients
+        (``ds_grads_remaining``) are all in. A check that backpropagates one forward again (``retain_graph``: the
+        independence part's probes) would find the parameters released: the same tensor hook arms both again, as
+        the forward left them, before each backward reaches the module (a first backward finds them as they are).
+        """
 
         def zero_outputs(module: nn.Module, args: Any, output: Any) -> None:  # runs after ZeRO's: its wrapped output
+            remaining = module.__dict__.get("ds_grads_remaining")
+
+            def again(grad: Any) -> None:
+                if module.__dict__.get("applied_pre_backward_ref_cnt", 1) < 1:
+                    module.__dict__["applied_pre_backward_ref_cnt"] = 1
+                if remaining is not None:
+                    module.__dict__["ds_grads_remaining"] = remaining
+                self._in_backward(grad)
+
             for t in _needing_grad(output):
-                t.register_hook(self._in_backward)
+                t.register_hook(again)
 
         setattr(zero_outputs, "_gradwatch_hook", True)  # noqa: B010 - gradwatch's own
         for m in self.model.modules():
