@@ -3,6 +3,7 @@ parameter's whole shape where the tensor itself is a placeholder (DeepSpeed ZeRO
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Mapping, Tuple
 
@@ -90,5 +91,5 @@ def whole_numel(p: torch.Tensor) -> int:
         >>> whole_numel(torch.ones(3, 2))
         6
     """
-    numel = getattr(p, "ds_numel", None)
-    return int(numel) if numel is not None else int(p.numel())
+    shape = getattr(p, "ds_shape", None)
+    return math.prod(shape) if shape is not None else int(p.numel())

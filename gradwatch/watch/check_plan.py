@@ -84,7 +84,7 @@ class CheckPlanner:
     def tensors(self, counts: Dict[str, int]) -> List[str]:
         """The check's tensors: the least-checked ``tensors_per_check`` of them (per rank, distributed), or, shard
         by shard, every watched one (the planner's pieces are split by the shards)."""
-        if self.watch.by_module:
+        if self.watch.by_shard:
             return self.watch.watched_names()
         coord, per_check = self.watch.dist, self.config.tensors_per_check
         return rotate(self.names_to_check(), coord.tensors_per_check(per_check) if coord else per_check, counts)
@@ -93,7 +93,7 @@ class CheckPlanner:
         """This rank's round-robin share of ``names`` under DDP (all of them in the module form, whose pieces are
         shared instead, shard by shard, and in one process)."""
         coord = self.watch.dist
-        if coord is not None and not self.watch.by_module and (plan is None or plan[0][0] != "module"):
+        if coord is not None and not self.watch.by_shard and (plan is None or plan[0][0] != "module"):
             return coord.share(names)
         return names
 
@@ -112,7 +112,7 @@ class CheckPlanner:
         a distributed replica is checked whole)."""
         if check.plan is not None:
             return check.plan[0]
-        if self.watch.by_module:
+        if self.watch.by_shard:
             return ("module", None, None)
         return self.choose_form(check.target, check.names, check.room) if check.judge else ("objective", None, None)
 
@@ -150,7 +150,7 @@ class CheckPlanner:
 
     def rewind(self) -> None:
         """The same plan on every rank again (it may have moved on some) after a check failed on a rank."""
-        if self.watch.by_module and self._mark is not None:
+        if self.watch.by_shard and self._mark is not None:
             self.planner.rewind(self._mark[0])
             self.watch.objective.differentiates = self._mark[1]
 

@@ -156,7 +156,7 @@ class CheckRunner:
         if coord is None or not ctx.sharded or ctx.by_shard:
             self.memory.observe()
             check.room = self.memory.room()
-        if coord is not None and ctx.by_module:
+        if coord is not None and ctx.by_shard:
             # Every rank plans from the same state (a check that failed on some rank is undone on every rank,
             # in _across_ranks) and with the smallest room (measured after the replay, _run_parts).
             self.check_plan.mark()

@@ -126,11 +126,11 @@ class WatchContext:
         # A sharded (FSDP2, ZeRO) model: checked shard by shard, or on a plain replica gathered at each check.
         self.sharded = fsdp or self.zero
         self.mixed: Optional[str] = mixed_precision(model) if fsdp else None
-        # FSDP2 and ZeRO: by default shard by shard (gradwatch.watch.shard_check); form="objective" gathers a replica.
+        #: ZeRO-3: the parameters are placeholders, partitioned over the ranks (fixed when the engine is built).
+        self.zero3 = self.zero and zero3(model)
+        #: FSDP2 and ZeRO: by default shard by shard (:mod:`gradwatch.watch.shard_check`), the module form on every
+        #: rank's share of the pieces (a failure is named by its module); ``form="objective"`` gathers a replica.
         self.by_shard = (fsdp or self.zero) and form != "objective"
-        #: The module form on every rank's share of the pieces (shard by shard): a failure is named by its module,
-        #: and the ranks split the units.
-        self.by_module = self.by_shard
         self.replica: Optional[Replica] = None  # built at the first check
         self.last_micro: Any = None  # training part off: the last batch given to GradWatch.accumulate()
         #: Shard by shard, during a check: its agreement points (:mod:`gradwatch.watch.lockstep`).
@@ -204,7 +204,7 @@ class WatchContext:
     def sharding_note(self, shard_note: str) -> str:
         """The note every report of a sharded model carries (``shard_note``: shard by shard's)."""
         if self.by_shard:
-            return (ZERO3_NOTE if zero3(self.model) else ZERO12_NOTE) if self.zero else shard_note
+            return (ZERO3_NOTE if self.zero3 else ZERO12_NOTE) if self.zero else shard_note
         return ZERO_NOTE if self.zero else REPLICA_NOTE
 
     def release(self) -> None:

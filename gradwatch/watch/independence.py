@@ -168,7 +168,6 @@ class IndependencePart:
         model, seed = check.target, check.opts.seed
         if self.option == "auto" and not _hf_causal_lm(model):
             return None
-
         generators = ctx.held_generators()
         mine: Any = None
         try:

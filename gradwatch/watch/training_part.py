@@ -44,7 +44,7 @@ from gradwatch.watch.sharded import is_dtensor, is_fsdp
 from gradwatch.watch.step_objective import StepObjective, StepPlan
 from gradwatch.watch.trend import Alert
 from gradwatch.watch.wrappers import unwrap_model
-from gradwatch.watch.zero import is_partitioned, loss_scale, whole_grad, zero3, zero_part
+from gradwatch.watch.zero import is_partitioned, loss_scale, whole_grad, zero_part
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
@@ -143,11 +143,13 @@ class TrainingPart(TrendAlerting):
         # (sharded: the replay is FSDP2's own backward, whole; its shards are let go as they come; tensor and sequence
         # parallel without FSDP2: its blocks checkpointed as the room needs, as in one process; ZeRO-3: autograd.grad by
         # the tensors that fit the room, the smallest room of the ranks: every rank gathers for the same backward)
-        room = None if ctx.by_shard and not ctx.zero else check.room
-        if ctx.by_shard and ctx.zero and room is not None and ctx.lockstep is not None:
-            room = ctx.lockstep.point(room)
-        if ctx.by_shard and ctx.zero and room is not None and not zero3(ctx.model):
-            room //= 2  # ZeRO 1 and 2: the judge reads ZeRO's whole gradients beside the replayed ones
+        zero = ctx.by_shard and ctx.zero
+        room = None if ctx.by_shard and not zero else check.room
+        if zero and room is not None:
+            if ctx.lockstep is not None:
+                room = cast(int, ctx.lockstep.point(room))  # the smallest of the ranks' rooms
+            if not ctx.zero3:
+                room //= 2  # ZeRO 1 and 2: the judge reads ZeRO's whole gradients beside the replayed ones
         plain_dtensor = ctx.by_shard and not ctx.zero and not any(is_fsdp(m) for m in ctx.model.modules())
         replay = self.replay(check.pending, check.target, room, only=None if check.plan is None else check.plan[1],
                              seed=check.opts.seed, checkpoint_room=check.room if plain_dtensor else None)
@@ -475,7 +477,7 @@ class TrainingPart(TrendAlerting):
         plan: Optional[StepPlan] = getattr(replay, "plan", None)
         notes = [f"replayed from the {replay.how} RNG state" if replay.how else ""]
         if zero and self.watch.dist is not None:
-            whose = "each rank judged its partition of ZeRO's gradient" if any(map(is_partitioned, params.values())) \
+            whose = "each rank judged its partition of ZeRO's gradient" if self.watch.zero3 \
                 else "ZeRO's gradient read one tensor at a time"
             notes.append(f"the reference is averaged over {cast(Any, self.watch.dist).world_size} ranks, as ZeRO averages "
                          f"its gradient; {whose}")

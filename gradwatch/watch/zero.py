@@ -302,10 +302,7 @@ class ZeroReplica(Replica):
             q.requires_grad_(p.requires_grad)
         scale = loss_scale(self.engine)
         for p, q in zip(live, mine):
-            grad = full_grad(p) if p.requires_grad else None
-            if grad is not None:
-                grad = (grad / scale if scale != 1.0 else grad).to(dtype=q.dtype, device=q.device).reshape(q.shape)
-            q.grad = grad
+            q.grad = whole_grad(p, q, scale)
         self.refresh_rest(model)
         if any(is_partitioned(p) for p in live):
             self._forbid(model)
@@ -372,7 +369,7 @@ def zero_part(p: torch.Tensor, replayed: torch.Tensor, scale: float = 1.0
     live = safe_get_local_grad(p) if p.requires_grad else None
     if live is not None:
         live = live.detach().reshape(-1)[:end - first]
-        live = (live / scale if scale != 1.0 else live).to(replayed.dtype)
+        live = _unscaled(live, scale).to(replayed.dtype)
     return cast(Any, p).ds_tensor.detach().reshape(-1)[:end - first], live, replayed.reshape(-1)[first:end]
 
 
@@ -387,7 +384,12 @@ def whole_grad(p: torch.Tensor, like: torch.Tensor, scale: float = 1.0) -> Optio
     grad = full_grad(p) if p.requires_grad else None
     if grad is None:
         return None
-    return (grad / scale if scale != 1.0 else grad).to(dtype=like.dtype, device=like.device).reshape(like.shape)
+    return _unscaled(grad, scale).to(dtype=like.dtype, device=like.device).reshape(like.shape)
+
+
+def _unscaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
+    """A gradient ZeRO holds scaled by the fp16 loss ``scale``, divided by it (the tensor itself where it is 1)."""
+    return grad / scale if scale != 1.0 else grad
 
 
 def partition_span(p: torch.Tensor) -> Tuple[int, int]:
