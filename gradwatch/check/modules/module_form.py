@@ -340,9 +340,9 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
         if block is not None:
             smaller = None
         elif view is not None:  # one forward only (sharded): cut what it captured
-            smaller = None if args is None else _cut_samples(unit, (args, kwargs), children, constants, need, room)
+            smaller = None if args is None else _cut_samples(unit, (args, kwargs), children, constants, need, room, rows)
         else:
-            smaller = _fewer_samples(model, objective.loss, batch, unit, need, room, opts.seed, dtype)
+            smaller = _fewer_samples(model, objective.loss, batch, unit, need, room, opts.seed, dtype, rows)
         if block is None and smaller is None:
             skipped.append(f"{unit.label}{'' if rows is None else f' rows {rows[0]}:{rows[1]}'} needs about {mb(need)}")
             report.unfit.append(str(piece))
@@ -481,13 +481,24 @@ def cuts_to_try(size: int, seq: int, need: int, room: int) -> List[Tuple[int, Op
 
 
 def _fewer_samples(model: nn.Module, loss_fn: Any, batch: Any, unit: Unit, need: int, room: int, seed: int,
-                   dtype: torch.dtype) -> Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, str, Set[int]]]:
-    """For a unit too big for the room on the whole batch: its inputs (and stubs' outputs) captured on a cut of
-    the batch that fits (:func:`cuts_to_try`): its first samples, or one sample's first positions (a token batch), as
-    ``((args, kwargs), children, bytes, what was kept, constants)``; None when no cut fits (or the model
-    refuses the cut batch)."""
+                   dtype: torch.dtype, rows: Optional[Tuple[int, int]] = None
+                   ) -> Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, str, Set[int]]]:
+    """For a unit (or its ``rows``) too big for the room on the whole batch: its inputs (and stubs' outputs) captured
+    on a cut of the batch that fits (:func:`cuts_to_try`): its first samples, or one sample's first positions (a
+    token batch), as ``((args, kwargs), children, bytes, what was kept, constants)``; None when no cut fits (or the
+    model refuses the cut batch).
+
+    A cut shrinks what depends on the batch only: the piece's share of the parameters (:func:`_piece_params_bytes`)
+    stays. Where that share alone fills the room no forward is run; otherwise the cuts are sized on the rest.
+    """
+    fixed = _piece_params_bytes(unit, rows)
+    if fixed >= room:
+        return None  # no cut of the batch fits: the parameters' copies alone fill the room
     _, size, seq = sub_batch(batch, 1)
-    for kept, length in cuts_to_try(size, seq, need, room):
+    cuts = cuts_to_try(size, seq, max(1, need - fixed), room - fixed)
+    retried = False
+    while cuts:
+        kept, length = cuts.pop(0)
         part, _, _ = sub_batch(batch, kept, length)
         try:
             got = capture(model, loss_fn, part, [unit], seed, budget=room // 3)
@@ -500,21 +511,48 @@ def _fewer_samples(model: nn.Module, loss_fn: Any, batch: Any, unit: Unit, need:
         children = {rel: [_cast_tree(o, dtype, got.constants, constants) for o in outs]
                     for rel, outs in got.children.get(unit.name, {}).items()}
         stub = [t for outs in children.values() for o in outs for t in tensor_leaves(o) if t.is_floating_point()]
-        cost = module_bytes(unit.params.values(), inputs, got.output_bytes.get(unit.name, 0)) \
-            + _numel(stub) * MODULE_BYTES_PER_ENTRY
+        out_bytes = got.output_bytes.get(unit.name, 0)
+        if rows is None:
+            cost = module_bytes(unit.params.values(), inputs, out_bytes) + _numel(stub) * MODULE_BYTES_PER_ENTRY
+        else:  # the piece's rows, as the whole batch's need was counted (_run_piece)
+            base, per_row = _rows_cost(unit, inputs, out_bytes)
+            cost = base + int(per_row * (rows[1] - rows[0]))
         if cost <= room:
             what = f"{kept} of the batch's {size} samples" + ("" if length is None else f", its first {length} of {seq} positions")
             return inputs, children, cost, what, constants
+        if length is None and not retried and cost > fixed:  # once: as many samples as this cut's cost says fit
+            retried = True
+            fit = int(kept * (room - fixed) / (cost - fixed))
+            if 1 <= fit < kept:
+                cuts.insert(0, (fit, None))
     return None
 
 
+def _piece_params_bytes(unit: Unit, rows: Optional[Tuple[int, int]]) -> int:
+    """What a piece's check holds for its parameters whatever the batch: :data:`MODULE_BYTES_PER_ENTRY` per entry of
+    the unit's parameters, or of ``rows`` of them.
+
+    Example:
+        >>> from gradwatch.plan.units import Unit
+        >>> lin = nn.Linear(4, 10)
+        >>> _piece_params_bytes(Unit("", lin, dict(lin.named_parameters())), None), \\
+        ...     _piece_params_bytes(Unit("", lin, dict(lin.named_parameters())), (0, 5))
+        (2400, 1200)
+    """
+    whole = _numel(unit.params.values()) * MODULE_BYTES_PER_ENTRY
+    total = _rows_of(unit) if rows is not None else None
+    return whole if not total or rows is None else whole * (rows[1] - rows[0]) // total
+
+
 def _cut_samples(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str, List[Any]], constants: Set[int], need: int,
-                 room: int) -> Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, str, Set[int]]]:
-    """For a unit too big for the room, when no other forward may run (a sharded model): its captured inputs and
+                 room: int, rows: Optional[Tuple[int, int]] = None
+                 ) -> Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, str, Set[int]]]:
+    """For a unit (or its ``rows``) too big for the room, when no other forward may run (a sharded model): its captured inputs and
     stubs' outputs cut to their first samples (every tensor whose first dimension is the batch size), as many as
     fit, or, when one sample does not fit, to one sample's first positions (every tensor whose second dimension
     is the sequence length, and one position fewer where it is one shorter: next-token logits beside the ids),
-    in :func:`_fewer_samples`' form; None when no cut fits, or the inputs hold no batch.
+    in :func:`_fewer_samples`' form; None when no cut fits, or the inputs hold no batch. As there, the piece's share
+    of the parameters stays whatever the cut: the cut is sized on the rest, and none fits where that share fills the room.
 
     Example:
         >>> ids, logits = torch.zeros(4, 8, dtype=torch.long), torch.zeros(4, 7, 3)
@@ -524,12 +562,16 @@ def _cut_samples(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str, List[A
         >>> what
         "1 of the batch's 4 samples, its first 2 of 8 positions (cut from the forward's capture)"
     """
+    fixed = 0 if unit is None else _piece_params_bytes(unit, rows)
+    if fixed >= room:
+        return None
     whole = (inputs, children)
     _, size, seq = sub_batch(inputs, 1)
-    keep = min(size - 1, int(size * room / max(need, 1)))
+    variable = max(need - fixed, 1)
+    keep = min(size - 1, int(size * (room - fixed) / variable))
     length: Optional[int] = None
     if keep < 1:
-        keep, length = 1, min(seq - 1, int(seq * size * room / max(need, 1)))
+        keep, length = 1, min(seq - 1, int(seq * size * (room - fixed) / variable))
         if length < 1:
             return None
 
@@ -544,7 +586,7 @@ def _cut_samples(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str, List[A
     kept = {id(new) for old, new in zip(tensor_leaves(whole), tensor_leaves((cut_inputs, cut_children)))
             if id(old) in constants}
     what = f"{keep} of the batch's {size} samples" + ("" if length is None else f", its first {length} of {seq} positions")
-    return cut_inputs, cut_children, need * keep * (length or seq) // (size * seq), \
+    return cut_inputs, cut_children, fixed + variable * keep * (length or seq) // (size * seq), \
         what + " (cut from the forward's capture)", kept
 
 

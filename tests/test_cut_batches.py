@@ -1,0 +1,79 @@
+"""A piece over the room on the whole batch, checked on a cut of it: costed as the piece is (its rows' share of the
+parameters stays whatever the cut), and no forward run for a cut that cannot fit."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradwatch.check.modules.module_form import _cut_samples, run_module_check
+from gradwatch.check.objective.terms import Objective
+from gradwatch.options import CheckOptions
+from gradwatch.plan.cycle import Piece
+from gradwatch.plan.units import Unit
+
+
+def xent(model, batch):
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def _wide_batch(n: int = 2048):
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def test_a_row_piece_over_the_room_on_the_whole_batch_is_checked_on_fewer_samples_costed_by_its_rows():
+    """Rows 0:100 of a Linear whose whole float64 copy (624 KB) is over the room (500 KB): on the whole batch of
+    2,048 samples the piece needs about 6 MB, mostly inputs and outputs; its rows' share of the parameters (312 KB)
+    fits, so a forward on its first samples does: the first cut sized by the estimate, a second by what the first
+    measured. (The cut used to be costed with every row of the Linear: no cut fitted, up to four forwards ran for
+    nothing and the piece went unchecked; on the 20.8M model of benchmarks/parallel.py, 3.3 s of a 5.4 s check.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 200), nn.Tanh(), nn.Linear(200, 3))
+    calls = []
+
+    def counted(m, b):
+        calls.append(b[0].shape[0])
+        return xent(m, b)
+
+    report = run_module_check(model, Objective(counted), _wide_batch(), CheckOptions(seed=0),
+                              pieces=[Piece("2", (0, 100))], room=500_000)
+    w = report.tensors["2.weight"]
+    assert w.shape == (100, 64) and w.verdict is not None and not w.failed
+    note = next(n for n in report.notes if "`2` (Linear) checked on" in n)
+    kept = int(note.split("checked on ")[1].split(" of the batch's")[0])
+    assert 1 <= kept < 2048 and "2048 samples" in note
+    assert calls[:2] == [2048, 2048] and calls[-1] == kept and len(calls) <= 4  # at most two cuts tried
+
+
+def test_no_forward_on_a_cut_batch_when_the_pieces_parameters_alone_fill_the_room():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 200), nn.Tanh(), nn.Linear(200, 3))
+    calls = []
+
+    def counted(m, b):
+        calls.append(b[0].shape[0])
+        return xent(m, b)
+
+    report = run_module_check(model, Objective(counted), _wide_batch(), CheckOptions(seed=0),
+                              pieces=[Piece("2", (0, 100))], room=200_000)  # its rows' copies alone: 312 KB
+    assert "2.weight" not in report.tensors and report.unfit == ["2[0:100]"]
+    assert any("not checked, over the room" in n and "`2` (Linear) rows 0:100" in n for n in report.notes)
+    assert set(calls) == {2048}  # the whole batch only: no cut of it was tried
+
+
+def test_a_sharded_cut_keeps_the_rows_share_of_the_parameters_in_its_cost():
+    """The sharded path cuts what the one forward captured (no other forward may run): a row piece's cost after the
+    cut is its rows' parameter copies plus the cut's share of the rest, sized to fit; none fits where those copies
+    alone fill the room. (It used to scale the parameters' copies with the cut too: a piece said to fit did not.)"""
+    lin = nn.Linear(64, 200)
+    unit = Unit("fc", lin, dict(lin.named_parameters()))
+    x = torch.randn(2048, 64)
+    rows, params = (0, 100), 100 * 65 * 48  # 312,000 bytes whatever the cut
+    need = params + 5_000_000
+    (args, _), _, cost, what, _ = _cut_samples(unit, ((x,), {}), {}, set(), need, 500_000, rows)
+    kept = args[0].shape[0]
+    assert 1 <= kept < 2048 and what.startswith(f"{kept} of the batch's 2048 samples")
+    assert cost == params + 5_000_000 * kept // 2048 and cost <= 500_000
+    assert _cut_samples(unit, ((x,), {}), {}, set(), need, 300_000, rows) is None  # the rows' copies alone: 312 KB
