@@ -75,6 +75,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ddp_memory import _port  # benchmarks/ beside this file: a free port, as the DDP benchmark finds it
 
 CONFIGS = ("tp", "sp", "2d21", "2d12", "zero3", "zero2")
+#: The configurations whose ranks each train their own batch (the step's whole batch is both ranks').
+DATA_PARALLEL = ("2d21", "zero3", "zero2")
 #: What each configuration is, in the table.
 ENGINES = {"tp": "tensor parallel", "sp": "sequence parallel", "2d21": "FSDP2 x TP 2x1",
            "2d12": "FSDP2 x TP 1x2", "zero3": "ZeRO-3", "zero2": "ZeRO-2"}
@@ -194,8 +196,11 @@ def build(config: str, size: Dict[str, int], parallel: bool) -> Tuple[Any, Any, 
     return net, torch.optim.SGD(net.parameters(), lr=0.01), None
 
 
-def worker(config: str, size: Dict[str, int], watch: bool, steps: int, parallel: bool = True) -> Dict[str, Any]:
-    """One rank of one arm (under ``torchrun``), or with ``parallel=False`` one plain process; returns its figures."""
+def worker(config: str, size: Dict[str, int], watch: bool, steps: int, parallel: bool = True,
+           whole: bool = False) -> Dict[str, Any]:
+    """One rank of one arm (under ``torchrun``), or with ``parallel=False`` one plain process; returns its figures.
+    ``whole`` (one process, a data-parallel configuration): each step's batch is both ranks' batches in one, the
+    step's whole batch, as the 2 ranks train it."""
     import resource
     import time
     import warnings
@@ -226,7 +231,9 @@ def worker(config: str, size: Dict[str, int], watch: bool, steps: int, parallel:
         from gradwatch import GradWatch
 
         gw = GradWatch(model, lm_loss, optimizer=opt, every=1, log_dir=None)
-    gen = torch.Generator().manual_seed(100 + rank if config in ("2d21", "zero3", "zero2") else 100)  # TP ranks share a batch
+    data_parallel = config in DATA_PARALLEL
+    gen = torch.Generator().manual_seed(100 + rank if data_parallel else 100)  # TP ranks share a batch
+    other = torch.Generator().manual_seed(101) if whole and not parallel else None  # rank 1's
     check_seconds: List[float] = []
     step_seconds: List[float] = []
     oks: List[bool] = []
@@ -236,6 +243,8 @@ def worker(config: str, size: Dict[str, int], watch: bool, steps: int, parallel:
     full: Optional[int] = None  # K checks in steps, as the watch says it
     for _ in range(steps):
         b = torch.randint(0, size["vocab"], (size["batch"], size["seq"] + 1), generator=gen)
+        if other is not None:  # the step's whole batch: rank 0's then rank 1's, drawn as the ranks draw them
+            b = torch.cat([b, torch.randint(0, size["vocab"], (size["batch"], size["seq"] + 1), generator=other)])
         t_train = time.perf_counter()
         if engine is not None:
             engine.backward(lm_loss(engine, b))
@@ -259,7 +268,8 @@ def worker(config: str, size: Dict[str, int], watch: bool, steps: int, parallel:
         else:
             opt.step()
         train_seconds.append(trained + time.perf_counter() - t_opt)
-    out: Dict[str, Any] = {"config": config, "rank": rank, "watch": watch, "parallel": parallel,
+    out: Dict[str, Any] = {"config": config + ("+whole" if other is not None else ""), "rank": rank, "watch": watch,
+                           "parallel": parallel,
                            "n_params": sum(p.numel() for p in model.parameters()) if engine is None
                            else sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters()),
                            "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "vmhwm_mb": vmhwm_mb(),
@@ -310,15 +320,23 @@ def launch(args: argparse.Namespace, config: str, watch: bool, ranks: int = 2) -
     return sorted(rows, key=lambda r: r["rank"]) if ranks else rows
 
 
-def one_process(config: str) -> str:
-    """The one-process run that ``config``'s check time is compared with: every TP engine's plain model is the same
-    model, batch, optimizer and options (run once, as ``tp``); ZeRO-3's has Adam.
+def one_process(config: str) -> Tuple[str, str]:
+    """The one-process runs ``config``'s check time is compared with: ``(the same check, one rank's batch)``.
+
+    The same check is that of the same training step: the same model, optimizer, options and the step's whole
+    batch (both ranks' batches in one where each rank trains its own: ``2d21`` and ZeRO, ``+whole``). The second
+    is the same on one rank's batch alone (for tensor parallel and ``2d12`` the same run: the ranks share a batch).
+    Every TP engine's plain model is the same model, batch, optimizer and options (run once, as ``tp``); ZeRO's
+    has Adam.
 
     Example:
-        >>> [one_process(c) for c in CONFIGS]
-        ['tp', 'tp', 'tp', 'tp', 'zero3', 'zero3']
+        >>> [one_process(c)[0] for c in CONFIGS]
+        ['tp', 'tp', 'tp+whole', 'tp', 'zero3+whole', 'zero3+whole']
+        >>> one_process("zero2")[1]
+        'zero3'
     """
-    return "zero3" if config.startswith("zero") else "tp"
+    plain = "zero3" if config.startswith("zero") else "tp"
+    return (plain + "+whole" if config in DATA_PARALLEL else plain), plain
 
 
 def size_of(args: argparse.Namespace) -> Dict[str, int]:
@@ -331,8 +349,9 @@ def _median(xs: Sequence[float]) -> float:
     return s[len(s) // 2] if s else float("nan")
 
 
-def measure(args: argparse.Namespace, config: str, one: Dict[str, Any]) -> Dict[str, Any]:
-    """One configuration, side by side: unwatched and watched on 2 ranks; ``one``: its watched run in one process."""
+def measure(args: argparse.Namespace, config: str, one: Dict[str, Any], per_rank: Dict[str, Any]) -> Dict[str, Any]:
+    """One configuration, side by side: unwatched and watched on 2 ranks; ``one``: the same check's watched run in
+    one process (the step's whole batch); ``per_rank``: the same on one rank's batch alone (:func:`one_process`)."""
     plain, watched = launch(args, config, False), launch(args, config, True)
     for row in plain + watched:
         print(json.dumps(row), flush=True)
@@ -347,6 +366,8 @@ def measure(args: argparse.Namespace, config: str, one: Dict[str, Any]) -> Dict[
             "forms": sorted({f for w in watched for f in w["forms"]}),
             "check_s_2_ranks": round(two_s, 3), "check_s_1_process": round(one_s, 3),
             "time_ratio_2_over_1": round(two_s / one_s, 3),
+            "check_s_1_process_rank_batch": round(_median(per_rank["step_seconds"]), 3),
+            "time_ratio_2_over_1_rank_batch": round(two_s / _median(per_rank["step_seconds"]), 3),
             "train_step_s_2_ranks": round(two_train, 3), "train_step_s_1_process": round(one_train, 3),
             "check_in_steps_2_ranks": round(two_s / two_train, 2), "check_in_steps_1_process": round(one_s / one_train, 2),
             "steps_to_full": max((w["steps_to_full"] or 0) for w in watched),
@@ -359,19 +380,22 @@ def measure(args: argparse.Namespace, config: str, one: Dict[str, Any]) -> Dict[
 def table(rows: List[Dict[str, Any]]) -> str:
     """The summary as a Markdown table."""
     lines = ["| engine | params (fp32 MB) | peak MB r0 unwatched / watched | r1 | peak ratio r0, r1 | "
-             "check s 2 ranks | check s 1 process | time ratio 2/1 | training step s 2 ranks, 1 process | "
-             "check in steps 2 ranks, 1 process | alerts | coverage min (backward, training) | K in steps |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "check s 2 ranks | check s 1 process | time ratio 2/1 | 1 process on one rank's batch: s (ratio) | "
+             "training step s 2 ranks, 1 process | check in steps 2 ranks, 1 process | alerts | "
+             "coverage min (backward, training) | K in steps |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {ENGINES[r['config']]} | failed: {r['error']} ||||||||||||")
+            lines.append(f"| {ENGINES[r['config']]} | failed: {r['error']} |||||||||||||")
             continue
         (p0, w0), (p1, w1) = r["peak_mb_per_rank"]
         lines.append(f"| {ENGINES[r['config']]} | {r['params'] / 1e6:.2f}M ({r['params'] * 4 / 2 ** 20:.0f}) | "
                      f"{p0} / {w0} | {p1} / {w1} | "
                      f"{r['peak_ratio_per_rank'][0]:.3f}, {r['peak_ratio_per_rank'][1]:.3f} | "
                      f"{r['check_s_2_ranks']:.3f} | {r['check_s_1_process']:.3f} | {r['time_ratio_2_over_1']:.2f} | "
-                     f"{r['train_step_s_2_ranks']:.3f}, {r['train_step_s_1_process']:.3f} | "
+                     + (f"{r['check_s_1_process_rank_batch']:.3f} ({r['time_ratio_2_over_1_rank_batch']:.2f}) | "
+                        if r["config"] in DATA_PARALLEL else "the same | ")
+                     + f"{r['train_step_s_2_ranks']:.3f}, {r['train_step_s_1_process']:.3f} | "
                      f"{r['check_in_steps_2_ranks']:.1f}, {r['check_in_steps_1_process']:.1f} | {len(r['alerts'])} | "
                      f"{r['backward_min']:.3g}, {r['training_min']:.3g} | {r['steps_to_full']} |")
     return "\n".join(lines)
@@ -396,7 +420,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:  # one rank of one configuration, or one plain process running every configuration in turn
         for config in args.configs.split(","):
-            row = worker(config, json.loads(args.size), args.watch, args.steps, not args.plain)
+            name, _, whole = config.partition("+")
+            row = worker(name, json.loads(args.size), args.watch, args.steps, not args.plain, whole == "whole")
             sys.stdout.write(json.dumps(row) + "\n")  # one write: the ranks share torchrun's stdout
             sys.stdout.flush()
         return 0
@@ -407,13 +432,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unknown:
         parser.error(f"--configs {args.configs!r}: {', '.join(unknown)} unknown; accepted: {', '.join(CONFIGS)}")
     rows: List[Dict[str, Any]] = []
-    plain_runs = sorted({one_process(c) for c in configs}, key=CONFIGS.index)
-    ones = {r["config"]: r for r in launch(args, ",".join(plain_runs), True, ranks=0)}  # the one-process arms first
+    plain_runs = list(dict.fromkeys(run for c in configs for run in one_process(c)))
+    # the one-process arms first, one launch each (a process of its own: its peak and heap are its own)
+    ones = {r["config"]: r for run in plain_runs for r in launch(args, run, True, ranks=0)}
     for row in ones.values():
         print(json.dumps(row), flush=True)
     for config in configs:
         try:
-            rows.append(measure(args, config, ones[one_process(config)]))
+            same, per_rank = one_process(config)
+            rows.append(measure(args, config, ones[same], ones[per_rank]))
         except (RuntimeError, subprocess.TimeoutExpired) as e:  # one engine failing leaves the others' figures
             print(f"{config}: {e}", file=sys.stderr, flush=True)
             rows.append({"config": config, "error": str(e).splitlines()[0][:200]})
