@@ -1,35 +1,41 @@
 """Tensor, sequence and 2-D parallel, DeepSpeed ZeRO-3: per-rank peak memory and check time, watched against unwatched.
 
-Run: ``python benchmarks/parallel.py`` (about 10 minutes on 2 CPU cores; ``--quick``: about 2). Measured
-2026-11-27 (commit f586f8f) on the shared 2-core AMD EPYC VM, quiet, torch 2.13 CPU, deepspeed 0.19.8, default
-sizes (4.19M parameters, 16 MB in fp32), 8 steps:
+Run: ``python benchmarks/parallel.py`` (about 12 minutes on 2 CPU cores; ``--quick``: about 2). Measured
+2026-11-27 (commit 5945518) on the shared 2-core AMD EPYC VM, quiet, torch 2.13 CPU, deepspeed 0.19.8, one run
+each. "1 process" is the same check in one process: the same model, options and step, on the step's whole batch
+(for the data-parallel ``2d21`` and ZeRO, both ranks' batches in one); beside it, for those, one process on one
+rank's batch alone (its check's seconds, and the ratio to it); peaks in MB, unwatched / watched; the check in
+unwatched training steps. Default sizes (4.19M parameters, 16 MB in fp32), 8 steps:
 
-| engine | peak MB r0 unwatched / watched | r1 | peak ratio r0, r1 | check s 2 ranks | 1 process | ratio | in training steps, 2 ranks / 1 |
-|---|---|---|---|---|---|---|---|
-| tensor parallel | 361 / 396 | 360 / 388 | 1.096, 1.078 | 0.644 | 0.342 | 1.88 | 3.5 / 2.8 |
-| sequence parallel | 367 / 391 | 367 / 392 | 1.066, 1.067 | 0.696 | 0.342 | 2.04 | 3.1 / 2.8 |
-| FSDP2 x TP 2x1 | 446 / 457 | 443 / 453 | 1.025, 1.022 | 0.687 | 0.342 | 2.01 | 2.9 / 2.8 |
-| FSDP2 x TP 1x2 | 381 / 408 | 380 / 409 | 1.070, 1.079 | 0.602 | 0.342 | 1.76 | 2.6 / 2.8 |
-| ZeRO-3 (c607763) | 609 / 593 | 637 / 596 | 0.974, 0.936 | 0.917 | 0.352 | 2.61 | 3.9 / 2.6 |
-| ZeRO-2 (8cebef2, live) | 549 / 563 | 555 / 550 | 1.026, 0.991 | 0.523 | 0.316 | 1.66 | 3.1 / 2.5 |
+| engine | peak MB r0 | r1 | peak ratio r0, r1 | check s 2 ranks | 1 process | ratio | one rank's batch | steps, 2 / 1 |
+|---|---|---|---|---|---|---|---|---|
+| tensor parallel | 357 / 389 | 362 / 392 | 1.089, 1.083 | 0.631 | 0.386 | 1.63 | the same | 3.3 / 3.0 |
+| sequence parallel | 367 / 389 | 365 / 388 | 1.062, 1.061 | 0.794 | 0.386 | 2.06 | the same | 3.5 / 3.0 |
+| FSDP2 x TP 2x1 | 442 / 450 | 431 / 446 | 1.017, 1.034 | 0.742 | 0.609 | 1.22 | 0.386 (1.92) | 2.8 / 2.5 |
+| FSDP2 x TP 1x2 | 383 / 404 | 384 / 409 | 1.055, 1.064 | 0.816 | 0.386 | 2.11 | the same | 3.6 / 3.0 |
+| ZeRO-3 | 618 / 591 | 606 / 601 | 0.956, 0.991 | 0.840 | 0.608 | 1.38 | 0.294 (2.85) | 3.1 / 2.4 |
+| ZeRO-2 | 564 / 549 | 561 / 569 | 0.972, 1.014 | 0.568 | 0.608 | 0.93 | 0.294 (1.93) | 2.7 / 2.4 |
 
-and with ``--width 512 --vocab 8000 --seq 128 --steps 6`` (20.8M parameters):
+and with ``--width 512 --vocab 8000 --seq 128 --steps 10`` (20.8M parameters; 10 steps, so that the median is
+of checks past the first pass's heavier ones):
 
-| engine | peak MB r0 unwatched / watched | r1 | peak ratio r0, r1 | check s 2 ranks | 1 process | ratio | in training steps, 2 ranks / 1 |
-|---|---|---|---|---|---|---|---|
-| tensor parallel | 552 / 593 | 559 / 603 | 1.075, 1.078 | 1.757 | 5.946 | 0.30 | 2.7 / 6.8 |
-| sequence parallel | 614 / 646 | 591 / 644 | 1.052, 1.090 | 2.504 | 5.946 | 0.42 | 3.1 / 6.8 |
-| FSDP2 x TP 2x1 | 977 / 922 | 941 / 896 | 0.944, 0.952 | 2.950 | 5.946 | 0.50 | 2.1 / 6.8 |
-| FSDP2 x TP 1x2 | 685 / 752 | 691 / 744 | 1.099, 1.077 | 2.500 | 5.946 | 0.42 | 3.2 / 6.8 |
-| ZeRO-3 (c607763) | 1242 / 1183 | 1193 / 1186 | 0.952, 0.994 | 3.253 | 1.708 | 1.90 | 2.3 / 1.7 |
-| ZeRO-2 (8cebef2, live) | 955 / 969 | 914 / 1002 | 1.015, 1.096 | 1.920 | 1.594 | 1.21 | 1.6 / 1.8 |
+| engine | peak MB r0 | r1 | peak ratio r0, r1 | check s 2 ranks | 1 process | ratio | one rank's batch | steps, 2 / 1 |
+|---|---|---|---|---|---|---|---|---|
+| tensor parallel | 552 / 608 | 580 / 591 | 1.102, 1.019 | 2.103 | 1.991 | 1.06 | the same | 2.7 / 2.3 |
+| sequence parallel | 607 / 630 | 594 / 623 | 1.038, 1.048 | 2.390 | 1.991 | 1.20 | the same | 3.4 / 2.3 |
+| FSDP2 x TP 2x1 | 999 / 923 | 933 / 918 | 0.924, 0.984 | 3.272 | 4.334 | 0.76 | 1.991 (1.64) | 2.7 / 2.6 |
+| FSDP2 x TP 1x2 | 691 / 779 | 695 / 755 | 1.127, 1.086 | 2.111 | 1.991 | 1.06 | the same | 2.5 / 2.3 |
+| ZeRO-3 | 1253 / 1238 | 1216 / 1293 | 0.988, 1.063 | 3.040 | 5.706 | 0.53 | 1.793 (1.70) | 2.2 / 3.2 |
+| ZeRO-2 | 947 / 968 | 936 / 968 | 1.021, 1.035 | 2.521 | 5.706 | 0.44 | 1.793 (1.41) | 1.8 / 3.2 |
 
-Every check ``ok``, 0 alerts, module form. At 4.2M the 2-rank training step itself is 1.5x to 2.1x slower than one
-process's (tensor parallel does not pay at that size on 2 gloo CPU ranks), and so is the check; at 20.8M the 2-rank
-check takes 0.30x to 0.50x of one process's, except ZeRO-3's: checked piece by piece on the live engine (c607763),
-its forwards gather every module's parameters, and each data-parallel rank replays its own batch as one process
-does. On a whole replica (f586f8f) ZeRO-3 was 1.198x, 1.209x in memory and 1.31x in time at 20.8M; ZeRO-2 on a
-replica (ce754c6) 1.353x, 1.566x at 20.8M.
+Every check ``ok``, 0 alerts, module form. Not met on this machine: a 2-rank check no slower than one process's
+for tensor parallel (1.06x at 20.8M), sequence parallel (1.20x) and the 1x2 mesh (1.06x), and at 4.2M for every
+engine but ZeRO-2; the per-rank peak within 1.10x on tensor parallel's and the 1x2 mesh's rank 0 at 20.8M (1.102x,
+1.127x; in a 6-step run before it 1.054x and 1.132x, at f586f8f 1.075x and 1.099x: the peaks move by tens of MB
+from run to run). Earlier figures
+(0.30x to 0.50x for the tensor parallel engines at 20.8M, up to commit 679ee9c) compared with a one-process check
+that spent most of its time on forwards for nothing (5.9 s; 1.8 s to 2.0 s since commit 5e92655) and, for ZeRO,
+with one rank's batch alone.
 
 Every figure comes from its own processes: one ``torchrun`` launch of 2 gloo CPU ranks per arm (peak RSS,
 ``ru_maxrss``, is per process, as in ``benchmarks/sharded.py``), SGD (Adam under ZeRO), ``steps`` training
@@ -52,8 +58,9 @@ batch ``--batch`` x ``--seq``), parallelized as torchtitan does with torch's ``p
 The memory ratio is each rank's watched peak over the same rank's unwatched peak. The time ratio is the
 median of the whole ``watch.step`` at a checking step (every step checks; the first left out as warm-up) on
 2 ranks (the slower rank) over the same in one plain process: the same model, not parallelized, the same
-batch and options (for ``2d21`` the batch of one rank). A training step's time (forward, backward, optimizer)
-is the unwatched arm's median on 2 ranks (the slower rank) and the one-process arm's.
+options and step (the ranks' batches in one where each rank trains its own: ``2d21``, ZeRO). A training step's
+time (forward, backward, optimizer) is the unwatched arm's median on 2 ranks (the slower rank) and the one-process
+arm's (that of the step's whole batch).
 
 Example::
 
