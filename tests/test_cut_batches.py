@@ -23,12 +23,9 @@ def _wide_batch(n: int = 2048):
     return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
 
 
-def test_a_row_piece_over_the_room_on_the_whole_batch_is_checked_on_fewer_samples_costed_by_its_rows():
-    """Rows 0:100 of a Linear whose whole float64 copy (624 KB) is over the room (500 KB): on the whole batch of
-    2,048 samples the piece needs about 6 MB, mostly inputs and outputs; its rows' share of the parameters (312 KB)
-    fits, so a forward on its first samples does: the first cut sized by the estimate, a second by what the first
-    measured. (The cut used to be costed with every row of the Linear: no cut fitted, up to four forwards ran for
-    nothing and the piece went unchecked; on the 20.8M model of benchmarks/parallel.py, 3.3 s of a 5.4 s check.)"""
+def _check_rows(room: int):
+    """Rows 0:100 of the middle Linear (64 -> 200) checked on a batch of 2,048 samples in ``room`` bytes: the
+    report, and the batch size of each forward the check ran."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 200), nn.Tanh(), nn.Linear(200, 3))
     calls = []
@@ -38,7 +35,17 @@ def test_a_row_piece_over_the_room_on_the_whole_batch_is_checked_on_fewer_sample
         return xent(m, b)
 
     report = run_module_check(model, Objective(counted), _wide_batch(), CheckOptions(seed=0),
-                              pieces=[Piece("2", (0, 100))], room=500_000)
+                              pieces=[Piece("2", (0, 100))], room=room)
+    return report, calls
+
+
+def test_a_row_piece_over_the_room_on_the_whole_batch_is_checked_on_fewer_samples_costed_by_its_rows():
+    """Rows 0:100 of a Linear whose whole float64 copy (624 KB) is over the room (500 KB): on the whole batch of
+    2,048 samples the piece needs about 6 MB, mostly inputs and outputs; its rows' share of the parameters (312 KB)
+    fits, so a forward on its first samples does: the first cut sized by the estimate, a second by what the first
+    measured. (The cut used to be costed with every row of the Linear: no cut fitted, up to four forwards ran for
+    nothing and the piece went unchecked; on the 20.8M model of benchmarks/parallel.py, 3.3 s of a 5.4 s check.)"""
+    report, calls = _check_rows(500_000)
     w = report.tensors["2.weight"]
     assert w.shape == (100, 64) and w.verdict is not None and not w.failed
     note = next(n for n in report.notes if "`2` (Linear) checked on" in n)
@@ -48,16 +55,7 @@ def test_a_row_piece_over_the_room_on_the_whole_batch_is_checked_on_fewer_sample
 
 
 def test_no_forward_on_a_cut_batch_when_the_pieces_parameters_alone_fill_the_room():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 200), nn.Tanh(), nn.Linear(200, 3))
-    calls = []
-
-    def counted(m, b):
-        calls.append(b[0].shape[0])
-        return xent(m, b)
-
-    report = run_module_check(model, Objective(counted), _wide_batch(), CheckOptions(seed=0),
-                              pieces=[Piece("2", (0, 100))], room=200_000)  # its rows' copies alone: 312 KB
+    report, calls = _check_rows(200_000)  # its rows' copies alone: 312 KB
     assert "2.weight" not in report.tensors and report.unfit == ["2[0:100]"]
     assert any("not checked, over the room" in n and "`2` (Linear) rows 0:100" in n for n in report.notes)
     assert set(calls) == {2048}  # the whole batch only: no cut of it was tried
