@@ -363,7 +363,7 @@ def measure(args: argparse.Namespace, config: str, one: Dict[str, Any], per_rank
     for row in plain + watched:
         print(json.dumps(row), flush=True)
     two_s = max(_median(w["step_seconds"]) for w in watched)  # the whole watch.step of a checking step, slower rank
-    one_s = _median(one["step_seconds"])
+    one_s, rank_s = _median(one["step_seconds"]), _median(per_rank["step_seconds"])
     two_train = max(_median(p["train_seconds"]) for p in plain)  # an unwatched training step on 2 ranks
     one_train = _median(one["train_seconds"])
     return {"config": config, "params": watched[0]["n_params"],
@@ -373,8 +373,7 @@ def measure(args: argparse.Namespace, config: str, one: Dict[str, Any], per_rank
             "forms": sorted({f for w in watched for f in w["forms"]}),
             "check_s_2_ranks": round(two_s, 3), "check_s_1_process": round(one_s, 3),
             "time_ratio_2_over_1": round(two_s / one_s, 3),
-            "check_s_1_process_rank_batch": round(_median(per_rank["step_seconds"]), 3),
-            "time_ratio_2_over_1_rank_batch": round(two_s / _median(per_rank["step_seconds"]), 3),
+            "check_s_1_process_rank_batch": round(rank_s, 3), "time_ratio_2_over_1_rank_batch": round(two_s / rank_s, 3),
             "train_step_s_2_ranks": round(two_train, 3), "train_step_s_1_process": round(one_train, 3),
             "check_in_steps_2_ranks": round(two_s / two_train, 2), "check_in_steps_1_process": round(one_s / one_train, 2),
             "steps_to_full": max((w["steps_to_full"] or 0) for w in watched),

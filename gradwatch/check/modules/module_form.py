@@ -315,16 +315,7 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
     constants: Set[int] = set()
     rows = piece.rows
     if unit.name in got.inputs:
-        args, kwargs = _cast_tree(got.inputs[unit.name], dtype, got.constants, constants)
-        children = {rel: [_cast_tree(o, dtype, got.constants, constants) for o in outs]
-                    for rel, outs in got.children.get(unit.name, {}).items()}
-        out_bytes = got.output_bytes.get(unit.name, 0)
-        stub_params = [t for outs in children.values() for o in outs for t in tensor_leaves(o) if t.is_floating_point()]
-        if rows is None:
-            need = module_bytes(unit.params.values(), (args, kwargs), out_bytes) + _numel(stub_params) * MODULE_BYTES_PER_ENTRY
-        else:
-            fixed, per_row = _rows_cost(unit, (args, kwargs), out_bytes)
-            need = fixed + int(per_row * (rows[1] - rows[0]))
+        (args, kwargs), children, out_bytes, need, constants = _cast_capture(got, unit, rows, dtype)
     else:  # over the capture budget alone: its float64 check cannot fit the room on the whole batch
         args = kwargs = None
         children = {}
@@ -506,17 +497,7 @@ def _fewer_samples(model: nn.Module, loss_fn: Any, batch: Any, unit: Unit, need:
             return None
         if unit.name not in got.inputs:
             continue
-        constants: Set[int] = set()
-        inputs = _cast_tree(got.inputs[unit.name], dtype, got.constants, constants)
-        children = {rel: [_cast_tree(o, dtype, got.constants, constants) for o in outs]
-                    for rel, outs in got.children.get(unit.name, {}).items()}
-        stub = [t for outs in children.values() for o in outs for t in tensor_leaves(o) if t.is_floating_point()]
-        out_bytes = got.output_bytes.get(unit.name, 0)
-        if rows is None:
-            cost = module_bytes(unit.params.values(), inputs, out_bytes) + _numel(stub) * MODULE_BYTES_PER_ENTRY
-        else:  # the piece's rows, as the whole batch's need was counted (_run_piece)
-            base, per_row = _rows_cost(unit, inputs, out_bytes)
-            cost = base + int(per_row * (rows[1] - rows[0]))
+        inputs, children, _, cost, constants = _cast_capture(got, unit, rows, dtype)  # costed as on the whole batch
         if cost <= room:
             what = f"{kept} of the batch's {size} samples" + ("" if length is None else f", its first {length} of {seq} positions")
             return inputs, children, cost, what, constants
@@ -526,6 +507,24 @@ def _fewer_samples(model: nn.Module, loss_fn: Any, batch: Any, unit: Unit, need:
             if 1 <= fit < kept:
                 cuts.insert(0, (fit, None))
     return None
+
+
+def _cast_capture(got: Captured, unit: Unit, rows: Optional[Tuple[int, int]], dtype: torch.dtype
+                  ) -> Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, int, Set[int]]:
+    """A unit's captured inputs and stubs' outputs in ``dtype``, as ``((args, kwargs), children, output bytes, what
+    checking the piece (the unit, or its ``rows``) on them needs, ids of the constants)``."""
+    constants: Set[int] = set()
+    inputs = _cast_tree(got.inputs[unit.name], dtype, got.constants, constants)
+    children = {rel: [_cast_tree(o, dtype, got.constants, constants) for o in outs]
+                for rel, outs in got.children.get(unit.name, {}).items()}
+    out_bytes = got.output_bytes.get(unit.name, 0)
+    if rows is None:
+        stub = [t for outs in children.values() for o in outs for t in tensor_leaves(o) if t.is_floating_point()]
+        need = module_bytes(unit.params.values(), inputs, out_bytes) + _numel(stub) * MODULE_BYTES_PER_ENTRY
+    else:
+        fixed, per_row = _rows_cost(unit, inputs, out_bytes)
+        need = fixed + int(per_row * (rows[1] - rows[0]))
+    return inputs, children, out_bytes, need, constants
 
 
 def _piece_params_bytes(unit: Unit, rows: Optional[Tuple[int, int]]) -> int:
@@ -540,8 +539,8 @@ def _piece_params_bytes(unit: Unit, rows: Optional[Tuple[int, int]]) -> int:
         (2400, 1200)
     """
     whole = _numel(unit.params.values()) * MODULE_BYTES_PER_ENTRY
-    total = _rows_of(unit) if rows is not None else None
-    return whole if not total or rows is None else whole * (rows[1] - rows[0]) // total
+    total = _rows_of(unit)
+    return whole * (rows[1] - rows[0]) // total if rows is not None and total else whole
 
 
 def _cut_samples(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str, List[Any]], constants: Set[int], need: int,
@@ -568,12 +567,10 @@ def _cut_samples(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str, List[A
     whole = (inputs, children)
     _, size, seq = sub_batch(inputs, 1)
     variable = max(need - fixed, 1)
-    keep = min(size - 1, int(size * (room - fixed) / variable))
-    length: Optional[int] = None
-    if keep < 1:
-        keep, length = 1, min(seq - 1, int(seq * size * (room - fixed) / variable))
-        if length < 1:
-            return None
+    cuts = cuts_to_try(size, seq, variable, room - fixed)  # the first: as many samples, or positions, as fit
+    if not cuts:
+        return None
+    keep, length = cuts[0]
 
     def cut(t: torch.Tensor) -> torch.Tensor:
         if t.dim() and t.shape[0] == size:
