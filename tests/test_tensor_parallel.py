@@ -249,7 +249,7 @@ WORKER = textwrap.dedent(
             res["settled"] = bool(torch.equal(reduced, g.full_tensor())) and not torch.equal(reduced, g.to_local())
         if watch is not None:
             res.update(checks=checks, alerts=[a.to_dict() for a in watch.alerts], coverage=watch.coverage,
-                       names=[n for n, _ in net.named_parameters()], costs=watch.planner.costs.known())
+                       names=[n for n, _ in net.named_parameters()])
             watch.close()
         return params, res
 
@@ -310,7 +310,6 @@ def test_correct_parallel_model_fully_checked_no_alert_training_bit_identical(ra
             assert cov["backward"] > 0 and cov["training"] > 0, (name, cov)
         assert res["bit_identical"]
         assert not any("not checked" in n for c in res["checks"] for n in c["notes"]), res["checks"][0]["notes"]
-    assert ranks[0][shape]["costs"] and ranks[0][shape]["costs"] == ranks[1][shape]["costs"]  # one split everywhere
 
 
 @pytest.mark.parametrize("shape", SHAPES)

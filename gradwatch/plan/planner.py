@@ -32,7 +32,6 @@ from torch import nn
 
 from gradwatch.check.judging.report import CheckReport
 from gradwatch.check.objective.surrogate import find_surrogates, inside
-from gradwatch.plan.costs import PieceCosts
 from gradwatch.plan.coverage import Coverage
 from gradwatch.plan.cycle import ROWS_PER_SLICE, Cycle, Piece
 from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY, SAFETY, mb, objective_bytes
@@ -124,8 +123,6 @@ class Planner:
         self.announced: Optional[str] = None  # the line said once when the cycle is known
         self._said: set = set()  # what was not checked, said once each
         self._seconds: Dict[str, float] = {}  # the last check's seconds in each form (what the form's choice weighs)
-        #: Each piece's measured seconds (the ranks' split of the pieces weighs them: :func:`gradwatch.plan.shards.assign`).
-        self.costs = PieceCosts()
 
     # ------------------------------------------------------------------ the form
     def choose_form(self, model: nn.Module, names: Sequence[str], room: Optional[int], dtype: Optional[torch.dtype],
@@ -275,7 +272,6 @@ class Planner:
     def record(self, report: CheckReport) -> None:
         """What a check probed, into the coverage."""
         cov = self.coverage
-        self.costs.record(report.piece_seconds)
         if report.form == "module":
             for name, rows in report.probed:
                 if rows == "code":

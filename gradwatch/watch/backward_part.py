@@ -26,7 +26,6 @@ from gradwatch.check.judging.report import CheckReport
 from gradwatch.check.modules import module_form
 from gradwatch.check.modules.localize import name_straight_through
 from gradwatch.plan.memory import SAFETY, gradient_bytes, release_freed
-from gradwatch.plan.shards import assign
 from gradwatch.plan.units import isolated_forward
 from gradwatch.watch.check_plan import CheckPlanner
 from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
@@ -109,10 +108,10 @@ class BackwardPart(TrendAlerting):
             if ctx.lockstep is not None:
                 ctx.lockstep.point()  # the gathers are collectives: every rank's capture went well
             reshard(target)  # a forward that found the units left the root's parameters gathered
-            pieces, gathered, offsets = plan_shards(target, units, pieces, self.planner.piece_costs)
+            pieces, gathered, offsets = plan_shards(target, units, pieces)
             view = ShardView(target, gathered, offsets, ctx.lockstep.point if ctx.lockstep is not None else None)
         elif ctx.dist is not None:
-            pieces = [p for p, _ in assign(pieces, {}, ctx.dist.rank, ctx.dist.world_size, cost=self.planner.piece_costs)]
+            pieces = ctx.dist.share(pieces)  # DDP: the ranks split the plan
         try:
             # through the module: a spy on module_form.run_module_check sees every check
             return module_form.run_module_check(target, ctx.objective, batch, opts, units=units, pieces=pieces,

@@ -134,11 +134,6 @@ class CheckPlanner:
                                           key=units_signature(target), seed=opts.seed, room=room,
                                           surrogates=opts.surrogates)
 
-    @property
-    def piece_costs(self) -> Any:
-        """``cost(piece) -> seconds`` as the checks so far measured it, the same on every rank (the merged reports')."""
-        return self.planner.costs
-
     def for_ranks(self, room: Optional[int], training: Any) -> Tuple[Form, Optional[List[str]]]:
         """Rank 0's plan under DDP: the form, and the training part's tensors when a room bounds them (``training``:
         ``(room) -> names`` or None when the training part is off)."""

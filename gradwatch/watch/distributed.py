@@ -308,8 +308,7 @@ class DistributedCoordinator:
         return per_rank * self.world_size if per_rank > 0 else 0
 
     def share(self, items: Sequence[_T]) -> List[_T]:
-        """This rank's round-robin share of the tensors chosen for a check (the module form's pieces are split by
-        their cost instead, :func:`gradwatch.plan.shards.assign`)."""
+        """This rank's round-robin share of the tensors (or, in the module form, the pieces) chosen for a check."""
         return list(items[self.rank :: self.world_size])
 
     # ------------------------------------------------------------------ 4. gathering
@@ -543,7 +542,6 @@ def merge_reports(reports: Sequence[Any], order: Sequence[str], opts: Any) -> Ch
         merged.training_note = merged.training_note or r.training_note
         merged.probed.extend(r.probed)  # the module form: each rank probed its share of the pieces
         merged.pieces.extend(r.pieces)
-        merged.piece_seconds.extend(r.piece_seconds)
         for note in r.notes:
             if note not in merged.notes:
                 merged.notes.append(note)

@@ -115,12 +115,10 @@ def _subtree(unit: Unit, named: Mapping[str, nn.Module]) -> List[Tuple[str, nn.M
     return out
 
 
-def plan_shards(model: nn.Module, units: Sequence[Unit], pieces: Sequence[Piece],
-                cost: Optional[Callable[[Piece], float]] = None
+def plan_shards(model: nn.Module, units: Sequence[Unit], pieces: Sequence[Piece]
                 ) -> Tuple[List[Piece], Dict[int, torch.Tensor], Dict[str, int]]:
     """This rank's pieces, the whole parameters they need gathered (``id(live parameter)`` -> tensor) and the
-    offset of each unit's rows on this rank. ``cost`` (the same on every rank): the pieces checked whole are split
-    by what they cost (:func:`gradwatch.plan.shards.assign`), else round-robin.
+    offset of each unit's rows on this rank.
 
     Every rank gathers the parameters of every piece that is not checked by rows, in plan order, and keeps
     those of its own: the same collectives everywhere, before anything of the check that may raise.
@@ -128,7 +126,7 @@ def plan_shards(model: nn.Module, units: Sequence[Unit], pieces: Sequence[Piece]
     held, where = held_rows(units)
     turns = _rank_world()
     rank, world = where if where is not None else turns
-    mine = assign(pieces, held, rank, world, turns, cost)
+    mine = assign(pieces, held, rank, world, turns)
     own = {str(p) for p, _ in mine}
     named = dict(model.named_modules())
     by_name = {u.name: u for u in units}

@@ -208,8 +208,6 @@ class CheckReport:
             for all, ``(first, end)``, or a tensor of row indices), and ``(module name, "code")`` for each
             module whose own code a checked unit held (read by :class:`gradwatch.plan.coverage.Coverage`).
         pieces: Module form: the pieces checked (``"lm_head[0:256]"``), in order.
-        piece_seconds: Module form: ``(unit, rows or None, seconds)`` of each piece checked (what the ranks' split of
-            the next checks' pieces weighs, :class:`gradwatch.plan.costs.PieceCosts`).
         unfit: Module form: the pieces given to this check that did not fit the room it had (the next check of
             one process takes them first).
         steps_to_full: Training steps within which every op and parameter row is checked: K checks, one every
@@ -258,7 +256,6 @@ class CheckReport:
     memory: Dict[str, Any] = field(default_factory=dict)
     probed: List[Tuple[str, Any]] = field(default_factory=list)
     pieces: List[str] = field(default_factory=list)
-    piece_seconds: List[Tuple[str, Optional[Tuple[int, int]], float]] = field(default_factory=list)
     unfit: List[str] = field(default_factory=list)
     steps_to_full: Optional[int] = None
     independence: Any = None

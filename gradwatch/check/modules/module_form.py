@@ -273,11 +273,8 @@ def _run_group(opts: CheckOptions, unit: Unit, blocks: List[Tuple[int, int]], go
             continue
         need = fixed + int(per_row * sum(b - a for a, b in run))
         estimate = max(estimate, need)
-        start = time.perf_counter()
         result, probed, empty = check_group(unit, run, args, kwargs, opts, dtype, canonical, constants, screen)
         report.pieces.extend(str(Piece(unit.name, b)) for b in run)
-        seconds = (time.perf_counter() - start) / sum(b - a for a, b in run)  # by rows: a block's share of the run
-        report.piece_seconds.extend((unit.name, b, seconds * (b[1] - b[0])) for b in run)
         unused += max(empty, _file(report, unit, result, probed))
         if room is not None and need >= TRIM_BYTES:
             release_freed()
@@ -317,7 +314,6 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
     checked again alone."""
     constants: Set[int] = set()
     rows = piece.rows
-    start = time.perf_counter()
     if unit.name in got.inputs:
         (args, kwargs), children, out_bytes, need, constants = _cast_capture(got, unit, rows, dtype)
     else:  # over the capture budget alone: its float64 check cannot fit the room on the whole batch
@@ -365,7 +361,6 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
     if room is not None and need >= TRIM_BYTES:
         release_freed()  # what this piece's check freed, before the next one allocates (smaller frees are reused)
     report.pieces.append(str(Piece(unit.name, rows)))
-    report.piece_seconds.append((unit.name, piece.rows, time.perf_counter() - start))
     return estimate, unused + _file(report, unit, result, probed)
 
 
