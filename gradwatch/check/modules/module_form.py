@@ -555,13 +555,15 @@ def _cut_samples(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str, List[A
 
     Example:
         >>> ids, logits = torch.zeros(4, 8, dtype=torch.long), torch.zeros(4, 7, 3)
-        >>> (args, _), children, need, what, _ = _cut_samples(None, ((ids,), {}), {"h": [logits]}, set(), 64, 4)
+        >>> from gradwatch.plan.units import Unit
+        >>> code = Unit("", nn.Identity(), {})  # no parameters: the whole need is the batch's
+        >>> (args, _), children, need, what, _ = _cut_samples(code, ((ids,), {}), {"h": [logits]}, set(), 64, 4)
         >>> args[0].shape, children["h"][0].shape, need
         (torch.Size([1, 2]), torch.Size([1, 1, 3]), 4)
         >>> what
         "1 of the batch's 4 samples, its first 2 of 8 positions (cut from the forward's capture)"
     """
-    fixed = 0 if unit is None else _piece_params_bytes(unit, rows)
+    fixed = _piece_params_bytes(unit, rows)
     if fixed >= room:
         return None
     whole = (inputs, children)
