@@ -436,7 +436,9 @@ def test_a_sharded_piece_room_is_what_the_process_may_still_add_the_heap_given_b
     assert _measured(1 << 20, now + (64 << 20), cpu) == 1 << 20  # room to spare: the estimate's room stands
     assert _measured(64 << 20, now + (4 << 20), cpu) <= 8 << 20  # the limit binds (a few MB of measurement slack)
     junk = [torch.ones(1 << 14) for _ in range(2000)]  # 128 MB of small blocks, freed into the heap
+    pin = torch.ones(1 << 14)  # above them in the heap: glibc cannot give them back by itself when they are freed
     held = in_use_bytes(cpu)
     del junk
     assert in_use_bytes(cpu) > held - (96 << 20)  # glibc keeps most of it: the process still holds it
     assert _measured(16 << 20, held - (64 << 20), cpu) > 0  # given back first, the piece gets room again
+    del pin
