@@ -30,6 +30,7 @@ from gradwatch.plan.units import isolated_forward
 from gradwatch.watch.check_plan import CheckPlanner
 from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
 from gradwatch.watch.shard_check import ShardView, plan_shards, reshard
+from gradwatch.watch.sharded import is_fsdp
 
 
 class BackwardPart(TrendAlerting):
@@ -104,10 +105,16 @@ class BackwardPart(TrendAlerting):
             isolated_forward(target, ctx.objective.loss, batch, opts.seed)
         units, pieces = self.planner.module_pieces(check, piece_room)
         view = None
+        everyone = None
+        early = ctx.dist is None
         if ctx.by_shard:  # FSDP2: rows on the rank that holds them, the rest gathered piece by piece
             if ctx.lockstep is not None:
                 ctx.lockstep.point()  # the gathers are collectives: every rank's capture went well
             reshard(target)  # a forward that found the units left the root's parameters gathered
+            everyone = [p.unit for p in pieces]  # the whole check's plan, the same on every rank
+            # Tensor and sequence parallel: the capture's forward stops where every rank has captured what it checks
+            # (FSDP2's and ZeRO-3's forward hooks keep per-forward state: their forwards run whole).
+            early = not ctx.zero3 and not any(is_fsdp(m) for m in target.modules())
             pieces, gathered, offsets = plan_shards(target, units, pieces)
             view = ShardView(target, gathered, offsets, ctx.lockstep.point if ctx.lockstep is not None else None)
         elif ctx.dist is not None:
@@ -115,7 +122,8 @@ class BackwardPart(TrendAlerting):
         try:
             # through the module: a spy on module_form.run_module_check sees every check
             return module_form.run_module_check(target, ctx.objective, batch, opts, units=units, pieces=pieces,
-                                                room=piece_room, view=view, screen=True, early=ctx.dist is None)
+                                                room=piece_room, view=view, screen=True, early=early,
+                                                everyone=everyone)
         finally:
             if view is not None:
                 reshard(target)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ from torch import nn
 from gradwatch.check.modules.localize import copy_opaque, map_tensors
 from gradwatch.check.objective.dtensor import is_dtensor, whole
 from gradwatch.plan.memory import float_bytes
-from gradwatch.plan.units import LOSS_FN, Enough, Unit, isolated_forward, output_shape, relative
+from gradwatch.plan.units import LOSS_FN, Enough, Unit, faithful_rows, isolated_forward, output_shape, relative
 from gradwatch.trees import rebuild, tensor_leaves
 
 
@@ -68,6 +68,32 @@ MASK = 1e30
 
 def live_bytes(obj: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensor_leaves(obj) if t.is_floating_point())
+
+
+def known_first(unit: Unit) -> bool:
+    """Whether a unit's output is known as its first call begins, from its kind alone (a plain Linear or Embedding
+    module unit), so that a forward may stop there: the same answer on every rank.
+
+    Example:
+        >>> known_first(Unit("h", nn.Linear(8, 50))), known_first(Unit("t", nn.Tanh()))
+        (True, False)
+    """
+    return unit.kind == "module" and isinstance(unit.module, (nn.Linear, nn.Embedding)) and faithful_rows(unit.module)
+
+
+def linear_output_bytes(module: nn.Module, args: Any) -> int:
+    """Float64 bytes of the output of a plain Linear or Embedding (:func:`known_first`) called on ``args[0]``.
+
+    Example:
+        >>> linear_output_bytes(nn.Linear(8, 50), (torch.ones(4, 3, 8),)), linear_output_bytes(nn.Embedding(9, 5), (torch.ones(2, 7),))
+        (4800, 560)
+    """
+    x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if x is None:
+        return 0
+    if isinstance(module, nn.Linear):
+        return x.numel() // max(1, x.shape[-1]) * int(module.out_features) * 8 if x.dim() else 0
+    return x.numel() * int(cast(nn.Embedding, module).embedding_dim) * 8
 
 
 def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], seed: int,
@@ -119,15 +145,24 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
             got.deferred.append(name)
 
     # One process: the forward stops once every chosen unit is captured (an LM head's product and the loss over the
-    # vocabulary are not computed for nothing); its loss is then not known (``got.loss`` None).
-    early = early and LOSS_FN not in wanted and not everyone and agree is None and not alone
+    # vocabulary are not computed for nothing); its loss is then not known (``got.loss`` None). On several ranks
+    # (``everyone``), once every unit of ``everyone`` has made its first call: a point of the forward that is the
+    # same on every rank, whatever each rank captured, so every rank stops there, its collectives made alike.
+    shared = {u.name: u for u in everyone}
+    if shared:
+        early = early and LOSS_FN not in shared
+    else:
+        early = early and LOSS_FN not in wanted and agree is None and not alone
+    passed: Set[str] = set()  # units of ``everyone`` past their first call (or known before it ran)
     stopped: List[bool] = []
 
     def settled() -> bool:
+        if shared:
+            return len(passed) == len(shared)
         return all(n in got.big or n in got.deferred or n in got.output_bytes for n in wanted)
 
     def stop() -> None:
-        if early and not any(frame[1] for frame in stack) and settled():
+        if early and (shared or not any(frame[1] for frame in stack)) and settled():
             stopped.append(True)
             raise Enough
 
@@ -153,10 +188,17 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
                     if name in own:
                         got.children[name] = {}
                     shape = output_shape(wanted[name], args, kwargs)
-                    if shape is not None:  # a plain Linear or Embedding: its output is known without running it
+                    if shape is not None and not shared:  # a plain Linear or Embedding: its output is known before it runs
                         got.output_bytes[name] = math.prod(shape) * 8
                         stop()
                         del got.output_bytes[name]
+            if name in shared and name not in passed and known_first(shared[name]):
+                passed.add(name)  # known alike on every rank (the unit's kind), whatever this rank captured
+                if first:
+                    got.output_bytes[name] = linear_output_bytes(shared[name].module, args)
+                stop()
+                if first:
+                    del got.output_bytes[name]
             stack.append([name, first])
 
         return hook
@@ -176,6 +218,8 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
         frame = stack.pop() if stack else [name, False]
         if frame[1]:
             got.output_bytes[name] = float_bytes(out)
+        if name in shared and name in seen:
+            passed.add(name)
         holder = stack[-1][0] if stack and stack[-1][1] and stack[-1][0] in own else None
         rel = own[holder].get(name) if holder is not None else None
         if holder is None and not stack and name == "" and LOSS_FN in got.children:
@@ -205,7 +249,7 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
         got.children[LOSS_FN] = {}
         sizes[LOSS_FN] = live_bytes(batch)
     named = dict(model.named_modules())
-    hooked = set(wanted) | {c for u in units for c in u.stubbed}
+    hooked = set(wanted) | {c for u in units for c in u.stubbed} | (set(shared) if early else set())
     gather_in = {u.name for u in everyone}
     gather_out = {c for u in everyone if u.kind != "module" for c in u.stubbed}
     seen: Set[str] = set()

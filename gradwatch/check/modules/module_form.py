@@ -140,6 +140,7 @@ def run_module_check(
     view: Optional[PieceView] = None,
     screen: bool = False,
     early: bool = False,
+    everyone: Optional[Sequence[str]] = None,
 ) -> CheckReport:
     """The module form of the backward part (see the module docstring).
 
@@ -158,8 +159,11 @@ def run_module_check(
             whatever this rank's pieces): no capture is deferred to another forward, and a piece over ``room``
             is cut to the first samples of what that forward captured instead of captured again.
         screen: Detection first in each piece (see :func:`gradwatch.localize.check_module`).
-        early: Stop each capture forward once every unit it was run for is captured (one process): the loss is then
-            not known here (``report.objective`` stays NaN, for the caller to fill).
+        early: Stop each capture forward once every unit it was run for is captured (one process; with a ``view``, once
+            every unit of ``everyone`` has made its first call, the same point on every rank): the loss is then not
+            known here (``report.objective`` stays NaN, for the caller to fill).
+        everyone: With a ``view``: the names of the units some rank checks in this check, the same on every rank (default:
+            every unit); the capture gathers the DTensor inputs of those only.
 
     Returns:
         A :class:`CheckReport` with ``form == "module"``: parameters under their names, a unit's input
@@ -197,6 +201,7 @@ def run_module_check(
     solo: List[Piece] = []  # pieces that fit the room only without the other units' captures beside them
     once = view is not None  # sharded: one forward on every rank, even with no piece of its own
     agree = getattr(view, "agree", None)
+    shared = () if view is None else units if everyone is None else [u for u in units if u.name in set(everyone)]
     # Captures take a third of the room at most; units that do not fit together are captured by later forwards
     # (sharded: as many on every rank, agreed after each; without a way to agree, one forward holding them all).
     budget = None if room is None or (view is not None and agree is None) else room // 3
@@ -207,7 +212,7 @@ def run_module_check(
     while remaining or once:
         once = False
         got = capture(model, objective.loss, batch, remaining, opts.seed, budget=budget,
-                      everyone=units if view is not None else (), agree=agree, alone=view is not None, early=early)
+                      everyone=shared, agree=agree, alone=view is not None, early=early)
         if report.objective != report.objective and got.loss is not None:  # NaN: the first forward's loss
             report.objective = got.loss
             report.terms = {"loss": got.loss}
