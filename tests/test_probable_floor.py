@@ -69,3 +69,35 @@ def test_a_backward_a_little_off_is_still_caught(width, factor):
     checked = _check(width, factor)
     assert checked.failed, {k: (t.verdict, t.rel_diff) for k, t in checked.tensors.items()}
     assert checked.tensors["input"].failed and not checked.tensors["w"].failed
+
+
+def _wide_objective(factor: float):
+    """A tensor checked on an objective whose terms are many (as the own code of a sequence parallel attention's, whose
+    terms sum to 5e5 in absolute value): a worst-case floor over 1e-3 of most of its slopes, a probable floor far
+    below; ``factor`` scales its analytic gradient. Returns (its judged check, the evaluations it took)."""
+    from gradwatch.check.probes.engine import check_tensors
+    from gradwatch.check.probes.lines import EngineSettings, Evaluator
+
+    torch.manual_seed(0)
+    p = torch.randn(4096, dtype=torch.float64)
+    g = torch.randn(4096, dtype=torch.float64)
+    x0 = p.clone()
+    evaluate = Evaluator(lambda: {"loss": float(g @ (p - x0)) + float(torch.tanh(p).sum())})
+    grad = (g + 1 - torch.tanh(p) ** 2) * factor
+    settings = EngineSettings.from_options(CheckOptions(), 2.0 ** -52, 2.5e6, term_norm=50.0)
+    judged = list(check_tensors([("p", "p", p, {"total": grad})], evaluate, settings, seed=0))
+    return judged[0].check, evaluate.count
+
+
+def test_an_agreeing_sample_on_a_worst_case_floor_over_its_slope_is_not_taken_at_a_wider_step():
+    """A full sample whose slopes agree beyond its probable floor has nothing for a wider step to show: on the worst-case
+    floor alone most of its 12 probes went on to 3 wider ones each (74 evaluations)."""
+    check, evaluations = _wide_objective(1.0)
+    assert not check.failed and str(check.verdict) == "Verdict.EXCELLENT", check
+    assert evaluations <= 3 + 2 * 12, evaluations  # the base point and the base probes only
+
+
+def test_a_disagreeing_sample_is_still_taken_at_a_wider_step_and_caught():
+    check, evaluations = _wide_objective(1.1)
+    assert check.failed, check
+    assert evaluations > 3 + 2 * 12, evaluations  # the probable floor never discounts a disagreement

@@ -522,10 +522,36 @@ def linear_from(probes: WideProbes, slope: float, j0: float, settings: EngineSet
     return Outcome(a2, richardson, floor, widened=True, step=probes[0][0])
 
 
-def needs_widening(out: Outcome, settings: EngineSettings) -> bool:
-    """True when a base probe's noise floor is over ``IMPRECISE`` of its slopes: :func:`widen` takes it again."""
+def needs_widening(out: Outcome, settings: EngineSettings, probable: Optional[float] = None) -> bool:
+    """True when a base probe's noise floor is over ``IMPRECISE`` of its slopes: :func:`widen` takes it again.
+
+    Not where the probe's ``probable`` floor (:func:`~gradwatch.check.probes.lines.probable_floor`) settles it as the
+    detection probe is settled (:func:`screened` with it in place of the worst case): slopes that agree to the
+    EXCELLENT band beyond the rounding the probe really carries have no error for a wider step to show. As in
+    :func:`screen`, the probable floor never discounts a disagreement: a probe that disagrees is widened as before.
+
+    Example:
+        >>> from gradwatch.bands import Verdict
+        >>> settings = EngineSettings(4, 0, None, (1e-7, 1e-4, 1e-2), Verdict.WRONG, True, 2.0 ** -52, 1.0)
+        >>> out = Outcome({"total": 0.5}, {"total": 0.5}, 1e-3)
+        >>> needs_widening(out, settings), needs_widening(out, settings, probable=1e-12)
+        (True, False)
+        >>> needs_widening(Outcome({"total": 0.5}, {"total": 0.51}, 1e-3), settings, probable=1e-12)
+        True
+    """
     a, n, fl = out.analytic["total"], out.numeric["total"], out.floor
-    return settings.detect_kinks and math.isfinite(a) and math.isfinite(n) and fl > IMPRECISE * max(abs(a), abs(n))
+    if not (settings.detect_kinks and math.isfinite(a) and math.isfinite(n) and fl > IMPRECISE * max(abs(a), abs(n))):
+        return False
+    return probable is None or not (probable < fl and screened(replace(out, floor=probable), settings))
+
+
+def probable_of(sample: Sample, saved: torch.Tensor, grads: Dict[str, torch.Tensor], settings: EngineSettings,
+                norm: Optional[float] = None) -> Optional[float]:
+    """A sample's probable floor (:func:`~gradwatch.check.probes.lines.probable_floor`; None where the objective's terms
+    are unknown); ``norm``: the tensor's :func:`param_norm`, where the caller has it."""
+    if settings.term_norm is None:
+        return None
+    return probable_floor(settings, sample.step, param_norm(saved, grads) if norm is None else norm)
 
 
 def widened_in_batches(name: str, p, saved, grads, based: Sequence[Tuple[Sample, Outcome]], probe_batch: Any,
@@ -534,8 +560,10 @@ def widened_in_batches(name: str, p, saved, grads, based: Sequence[Tuple[Sample,
     batches of ``probe_batch``: one :data:`WideProbes` each, None where a sample needs none, and all None when the
     batched evaluator declines (each sample then widens one evaluation at a time)."""
     wanted: List[Tuple[int, Sample, float]] = []
+    norm = None if settings.term_norm is None else param_norm(saved, grads)
     for i, (sample, out) in enumerate(based):
-        t = widen_step(sample, out.analytic, out.numeric, out.floor, settings) if needs_widening(out, settings) else None
+        wider = needs_widening(out, settings, probable_of(sample, saved, grads, settings, norm))
+        t = widen_step(sample, out.analytic, out.numeric, out.floor, settings) if wider else None
         if t is not None:
             wanted.append((i, sample, t))
     found: List[Optional[WideProbes]] = [None] * len(based)
@@ -557,7 +585,7 @@ def judge_sample(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Term
     here, in one batch when ``batch`` (the tensor's name and a batched evaluator) is given and takes it.
     """
     out = outcome_of(sample, base, settings)
-    if needs_widening(out, settings):
+    if needs_widening(out, settings, probable_of(sample, saved, grads, settings)):
         if wide is None and batch is not None:
             wide = widened_in_batches(batch[0], p, saved, grads, [(sample, out)], batch[1], settings)[0]
         if wide is not None:
