@@ -75,6 +75,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -356,31 +357,50 @@ def _median(xs: Sequence[float]) -> float:
     return s[len(s) // 2] if s else float("nan")
 
 
-def measure(args: argparse.Namespace, config: str, one: Dict[str, Any], per_rank: Dict[str, Any]) -> Dict[str, Any]:
-    """One configuration, side by side: unwatched and watched on 2 ranks; ``one``: the same check's watched run in
-    one process (the step's whole batch); ``per_rank``: the same on one rank's batch alone (:func:`one_process`)."""
-    plain, watched = launch(args, config, False), launch(args, config, True)
-    for row in plain + watched:
+def measure(args: argparse.Namespace, config: str, ones: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
+    """One configuration, side by side: unwatched and watched on 2 ranks, against the same check's watched run in one
+    process (the step's whole batch) and the same on one rank's batch alone (:func:`one_process`; ``ones``: those
+    runs, by name, made before). With ``--repeat N`` the watched arms run N times, each right after its own
+    one-process runs: the time ratio is the median of the N paired ratios (the machine's speed drifts by 10-20%
+    over minutes), each peak ratio the largest of the N."""
+    same, per = one_process(config)
+    plain = launch(args, config, False)
+    for row in plain:
         print(json.dumps(row), flush=True)
-    two_s = max(_median(w["step_seconds"]) for w in watched)  # the whole watch.step of a checking step, slower rank
-    one_s, rank_s = _median(one["step_seconds"]), _median(per_rank["step_seconds"])
+    passes = []  # (the one-process runs, the watched 2-rank runs) of each repetition
+    for _ in range(args.repeat):
+        if args.repeat > 1:
+            ones = {r["config"]: r for run in dict.fromkeys((same, per)) for r in launch(args, run, True, ranks=0)}
+        watched = launch(args, config, True)
+        for row in watched + ([ones[same]] + ([ones[per]] if per != same else []) if args.repeat > 1 else []):
+            print(json.dumps(row), flush=True)
+        passes.append((ones, watched))
+    # the whole watch.step of a checking step (the slower rank), paired with the one-process run beside it
+    two = [max(_median(w["step_seconds"]) for w in watched) for _, watched in passes]
+    one = [_median(o[same]["step_seconds"]) for o, _ in passes]
+    rank = [_median(o[per]["step_seconds"]) for o, _ in passes]
+    ratios = [t / o for t, o in zip(two, one)]
+    two_s, one_s, rank_s = statistics.median(two), statistics.median(one), statistics.median(rank)
     two_train = max(_median(p["train_seconds"]) for p in plain)  # an unwatched training step on 2 ranks
-    one_train = _median(one["train_seconds"])
-    return {"config": config, "params": watched[0]["n_params"],
-            "peak_mb_per_rank": [[round(p["peak_mb"]), round(w["peak_mb"])] for p, w in zip(plain, watched)],
-            "peak_ratio_per_rank": [round(w["peak_mb"] / p["peak_mb"], 3) for w, p in zip(watched, plain)],
-            "vmhwm_ratio_per_rank": [round(w["vmhwm_mb"] / p["vmhwm_mb"], 3) for w, p in zip(watched, plain)],
-            "forms": sorted({f for w in watched for f in w["forms"]}),
+    one_train = statistics.median(_median(o[same]["train_seconds"]) for o, _ in passes)
+    everyone = [w for _, watched in passes for w in watched]
+    peaks = [max(ws[i]["peak_mb"] for _, ws in passes) for i in range(len(plain))]  # each rank's largest watched peak
+    vmhwm = [max(ws[i]["vmhwm_mb"] for _, ws in passes) for i in range(len(plain))]
+    return {"config": config, "params": everyone[0]["n_params"],
+            "peak_mb_per_rank": [[round(p["peak_mb"]), round(w)] for p, w in zip(plain, peaks)],
+            "peak_ratio_per_rank": [round(w / p["peak_mb"], 3) for w, p in zip(peaks, plain)],
+            "vmhwm_ratio_per_rank": [round(w / p["vmhwm_mb"], 3) for w, p in zip(vmhwm, plain)],
+            "forms": sorted({f for w in everyone for f in w["forms"]}),
             "check_s_2_ranks": round(two_s, 3), "check_s_1_process": round(one_s, 3),
-            "time_ratio_2_over_1": round(two_s / one_s, 3),
+            "time_ratio_2_over_1": round(statistics.median(ratios), 3), "time_ratios": [round(r, 3) for r in ratios],
             "check_s_1_process_rank_batch": round(rank_s, 3), "time_ratio_2_over_1_rank_batch": round(two_s / rank_s, 3),
             "train_step_s_2_ranks": round(two_train, 3), "train_step_s_1_process": round(one_train, 3),
             "check_in_steps_2_ranks": round(two_s / two_train, 2), "check_in_steps_1_process": round(one_s / one_train, 2),
-            "steps_to_full": max((w["steps_to_full"] or 0) for w in watched),
-            "alerts": sorted({a for w in watched for a in w["alerts"]}),
-            "backward_min": min(w["backward_min"] for w in watched),
-            "training_min": min(w["training_min"] for w in watched),
-            "never": sorted({n for w in watched for n in w["never"]})}
+            "steps_to_full": max((w["steps_to_full"] or 0) for w in everyone),
+            "alerts": sorted({a for w in everyone for a in w["alerts"]}),
+            "backward_min": min(w["backward_min"] for w in everyone),
+            "training_min": min(w["training_min"] for w in everyone),
+            "never": sorted({n for w in everyone for n in w["never"]})}
 
 
 def table(rows: List[Dict[str, Any]]) -> str:
@@ -398,7 +418,9 @@ def table(rows: List[Dict[str, Any]]) -> str:
         lines.append(f"| {ENGINES[r['config']]} | {r['params'] / 1e6:.2f}M ({r['params'] * 4 / 2 ** 20:.0f}) | "
                      f"{p0} / {w0} | {p1} / {w1} | "
                      f"{r['peak_ratio_per_rank'][0]:.3f}, {r['peak_ratio_per_rank'][1]:.3f} | "
-                     f"{r['check_s_2_ranks']:.3f} | {r['check_s_1_process']:.3f} | {r['time_ratio_2_over_1']:.2f} | "
+                     f"{r['check_s_2_ranks']:.3f} | {r['check_s_1_process']:.3f} | {r['time_ratio_2_over_1']:.2f}"
+                     + (f" ({', '.join(f'{x:.2f}' for x in r['time_ratios'])})" if len(r["time_ratios"]) > 1 else "")
+                     + " | "
                      + (f"{r['check_s_1_process_rank_batch']:.3f} ({r['time_ratio_2_over_1_rank_batch']:.2f}) | "
                         if r["config"] in DATA_PARALLEL else "the same | ")
                      + f"{r['train_step_s_2_ranks']:.3f}, {r['train_step_s_1_process']:.3f} | "
@@ -419,6 +441,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence, even (default 64)")
     parser.add_argument("--steps", type=int, default=8, help="training steps, each checked (default 8)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch (default 900)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="watched arms per engine, each paired with a one-process run just before it; the time "
+                             "ratio is their median (default 1)")
     parser.add_argument("--size", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--watch", action="store_true", help=argparse.SUPPRESS)
@@ -438,15 +463,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unknown:
         parser.error(f"--configs {args.configs!r}: {', '.join(unknown)} unknown; accepted: {', '.join(CONFIGS)}")
     rows: List[Dict[str, Any]] = []
-    plain_runs = list(dict.fromkeys(run for c in configs for run in one_process(c)))
-    # the one-process arms first, one launch each (a process of its own: its peak and heap are its own)
+    if args.repeat < 1:
+        parser.error(f"--repeat {args.repeat}: accepted: 1 or more")
+    plain_runs = list(dict.fromkeys(run for c in configs for run in one_process(c))) if args.repeat == 1 else []
+    # the one-process arms first, one launch each (a process of its own: its peak and heap are its own); repeated,
+    # each repetition's beside its watched arms instead
     ones = {r["config"]: r for run in plain_runs for r in launch(args, run, True, ranks=0)}
     for row in ones.values():
         print(json.dumps(row), flush=True)
     for config in configs:
         try:
-            same, per_rank = one_process(config)
-            rows.append(measure(args, config, ones[same], ones[per_rank]))
+            rows.append(measure(args, config, ones))
         except (RuntimeError, subprocess.TimeoutExpired) as e:  # one engine failing leaves the others' figures
             print(f"{config}: {e}", file=sys.stderr, flush=True)
             rows.append({"config": config, "error": str(e).splitlines()[0][:200]})
