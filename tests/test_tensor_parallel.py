@@ -11,8 +11,9 @@ processes runs every scenario in turn under a hard timeout; each rank writes wha
   attention softmax whose backward is 10% too large (the others): each alerted, naming its module.
 - ``terms``: the TP attention block with ``tensors_per_check=4`` (K > 1 checks): ``loss_fn`` reads no parameter
   directly, so the forward that looks for such terms runs at the first check of each pass of K checks only.
-- ``ckpt``: a 2-block TP transformer in a room too small for the replay beside ``.grad``: the replay checkpoints
-  its blocks (as many on each rank), the training verdicts stand, training is bit-identical.
+- ``ckpt``, ``ckpt2d21``: a 2-block TP transformer (and the same under FSDP2 on a 2x1 mesh) in a room too small for
+  the replay beside ``.grad``: the replay checkpoints its blocks (as many on each rank), the training verdicts
+  stand, training is bit-identical.
 - ``lockstep``: the TP transformer; one rank's check raises before the model, midway in its forward, after
   it, in a custom backward of the replay, or stalls: an error record naming that rank on both ranks, the run
   goes on and ends normally, and training is bit-identical to a run without the watch on every rank.
@@ -32,7 +33,7 @@ pytest.importorskip("torch.distributed.tensor.parallel")
 
 RUN_TIMEOUT = 240.0
 SHAPES = ("mlp", "attn", "sp", "2d21", "2d12")
-SCENARIOS = ("ckpt",) + SHAPES + ("gathers", "lockstep", "terms")  # ckpt first: its room, from the process peak, is its own
+SCENARIOS = ("ckpt", "ckpt2d21") + SHAPES + ("gathers", "lockstep", "terms")  # ckpt first: its room, from the process peak, is its own
 
 WORKER = textwrap.dedent(
     r'''
@@ -178,11 +179,20 @@ WORKER = textwrap.dedent(
                 net.append(Gathers())
             parallelize_module(net, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
             return net
-        if shape == "ckpt":
-            mesh = init_device_mesh("cpu", (2,))
+        if shape.startswith("ckpt"):
+            mesh2 = None
+            if shape == "ckpt":
+                mesh = init_device_mesh("cpu", (2,))
+            else:  # FSDP2 over TP on a 2x1 mesh: FSDP2 shards the blocks, gathered again for their recomputed forward
+                mesh2 = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+                mesh = mesh2["tp"]
             net = LM2(wrong, vocab=2000, d=128)  # its gradients well above what a check leaves held (the room's noise)
             for block in net.blocks:
                 parallelize_module(block, mesh, TP)
+                if mesh2 is not None:
+                    fully_shard(block, mesh=mesh2["dp"])
+            if mesh2 is not None:
+                fully_shard(net, mesh=mesh2["dp"])
             return net
         if shape.startswith("2d"):
             mesh2 = init_device_mesh("cpu", (2, 1) if shape == "2d21" else (1, 2), mesh_dim_names=("dp", "tp"))
@@ -220,7 +230,7 @@ WORKER = textwrap.dedent(
         net = build(shape, wrong)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
         watch = GradWatch(net, loss_fn, optimizer=opt, **options) if options is not None else None
-        g = torch.Generator().manual_seed(100 if shape != "2d21" else 100 + rank)  # TP ranks share a batch
+        g = torch.Generator().manual_seed(100 if not shape.endswith("2d21") else 100 + rank)  # TP ranks share a batch
         losses, checks = [], []
         for step in range(steps):
             faults["step"] = step
@@ -272,10 +282,10 @@ WORKER = textwrap.dedent(
             res["bit_identical"] = same(plain, watched) and base["losses"] == res["losses"]
         elif scenario == "terms":  # K > 1 checks: whole units spread over the checks
             _, res = train("attn", 6, dict(every=1, log_dir=None, tensors_per_check=4))
-        elif scenario == "ckpt":  # a room too small for the replay beside .grad: its blocks checkpointed
-            plain, base = train("ckpt", 4)
+        elif scenario.startswith("ckpt"):  # a room too small for the replay beside .grad: its blocks checkpointed
+            plain, base = train(scenario, 4)
             recomputed["n"] = 0
-            watched, res = train("ckpt", 4, dict(every=1, log_dir=None, memory_budget=1e-6))
+            watched, res = train(scenario, 4, dict(every=1, log_dir=None, memory_budget=1e-6))
             res["recomputed"] = recomputed["n"]
             res["bit_identical"] = same(plain, watched) and base["losses"] == res["losses"]
         elif scenario == "lockstep":
@@ -382,11 +392,13 @@ def test_terms_no_parameter_is_read_by_directly_are_looked_for_once_a_pass(ranks
     assert ranks[0]["terms"]["alerts"] == []
 
 
-def test_a_tight_room_replays_tp_blocks_checkpointed_alike_on_every_rank_and_training_is_untouched(ranks):
-    assert ranks[0]["ckpt"]["recomputed"] > 0  # the replay's backward ran the blocks' forward again
-    assert ranks[0]["ckpt"]["recomputed"] == ranks[1]["ckpt"]["recomputed"]  # the same blocks on both ranks
+@pytest.mark.parametrize("scenario", ["ckpt", "ckpt2d21"])
+def test_a_tight_room_replays_tp_blocks_checkpointed_alike_on_every_rank_and_training_is_untouched(ranks, scenario):
+    """Tensor parallel, and FSDP2 over it (the 2x1 mesh: each block's recomputed forward on its gathered parameters)."""
+    assert ranks[0][scenario]["recomputed"] > 0  # the replay's backward ran the blocks' forward again
+    assert ranks[0][scenario]["recomputed"] == ranks[1][scenario]["recomputed"]  # the same blocks on both ranks
     for r in ranks:
-        res = r["ckpt"]
+        res = r[scenario]
         assert res["bit_identical"]
         assert [a for a in res["alerts"] if a["kind"] != "not_checked"] == [], res["alerts"]
         assert all(res["coverage"][n]["training"] > 0 for n in res["names"]), res["coverage"]

@@ -40,7 +40,7 @@ from gradwatch.plan.memory import SAFETY, gradient_bytes, mb, release_freed
 from gradwatch.watch.accumulation import AccumulationWindow
 from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
 from gradwatch.watch.shard_check import backward_on_shards, is_partial, local, settled
-from gradwatch.watch.sharded import is_dtensor, is_fsdp
+from gradwatch.watch.sharded import is_dtensor
 from gradwatch.watch.step_objective import StepObjective, StepPlan
 from gradwatch.watch.trend import Alert
 from gradwatch.watch.wrappers import unwrap_model
@@ -140,9 +140,9 @@ class TrainingPart(TrendAlerting):
         ctx = self.watch
         if ctx.by_shard:
             release_freed()  # what training's backward freed: the replay's own backward allocates on top of it
-        # (sharded: the replay is FSDP2's own backward, whole; its shards are let go as they come; tensor and sequence
-        # parallel without FSDP2: its blocks checkpointed as the room needs, as in one process; ZeRO-3: autograd.grad by
-        # the tensors that fit the room, the smallest room of the ranks: every rank gathers for the same backward)
+        # (FSDP2, tensor and sequence parallel: the replay is the model's own backward, whole, its shards let go as they
+        # come, its blocks checkpointed as the room needs, as in one process; ZeRO-3: autograd.grad by the tensors that
+        # fit the room, the smallest room of the ranks: every rank gathers for the same backward)
         zero = ctx.by_shard and ctx.zero
         room = None if ctx.by_shard and not zero else check.room
         if zero and room is not None:
@@ -150,9 +150,9 @@ class TrainingPart(TrendAlerting):
                 room = cast(int, ctx.lockstep.point(room))  # the smallest of the ranks' rooms
             if not ctx.zero3:
                 room //= 2  # ZeRO 1 and 2: the judge reads ZeRO's whole gradients beside the replayed ones
-        plain_dtensor = ctx.by_shard and not ctx.zero and not any(is_fsdp(m) for m in ctx.model.modules())
+        dtensor = ctx.by_shard and not ctx.zero
         replay = self.replay(check.pending, check.target, room, only=None if check.plan is None else check.plan[1],
-                             seed=check.opts.seed, checkpoint_room=check.room if plain_dtensor else None)
+                             seed=check.opts.seed, checkpoint_room=check.room if dtensor else None)
         check.replay = replay
         return replay
 
@@ -336,7 +336,7 @@ class TrainingPart(TrendAlerting):
         worst = compute_dtype(max(dtypes, key=tolerance_for, default=torch.float32), autocast)
         total: Callable[[nn.Module, Any], Any] = ctx.objective.training_total
         sizing = room if room is not None else checkpoint_room
-        blocks = self._blocks_to_checkpoint(model, params, sizing) if live and sizing is not None else 0
+        blocks = self._blocks_to_checkpoint(model, params, sizing, len(pending.micro)) if live and sizing is not None else 0
         if blocks:
             total = checkpointing(root, total, blocks)
         with rowgrads if rowgrads is not None else contextlib.nullcontext(), ctx.wrapping.fabric_backward():
@@ -352,7 +352,7 @@ class TrainingPart(TrendAlerting):
         self.window.replayed(replay.accumulating, replay.forwards)
         return replay
 
-    def _blocks_to_checkpoint(self, model: nn.Module, params: Dict[str, torch.Tensor], room: int) -> int:
+    def _blocks_to_checkpoint(self, model: nn.Module, params: Dict[str, torch.Tensor], room: int, micro: int = 1) -> int:
         """How many of the model's repeated blocks the replay checkpoints (:mod:`gradwatch.check.replay.checkpoint_blocks`;
         the first ones, whose activations live longest): in one process, as many as keep training's ``.grad`` held
         now and the replayed gradients within what the room leaves above training's activations (the replay's
@@ -360,9 +360,13 @@ class TrainingPart(TrendAlerting):
         activations, with half as many again for what lives outside the blocks (the logits); none where they fit,
         or where the model checkpoints already (its own checkpoints are left as they are).
 
-        Tensor and sequence parallel (shard by shard, no FSDP2 module: ``checkpoint_room``), each rank counts its own
-        shards and the ranks take the largest count (an agreement point: the recomputed forwards' collectives must
-        be the same on every rank)."""
+        FSDP2, tensor and sequence parallel (shard by shard: ``checkpoint_room``), each rank counts its own shards and
+        the ranks take the largest count (an agreement point: the recomputed forwards' collectives must be the same on
+        every rank). An FSDP2 block's recomputed forward runs between its pre-backward all-gather and its
+        reduce-scatter, on its gathered parameters, as with activation checkpointing in training. There the replayed
+        gradients of a step of one micro-batch (``micro``) are not counted: :func:`backward_on_shards` hands back the
+        live shard where the replayed one is the same bits, and copies any other as the backward frees the activations
+        it came from, so the replay's peak is at its forward's end, beside ``.grad``."""
         ctx = self.watch
         sharded = ctx.by_shard and ctx.lockstep is not None
         if ((ctx.dist is not None or ctx.by_shard) and not sharded) or ctx.grad_fn is not None or self._reentrant \
@@ -372,7 +376,8 @@ class TrainingPart(TrendAlerting):
         if any(getattr(m, "gradient_checkpointing", False) is True for m in modules):
             return 0
         held = gradient_bytes(local(p.grad) for p in model.parameters() if p.grad is not None)
-        replayed, activations = gradient_bytes(local(p) for p in params.values()), ctx.memory.transient()
+        replayed = 0 if sharded and micro == 1 else gradient_bytes(local(p) for p in params.values())
+        activations = ctx.memory.transient()
         count = 0  # it fits: no walk of the module tree for its blocks, at every check
         if replay_excess(held, replayed, room, activations) > 0:
             count = blocks_needed(held, replayed, room, activations, len(repeated_blocks(model)))
