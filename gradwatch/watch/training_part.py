@@ -364,9 +364,10 @@ class TrainingPart(TrendAlerting):
         the ranks take the largest count (an agreement point: the recomputed forwards' collectives must be the same on
         every rank). An FSDP2 block's recomputed forward runs between its pre-backward all-gather and its
         reduce-scatter, on its gathered parameters, as with activation checkpointing in training. There the replayed
-        gradients of a step of one micro-batch (``micro``) are not counted: :func:`backward_on_shards` hands back the
-        live shard where the replayed one is the same bits, and copies any other as the backward frees the activations
-        it came from, so the replay's peak is at its forward's end, beside ``.grad``."""
+        gradients of a step of one micro-batch (``micro``) count only for the parameters that are not DTensors (a
+        replicated embedding or head: their replayed ``.grad`` is new): :func:`backward_on_shards` hands back a
+        DTensor's live shard where the replayed one is the same bits, and copies any other as the backward frees the
+        activations it came from."""
         ctx = self.watch
         sharded = ctx.by_shard and ctx.lockstep is not None
         if ((ctx.dist is not None or ctx.by_shard) and not sharded) or ctx.grad_fn is not None or self._reentrant \
@@ -376,7 +377,7 @@ class TrainingPart(TrendAlerting):
         if any(getattr(m, "gradient_checkpointing", False) is True for m in modules):
             return 0
         held = gradient_bytes(local(p.grad) for p in model.parameters() if p.grad is not None)
-        replayed = 0 if sharded and micro == 1 else gradient_bytes(local(p) for p in params.values())
+        replayed = gradient_bytes(local(p) for p in params.values() if not (sharded and micro == 1 and is_dtensor(p)))
         activations = ctx.memory.transient()
         count = 0  # it fits: no walk of the module tree for its blocks, at every check
         if replay_excess(held, replayed, room, activations) > 0:
