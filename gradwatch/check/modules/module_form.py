@@ -340,7 +340,8 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
         else:
             smaller = _fewer_samples(model, objective.loss, batch, unit, need, room, opts.seed, dtype, rows)
         if block is None and smaller is None:
-            skipped.append(f"{unit.label}{'' if rows is None else f' rows {rows[0]}:{rows[1]}'} needs about {mb(need)}")
+            skipped.append(f"{unit.label}{'' if rows is None else f' rows {rows[0]}:{rows[1]}'} needs about {mb(need)} "
+                           f"with {mb(room)} left to it")  # the check's whole room is said once, after every piece
             report.unfit.append(str(piece))
             return estimate, unused
         if block is not None:
