@@ -5,16 +5,16 @@ on the shared 2-core AMD EPYC VM, quiet, torch 2.13 CPU, deepspeed 0.19.8. "1 pr
 process: the same model, options and step, on the step's whole batch (for the data-parallel ``2d21`` and ZeRO, both
 ranks' batches in one); beside it, for those, one process on one rank's batch alone (its check's seconds, and the
 ratio to it); peaks in MB, unwatched / watched; the check in unwatched training steps. Default sizes (4.19M
-parameters, 16 MB in fp32), 8 steps, one run each at commit 5945518:
+parameters, 16 MB in fp32), 8 steps, ``--repeat 2`` at commit aef4e2c:
 
 | engine | peak MB r0 | r1 | peak ratio r0, r1 | check s 2 ranks | 1 process | ratio | one rank's batch | steps, 2 / 1 |
 |---|---|---|---|---|---|---|---|---|
-| tensor parallel | 357 / 389 | 362 / 392 | 1.089, 1.083 | 0.631 | 0.386 | 1.63 | the same | 3.3 / 3.0 |
-| sequence parallel | 367 / 389 | 365 / 388 | 1.062, 1.061 | 0.794 | 0.386 | 2.06 | the same | 3.5 / 3.0 |
-| FSDP2 x TP 2x1 | 442 / 450 | 431 / 446 | 1.017, 1.034 | 0.742 | 0.609 | 1.22 | 0.386 (1.92) | 2.8 / 2.5 |
-| FSDP2 x TP 1x2 | 383 / 404 | 384 / 409 | 1.055, 1.064 | 0.816 | 0.386 | 2.11 | the same | 3.6 / 3.0 |
-| ZeRO-3 | 618 / 591 | 606 / 601 | 0.956, 0.991 | 0.840 | 0.608 | 1.38 | 0.294 (2.85) | 3.1 / 2.4 |
-| ZeRO-2 | 564 / 549 | 561 / 569 | 0.972, 1.014 | 0.568 | 0.608 | 0.93 | 0.294 (1.93) | 2.7 / 2.4 |
+| tensor parallel | 361 / 387 | 360 / 387 | 1.072, 1.076 | 0.579 | 0.389 | 1.50 (1.60, 1.40) | the same | 2.6 / 2.9 |
+| sequence parallel | 366 / 390 | 368 / 388 | 1.066, 1.056 | 0.787 | 0.340 | 2.32 (2.28, 2.35) | the same | 3.4 / 2.9 |
+| FSDP2 x TP 2x1 | 445 / 444 | 442 / 463 | 0.999, 1.048 | 0.815 | 0.580 | 1.41 (1.44, 1.37) | 0.337 (2.42) | 3.2 / 2.5 |
+| FSDP2 x TP 1x2 | 384 / 407 | 383 / 409 | 1.060, 1.067 | 0.848 | 0.376 | 2.25 (2.17, 2.34) | the same | 4.6 / 3.1 |
+| ZeRO-3 | 602 / 606 | 605 / 607 | 1.005, 1.003 | 1.002 | 0.683 | 1.48 (1.64, 1.32) | 0.446 (2.25) | 3.5 / 2.4 |
+| ZeRO-2 | 555 / 563 | 561 / 564 | 1.014, 1.004 | 0.635 | 0.676 | 0.95 (0.83, 1.08) | 0.349 (1.82) | 3.0 / 2.6 |
 
 and at commit 23daf56 with ``--width 512 --vocab 8000 --seq 128 --steps 10 --repeat 3`` (20.8M parameters; 10
 steps, so that the median is of checks past the first pass's heavier ones; each watched arm three times, each right
