@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -356,7 +357,7 @@ def screen(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Ter
     if not (math.isfinite(a_t) and math.isfinite(n_t)) or not settings.detect_kinks:
         return out, screened(out, settings)
     # Only where the objective's terms are known (the module form): no product over the tensor elsewhere.
-    probable = None if settings.term_norm is None else probable_floor(settings, sample.step, param_norm(saved, grads))
+    probable = probable_of(sample, settings, lambda: param_norm(saved, grads))
     if probable is not None and probable < out.floor and screened(replace(out, floor=probable), settings):
         # The worst-case floor kept it from settling; the rounding it really carries does not (see probable_floor).
         return out, True
@@ -522,36 +523,37 @@ def linear_from(probes: WideProbes, slope: float, j0: float, settings: EngineSet
     return Outcome(a2, richardson, floor, widened=True, step=probes[0][0])
 
 
-def needs_widening(out: Outcome, settings: EngineSettings, probable: Optional[float] = None) -> bool:
+def needs_widening(out: Outcome, settings: EngineSettings,
+                   probable: Optional[Callable[[], Optional[float]]] = None) -> bool:
     """True when a base probe's noise floor is over ``IMPRECISE`` of its slopes: :func:`widen` takes it again.
 
-    Not where the probe's ``probable`` floor (:func:`~gradwatch.check.probes.lines.probable_floor`) settles it as the
-    detection probe is settled (:func:`screened` with it in place of the worst case): slopes that agree to the
-    EXCELLENT band beyond the rounding the probe really carries have no error for a wider step to show. As in
-    :func:`screen`, the probable floor never discounts a disagreement: a probe that disagrees is widened as before.
+    Not where the probe's probable floor (``probable()``, :func:`probable_of`: asked only where the worst case is over
+    ``IMPRECISE``) settles it as the detection probe is settled (:func:`screened` with it in place of the worst
+    case): slopes that agree to the EXCELLENT band beyond the rounding the probe really carries have no error for a
+    wider step to show. As in :func:`screen`, the probable floor never discounts a disagreement: a probe that
+    disagrees is widened as before.
 
     Example:
         >>> from gradwatch.bands import Verdict
         >>> settings = EngineSettings(4, 0, None, (1e-7, 1e-4, 1e-2), Verdict.WRONG, True, 2.0 ** -52, 1.0)
         >>> out = Outcome({"total": 0.5}, {"total": 0.5}, 1e-3)
-        >>> needs_widening(out, settings), needs_widening(out, settings, probable=1e-12)
+        >>> needs_widening(out, settings), needs_widening(out, settings, probable=lambda: 1e-12)
         (True, False)
-        >>> needs_widening(Outcome({"total": 0.5}, {"total": 0.51}, 1e-3), settings, probable=1e-12)
+        >>> needs_widening(Outcome({"total": 0.5}, {"total": 0.51}, 1e-3), settings, probable=lambda: 1e-12)
         True
     """
     a, n, fl = out.analytic["total"], out.numeric["total"], out.floor
     if not (settings.detect_kinks and math.isfinite(a) and math.isfinite(n) and fl > IMPRECISE * max(abs(a), abs(n))):
         return False
-    return probable is None or not (probable < fl and screened(replace(out, floor=probable), settings))
+    floor = None if probable is None else probable()
+    return floor is None or not (floor < fl and screened(replace(out, floor=floor), settings))
 
 
-def probable_of(sample: Sample, saved: torch.Tensor, grads: Dict[str, torch.Tensor], settings: EngineSettings,
-                norm: Optional[float] = None) -> Optional[float]:
-    """A sample's probable floor (:func:`~gradwatch.check.probes.lines.probable_floor`; None where the objective's terms
-    are unknown); ``norm``: the tensor's :func:`param_norm`, where the caller has it."""
-    if settings.term_norm is None:
-        return None
-    return probable_floor(settings, sample.step, param_norm(saved, grads) if norm is None else norm)
+def probable_of(sample: Sample, settings: EngineSettings, norm: Callable[[], float]) -> Optional[float]:
+    """A sample's probable floor (:func:`~gradwatch.check.probes.lines.probable_floor`), None where the objective's
+    terms are unknown; ``norm()`` gives the tensor's :func:`param_norm` (a product over the whole tensor: called only
+    where the terms are known)."""
+    return None if settings.term_norm is None else probable_floor(settings, sample.step, norm())
 
 
 def widened_in_batches(name: str, p, saved, grads, based: Sequence[Tuple[Sample, Outcome]], probe_batch: Any,
@@ -560,9 +562,9 @@ def widened_in_batches(name: str, p, saved, grads, based: Sequence[Tuple[Sample,
     batches of ``probe_batch``: one :data:`WideProbes` each, None where a sample needs none, and all None when the
     batched evaluator declines (each sample then widens one evaluation at a time)."""
     wanted: List[Tuple[int, Sample, float]] = []
-    norm = None if settings.term_norm is None else param_norm(saved, grads)
+    norm = functools.cache(lambda: param_norm(saved, grads))  # once, and only if a probe asks for its probable floor
     for i, (sample, out) in enumerate(based):
-        wider = needs_widening(out, settings, probable_of(sample, saved, grads, settings, norm))
+        wider = needs_widening(out, settings, functools.partial(probable_of, sample, settings, norm))
         t = widen_step(sample, out.analytic, out.numeric, out.floor, settings) if wider else None
         if t is not None:
             wanted.append((i, sample, t))
@@ -585,7 +587,7 @@ def judge_sample(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Term
     here, in one batch when ``batch`` (the tensor's name and a batched evaluator) is given and takes it.
     """
     out = outcome_of(sample, base, settings)
-    if needs_widening(out, settings, probable_of(sample, saved, grads, settings)):
+    if needs_widening(out, settings, lambda: probable_of(sample, settings, lambda: param_norm(saved, grads))):
         if wide is None and batch is not None:
             wide = widened_in_batches(batch[0], p, saved, grads, [(sample, out)], batch[1], settings)[0]
         if wide is not None:
