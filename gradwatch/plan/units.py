@@ -272,6 +272,17 @@ def faithful_rows(module: nn.Module) -> bool:
     return False
 
 
+def known_first(unit: Unit) -> bool:
+    """Whether a unit's output is known from its kind alone, before it runs: a plain Linear or Embedding module unit
+    (:func:`faithful_rows`). The answer depends on nothing a rank holds, so a forward of several ranks may stop there.
+
+    Example:
+        >>> known_first(Unit("h", nn.Linear(8, 50))), known_first(Unit("t", nn.Tanh()))
+        (True, False)
+    """
+    return unit.kind == "module" and faithful_rows(unit.module)
+
+
 def output_shape(unit: Unit, args: Any, kwargs: Any) -> Optional[Tuple[int, ...]]:
     """The output shape of a plain ``nn.Linear`` or ``nn.Embedding`` unit (:func:`faithful_rows`) called on one tensor,
     known before it runs; None for any other unit or call.
@@ -285,7 +296,7 @@ def output_shape(unit: Unit, args: Any, kwargs: Any) -> Optional[Tuple[int, ...]
         True
     """
     module = unit.module
-    if unit.kind != "module" or not faithful_rows(module) or kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+    if not known_first(unit) or kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
         return None
     x = args[0]
     if isinstance(module, nn.Linear) and x.dim() >= 1 and x.shape[-1] == module.in_features:

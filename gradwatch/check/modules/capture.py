@@ -30,7 +30,7 @@ from torch import nn
 from gradwatch.check.modules.localize import copy_opaque, map_tensors
 from gradwatch.check.objective.dtensor import is_dtensor, whole
 from gradwatch.plan.memory import float_bytes
-from gradwatch.plan.units import LOSS_FN, Enough, Unit, faithful_rows, isolated_forward, output_shape, relative
+from gradwatch.plan.units import LOSS_FN, Enough, Unit, isolated_forward, known_first, output_shape, relative
 from gradwatch.trees import rebuild, tensor_leaves
 
 
@@ -70,19 +70,10 @@ def live_bytes(obj: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensor_leaves(obj) if t.is_floating_point())
 
 
-def known_first(unit: Unit) -> bool:
-    """Whether a unit's output is known as its first call begins, from its kind alone (a plain Linear or Embedding
-    module unit), so that a forward may stop there: the same answer on every rank.
-
-    Example:
-        >>> known_first(Unit("h", nn.Linear(8, 50))), known_first(Unit("t", nn.Tanh()))
-        (True, False)
-    """
-    return unit.kind == "module" and isinstance(unit.module, (nn.Linear, nn.Embedding)) and faithful_rows(unit.module)
-
-
 def linear_output_bytes(module: nn.Module, args: Any) -> int:
-    """Float64 bytes of the output of a plain Linear or Embedding (:func:`known_first`) called on ``args[0]``.
+    """Float64 bytes of the output of a plain Linear or Embedding (:func:`~gradwatch.plan.units.known_first`) called on
+    ``args[0]``. Unlike :func:`~gradwatch.plan.units.output_shape`, an input of another width than ``in_features`` is
+    taken as it is: under tensor parallel a row-parallel Linear is given this rank's shard of its input.
 
     Example:
         >>> linear_output_bytes(nn.Linear(8, 50), (torch.ones(4, 3, 8),)), linear_output_bytes(nn.Embedding(9, 5), (torch.ones(2, 7),))
@@ -218,7 +209,7 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
         frame = stack.pop() if stack else [name, False]
         if frame[1]:
             got.output_bytes[name] = float_bytes(out)
-        if name in shared and name in seen:
+        if name in shared:  # its first call's end (a later call's changes nothing)
             passed.add(name)
         holder = stack[-1][0] if stack and stack[-1][1] and stack[-1][0] in own else None
         rel = own[holder].get(name) if holder is not None else None

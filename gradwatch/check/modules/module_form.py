@@ -201,7 +201,8 @@ def run_module_check(
     solo: List[Piece] = []  # pieces that fit the room only without the other units' captures beside them
     once = view is not None  # sharded: one forward on every rank, even with no piece of its own
     agree = getattr(view, "agree", None)
-    shared = () if view is None else units if everyone is None else [u for u in units if u.name in set(everyone)]
+    checked = None if everyone is None else set(everyone)
+    shared = () if view is None else units if checked is None else [u for u in units if u.name in checked]
     # Captures take a third of the room at most; units that do not fit together are captured by later forwards
     # (sharded: as many on every rank, agreed after each; without a way to agree, one forward holding them all).
     budget = None if room is None or (view is not None and agree is None) else room // 3
