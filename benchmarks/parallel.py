@@ -372,10 +372,12 @@ def measure(args: argparse.Namespace, config: str, ones: Dict[str, Dict[str, Any
         print(json.dumps(row), flush=True)
     passes = []  # (the one-process runs, the watched 2-rank runs) of each repetition
     for _ in range(args.repeat):
+        fresh: List[Dict[str, Any]] = []  # repeated: this repetition's own one-process runs
         if args.repeat > 1:
-            ones = {r["config"]: r for run in dict.fromkeys((same, per)) for r in launch(args, run, True, ranks=0)}
+            fresh = [r for run in dict.fromkeys((same, per)) for r in launch(args, run, True, ranks=0)]
+            ones = {r["config"]: r for r in fresh}
         watched = launch(args, config, True)
-        for row in watched + ([ones[same]] + ([ones[per]] if per != same else []) if args.repeat > 1 else []):
+        for row in watched + fresh:
             print(json.dumps(row), flush=True)
         passes.append((ones, watched))
     # the whole watch.step of a checking step (the slower rank), paired with the one-process run beside it
@@ -386,24 +388,24 @@ def measure(args: argparse.Namespace, config: str, ones: Dict[str, Dict[str, Any
     two_s, one_s, rank_s = statistics.median(two), statistics.median(one), statistics.median(rank)
     two_train = max(_median(p["train_seconds"]) for p in plain)  # an unwatched training step on 2 ranks
     one_train = statistics.median(_median(o[same]["train_seconds"]) for o, _ in passes)
-    everyone = [w for _, watched in passes for w in watched]
+    runs = [w for _, watched in passes for w in watched]  # every rank's watched run of every repetition
     peaks = [max(ws[i]["peak_mb"] for _, ws in passes) for i in range(len(plain))]  # each rank's largest watched peak
     vmhwm = [max(ws[i]["vmhwm_mb"] for _, ws in passes) for i in range(len(plain))]
-    return {"config": config, "params": everyone[0]["n_params"],
+    return {"config": config, "params": runs[0]["n_params"],
             "peak_mb_per_rank": [[round(p["peak_mb"]), round(w)] for p, w in zip(plain, peaks)],
             "peak_ratio_per_rank": [round(w / p["peak_mb"], 3) for w, p in zip(peaks, plain)],
             "vmhwm_ratio_per_rank": [round(w / p["vmhwm_mb"], 3) for w, p in zip(vmhwm, plain)],
-            "forms": sorted({f for w in everyone for f in w["forms"]}),
+            "forms": sorted({f for w in runs for f in w["forms"]}),
             "check_s_2_ranks": round(two_s, 3), "check_s_1_process": round(one_s, 3),
             "time_ratio_2_over_1": round(statistics.median(ratios), 3), "time_ratios": [round(r, 3) for r in ratios],
             "check_s_1_process_rank_batch": round(rank_s, 3), "time_ratio_2_over_1_rank_batch": round(two_s / rank_s, 3),
             "train_step_s_2_ranks": round(two_train, 3), "train_step_s_1_process": round(one_train, 3),
             "check_in_steps_2_ranks": round(two_s / two_train, 2), "check_in_steps_1_process": round(one_s / one_train, 2),
-            "steps_to_full": max((w["steps_to_full"] or 0) for w in everyone),
-            "alerts": sorted({a for w in everyone for a in w["alerts"]}),
-            "backward_min": min(w["backward_min"] for w in everyone),
-            "training_min": min(w["training_min"] for w in everyone),
-            "never": sorted({n for w in everyone for n in w["never"]})}
+            "steps_to_full": max((w["steps_to_full"] or 0) for w in runs),
+            "alerts": sorted({a for w in runs for a in w["alerts"]}),
+            "backward_min": min(w["backward_min"] for w in runs),
+            "training_min": min(w["training_min"] for w in runs),
+            "never": sorted({n for w in runs for n in w["never"]})}
 
 
 def table(rows: List[Dict[str, Any]]) -> str:
