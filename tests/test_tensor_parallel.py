@@ -54,7 +54,10 @@ WORKER = textwrap.dedent(
                                                    SequenceParallel, parallelize_module)
 
     from gradwatch import GradWatch
-    from gradwatch.watch.shard_check import settled
+    from gradwatch.plan.cycle import Piece
+    from gradwatch.plan.shards import assign
+    from gradwatch.plan.units import plan_units
+    from gradwatch.watch.shard_check import held_rows, replicas, reshard, settled
     from helpers import WrongSoftmax, save_rank_results  # tests/helpers.py: softmax whose backward is 10% too large
 
     faults = {"checking": False, "calls": 0, "step": -1, "at": {}}  # (rank, step) -> (call of loss_fn, what)
@@ -257,6 +260,13 @@ WORKER = textwrap.dedent(
             reduced = settled(g, None)
             res["partial"] = [str(pl) for pl in g.placements]
             res["settled"] = bool(torch.equal(reduced, g.full_tensor())) and not torch.equal(reduced, g.to_local())
+        if watch is not None and shape.startswith("2d"):  # who checks which rows (every rank: an exchange)
+            units = plan_units(net, loss_fn, batch)
+            reshard(net)  # its forward left the root's parameters gathered
+            held = replicas(held_rows(units))
+            pieces = [Piece(u, (r, r + 4)) for u in ("emb", "head", "block.fc1") for r in range(0, 40, 4)]
+            res["held"] = {n: list(h) for n, h in held.items()}
+            res["mine"] = [str(p) for p, _ in assign(pieces, held, rank, 2)]
         if watch is not None:
             res.update(checks=checks, alerts=[a.to_dict() for a in watch.alerts], coverage=watch.coverage,
                        names=[n for n, _ in net.named_parameters()])
@@ -320,6 +330,17 @@ def test_correct_parallel_model_fully_checked_no_alert_training_bit_identical(ra
             assert cov["backward"] > 0 and cov["training"] > 0, (name, cov)
         assert res["bit_identical"]
         assert not any("not checked" in n for c in res["checks"] for n in c["notes"]), res["checks"][0]["notes"]
+
+
+@pytest.mark.parametrize("shape", ["2d21", "2d12"])
+def test_2d_mesh_rows_held_by_several_ranks_are_checked_by_one_of_them(ranks, shape):
+    mine = [set(r[shape]["mine"]) for r in ranks]
+    assert not mine[0] & mine[1], mine[0] & mine[1]  # no piece checked twice
+    assert mine[0] | mine[1] == {f"{u}[{r}:{r + 4}]" for u in ("emb", "head", "block.fc1") for r in range(0, 40, 4)}
+    if shape == "2d12":  # FSDP2 on a mesh of 1: both tensor parallel ranks hold every row of emb and head, in turns
+        assert [r[shape]["held"]["emb"][3:] for r in ranks] == [[0, 2], [1, 2]]
+        assert [r[shape]["held"]["block.fc1"][1:] for r in ranks] == [[0, 2, 0, 1], [1, 2, 0, 1]]  # its TP shards
+        assert [len([p for p in m if p.startswith("emb")]) for m in mine] == [5, 5]
 
 
 @pytest.mark.parametrize("shape", SHAPES)

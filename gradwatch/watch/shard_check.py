@@ -40,13 +40,13 @@ from gradwatch.check.judging.training_judge import same_bits
 from gradwatch.check.modules.own_code import HOOK_DICTS
 from gradwatch.check.objective.dtensor import is_dtensor
 from gradwatch.plan.cycle import Piece
-from gradwatch.plan.shards import assign, rows_held
+from gradwatch.plan.shards import Holding, assign, rows_held
 from gradwatch.plan.units import Unit, faithful_rows, sliceable_rows
 from gradwatch.watch.sharded import FSDP_KEYS, fsdp_loaded, full_tensor, is_fsdp, plain_class
 from gradwatch.watch.zero import gathered, is_partitioned
 
 __all__ = ["SHARD_NOTE", "ShardView", "backward_on_shards", "gather_wholes", "held_by", "held_rows", "is_partial",
-           "plan_shards", "reshard", "settled"]
+           "plan_shards", "replicas", "reshard", "settled"]
 
 
 #: The note every report of a model checked shard by shard carries.
@@ -56,7 +56,9 @@ SHARD_NOTE = ("the model is sharded (FSDP2 or tensor parallel DTensors): checked
 
 
 def held_by(p: torch.Tensor) -> Optional[Tuple[int, int]]:
-    """``(rank, world)`` of a DTensor sharded on dim 0 over a 1-D mesh (FSDP2's layout); None for any other.
+    """``(rank, world)`` of a DTensor whose rows are split on dim 0 as ``torch.chunk`` does over one mesh dimension
+    (FSDP2's layout; a tensor parallel ``Colwise`` shard), every other mesh dimension replicating it or of size 1
+    (a 2-D mesh's FSDP2 over tensor parallel, one of them of size 1); None for any other layout.
 
     Example:
         >>> held_by(torch.ones(2)) is None
@@ -66,37 +68,69 @@ def held_by(p: torch.Tensor) -> Optional[Tuple[int, int]]:
         return None
     mesh: Any = getattr(p, "device_mesh", None)
     placements: Sequence[Any] = tuple(getattr(p, "placements", ()))
-    if mesh is None or mesh.ndim != 1 or len(placements) != 1:
+    if mesh is None or len(placements) != mesh.ndim:
         return None
-    place = placements[0]
-    if not (getattr(place, "dim", None) == 0 and type(place).__name__ == "Shard"):
+    split: Optional[int] = None  # the mesh dimension the rows are split over
+    rows_split = False
+    for dim, place in enumerate(placements):
+        kind = type(place).__name__
+        if kind == "Shard" and getattr(place, "dim", None) == 0:
+            rows_split = True
+            if int(mesh.size(dim)) > 1:
+                if split is not None:
+                    return None  # rows split over two dimensions: gathered as a whole piece instead
+                split = dim
+        elif kind != "Replicate" and int(mesh.size(dim)) > 1:
+            return None
+    if not rows_split:
         return None
-    rank, world = int(mesh.get_local_rank()), int(mesh.size())
+    rank, world = (0, 1) if split is None else (int(mesh.get_local_rank(split)), int(mesh.size(split)))
     first, end = rows_held(int(p.shape[0]), rank, world)
     if int(local(p).shape[0]) != end - first:
         return None  # another split than torch.chunk's: gathered as a whole piece instead
     return rank, world
 
 
-def held_rows(units: Sequence[Unit]) -> Tuple[Dict[str, int], Optional[Tuple[int, int]]]:
-    """The units checked on the ranks that hold their rows (name -> rows), and ``(rank, world)`` of the shards.
+def held_rows(units: Sequence[Unit]) -> Dict[str, Holding]:
+    """The units checked on the ranks that hold their rows: name -> :class:`~gradwatch.plan.shards.Holding`
+    (rows, and ``(rank, world)`` of their split; one replica, see :func:`replicas`).
 
     A unit qualifies when it is a Linear or an Embedding whose forward is the library's own
     (:func:`gradwatch.plan.units.faithful_rows`: a subclass is gathered whole and checked in place) called as
-    a module and each of its parameters is sharded on dim 0 with one row per output row.
+    a module and each of its parameters is sharded on dim 0 alike, with one row per output row.
     """
-    out: Dict[str, int] = {}
-    where: Optional[Tuple[int, int]] = None
+    out: Dict[str, Holding] = {}
     for u in units:
         rows = sliceable_rows(u.module) if u.kind == "module" and faithful_rows(u.module) else None
         params = [p for _, p in u.module.named_parameters()]
         places = [held_by(p) for p in params]
-        if rows is None or not params or any(pl is None for pl in places) \
+        if rows is None or not params or any(pl is None or pl != places[0] for pl in places) \
                 or any(int(p.shape[0]) != rows for p in params):
             continue
-        out[u.name] = rows
-        where = where or places[0]
-    return out, where
+        rank, world = cast(Tuple[int, int], places[0])
+        out[u.name] = Holding(rows, rank, world)
+    return out
+
+
+def replicas(held: Mapping[str, Holding]) -> Dict[str, Holding]:
+    """``held`` with each unit's replicas counted: where fewer ranks split its rows than the process group has (a 2-D
+    mesh's tensor parallel ranks holding the same FSDP2 shard), the ranks holding the same rows take turns at its
+    pieces. One exchange of the ranks' splits (a collective: every rank, with the same units); none where every
+    unit is split over the whole group.
+    """
+    rank, world = _rank_world()
+    spread = [name for name, h in held.items() if h.world < world]
+    if not spread:
+        return dict(held)
+    import torch.distributed as dist
+
+    everyone: List[Any] = [None] * world
+    dist.all_gather_object(everyone, [held[name].rank for name in spread])
+    out = dict(held)
+    for i, name in enumerate(spread):
+        same = [r for r in range(world) if everyone[r][i] == everyone[rank][i]]
+        out[name] = held[name]._replace(replica=same.index(rank), replicas=len(same))
+    return out
 
 
 def _subtree(unit: Unit, named: Mapping[str, nn.Module]) -> List[Tuple[str, nn.Module]]:
@@ -123,10 +157,8 @@ def plan_shards(model: nn.Module, units: Sequence[Unit], pieces: Sequence[Piece]
     Every rank gathers the parameters of every piece that is not checked by rows, in plan order, and keeps
     those of its own: the same collectives everywhere, before anything of the check that may raise.
     """
-    held, where = held_rows(units)
-    turns = _rank_world()
-    rank, world = where if where is not None else turns
-    mine = assign(pieces, held, rank, world, turns)
+    held = replicas(held_rows(units))
+    mine = assign(pieces, held, *_rank_world())
     own = {str(p) for p, _ in mine}
     named = dict(model.named_modules())
     by_name = {u.name: u for u in units}
