@@ -315,6 +315,8 @@ def launch(args: argparse.Namespace, config: str, watch: bool, ranks: int = 2) -
     here = os.path.abspath(__file__)
     root = os.path.dirname(os.path.dirname(here))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    if args.mmap_threshold is not None:  # glibc's, every arm alike (read at each process's start)
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     tail = ["--worker", "--configs", config, "--size", json.dumps(size_of(args)), "--steps", str(args.steps)] \
         + (["--watch"] if watch else [])
     if ranks:
@@ -449,6 +451,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--repeat", type=int, default=1,
                         help="watched arms per engine, each paired with a one-process run just before it; the time "
                              "ratio is their median (default 1)")
+    parser.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
+                        help="glibc's mmap threshold in every arm (MALLOC_MMAP_THRESHOLD_), fixed instead of glibc's "
+                             "dynamic one, which moves a process's peak by up to 20%% from launch to launch "
+                             "(default: glibc's own)")
     parser.add_argument("--size", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--watch", action="store_true", help=argparse.SUPPRESS)
@@ -470,6 +476,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows: List[Dict[str, Any]] = []
     if args.repeat < 1:
         parser.error(f"--repeat {args.repeat}: accepted: 1 or more")
+    if args.mmap_threshold is not None and not 0 <= args.mmap_threshold <= 32 * 2 ** 20:
+        parser.error(f"--mmap-threshold {args.mmap_threshold}: accepted: 0 to {32 * 2 ** 20} bytes (glibc's bounds)")
     plain_runs = list(dict.fromkeys(run for c in configs for run in one_process(c))) if args.repeat == 1 else []
     # the one-process arms first, one launch each (a process of its own: its peak and heap are its own); repeated,
     # each repetition's beside its watched arms instead
