@@ -79,3 +79,26 @@ def test_a_sharded_cut_keeps_the_rows_share_of_the_parameters_in_its_cost():
     assert 1 <= kept < 2048 and what.startswith(f"{kept} of the batch's 2048 samples")
     assert cost == params + 5_000_000 * kept // 2048 and cost <= 500_000
     assert _cut_samples(unit, ((x,), {}), {}, set(), need, 300_000, rows) is None  # the rows' copies alone: 312 KB
+
+
+def test_the_loss_codes_piece_is_costed_with_its_own_intermediates():
+    """``loss_fn``'s own code holds intermediates the size of the model's output it is checked on (a log-softmax
+    over the vocabulary and its gradient): the piece is costed at twice the bytes a module's parameter entry costs
+    (at one sample of 128 x 8,000 logits the check added 118 MB to the process and was costed 49 MB before), so a
+    room that held it at the old rate cuts it now."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(500, 16), nn.Linear(16, 500))
+    batch = torch.randint(0, 500, (4, 33))
+
+    def lm(m, b):
+        logits = m(b[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[:, 1:].reshape(-1))
+
+    entries = 4 * 32 * 500
+    whole = run_module_check(model, Objective(lm), batch, CheckOptions(seed=0), pieces=[Piece("<loss_fn>")])
+    assert whole.memory["estimate_bytes"] >= 96 * entries
+    room = 60 * entries  # the whole batch at the module rate (48 bytes an entry), not at the loss code's
+    report = run_module_check(model, Objective(lm), batch, CheckOptions(seed=0), pieces=[Piece("<loss_fn>")], room=room)
+    assert report.ok and "<model>:output" in report.tensors
+    assert report.memory["estimate_bytes"] <= room
+    assert any("own code of `loss_fn` checked on" in n for n in report.notes), report.notes

@@ -41,6 +41,12 @@ AIM = 0.5
 #: engine's saved copy and the transient ``|grad|`` of the coordinate choice (8 each), int8 signs, and what the
 #: allocator keeps of freed temporaries (measured: about 40 bytes per entry on a 1.6M-entry block of a Linear).
 MODULE_BYTES_PER_ENTRY = 48
+#: Bytes per float64 entry of the model's output a check of ``loss_fn``'s own code holds at once: those of
+#: :data:`MODULE_BYTES_PER_ENTRY` (the output is what its check perturbs), and as many again for the loss code's own
+#: intermediates, which have the output's size (a log-softmax over the vocabulary and its gradient). Measured: the
+#: check of a cross-entropy over one sample of 128 x 8,000 logits (1.02M entries) added 118 MB to the process with
+#: glibc's mmap threshold fixed at 1 MiB, 188 MB with glibc's dynamic one; at 48 bytes an entry it was costed 49 MB.
+LOSS_CODE_BYTES_PER_ENTRY = 2 * MODULE_BYTES_PER_ENTRY
 #: The same for the whole-objective form, per entry of a checked tensor (gradient, saved copy, ``|grad|``, signs).
 CHECKED_BYTES_PER_ENTRY = 8 * 3 + 4
 

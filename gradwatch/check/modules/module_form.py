@@ -67,6 +67,7 @@ from gradwatch.check.objective.surrogate import find_surrogates, inside, surroga
 from gradwatch.options import CheckOptions
 from gradwatch.plan.cycle import Piece
 from gradwatch.plan.memory import (
+    LOSS_CODE_BYTES_PER_ENTRY,
     MODULE_BYTES_PER_ENTRY,
     TRIM_BYTES,
     float_bytes,
@@ -519,7 +520,8 @@ def _fewer_samples(model: nn.Module, loss_fn: Any, batch: Any, unit: Unit, need:
 def _cast_capture(got: Captured, unit: Unit, rows: Optional[Tuple[int, int]], dtype: torch.dtype
                   ) -> Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, int, Set[int]]:
     """A unit's captured inputs and stubs' outputs in ``dtype``, as ``((args, kwargs), children, output bytes, what
-    checking the piece (the unit, or its ``rows``) on them needs, ids of the constants)``."""
+    checking the piece (the unit, or its ``rows``) on them needs, ids of the constants)``. The model's output that
+    ``loss_fn``'s own code is checked on counts at :data:`~gradwatch.plan.memory.LOSS_CODE_BYTES_PER_ENTRY`."""
     constants: Set[int] = set()
     inputs = _cast_tree(got.inputs[unit.name], dtype, got.constants, constants)
     children = {rel: [_cast_tree(o, dtype, got.constants, constants) for o in outs]
@@ -527,7 +529,8 @@ def _cast_capture(got: Captured, unit: Unit, rows: Optional[Tuple[int, int]], dt
     out_bytes = got.output_bytes.get(unit.name, 0)
     if rows is None:
         stub = [t for outs in children.values() for o in outs for t in tensor_leaves(o) if t.is_floating_point()]
-        need = module_bytes(unit.params.values(), inputs, out_bytes) + _numel(stub) * MODULE_BYTES_PER_ENTRY
+        per_entry = LOSS_CODE_BYTES_PER_ENTRY if unit.kind == "loss_fn" else MODULE_BYTES_PER_ENTRY
+        need = module_bytes(unit.params.values(), inputs, out_bytes) + _numel(stub) * per_entry
     else:
         fixed, per_row = _rows_cost(unit, inputs, out_bytes)
         need = fixed + int(per_row * (rows[1] - rows[0]))
