@@ -7,9 +7,8 @@ likewise, so a slice of them is checked on the rank that holds it, with no gathe
 
 - a piece of such a unit (a block of rows, or the whole unit) is cut at the shard bounds, and each rank
   takes the part it holds (:func:`assign`);
-- every other piece (a unit's own code, a LayerNorm, an activation) is taken by one rank, the one with the
-  least of them so far in plan order (an own code weighing as four others, :func:`weight`), and its
-  parameters are gathered for that piece alone;
+- every other piece (a unit's own code, a LayerNorm, an activation) is taken by one rank, round-robin
+  in plan order, and its parameters are gathered for that piece alone;
 - where several ranks hold the same rows (a 2-D mesh: the tensor parallel ranks of one FSDP2 shard, or the
   FSDP2 ranks of one tensor parallel shard), those replicas take turns at the unit's pieces.
 
@@ -17,10 +16,7 @@ Every rank computes the same plan: the assignment needs no message but, with rep
 ranks' splits (:func:`gradwatch.watch.shard_check.replicas`).
 
 Example:
-    >>> from torch import nn
-
-from gradwatch.plan.cycle import Piece
-from gradwatch.plan.units import Unit
+    >>> from gradwatch.plan.cycle import Piece
     >>> pieces = [Piece("attn"), Piece("head", (0, 256)), Piece("norm")]
     >>> [(str(p), offset) for p, offset in assign(pieces, {"head": Holding(1000, rank=0, world=2)}, rank=0, world=2)]
     [('attn', 0), ('head[0:256]', 0)]
@@ -33,10 +29,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from torch import nn
-
 from gradwatch.plan.cycle import Piece
-from gradwatch.plan.units import Unit
 
 
 def rows_held(rows: int, rank: int, world: int) -> Tuple[int, int]:
@@ -62,24 +55,7 @@ class Holding(NamedTuple):
     replicas: int = 1
 
 
-def weight(unit: Unit) -> float:
-    """A piece's share of a check's work, as every rank reckons it alike (no measurement: the ranks' own costs differ,
-    an own-code unit seeing one rank's heads or sequence): the own code of a module or of ``loss_fn`` 4 (its probes
-    perturb the outputs of what it calls: an attention's own code took 0.1 s to 0.7 s at 20.8M, a LayerNorm 0.03 s),
-    an Embedding's rows 0.2 (the tokens of the batch only), any other 1.
-
-    Example:
-        >>> from torch import nn
-        >>> weight(Unit("attn", nn.Module(), kind="own")), weight(Unit("emb", nn.Embedding(4, 2))), weight(Unit("ln", nn.LayerNorm(2)))
-        (4.0, 0.2, 1.0)
-    """
-    if unit.kind != "module":
-        return 4.0
-    return 0.2 if isinstance(unit.module, nn.Embedding) else 1.0
-
-
-def assign(pieces: Sequence[Piece], held: Mapping[str, Holding], rank: int, world: int,
-           weights: Optional[Mapping[str, float]] = None) -> List[Tuple[Piece, int]]:
+def assign(pieces: Sequence[Piece], held: Mapping[str, Holding], rank: int, world: int) -> List[Tuple[Piece, int]]:
     """This rank's pieces, each with the offset of the rows it holds (0 for a piece checked whole).
 
     Args:
@@ -88,9 +64,7 @@ def assign(pieces: Sequence[Piece], held: Mapping[str, Holding], rank: int, worl
             their rows (a Linear or an Embedding whose weight is sharded on dim 0). Where several ranks hold the same
             rows (their replicas), they take turns at its pieces.
         rank: This rank (of the process group).
-        world: The process group's size: the pieces checked whole go, in plan order, each to the rank with the least
-            of them so far by ``weights`` (unit name -> :func:`weight`; default 1 each: round-robin), the lowest such
-            rank on a tie.
+        world: The process group's size: every rank takes its turn at the pieces checked whole.
 
     Example:
         >>> assign([Piece("fc")], {"fc": Holding(5, rank=1, world=2)}, rank=1, world=2)
@@ -99,20 +73,16 @@ def assign(pieces: Sequence[Piece], held: Mapping[str, Holding], rank: int, worl
         >>> [[str(p) for p, _ in assign([Piece("fc", (0, 4)), Piece("fc", (4, 8))], {"fc": both._replace(replica=r)},
         ...                             rank=r, world=2)] for r in (0, 1)]
         [['fc[0:4]'], ['fc[4:8]']]
-        >>> whole = [Piece("attn"), Piece("ln1"), Piece("block"), Piece("ln2")]  # the own codes weigh 4, norms 1
-        >>> [[str(p) for p, _ in assign(whole, {}, r, 2, {"attn": 4, "block": 4})] for r in (0, 1)]
-        [['attn', 'ln2'], ['ln1', 'block']]
     """
     out: List[Tuple[Piece, int]] = []
-    loads = [0.0] * max(1, world)  # each rank's pieces checked whole so far
+    turn = 0
     turns: Dict[str, int] = {}  # per unit held by replicas: its pieces so far
     for piece in pieces:
         holding = held.get(piece.unit)
         if holding is None:
-            least = min(range(len(loads)), key=lambda r: (loads[r], r))
-            loads[least] += 1.0 if weights is None else weights.get(piece.unit, 1.0)
-            if least == rank:
+            if turn % world == rank:
                 out.append((piece, 0))
+            turn += 1
             continue
         if holding.replicas > 1:
             seen = turns.get(piece.unit, 0)

@@ -40,7 +40,7 @@ from gradwatch.check.judging.training_judge import same_bits
 from gradwatch.check.modules.own_code import HOOK_DICTS
 from gradwatch.check.objective.dtensor import is_dtensor
 from gradwatch.plan.cycle import Piece
-from gradwatch.plan.shards import Holding, assign, rows_held, weight
+from gradwatch.plan.shards import Holding, assign, rows_held
 from gradwatch.plan.units import Unit, faithful_rows, sliceable_rows
 from gradwatch.watch.sharded import FSDP_KEYS, fsdp_loaded, full_tensor, is_fsdp, plain_class
 from gradwatch.watch.zero import gathered, is_partitioned
@@ -158,7 +158,7 @@ def plan_shards(model: nn.Module, units: Sequence[Unit], pieces: Sequence[Piece]
     those of its own: the same collectives everywhere, before anything of the check that may raise.
     """
     held = replicas(held_rows(units))
-    mine = assign(pieces, held, *_rank_world(), weights={u.name: weight(u) for u in units})
+    mine = assign(pieces, held, *_rank_world())
     own = {str(p) for p, _ in mine}
     named = dict(model.named_modules())
     by_name = {u.name: u for u in units}
