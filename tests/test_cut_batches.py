@@ -102,3 +102,22 @@ def test_the_loss_codes_piece_is_costed_with_its_own_intermediates():
     assert report.ok and "<model>:output" in report.tensors
     assert report.memory["estimate_bytes"] <= room
     assert any("own code of `loss_fn` checked on" in n for n in report.notes), report.notes
+
+
+def test_a_sharded_linear_too_big_both_ways_is_checked_on_rows_of_one_sample():
+    """On a sharded model no other forward may run: a Linear's row block whose inputs alone fill half the room, and
+    whose rows' share of the parameters alone fills the room, is checked on a block of rows of one captured sample
+    (it was left unchecked: a ``not_checked`` alert on a correct model, in a tight room)."""
+    from gradwatch.watch.shard_check import ShardView
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 3))
+    g = torch.Generator().manual_seed(3)
+    batch = torch.randn(256, 64, generator=g), torch.randint(0, 3, (256,), generator=g)
+    report = run_module_check(model, Objective(xent), batch, CheckOptions(seed=0), pieces=[Piece("0", (0, 256))],
+                              room=600_000, view=ShardView(model, {}, {}))
+    assert report.ok and not report.unfit, report.notes
+    assert "0.weight" in report.tensors and "0.bias" in report.tensors
+    note = next(n for n in report.notes if "checked on output rows" in n)
+    assert "on 1 of the batch's 256 samples (cut from the forward's capture)" in note, note
+    assert not any("not checked" in n for n in report.notes), report.notes

@@ -333,15 +333,26 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
                    - live_bytes(got.children.get(unit.name))):
         solo.append(piece)
         return estimate, unused
+    need_cut = False  # rows and samples both cut (a sharded Linear)
     if room is not None and need > room:
         block = None if args is None else _row_block(unit, (args, kwargs), out_bytes, room // 2, opts.seed, rows)
         if block is not None:
             smaller = None
         elif view is not None:  # one forward only (sharded): cut what it captured
             smaller = None if args is None else _cut_samples(unit, (args, kwargs), children, constants, need, room, rows)
+            if smaller is None and args is not None:  # a Linear whose rows and inputs both fill the room: cut both
+                both = _rows_of_one_sample(unit, (args, kwargs), children, constants, out_bytes, room, opts.seed, rows)
+                if both is not None:
+                    (args, kwargs), children, constants, block, what = both
+                    report.notes.append(f"module form: {unit.label} checked on output rows {block[0]}:{block[1]} of "
+                                        f"{_rows_of(unit)}, on {what} (its {'slice' if rows else 'whole'} float64 "
+                                        f"check needs about {mb(need)})")
+                    rows, need = (block[0], block[1]), block[2]
+                    block = smaller = None
+                    need_cut = True
         else:
             smaller = _fewer_samples(model, objective.loss, batch, unit, need, room, opts.seed, dtype, rows)
-        if block is None and smaller is None:
+        if block is None and smaller is None and not need_cut:
             skipped.append(f"{unit.label}{'' if rows is None else f' rows {rows[0]}:{rows[1]}'} needs about {mb(need)} "
                            f"with {mb(room)} left to it")  # the check's whole room is said once, after every piece
             report.unfit.append(str(piece))
@@ -351,8 +362,7 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
                                 f"{_rows_of(unit)} (its {'slice' if rows else 'whole'} float64 check needs about "
                                 f"{mb(need)}; the rows rotate from check to check)")
             rows, need = (block[0], block[1]), block[2]
-        else:
-            assert smaller is not None
+        elif smaller is not None:
             whole_need = need
             (args, kwargs), children, need, what, constants = smaller
             report.notes.append(f"module form: {unit.label} checked on {what} (on the whole batch its float64 check "
@@ -551,6 +561,36 @@ def _piece_params_bytes(unit: Unit, rows: Optional[Tuple[int, int]]) -> int:
     whole = _numel(unit.params.values()) * MODULE_BYTES_PER_ENTRY
     total = _rows_of(unit)
     return whole * (rows[1] - rows[0]) // total if rows is not None and total else whole
+
+
+def _rows_of_one_sample(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str, List[Any]], constants: Set[int],
+                        out_bytes: int, room: int, seed: int, rows: Optional[Tuple[int, int]] = None
+                        ) -> Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], Set[int], Tuple[int, int, int], str]]:
+    """For a Linear (or ``rows`` of it) whose row block does not fit the room on the whole batch's captured inputs, nor
+    the whole piece on fewer samples (a sharded model: no other forward may run): a block of its rows on one sample's
+    captured inputs, as ``(inputs, children, constants, (first, end, bytes), what)``; None where not one row fits.
+
+    Example:
+        >>> lin = nn.Linear(64, 32)
+        >>> x = torch.zeros(16, 64, dtype=torch.float64)
+        >>> unit = Unit("", lin, dict(lin.named_parameters()))
+        >>> _row_block(unit, ((x,), {}), 16 * 32 * 8, 40_000 // 2, 0) is None  # three copies of x fill half the room
+        True
+        >>> (args, _), _, _, block, what = _rows_of_one_sample(unit, ((x,), {}), {}, set(), 16 * 32 * 8, 40_000, 0)
+        >>> args[0].shape, block, what
+        (torch.Size([1, 64]), (0, 5, 17296), "1 of the batch's 16 samples (cut from the forward's capture)")
+    """
+    _, size, _ = sub_batch(inputs, 1)
+    if size <= 1:
+        return None
+    whole = (inputs, children)
+    cut_inputs, cut_children = rebuild(whole, lambda t: t[:1] if t.dim() and t.shape[0] == size else t)
+    block = _row_block(unit, cut_inputs, out_bytes // size, room // 2, seed, rows)
+    if block is None:
+        return None
+    kept = {id(new) for old, new in zip(tensor_leaves(whole), tensor_leaves((cut_inputs, cut_children)))
+            if id(old) in constants}
+    return cut_inputs, cut_children, kept, block, f"1 of the batch's {size} samples (cut from the forward's capture)"
 
 
 def _cut_samples(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str, List[Any]], constants: Set[int], need: int,
