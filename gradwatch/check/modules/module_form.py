@@ -333,9 +333,9 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
                    - live_bytes(got.children.get(unit.name))):
         solo.append(piece)
         return estimate, unused
-    need_cut = False  # rows and samples both cut (a sharded Linear)
     if room is not None and need > room:
         block = None if args is None else _row_block(unit, (args, kwargs), out_bytes, room // 2, opts.seed, rows)
+        samples = ""  # the samples a row block is checked on, where not the whole batch
         if block is not None:
             smaller = None
         elif view is not None:  # one forward only (sharded): cut what it captured
@@ -344,25 +344,21 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
                 both = _rows_of_one_sample(unit, (args, kwargs), children, constants, out_bytes, room, opts.seed, rows)
                 if both is not None:
                     (args, kwargs), children, constants, block, what = both
-                    report.notes.append(f"module form: {unit.label} checked on output rows {block[0]}:{block[1]} of "
-                                        f"{_rows_of(unit)}, on {what} (its {'slice' if rows else 'whole'} float64 "
-                                        f"check needs about {mb(need)})")
-                    rows, need = (block[0], block[1]), block[2]
-                    block = smaller = None
-                    need_cut = True
+                    samples = f", on {what}"
         else:
             smaller = _fewer_samples(model, objective.loss, batch, unit, need, room, opts.seed, dtype, rows)
-        if block is None and smaller is None and not need_cut:
+        if block is None and smaller is None:
             skipped.append(f"{unit.label}{'' if rows is None else f' rows {rows[0]}:{rows[1]}'} needs about {mb(need)} "
                            f"with {mb(room)} left to it")  # the check's whole room is said once, after every piece
             report.unfit.append(str(piece))
             return estimate, unused
         if block is not None:
             report.notes.append(f"module form: {unit.label} checked on output rows {block[0]}:{block[1]} of "
-                                f"{_rows_of(unit)} (its {'slice' if rows else 'whole'} float64 check needs about "
+                                f"{_rows_of(unit)}{samples} (its {'slice' if rows else 'whole'} float64 check needs about "
                                 f"{mb(need)}; the rows rotate from check to check)")
             rows, need = (block[0], block[1]), block[2]
-        elif smaller is not None:
+        else:
+            assert smaller is not None
             whole_need = need
             (args, kwargs), children, need, what, constants = smaller
             report.notes.append(f"module form: {unit.label} checked on {what} (on the whole batch its float64 check "
@@ -583,14 +579,9 @@ def _rows_of_one_sample(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str,
     _, size, _ = sub_batch(inputs, 1)
     if size <= 1:
         return None
-    whole = (inputs, children)
-    cut_inputs, cut_children = rebuild(whole, lambda t: t[:1] if t.dim() and t.shape[0] == size else t)
+    cut_inputs, cut_children, kept, what = _first_of_capture(inputs, children, constants, 1)
     block = _row_block(unit, cut_inputs, out_bytes // size, room // 2, seed, rows)
-    if block is None:
-        return None
-    kept = {id(new) for old, new in zip(tensor_leaves(whole), tensor_leaves((cut_inputs, cut_children)))
-            if id(old) in constants}
-    return cut_inputs, cut_children, kept, block, f"1 of the batch's {size} samples (cut from the forward's capture)"
+    return None if block is None else (cut_inputs, cut_children, kept, block, what)
 
 
 def _cut_samples(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str, List[Any]], constants: Set[int], need: int,
@@ -616,13 +607,24 @@ def _cut_samples(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str, List[A
     fixed = _piece_params_bytes(unit, rows)
     if fixed >= room:
         return None
-    whole = (inputs, children)
     _, size, seq = sub_batch(inputs, 1)
     variable = max(need - fixed, 1)
     cuts = cuts_to_try(size, seq, variable, room - fixed)  # the first: as many samples, or positions, as fit
     if not cuts:
         return None
     keep, length = cuts[0]
+    cut_inputs, cut_children, kept, what = _first_of_capture(inputs, children, constants, keep, length)
+    return cut_inputs, cut_children, fixed + variable * keep * (length or seq) // (size * seq), what, kept
+
+
+def _first_of_capture(inputs: Tuple[Any, Any], children: Dict[str, List[Any]], constants: Set[int], keep: int,
+                      length: Optional[int] = None) -> Tuple[Tuple[Any, Any], Dict[str, List[Any]], Set[int], str]:
+    """A unit's captured inputs and stubs' outputs cut to their first ``keep`` samples (every tensor whose first
+    dimension is the batch size) and, with ``length``, those samples' first positions (every tensor whose second
+    dimension is the sequence length, or one shorter: next-token logits beside the ids); with the ids of the cut
+    constants and what was kept, said."""
+    whole = (inputs, children)
+    _, size, seq = sub_batch(inputs, 1)
 
     def cut(t: torch.Tensor) -> torch.Tensor:
         if t.dim() and t.shape[0] == size:
@@ -635,8 +637,7 @@ def _cut_samples(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str, List[A
     kept = {id(new) for old, new in zip(tensor_leaves(whole), tensor_leaves((cut_inputs, cut_children)))
             if id(old) in constants}
     what = f"{keep} of the batch's {size} samples" + ("" if length is None else f", its first {length} of {seq} positions")
-    return cut_inputs, cut_children, fixed + variable * keep * (length or seq) // (size * seq), \
-        what + " (cut from the forward's capture)", kept
+    return cut_inputs, cut_children, kept, what + " (cut from the forward's capture)"
 
 
 def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs: Any, children: Dict[str, List[Any]],
