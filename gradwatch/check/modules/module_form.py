@@ -327,7 +327,7 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
         args = kwargs = None
         children = {}
         out_bytes = 0
-        need = got.big[unit.name] * 2 * MODULE_BYTES_PER_ENTRY // 8  # float32 to float64, then its copies
+        need = got.big[unit.name] * 2 * _per_stub_entry(unit) // 8  # float32 to float64, then its copies
     if room is not None and solo is not None and full_room is not None and \
             _alone(unit, rows, need, dtype, room, full_room - live_bytes(got.inputs.get(unit.name))
                    - live_bytes(got.children.get(unit.name))):
@@ -526,8 +526,8 @@ def _fewer_samples(model: nn.Module, loss_fn: Any, batch: Any, unit: Unit, need:
 def _cast_capture(got: Captured, unit: Unit, rows: Optional[Tuple[int, int]], dtype: torch.dtype
                   ) -> Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, int, Set[int]]:
     """A unit's captured inputs and stubs' outputs in ``dtype``, as ``((args, kwargs), children, output bytes, what
-    checking the piece (the unit, or its ``rows``) on them needs, ids of the constants)``. The model's output that
-    ``loss_fn``'s own code is checked on counts at :data:`~gradwatch.plan.memory.LOSS_CODE_BYTES_PER_ENTRY`."""
+    checking the piece (the unit, or its ``rows``) on them needs, ids of the constants)`` (the stubs' outputs at
+    :func:`_per_stub_entry`)."""
     constants: Set[int] = set()
     inputs = _cast_tree(got.inputs[unit.name], dtype, got.constants, constants)
     children = {rel: [_cast_tree(o, dtype, got.constants, constants) for o in outs]
@@ -535,12 +535,18 @@ def _cast_capture(got: Captured, unit: Unit, rows: Optional[Tuple[int, int]], dt
     out_bytes = got.output_bytes.get(unit.name, 0)
     if rows is None:
         stub = [t for outs in children.values() for o in outs for t in tensor_leaves(o) if t.is_floating_point()]
-        per_entry = LOSS_CODE_BYTES_PER_ENTRY if unit.kind == "loss_fn" else MODULE_BYTES_PER_ENTRY
-        need = module_bytes(unit.params.values(), inputs, out_bytes) + _numel(stub) * per_entry
+        need = module_bytes(unit.params.values(), inputs, out_bytes) + _numel(stub) * _per_stub_entry(unit)
     else:
         fixed, per_row = _rows_cost(unit, inputs, out_bytes)
         need = fixed + int(per_row * (rows[1] - rows[0]))
     return inputs, children, out_bytes, need, constants
+
+
+def _per_stub_entry(unit: Unit) -> int:
+    """Bytes a piece's check holds per float64 entry of what it is given: the model's output under ``loss_fn``'s own
+    code at :data:`~gradwatch.plan.memory.LOSS_CODE_BYTES_PER_ENTRY` (its intermediates have that size), any other
+    at :data:`~gradwatch.plan.memory.MODULE_BYTES_PER_ENTRY`."""
+    return LOSS_CODE_BYTES_PER_ENTRY if unit.kind == "loss_fn" else MODULE_BYTES_PER_ENTRY
 
 
 def _piece_params_bytes(unit: Unit, rows: Optional[Tuple[int, int]]) -> int:
