@@ -52,7 +52,7 @@ from gradwatch.check.objective.rng import Reseeder, preserved_rng
 from gradwatch.check.objective.shadow import Shadow, cast_floats, restore_params, snapshot_params
 from gradwatch.check.probes.batched import compiled_modules
 from gradwatch.check.probes.engine import check_tensors
-from gradwatch.check.probes.lines import EngineSettings, Evaluator
+from gradwatch.check.probes.lines import EngineSettings, Evaluator, TermScales, part_key
 from gradwatch.options import CheckOptions
 from gradwatch.trees import rebuild
 
@@ -328,12 +328,14 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
             cot = [torch.randn(o.shape, generator=gen, dtype=torch.float32).to(o.device, o.dtype) for o in out]
             j = sum(((o * c).sum() for o, c in zip(out, cot)), torch.zeros((), dtype=out[0].dtype, device=out[0].device))
             # The analytic side's forward stands for the first of the engine's two evaluations at the point.
-            base_terms = {"loss": float(j.detach())}
             terms = [o.detach() * c for o, c in zip(out, cot)]
-            magnitude = float(sum(float(t.abs().sum()) for t in terms))
-            term_norm = math.sqrt(sum(float(t.square().sum()) for t in terms))
-            del terms
+            base_terms = {part_key(i): float(t.sum()) for i, t in enumerate(terms)}
+            absum = tuple(float(t.abs().sum()) for t in terms)
+            sqsum = tuple(float(t.square().sum()) for t in terms)
+            magnitude, term_norm = float(sum(absum)), math.sqrt(sum(sqsum))
             wrt = list(leaves.values()) + list(params.values())
+            scales = _term_scales(out, absum, sqsum, wrt, keys[:len(work)] + list(params))
+            del terms
             gs: Sequence[Optional[torch.Tensor]]
             if j.requires_grad and j.grad_fn is not None:
                 result.functions = _custom_functions(j.grad_fn)
@@ -353,9 +355,10 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
         with torch.no_grad():
             a_c, k_c = _call_inputs(args_w, kwargs_w)
             outs = _float_outputs(module(*a_c, **k_c))
-            value = sum(float((o * c).sum()) for o, c in zip(outs, cot))
+            # Part by part: a part the probed tensor does not move cancels exactly (TermScales).
+            parts = {part_key(i): float((o * c).sum()) for i, (o, c) in enumerate(zip(outs, cot))}
         guard.restore_fast()
-        return {"loss": value}
+        return parts
 
     evaluator = Evaluator(evaluate, recordable=not compiled_modules(module))
     saved = snapshot_params(params) if restore else {}
@@ -368,7 +371,7 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
             tensors = list(work.values()) + list(params.values())
             keys_all = keys[:len(work)] + list(params)  # one key per distinct input tensor, as `work` holds them
             targets = [(key, f"{name}:{key}", t, {"total": g}) for key, t, g in zip(keys_all, tensors, grads)]
-            for judged in check_tensors(targets, evaluator, settings, opts.seed, base_terms=base_terms):
+            for judged in check_tensors(targets, evaluator, settings, opts.seed, base_terms=base_terms, scales=scales):
                 result.tensors[judged.key] = judged.check
             result.tensors = {key: result.tensors[key] for key in keys_all if key in result.tensors}
     except Exception as err:  # noqa: BLE001 - as above: a module whose evaluations raise is reported, not fatal
@@ -380,6 +383,41 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
     result.evaluations = evaluator.count
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _term_scales(out: Sequence[torch.Tensor], absum: Tuple[float, ...], sqsum: Tuple[float, ...],
+                 wrt: Sequence[torch.Tensor], keys: Sequence[str]) -> Optional[TermScales]:
+    """Which of the unit's parts (its outputs times their cotangents, evaluated part by part) each tensor of ``wrt``
+    (named ``keys``) moves, by the paths of the backward graph from each output; None for a unit of one output
+    (every tensor moves all of it)."""
+    if len(out) < 2:
+        return None
+    index = {id(t): i for i, t in enumerate(wrt)}
+    moved: Dict[str, Set[int]] = {key: set() for key in keys}
+    for i, o in enumerate(out):
+        for j in _reached(o, index):
+            moved[keys[j]].add(i)
+    return TermScales(absum, sqsum, {key: frozenset(terms_of) for key, terms_of in moved.items()})
+
+
+def _reached(t: torch.Tensor, index: Dict[int, int]) -> Set[int]:
+    """The positions (``index``: ``id`` of a tensor -> position) of the leaf tensors a path of ``t``'s backward
+    graph leads to: every leaf whose perturbation can move ``t`` through a differentiable path."""
+    if t.grad_fn is None:
+        return {index[id(t)]} if id(t) in index else set()
+    found: Set[int] = set()
+    seen: Set[Any] = set()
+    stack: List[Any] = [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)
+        if leaf is not None and id(leaf) in index:
+            found.add(index[id(leaf)])
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return found
 
 
 def _fresh(t: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ from gradwatch.check.probes.lines import (
     Sample,
     Target,
     Terms,
+    TermScales,
     all_finite,
     base_probes,
     build_samples,
@@ -89,7 +90,7 @@ class Detection:
     confirmed: bool = False
 
 
-def detect(name: str, p: torch.Tensor, grads: Dict[str, torch.Tensor], evaluate: Evaluator, j0: float,
+def detect(name: str, p: torch.Tensor, grads: Dict[str, torch.Tensor], evaluate: Evaluator, j0: Terms,
            settings: EngineSettings, seed: int, probe_batch: Optional[BatchProbe] = None) -> Optional[Detection]:
     """The detection probe of one tensor, judged; None when it has none (one entry: its coordinate is the check).
 
@@ -145,7 +146,7 @@ def check_tensor(
     p: torch.Tensor,
     grads: Dict[str, torch.Tensor],
     evaluate: Evaluator,
-    j0: float,
+    j0: Terms,
     settings: EngineSettings,
     seed: int,
     probe_batch: Optional["BatchProbe"] = None,
@@ -158,7 +159,7 @@ def check_tensor(
         p: The tensor, perturbed in place and restored bit for bit.
         grads: Analytic gradient per term; key ``"total"`` is the full objective.
         evaluate: Objective terms at the current parameters.
-        j0: Objective at the unperturbed point.
+        j0: The objective's terms at the unperturbed point.
         settings: Sample sizes, step, bands and noise model.
         seed: Sampling seed.
         probe_batch: Evaluates the base probes of all samples in batches (see
@@ -236,7 +237,7 @@ class Judged:
 def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: EngineSettings, seed: int,
                   probe_batch: Optional[BatchProbe] = None,
                   on_verdict: Optional[Callable[[], None]] = None,
-                  base_terms: Optional[Terms] = None) -> Iterator[Judged]:
+                  base_terms: Optional[Terms] = None, scales: Optional[TermScales] = None) -> Iterator[Judged]:
     """Judge a set of tensors of one objective: the base point first, then :func:`check_tensor` for each.
 
     Unless joint probes settle every tensor (below), the objective is evaluated twice at the unperturbed point: if
@@ -263,6 +264,8 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
         base_terms: The terms at the unperturbed point from the caller's own forward (the analytic side's), if
             it has them: they stand for the first of the two evaluations there (a third is taken only when
             they differ from the second by more than rounding, to tell the forward's mode from nondeterminism).
+        scales: Which terms of the objective each tensor moves, where the caller traced them (the module form): a
+            tensor's probes then carry the rounding of those terms only (:class:`~gradwatch.check.probes.lines.TermScales`).
 
     Yields:
         A :class:`Judged` per tensor (a caller keeps those judged before an evaluation raised).
@@ -270,7 +273,7 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
     # The module form: joint probes first settle the unit's tensors whose shares show their errors. They need no
     # evaluation at the point (a central difference only): evaluations that differ from call to call would make
     # them disagree beyond the EXCELLENT band, and every tensor they leave goes the way below.
-    joint = joint_detect(targets, evaluate, settings, seed) if probe_batch is None else {}
+    joint = joint_detect(targets, evaluate, settings, seed, scales) if probe_batch is None else {}
     if joint and all(key in joint for key, _, _, _ in targets):
         for key, name, p, _ in targets:
             record, outcome = joint[key]
@@ -292,9 +295,11 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
             on_verdict()
         return
     settings = replace(settings, jitter=jitter)
-    j0 = total(j_a)
+    j0 = j_a
     failing: List[Tuple[str, str, torch.Tensor, Dict[str, torch.Tensor], Optional[BatchProbe], Detection]] = []
+    common = settings
     for key, name, p, grads in targets:
+        settings = common if scales is None else scales.settings(common, [key])
         if not all(all_finite(t) for t in grads.values()):
             why = "analytic gradient has non-finite values (NaN or inf)"
             yield Judged(key, inconclusive(name, tuple(p.shape), InconclusiveKind.NONFINITE, why),
@@ -315,6 +320,7 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
     if on_verdict is not None:
         on_verdict()
     for key, name, p, grads, batch, detected in failing:
+        settings = common if scales is None else scales.settings(common, [key])
         evaluate.focus(p)
         try:
             main, per_term = check_tensor(name, p, grads, evaluate, j0, settings, seed, probe_batch=batch,
@@ -328,7 +334,7 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
     evaluate.focus(None)
 
 
-def _probe_all(p, saved, grads, samples: List[Sample], bases, outcomes: List[Outcome], evaluate: Evaluator, j0: float,
+def _probe_all(p, saved, grads, samples: List[Sample], bases, outcomes: List[Outcome], evaluate: Evaluator, j0: Terms,
                settings: EngineSettings, genuine: int = 0, batch: Optional[Tuple[str, BatchProbe]] = None) -> None:
     """Probe every sample (or judge its batched base probes), re-examining disagreements; appends to ``outcomes``.
 
@@ -364,7 +370,7 @@ def _needs_reexamination(out: Outcome, settings: EngineSettings) -> bool:
     return settings.detect_kinks and not out.widened and disagrees(out, settings)
 
 
-def _reexamine(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], out: Outcome, j0: float,
+def _reexamine(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], out: Outcome, j0: Terms,
                evaluate: Evaluator, settings: EngineSettings, scales: Sequence[float] = KINK_SCALES,
                batch: Optional[Tuple[str, BatchProbe]] = None,
                taken: Optional[Dict[float, Tuple[Terms, Terms, Terms, Terms]]] = None,

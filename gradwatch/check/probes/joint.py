@@ -26,13 +26,14 @@ from gradwatch.check.probes.lines import (
     Sample,
     Target,
     Terms,
+    TermScales,
     all_finite,
     floor_at,
     perturb,
     prepare_slopes,
     probable_floor,
     restore_line,
-    total,
+    rise,
 )
 from gradwatch.check.probes.reexamine import base_step, param_norm, screen_sample
 
@@ -55,8 +56,8 @@ JOINT_ROUNDS = 3
 Line = Tuple[str, torch.Tensor, Dict[str, torch.Tensor], Sample, torch.Tensor]
 
 
-def joint_detect(targets: Sequence[Target], evaluate: Evaluator, settings: EngineSettings, seed: int
-                 ) -> Dict[str, Tuple[Sample, Outcome]]:
+def joint_detect(targets: Sequence[Target], evaluate: Evaluator, settings: EngineSettings, seed: int,
+                 scales: Optional[TermScales] = None) -> Dict[str, Tuple[Sample, Outcome]]:
     """The tensors of ``targets`` settled by joint detection probes (two evaluations each): the line and outcome
     each is recorded with, by key.
 
@@ -65,7 +66,9 @@ def joint_detect(targets: Sequence[Target], evaluate: Evaluator, settings: Engin
     probe. The first round probes every tensor at once; the tensors it leaves unsettled are probed again
     together (:data:`JOINT_ROUNDS` at most). A round whose slopes disagree ends it: every tensor not settled
     yet is probed alone (where a wrong gradient is diagnosed). The tensors are perturbed in place and restored
-    bit for bit. A settled tensor's record is its own detection line (its step in that round and label
+    bit for bit. With ``scales``, a round's noise is that of the terms its tensors move
+    (:class:`~gradwatch.check.probes.lines.TermScales`).
+    A settled tensor's record is its own detection line (its step in that round and label
     ``("joint", n)``): its own analytic slope along it, and as numeric slope the analytic one plus the whole
     disagreement of the round's sum (all of it taken as the tensor's own).
 
@@ -110,7 +113,7 @@ def joint_detect(targets: Sequence[Target], evaluate: Evaluator, settings: Engin
     try:
         for _ in range(JOINT_ROUNDS):
             pending = [line for line in lines if line[0] not in settled]
-            got = _round(pending, evaluate, settings) if pending else None
+            got = _round(pending, evaluate, settings, scales) if pending else None
             if not got:
                 break
             settled.update(got)
@@ -120,14 +123,16 @@ def joint_detect(targets: Sequence[Target], evaluate: Evaluator, settings: Engin
     return settled
 
 
-def _round(lines: Sequence[Line], evaluate: Evaluator, settings: EngineSettings
-           ) -> Optional[Dict[str, Tuple[Sample, Outcome]]]:
+def _round(lines: Sequence[Line], evaluate: Evaluator, settings: EngineSettings,
+           scales: Optional[TermScales] = None) -> Optional[Dict[str, Tuple[Sample, Outcome]]]:
     """One joint probe of ``lines`` (balanced, :func:`balance`): the tensors it settles; None when its slopes
     disagree (or it cannot be taken)."""
     weights = balance([sample.step * cast(Terms, sample.slope)["total"] for _, _, _, sample, _ in lines])
     kept = [(line, w) for line, w in zip(lines, weights) if w > 0.0]
     if not kept:
         return None
+    if scales is not None:
+        settings = scales.settings(settings, [line[0] for line, _ in kept])
     # The noise of the sum does not grow with the step, its slope does: a longer step (up to JOINT_STEP_MAX times
     # the detection step, where a smooth function's curvature still stays far under the EXCELLENT band) puts the
     # noise under a hundredth of that band of the slopes, so that every share, not only the largest, shows its errors.
@@ -150,7 +155,7 @@ def _round(lines: Sequence[Line], evaluate: Evaluator, settings: EngineSettings
                 restore_line(p, saved, sample)
     (jp, lp), (jm, lm) = sides
     shares = [(a_p - a_m) / 2 for a_p, a_m in zip(lp, lm)]  # each tensor's slope along the joint line (τ = ±1)
-    analytic, numeric = sum(shares), (total(jp) - total(jm)) / 2
+    analytic, numeric = sum(shares), rise(jp, jm) / 2
     scale = abs(analytic) + abs(numeric)
     if not (math.isfinite(analytic) and math.isfinite(numeric)) or scale == 0.0:
         return None

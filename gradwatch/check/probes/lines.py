@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
@@ -147,6 +147,82 @@ class EngineSettings:
         return cls(coords=opts.coords, directions=opts.directions, eps=opts.eps, bands=opts.bands,
                    fail_at=opts.fail_verdict, detect_kinks=opts.detect_kinks, eval_eps=eval_eps, magnitude=magnitude,
                    **extra)
+
+
+@dataclass(frozen=True)
+class TermScales:
+    """Which of the objective's terms each tensor moves: the scale of the rounding its probes carry.
+
+    An objective that is a sum of parts (the module form: each output's product with its cotangent, keys
+    :func:`part_key`) is evaluated part by part, each part's total a float of its own, and its differences are
+    taken part by part (:func:`rise`). A part no path of the backward graph leads to from a tensor is computed bit
+    for bit alike on both sides of that tensor's probe: it adds exactly nothing to the difference, and none of its
+    rounding. So a probe of the tensor carries the rounding of the parts it moves only. An own-code unit whose
+    input is passed on to several called modules (an attention's ``x`` to ``q``, ``k`` and ``v``) has large parts
+    no called module's output moves: its noise floor, taken over every part, hid those outputs' slopes.
+
+    Args:
+        absum: Per part, the absolute sum of its entries (``sum |o * c|``).
+        sqsum: Per part, the sum of its entries' squares.
+        moved: Per tensor key, the parts it reaches.
+
+    Example:
+        >>> from gradwatch.bands import Verdict
+        >>> scales = TermScales(absum=(1e6, 10.0), sqsum=(1e8, 16.0), moved={"w": frozenset({1})})
+        >>> base = EngineSettings(4, 0, None, (1e-7, 1e-4, 1e-2), Verdict.WRONG, True, 2.0 ** -52, 1e6 + 10.0,
+        ...                       term_norm=1e4)
+        >>> s = scales.settings(base, ["w"])
+        >>> s.magnitude, s.term_norm
+        (10.0, 4.0)
+        >>> scales.settings(base, ["x"]) is base  # a tensor not traced keeps every part
+        True
+    """
+
+    absum: Tuple[float, ...]
+    sqsum: Tuple[float, ...]
+    moved: Dict[str, frozenset]
+
+    def settings(self, settings: EngineSettings, keys: Sequence[str]) -> EngineSettings:
+        """``settings`` with the magnitude and term norm of the parts the tensors ``keys`` move (never more than
+        ``settings``'s); ``settings`` itself where some key was not traced."""
+        if not keys or any(k not in self.moved for k in keys):
+            return settings
+        parts = frozenset().union(*(self.moved[k] for k in keys))
+        magnitude = min(settings.magnitude, sum(self.absum[i] for i in parts))
+        norm = math.sqrt(sum(self.sqsum[i] for i in parts))
+        term_norm = None if settings.term_norm is None else min(settings.term_norm, norm)
+        return replace(settings, magnitude=magnitude, term_norm=term_norm)
+
+
+#: The key prefix of an objective's parts (:func:`part_key`).
+PART = "part:"
+
+
+def part_key(i: int) -> str:
+    """The key of an objective's ``i``-th part: parts are summed into one objective, judged as one (never as
+    terms of their own), their differences taken part by part (:func:`rise`).
+
+    Example:
+        >>> part_key(2), parts_only({part_key(0): 1.0, part_key(1): 2.0}), parts_only({"loss": 1.0})
+        ('part:2', True, False)
+    """
+    return f"{PART}{i}"
+
+
+def parts_only(terms: Terms) -> bool:
+    """True where ``terms`` are the parts of one objective (:func:`part_key`), not terms of their own."""
+    return bool(terms) and all(k.startswith(PART) for k in terms)
+
+
+def rise(j: Terms, j0: Terms) -> float:
+    """``total(j) - total(j0)`` taken term by term: a term computed bit for bit alike at both points adds exactly
+    nothing (its rounding included); for one term, exactly ``j - j0``.
+
+    Example:
+        >>> rise({"a": 1e16, "b": 1.5}, {"a": 1e16, "b": 1.0}), total({"a": 1e16, "b": 1.5}) - total({"a": 1e16, "b": 1.0})
+        (0.5, 2.0)
+    """
+    return float(sum(j.get(k, 0.0) - j0.get(k, 0.0) for k in sorted(set(j) | set(j0))))
 
 
 def total(terms: Terms) -> float:
@@ -301,7 +377,7 @@ def central_probe(p, saved, grads, sample, t, evaluate) -> Tuple[Terms, Terms, T
 def slopes_of(jp: Terms, jm: Terms, lp: Terms, lm: Terms, t: float) -> Tuple[Terms, Terms]:
     analytic = {k: (lp[k] - lm[k]) / (2 * t) for k in lp}
     numeric = {k: (jp.get(k, 0.0) - jm.get(k, 0.0)) / (2 * t) for k in lp if k != "total"}
-    numeric["total"] = (total(jp) - total(jm)) / (2 * t)
+    numeric["total"] = rise(jp, jm) / (2 * t)
     return analytic, numeric
 
 

@@ -29,7 +29,9 @@ from gradwatch.check.probes.lines import (
     central_probe,
     floor_at,
     outcome_of,
+    parts_only,
     probable_floor,
+    rise,
     slopes_of,
     total,
     unit_sample,
@@ -66,7 +68,7 @@ PRECISE = 1e-5
 WIDEN_MAX = 1e4
 
 
-def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], j0: float, evaluate: Evaluator,
+def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], j0: Terms, evaluate: Evaluator,
                   settings: EngineSettings, scales: Sequence[float] = KINK_SCALES,
                   taken: Optional[Dict[float, Tuple[Terms, Terms, Terms, Terms]]] = None) -> Optional[bool]:
     """Decide whether a disagreeing sample sits on a non-differentiable point (True), has a wrong gradient
@@ -94,7 +96,7 @@ def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Ter
     rel = settings.bands[1]
     t0 = sample.step
     jp0, jm0, _, _ = base
-    gap0 = (total(jp0) - j0) / t0 - (j0 - total(jm0)) / t0
+    gap0 = rise(jp0, j0) / t0 - rise(j0, jm0) / t0
     a0, n0 = slopes_of(*base, t0)
     disagreement = abs(n0["total"] - a0["total"])
     seen: List[Tuple[float, float, float, float, float]] = []
@@ -112,7 +114,7 @@ def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Ter
             break
         if agrees(a["total"], n["total"], fl, rel):
             return True
-        seen.append((t, fl, (total(jp) - j0) / t, (j0 - total(jm)) / t, a["total"]))
+        seen.append((t, fl, rise(jp, j0) / t, rise(j0, jm) / t, a["total"]))
         last = (jp, jm)
         last_numeric = n["total"]
     if not seen:  # no smaller step can tell: at weights near zero the base step crosses kinks it cannot resolve
@@ -138,7 +140,7 @@ def classify_kink(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Ter
     if lo - tol <= a_total <= hi + tol:
         return True
     jp, jm = last
-    if len(jp) < 2:
+    if len(jp) < 2 or parts_only(jp):  # one objective's parts share its kinks: no wider range
         return False
     # Kinks of different terms at the same point (an L1 penalty on a zero weight plus a ReLU in the
     # loss) add their subdifferentials: the framework's choice then lies in the sum of each term's
@@ -165,7 +167,7 @@ def unresolvable(sample: Sample, analytic: float, numeric: float, settings: Engi
     return not usable_floor(floor, analytic, numeric, abs(numeric - analytic))
 
 
-def resolve_low_precision(p, saved, grads, sample: Sample, analytic: float, numeric: float, j0: float,
+def resolve_low_precision(p, saved, grads, sample: Sample, analytic: float, numeric: float, j0: Terms,
                           evaluate: Evaluator, settings: EngineSettings) -> Optional[bool]:
     """Kink (True), wrong gradient (False) or cannot tell (None), for a sample :func:`unresolvable` flagged.
 
@@ -189,7 +191,7 @@ def resolve_low_precision(p, saved, grads, sample: Sample, analytic: float, nume
         if not (math.isfinite(a_t["total"]) and math.isfinite(n_t["total"])):
             return None
         slopes.append(n_t["total"])
-        one_sided.append((total(jp) - j0) / t - (j0 - total(jm)) / t)
+        one_sided.append(rise(jp, j0) / t - rise(j0, jm) / t)
     mean = float(np.mean(slopes))
     noise = 3.0 * (max(slopes) - min(slopes))
     if abs(mean - analytic) + noise < 0.3 * gap:
@@ -247,7 +249,7 @@ def below_resolution(check: TensorCheck, flat: bool = False) -> None:
     check.inconclusive_kind = InconclusiveKind.BELOW_RESOLUTION
 
 
-def smooth_sides(sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], out: Outcome, j0: float,
+def smooth_sides(sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], out: Outcome, j0: Terms,
                  settings: EngineSettings) -> bool:
     """True when the probe's own one-sided slopes rule out a kink as the cause of its disagreement.
 
@@ -266,10 +268,10 @@ def smooth_sides(sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], out: O
         ...                           fail_at=Verdict.SUSPICIOUS, detect_kinks=True, eval_eps=2.2e-16, magnitude=1.0)
         >>> line = Sample(label=("screen",), step=1e-5)
         >>> smooth = ({"total": 1.0 + 1e-5}, {"total": 1.0 - 1e-5}, {"total": 1.2e-5}, {"total": -1.2e-5})
-        >>> smooth_sides(line, smooth, Outcome({"total": 1.2}, {"total": 1.0}, floor=1e-11), 1.0, settings)
+        >>> smooth_sides(line, smooth, Outcome({"total": 1.2}, {"total": 1.0}, floor=1e-11), {"total": 1.0}, settings)
         True
         >>> kinked = ({"total": 1.0 + 1.4e-5}, {"total": 1.0 - 0.6e-5}, {"total": 1.0e-5}, {"total": -1.0e-5})
-        >>> smooth_sides(line, kinked, Outcome({"total": 1.0}, {"total": 1.0}, floor=1e-11), 1.0, settings)
+        >>> smooth_sides(line, kinked, Outcome({"total": 1.0}, {"total": 1.0}, floor=1e-11), {"total": 1.0}, settings)
         False
     """
     a, n = out.analytic["total"], out.numeric["total"]
@@ -277,7 +279,7 @@ def smooth_sides(sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], out: O
         return False
     jp, jm = base[0], base[1]
     t = sample.step
-    right, left = (total(jp) - j0) / t, (j0 - total(jm)) / t
+    right, left = rise(jp, j0) / t, rise(j0, jm) / t
     return abs(right - left) + 4.0 * out.floor <= SMOOTH_SIDES * abs(a - n)
 
 
@@ -343,7 +345,7 @@ def screened(out: Outcome, settings: EngineSettings) -> bool:
     return abs(a_t - n_t) - out.floor <= settings.bands[0] * scale and out.floor <= 0.1 * settings.bands[1] * scale
 
 
-def screen(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], j0: float, evaluate: Evaluator,
+def screen(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], j0: Terms, evaluate: Evaluator,
            settings: EngineSettings, batch: Optional[Tuple[str, Any]] = None) -> Tuple[Outcome, bool]:
     """The detection probe's outcome, and whether it settles the tensor (:func:`screened`).
 
@@ -440,7 +442,7 @@ def pinpoint(p, saved, grads, sample: Sample, evaluate: Evaluator, settings: Eng
     return Sample(label=pos, step=step * max(unit, abs(value)), index=pos, base=value, flat=lo, alone=True)
 
 
-def widen(p, saved, grads, sample: Sample, a: Terms, n: Terms, floor: float, j0: float, evaluate: Evaluator,
+def widen(p, saved, grads, sample: Sample, a: Terms, n: Terms, floor: float, j0: Terms, evaluate: Evaluator,
           settings: EngineSettings) -> Optional[Outcome]:
     """The sample at a wider step, for a base probe lost in the objective's rounding; None when it cannot be had.
 
@@ -485,7 +487,7 @@ WIDE_FRACTIONS = (1.0, 0.5, 0.25)
 WideProbes = List[Tuple[float, Tuple[Terms, Terms, Terms, Terms]]]
 
 
-def _linear_at(p, saved, grads, sample: Sample, t: float, slope: float, j0: float, evaluate: Evaluator,
+def _linear_at(p, saved, grads, sample: Sample, t: float, slope: float, j0: Terms, evaluate: Evaluator,
                settings: EngineSettings) -> Optional[Outcome]:
     """:func:`widen` at one step ``t``, evaluated one perturbation at a time."""
     probes: WideProbes = []
@@ -498,7 +500,7 @@ def _linear_at(p, saved, grads, sample: Sample, t: float, slope: float, j0: floa
     return linear_from(probes, slope, j0, settings)
 
 
-def linear_from(probes: WideProbes, slope: float, j0: float, settings: EngineSettings) -> Optional[Outcome]:
+def linear_from(probes: WideProbes, slope: float, j0: Terms, settings: EngineSettings) -> Optional[Outcome]:
     """The Richardson slope from the probes at ``t``, ``t/2`` and ``t/4`` when the function is linear within ``t``,
     else None (see :func:`widen`); ``slope``: the larger of the base probe's slopes."""
     seen, sides = [], []
@@ -507,7 +509,7 @@ def linear_from(probes: WideProbes, slope: float, j0: float, settings: EngineSet
         if not (math.isfinite(a_s["total"]) and math.isfinite(n_s["total"])):
             return None
         seen.append((a_s, n_s, floor_at(settings, s)))
-        sides += [(total(jp) - j0) / s, (j0 - total(jm)) / s]
+        sides += [rise(jp, j0) / s, rise(j0, jm) / s]
     # Linear within the wider step: the one-sided slopes on both sides at every step agree (a kink crossed on
     # one side bends one of them; kinks far inside the step leave the central differences agreeing with each
     # other but not the sides), and so do the central differences.
@@ -578,7 +580,7 @@ def widened_in_batches(name: str, p, saved, grads, based: Sequence[Tuple[Sample,
     return found
 
 
-def judge_sample(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], j0: float,
+def judge_sample(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], j0: Terms,
                   evaluate: Evaluator, settings: EngineSettings, wide: Optional[WideProbes] = None,
                   batch: Optional[Tuple[str, Any]] = None) -> Outcome:
     """One sample's outcome from its base probes; taken at a wider step where the base step is lost in rounding.
