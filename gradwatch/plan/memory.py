@@ -9,9 +9,10 @@ peak beyond the one the last check left counts as training's.
 The room a check has is ``(1 + AIM * memory_budget) * training_peak - (in_use_now - residue)`` (:data:`AIM`
 keeps a margin; on the CPU ``in_use_now`` is the resident set size now, ``/proc/self/statm``, where that
 cannot be read the peak itself). ``residue`` is what the checks left held (heap they fragmented, kept by
-the allocator), less what the process gave back before the next check: neither training's peak (it would raise the bound check by check) nor in the next
-check's way (its allocations reuse it). Before a check, each form's cost is estimated from the tensors it holds (pure
-functions below) and the form that fits is chosen (:mod:`gradwatch.check.modules.module_form`).
+the allocator), less what the process gave back before the next check: neither training's peak (it would raise
+the bound check by check) nor in the next check's way (its allocations reuse it). Before a check, each form's cost
+is estimated from the tensors it holds (pure functions below) and the form that fits is chosen
+(:mod:`gradwatch.check.modules.module_form`).
 
 Example:
     >>> from torch import nn
