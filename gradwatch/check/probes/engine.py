@@ -298,8 +298,12 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
     j0 = j_a
     failing: List[Tuple[str, str, torch.Tensor, Dict[str, torch.Tensor], Optional[BatchProbe], Detection]] = []
     common = settings
+
+    def own(key: str) -> EngineSettings:  # a tensor's settings: the noise of the parts it moves, where traced
+        return common if scales is None else scales.settings(common, [key])
+
     for key, name, p, grads in targets:
-        settings = common if scales is None else scales.settings(common, [key])
+        settings = own(key)
         if not all(all_finite(t) for t in grads.values()):
             why = "analytic gradient has non-finite values (NaN or inf)"
             yield Judged(key, inconclusive(name, tuple(p.shape), InconclusiveKind.NONFINITE, why),
@@ -320,7 +324,7 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
     if on_verdict is not None:
         on_verdict()
     for key, name, p, grads, batch, detected in failing:
-        settings = common if scales is None else scales.settings(common, [key])
+        settings = own(key)
         evaluate.focus(p)
         try:
             main, per_term = check_tensor(name, p, grads, evaluate, j0, settings, seed, probe_batch=batch,

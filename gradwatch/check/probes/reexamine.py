@@ -33,7 +33,6 @@ from gradwatch.check.probes.lines import (
     probable_floor,
     rise,
     slopes_of,
-    total,
     unit_sample,
     usable_floor,
 )
@@ -386,7 +385,7 @@ def flat_at_widest(p, saved, grads, sample: Sample, evaluate: Evaluator, setting
     t = sample.step * min(WIDEN_MAX, 0.1 / base_step(settings))
     jp, jm, lp, lm = central_probe(p, saved, grads, sample, t, evaluate)
     a_w, _ = slopes_of(jp, jm, lp, lm, t)
-    if total(jp) == total(jm) and abs(a_w["total"]) <= floor_at(settings, t):
+    if jp == jm and abs(a_w["total"]) <= floor_at(settings, t):  # every term (every part) bit for bit alike
         return Outcome(a_w, {"total": 0.0}, floor_at(settings, t), flat=True)
     return None
 
