@@ -378,37 +378,42 @@ def measure(args: argparse.Namespace, config: str, ones: Dict[str, Dict[str, Any
     """One configuration, side by side: unwatched and watched on 2 ranks, against the same check's watched run in one
     process (the step's whole batch) and the same on one rank's batch alone (:func:`one_process`; ``ones``: those
     runs, by name, made before). With ``--repeat N`` the watched arms run N times, each right after its own
-    one-process runs: the time ratio is the median of the N paired ratios (the machine's speed drifts by 10-20%
-    over minutes), each peak ratio the largest of the N."""
+    one-process runs and its own unwatched 2-rank run: the time ratio is the median of the N paired ratios (the
+    machine's speed drifts by 10-20% over minutes), each rank's peak ratio the median of its N paired ratios (a
+    process's peak moves by 20-40 MB from launch to launch, watched or not), beside the largest of them."""
     same, per = one_process(config)
-    plain = launch(args, config, False)
-    for row in plain:
-        print(json.dumps(row), flush=True)
-    passes = []  # (the one-process runs, the watched 2-rank runs) of each repetition
+    passes = []  # (the one-process runs, the watched 2-rank runs, the unwatched ones) of each repetition
     for _ in range(args.repeat):
         fresh: List[Dict[str, Any]] = []  # repeated: this repetition's own one-process runs
         if args.repeat > 1:
             fresh = [r for run in dict.fromkeys((same, per)) for r in launch(args, run, True, ranks=0)]
             ones = {r["config"]: r for r in fresh}
+        unwatched = launch(args, config, False)
         watched = launch(args, config, True)
-        for row in watched + fresh:
+        for row in unwatched + watched + fresh:
             print(json.dumps(row), flush=True)
-        passes.append((ones, watched))
+        passes.append((ones, watched, unwatched))
+    plain = passes[0][2]
     # the whole watch.step of a checking step (the slower rank), paired with the one-process run beside it
-    two = [max(_median(w["step_seconds"]) for w in watched) for _, watched in passes]
-    one = [_median(o[same]["step_seconds"]) for o, _ in passes]
-    rank = [_median(o[per]["step_seconds"]) for o, _ in passes]
+    two = [max(_median(w["step_seconds"]) for w in watched) for _, watched, _ in passes]
+    one = [_median(o[same]["step_seconds"]) for o, _, _ in passes]
+    rank = [_median(o[per]["step_seconds"]) for o, _, _ in passes]
     ratios = [t / o for t, o in zip(two, one)]
     two_s, one_s, rank_s = statistics.median(two), statistics.median(one), statistics.median(rank)
-    two_train = max(_median(p["train_seconds"]) for p in plain)  # an unwatched training step on 2 ranks
-    one_train = statistics.median(_median(o[same]["train_seconds"]) for o, _ in passes)
-    runs = [w for _, watched in passes for w in watched]  # every rank's watched run of every repetition
-    peaks = [max(ws[i]["peak_mb"] for _, ws in passes) for i in range(len(plain))]  # each rank's largest watched peak
-    vmhwm = [max(ws[i]["vmhwm_mb"] for _, ws in passes) for i in range(len(plain))]
+    two_train = statistics.median(max(_median(p["train_seconds"]) for p in ps) for _, _, ps in passes)  # 2 ranks
+    one_train = statistics.median(_median(o[same]["train_seconds"]) for o, _, _ in passes)
+    runs = [w for _, watched, _ in passes for w in watched]  # every rank's watched run of every repetition
+    ranks_ = range(len(plain))
+    # each rank's peak ratios, one per repetition: its watched run over the unwatched run launched just before it
+    paired = [[ws[i]["peak_mb"] / ps[i]["peak_mb"] for _, ws, ps in passes] for i in ranks_]
+    vmhwm = [[ws[i]["vmhwm_mb"] / ps[i]["vmhwm_mb"] for _, ws, ps in passes] for i in ranks_]
+    mb_ = [[statistics.median(ps[i]["peak_mb"] for _, _, ps in passes), statistics.median(ws[i]["peak_mb"] for _, ws, _ in passes)]
+           for i in ranks_]
     return {"config": config, "params": runs[0]["n_params"],
-            "peak_mb_per_rank": [[round(p["peak_mb"]), round(w)] for p, w in zip(plain, peaks)],
-            "peak_ratio_per_rank": [round(w / p["peak_mb"], 3) for w, p in zip(peaks, plain)],
-            "vmhwm_ratio_per_rank": [round(w / p["vmhwm_mb"], 3) for w, p in zip(vmhwm, plain)],
+            "peak_mb_per_rank": [[round(p), round(w)] for p, w in mb_],
+            "peak_ratio_per_rank": [round(statistics.median(r), 3) for r in paired],
+            "peak_ratios": [[round(x, 3) for x in r] for r in paired],
+            "vmhwm_ratio_per_rank": [round(statistics.median(r), 3) for r in vmhwm],
             "forms": sorted({f for w in runs for f in w["forms"]}),
             "check_s_2_ranks": round(two_s, 3), "check_s_1_process": round(one_s, 3),
             "time_ratio_2_over_1": round(statistics.median(ratios), 3), "time_ratios": [round(r, 3) for r in ratios],
@@ -424,7 +429,7 @@ def measure(args: argparse.Namespace, config: str, ones: Dict[str, Dict[str, Any
 
 def table(rows: List[Dict[str, Any]]) -> str:
     """The summary as a Markdown table."""
-    lines = ["| engine | params (fp32 MB) | peak MB r0 unwatched / watched | r1 | peak ratio r0, r1 | "
+    lines = ["| engine | params (fp32 MB) | peak MB r0 unwatched / watched | r1 | peak ratio r0, r1 (each pair's) | "
              "check s 2 ranks | check s 1 process | time ratio 2/1 | 1 process on one rank's batch: s (ratio) | "
              "training step s 2 ranks, 1 process | check in steps 2 ranks, 1 process | alerts | "
              "coverage min (backward, training) | K in steps |",
@@ -436,7 +441,9 @@ def table(rows: List[Dict[str, Any]]) -> str:
         (p0, w0), (p1, w1) = r["peak_mb_per_rank"]
         lines.append(f"| {ENGINES[r['config']]} | {r['params'] / 1e6:.2f}M ({r['params'] * 4 / 2 ** 20:.0f}) | "
                      f"{p0} / {w0} | {p1} / {w1} | "
-                     f"{r['peak_ratio_per_rank'][0]:.3f}, {r['peak_ratio_per_rank'][1]:.3f} | "
+                     f"{r['peak_ratio_per_rank'][0]:.3f}, {r['peak_ratio_per_rank'][1]:.3f}"
+                     + (f" ({'; '.join(', '.join(f'{x:.3f}' for x in rs) for rs in r['peak_ratios'])})"
+                        if len(r["peak_ratios"][0]) > 1 else "") + " | "
                      f"{r['check_s_2_ranks']:.3f} | {r['check_s_1_process']:.3f} | {r['time_ratio_2_over_1']:.2f}"
                      + (f" ({', '.join(f'{x:.2f}' for x in r['time_ratios'])})" if len(r["time_ratios"]) > 1 else "")
                      + " | "

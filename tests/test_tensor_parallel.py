@@ -250,7 +250,8 @@ WORKER = textwrap.dedent(
                 report = watch.step(batch)
                 faults["checking"] = False
                 if report is not None:
-                    checks.append({"step": step, "ok": report.ok, "notes": report.notes, "k": report.steps_to_full})
+                    checks.append({"step": step, "ok": report.ok, "notes": report.notes, "k": report.steps_to_full,
+                                   "pieces": list(report.pieces)})
             opt.step()
         params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                   for n, p in net.named_parameters()}
@@ -269,7 +270,8 @@ WORKER = textwrap.dedent(
             res["mine"] = [str(p) for p, _ in assign(pieces, held, rank, 2)]
         if watch is not None:
             res.update(checks=checks, alerts=[a.to_dict() for a in watch.alerts], coverage=watch.coverage,
-                       names=[n for n, _ in net.named_parameters()])
+                       names=[n for n, _ in net.named_parameters()],
+                       piece_seconds={u: list(c) for u, c in watch.backward.piece_seconds.items()})
             watch.close()
         return params, res
 
@@ -330,6 +332,19 @@ def test_correct_parallel_model_fully_checked_no_alert_training_bit_identical(ra
             assert cov["backward"] > 0 and cov["training"] > 0, (name, cov)
         assert res["bit_identical"]
         assert not any("not checked" in n for c in res["checks"] for n in c["notes"]), res["checks"][0]["notes"]
+
+
+@pytest.mark.parametrize("shape", SHAPES + ("terms",))
+def test_whole_pieces_shared_by_measured_cost_are_each_checked_once(ranks, shape):
+    """After the first check the whole pieces go out by what the merged report measured: the same table on every rank,
+    so every piece of a check is checked by exactly one rank (none twice, none lost) and every tensor is covered."""
+    tables = [r[shape]["piece_seconds"] for r in ranks]
+    assert tables[0] and tables[0] == tables[1]
+    assert all(seconds > 0 for seconds, _ in tables[0].values()), tables[0]
+    for check in ranks[0][shape]["checks"]:
+        assert len(check["pieces"]) == len(set(check["pieces"])), check["pieces"]
+    for r in ranks:
+        assert all(c["backward"] > 0 and c["training"] > 0 for c in r[shape]["coverage"].values())
 
 
 @pytest.mark.parametrize("shape", ["2d21", "2d12"])

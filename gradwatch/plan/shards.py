@@ -7,8 +7,10 @@ likewise, so a slice of them is checked on the rank that holds it, with no gathe
 
 - a piece of such a unit (a block of rows, or the whole unit) is cut at the shard bounds, and each rank
   takes the part it holds (:func:`assign`);
-- every other piece (a unit's own code, a LayerNorm, an activation) is taken by one rank, round-robin
-  in plan order, and its parameters are gathered for that piece alone;
+- every other piece (a unit's own code, a LayerNorm, an activation) is taken by one rank, and its parameters are
+  gathered for that piece alone: round-robin in plan order, or, once earlier checks measured what each unit's
+  pieces cost (``costs``), the costliest first, each to the rank with the least work so far, the rows it checks
+  counted (:func:`owners`);
 - where several ranks hold the same rows (a 2-D mesh: the tensor parallel ranks of one FSDP2 shard, or the
   FSDP2 ranks of one tensor parallel shard), those replicas take turns at the unit's pieces.
 
@@ -55,7 +57,76 @@ class Holding(NamedTuple):
     replicas: int = 1
 
 
-def assign(pieces: Sequence[Piece], held: Mapping[str, Holding], rank: int, world: int) -> List[Tuple[Piece, int]]:
+#: What earlier checks measured: unit name -> ``(seconds, rows)`` (rows 0: checked whole), as in
+#: :attr:`gradwatch.check.judging.report.CheckReport.piece_seconds`.
+Costs = Mapping[str, Tuple[float, int]]
+
+
+def _median(xs: Sequence[float]) -> Optional[float]:
+    return sorted(xs)[len(xs) // 2] if xs else None
+
+
+def piece_cost(costs: Costs, unit: str, rows: Optional[int]) -> float:
+    """Seconds a piece of ``unit`` is likely to take: its last measured time, per row for ``rows`` rows of a unit
+    measured by rows (a piece checked whole: the whole time); for a unit never measured, the median of the measured
+    ones (per row for ``rows``), 1.0 a piece where none is; none for no rows.
+
+    Example:
+        >>> costs = {"fc": (0.4, 200), "attn": (0.3, 0)}
+        >>> piece_cost(costs, "fc", 50), piece_cost(costs, "attn", None), piece_cost(costs, "ln", None)
+        (0.1, 0.3, 0.3)
+        >>> piece_cost(costs, "fc2", 100)  # never measured: fc's per row
+        0.2
+    """
+    if rows == 0:
+        return 0.0
+    if unit in costs:
+        seconds, measured = costs[unit]
+        return seconds * rows / measured if rows is not None and measured else seconds
+    if rows is None:
+        typical = _median([s for s, r in costs.values() if not r])
+        return 1.0 if typical is None else typical
+    per_row = _median([s / r for s, r in costs.values() if r])
+    return 1.0 if per_row is None else per_row * rows
+
+
+def owners(pieces: Sequence[Piece], held: Mapping[str, Holding], world: int, costs: Costs) -> Dict[int, int]:
+    """Which rank checks each piece that is checked whole (index in ``pieces`` -> rank), by cost
+    (:func:`piece_cost`): each rank starts with the rows it holds of the pieces checked by rows (spread evenly
+    where replicas share them), then the whole pieces, costliest first, go each to the rank with the least so far
+    (the lowest on a tie). Every rank computes the same from the same ``costs`` (the merged report's).
+
+    Example:
+        >>> costs = {"attn": (0.3, 0), "block": (0.2, 0), "ln": (0.05, 0), "fc": (0.4, 8)}
+        >>> pieces = [Piece("attn"), Piece("ln"), Piece("block"), Piece("fc", (0, 4))]
+        >>> owners(pieces, {"fc": Holding(8, world=2)}, 2, costs)  # rank 0 holds fc's rows 0:4 (0.2 s)
+        {0: 1, 2: 0, 1: 1}
+    """
+    load = [0.0] * world
+    free: List[Tuple[float, int]] = []
+    for i, piece in enumerate(pieces):
+        holding = held.get(piece.unit)
+        if holding is None:
+            free.append((piece_cost(costs, piece.unit, None), i))
+            continue
+        lo, hi = piece.rows if piece.rows is not None else (0, holding.rows)
+        if holding.world == world and holding.replicas == 1:  # split over every rank: rank j holds the j-th rows
+            for j in range(world):
+                first, end = rows_held(holding.rows, j, world)
+                load[j] += piece_cost(costs, piece.unit, max(0, min(hi, end) - max(lo, first)))
+        else:
+            for j in range(world):
+                load[j] += piece_cost(costs, piece.unit, hi - lo) / world
+    out: Dict[int, int] = {}
+    for cost, i in sorted(free, key=lambda ci: (-ci[0], ci[1])):
+        least = min(range(world), key=lambda j: (load[j], j))
+        out[i] = least
+        load[least] += cost
+    return out
+
+
+def assign(pieces: Sequence[Piece], held: Mapping[str, Holding], rank: int, world: int,
+           costs: Optional[Costs] = None) -> List[Tuple[Piece, int]]:
     """This rank's pieces, each with the offset of the rows it holds (0 for a piece checked whole).
 
     Args:
@@ -65,6 +136,8 @@ def assign(pieces: Sequence[Piece], held: Mapping[str, Holding], rank: int, worl
             rows (their replicas), they take turns at its pieces.
         rank: This rank (of the process group).
         world: The process group's size: every rank takes its turn at the pieces checked whole.
+        costs: What earlier checks measured (:data:`Costs`): the pieces checked whole are shared out by cost
+            (:func:`owners`) instead of in turn.
 
     Example:
         >>> assign([Piece("fc")], {"fc": Holding(5, rank=1, world=2)}, rank=1, world=2)
@@ -77,10 +150,11 @@ def assign(pieces: Sequence[Piece], held: Mapping[str, Holding], rank: int, worl
     out: List[Tuple[Piece, int]] = []
     turn = 0
     turns: Dict[str, int] = {}  # per unit held by replicas: its pieces so far
-    for piece in pieces:
+    chosen = owners(pieces, held, world, costs) if costs else None
+    for i, piece in enumerate(pieces):
         holding = held.get(piece.unit)
         if holding is None:
-            if turn % world == rank:
+            if (turn % world if chosen is None else chosen[i]) == rank:
                 out.append((piece, 0))
             turn += 1
             continue

@@ -19,7 +19,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from gradwatch.check import model as model_check
 from gradwatch.check.judging.report import CheckReport
@@ -52,6 +52,9 @@ class BackwardPart(TrendAlerting):
         #: Checks each report entry has been in (tensors, and ``"<module>:double_backward"`` entries).
         self.counts: Dict[str, int] = {}
         self._straight_through_named = False  # an undeclared straight-through's module is looked for once
+        #: What each unit's pieces took at its last check (:attr:`CheckReport.piece_seconds`): shard by shard, the
+        #: ranks share the whole pieces out by it (from the merged report: the same on every rank).
+        self.piece_seconds: Dict[str, Tuple[float, int]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -115,7 +118,7 @@ class BackwardPart(TrendAlerting):
             # Tensor and sequence parallel: the capture's forward stops where every rank has captured what it checks
             # (FSDP2's and ZeRO-3's forward hooks keep per-forward state: their forwards run whole).
             early = not ctx.zero3 and not any(is_fsdp(m) for m in target.modules())
-            pieces, gathered, offsets = plan_shards(target, units, pieces)
+            pieces, gathered, offsets = plan_shards(target, units, pieces, self.piece_seconds)
             view = ShardView(target, gathered, offsets, ctx.lockstep.point if ctx.lockstep is not None else None)
         elif ctx.dist is not None:
             pieces = ctx.dist.share(pieces)  # DDP: the ranks split the plan
@@ -133,6 +136,7 @@ class BackwardPart(TrendAlerting):
         """Count the check of every entry of a completed report."""
         for n in report.tensors:
             self.counts[n] = self.counts.get(n, 0) + 1
+        self.piece_seconds.update(report.piece_seconds)
 
     def state_dict(self) -> Dict[str, Any]:
         return {"counts": dict(self.counts)}

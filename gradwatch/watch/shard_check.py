@@ -40,7 +40,7 @@ from gradwatch.check.judging.training_judge import same_bits
 from gradwatch.check.modules.own_code import HOOK_DICTS
 from gradwatch.check.objective.dtensor import is_dtensor
 from gradwatch.plan.cycle import Piece
-from gradwatch.plan.shards import Holding, assign, rows_held
+from gradwatch.plan.shards import Costs, Holding, assign, rows_held
 from gradwatch.plan.units import Unit, faithful_rows, sliceable_rows
 from gradwatch.watch.sharded import FSDP_KEYS, fsdp_loaded, full_tensor, is_fsdp, plain_class
 from gradwatch.watch.zero import gathered, is_partitioned
@@ -149,16 +149,16 @@ def _subtree(unit: Unit, named: Mapping[str, nn.Module]) -> List[Tuple[str, nn.M
     return out
 
 
-def plan_shards(model: nn.Module, units: Sequence[Unit], pieces: Sequence[Piece]
+def plan_shards(model: nn.Module, units: Sequence[Unit], pieces: Sequence[Piece], costs: Optional[Costs] = None
                 ) -> Tuple[List[Piece], Dict[int, torch.Tensor], Dict[str, int]]:
     """This rank's pieces, the whole parameters they need gathered (``id(live parameter)`` -> tensor) and the
-    offset of each unit's rows on this rank.
+    offset of each unit's rows on this rank (the whole pieces shared out by ``costs``, :func:`assign`, where given).
 
     Every rank gathers the parameters of every piece that is not checked by rows, in plan order, and keeps
     those of its own: the same collectives everywhere, before anything of the check that may raise.
     """
     held = replicas(held_rows(units))
-    mine = assign(pieces, held, *_rank_world())
+    mine = assign(pieces, held, *_rank_world(), costs=costs)
     own = {str(p) for p, _ in mine}
     named = dict(model.named_modules())
     by_name = {u.name: u for u in units}

@@ -280,7 +280,9 @@ def _run_group(opts: CheckOptions, unit: Unit, blocks: List[Tuple[int, int]], go
             continue
         need = fixed + int(per_row * sum(b - a for a, b in run))
         estimate = max(estimate, need)
+        began = time.perf_counter()
         result, probed, empty = check_group(unit, run, args, kwargs, opts, dtype, canonical, constants, screen)
+        _spent(report, unit.name, began, sum(b - a for a, b in run))
         report.pieces.extend(str(Piece(unit.name, b)) for b in run)
         unused += max(empty, _file(report, unit, result, probed))
         if room is not None and need >= TRIM_BYTES:
@@ -321,6 +323,7 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
     checked again alone."""
     constants: Set[int] = set()
     rows = piece.rows
+    began = time.perf_counter()
     if unit.name in got.inputs:
         (args, kwargs), children, out_bytes, need, constants = _cast_capture(got, unit, rows, dtype)
     else:  # over the capture budget alone: its float64 check cannot fit the room on the whole batch
@@ -375,7 +378,14 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
     if room is not None and need >= TRIM_BYTES:
         release_freed()  # what this piece's check freed, before the next one allocates (smaller frees are reused)
     report.pieces.append(str(Piece(unit.name, rows)))
+    _spent(report, unit.name, began, 0 if rows is None else rows[1] - rows[0])
     return estimate, unused + _file(report, unit, result, probed)
+
+
+def _spent(report: CheckReport, unit: str, began: float, rows: int) -> None:
+    """Add a checked piece's seconds since ``began`` and its ``rows`` (0: whole) to ``report.piece_seconds``."""
+    seconds, covered = report.piece_seconds.get(unit, (0.0, 0))
+    report.piece_seconds[unit] = (seconds + time.perf_counter() - began, covered + rows)
 
 
 def _file(report: CheckReport, unit: Unit, result: ModuleCheck, probed: List[Tuple[str, Any]]) -> int:
