@@ -47,6 +47,28 @@ def test_an_embedding_group_leaves_out_the_padding_row_and_the_tokens_of_other_r
     assert torch.allclose(group.weights[0].grad[0], torch.full((6,), 1.0, dtype=torch.float64))
 
 
+def test_a_group_on_one_ranks_shard_computes_and_names_the_models_rows():
+    """Sharded (tensor parallel, FSDP2), a rank's blocks are checked on its shard of the weight, which holds rows
+    ``offset:`` of the model's: the same outputs, the same keys as on the whole module."""
+    torch.manual_seed(0)
+    lin, emb = nn.Linear(12, 700), nn.Embedding(1000, 6, padding_idx=600)
+    shard_lin = nn.Linear(12, 350)  # rank 1 of 2: rows 350:700
+    shard_emb = nn.Embedding(500, 6, padding_idx=100)  # rows 500:1000, its padding row 600 counted from there
+    vars(shard_emb)["num_embeddings"] = 1000  # as the shard view's copy of the live module keeps it
+    with torch.no_grad():
+        shard_lin.weight.copy_(lin.weight[350:]), shard_lin.bias.copy_(lin.bias[350:])
+        shard_emb.weight.copy_(emb.weight[500:])
+    blocks = [(350, 400), (650, 700)]
+    x = torch.randn(3, 12, dtype=torch.float64)
+    whole, shard = LinearRowBlocks(lin, blocks, torch.float64), LinearRowBlocks(shard_lin, blocks, torch.float64, 350)
+    assert torch.equal(whole(x), shard(x)) and sorted(whole.tensors()) == sorted(shard.tensors())
+    ids = torch.tensor([[600, 510, 999, 510, 700]])
+    whole_e = EmbeddingRowBlocks(emb, ids, [(500, 750), (750, 1000)], torch.float64)
+    shard_e = EmbeddingRowBlocks(shard_emb, ids, [(500, 750), (750, 1000)], torch.float64, 500)
+    assert [u.tolist() for u in shard_e.used] == [[510, 700], [999]]  # the padding row left out
+    assert torch.equal(whole_e(whole_e.ids), shard_e(shard_e.ids)) and sorted(whole_e.tensors()) == sorted(shard_e.tensors())
+
+
 def test_fewer_positions_keeps_whole_rows_of_the_input():
     x = torch.arange(4 * 32 * 3, dtype=torch.float64).view(4, 32, 3)
     cut = fewer_positions(x, 32, seed=5)

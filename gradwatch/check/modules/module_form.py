@@ -220,7 +220,7 @@ def run_module_check(
             report.terms = {"loss": got.loss}
             report.nonfinite = report.nonfinite or not math.isfinite(got.loss)  # said once, for the whole check
         held = _held(got)
-        for item in grouped(pieces, by_name, view is None):
+        for item in grouped(pieces, by_name, True):
             unit = by_name.get(item[0].unit)
             if unit is None or (unit.name not in got.inputs and unit.name not in got.big):
                 continue
@@ -229,7 +229,7 @@ def run_module_check(
                 left = _measured(left, limit, device)
             if len(item) > 1 and unit.name in got.inputs:
                 estimate, unused, item = _run_group(opts, unit, [p.rows for p in item if p.rows], got, dtype, canonical,
-                                                    left, report, estimate, unused, screen)
+                                                    left, report, estimate, unused, screen, view)
             for piece in item:
                 estimate, unused = _run_piece(model, objective, batch, opts, unit, piece, got, dtype, canonical, left,
                                               report, skipped, estimate, unused,
@@ -265,9 +265,10 @@ def run_module_check(
 
 def _run_group(opts: CheckOptions, unit: Unit, blocks: List[Tuple[int, int]], got: Captured, dtype: torch.dtype,
                canonical: Dict[int, str], room: Optional[int], report: CheckReport, estimate: int, unused: int,
-               screen: bool) -> Tuple[int, int, List[Piece]]:
+               screen: bool, view: Optional[PieceView] = None) -> Tuple[int, int, List[Piece]]:
     """The row blocks of a plain Linear or Embedding in one piece each run of them that fits the room; returns the
-    largest estimate, the count of blocks with no token and the blocks alone in their run (checked as any piece)."""
+    largest estimate, the count of blocks with no token and the blocks alone in their run (checked as any piece).
+    With a ``view`` (sharded), the blocks are this rank's rows, checked on its shard (one offset for them all)."""
     constants: Set[int] = set()
     args, kwargs = _cast_tree(got.inputs[unit.name], dtype, got.constants, constants)
     fixed, per_row = _rows_cost(unit, (args, kwargs), got.output_bytes.get(unit.name, 0),
@@ -281,7 +282,10 @@ def _run_group(opts: CheckOptions, unit: Unit, blocks: List[Tuple[int, int]], go
         need = fixed + int(per_row * sum(b - a for a, b in run))
         estimate = max(estimate, need)
         began = time.perf_counter()
-        result, probed, empty = check_group(unit, run, args, kwargs, opts, dtype, canonical, constants, screen)
+        with view(unit, run[0]) if view is not None else contextlib.nullcontext((unit, 0)) as (local_unit, offset), \
+                no_collectives() if view is not None else contextlib.nullcontext():  # one rank alone
+            result, probed, empty = check_group(local_unit, run, args, kwargs, opts, dtype, canonical, constants,
+                                                screen, offset)
         _spent(report, unit.name, began, sum(b - a for a, b in run))
         report.pieces.extend(str(Piece(unit.name, b)) for b in run)
         unused += max(empty, _file(report, unit, result, probed))

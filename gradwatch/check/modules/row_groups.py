@@ -65,16 +65,18 @@ class LinearRowBlocks(nn.Module):
         module: The live Linear.
         blocks: ``(first, end)`` row ranges, disjoint.
         dtype: The check's dtype.
+        offset: ``module`` holds rows ``offset:`` of the model's (one rank's shard); ``blocks`` and the keys stay
+            the model's rows.
     """
 
-    def __init__(self, module: nn.Module, blocks: Sequence[Block], dtype: torch.dtype) -> None:
+    def __init__(self, module: nn.Module, blocks: Sequence[Block], dtype: torch.dtype, offset: int = 0) -> None:
         super().__init__()
         weight = cast(torch.Tensor, module.weight).detach()
         bias = module._parameters.get("bias")
         self.blocks = list(blocks)
-        self.weights = nn.ParameterList([nn.Parameter(weight[a:b].to(dtype)) for a, b in self.blocks])
-        self.biases = nn.ParameterList([nn.Parameter(bias.detach()[a:b].to(dtype)) for a, b in self.blocks]) \
-            if isinstance(bias, torch.Tensor) else None
+        self.weights = nn.ParameterList([nn.Parameter(weight[a - offset:b - offset].to(dtype)) for a, b in self.blocks])
+        self.biases = nn.ParameterList([nn.Parameter(bias.detach()[a - offset:b - offset].to(dtype))
+                                        for a, b in self.blocks]) if isinstance(bias, torch.Tensor) else None
         inner = fresh_shallow(module)
         for key in ("weight", "bias"):
             inner._parameters.pop(key, None)
@@ -111,6 +113,8 @@ class EmbeddingRowBlocks(nn.Module):
         ids: The token ids the module was called on.
         blocks: ``(first, end)`` token ranges, disjoint.
         dtype: The check's dtype.
+        offset: ``module`` holds rows ``offset:`` of the model's (one rank's shard, its ``padding_idx`` counted from
+            there); ``ids``, ``blocks`` and the keys stay the model's.
 
     Attributes:
         used: Per block, the rows the batch uses (empty where it uses none: that block has no tensor).
@@ -125,12 +129,13 @@ class EmbeddingRowBlocks(nn.Module):
         torch.Size([3, 2])
     """
 
-    def __init__(self, module: nn.Module, ids: torch.Tensor, blocks: Sequence[Block], dtype: torch.dtype) -> None:
+    def __init__(self, module: nn.Module, ids: torch.Tensor, blocks: Sequence[Block], dtype: torch.dtype,
+                 offset: int = 0) -> None:
         super().__init__()
         flat = ids.reshape(-1)
         padding = getattr(module, "padding_idx", None)
         if padding is not None:
-            padding %= int(cast(int, module.num_embeddings))
+            padding = (padding + offset) % int(cast(int, module.num_embeddings))
         weight = cast(torch.Tensor, module.weight).detach()
         self.blocks = list(blocks)
         self.used: List[torch.Tensor] = []
@@ -138,7 +143,7 @@ class EmbeddingRowBlocks(nn.Module):
             rows = torch.unique(flat[(flat >= a) & (flat < b)])
             self.used.append(rows[rows != padding] if padding is not None else rows)
         kept = [(blk, rows) for blk, rows in zip(self.blocks, self.used) if rows.numel()]
-        self.weights = nn.ParameterList([nn.Parameter(weight[rows].to(dtype)) for _, rows in kept])
+        self.weights = nn.ParameterList([nn.Parameter(weight[rows - offset].to(dtype)) for _, rows in kept])
         self._keys = [block_key("weight", blk) for blk, _ in kept]
         self.ids: Optional[torch.Tensor] = None
         if kept:
@@ -245,10 +250,12 @@ def grouped(pieces: Sequence[Piece], by_name: Dict[str, Unit], grouping: bool) -
 
 
 def check_group(unit: Unit, blocks: List[Tuple[int, int]], args: Any, kwargs: Any, opts: CheckOptions,
-                 dtype: torch.dtype, canonical: Dict[int, str], constants: Set[int], screen: bool
+                 dtype: torch.dtype, canonical: Dict[int, str], constants: Set[int], screen: bool, offset: int = 0
                  ) -> Tuple[ModuleCheck, List[Tuple[str, Any]], int]:
     """Row blocks of a plain Linear or Embedding checked in one piece, each block a tensor of its own; returns the
-    check, what it probed (parameter name, rows) and how many blocks held no token of the batch."""
+    check, what it probed (parameter name, rows) and how many blocks held no token of the batch. ``offset``: the
+    unit's weight holds rows ``offset:`` of the model's (one rank's shard); the blocks and what is reported stay the
+    model's rows."""
     module = unit.module
     prefix = f"{unit.name}." if unit.name else ""
     weight = canonical.get(id(unit.params.get(prefix + "weight")), prefix + "weight")
@@ -260,7 +267,7 @@ def check_group(unit: Unit, blocks: List[Tuple[int, int]], args: Any, kwargs: An
         if ids is None:
             return ModuleCheck(name=unit.name, type=type(module).__name__, calls=unit.calls,
                                inconclusive="no token ids among its inputs"), [], 0
-        local = EmbeddingRowBlocks(module, ids, blocks, dtype)
+        local = EmbeddingRowBlocks(module, ids, blocks, dtype, offset)
         probed.append((weight, ("reached", torch.unique(ids.reshape(-1)))))
         probed.extend((weight, rows) for rows in local.used if rows.numel())
         empty = sum(1 for rows in local.used if not rows.numel())
@@ -270,7 +277,7 @@ def check_group(unit: Unit, blocks: List[Tuple[int, int]], args: Any, kwargs: An
         args, kwargs = (local.ids,), {}
         kind = f"{type(module).__name__} {span} ({sum(int(r.numel()) for r in local.used)} used)"
     else:
-        local = LinearRowBlocks(module, blocks, dtype)
+        local = LinearRowBlocks(module, blocks, dtype, offset)
         x = _linear_input(args, kwargs)
         if x is not None and x.numel() // x.shape[-1] > GROUP_POSITIONS:
             cut = fewer_positions(x, GROUP_POSITIONS, opts.seed)
