@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import math
+from statistics import median_high
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from gradwatch.plan.cycle import Piece
@@ -62,10 +63,6 @@ class Holding(NamedTuple):
 Costs = Mapping[str, Tuple[float, int]]
 
 
-def _median(xs: Sequence[float]) -> Optional[float]:
-    return sorted(xs)[len(xs) // 2] if xs else None
-
-
 def piece_cost(costs: Costs, unit: str, rows: Optional[int]) -> float:
     """Seconds a piece of ``unit`` is likely to take: its last measured time, per row for ``rows`` rows of a unit
     measured by rows (a piece checked whole: the whole time); for a unit never measured, the median of the measured
@@ -84,10 +81,10 @@ def piece_cost(costs: Costs, unit: str, rows: Optional[int]) -> float:
         seconds, measured = costs[unit]
         return seconds * rows / measured if rows is not None and measured else seconds
     if rows is None:
-        typical = _median([s for s, r in costs.values() if not r])
-        return 1.0 if typical is None else typical
-    per_row = _median([s / r for s, r in costs.values() if r])
-    return 1.0 if per_row is None else per_row * rows
+        typical = [s for s, r in costs.values() if not r]
+        return median_high(typical) if typical else 1.0
+    per_row = [s / r for s, r in costs.values() if r]
+    return median_high(per_row) * rows if per_row else 1.0
 
 
 def owners(pieces: Sequence[Piece], held: Mapping[str, Holding], world: int, costs: Costs) -> Dict[int, int]:

@@ -543,8 +543,7 @@ def merge_reports(reports: Sequence[Any], order: Sequence[str], opts: Any) -> Ch
         merged.probed.extend(r.probed)  # the module form: each rank probed its share of the pieces
         merged.pieces.extend(r.pieces)
         for unit, (seconds, rows) in r.piece_seconds.items():  # parts of one unit on several ranks: summed
-            before = merged.piece_seconds.get(unit, (0.0, 0))
-            merged.piece_seconds[unit] = (before[0] + seconds, before[1] + rows)
+            merged.spent(unit, seconds, rows)
         for note in r.notes:
             if note not in merged.notes:
                 merged.notes.append(note)

@@ -268,6 +268,11 @@ class CheckReport:
     training_items: Optional[Dict[str, Any]] = None
     training_window: Optional[Dict[str, Any]] = None
 
+    def spent(self, unit: str, seconds: float, rows: int) -> None:
+        """Add ``seconds`` of checking ``unit``'s pieces, and the ``rows`` they covered, to :attr:`piece_seconds`."""
+        before = self.piece_seconds.get(unit, (0.0, 0))
+        self.piece_seconds[unit] = (before[0] + seconds, before[1] + rows)
+
     def not_checked(self) -> List["NotChecked"]:
         """What this check could not check, why, and how to check it instead (:func:`not_checked_in` of its notes)."""
         return not_checked_in(self.notes, self.training_note, bool(self.training))

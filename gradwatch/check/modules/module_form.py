@@ -220,7 +220,7 @@ def run_module_check(
             report.terms = {"loss": got.loss}
             report.nonfinite = report.nonfinite or not math.isfinite(got.loss)  # said once, for the whole check
         held = _held(got)
-        for item in grouped(pieces, by_name, True):
+        for item in grouped(pieces, by_name):
             unit = by_name.get(item[0].unit)
             if unit is None or (unit.name not in got.inputs and unit.name not in got.big):
                 continue
@@ -279,14 +279,15 @@ def _run_group(opts: CheckOptions, unit: Unit, blocks: List[Tuple[int, int]], go
         if len(run) == 1:
             single.append(Piece(unit.name, run[0]))
             continue
-        need = fixed + int(per_row * sum(b - a for a, b in run))
+        covered = sum(b - a for a, b in run)
+        need = fixed + int(per_row * covered)
         estimate = max(estimate, need)
         began = time.perf_counter()
         with view(unit, run[0]) if view is not None else contextlib.nullcontext((unit, 0)) as (local_unit, offset), \
                 no_collectives() if view is not None else contextlib.nullcontext():  # one rank alone
             result, probed, empty = check_group(local_unit, run, args, kwargs, opts, dtype, canonical, constants,
                                                 screen, offset)
-        _spent(report, unit.name, began, sum(b - a for a, b in run))
+        report.spent(unit.name, time.perf_counter() - began, covered)
         report.pieces.extend(str(Piece(unit.name, b)) for b in run)
         unused += max(empty, _file(report, unit, result, probed))
         if room is not None and need >= TRIM_BYTES:
@@ -382,14 +383,8 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
     if room is not None and need >= TRIM_BYTES:
         release_freed()  # what this piece's check freed, before the next one allocates (smaller frees are reused)
     report.pieces.append(str(Piece(unit.name, rows)))
-    _spent(report, unit.name, began, 0 if rows is None else rows[1] - rows[0])
+    report.spent(unit.name, time.perf_counter() - began, 0 if rows is None else rows[1] - rows[0])
     return estimate, unused + _file(report, unit, result, probed)
-
-
-def _spent(report: CheckReport, unit: str, began: float, rows: int) -> None:
-    """Add a checked piece's seconds since ``began`` and its ``rows`` (0: whole) to ``report.piece_seconds``."""
-    seconds, covered = report.piece_seconds.get(unit, (0.0, 0))
-    report.piece_seconds[unit] = (seconds + time.perf_counter() - began, covered + rows)
 
 
 def _file(report: CheckReport, unit: Unit, result: ModuleCheck, probed: List[Tuple[str, Any]]) -> int:

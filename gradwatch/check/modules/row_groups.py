@@ -227,20 +227,20 @@ def chunks(blocks: Sequence[Block], capacity: int) -> List[List[Block]]:
     return out
 
 
-def grouped(pieces: Sequence[Piece], by_name: Dict[str, Unit], grouping: bool) -> List[List[Piece]]:
+def grouped(pieces: Sequence[Piece], by_name: Dict[str, Unit]) -> List[List[Piece]]:
     """``pieces`` in order, one to a list, except the row blocks of each plain Linear or Embedding (whose forward is
     the library's own): those gathered into one list, at the place of the first (:mod:`~gradwatch.check.modules.row_groups`).
 
     Example:
         >>> units = {"head": Unit("head", nn.Linear(2, 600)), "act": Unit("act", nn.Tanh())}
-        >>> [[str(p) for p in g] for g in grouped([Piece("head", (0, 200)), Piece("act"), Piece("head", (400, 600))], units, True)]
+        >>> [[str(p) for p in g] for g in grouped([Piece("head", (0, 200)), Piece("act"), Piece("head", (400, 600))], units)]
         [['head[0:200]', 'head[400:600]'], ['act']]
     """
     out: List[List[Piece]] = []
     at: Dict[str, int] = {}
     for piece in pieces:
         unit = by_name.get(piece.unit)
-        if grouping and unit is not None and piece.rows is not None and unit.kind == "module" and faithful_rows(unit.module):
+        if unit is not None and piece.rows is not None and unit.kind == "module" and faithful_rows(unit.module):
             if piece.unit in at:
                 out[at[piece.unit]].append(piece)
                 continue
