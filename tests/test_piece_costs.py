@@ -49,3 +49,21 @@ def test_a_unit_never_measured_costs_what_the_measured_ones_typically_do():
     assert piece_cost(COSTS, "blocks.1.attn", None) == 0.098  # the median whole piece
     assert abs(piece_cost(COSTS, "blocks.1.fc2", 100) - 100 * 0.11 / 512) < 1e-12  # the median per row
     assert piece_cost({}, "x", None) == 1.0
+
+
+def test_loss_fn_and_the_roots_own_code_go_to_different_ranks_whatever_they_cost():
+    """Each copies the model's output (a language model's logits), over the capture's budget alone: a capture forward
+    of its own, which every rank makes. On one rank, every rank made three forwards at that check of the 20.8M tensor
+    parallel model of ``benchmarks/parallel.py`` (0.84 s against 0.29 s for one); on two, they share one."""
+    pieces = [Piece("blocks.0.fc1", (0, 512)), Piece("blocks.1.attn"), Piece(""), Piece("<loss_fn>"), Piece("ln")]
+    held = {"blocks.0.fc1": Holding(2048, world=2)}
+    cheap = {"": (0.05, 0), "<loss_fn>": (0.04, 0), "blocks.1.attn": (0.5, 0), "ln": (0.01, 0), "blocks.0.fc1": (0.1, 512)}
+    for costs in (cheap, None, {}):  # cheap enough for the least loaded rank to take both; never measured; in turn
+        for world in (2, 3):
+            given = [[p.unit for p, _ in assign(pieces, {n: h._replace(rank=r, world=world) for n, h in held.items()},
+                                                r, world, costs=costs)] for r in range(world)]
+            holders = [sum(u in ("", "<loss_fn>") for u in g) for g in given]
+            assert sorted(holders)[-1] == 1 and sum(holders) == 2, (costs, world, given)
+            assert sorted(u for g in given for u in g if u != "blocks.0.fc1") == sorted(p.unit for p in pieces[1:])
+    one = [p.unit for p, _ in assign(pieces, held, 0, 1, costs=cheap)]  # one rank: everything, as before
+    assert one.count("") == 1 and one.count("<loss_fn>") == 1

@@ -10,7 +10,8 @@ likewise, so a slice of them is checked on the rank that holds it, with no gathe
 - every other piece (a unit's own code, a LayerNorm, an activation) is taken by one rank, and its parameters are
   gathered for that piece alone: round-robin in plan order, or, once earlier checks measured what each unit's
   pieces cost (``costs``), the costliest first, each to the rank with the least work so far, the rows it checks
-  counted (:func:`owners`);
+  counted (:func:`owners`); either way ``loss_fn``'s own code and the root's go to different ranks
+  (:data:`OUTPUT_HOLDERS`: each needs a capture forward of its own, which every rank makes);
 - where several ranks hold the same rows (a 2-D mesh: the tensor parallel ranks of one FSDP2 shard, or the
   FSDP2 ranks of one tensor parallel shard), those replicas take turns at the unit's pieces.
 
@@ -33,6 +34,7 @@ from statistics import median_high
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from gradwatch.plan.cycle import Piece
+from gradwatch.plan.units import LOSS_FN
 
 
 def rows_held(rows: int, rank: int, world: int) -> Tuple[int, int]:
@@ -87,11 +89,19 @@ def piece_cost(costs: Costs, unit: str, rows: Optional[int]) -> float:
     return median_high(per_row) * rows if per_row else 1.0
 
 
+#: The units whose inputs hold the model's output: ``loss_fn``'s own code (the model a stub returning it) and the
+#: root module's own code (the outputs of the modules it calls, the last one's included). A language model's logits
+#: put each over the capture's budget alone, so each is copied by a capture forward of its own, which every rank makes
+#: in step (:mod:`gradwatch.check.modules.capture`): checked on different ranks, they share one such forward.
+OUTPUT_HOLDERS = (LOSS_FN, "")
+
+
 def owners(pieces: Sequence[Piece], held: Mapping[str, Holding], world: int, costs: Costs) -> Dict[int, int]:
     """Which rank checks each piece that is checked whole (index in ``pieces`` -> rank), by cost
     (:func:`piece_cost`): each rank starts with the rows it holds of the pieces checked by rows (spread evenly
-    where replicas share them), then the whole pieces, costliest first, go each to the rank with the least so far
-    (the lowest on a tie). Every rank computes the same from the same ``costs`` (the merged report's).
+    where replicas share them); the pieces of :data:`OUTPUT_HOLDERS` go first, each to a rank that has fewest of
+    them (then the least load); then the other whole pieces, costliest first, go each to the rank with the least so
+    far (the lowest on a tie). Every rank computes the same from the same ``costs`` (the merged report's).
 
     Example:
         >>> costs = {"attn": (0.3, 0), "block": (0.2, 0), "ln": (0.05, 0), "fc": (0.4, 8)}
@@ -115,8 +125,13 @@ def owners(pieces: Sequence[Piece], held: Mapping[str, Holding], world: int, cos
             for j in range(world):
                 load[j] += piece_cost(costs, piece.unit, hi - lo) / world
     out: Dict[int, int] = {}
-    for cost, i in sorted(free, key=lambda ci: (-ci[0], ci[1])):
-        least = min(range(world), key=lambda j: (load[j], j))
+    holders = [0] * world  # output holders per rank
+    for cost, i in sorted(free, key=lambda ci: (pieces[ci[1]].unit not in OUTPUT_HOLDERS, -ci[0], ci[1])):
+        if pieces[i].unit in OUTPUT_HOLDERS:
+            least = min(range(world), key=lambda j: (holders[j], load[j], j))
+            holders[least] += 1
+        else:
+            least = min(range(world), key=lambda j: (load[j], j))
         out[i] = least
         load[least] += cost
     return out
@@ -148,10 +163,17 @@ def assign(pieces: Sequence[Piece], held: Mapping[str, Holding], rank: int, worl
     turn = 0
     turns: Dict[str, int] = {}  # per unit held by replicas: its pieces so far
     chosen = owners(pieces, held, world, costs) if costs else None
+    holders = 0  # in turn too, the output holders each to another rank
     for i, piece in enumerate(pieces):
         holding = held.get(piece.unit)
         if holding is None:
-            if (turn % world if chosen is None else chosen[i]) == rank:
+            if chosen is not None:
+                mine = chosen[i] == rank
+            elif piece.unit in OUTPUT_HOLDERS:
+                mine, holders = holders % world == rank, holders + 1
+            else:
+                mine = turn % world == rank
+            if mine:
                 out.append((piece, 0))
             turn += 1
             continue
