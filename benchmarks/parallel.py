@@ -33,6 +33,11 @@ ratios (the pairs' range in brackets), the time ratio the median of the paired r
 | ZeRO-3 | 1242 / 1178 | 1225 / 1192 | 0.946 (0.946-0.979); 0.974 (0.955-0.987) | 2.976 / 4.273 | 0.70 (0.68-0.70) | 0.72 | 1.568 (1.72) |
 | ZeRO-2 | 960 / 1031 | 977 / 986 | 1.074, 1.009 | | | 0.37 (0.34-0.41) | 1.981 (1.12) |
 
+Again at commit 066c329 (``--repeat 3``, 2026-11-28, a noisier machine: one process's mean check moved by up to 31%
+between pairs), peak ratio r0; r1 and the checks' mean ratio: tensor parallel 1.117; 1.096, 1.03 (0.77-1.26); sequence
+parallel 1.062; 1.019, 1.03; 2x1 0.960; 0.937, 0.62; 1x2 1.080; 1.046, 0.98; ZeRO-3 0.961; 0.976, 0.80 (the median
+check 1.16, 1.17, 0.72, 1.11, 0.80).
+
 Every check ``ok``, module form, 0 alerts. Not met on this machine: the peak within 1.10x on the 1x2 mesh's rank 0
 (half of its eight pairs above, single tensor parallel pairs up to 1.19x), and a 2-rank check no slower than one
 process's at every check: the median check of tensor parallel and the 1x2 mesh is 1.01x to 1.06x, a check whose
