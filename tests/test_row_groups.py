@@ -128,3 +128,30 @@ def test_a_check_takes_each_weights_blocks_in_one_piece_and_covers_every_row():
     want = torch.unique(ids[:, :-1][((ids[:, :-1] < 256) | ((ids[:, :-1] >= 768) & (ids[:, :-1] < 1024))
                                      | (ids[:, :-1] >= 2744))])
     assert torch.equal(torch.sort(used).values, want)
+
+
+def test_shard_by_shard_a_ranks_one_block_is_checked_as_a_group_on_the_groups_positions():
+    """A rank holds fewer rows, so a check often gives it one block of a Linear: it goes the group's way, on 32 of
+    its input's positions, as blocks of a group do (before: the whole input; on the 20.8M tensor parallel model of
+    ``benchmarks/parallel.py``, ``fc1``'s blocks took 0.061 s to 0.072 s per 256 rows on a rank, 0.027 s since).
+    One process holds the view here: :class:`~gradwatch.watch.shard_check.ShardView` on a plain model."""
+    from gradwatch.check.modules.module_form import run_module_check
+    from gradwatch.check.objective.terms import Objective
+    from gradwatch.options import CheckOptions
+    from gradwatch.watch.shard_check import ShardView
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 3))
+    batch = torch.randn(4, 20, 8)  # 80 positions
+
+    def loss(m, b):
+        return m(b).square().mean()
+
+    piece = [Piece("0", (16, 32))]
+    alone = run_module_check(model, Objective(loss), batch, CheckOptions(seed=0), pieces=piece)
+    sharded = run_module_check(model, Objective(loss), batch, CheckOptions(seed=0), pieces=piece,
+                               view=ShardView(model, {}, {}))
+    assert "on 32 of its input's 80 positions" not in alone.localized[0].type  # one process: the piece's whole input
+    assert "rows 16:32, 1 blocks, on 32 of its input's 80 positions" in sharded.localized[0].type, sharded.localized[0].type
+    assert sharded.ok and {"0.weight", "0.bias"} <= set(sharded.tensors) and {"0.weight", "0.bias"} <= set(alone.tensors)
+    assert sharded.piece_seconds["0"][1] == 16  # its rows counted in the cost table, as a group's

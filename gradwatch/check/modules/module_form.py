@@ -55,7 +55,7 @@ from gradwatch.check.judging.report import OVER_ROOM, CheckReport, worse
 from gradwatch.check.modules.capture import Captured, capture, live_bytes
 from gradwatch.check.modules.localize import ModuleCheck, check_module
 from gradwatch.check.modules.own_code import LossCode, ModelStub, OwnCode, RowsInPlace, embedding_rows_copy, own_code_copy, rows_copy
-from gradwatch.check.modules.row_groups import NO_TOKEN, check_group, chunks, first_ids, grouped, param_of, positions_kept
+from gradwatch.check.modules.row_groups import NO_TOKEN, check_group, chunks, first_ids, groupable, grouped, param_of, positions_kept
 from gradwatch.check.objective.dropout_off import dropout_off
 from gradwatch.check.objective.dtensor import no_collectives
 from gradwatch.check.objective.guards import frozen_power_iteration, suspended_hooks
@@ -227,7 +227,9 @@ def run_module_check(
             left = None if room is None else max(0, room - held)
             if limit is not None and left is not None:
                 left = _measured(left, limit, device)
-            if len(item) > 1 and unit.name in got.inputs:
+            # shard by shard, a rank's one block of a unit too (it holds fewer rows: often one block a check), on the
+            # group's positions, as the blocks of a group are
+            if (len(item) > 1 or (view is not None and groupable(item[0], unit))) and unit.name in got.inputs:
                 estimate, unused, item = _run_group(opts, unit, [p.rows for p in item if p.rows], got, dtype, canonical,
                                                     left, report, estimate, unused, screen, view)
             for piece in item:
@@ -276,7 +278,7 @@ def _run_group(opts: CheckOptions, unit: Unit, blocks: List[Tuple[int, int]], go
     capacity = (_rows_of(unit) or 1) if room is None else int(max(0, room - fixed) // max(per_row, 1.0))
     single: List[Piece] = []
     for run in chunks(sorted(blocks), capacity):
-        if len(run) == 1:
+        if len(run) == 1 and view is None:
             single.append(Piece(unit.name, run[0]))
             continue
         covered = sum(b - a for a, b in run)

@@ -227,6 +227,16 @@ def chunks(blocks: Sequence[Block], capacity: int) -> List[List[Block]]:
     return out
 
 
+def groupable(piece: Piece, unit: Unit) -> bool:
+    """Whether ``piece`` is a row block of a plain Linear or Embedding (``unit``), checked in a group of its blocks.
+
+    Example:
+        >>> groupable(Piece("head", (0, 200)), Unit("head", nn.Linear(2, 600))), groupable(Piece("act"), Unit("act", nn.Tanh()))
+        (True, False)
+    """
+    return piece.rows is not None and unit.kind == "module" and faithful_rows(unit.module)
+
+
 def grouped(pieces: Sequence[Piece], by_name: Dict[str, Unit]) -> List[List[Piece]]:
     """``pieces`` in order, one to a list, except the row blocks of each plain Linear or Embedding (whose forward is
     the library's own): those gathered into one list, at the place of the first (:mod:`~gradwatch.check.modules.row_groups`).
@@ -240,7 +250,7 @@ def grouped(pieces: Sequence[Piece], by_name: Dict[str, Unit]) -> List[List[Piec
     at: Dict[str, int] = {}
     for piece in pieces:
         unit = by_name.get(piece.unit)
-        if unit is not None and piece.rows is not None and unit.kind == "module" and faithful_rows(unit.module):
+        if unit is not None and groupable(piece, unit):
             if piece.unit in at:
                 out[at[piece.unit]].append(piece)
                 continue
