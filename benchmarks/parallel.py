@@ -36,7 +36,8 @@ ratios (the pairs' range in brackets), the time ratio the median of the paired r
 Again at commit 066c329 (``--repeat 3``, 2026-11-28, a noisier machine: one process's mean check moved by up to 31%
 between pairs), peak ratio r0; r1 and the checks' mean ratio: tensor parallel 1.117; 1.096, 1.03 (0.77-1.26); sequence
 parallel 1.062; 1.019, 1.03; 2x1 0.960; 0.937, 0.62; 1x2 1.080; 1.046, 0.98; ZeRO-3 0.961; 0.976, 0.80 (the median
-check 1.16, 1.17, 0.72, 1.11, 0.80).
+check 1.16, 1.17, 0.72, 1.11, 0.80); at 302fc54 (a rank's one block checked as a group) tensor parallel 1.024; 1.066,
+0.79 (0.75-0.93), the median check 0.98, and the 1x2 mesh 1.038; 1.084, 1.04 (0.98-1.75), 1.32.
 
 Every check ``ok``, module form, 0 alerts. Not met on this machine: the peak within 1.10x on the 1x2 mesh's rank 0
 (half of its eight pairs above, single tensor parallel pairs up to 1.19x), and a 2-rank check no slower than one
