@@ -278,7 +278,7 @@ def _run_group(opts: CheckOptions, unit: Unit, blocks: List[Tuple[int, int]], go
     capacity = (_rows_of(unit) or 1) if room is None else int(max(0, room - fixed) // max(per_row, 1.0))
     single: List[Piece] = []
     for run in chunks(sorted(blocks), capacity):
-        if len(run) == 1 and view is None:
+        if len(run) == 1 and (view is None or run[0][1] - run[0][0] > capacity):  # over the room: cut as a piece
             single.append(Piece(unit.name, run[0]))
             continue
         covered = sum(b - a for a, b in run)
