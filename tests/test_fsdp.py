@@ -584,3 +584,31 @@ def test_sharded_models_refused_where_they_cannot_be_checked(one_rank):
     wrapped.inner = nn.Linear(2, 1)
     with pytest.raises(ValueError, match="FullyShardedDataParallel \\(FSDP1\\), which gradwatch does not check"):
         GradWatch(nn.Sequential(wrapped), loss_fn)
+
+
+def test_fsdp_over_one_rank_makes_no_agreement_point(one_rank):
+    """A 1x2 ``dp x tp`` mesh shards FSDP2 over one rank: its all-gathers and reduce-scatters wait for no other rank,
+    so a check's region puts no point around them (on the 20.8M 1x2 model of ``benchmarks/parallel.py``, 68 points
+    a check before, 47 since: the tensor parallel collectives' alone)."""
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from gradwatch.watch.lockstep import Lockstep
+    from gradwatch.watch.sharded import fsdp_communicates
+
+    class Agreeing:
+        calls = 0
+
+        def agree(self, ok, value=None):
+            Agreeing.calls += 1
+            return True, value
+
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    fully_shard(net[0])
+    fully_shard(net)
+    assert not fsdp_communicates(net[0]) and not fsdp_communicates(net)
+    assert fsdp_communicates(nn.Linear(2, 2))  # not FSDP2: nothing says it does not
+    with Lockstep(Agreeing(), net) as step:
+        net(torch.randn(5, 3)).sum().backward()
+    assert (Agreeing.calls, step.points) == (1, 1)  # the region's last point only

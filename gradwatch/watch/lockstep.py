@@ -12,7 +12,8 @@ each of those collectives: a one-element all-reduce on gradwatch's own group, bo
   and in the backward, and makes a point just before it, and only there (a check of ``benchmarks/parallel.py``'s
   4-block tensor parallel model made 67 points, where a point at every such module's entry, exit and gradients
   made 251).
-- **FSDP2's** (``c10d`` calls): a point before each FSDP2 module's forward (before its all-gather) and, by
+- **FSDP2's** (``c10d`` calls; a module sharded over one rank, a 1x2 ``dp x tp`` mesh's, makes none with another
+  rank): a point before each FSDP2 module's forward (before its all-gather) and, by
   tensor hooks, where each module's output gradient arrives (before FSDP2's pre-backward all-gather), where its
   input gradient leaves (before its reduce-scatter) and at the backward's end (before the root's
   reduce-scatter).
@@ -56,7 +57,7 @@ from gradwatch.check.objective.dtensor import is_dtensor, makes_collective
 from gradwatch.trees import tensor_leaves
 from gradwatch.watch.distributed import DistributedCheckError, PeerFailed
 from gradwatch.watch.shard_check import reshard
-from gradwatch.watch.sharded import fsdp_loaded, is_fsdp, live_forward_refused
+from gradwatch.watch.sharded import fsdp_communicates, fsdp_loaded, is_fsdp, live_forward_refused
 from gradwatch.watch.zero import engine_of, release_leftovers, reset_zero, zero3
 
 __all__ = ["Lockstep", "PeerFailed", "reset_fsdp"]
@@ -192,7 +193,7 @@ class Lockstep:
         # Plain parameters as training left them (FSDP2's are DTensors now; these are the ones it does not manage)
         self._plain = {id(p): (p, p.grad) for p in self.model.parameters() if not is_dtensor(p)}
         for m in self.model.modules():
-            if is_fsdp(m):
+            if is_fsdp(m) and fsdp_communicates(m):  # one over a single rank (a 1x2 mesh's) waits for no other
                 self._handles += [m.register_forward_pre_hook(before_forward, prepend=True),
                                   m.register_forward_hook(outputs, prepend=True),
                                   m.register_forward_pre_hook(inputs, with_kwargs=True)]

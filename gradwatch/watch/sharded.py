@@ -74,6 +74,26 @@ def is_fsdp(module: Any) -> bool:
     fsdp = fsdp_module()
     return fsdp is not None and isinstance(module, fsdp)
 
+
+def fsdp_communicates(module: nn.Module) -> bool:
+    """True unless the FSDP2 ``module`` shards over one rank only (a 1x2 ``dp x tp`` mesh): there its all-gathers
+    and reduce-scatters involve no other rank, so no other rank can wait in them. Where torch keeps the mesh out of
+    reach, True.
+
+    Example:
+        >>> fsdp_communicates(nn.Linear(2, 2))  # no FSDP2 module: nothing told otherwise
+        True
+    """
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        group = cast(Any, fully_shard).state(module)._fsdp_param_group  # no public getter in torch 2.13
+        if group is None:  # no parameter of its own: it gathers nothing
+            return False
+        return int(group.mesh_info.mesh.size()) > 1
+    except Exception:  # noqa: BLE001 - not FSDP2, or another torch: assume it communicates
+        return True
+
 __all__ = ["REPLICA_NOTE", "LiveForwardInCheck", "Replica", "is_dtensor", "is_sharded", "kept_hooks",
            "layout", "live_forward_forbidden", "live_forward_refused",
            "mixed_precision", "refuse_unsupported"]
