@@ -57,7 +57,7 @@ WORKER = textwrap.dedent(
     from gradwatch.plan.cycle import Piece
     from gradwatch.plan.shards import assign
     from gradwatch.plan.units import plan_units
-    from gradwatch.watch.shard_check import held_rows, replicas, reshard, settled
+    from gradwatch.watch.shard_check import held_rows, replicas, reshard, settled, settled_pairs
     from helpers import WrongSoftmax, save_rank_results  # tests/helpers.py: softmax whose backward is 10% too large
 
     faults = {"checking": False, "calls": 0, "step": -1, "at": {}}  # (rank, step) -> (call of loss_fn, what)
@@ -261,6 +261,11 @@ WORKER = textwrap.dedent(
             reduced = settled(g, None)
             res["partial"] = [str(pl) for pl in g.placements]
             res["settled"] = bool(torch.equal(reduced, g.full_tensor())) and not torch.equal(reduced, g.to_local())
+            # every norm's, reduced together: the same bits as one at a time, live and replayed alike
+            norms = [p.grad for n, p in net.named_parameters() if ".ln" in n or n.startswith("ln")]
+            together = settled_pairs([(q, q.to_local() * 2) for q in norms])
+            res["pairs"] = (len(norms), all(torch.equal(live, settled(q, None)) and torch.equal(rep, 2 * settled(q, None))
+                                            for q, (live, rep) in zip(norms, together)))
         if watch is not None and shape.startswith("2d"):  # who checks which rows (every rank: an exchange)
             units = plan_units(net, loss_fn, batch)
             reshard(net)  # its forward left the root's parameters gathered
@@ -375,6 +380,7 @@ def test_sequence_parallel_partial_gradients_are_judged_reduced(ranks):
     for r in ranks:
         assert r["sp"]["partial"] == ["P(sum)"]  # str() of Partial(sum)
         assert r["sp"]["settled"]  # the reduced gradient (the sum over the ranks), not this rank's part
+        assert r["sp"]["pairs"] == [6, True]  # ln1, ln2 and the final ln: weight and bias, in one reduction each
 
 
 def test_own_code_making_a_collective_is_not_checked_and_never_waits(ranks):

@@ -39,7 +39,7 @@ from gradwatch.check.replay.window import PartialWindow
 from gradwatch.plan.memory import SAFETY, gradient_bytes, mb, release_freed
 from gradwatch.watch.accumulation import AccumulationWindow
 from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
-from gradwatch.watch.shard_check import backward_on_shards, is_partial, local, settled
+from gradwatch.watch.shard_check import backward_on_shards, is_partial, local, settled_pairs
 from gradwatch.watch.sharded import is_dtensor
 from gradwatch.watch.step_objective import StepObjective, StepPlan
 from gradwatch.watch.trend import Alert
@@ -462,8 +462,11 @@ class TrainingPart(TrendAlerting):
         # ZeRO 1 and 2: the step's whole gradient of each tensor, read on every rank in the same order (collectives)
         wholes = {n: whole_grad(p, grads[n], zero_scale) for n, p in params.items()
                   if zero and not is_partitioned(p)}
-        for n in partial:  # sequence parallel's norms: .grad is a Partial(sum) until the optimizer reduces it
-            grads[n] = settled(cast(torch.Tensor, params[n].grad), grads[n])
+        # sequence parallel's norms: .grad is a Partial(sum) until the optimizer reduces it (the live and the replayed
+        # reduced together)
+        reduced = dict(zip(partial, settled_pairs([(cast(torch.Tensor, params[n].grad), grads[n]) for n in partial])))
+        for n in partial:
+            grads[n] = reduced[n][1]
         for n, p in params.items():
             dtype = dtypes.get(p.dtype) or dtypes.setdefault(p.dtype, compute_dtype(p.dtype, autocast))
             live = p.grad
@@ -472,7 +475,7 @@ class TrainingPart(TrendAlerting):
             elif n in wholes:
                 live = wholes[n]
             elif is_dtensor(p):  # sharded: this rank's shard of both (the ranks' verdicts are merged, worst first)
-                live = None if live is None else settled(live, None) if n in partial else local(live)
+                live = None if live is None else reduced[n][0] if n in partial else local(live)
                 p = local(p)
             if n in sliced:  # judged by a block of rows: the live .grad's rows against the replayed rows
                 first, end = sliced[n]
