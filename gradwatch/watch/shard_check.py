@@ -357,7 +357,12 @@ def is_partial(t: Any) -> bool:
         >>> is_partial(torch.zeros(2)), is_partial(None)
         (False, False)
     """
-    return is_dtensor(t) and any(type(p).__name__ == "Partial" for p in cast(Any, t).placements)
+    return is_dtensor(t) and any(_partial(p) for p in cast(Any, t).placements)
+
+
+def _partial(placement: Any) -> bool:
+    """True for a ``Partial`` placement (any reduction)."""
+    return type(placement).__name__ == "Partial"
 
 
 def settled(live: torch.Tensor, replayed: Optional[torch.Tensor]) -> torch.Tensor:
@@ -372,7 +377,7 @@ def settled(live: torch.Tensor, replayed: Optional[torch.Tensor]) -> torch.Tenso
     if replayed is not None:
         source = DTensor.from_local(replayed, source.device_mesh, source.placements, run_check=False,
                                     shape=source.shape, stride=source.stride())
-    target = [Replicate() if type(p).__name__ == "Partial" else p for p in source.placements]
+    target = [Replicate() if _partial(p) else p for p in source.placements]
     with torch.no_grad():
         return local(source.redistribute(placements=target)).detach()
 
@@ -397,7 +402,7 @@ def settled_pairs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> List[Tu
     batches: Dict[Tuple[Any, ...], List[int]] = {}
     for i, (live, replayed) in enumerate(pairs):
         placements = cast(Any, live).placements
-        dims = tuple(d for d, p in enumerate(placements) if type(p).__name__ == "Partial")
+        dims = tuple(d for d, p in enumerate(placements) if _partial(p))
         if dims and all(getattr(placements[d], "reduce_op", None) == "sum" for d in dims):
             mesh = cast(Any, live).device_mesh
             batches.setdefault((id(mesh), dims, live.dtype, replayed.dtype), []).append(i)
