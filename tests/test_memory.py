@@ -458,16 +458,3 @@ def test_what_the_checks_left_and_training_freed_again_does_not_raise_the_room()
         meter.checked()
         left.clear()  # freed by training's next step
     assert max(rooms) - rooms[0] < 32 << 20, [r >> 20 for r in rooms]
-
-
-def test_the_room_at_training_own_peak_is_smaller_by_the_budget_share_the_default_aims_at():
-    """``room(aim=0)`` (what the sharded replay's checkpointing is sized to) leaves out the share of ``memory_budget``
-    that the default room fills: ``AIM * memory_budget`` of training's peak."""
-    from gradwatch.plan.memory import AIM
-
-    meter = MemoryMeter(0.1, torch.device("cpu"))
-    meter.observe()
-    default, own = cast(int, meter.room()), cast(int, meter.room(aim=0))
-    share = AIM * 0.1 * meter.training_peak
-    assert default - own == pytest.approx(share, abs=8 << 20), (default >> 20, own >> 20, meter.training_peak >> 20)
-    assert MemoryMeter(None, torch.device("cpu")).room(aim=0) is None  # no budget: no bound either way

@@ -200,21 +200,15 @@ class MemoryMeter:
             self._held_after = in_use_bytes(self.device)
             self._residue = max(0, self._residue + self._held_after - self._before_check)
 
-    def room(self, aim: float = AIM) -> Optional[int]:
-        """Bytes a check may add now (None without a budget, or where this platform gives no peak to read).
-
-        Args:
-            aim: Share of ``memory_budget`` to fill (:data:`AIM`); 0 sizes to training's own peak (the sharded
-                replay's checkpointing: on the CPU a replay above that peak grows the heap training's later steps
-                spread over, so their peak rises with it).
-        """
+    def room(self) -> Optional[int]:
+        """Bytes a check may add now (None without a budget, or where this platform gives no peak to read)."""
         if self.budget is None:
             return None
         if not self.training_peak:
             self.observe()
         if not self.training_peak:  # no /proc and no resource module (Windows): nothing to bound against
             return None
-        return max(0, int((1.0 + aim * self.budget) * self.training_peak) - (in_use_bytes(self.device) - self._residue))
+        return max(0, int((1.0 + AIM * self.budget) * self.training_peak) - (in_use_bytes(self.device) - self._residue))
 
     def transient(self, model: Optional[nn.Module] = None) -> int:
         """Training's peak above what is held now: its activations and temporaries, freed by now.

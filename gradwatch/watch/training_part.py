@@ -152,7 +152,7 @@ class TrainingPart(TrendAlerting):
                 room //= 2  # ZeRO 1 and 2: the judge reads ZeRO's whole gradients beside the replayed ones
         dtensor = ctx.by_shard and not ctx.zero
         replay = self.replay(check.pending, check.target, room, only=None if check.plan is None else check.plan[1],
-                             seed=check.opts.seed, checkpoint_room=self.watch.memory.room(aim=0) if dtensor else None)
+                             seed=check.opts.seed, checkpoint_room=check.room if dtensor else None)
         check.replay = replay
         return replay
 
@@ -360,9 +360,7 @@ class TrainingPart(TrendAlerting):
         activations, with half as many again for what lives outside the blocks (the logits); none where they fit,
         or where the model checkpoints already (its own checkpoints are left as they are).
 
-        FSDP2, tensor and sequence parallel (shard by shard: ``checkpoint_room``, the room at training's own peak,
-        ``aim=0``: on the CPU a replay above that peak grows the heap that training's later steps then spread over,
-        measured on a 1x2 mesh at 20.8M), each rank counts its own shards and
+        FSDP2, tensor and sequence parallel (shard by shard: ``checkpoint_room``), each rank counts its own shards and
         the ranks take the largest count (an agreement point: the recomputed forwards' collectives must be the same on
         every rank). An FSDP2 block's recomputed forward runs between its pre-backward all-gather and its
         reduce-scatter, on its gathered parameters, as with activation checkpointing in training. There the replayed
