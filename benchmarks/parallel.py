@@ -50,6 +50,8 @@ pair (1.30x and 1.44x in single pairs), and a check whose costly whole piece one
 code) is slower; at 4.2M every engine but ZeRO-2 is slower.
 ``--mmap-threshold 1048576`` (glibc's threshold fixed at 1 MiB in every arm, commit c8c596e) lowers the unwatched
 peaks by 12% to 25% (ZeRO-3's from 1,216 MB, DeepSpeed's initialization, to 909 MB), and the watched ones less.
+At bf15136 with ``--mmap-threshold 1048576 --repeat 3``: tensor parallel 1.131; 1.103, sequence parallel 1.097;
+1.099, the 1x2 mesh 1.094; 1.061 (the checks' mean 0.70, 0.73, 0.77).
 
 Every figure comes from its own processes: one ``torchrun`` launch of 2 gloo CPU ranks per arm (peak RSS,
 ``ru_maxrss``, is per process, as in ``benchmarks/sharded.py``), SGD (Adam under ZeRO), ``steps`` training
