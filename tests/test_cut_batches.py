@@ -9,11 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gradwatch.check.judging.report import CheckReport
+from gradwatch.check.modules.batch_cut import forward_cut, forward_transient
+from gradwatch.check.modules.capture import capture
 from gradwatch.check.modules.module_form import _cut_samples, run_module_check
 from gradwatch.check.objective.terms import Objective
 from gradwatch.options import CheckOptions
 from gradwatch.plan.cycle import Piece
-from gradwatch.plan.units import Unit
+from gradwatch.plan.units import Unit, plan_units
 
 
 def xent(model, batch):
@@ -121,3 +124,29 @@ def test_a_sharded_linear_too_big_both_ways_is_checked_on_rows_of_one_sample():
     note = next(n for n in report.notes if "checked on output rows" in n)
     assert "on 1 of the batch's 256 samples (cut from the forward's capture)" in note, note
     assert not any("not checked" in n for n in report.notes), report.notes
+
+
+def test_a_forward_over_its_share_of_the_room_runs_on_the_share_of_the_samples_the_ranks_agree_on():
+    """Shard by shard, what a forward holds beyond its captures (its output and the loss over it, sized from the output an
+    earlier forward gave) decides how many samples this check's forwards run on: all where it fits the captures'
+    share, else that share's fraction of them, at least one, the smallest fraction of the ranks' (``agree``: the
+    agreement point, here one rank's own value, or a smaller one another rank gave)."""
+    net = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 50))
+    ids = torch.zeros(8, 5, dtype=torch.long)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    lm = lambda m, b: F.cross_entropy(m(b["input_ids"]).flatten(0, 1), b["labels"].flatten())  # noqa: E731
+    units = [u for u in plan_units(net, lm, batch) if u.name == "0"]
+    got = capture(net, lm, batch, units, seed=0)
+    assert got.model_bytes == 8 * 5 * 50 * 4  # the logits, as the forward to the loss made them
+    forward = forward_transient(got.model_bytes / 40, batch)
+    assert forward == 3 * 8 * 5 * 50 * 4
+    report = CheckReport(tensors={})
+    assert forward_cut(batch, forward, forward, lambda v: v, report) is batch and report.notes == []  # it fits
+    part = forward_cut(batch, forward, forward // 4, lambda v: v, report)  # a quarter of it fits: 2 of the 8 samples
+    assert part["input_ids"].shape == part["labels"].shape == (2, 5)
+    assert report.notes == ["module form: this check's forwards ran on the first 2 of the batch's 8 samples (a forward "
+                            "of the whole batch holds about 0.0 MB beyond its captures, over their share of the room, "
+                            "0.0 MB)"]
+    another = forward_cut(batch, forward, forward, lambda v: min(v, 100), CheckReport(tensors={}))  # another rank's tenth
+    assert another["input_ids"].shape == (1, 5)  # the smallest fraction, at least one sample
+

@@ -14,6 +14,9 @@ processes runs every scenario in turn under a hard timeout; each rank writes wha
 - ``ckpt``, ``ckpt2d21``: a 2-block TP transformer (and the same under FSDP2 on a 2x1 mesh) in a room too small for
   the replay beside ``.grad``: the replay checkpoints its blocks (as many on each rank), the training verdicts
   stand, training is bit-identical.
+- ``vocab``: the TP attention block under GPT-2's 50,257-token head, at batch 4 x 16: a forward to the loss holds
+  far more than the captures' share of the room, so a check's forwards that run to the logits run on the batch's
+  first sample, the same on both ranks; the correct model gives no alert and trains bit-identically, the wrong softmax is alerted.
 - ``lockstep``: the TP transformer; one rank's check raises before the model, midway in its forward, after
   it, in a custom backward of the replay, or stalls: an error record naming that rank on both ranks, the run
   goes on and ends normally, and training is bit-identical to a run without the watch on every rank.
@@ -33,7 +36,8 @@ pytest.importorskip("torch.distributed.tensor.parallel")
 
 RUN_TIMEOUT = 240.0
 SHAPES = ("mlp", "attn", "sp", "2d21", "2d12")
-SCENARIOS = ("ckpt", "ckpt2d21") + SHAPES + ("gathers", "lockstep", "terms")  # ckpt first: its room, from the process peak, is its own
+# ckpt first: its room, from the process peak, is its own
+SCENARIOS = ("ckpt", "ckpt2d21") + SHAPES + ("gathers", "lockstep", "terms", "vocab")
 
 WORKER = textwrap.dedent(
     r'''
@@ -153,6 +157,7 @@ WORKER = textwrap.dedent(
 
 
     recomputed = {"n": 0}
+    VOCAB = 50257  # GPT-2's
     TP = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
           "attn.o": RowwiseParallel(), "fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
     SP = {"ln1": SequenceParallel(), "ln2": SequenceParallel(),
@@ -202,7 +207,7 @@ WORKER = textwrap.dedent(
             mesh = mesh2["tp"]
         else:
             mesh = init_device_mesh("cpu", (2,))
-        net = (SPLM if shape == "sp" else LM)(wrong)
+        net = (SPLM if shape == "sp" else LM)(wrong, **({"vocab": VOCAB} if shape == "vocab" else {}))
         parallelize_module(net.block, mesh, SP if shape == "sp" else TP)
         if shape == "sp":  # the final norm on the sequence shards, the head gathering them
             parallelize_module(net, mesh, {"ln": SequenceParallel(),
@@ -239,6 +244,8 @@ WORKER = textwrap.dedent(
             faults["step"] = step
             if shape.startswith("mlp"):
                 batch = (torch.randn(12, 8, generator=g), torch.randint(0, 4, (12,), generator=g))
+            elif shape == "vocab":
+                batch = torch.randint(0, VOCAB, (4, 17), generator=g)
             else:
                 batch = torch.randint(0, 40, (3, 9), generator=g)
             opt.zero_grad()
@@ -297,6 +304,11 @@ WORKER = textwrap.dedent(
             plain, base = train("mlp-gathers", 3)
             watched, res = train("mlp-gathers", 3, dict(every=1, log_dir=None))
             res["bit_identical"] = same(plain, watched) and base["losses"] == res["losses"]
+        elif scenario == "vocab":  # a forward to the loss far over the captures' share of the room
+            plain, base = train(scenario, 8)  # K = 8 checks: the head's and the embedding's 50,257 rows
+            watched, res = train(scenario, 8, dict(every=1, log_dir=None))
+            res["bit_identical"] = same(plain, watched) and base["losses"] == res["losses"]
+            _, res["wrong"] = train(scenario, 3, dict(every=1, log_dir=None), wrong=True)
         elif scenario == "terms":  # K > 1 checks: whole units spread over the checks
             _, res = train("attn", 6, dict(every=1, log_dir=None, tensors_per_check=4))
         elif scenario.startswith("ckpt"):  # a room too small for the replay beside .grad: its blocks checkpointed
@@ -444,3 +456,32 @@ def test_a_tight_room_replays_tp_blocks_checkpointed_alike_on_every_rank_and_tra
         assert res["bit_identical"]
         assert [a for a in res["alerts"] if a["kind"] != "not_checked"] == [], res["alerts"]
         assert all(res["coverage"][n]["training"] > 0 for n in res["names"]), res["coverage"]
+
+
+def test_a_forward_over_its_share_of_the_room_runs_on_the_first_samples_alike_on_every_rank(ranks):
+    """GPT-2's vocabulary: the logits and the loss over them (about 39 MB beyond the captures at batch 4 x 16) do not fit
+    the captures' share of the room, so the forwards of a check that runs them to the logits (the root's or loss_fn's
+    own code checked by a rank) run on the batch's first sample, the same on both ranks (their collectives paired);
+    the others stop before the head, on the whole batch. The checks still judge every parameter, a correct model
+    gives no alert and trains bit-identically (every parameter judged both ways within its K = 8 checks), and the
+    attention's wrong softmax is still alerted, named by module."""
+    for r in ranks:
+        res = r["vocab"]
+        assert res["bit_identical"]
+        assert res["alerts"] == [], res["alerts"]
+        assert [n for n in res["names"] if not (res["coverage"][n]["backward"] > 0 and res["coverage"][n]["training"] > 0)
+                ] == [], res["coverage"]  # within the K = 8 checks
+        assert any(a["tensor"].startswith("block.attn") for a in res["wrong"]["alerts"]), res["wrong"]["alerts"]
+    for run in ("correct", "wrong"):
+        checks = [r["vocab"]["checks"] if run == "correct" else r["vocab"]["wrong"]["checks"] for r in ranks]
+        assert len(checks[0]) == len(checks[1]) == (8 if run == "correct" else 3)
+        ends = 0
+        for c0, c1 in zip(*checks):
+            # the forwards run to the logits where either rank checks the root's or loss_fn's own code in this check
+            to_the_end = bool({"", "<loss_fn>"} & set(c0["pieces"] + c1["pieces"]))
+            ends += to_the_end
+            for c in (c0, c1):
+                cut = [n for n in c["notes"] if "forwards ran on the first" in n]
+                assert cut == (["module form: this check's forwards ran on the first 1 of the batch's 4 samples" +
+                                cut[0].split("samples", 1)[1]] if to_the_end else []), (run, c["notes"])
+        assert ends >= 1, run

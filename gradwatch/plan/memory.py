@@ -48,6 +48,12 @@ MODULE_BYTES_PER_ENTRY = 48
 #: check of a cross-entropy over one sample of 128 x 8,000 logits (1.02M entries) added 118 MB to the process with
 #: glibc's mmap threshold fixed at 1 MiB, 188 MB with glibc's dynamic one; at 48 bytes an entry it was costed 49 MB.
 LOSS_CODE_BYTES_PER_ENTRY = 2 * MODULE_BYTES_PER_ENTRY
+#: What a forward of the live model holds beyond its captures, per byte of the model's output: the output, what the
+#: loss makes of it (a log-softmax over the vocabulary) and, under tensor parallel, its shards gathered whole.
+#: Measured: the no-grad forwards of a check of the 20.8M model of benchmarks/parallel.py under tensor parallel
+#: (16 MB of logits on each rank) added 51 to 61 MB to the process where they ran to the loss, about 20 where they
+#: stopped before the head.
+FORWARD_BYTES_PER_OUTPUT_BYTE = 3
 #: The same for the whole-objective form, per entry of a checked tensor (gradient, saved copy, ``|grad|``, signs).
 CHECKED_BYTES_PER_ENTRY = 8 * 3 + 4
 

@@ -19,11 +19,15 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+from torch import nn
 
 from gradwatch.check import model as model_check
 from gradwatch.check.judging.report import CheckReport
 from gradwatch.check.modules import module_form
+from gradwatch.check.modules.batch_cut import forward_transient, positions
+from gradwatch.check.modules.capture import live_bytes
 from gradwatch.check.modules.localize import name_straight_through
 from gradwatch.plan.memory import SAFETY, gradient_bytes, release_freed
 from gradwatch.plan.units import isolated_forward
@@ -55,6 +59,9 @@ class BackwardPart(TrendAlerting):
         #: What each unit's pieces took at its last check (:attr:`CheckReport.piece_seconds`): shard by shard, the
         #: ranks share the whole pieces out by it (from the merged report: the same on every rank).
         self.piece_seconds: Dict[str, Tuple[float, int]] = {}
+        #: Bytes of the model's output per sample and position, as the last forward to its end saw them: shard by
+        #: shard, what a forward of the next check holds beyond its captures is sized from it (its batch cut to fit).
+        self.output_per_position = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -105,7 +112,7 @@ class BackwardPart(TrendAlerting):
         held = 0 if replay is None or replay.grads is None else gradient_bytes(replay.grads.values())
         piece_room = None if room is None else int(SAFETY * max(0, room - held))  # DDP holds the replay
         if ctx.objective.differentiates is None:  # once: does loss_fn differentiate inside (a penalty)?
-            isolated_forward(target, ctx.objective.loss, batch, opts.seed)
+            isolated_forward(target, ctx.objective.loss, batch, opts.seed, post={"": self._output_seen(batch)})
         units, pieces = self.planner.module_pieces(check, piece_room)
         view = None
         everyone = None
@@ -124,13 +131,23 @@ class BackwardPart(TrendAlerting):
             pieces = ctx.dist.share(pieces)  # DDP: the ranks split the plan
         try:
             # through the module: a spy on module_form.run_module_check sees every check
-            return module_form.run_module_check(target, ctx.objective, batch, opts, units=units, pieces=pieces,
-                                                room=piece_room, view=view, screen=True, early=early,
-                                                everyone=everyone)
+            report = module_form.run_module_check(
+                target, ctx.objective, batch, opts, units=units, pieces=pieces, room=piece_room, view=view,
+                screen=True, early=early, everyone=everyone,
+                forward_bytes=forward_transient(self.output_per_position, batch) if view is not None else 0)
+            self.output_per_position = report.memory.get("output_per_position") or self.output_per_position
+            return report
         finally:
             if view is not None:
                 reshard(target)
                 release_freed()  # the pieces' copies, before training's next forward
+
+    def _output_seen(self, batch: Any) -> Callable[..., None]:
+        """A forward hook on the model that keeps its output's bytes per sample and position of ``batch``."""
+        def seen(module: nn.Module, args: Any, out: Any) -> None:
+            self.output_per_position = live_bytes(out) / positions(batch)
+
+        return seen
 
     def record(self, report: CheckReport) -> None:
         """Count the check of every entry of a completed report."""

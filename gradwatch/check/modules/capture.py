@@ -50,6 +50,8 @@ class Captured:
         deferred: Units not captured in this forward, the captures already holding the budget.
         big: Unit name -> live bytes of what it needs captured, for units over the budget alone.
         loss: The loss of that forward (None where it stopped once every unit was captured).
+        model_bytes: Bytes of the model's output (the root module's first call; 0 where the forward stopped before
+            it): what a forward that runs to the loss holds is sized from it.
     """
 
     inputs: Dict[str, Tuple[Any, Any]] = field(default_factory=dict)
@@ -60,6 +62,7 @@ class Captured:
     deferred: List[str] = field(default_factory=list)
     big: Dict[str, int] = field(default_factory=dict)
     loss: Optional[float] = float("nan")
+    model_bytes: int = 0
 
 
 #: A captured floating tensor holding a value this large is an additive mask, not a differentiable input.
@@ -247,6 +250,8 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
 
     def gathering(name: str, hook: Optional[Callable[..., None]], pre: bool) -> Callable[..., None]:
         def both(module: nn.Module, args: Any, extra: Any) -> None:
+            if not pre and name == "" and not got.model_bytes:
+                got.model_bytes = live_bytes(extra)
             gather = name in gather_in and name not in seen if pre else name in gather_out
             if pre:
                 seen.add(name)
@@ -263,6 +268,6 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
         return both
 
     pre = {n: gathering(n, enter(n) if n in hooked else None, True) for n in named if n in hooked | gather_in}
-    post = {n: gathering(n, leave(n) if n in hooked else None, False) for n in named if n in hooked | gather_out}
+    post = {n: gathering(n, leave(n) if n in hooked else None, False) for n in named if n in hooked | gather_out | {""}}
     got.loss = isolated_forward(model, loss_fn, batch, seed, pre=pre, post=post)
     return got

@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from gradwatch.check.judging.report import OVER_ROOM, CheckReport, worse
+from gradwatch.check.modules.batch_cut import cuts_to_try, first_of_capture, forward_cut, positions, sub_batch
 from gradwatch.check.modules.capture import Captured, capture, live_bytes
 from gradwatch.check.modules.localize import ModuleCheck, check_module
 from gradwatch.check.modules.own_code import LossCode, ModelStub, OwnCode, RowsInPlace, embedding_rows_copy, own_code_copy, rows_copy
@@ -142,6 +143,7 @@ def run_module_check(
     screen: bool = False,
     early: bool = False,
     everyone: Optional[Sequence[str]] = None,
+    forward_bytes: int = 0,
 ) -> CheckReport:
     """The module form of the backward part (see the module docstring).
 
@@ -165,6 +167,12 @@ def run_module_check(
             known here (``report.objective`` stays NaN, for the caller to fill).
         everyone: With a ``view``: the names of the units some rank checks in this check, the same on every rank (default:
             every unit); the capture gathers the DTensor inputs of those only.
+        forward_bytes: With a ``view`` and a ``room``: what a forward of the live model on ``batch`` holds beyond its
+            captures (its output and what the loss makes of it,
+            :func:`~gradwatch.check.modules.batch_cut.forward_transient`). Where that is over the captures' share of
+            the room (a third) and this check's forwards run to the model's output (not ``early``, or the root's or
+            ``loss_fn``'s own code in ``everyone``), they run on the batch's first samples, as many as fit, the same
+            count on every rank (an agreement point): its pieces are then cut from those.
 
     Returns:
         A :class:`CheckReport` with ``form == "module"``: parameters under their names, a unit's input
@@ -211,11 +219,19 @@ def run_module_check(
     # check never hold more than the room above what the process held when they began.
     device = model_device(model)
     limit = None if room is None or view is None else in_use_bytes(device) + room
+    part = batch
+    # Only forwards that run to the model's output are cut (FSDP2's and ZeRO-3's always do; under tensor and sequence
+    # parallel, those of a check where some rank checks the root's or loss_fn's own code): the others stop before it.
+    to_the_end = not early or any(u.name in (LOSS_FN, "") for u in shared)
+    if budget is not None and agree is not None and to_the_end:  # alike on every rank: room, plan, engine and view
+        part = forward_cut(batch, forward_bytes, budget, agree, report)
+    per_position = 0.0  # bytes of the model's output per position of the batch, as a forward to its end saw them
     while remaining or once:
         once = False
-        got = capture(model, objective.loss, batch, remaining, opts.seed, budget=budget,
+        got = capture(model, objective.loss, part, remaining, opts.seed, budget=budget,
                       everyone=shared, agree=agree, alone=view is not None, early=early)
-        if report.objective != report.objective and got.loss is not None:  # NaN: the first forward's loss
+        per_position = per_position or got.model_bytes / positions(part)
+        if report.objective != report.objective and got.loss is not None and part is batch:  # the first forward's loss
             report.objective = got.loss
             report.terms = {"loss": got.loss}
             report.nonfinite = report.nonfinite or not math.isfinite(got.loss)  # said once, for the whole check
@@ -260,9 +276,15 @@ def run_module_check(
         report.notes.append(
             f"module form: {len(skipped)} piece(s) not checked, over the room the memory budget leaves "
             f"({mb(room)}): {'; '.join(skipped[:4])}{'; ...' if len(skipped) > 4 else ''}")
-    report.memory = {"estimate_bytes": estimate}
+    report.memory = {"estimate_bytes": estimate, "output_per_position": per_position}
     report.seconds = time.perf_counter() - start
     return report
+
+
+
+
+
+
 
 
 def _run_group(opts: CheckOptions, unit: Unit, blocks: List[Tuple[int, int]], got: Captured, dtype: torch.dtype,
@@ -446,54 +468,8 @@ def _row_block(unit: Unit, inputs: Any, output_bytes: int, room: int, seed: int,
     return first, first + k, fixed + k * per_row
 
 
-def sub_batch(batch: Any, keep: int, length: Optional[int] = None) -> Tuple[Any, int, int]:
-    """The first ``keep`` samples of ``batch`` (and with ``length``, their first ``length`` positions): every
-    tensor whose first dimension is the batch size (that of the first tensor in it) cut to ``keep``, and those
-    whose second dimension is the sequence length (the first tensor's) cut to ``length``; returns it, the
-    batch size and the sequence length (1 where the first tensor has one dimension).
-
-    Example:
-        >>> part, size, seq = sub_batch({"input_ids": torch.zeros(4, 6), "scale": 2.0}, 1, 3)
-        >>> part["input_ids"].shape, size, seq
-        (torch.Size([1, 3]), 4, 6)
-    """
-    first = next((t for t in tensor_leaves(batch) if t.dim()), None)
-    if first is None:
-        return batch, 1, 1
-    size, seq = int(first.shape[0]), int(first.shape[1]) if first.dim() > 1 else 1
-
-    def cut(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() and t.shape[0] == size:
-            t = t[:keep]
-        if length is not None and t.dim() > 1 and t.shape[1] == seq:
-            t = t[:, :length]
-        return t
-
-    return rebuild(batch, cut), size, seq
 
 
-def cuts_to_try(size: int, seq: int, need: int, room: int) -> List[Tuple[int, Optional[int]]]:
-    """``(samples, positions)`` cuts of a batch of ``size`` x ``seq`` to try, in order, for a piece that needs ``need``
-    bytes on the whole batch and has ``room``: the first samples that fit by that estimate, then one sample's first
-    positions, about as many as fit, then half of them twice (the estimate by samples may keep one that does not fit:
-    GPT-2's logits and loss over 50,257 tokens, a 1.2 GB piece at batch 8 x 64 in a room of 190 MB).
-
-    Example:
-        >>> cuts_to_try(8, 64, 1184, 190)
-        [(1, None), (1, 63), (1, 31), (1, 15)]
-        >>> cuts_to_try(8, 64, 4000, 190)
-        [(1, 24), (1, 12), (1, 6)]
-        >>> cuts_to_try(4, 1, 100, 60)
-        [(2, None)]
-    """
-    cuts: List[Tuple[int, Optional[int]]] = []
-    keep = min(size - 1, int(size * room / max(need, 1)))
-    if keep >= 1:
-        cuts.append((keep, None))
-    if seq > 1:
-        fit = min(seq - 1, int(seq * size * room / max(need, 1)))
-        cuts += [(1, n) for n in dict.fromkeys((fit, fit // 2, fit // 4)) if n >= 1]
-    return cuts
 
 
 def _fewer_samples(model: nn.Module, loss_fn: Any, batch: Any, unit: Unit, need: int, room: int, seed: int,
@@ -596,7 +572,7 @@ def _rows_of_one_sample(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str,
     _, size, _ = sub_batch(inputs, 1)
     if size <= 1:
         return None
-    cut_inputs, cut_children, kept, what = _first_of_capture(inputs, children, constants, 1)
+    cut_inputs, cut_children, kept, what = first_of_capture(inputs, children, constants, 1)
     block = _row_block(unit, cut_inputs, out_bytes // size, room // 2, seed, rows)
     return None if block is None else (cut_inputs, cut_children, kept, block, what)
 
@@ -630,31 +606,10 @@ def _cut_samples(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str, List[A
     if not cuts:
         return None
     keep, length = cuts[0]
-    cut_inputs, cut_children, kept, what = _first_of_capture(inputs, children, constants, keep, length)
+    cut_inputs, cut_children, kept, what = first_of_capture(inputs, children, constants, keep, length)
     return cut_inputs, cut_children, fixed + variable * keep * (length or seq) // (size * seq), what, kept
 
 
-def _first_of_capture(inputs: Tuple[Any, Any], children: Dict[str, List[Any]], constants: Set[int], keep: int,
-                      length: Optional[int] = None) -> Tuple[Tuple[Any, Any], Dict[str, List[Any]], Set[int], str]:
-    """A unit's captured inputs and stubs' outputs cut to their first ``keep`` samples (every tensor whose first
-    dimension is the batch size) and, with ``length``, those samples' first positions (every tensor whose second
-    dimension is the sequence length, or one shorter: next-token logits beside the ids); with the ids of the cut
-    constants and what was kept, said."""
-    whole = (inputs, children)
-    _, size, seq = sub_batch(inputs, 1)
-
-    def cut(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() and t.shape[0] == size:
-            t = t[:keep]
-        if length is not None and t.dim() > 1 and t.shape[1] in (seq, seq - 1):  # next-token logits: one fewer
-            t = t[:, :length - (seq - int(t.shape[1]))]
-        return t
-
-    cut_inputs, cut_children = rebuild(whole, cut)
-    kept = {id(new) for old, new in zip(tensor_leaves(whole), tensor_leaves((cut_inputs, cut_children)))
-            if id(old) in constants}
-    what = f"{keep} of the batch's {size} samples" + ("" if length is None else f", its first {length} of {seq} positions")
-    return cut_inputs, cut_children, kept, what + " (cut from the forward's capture)"
 
 
 def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs: Any, children: Dict[str, List[Any]],
