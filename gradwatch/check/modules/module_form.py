@@ -281,12 +281,6 @@ def run_module_check(
     return report
 
 
-
-
-
-
-
-
 def _run_group(opts: CheckOptions, unit: Unit, blocks: List[Tuple[int, int]], got: Captured, dtype: torch.dtype,
                canonical: Dict[int, str], room: Optional[int], report: CheckReport, estimate: int, unused: int,
                screen: bool, view: Optional[PieceView] = None) -> Tuple[int, int, List[Piece]]:
@@ -437,7 +431,6 @@ def _file(report: CheckReport, unit: Unit, result: ModuleCheck, probed: List[Tup
     return 0
 
 
-
 def _numel(tensors: Any) -> int:
     return sum(int(t.numel()) for t in tensors)
 
@@ -466,10 +459,6 @@ def _row_block(unit: Unit, inputs: Any, output_bytes: int, room: int, seed: int,
     first = lo + (seed * k) % (hi - lo)
     first = min(first, hi - k)
     return first, first + k, fixed + k * per_row
-
-
-
-
 
 
 def _fewer_samples(model: nn.Module, loss_fn: Any, batch: Any, unit: Unit, need: int, room: int, seed: int,
@@ -608,8 +597,6 @@ def _cut_samples(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str, List[A
     keep, length = cuts[0]
     cut_inputs, cut_children, kept, what = first_of_capture(inputs, children, constants, keep, length)
     return cut_inputs, cut_children, fixed + variable * keep * (length or seq) // (size * seq), what, kept
-
-
 
 
 def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs: Any, children: Dict[str, List[Any]],
