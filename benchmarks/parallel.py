@@ -48,6 +48,7 @@ the checks' mean ratio and the median check's: tensor parallel 1.088; 1.039, 0.7
 1.014, 0.82, 1.09; 2x1 0.969; 0.922, 0.79, 0.92; 1x2 1.091; 1.085, 0.94, 1.16; ZeRO-3 0.976; 0.973, 0.69, 0.79 (the
 last three on the working tree one change before d60374a, which does the same for them). With
 ``--mmap-threshold 1048576``: tensor parallel 1.095; 1.084, the 1x2 mesh 1.077; 1.028 (the checks' mean 0.58, 0.64).
+Again at a7cd995 (the same code): sequence parallel 1.032; 1.022, 0.74, 0.88; the 1x2 mesh 1.073; 1.118, 0.90, 1.04.
 
 Every check ``ok``, module form, 0 alerts. Not met on this machine: every single pair's peak within 1.10x (at d60374a
 tensor parallel's pairs up to 1.119, the 1x2 mesh's 1.123; the medians are within it), and a 2-rank check no slower
