@@ -19,18 +19,15 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
-
-from torch import nn
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from gradwatch.check import model as model_check
 from gradwatch.check.judging.report import CheckReport
 from gradwatch.check.modules import module_form
 from gradwatch.check.modules.batch_cut import forward_transient, positions
-from gradwatch.check.modules.capture import live_bytes
+from gradwatch.check.modules.capture import capture
 from gradwatch.check.modules.localize import name_straight_through
 from gradwatch.plan.memory import SAFETY, gradient_bytes, release_freed
-from gradwatch.plan.units import isolated_forward
 from gradwatch.watch.check_plan import CheckPlanner
 from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
 from gradwatch.watch.shard_check import ShardView, plan_shards, reshard
@@ -112,7 +109,8 @@ class BackwardPart(TrendAlerting):
         held = 0 if replay is None or replay.grads is None else gradient_bytes(replay.grads.values())
         piece_room = None if room is None else int(SAFETY * max(0, room - held))  # DDP holds the replay
         if ctx.objective.differentiates is None:  # once: does loss_fn differentiate inside (a penalty)?
-            isolated_forward(target, ctx.objective.loss, batch, opts.seed, post={"": self._output_seen(batch)})
+            got = capture(target, ctx.objective.loss, batch, [], opts.seed)  # no unit: the forward, its output's size
+            self.output_per_position = got.model_bytes / positions(batch)
         units, pieces = self.planner.module_pieces(check, piece_room)
         view = None
         everyone = None
@@ -141,13 +139,6 @@ class BackwardPart(TrendAlerting):
             if view is not None:
                 reshard(target)
                 release_freed()  # the pieces' copies, before training's next forward
-
-    def _output_seen(self, batch: Any) -> Callable[..., None]:
-        """A forward hook on the model that keeps its output's bytes per sample and position of ``batch``."""
-        def seen(module: nn.Module, args: Any, out: Any) -> None:
-            self.output_per_position = live_bytes(out) / positions(batch)
-
-        return seen
 
     def record(self, report: CheckReport) -> None:
         """Count the check of every entry of a completed report."""
