@@ -458,3 +458,34 @@ def test_what_the_checks_left_and_training_freed_again_does_not_raise_the_room()
         meter.checked()
         left.clear()  # freed by training's next step
     assert max(rooms) - rooms[0] < 32 << 20, [r >> 20 for r in rooms]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the resident set size from /proc")
+def test_a_replay_that_rose_above_the_ceiling_leaves_its_blocks_less_room_from_then_on():
+    """Shard by shard, the training part's replay sizes its checkpointed blocks from an estimate that misses what a
+    sharded backward adds; where the peak a replay reached rose above the check's ceiling, the later replays size
+    them for that much less room. A peak that did not rise teaches nothing. (A fresh process: its peak is its own.)"""
+    code = """
+import torch
+from torch import nn
+from gradwatch import GradWatch
+from gradwatch.plan.memory import in_use_bytes, peak_bytes
+cpu = torch.device("cpu")
+watch = GradWatch(nn.Linear(4, 1), lambda m, b: m(b).sum(), every=1, log_dir=None, memory_budget=0.01)
+part, meter = watch.training, watch.training.watch.memory
+meter.observe()
+now, room, ceiling = in_use_bytes(cpu), meter.room(), meter.ceiling()
+assert abs(now + room - ceiling) < 2 << 20, (now, room, ceiling)  # the ceiling is the room's bound
+before = peak_bytes(cpu)
+over = torch.ones((ceiling - now + (48 << 20)) // 4)  # a "replay" 48 MB above the ceiling
+over += 1
+part._learn_overshoot(before)
+learned = part.overshoot
+del over
+part._learn_overshoot(peak_bytes(cpu))  # nothing rose: nothing learned
+print(learned >> 20, part.overshoot >> 20)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    learned, kept = map(int, out.stdout.split())
+    assert 40 <= learned <= 56 and kept == learned, out.stdout

@@ -216,6 +216,13 @@ class MemoryMeter:
             return None
         return max(0, int((1.0 + AIM * self.budget) * self.training_peak) - (in_use_bytes(self.device) - self._residue))
 
+    def ceiling(self) -> Optional[int]:
+        """The peak a check aims to stay under, in :func:`peak_bytes`' terms: the room's bound plus what the checks
+        left held (None where :meth:`room` is None). A part that raised the process's peak above it overshot."""
+        if self.budget is None or not self.training_peak:
+            return None
+        return int((1.0 + AIM * self.budget) * self.training_peak) + self._residue
+
     def transient(self, model: Optional[nn.Module] = None) -> int:
         """Training's peak above what is held now: its activations and temporaries, freed by now.
 

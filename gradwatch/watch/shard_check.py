@@ -296,8 +296,10 @@ def backward_on_shards(model: nn.Module, total: torch.Tensor, params: Sequence[t
     Each shard is taken as FSDP2 hands it over (its post-accumulate-grad hook) and the reduce-scatter buffer is
     let go at once, so the replay never holds a second gradient of the whole model: with ``reuse`` (one
     micro-batch), a shard bit-identical to the live ``.grad`` is returned as the live shard itself (no copy);
-    only one that differs is copied. ``before`` (an agreement point, :mod:`gradwatch.watch.lockstep`) is called
-    first, before any collective.
+    only one that differs is copied. A parameter that is not a DTensor (tensor parallel's replicated embedding
+    and head) is taken the same way as its gradient is accumulated: the head's (16 MB at the 20.8M parameters of
+    ``benchmarks/parallel.py``), accumulated first, no longer lives beside the rest of the backward's activations.
+    ``before`` (an agreement point, :mod:`gradwatch.watch.lockstep`) is called first, before any collective.
     """
     if before is not None:
         before()
@@ -323,10 +325,11 @@ def backward_on_shards(model: nn.Module, total: torch.Tensor, params: Sequence[t
             if out[i] is not None:  # a second accumulation: a term on the sharded parameter itself (a regularizer)
                 out[i] = cast(torch.Tensor, out[i]) + mine
             else:
-                out[i] = ref_local if reuse and ref_local is not None and same_bits(mine, ref_local) else mine.clone()
+                out[i] = (ref_local if reuse and ref_local is not None and same_bits(mine, ref_local)
+                          else mine.clone() if is_dtensor(g) else mine)
         p.grad = None  # its view of the reduce-scatter buffer goes: the buffer is freed with the last one
 
-    handles = [p.register_post_accumulate_grad_hook(take) for p in everything if is_dtensor(p)]
+    handles = [p.register_post_accumulate_grad_hook(take) for p in everything]
     for p in everything:
         p.grad = None
     try:

@@ -36,7 +36,7 @@ from gradwatch.check.replay.checkpoint_blocks import blocks_needed, checkpointin
 from gradwatch.check.replay.reference import Replay, Step, replay_step, scalar_grad
 from gradwatch.check.replay.rows import RowGrads, sliceable_linears
 from gradwatch.check.replay.window import PartialWindow
-from gradwatch.plan.memory import SAFETY, gradient_bytes, mb, release_freed
+from gradwatch.plan.memory import SAFETY, gradient_bytes, mb, peak_bytes, release_freed
 from gradwatch.watch.accumulation import AccumulationWindow
 from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
 from gradwatch.watch.shard_check import backward_on_shards, is_partial, local, settled_pairs
@@ -122,6 +122,9 @@ class TrainingPart(TrendAlerting):
         self._reentrant: Optional[bool] = None
         #: The run's accumulation window: a partial one found and said once (:mod:`gradwatch.watch.accumulation`).
         self.window = AccumulationWindow()
+        #: Shard by shard: bytes by which earlier replays rose above the check's ceiling (:meth:`_learn_overshoot`);
+        #: the next replays checkpoint their blocks for that much less room.
+        self.overshoot = 0
 
     def state_dict(self) -> Dict[str, Any]:
         """``{"training": ...}``: the accumulation window learned (a resumed run names a partial window at once)."""
@@ -151,10 +154,28 @@ class TrainingPart(TrendAlerting):
             if not ctx.zero3:
                 room //= 2  # ZeRO 1 and 2: the judge reads ZeRO's whole gradients beside the replayed ones
         dtensor = ctx.by_shard and not ctx.zero
+        sizing = None if not dtensor or check.room is None else max(0, check.room - self.overshoot)
+        before = None if sizing is None else peak_bytes(ctx.memory.device)
         replay = self.replay(check.pending, check.target, room, only=None if check.plan is None else check.plan[1],
-                             seed=check.opts.seed, checkpoint_room=check.room if dtensor else None)
+                             seed=check.opts.seed, checkpoint_room=sizing)
+        if before is not None:
+            self._learn_overshoot(before)
         check.replay = replay
         return replay
+
+    def _learn_overshoot(self, before: int) -> None:
+        """Shard by shard: where the replay just raised the process's peak (``before``: the peak as it began) above
+        the check's ceiling (:meth:`~gradwatch.plan.memory.MemoryMeter.ceiling`), the next replays size their
+        checkpointed blocks for that much less room (:attr:`overshoot`). The blocks' estimate counts training's
+        activations, ``.grad`` and the replayed gradients, not what the sharded backward adds (FSDP2's gathered
+        parameters and reduce-scatter buffers over a 1x2 mesh: 40-60 MB over the ceiling at 20.8M parameters,
+        ``benchmarks/parallel.py``); the peak that replay reached tells it. A peak that did not rise says nothing
+        (it stays as it was); nor does one under the ceiling."""
+        meter = self.watch.memory
+        ceiling = meter.ceiling()
+        after = peak_bytes(meter.device)
+        if ceiling is not None and after > max(before, ceiling):
+            self.overshoot += after - max(before, ceiling)
 
     # ------------------------------------------------------------------ what is replayed
     def params(self, model: Optional[nn.Module] = None) -> Dict[str, torch.Tensor]:
