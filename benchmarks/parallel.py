@@ -49,12 +49,16 @@ the checks' mean ratio and the median check's: tensor parallel 1.088; 1.039, 0.7
 last three on the working tree one change before d60374a, which does the same for them). With
 ``--mmap-threshold 1048576``: tensor parallel 1.095; 1.084, the 1x2 mesh 1.077; 1.028 (the checks' mean 0.58, 0.64).
 Again at a7cd995 (the same code): sequence parallel 1.032; 1.022, 0.74, 0.88; the 1x2 mesh 1.073; 1.118, 0.90, 1.04.
+At dbc0eb7 (each replayed gradient taken as the backward accumulates it; a replay above the check's ceiling makes
+the later ones checkpoint for less room), ``--repeat 3``: tensor parallel 1.009; 1.018, 0.89, 0.98; sequence parallel
+1.003; 1.042, 0.74, 0.90; 2x1 0.979; 0.964, 0.62, 0.78; 1x2 1.101; 1.082, 0.89, 1.03, and with ``--repeat 5`` 1.054;
+1.056, 0.84, 1.09 (over the eight pairs 1.065; 1.075, 0.87, 1.07).
 
-Every check ``ok``, module form, 0 alerts. Not met on this machine: every single pair's peak within 1.10x (at d60374a
-tensor parallel's pairs up to 1.119, the 1x2 mesh's 1.123; the medians are within it), and a 2-rank check no slower
-than one process's at every check: by the mean every engine is at d60374a, not by the median check (sequence
-parallel 1.09x, the 1x2 mesh 1.16x), and a check whose costly whole piece one rank takes alone (``loss_fn``'s own
-code) is slower; at 4.2M every engine but ZeRO-2 is slower.
+Every check ``ok``, module form, 0 alerts. Not met on this machine: every single pair's peak within 1.10x (at dbc0eb7
+the 1x2 mesh's pairs up to 1.117; the medians are within it), and a 2-rank check no slower than one process's at
+every check: by the mean every engine is, by the median check every engine but the 1x2 mesh (1.07 over eight pairs),
+and a check whose costly whole piece one rank takes alone (``loss_fn``'s own code) is slower; at 4.2M every engine
+but ZeRO-2 is slower.
 ``--mmap-threshold 1048576`` (glibc's threshold fixed at 1 MiB in every arm, commit c8c596e) lowers the unwatched
 peaks by 12% to 25% (ZeRO-3's from 1,216 MB, DeepSpeed's initialization, to 909 MB), and the watched ones less.
 At bf15136 with ``--mmap-threshold 1048576 --repeat 3``: tensor parallel 1.131; 1.103, sequence parallel 1.097;
