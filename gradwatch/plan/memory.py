@@ -212,13 +212,15 @@ class MemoryMeter:
             return None
         if not self.training_peak:
             self.observe()
-        if not self.training_peak:  # no /proc and no resource module (Windows): nothing to bound against
+        ceiling = self.ceiling()
+        if ceiling is None:  # no /proc and no resource module (Windows): nothing to bound against
             return None
-        return max(0, int((1.0 + AIM * self.budget) * self.training_peak) - (in_use_bytes(self.device) - self._residue))
+        return max(0, ceiling - in_use_bytes(self.device))
 
     def ceiling(self) -> Optional[int]:
-        """The peak a check aims to stay under, in :func:`peak_bytes`' terms: the room's bound plus what the checks
-        left held (None where :meth:`room` is None). A part that raised the process's peak above it overshot."""
+        """The peak a check aims to stay under, in :func:`peak_bytes`' terms: training's peak and the part of the budget
+        aimed at, plus what the checks left held (None without a budget or a peak to read). :meth:`room` is what the
+        process may still add below it; a part that raised the process's peak above it overshot."""
         if self.budget is None or not self.training_peak:
             return None
         return int((1.0 + AIM * self.budget) * self.training_peak) + self._residue

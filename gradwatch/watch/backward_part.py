@@ -133,7 +133,8 @@ class BackwardPart(TrendAlerting):
                 target, ctx.objective, batch, opts, units=units, pieces=pieces, room=piece_room, view=view,
                 screen=True, early=early, everyone=everyone,
                 forward_bytes=forward_transient(self.output_per_position, batch) if view is not None else 0)
-            self.output_per_position = report.memory.get("output_per_position") or self.output_per_position
+            # for the next check's forwards, not for the records
+            self.output_per_position = report.memory.pop("output_per_position", 0.0) or self.output_per_position
             return report
         finally:
             if view is not None:

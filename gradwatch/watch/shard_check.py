@@ -335,7 +335,7 @@ def backward_on_shards(model: nn.Module, total: torch.Tensor, params: Sequence[t
     try:
         total.backward()
         for i, q in enumerate(params):
-            if out[i] is None and q.grad is not None:  # not a DTensor: no hook ran
+            if out[i] is None and q.grad is not None:  # written to .grad without an accumulation: no hook ran
                 out[i] = local(q.grad)
         return [torch.zeros_like(local(q)) if g is None else g for q, g in zip(params, out)]
     finally:

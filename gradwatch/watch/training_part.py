@@ -167,10 +167,10 @@ class TrainingPart(TrendAlerting):
         """Shard by shard: where the replay just raised the process's peak (``before``: the peak as it began) above
         the check's ceiling (:meth:`~gradwatch.plan.memory.MemoryMeter.ceiling`), the next replays size their
         checkpointed blocks for that much less room (:attr:`overshoot`). The blocks' estimate counts training's
-        activations, ``.grad`` and the replayed gradients, not what the sharded backward adds (FSDP2's gathered
-        parameters and reduce-scatter buffers over a 1x2 mesh: 40-60 MB over the ceiling at 20.8M parameters,
-        ``benchmarks/parallel.py``); the peak that replay reached tells it. A peak that did not rise says nothing
-        (it stays as it was); nor does one under the ceiling."""
+        activations, ``.grad`` and the replayed gradients, not what the sharded backward adds (its collectives'
+        buffers, FSDP2's gathered parameters); the peak that replay reached tells it (19 MB to 33 MB learned under
+        tensor parallel at the 20.8M parameters of ``benchmarks/parallel.py``, 0 to 9 MB on its 1x2 mesh). A peak
+        that did not rise says nothing (it stays as it was); nor does one under the ceiling."""
         meter = self.watch.memory
         ceiling = meter.ceiling()
         after = peak_bytes(meter.device)

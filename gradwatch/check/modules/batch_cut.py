@@ -18,6 +18,28 @@ from gradwatch.plan.memory import FORWARD_BYTES_PER_OUTPUT_BYTE, mb
 from gradwatch.trees import rebuild, tensor_leaves
 
 
+def batch_dims(batch: Any) -> Tuple[int, int]:
+    """The batch size and sequence length of ``batch``: the first two dimensions of the first tensor in it with a
+    dimension (the length 1 where it has one; ``(1, 1)`` where there is none).
+
+    Example:
+        >>> batch_dims({"input_ids": torch.zeros(4, 6)}), batch_dims(torch.zeros(3)), batch_dims(2.0)
+        ((4, 6), (3, 1), (1, 1))
+    """
+    return _dims(_first(batch))
+
+
+def _first(batch: Any) -> Optional[torch.Tensor]:
+    """The first tensor in ``batch`` that has a dimension."""
+    return next((t for t in tensor_leaves(batch) if t.dim()), None)
+
+
+def _dims(first: Optional[torch.Tensor]) -> Tuple[int, int]:
+    if first is None:
+        return 1, 1
+    return int(first.shape[0]), int(first.shape[1]) if first.dim() > 1 else 1
+
+
 def sub_batch(batch: Any, keep: int, length: Optional[int] = None) -> Tuple[Any, int, int]:
     """The first ``keep`` samples of ``batch`` (and with ``length``, their first ``length`` positions): every
     tensor whose first dimension is the batch size (that of the first tensor in it) cut to ``keep``, and those
@@ -29,10 +51,10 @@ def sub_batch(batch: Any, keep: int, length: Optional[int] = None) -> Tuple[Any,
         >>> part["input_ids"].shape, size, seq
         (torch.Size([1, 3]), 4, 6)
     """
-    first = next((t for t in tensor_leaves(batch) if t.dim()), None)
+    first = _first(batch)
     if first is None:
         return batch, 1, 1
-    size, seq = int(first.shape[0]), int(first.shape[1]) if first.dim() > 1 else 1
+    size, seq = _dims(first)
 
     def cut(t: torch.Tensor) -> torch.Tensor:
         if t.dim() and t.shape[0] == size:
@@ -75,7 +97,7 @@ def first_of_capture(inputs: Tuple[Any, Any], children: Dict[str, List[Any]], co
     dimension is the sequence length, or one shorter: next-token logits beside the ids); with the ids of the cut
     constants and what was kept, said."""
     whole = (inputs, children)
-    _, size, seq = sub_batch(inputs, 1)
+    size, seq = batch_dims(inputs)
 
     def cut(t: torch.Tensor) -> torch.Tensor:
         if t.dim() and t.shape[0] == size:
@@ -93,7 +115,7 @@ def first_of_capture(inputs: Tuple[Any, Any], children: Dict[str, List[Any]], co
 
 def positions(batch: Any) -> int:
     """Samples times positions of a batch (its first tensor's first two dimensions)."""
-    _, size, seq = sub_batch(batch, 1)
+    size, seq = batch_dims(batch)
     return max(1, size * seq)
 
 
@@ -115,7 +137,7 @@ def forward_cut(batch: Any, forward_bytes: int, share: int, agree: Callable[[int
     and their forwards' collectives must match)."""
     permille = 1000 if forward_bytes <= share else share * 1000 // max(1, forward_bytes)
     permille = agree(permille)
-    _, size, _ = sub_batch(batch, 1)
+    size, _ = batch_dims(batch)
     keep = size if permille is None or permille >= 1000 else max(1, size * permille // 1000)
     if keep >= size:
         return batch

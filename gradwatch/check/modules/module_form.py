@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from gradwatch.check.judging.report import OVER_ROOM, CheckReport, worse
-from gradwatch.check.modules.batch_cut import cuts_to_try, first_of_capture, forward_cut, positions, sub_batch
+from gradwatch.check.modules.batch_cut import batch_dims, cuts_to_try, first_of_capture, forward_cut, positions, sub_batch
 from gradwatch.check.modules.capture import Captured, capture, live_bytes
 from gradwatch.check.modules.localize import ModuleCheck, check_module
 from gradwatch.check.modules.own_code import LossCode, ModelStub, OwnCode, RowsInPlace, embedding_rows_copy, own_code_copy, rows_copy
@@ -475,7 +475,7 @@ def _fewer_samples(model: nn.Module, loss_fn: Any, batch: Any, unit: Unit, need:
     fixed = _piece_params_bytes(unit, rows)
     if fixed >= room:
         return None  # no cut of the batch fits: the parameters' copies alone fill the room
-    _, size, seq = sub_batch(batch, 1)
+    size, seq = batch_dims(batch)
     cuts = cuts_to_try(size, seq, max(1, need - fixed), room - fixed)
     retried = False
     while cuts:
@@ -558,7 +558,7 @@ def _rows_of_one_sample(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str,
         >>> args[0].shape, block, what
         (torch.Size([1, 64]), (0, 5, 17296), "1 of the batch's 16 samples (cut from the forward's capture)")
     """
-    _, size, _ = sub_batch(inputs, 1)
+    size, _ = batch_dims(inputs)
     if size <= 1:
         return None
     cut_inputs, cut_children, kept, what = first_of_capture(inputs, children, constants, 1)
@@ -589,7 +589,7 @@ def _cut_samples(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str, List[A
     fixed = _piece_params_bytes(unit, rows)
     if fixed >= room:
         return None
-    _, size, seq = sub_batch(inputs, 1)
+    size, seq = batch_dims(inputs)
     variable = max(need - fixed, 1)
     cuts = cuts_to_try(size, seq, variable, room - fixed)  # the first: as many samples, or positions, as fit
     if not cuts:
