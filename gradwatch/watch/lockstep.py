@@ -8,10 +8,10 @@ each of those collectives: a one-element all-reduce on gradwatch's own group, bo
 ``distributed_timeout`` (:meth:`~gradwatch.watch.distributed.DistributedCoordinator.agree`).
 
 - **DTensor's collectives** (tensor and sequence parallel, a ``full_tensor()``, whatever module or hook makes
-  them): a dispatch mode sees each functional collective (``_c10d_functional``) as it is issued, in the forward
-  and in the backward, and makes a point just before it, and only there (a check of ``benchmarks/parallel.py``'s
-  4-block tensor parallel model made 67 points, where a point at every such module's entry, exit and gradients
-  made 251).
+  them): each functional collective's operator (``torch.ops._c10d_functional.all_reduce``, ...) is wrapped for the
+  region, so each call of one, in the forward and in the backward, makes a point just before it, and only there (a
+  check of ``benchmarks/parallel.py``'s 4-block tensor parallel model made 67 points, where a point at every such
+  module's entry, exit and gradients made 251).
 - **FSDP2's** (``c10d`` calls; a module sharded over one rank, a 1x2 ``dp x tp`` mesh's, makes none with another
   rank): a point before each FSDP2 module's forward (before its all-gather) and, by
   tensor hooks, where each module's output gradient arrives (before FSDP2's pre-backward all-gather), where its
@@ -51,9 +51,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 from torch.autograd import Variable
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from gradwatch.check.objective.dtensor import is_dtensor, makes_collective
+from gradwatch.check.objective.dtensor import checked_alone, functional_collectives, is_dtensor
 from gradwatch.trees import tensor_leaves
 from gradwatch.watch.distributed import DistributedCheckError, PeerFailed
 from gradwatch.watch.shard_check import reshard
@@ -63,23 +62,87 @@ from gradwatch.watch.zero import engine_of, release_leftovers, reset_zero, zero3
 __all__ = ["Lockstep", "PeerFailed", "reset_fsdp"]
 
 
-class _PointsBeforeCollectives(TorchDispatchMode):
-    """A dispatch mode that makes ``step``'s agreement point before each functional collective issued under it.
+#: The regions open now, innermost last: a wrapped collective makes its point at the innermost one.
+_OPEN: List["Lockstep"] = []
+#: While a region is open: each wrapped operator's namespace, name and own packet (put back when the last closes).
+_WRAPPED: List[Tuple[Any, str, Any]] = []
 
-    One class for every region, ``step`` let go when the region ends: a class made per region, its method closing
-    over the region, put the region in a reference cycle that lived, with the gradients it held, until the cycle
-    collector ran (measured on the 20.8M tensor parallel model of ``benchmarks/parallel.py``: the tensors alive grew
-    by 31 MB a check, its replicated parameters' gradients; ``tests/test_lockstep.py``).
+
+def _innermost() -> Optional["Lockstep"]:
+    return _OPEN[-1] if _OPEN else None
+
+
+def _before_backward_collective(grad: Any) -> None:
+    """A tensor hook on an autograd collective's output: its gradient arrives, its backward's collective comes next."""
+    step = None if checked_alone() else _innermost()
+    if step is not None:
+        step.point()
+
+
+class _Pointing:
+    """A functional collective's operator (``torch.ops._c10d_functional.all_reduce``, ...) while a region is open:
+    a point at the innermost region, then the operator itself. Anything else (its overloads, ``.default``) is the
+    operator's own.
+
+    An autograd collective (``_c10d_functional_autograd``) issues its backward's collective from autograd's own
+    code, where no Python call is made: a tensor hook on its output makes that point, when the output's gradient
+    arrives.
     """
 
-    def __init__(self, step: "Lockstep") -> None:
-        super().__init__()
-        self.step: Optional["Lockstep"] = step
+    __slots__ = ("packet", "autograd")
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if self.step is not None and makes_collective(func):
-            self.step.point()
-        return func(*args, **(kwargs or {}))
+    def __init__(self, packet: Any, autograd: bool) -> None:
+        self.packet = packet
+        self.autograd = autograd
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        step = None if checked_alone() else _innermost()  # one rank alone: the collective raises, with no point
+        if step is not None:
+            step.point()
+        out = self.packet(*args, **kwargs)
+        if step is not None and self.autograd:
+            for t in _needing_grad(out):
+                t.register_hook(_before_backward_collective)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.packet, name)
+
+
+def _open(step: "Lockstep") -> None:
+    """Open ``step``'s region of points before collectives; the first open region wraps the operators.
+
+    DTensor's redistributions and ``torch.distributed._functional_collectives`` look each functional collective up in
+    ``torch.ops`` at every call (``torch.ops._c10d_functional.all_reduce(...)``): wrapped there for the region, each
+    call makes its point first, in the forward and in the backward (DTensor's backward redistributes in Python), with
+    nothing added to any other operator. A dispatch mode did this before, and sent every operator of the region
+    through Python: 0.08 s of a 0.66 s forward and backward of ``benchmarks/parallel.py``'s 1x2 mesh (0.05 s with
+    the wrapped operators, 0.02 s of it with no points at all).
+    """
+    if not _OPEN:
+        for namespace, name in functional_collectives():
+            space = getattr(torch.ops, namespace)
+            try:
+                packet = getattr(space, name)
+            except (AttributeError, RuntimeError):  # pragma: no cover - listed but not loadable in this build
+                continue
+            if isinstance(packet, _Pointing):  # pragma: no cover - left by a region that could not close
+                continue
+            _WRAPPED.append((space, name, packet))
+            setattr(space, name, _Pointing(packet, namespace == "_c10d_functional_autograd"))
+    _OPEN.append(step)
+
+
+def _close(step: "Lockstep") -> None:
+    """Close ``step``'s region; the last open region puts every operator back."""
+    for i in range(len(_OPEN) - 1, -1, -1):
+        if _OPEN[i] is step:
+            del _OPEN[i]
+            break
+    if not _OPEN:
+        for space, name, packet in _WRAPPED:
+            setattr(space, name, packet)
+        _WRAPPED.clear()
 
 
 def _needing_grad(value: Any) -> List[torch.Tensor]:
@@ -130,7 +193,7 @@ class Lockstep:
         self._handles: List[Any] = []
         self._queued = False  # the end-of-backward point is queued for the backward running now
         self._plain: Dict[int, Tuple[Any, Any]] = {}
-        self._mode: Optional[_PointsBeforeCollectives] = None
+        self._wraps = False  # its region makes points before functional collectives
         self._engine: Optional[nn.Module] = None  # DeepSpeed's engine around a ZeRO-3 model
 
     def _agree(self, ok: bool, value: Optional[int] = None) -> Tuple[bool, Optional[int]]:
@@ -202,10 +265,9 @@ class Lockstep:
         if zero:
             self._zero_hooks(before_forward)
         if not zero or any(is_dtensor(p) for p in self.model.parameters()):
-            # (a ZeRO-3 model's collectives are its hooks' c10d calls: no functional one for the mode to see, only the
-            # Python dispatch of every op it would add)
-            self._mode = _PointsBeforeCollectives(self)
-            self._mode.__enter__()
+            # (a ZeRO-3 model's collectives are its hooks' c10d calls: no functional one to make a point before)
+            _open(self)
+            self._wraps = True
         return self
 
     def _zero_hooks(self, before_forward: Any) -> None:
@@ -243,10 +305,9 @@ class Lockstep:
                 "the live ZeRO-3 model itself"), prepend=True))
 
     def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
-        if self._mode is not None:
-            mode, self._mode = self._mode, None
-            mode.__exit__(None, None, None)
-            mode.step = None
+        if self._wraps:
+            self._wraps = False
+            _close(self)
         for h in self._handles:
             h.remove()
         self._handles = []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, List, Tuple
 
 from torch import nn
 
@@ -71,24 +71,41 @@ class CollectiveInCheck(RuntimeError):
 #: Operator namespaces of torch.distributed's collectives (functional and in place).
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d", "_dtensor")
 #: The functional collectives' operator namespaces (DTensor's redistributions, ``full_tensor()``, funcol), and the ops
-#: in them that are no collective of their own (a wait, an autograd wrapper) or involve some ranks only (point to point).
+#: in them that are no collective of their own (a wait, an autograd wrapper, a lookup) or involve some ranks only (point
+#: to point).
 FUNCTIONAL_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "_dtensor")
-NOT_COLLECTIVE = ("wait_tensor", "_wrap_tensor_autograd", "send", "recv", "isend", "irecv")
+NOT_COLLECTIVE = ("wait_tensor", "_wrap_tensor_autograd", "send", "recv", "isend", "irecv", "batch_p2p_ops",
+                  "mesh_get_process_group")
 
 
-def makes_collective(func: Any) -> bool:
-    """True for a functional collective's operator (:mod:`gradwatch.watch.lockstep` makes a point before it).
+def functional_collectives() -> List[Tuple[str, str]]:
+    """``(namespace, name)`` of every functional collective operator registered now (:mod:`gradwatch.watch.lockstep`
+    makes a point before each call of one).
 
     Example:
-        >>> import torch
-        >>> makes_collective(torch.ops.aten.mm.default)
-        False
-        >>> makes_collective(torch.ops._c10d_functional.all_reduce.default)
-        True
-        >>> makes_collective(torch.ops._c10d_functional.wait_tensor.default)
-        False
+        >>> import torch.distributed._functional_collectives  # registers them
+        >>> ops = functional_collectives()
+        >>> ("_c10d_functional", "all_reduce") in ops, ("_c10d_functional", "wait_tensor") in ops
+        (True, False)
     """
-    return func.namespace in FUNCTIONAL_NAMESPACES and func.__name__.split(".")[0] not in NOT_COLLECTIVE
+    import torch
+
+    found = []
+    for qualified in torch._C._dispatch_get_all_op_names():
+        namespace, _, name = qualified.partition("::")
+        if namespace in FUNCTIONAL_NAMESPACES and name not in NOT_COLLECTIVE:
+            found.append((namespace, name))
+    return sorted(found)
+
+
+#: The :func:`no_collectives` regions open now.
+_ALONE: List[Any] = []
+
+
+def checked_alone() -> bool:
+    """True inside :func:`no_collectives`: one rank checks alone, so a collective raises instead of waiting (and no
+    agreement point may come before it: that too is a collective)."""
+    return bool(_ALONE)
 
 
 def no_collectives() -> Any:
@@ -107,6 +124,14 @@ def no_collectives() -> Any:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class _Refuse(TorchDispatchMode):
+        def __enter__(self) -> Any:
+            _ALONE.append(self)
+            return super().__enter__()
+
+        def __exit__(self, *exc: Any) -> Any:
+            _ALONE.remove(self)
+            return super().__exit__(*exc)
+
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             if func.namespace in COLLECTIVE_NAMESPACES:
                 raise CollectiveInCheck(
