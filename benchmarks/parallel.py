@@ -53,12 +53,16 @@ At dbc0eb7 (each replayed gradient taken as the backward accumulates it; a repla
 the later ones checkpoint for less room), ``--repeat 3``: tensor parallel 1.009; 1.018, 0.89, 0.98; sequence parallel
 1.003; 1.042, 0.74, 0.90; 2x1 0.979; 0.964, 0.62, 0.78; 1x2 1.101; 1.082, 0.89, 1.03, and with ``--repeat 5`` 1.054;
 1.056, 0.84, 1.09 (over the eight pairs 1.065; 1.075, 0.87, 1.07).
+At bad1703 (each agreement point made by the wrapped collective operators, not a dispatch mode), the pairs of
+three runs pooled: tensor parallel 1.075; 1.055, 0.74, 0.90 (3 pairs); sequence parallel 1.029; 1.053, 0.80, 0.96
+(7); 2x1 0.945; 0.928, 0.67, 0.83 (3); 1x2 1.068; 1.086, 0.80, 0.90 (8). At 4.2M (``--steps 8 --repeat 2``): the
+checks' mean 1.50, 1.73, 1.31, 1.70 and ZeRO-3 1.55, a tensor parallel engine's 2-rank training step 1.5 to 2.4
+times one process's.
 
-Every check ``ok``, module form, 0 alerts. Not met on this machine: every single pair's peak within 1.10x (at dbc0eb7
-the 1x2 mesh's pairs up to 1.117; the medians are within it), and a 2-rank check no slower than one process's at
-every check: by the mean every engine is, by the median check every engine but the 1x2 mesh (1.07 over eight pairs),
-and a check whose costly whole piece one rank takes alone (``loss_fn``'s own code) is slower; at 4.2M every engine
-but ZeRO-2 is slower.
+Every check ``ok``, module form, 0 alerts. Not met on this machine: every single pair's peak within 1.10x (at bad1703
+pairs up to 1.144; the medians are within it), and a 2-rank check no slower than one process's at every size: at
+20.8M by the mean and by the median check every engine is (single pairs up to 1.50), but a check whose costly whole
+piece one rank takes alone (``loss_fn``'s own code) is slower, and at 4.2M every engine but ZeRO-2 is slower.
 ``--mmap-threshold 1048576`` (glibc's threshold fixed at 1 MiB in every arm, commit c8c596e) lowers the unwatched
 peaks by 12% to 25% (ZeRO-3's from 1,216 MB, DeepSpeed's initialization, to 909 MB), and the watched ones less.
 At bf15136 with ``--mmap-threshold 1048576 --repeat 3``: tensor parallel 1.131; 1.103, sequence parallel 1.097;
