@@ -74,7 +74,8 @@ def joint_detect(targets: Sequence[Target], evaluate: Evaluator, settings: Engin
 
     Example:
         >>> from gradwatch.bands import Verdict
-        >>> w, x = torch.randn(3, 4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+        >>> g = torch.Generator().manual_seed(0)  # a draw of its own: the doctest's outcome whatever ran before
+        >>> w, x = torch.randn(3, 4, dtype=torch.float64, generator=g), torch.randn(4, dtype=torch.float64, generator=g)
         >>> f = lambda: {"loss": float((w @ x).square().sum())}
         >>> y = w @ x
         >>> gw, gx = 2 * torch.outer(y, x), 2 * w.T @ y
