@@ -68,13 +68,15 @@ _OPEN: List["Lockstep"] = []
 _WRAPPED: List[Tuple[Any, str, Any]] = []
 
 
-def _innermost() -> Optional["Lockstep"]:
-    return _OPEN[-1] if _OPEN else None
+def _pointing() -> Optional["Lockstep"]:
+    """The region whose point a collective called now makes: the innermost open one; none where one rank checks a
+    piece alone (:func:`~gradwatch.check.objective.dtensor.no_collectives`: the collective raises, with no point)."""
+    return _OPEN[-1] if _OPEN and not checked_alone() else None
 
 
 def _before_backward_collective(grad: Any) -> None:
     """A tensor hook on an autograd collective's output: its gradient arrives, its backward's collective comes next."""
-    step = None if checked_alone() else _innermost()
+    step = _pointing()
     if step is not None:
         step.point()
 
@@ -96,7 +98,7 @@ class _Pointing:
         self.autograd = autograd
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        step = None if checked_alone() else _innermost()  # one rank alone: the collective raises, with no point
+        step = _pointing()
         if step is not None:
             step.point()
         out = self.packet(*args, **kwargs)
@@ -135,10 +137,7 @@ def _open(step: "Lockstep") -> None:
 
 def _close(step: "Lockstep") -> None:
     """Close ``step``'s region; the last open region puts every operator back."""
-    for i in range(len(_OPEN) - 1, -1, -1):
-        if _OPEN[i] is step:
-            del _OPEN[i]
-            break
+    _OPEN.remove(step)
     if not _OPEN:
         for space, name, packet in _WRAPPED:
             setattr(space, name, packet)
