@@ -59,6 +59,7 @@ from torch import nn
 from gradwatch.check.independence.report import merge_ranks
 from gradwatch.check.judging.report import CheckReport, TensorCheck, worse
 from gradwatch.errors import GradWatchError, blamed
+from gradwatch.watch.host_points import HostPoints
 from gradwatch.watch.wrappers import unwrap_model  # noqa: F401  (its home was here: old imports still work)
 
 _T = TypeVar("_T")
@@ -69,6 +70,8 @@ logger = logging.getLogger("gradwatch")
 _NO_VALUE = 2**62
 #: What a rank that is not ok sends to an agreement point (below any value).
 _FAILED = -(2**63)
+#: The agreement points' channel before the first point opens it.
+_UNOPENED = object()
 #: Default seconds gradwatch's own collectives wait for the other ranks.
 DEFAULT_TIMEOUT = 300.0
 
@@ -172,6 +175,9 @@ class DistributedCoordinator:
         self.interval = 1
         #: Why this coordinator gave up (a rank missing at a gather); None while it works.
         self.broken: Optional[str] = None
+        #: Where the agreement points meet (:meth:`agree`): shared memory when every rank is on one host
+        #: (:class:`~gradwatch.watch.host_points.HostPoints`), else None (gloo); opened at the first point.
+        self._host: Any = _UNOPENED
 
     @classmethod
     def create(cls, model: nn.Module, distributed: Any = "auto", timeout: float = DEFAULT_TIMEOUT) -> Optional["DistributedCoordinator"]:
@@ -279,12 +285,19 @@ class DistributedCoordinator:
         """
         # One element (a point is a round trip; gloo's all-reduce of two took 1.5 times as long): a rank that is not ok
         # sends the least int64, below any value
-        mine = torch.tensor([_FAILED if not ok else _NO_VALUE if value is None else int(value)], dtype=torch.int64)
+        code = _FAILED if not ok else _NO_VALUE if value is None else int(value)
+        if self._host is _UNOPENED:  # the first point, on every rank: through shared memory where all share a host
+            self._host = HostPoints.open(lambda mine: self.everyone(mine, "where the agreement points meet"),
+                                         self.rank, self.world_size, self.timeout)
         try:
-            dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=self.group)
+            if self._host is not None:
+                smallest = self._host.smallest(code)
+            else:
+                mine = torch.tensor([code], dtype=torch.int64)
+                dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=self.group)
+                smallest = int(mine.item())
         except Exception as exc:  # noqa: BLE001 - a missing rank: said once, then no more checks
             raise DistributedCheckError(self._give_up("inside a check", exc)) from exc
-        smallest = int(mine.item())
         if smallest == _FAILED:
             return False, None
         return True, None if smallest == _NO_VALUE else smallest
@@ -401,7 +414,10 @@ class DistributedCoordinator:
         return out
 
     def close(self) -> None:
-        """Release the process group (best effort)."""
+        """Release the process group and the shared memory (best effort)."""
+        host, self._host = self._host, None
+        if isinstance(host, HostPoints):
+            host.close()
         group, self.group = self.group, None
         if group is not None and self.broken is None:
             try:

@@ -5,7 +5,8 @@ backward reduce-scatters, on the model's own process group, inside ``loss_fn``. 
 ``loss_fn`` raised there would leave the others in the next collective until that group's timeout
 (with gloo, mismatched collectives can abort them). :class:`Lockstep` puts an agreement point before
 each of those collectives: a one-element all-reduce on gradwatch's own group, bounded by
-``distributed_timeout`` (:meth:`~gradwatch.watch.distributed.DistributedCoordinator.agree`).
+``distributed_timeout`` (:meth:`~gradwatch.watch.distributed.DistributedCoordinator.agree`), or where every rank
+is on one host the same through shared memory (:mod:`gradwatch.watch.host_points`: 0.8 us a point, not 0.31 ms).
 
 - **DTensor's collectives** (tensor and sequence parallel, a ``full_tensor()``, whatever module or hook makes
   them): each functional collective's operator (``torch.ops._c10d_functional.all_reduce``, ...) is wrapped for the
