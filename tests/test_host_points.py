@@ -15,7 +15,8 @@ from helpers import run_two_ranks
 
 from gradwatch.watch.host_points import usable
 
-pytestmark = pytest.mark.skipif(not usable(), reason="shared-memory points: Linux on x86-64 with /dev/shm only")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not usable(), reason="shared-memory points: Linux on x86-64 with /dev/shm only")]
 
 SCRIPT = r'''
 import json, os, sys, time
