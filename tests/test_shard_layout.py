@@ -1,0 +1,47 @@
+"""How a DTensor parameter's rows are held (:func:`gradwatch.watch.shard_check.held_by`), on a real 1-rank gloo mesh.
+
+The answer is kept per parameter with the layout it was read from: asked again, the same parameter gives the same
+answer without reading its shard; a parameter whose layout differs from the one kept is read again, and so is a new
+parameter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradwatch.watch import shard_check
+from gradwatch.watch.shard_check import held_by
+
+
+@pytest.fixture
+def mesh(tmp_path):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_parameters_holding_is_kept_with_its_layout_and_read_again_when_the_layout_changes(mesh):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    p = nn.Parameter(distribute_tensor(torch.ones(6, 4), mesh, [Shard(0)]))
+    assert held_by(p) == (0, 1)
+    reads = []
+    original = shard_check._held_by
+    shard_check._held_by = lambda *a: reads.append(a) or original(*a)
+    try:
+        assert held_by(p) == (0, 1) and reads == []  # kept: the shard is not read again
+        q = nn.Parameter(distribute_tensor(torch.ones(6, 4), mesh, [Replicate()]))
+        assert held_by(q) is None and len(reads) == 1  # another parameter: read
+        assert held_by(p) == (0, 1) and len(reads) == 1
+        shard_check._HELD[id(p)] = (shard_check._HELD[id(p)][0], ("another layout",), (0, 1))  # as if resharded
+        assert held_by(p) == (0, 1) and len(reads) == 2  # its layout differs from the one kept: read again
+        assert held_by(torch.ones(6, 4)) is None and len(reads) == 2  # a plain tensor: held by no split
+    finally:
+        shard_check._held_by = original
