@@ -57,7 +57,11 @@ At bad1703 (each agreement point made by the wrapped collective operators, not a
 three runs pooled: tensor parallel 1.075; 1.055, 0.74, 0.90 (3 pairs); sequence parallel 1.029; 1.053, 0.80, 0.96
 (7); 2x1 0.945; 0.928, 0.67, 0.83 (3); 1x2 1.068; 1.086, 0.80, 0.90 (8). At 4.2M (``--steps 8 --repeat 2``): the
 checks' mean 1.50, 1.73, 1.31, 1.70 and ZeRO-3 1.55, a tensor parallel engine's 2-rank training step 1.5 to 2.4
-times one process's.
+times one process's. At 4.2M again, four runs each of de496f5 and of the agreement points through shared memory
+(e6488f6, b601724: two runs each), alternately: the 2-rank checks' mean (the runs' median) tensor parallel 0.560 s
+to 0.487 s, sequence parallel 0.607 to 0.575, 2x1 0.766 to 0.694, 1x2 0.661 to 0.564, ZeRO-3 0.988 to 0.902; over
+one process, the runs' median ratio 1.20, 1.28, 1.01, 1.28 and 1.23 (1.14, 1.29, 1.02, 1.37, 1.66 before): one
+process's own check moved from 0.355 s to 0.735 s between runs of the same code.
 
 Every check ``ok``, module form, 0 alerts. Not met on this machine: every single pair's peak within 1.10x (at bad1703
 pairs up to 1.144; the medians are within it), and a 2-rank check no slower than one process's at every size: at
