@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import platform
@@ -97,15 +98,16 @@ class HostPoints:
                 finally:
                     os.close(fd)
             except OSError:
+                if path is not None:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)  # made but not filled: nothing left behind
                 path = None
         where = exchange((path, proof) if rank == 0 else None)[0]
         points = cls._attach(where, rank, world, timeout) if where is not None and where[0] is not None else None
         attached = exchange(points is not None)
         if rank == 0 and where is not None and where[0] is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(where[0])  # every rank has it mapped (or gave up): nothing is left behind, even by a crash
-            except OSError:
-                pass
         if not all(attached):
             if points is not None:
                 points.close()
