@@ -37,6 +37,7 @@ def exchange(mine):
 
 points = HostPoints.open(exchange, rank, 2, timeout=1.0)
 result = {"opened": points is not None}
+dist.barrier()  # rank 0 unlinks the file once open() has heard every rank: looked for after it surely did
 if points is not None:
     result["left_in_dev_shm"] = os.path.exists(seen["path"])
     if case == "values":
