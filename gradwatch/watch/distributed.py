@@ -362,19 +362,33 @@ class DistributedCoordinator:
     # ------------------------------------------------------------------ 5. training part
     def average(self, tensors: Dict[str, torch.Tensor], in_place: bool = False) -> Dict[str, torch.Tensor]:
         """The mean over ranks of each tensor, as DDP averages ``.grad``: summed in the tensor's own precision
-        (float32 for lower ones), one tensor at a time. With ``in_place`` (the replay's own gradients, which
-        nothing else holds), a float32 or float64 CPU tensor is averaged where it is, so averaging holds no
-        copy of them all.
+        (float32 for lower ones), the small ones of a dtype together (:func:`buckets`: one all-reduce of a few
+        MB, not one per tensor). With ``in_place`` (the replay's own gradients, which nothing else holds), a float32
+        or float64 CPU tensor is averaged where it is, so averaging holds no copy of them all.
 
         Raises:
             Exception: The all-reduce failed (the caller records it; training goes on).
         """
-        out = {}
+        works: Dict[str, torch.Tensor] = {}
         for name, t in tensors.items():
             work = t.detach() if in_place else t.detach().clone()
             if work.device.type != "cpu" or work.dtype not in (torch.float32, torch.float64):
                 work = work.to("cpu", torch.float64 if work.dtype == torch.float64 else torch.float32)
-            dist.all_reduce(work, group=self.group)
+            works[name] = work
+        for bucket in buckets([(name, w.dtype, w.numel()) for name, w in works.items()]):
+            if len(bucket) == 1:
+                dist.all_reduce(works[bucket[0]], group=self.group)
+                continue
+            flat = torch.cat([works[name].reshape(-1) for name in bucket])
+            dist.all_reduce(flat, group=self.group)
+            start = 0
+            for name in bucket:
+                n = works[name].numel()
+                works[name].copy_(flat[start:start + n].view(works[name].shape))
+                start += n
+        out = {}
+        for name, t in tensors.items():
+            work = works[name]
             work /= self.world_size
             out[name] = work.to(t.device, t.dtype)  # no copy where it already is
         return out
@@ -439,6 +453,34 @@ def _first_difference(a: Any, b: Any) -> Tuple[Any, Any]:
                 return x, y
         return f"{len(a)} entries", f"{len(b)} entries"
     return a, b
+
+
+#: Elements of one coalesced all-reduce of :meth:`DistributedCoordinator.average` (4 MB in float32).
+BUCKET = 1 << 20
+
+
+def buckets(sizes: Sequence[Tuple[str, torch.dtype, int]], limit: Optional[int] = None) -> List[List[str]]:
+    """The names of ``sizes`` (``(name, dtype, elements)``, in order) in runs of one dtype of at most ``limit``
+    (default :data:`BUCKET`) elements together; a tensor over ``limit`` alone. The same sizes give the same runs on every rank.
+
+    ZeRO-3's averaged replay of a 4.2M-parameter model made 69 all-reduces a check, 0.12 s on 2 gloo ranks.
+
+    Example:
+        >>> f, d = torch.float32, torch.float64
+        >>> buckets([("a", f, 3), ("b", f, 4), ("c", f, 9), ("d", d, 1), ("e", d, 2)], limit=8)
+        [['a', 'b'], ['c'], ['d', 'e']]
+    """
+    limit = BUCKET if limit is None else limit
+    out: List[List[str]] = []
+    total, kind = 0, None
+    for name, dtype, n in sizes:
+        if out and dtype == kind and total + n <= limit:
+            out[-1].append(name)
+            total += n
+        else:
+            out.append([name])
+            total, kind = n, dtype
+    return out
 
 
 def merge_results(results: Sequence[RankResult], order: Sequence[str], opts: Any) -> MergedCheck:
