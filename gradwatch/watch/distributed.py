@@ -461,7 +461,8 @@ BUCKET = 1 << 20
 
 def buckets(sizes: Sequence[Tuple[str, torch.dtype, int]], limit: Optional[int] = None) -> List[List[str]]:
     """The names of ``sizes`` (``(name, dtype, elements)``, in order) in runs of one dtype of at most ``limit``
-    (default :data:`BUCKET`) elements together; a tensor over ``limit`` alone. The same sizes give the same runs on every rank.
+    (default :data:`BUCKET`) elements together; a tensor over ``limit`` alone. The same sizes give the same runs on
+    every rank.
 
     ZeRO-3's averaged replay of a 4.2M-parameter model made 69 all-reduces a check, 0.12 s on 2 gloo ranks.
 

@@ -102,12 +102,12 @@ class HostPoints:
                     with contextlib.suppress(OSError):
                         os.unlink(path)  # made but not filled: nothing left behind
                 path = None
-        where = exchange((path, proof) if rank == 0 else None)[0]
-        points = cls._attach(where, rank, world, timeout) if where is not None and where[0] is not None else None
+        shared, proof = exchange((path, proof) if rank == 0 else None)[0]  # rank 0's file (None: none) and word
+        points = cls._attach(shared, proof, rank, world, timeout) if shared is not None else None
         attached = exchange(points is not None)
-        if rank == 0 and where is not None and where[0] is not None:
+        if rank == 0 and shared is not None:
             with contextlib.suppress(OSError):
-                os.unlink(where[0])  # every rank has it mapped (or gave up): nothing is left behind, even by a crash
+                os.unlink(shared)  # every rank has it mapped (or gave up): nothing is left behind, even by a crash
         if not all(attached):
             if points is not None:
                 points.close()
@@ -115,9 +115,8 @@ class HostPoints:
         return points
 
     @classmethod
-    def _attach(cls, where: Any, rank: int, world: int, timeout: float) -> Optional["HostPoints"]:
+    def _attach(cls, path: str, proof: int, rank: int, world: int, timeout: float) -> Optional["HostPoints"]:
         """This rank's mapping of rank 0's file, or None when it is not there or not the same (another host)."""
-        path, proof = where
         if not usable():
             return None
         try:
@@ -156,11 +155,13 @@ class HostPoints:
                 continue
             slot = _HEADER + _LINE * other
             tries = 0
-            while words[slot + parity] != n or words[slot + _GONE]:
+            while True:
                 if words[slot + _GONE]:  # it waited here past the timeout and left: this rank must not go on alone
                     self._leave()
                     raise TimeoutError(f"rank {other} gave up waiting for this rank at agreement point {n} after "
                                        f"{self.timeout:g}s")
+                if words[slot + parity] == n:
+                    break
                 tries += 1
                 if tries < _SPIN:
                     continue
