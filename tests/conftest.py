@@ -1,4 +1,4 @@
-"""Small shared fixtures: the tutorial's sigmoid autograd Functions."""
+"""Small shared fixtures: the tutorial's sigmoid autograd Functions, a real 1-rank gloo process group."""
 
 from __future__ import annotations
 
@@ -24,6 +24,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A real gloo process group of one rank, this process (its group); destroyed after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
 
 
 class BuggySigmoid(Function):

@@ -16,14 +16,10 @@ from gradwatch.watch.distributed import DistributedCoordinator
 
 
 @pytest.fixture
-def coordinator(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        coord = DistributedCoordinator(timeout=30.0)
-        yield coord
-        coord.close()
-    finally:
-        dist.destroy_process_group()
+def coordinator(one_rank):
+    coord = DistributedCoordinator(timeout=30.0)
+    yield coord
+    coord.close()
 
 
 def test_tensors_averaged_in_buckets_come_back_each_in_its_place(coordinator, monkeypatch):

@@ -478,15 +478,6 @@ def test_replica_form_catches_and_diagnoses_the_planted_bug(ranks):
 # ---------------------------------------------------------------- in-process pieces (one rank)
 
 
-@pytest.fixture
-def one_rank(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_replica_is_plain_full_and_keeps_ties_and_user_hooks(one_rank):
     import torch
     from torch import nn

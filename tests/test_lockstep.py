@@ -9,9 +9,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from gradwatch.check.objective.dtensor import functional_collectives
@@ -55,15 +53,6 @@ def test_points_fall_before_functional_collectives_only():
     ops = functional_collectives()
     assert ("_c10d_functional", "all_gather_into_tensor") in ops and ("_c10d_functional_autograd", "all_to_all_single") in ops
     assert not {("_c10d_functional", "wait_tensor"), ("_dtensor", "mesh_get_process_group")} & set(ops)
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_point_comes_before_each_functional_collective_forward_and_backward_and_the_operators_are_put_back(one_rank):

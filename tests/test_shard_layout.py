@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from gradwatch.watch import shard_check
@@ -17,14 +16,10 @@ from gradwatch.watch.shard_check import held_by
 
 
 @pytest.fixture
-def mesh(tmp_path):
+def mesh(one_rank):
     from torch.distributed.device_mesh import init_device_mesh
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+    return init_device_mesh("cpu", (1,))
 
 
 def test_a_parameters_holding_is_kept_with_its_layout_and_read_again_when_the_layout_changes(mesh):
