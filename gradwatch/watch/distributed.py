@@ -275,6 +275,11 @@ class DistributedCoordinator:
             raise DistributedCheckError(f"exchanging {what}: {self.broken or 'a rank did not arrive'}")
         return [g["value"] for g in sorted(gathered, key=lambda g: g["rank"])]
 
+    def host(self) -> Optional[HostPoints]:
+        """The shared memory the agreement points meet in (every rank on one host), once the first point opened it;
+        else None."""
+        return self._host if isinstance(self._host, HostPoints) else None
+
     def agree(self, ok: bool, value: Optional[int] = None) -> Tuple[bool, Optional[int]]:
         """One agreement point inside a check (:mod:`gradwatch.watch.lockstep`): whether every rank says ``ok``,
         and the smallest of the ranks' ``value`` (a byte count; None when no rank gives one).

@@ -15,10 +15,20 @@ A rank that waits past ``timeout`` marks its slot as gone before it raises: a ra
 stalled) finds the mark and raises too, where gloo's all-reduce would fail, instead of going on to a collective the
 other rank no longer makes.
 
+Each rank also has two data slots of :data:`DATA` bytes (one per parity), after the points: a check's collectives of
+CPU tensors over every rank (:mod:`gradwatch.watch.host_collectives`) put a rank's input in its slot before the
+point and read the others' after it. A slot of point ``n`` is written again only for point ``n + 2``, which no rank
+reaches before every rank has passed point ``n + 1``, after its reads of point ``n``. The slots are allocated when
+the file is made (``posix_fallocate``), so a small ``/dev/shm`` (a container's 64 MB) is found there, not by a
+signal at a write: the file is then made without them (:attr:`HostPoints.data` 0), and those collectives stay the
+process group's.
+
 Example:
     >>> points = HostPoints.open(lambda mine: [mine], rank=0, world=1, timeout=5.0)  # alone: every rank one host
     >>> points.smallest(7), points.smallest(3)
     (7, 3)
+    >>> points.put(torch.arange(3.0)), points.smallest(0), points.parts(torch.float32, 3)
+    (True, 0, [tensor([0., 1., 2.])])
     >>> points.close()
 """
 
@@ -33,14 +43,18 @@ import sys
 import time
 from typing import Any, Callable, List, Optional
 
+import torch
+
 __all__ = ["HostPoints"]
 
 _DIR = "/dev/shm"
 _LINE = 8  # words per rank's slot: one 64-byte cache line (no false sharing between ranks)
-_HEADER = 8  # words before the first slot (the proof word, then padding to a cache line)
+_HEADER = 8  # words before the first slot (the proof word, the data slots' bytes, then padding to a cache line)
 _GONE = 4  # the word of a rank's slot that says it gave up waiting (set once; its coordinator is broken)
 _SPIN = 64  # checks before yielding the CPU
 _YIELD = 2000  # yields before sleeping (a rank with a core of its own never gets there at a quick point)
+#: Bytes of each rank's data slot, one per parity (a 4-block width-512 model's activations at batch 4 x 128: 1 MiB).
+DATA = 1 << 21
 
 
 def usable() -> bool:
@@ -53,6 +67,11 @@ def usable() -> bool:
     """
     return sys.platform.startswith("linux") and platform.machine().lower() in ("x86_64", "amd64") \
         and os.path.isdir(_DIR)
+
+
+def _size(world: int, data: int) -> int:
+    """Bytes of the file: the header, the points' slots, then two data slots of ``data`` bytes per rank."""
+    return 8 * (_HEADER + _LINE * world) + 2 * world * data
 
 
 class HostPoints:
@@ -75,6 +94,9 @@ class HostPoints:
         self.timeout = timeout
         #: Points made so far (the same count on every rank).
         self.count = 0
+        #: Bytes of each data slot (0: the file has none, /dev/shm had no room for them).
+        self.data = int(self._words[1])
+        self._slots: List[Optional[torch.Tensor]] = [None] * (2 * world)  # byte views, made at first use
 
     @classmethod
     def open(cls, exchange: Callable[[Any], List[Any]], rank: int, world: int, timeout: float
@@ -93,8 +115,14 @@ class HostPoints:
                 path = os.path.join(_DIR, f"gradwatch-{os.getpid()}-{secrets.token_hex(8)}")
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                 try:
-                    os.ftruncate(fd, 8 * (_HEADER + _LINE * world))
-                    os.pwrite(fd, proof.to_bytes(8, sys.byteorder, signed=True), 0)
+                    data = DATA
+                    try:  # the slots' memory now, where a lack of it is an error and not a SIGBUS at a write
+                        os.posix_fallocate(fd, 0, _size(world, data))
+                    except OSError:
+                        data = 0
+                        os.ftruncate(fd, 0)
+                        os.ftruncate(fd, _size(world, 0))
+                    os.pwrite(fd, proof.to_bytes(8, sys.byteorder, signed=True) + data.to_bytes(8, sys.byteorder), 0)
                 finally:
                     os.close(fd)
             except OSError:
@@ -124,11 +152,14 @@ class HostPoints:
         except OSError:
             return None
         try:
-            buffer = mmap.mmap(fd, 8 * (_HEADER + _LINE * world))
+            size = os.fstat(fd).st_size
+            buffer = mmap.mmap(fd, size) if size in (_size(world, 0), _size(world, DATA)) else None
         except (OSError, ValueError):
             return None
         finally:
             os.close(fd)
+        if buffer is None:
+            return None
         points = cls(buffer, rank, world, timeout)
         if points._words[0] != proof:
             points.close()
@@ -177,6 +208,32 @@ class HostPoints:
             least = min(least, words[slot + 2 + parity])
         return least
 
+    def _slot(self, rank: int, parity: int) -> torch.Tensor:
+        """``rank``'s data slot of ``parity``, as bytes (a view of the file)."""
+        index = 2 * rank + parity
+        slot = self._slots[index]
+        if slot is None:
+            slot = torch.frombuffer(self._buffer, dtype=torch.uint8, count=self.data,
+                                    offset=_size(self.world, 0) + index * self.data)
+            self._slots[index] = slot
+        return slot
+
+    def put(self, tensor: torch.Tensor) -> bool:
+        """Copy ``tensor`` (a CPU tensor) into this rank's slot of the next point; False (nothing written) when it does
+        not fit. The others read it after that point (:meth:`parts`)."""
+        size = tensor.numel() * tensor.element_size()
+        if size > self.data or tensor.device.type != "cpu":
+            return False
+        self._slot(self.rank, (self.count + 1) % 2)[:size].view(tensor.dtype).copy_(tensor.reshape(-1))
+        return True
+
+    def parts(self, dtype: torch.dtype, numel: int, start: int = 0) -> List[torch.Tensor]:
+        """Every rank's input of the point just made (each :meth:`put` it), by rank: ``numel`` elements of ``dtype``
+        from element ``start``, as views of the slots (valid until this rank's next point)."""
+        size = torch.empty((), dtype=dtype).element_size()
+        return [self._slot(r, self.count % 2)[start * size:(start + numel) * size].view(dtype)
+                for r in range(self.world)]
+
     def _leave(self) -> None:
         """Say in this rank's slot that it gave up (its coordinator is broken): a rank that reaches the point later
         stops there too instead of going on to a collective this rank will not make."""
@@ -184,6 +241,7 @@ class HostPoints:
 
     def close(self) -> None:
         """Unmap the file (best effort)."""
+        self._slots = [None] * len(self._slots)  # the views export the buffer: dropped before it closes
         try:
             self._words.release()
             self._buffer.close()

@@ -7,6 +7,9 @@ backward reduce-scatters, on the model's own process group, inside ``loss_fn``. 
 each of those collectives: a one-element all-reduce on gradwatch's own group, bounded by
 ``distributed_timeout`` (:meth:`~gradwatch.watch.distributed.DistributedCoordinator.agree`), or where every rank
 is on one host the same through shared memory (:mod:`gradwatch.watch.host_points`: 0.8 us a point, not 0.31 ms).
+There, a check's collectives of CPU tensors over every rank are made with their point, through the same shared
+memory (:mod:`gradwatch.watch.host_collectives`): DTensor's functional collectives, and the ``torch.distributed``
+functions FSDP2 calls (``all_gather_single``, ``reduce_scatter_single``), wrapped for the region only.
 
 - **DTensor's collectives** (tensor and sequence parallel, a ``full_tensor()``, whatever module or hook makes
   them): each functional collective's operator (``torch.ops._c10d_functional.all_reduce``, ...) is wrapped for the
@@ -46,16 +49,20 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
 from gradwatch.check.objective.dtensor import checked_alone, functional_collectives, is_dtensor
 from gradwatch.trees import tensor_leaves
 from gradwatch.watch.distributed import DistributedCheckError, PeerFailed
+from gradwatch.watch.host_collectives import FUNCTIONS, function_through_host, through_host
+from gradwatch.watch.host_points import HostPoints
 from gradwatch.watch.shard_check import reshard
 from gradwatch.watch.sharded import fsdp_communicates, fsdp_loaded, is_fsdp, live_forward_refused
 from gradwatch.watch.zero import engine_of, release_leftovers, reset_zero, zero3
@@ -92,14 +99,19 @@ class _Pointing:
     arrives.
     """
 
-    __slots__ = ("packet", "autograd")
+    __slots__ = ("packet", "autograd", "name")
 
-    def __init__(self, packet: Any, autograd: bool) -> None:
+    def __init__(self, packet: Any, autograd: bool, name: str = "") -> None:
         self.packet = packet
         self.autograd = autograd
+        self.name = name
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         step = _pointing()
+        if step is not None and not self.autograd:  # ranks on one host: made with the point, in shared memory
+            out = through_host(step.host(), self.name, args, kwargs, step.point)
+            if out is not None:
+                return out
         if step is not None:
             step.point()
         out = self.packet(*args, **kwargs)
@@ -110,6 +122,36 @@ class _Pointing:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.packet, name)
+
+
+class _Sharing:
+    """A ``torch.distributed`` collective function (FSDP2's ``all_gather_single``, ...) while a region is open: where
+    every rank is on one host, made through shared memory with a point per round
+    (:func:`~gradwatch.watch.host_collectives.function_through_host`); otherwise the function itself (FSDP2's
+    points are its modules' hooks)."""
+
+    __slots__ = ("function", "name", "signature")
+
+    def __init__(self, function: Any, name: str) -> None:
+        self.function = function
+        self.name = name
+        self.signature = inspect.signature(function)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        step = _pointing()
+        if step is not None:
+            host = step.host()
+            if host is not None:
+                try:
+                    bound = self.signature.bind(*args, **kwargs)
+                except TypeError:
+                    bound = None
+                if bound is not None:
+                    bound.apply_defaults()
+                    done = function_through_host(host, self.name, dict(bound.arguments), step.point)
+                    if done is not None:
+                        return done[0]
+        return self.function(*args, **kwargs)
 
 
 def _open(step: "Lockstep") -> None:
@@ -132,7 +174,12 @@ def _open(step: "Lockstep") -> None:
             if isinstance(packet, _Pointing):  # pragma: no cover - left by a region that could not close
                 continue
             _WRAPPED.append((space, name, packet))
-            setattr(space, name, _Pointing(packet, namespace == "_c10d_functional_autograd"))
+            setattr(space, name, _Pointing(packet, namespace == "_c10d_functional_autograd", name))
+        for name in FUNCTIONS:
+            function = getattr(dist, name, None)
+            if function is not None and not isinstance(function, _Sharing):
+                _WRAPPED.append((dist, name, function))
+                setattr(dist, name, _Sharing(function, name))
     _OPEN.append(step)
 
 
@@ -202,6 +249,11 @@ class Lockstep:
             return self.coord.agree(ok, value)
         finally:
             self.waited += time.perf_counter() - start
+
+    def host(self) -> Optional[HostPoints]:
+        """Where the points meet in shared memory (every rank on one host, opened at the first point), else None."""
+        host = getattr(self.coord, "host", None)
+        return host() if callable(host) else None
 
     def point(self, value: Optional[int] = None) -> Optional[int]:
         """Return when every rank reached this point fine (with the smallest of the ranks' ``value``, a byte count);
