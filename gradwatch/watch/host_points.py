@@ -53,8 +53,9 @@ _HEADER = 8  # words before the first slot (the proof word, the data slots' byte
 _GONE = 4  # the word of a rank's slot that says it gave up waiting (set once; its coordinator is broken)
 _SPIN = 64  # checks before yielding the CPU
 _YIELD = 2000  # yields before sleeping (a rank with a core of its own never gets there at a quick point)
-#: Bytes of each rank's data slot, one per parity (a 4-block width-512 model's activations at batch 4 x 128: 1 MiB).
-DATA = 1 << 21
+#: Bytes of each rank's data slot, one per parity: a bigger collective takes several rounds (a 4-block width-512
+#: model's activations at batch 4 x 128 are 1 MiB). What a rank touches of the slots counts in its resident memory.
+DATA = 1 << 20
 
 
 def usable() -> bool:
