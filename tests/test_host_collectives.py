@@ -3,7 +3,8 @@
 Inside a real :class:`~gradwatch.watch.lockstep.Lockstep` region over a real coordinator (gloo, one host), torch's
 functional collectives and the ``torch.distributed`` functions FSDP2 calls give the same bits as gloo's outside it,
 with no gloo collective made (read back from torch's profiler) and one agreement point a slot's worth (a tensor over
-a slot takes two), an autograd collective's too. Outside the region, the functions are torch's again.
+a slot takes two), an autograd collective's too. Outside the region, the functions are torch's again. The
+coordinator's average of replayed gradients goes through the same memory, with gloo's bits.
 """
 
 from __future__ import annotations
@@ -73,6 +74,17 @@ for k, (x, f) in cases.items():
         result["cases"][k] = {"same": got.dtype == outside[k].dtype and torch.equal(got, outside[k]),
                               "shape": list(got.shape), "gloo": gloo, "points": step.points - before}
 result["put back"] = all(getattr(dist, n) is f for n, f in wrapped.items())
+grads = {"w": torch.randn(300, 7, generator=gen), "b": torch.randn(5, generator=gen).double(),
+         "big": torch.randn(DATA // 4 * 3, generator=gen)}  # the replayed gradients averaged under DDP and ZeRO
+wanted = {}
+for k, g in grads.items():
+    total = g.clone()
+    dist.all_reduce(total)
+    wanted[k] = total / 2
+with profile(activities=[ProfilerActivity.CPU]) as prof:
+    averaged = coord.average({k: g.clone() for k, g in grads.items()})
+result["average"] = {"same": all(torch.equal(averaged[k], wanted[k]) for k in grads),
+                     "gloo": sum(e.count for e in prof.key_averages() if e.key.startswith("c10d::"))}
 coord.close()
 print("RESULT " + json.dumps(result))
 '''
@@ -92,3 +104,4 @@ def test_functional_collectives_in_a_check_are_gloos_bits_through_shared_memory(
         assert cases["scatter over a slot"]["points"] == 3, cases  # a round carries half a slot for each rank
         assert all(c["points"] == 1 for k, c in cases.items() if "over a slot" not in k), cases
         assert got["put back"], got
+        assert got["average"] == {"same": True, "gloo": 0}, got  # the coordinator's average, through the slots too

@@ -59,6 +59,7 @@ from torch import nn
 from gradwatch.check.independence.report import merge_ranks
 from gradwatch.check.judging.report import CheckReport, TensorCheck, worse
 from gradwatch.errors import GradWatchError, blamed
+from gradwatch.watch.host_collectives import combine
 from gradwatch.watch.host_points import HostPoints
 from gradwatch.watch.wrappers import unwrap_model  # noqa: F401  (its home was here: old imports still work)
 
@@ -382,10 +383,10 @@ class DistributedCoordinator:
             works[name] = work
         for bucket in buckets([(name, w.dtype, w.numel()) for name, w in works.items()]):
             if len(bucket) == 1:
-                dist.all_reduce(works[bucket[0]], group=self.group)
+                self._sum(works[bucket[0]])
                 continue
             flat = torch.cat([works[name].reshape(-1) for name in bucket])
-            dist.all_reduce(flat, group=self.group)
+            self._sum(flat)
             start = 0
             for name in bucket:
                 n = works[name].numel()
@@ -397,6 +398,15 @@ class DistributedCoordinator:
             work /= self.world_size
             out[name] = work.to(t.device, t.dtype)  # no copy where it already is
         return out
+
+    def _sum(self, tensor: torch.Tensor) -> None:
+        """``tensor`` summed over the ranks, in place: through the points' shared memory where every rank is on one
+        host (:mod:`gradwatch.watch.host_collectives`; 4 MB took 21 ms over gloo), else gloo's all-reduce."""
+        host = self.host()
+        if host is not None and host.data and tensor.device.type == "cpu" and tensor.is_contiguous():
+            combine(host, "all_reduce", tensor, "sum", point=lambda: host.smallest(0), out=tensor)
+        else:
+            dist.all_reduce(tensor, group=self.group)
 
     def from_main(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank (a broadcast; every rank must call it)."""

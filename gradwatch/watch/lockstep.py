@@ -50,6 +50,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -124,6 +125,17 @@ class _Pointing:
         return getattr(self.packet, name)
 
 
+def _functions() -> List[Tuple[Any, str, str]]:
+    """``(where, attribute, which function)`` of the collective functions a region wraps: ``torch.distributed``'s,
+    and DeepSpeed's backend's all-gather where DeepSpeed is loaded (it keeps torch's function from its start)."""
+    found: List[Tuple[Any, str, str]] = [(dist, name, name) for name in FUNCTIONS]
+    comm = sys.modules.get("deepspeed.comm.comm")
+    backend = getattr(comm, "cdb", None)
+    if backend is not None and callable(getattr(backend, "all_gather_function", None)):
+        found.append((backend, "all_gather_function", "all_gather_into_tensor"))
+    return found
+
+
 class _Sharing:
     """A ``torch.distributed`` collective function (FSDP2's ``all_gather_single``, ...) while a region is open: where
     every rank is on one host, made through shared memory with a point per round
@@ -154,8 +166,9 @@ class _Sharing:
         return self.function(*args, **kwargs)
 
 
-def _open(step: "Lockstep") -> None:
-    """Open ``step``'s region of points before collectives; the first open region wraps the operators.
+def _open(step: "Lockstep", operators: bool = True) -> None:
+    """Open ``step``'s region of points before collectives; the first open region wraps the operators (with
+    ``operators``) and the collective functions.
 
     DTensor's redistributions and ``torch.distributed._functional_collectives`` look each functional collective up in
     ``torch.ops`` at every call (``torch.ops._c10d_functional.all_reduce(...)``): wrapped there for the region, each
@@ -163,9 +176,13 @@ def _open(step: "Lockstep") -> None:
     nothing added to any other operator. A dispatch mode did this before, and sent every operator of the region
     through Python: a 0.66 s forward and backward of ``benchmarks/parallel.py``'s 1x2 mesh took 0.08 s more in a
     region with the mode, 0.05 s more with the wrapped operators, 0.02 s more with no point at all.
+
+    The ``torch.distributed`` functions FSDP2 calls, and the all-gather DeepSpeed's communication backend keeps
+    (``cdb.all_gather_function``, ZeRO-3's gathers), are wrapped too: where every rank is on one host they go through
+    shared memory (:class:`_Sharing`).
     """
     if not _OPEN:
-        for namespace, name in functional_collectives():
+        for namespace, name in functional_collectives() if operators else ():
             space = getattr(torch.ops, namespace)
             try:
                 packet = getattr(space, name)
@@ -175,11 +192,11 @@ def _open(step: "Lockstep") -> None:
                 continue
             _WRAPPED.append((space, name, packet))
             setattr(space, name, _Pointing(packet, namespace == "_c10d_functional_autograd", name))
-        for name in FUNCTIONS:
-            function = getattr(dist, name, None)
-            if function is not None and not isinstance(function, _Sharing):
-                _WRAPPED.append((dist, name, function))
-                setattr(dist, name, _Sharing(function, name))
+        for space, name, kind in _functions():
+            function = getattr(space, name, None)
+            if callable(function) and not isinstance(function, _Sharing):
+                _WRAPPED.append((space, name, function))
+                setattr(space, name, _Sharing(function, kind))
     _OPEN.append(step)
 
 
@@ -316,10 +333,9 @@ class Lockstep:
         self._engine = engine_of(self.model) if zero else None
         if zero:
             self._zero_hooks(before_forward)
-        if not zero or any(is_dtensor(p) for p in self.model.parameters()):
-            # (a ZeRO-3 model's collectives are its hooks' c10d calls: no functional one to make a point before)
-            _open(self)
-            self._wraps = True
+        # (a ZeRO-3 model's collectives are its hooks' c10d calls: no functional one to make a point before)
+        _open(self, operators=not zero or any(is_dtensor(p) for p in self.model.parameters()))
+        self._wraps = True
         return self
 
     def _zero_hooks(self, before_forward: Any) -> None:
