@@ -4,7 +4,8 @@ Inside a real :class:`~gradwatch.watch.lockstep.Lockstep` region over a real coo
 functional collectives and the ``torch.distributed`` functions FSDP2 calls give the same bits as gloo's outside it,
 with no gloo collective made (read back from torch's profiler) and one agreement point a slot's worth (a tensor over
 a slot takes two), an autograd collective's too. Outside the region, the functions are torch's again. The
-coordinator's average of replayed gradients goes through the same memory, with gloo's bits.
+coordinator's average of replayed gradients goes through the same memory, with gloo's bits, and its gathers of
+objects (one rank's 2 MB, the other's a few bytes).
 """
 
 from __future__ import annotations
@@ -85,6 +86,9 @@ with profile(activities=[ProfilerActivity.CPU]) as prof:
     averaged = coord.average({k: g.clone() for k, g in grads.items()})
 result["average"] = {"same": all(torch.equal(averaged[k], wanted[k]) for k in grads),
                      "gloo": sum(e.count for e in prof.key_averages() if e.key.startswith("c10d::"))}
+with profile(activities=[ProfilerActivity.CPU]) as prof:  # the coordinator's gathers: pickles of any length
+    lengths = [len(v) for v in coord.everyone("x" * (3 + 2_000_000 * rank), "a test's strings")]
+result["everyone"] = {"lengths": lengths, "gloo": sum(e.count for e in prof.key_averages() if e.key.startswith("c10d::"))}
 coord.close()
 print("RESULT " + json.dumps(result))
 '''
@@ -105,3 +109,4 @@ def test_functional_collectives_in_a_check_are_gloos_bits_through_shared_memory(
         assert all(c["points"] == 1 for k, c in cases.items() if "over a slot" not in k), cases
         assert got["put back"], got
         assert got["average"] == {"same": True, "gloo": 0}, got  # the coordinator's average, through the slots too
+        assert got["everyone"] == {"lengths": [3, 2_000_003], "gloo": 0}, got  # and its gathers
