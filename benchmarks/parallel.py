@@ -61,7 +61,13 @@ times one process's. At 4.2M again, four runs each of de496f5 and of the agreeme
 (e6488f6, b601724: two runs each), alternately: the 2-rank checks' mean (the runs' median) tensor parallel 0.560 s
 to 0.487 s, sequence parallel 0.607 to 0.575, 2x1 0.766 to 0.694, 1x2 0.661 to 0.564, ZeRO-3 0.988 to 0.902; over
 one process, the runs' median ratio 1.20, 1.28, 1.01, 1.28 and 1.23 (1.14, 1.29, 1.02, 1.37, 1.66 before): one
-process's own check moved from 0.355 s to 0.735 s between runs of the same code.
+process's own check moved from 0.355 s to 0.735 s between runs of the same code. At ef4e95e (a check's collectives
+through that shared memory too), two runs alternating with four of b45eec1: the 2-rank checks' mean 0.529 s to 0.371
+s, 0.619 to 0.427, 0.778 to 0.623, 0.634 to 0.513 and ZeRO-3 0.746 to 0.509; over one process 1.10, 1.28, 1.09, 1.53
+and 0.86 (1.54, 1.68, 1.28, 2.01, 1.20 before), one process's check between 0.301 s and 0.435 s. At 20.8M at ef4e95e
+(one pair each): the checks' mean ratio 0.66, 0.60, 0.61, 0.67 and ZeRO-3 0.53 (the median check 0.85, 0.71, 0.75,
+0.95, 0.57), peaks r0; r1 1.014; 1.008, 1.064; 1.038, 0.903; 0.898, 1.073; 1.146 (that unwatched rank 1 at 655 MB,
+where earlier pairs gave 680 MB to 696 MB) and 0.968; 0.998.
 
 Every check ``ok``, module form, 0 alerts. Not met on this machine: every single pair's peak within 1.10x (at bad1703
 pairs up to 1.144; the medians are within it), and a 2-rank check no slower than one process's at every size: at

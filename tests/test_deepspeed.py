@@ -42,6 +42,8 @@ import pytest
 import torch.distributed as dist
 from helpers import two_rank_results
 
+from gradwatch.watch.host_points import usable
+
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")]
 pytest.importorskip("deepspeed")
@@ -143,7 +145,7 @@ WORKER = textwrap.dedent(
         watch = (GradWatch(watched, loss_fn, optimizer=optimizer, **watch_options)
                  if watch_options is not None else None)
         g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
-        losses, checks, seconds = [], [], []
+        losses, checks, seconds, gathers = [], [], [], []
         for micro in range(steps * accumulation):
             state["step"] = micro // accumulation
             batch = (torch.randint(0, 2000, (4, 6), generator=g) if embedding else torch.randn(4, 8, generator=g),
@@ -154,8 +156,10 @@ WORKER = textwrap.dedent(
                 watch.accumulate(batch)
             elif watch is not None:
                 t0 = time.perf_counter()
-                report = watch.step(batch)
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    report = watch.step(batch)
                 seconds.append(time.perf_counter() - t0)
+                gathers.append(sum(e.count for e in prof.key_averages() if "allgather" in e.key))  # gloo's
                 if report is not None:
                     checks.append({
                         "step": state["step"], "ok": report.ok, "form": report.form, "notes": report.notes,
@@ -173,7 +177,7 @@ WORKER = textwrap.dedent(
                 batch = (torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g))
                 engine.backward(loss_fn(engine, batch))
                 watch.step(batch)
-            res.update(checks=checks, seconds=seconds, alerts=[a.to_dict() for a in watch.alerts],
+            res.update(checks=checks, seconds=seconds, alerts=[a.to_dict() for a in watch.alerts], gathers=gathers,
                        replica=watch.context.replica is not None,
                        coverage=watch.coverage, weight_decay=watch.objective.weight_decay,
                        live_hooks=sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in engine.module.modules()))
@@ -353,6 +357,8 @@ def test_zero_correct_model_no_alert_both_verdicts_everywhere_training_bit_ident
         assert res["identical"] == {"losses": True, "params": True}
         assert all(res["partitioned"]) is (stage == 3)  # stage 3: every live parameter an empty placeholder
         assert res["live_hooks"] > 0  # ZeRO's hooks are still on the live model after the checks
+        if stage == 3 and usable():  # after the first check (the points' shared memory opens there), ZeRO-3's
+            assert res["gathers"][1:] == [0] * 3, res["gathers"]  # gathers go through it: no gloo all-gather
     assert ranks[0][f"zero{stage}"]["checks"] == ranks[1][f"zero{stage}"]["checks"]
 
 

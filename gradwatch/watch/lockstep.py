@@ -8,8 +8,9 @@ each of those collectives: a one-element all-reduce on gradwatch's own group, bo
 ``distributed_timeout`` (:meth:`~gradwatch.watch.distributed.DistributedCoordinator.agree`), or where every rank
 is on one host the same through shared memory (:mod:`gradwatch.watch.host_points`: 0.8 us a point, not 0.31 ms).
 There, a check's collectives of CPU tensors over every rank are made with their point, through the same shared
-memory (:mod:`gradwatch.watch.host_collectives`): DTensor's functional collectives, and the ``torch.distributed``
-functions FSDP2 calls (``all_gather_single``, ``reduce_scatter_single``), wrapped for the region only.
+memory (:mod:`gradwatch.watch.host_collectives`): DTensor's functional collectives, the ``torch.distributed``
+functions FSDP2 calls (``all_gather_single``, ``reduce_scatter_single``) and DeepSpeed's all-gather (ZeRO-3's
+gathers), wrapped for the region only.
 
 - **DTensor's collectives** (tensor and sequence parallel, a ``full_tensor()``, whatever module or hook makes
   them): each functional collective's operator (``torch.ops._c10d_functional.all_reduce``, ...) is wrapped for the
