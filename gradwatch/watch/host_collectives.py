@@ -1,21 +1,23 @@
-"""A check's functional collectives through shared memory, for ranks that share one host.
+"""A check's collectives through shared memory, for ranks that share one host.
 
 Inside a check, tensor and sequence parallel models make their collectives through torch's functional collective
 operators (``torch.ops._c10d_functional.all_reduce``, ...), which :mod:`gradwatch.watch.lockstep` wraps to make an
-agreement point before each. Where those points meet in shared memory (:mod:`gradwatch.watch.host_points`), a
-collective of CPU tensors over every rank is made there too: each rank copies its input into its data slot, makes the
-point, and reads the others' inputs. Over gloo, an all-reduce of a 256 KB activation took 1.5 ms between 2 ranks on
-one host, and a check of ``benchmarks/parallel.py``'s 4-block tensor parallel model makes about 50 of them; through
-the slots it is a copy in and a sum.
+agreement point before each; FSDP2 and DeepSpeed call ``torch.distributed`` functions, which a check's region wraps
+too. Where the points meet in shared memory (:mod:`gradwatch.watch.host_points`), a collective of CPU tensors over
+every rank is made there: each rank copies its input into its data slot, makes the point, and reads the others'
+inputs, a slot at a time (a bigger tensor in rounds, a point each). Over gloo, an all-reduce of a 256 KB activation
+took 1.5 ms between 2 ranks on one host, and a check of ``benchmarks/parallel.py``'s 4-block tensor parallel model
+makes about 50 of them; through the slots it is a copy in and a sum. The coordinator's own averages and gathers of
+objects (:mod:`gradwatch.watch.distributed`) use the same slots.
 
 What it makes is what the process group would: an all-reduce's sum taken in rank order, on every rank alike (with 2
 ranks, the same bits as gloo's, addition being commutative), an all-gather's inputs put end to end, a
 reduce-scatter's sum of this rank's chunk. Only ``all_reduce``, ``all_gather_into_tensor`` and
-``reduce_scatter_tensor`` of dense CPU tensors, over a group of every rank in order, with ``sum``, ``max`` or ``min``,
-of at most a slot's bytes (:data:`~gradwatch.watch.host_points.DATA`) go this way; every other collective (autograd
-collectives, a sub-group of a 2-D mesh, a GPU tensor) stays the process group's. The choice depends only on what
-every rank's call has alike (the operator, the group, the input's shape and dtype), so every rank chooses the same.
-Training's own collectives are never touched: the operators are wrapped only inside a check.
+``reduce_scatter_tensor`` (and the ``torch.distributed`` functions of :data:`FUNCTIONS`) of dense CPU tensors, over a
+group of every rank in order, with ``sum``, ``avg``, ``max`` or ``min``, go this way; every other collective
+(autograd collectives, a sub-group of a 2-D mesh, a GPU tensor) stays the process group's. The choice depends only on
+what every rank's call has alike (the operator, the group, the input's shape and dtype), so every rank chooses the
+same. Training's own collectives are never touched: the operators are wrapped only inside a check.
 
 Example:
     >>> import torch
@@ -83,11 +85,15 @@ def _reduction(op: Any) -> Optional[str]:
     return None
 
 
-def _fits(points: HostPoints, tensor: Any, group: Any) -> bool:
-    """Whether a collective of ``tensor`` over ``group`` can go through the slots (alike on every rank)."""
+def _dense(tensor: Any) -> bool:
+    """Whether ``tensor`` can go through the slots: a plain, dense, non-empty CPU tensor."""
     return isinstance(tensor, torch.Tensor) and type(tensor) is torch.Tensor and tensor.device.type == "cpu" \
-        and tensor.layout == torch.strided and tensor.numel() > 0 \
-        and group_ranks(group) == list(range(points.world))
+        and tensor.layout == torch.strided and tensor.numel() > 0
+
+
+def _every_rank(points: HostPoints, group: Any) -> bool:
+    """Whether ``group`` is every rank of the points, in order (alike on every rank)."""
+    return group_ranks(group) == list(range(points.world))
 
 
 def _rounds(points: HostPoints, flat: torch.Tensor, k: int, point: Callable[..., Any]
@@ -99,7 +105,8 @@ def _rounds(points: HostPoints, flat: torch.Tensor, k: int, point: Callable[...,
     rows = flat.view(k, m)
     for start in range(0, m, per):
         stop = min(m, start + per)
-        points.put(rows[:, start:stop])
+        if not points.put(rows[:, start:stop]):  # pragma: no cover - a round is sized to a slot
+            raise RuntimeError(f"a round of {k * (stop - start)} elements does not fit a slot of {points.data} bytes")
         point()
         yield start, stop, [p.view(k, stop - start) for p in points.parts(flat.dtype, k * (stop - start))]
 
@@ -171,7 +178,7 @@ def through_host(points: Optional[HostPoints], name: str, args: Sequence[Any], k
     if points is None or not points.data or name not in OPERATORS or kwargs or not args:
         return None
     tensor, group = args[0], args[-1]
-    if not _fits(points, tensor, group) or tensor.dim() == 0:
+    if not _dense(tensor) or tensor.dim() == 0 or not _every_rank(points, group):
         return None
     reduction = None
     if OPERATORS[name]:
@@ -196,19 +203,19 @@ def function_through_host(points: Optional[HostPoints], name: str, bound: Dict[s
         return None
     values = list(bound.values())
     out, tensor, group = values[0], values[1], bound.get("group")
-    if not (_fits(points, tensor, group) and _fits(points, out, group)) or out.dtype != tensor.dtype \
-            or not out.is_contiguous():
+    if not (_dense(tensor) and _dense(out)) or out.dtype != tensor.dtype or not out.is_contiguous() \
+            or not _every_rank(points, group):
         return None
     reduction = None
     if FUNCTIONS[name]:
         reduction = _reduction(bound.get("op"))
         if reduction is None or tensor.numel() != points.world * out.numel():
             return None
-        combine(points, "reduce_scatter_tensor", tensor.reshape(points.world, -1), reduction, point, out=out)
+        combine(points, "reduce_scatter_tensor", tensor, reduction, point, out=out)
     else:
         if out.numel() != points.world * tensor.numel():
             return None
-        combine(points, "all_gather_into_tensor", tensor.reshape(1, -1), None, point, out=out)
+        combine(points, "all_gather_into_tensor", tensor, None, point, out=out)
     if not bound.get("async_op"):
         return (None,)
     done: torch.futures.Future = torch.futures.Future()

@@ -53,7 +53,7 @@ from __future__ import annotations
 import inspect
 import sys
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -103,7 +103,7 @@ class _Pointing:
 
     __slots__ = ("packet", "autograd", "name")
 
-    def __init__(self, packet: Any, autograd: bool, name: str = "") -> None:
+    def __init__(self, packet: Any, autograd: bool, name: str) -> None:
         self.packet = packet
         self.autograd = autograd
         self.name = name
@@ -152,19 +152,16 @@ class _Sharing:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         step = _pointing()
-        if step is not None:
-            host = step.host()
-            if host is not None:
-                try:
-                    bound = self.signature.bind(*args, **kwargs)
-                except TypeError:
-                    bound = None
-                if bound is not None:
-                    bound.apply_defaults()
-                    done = function_through_host(host, self.name, dict(bound.arguments), step.point)
-                    if done is not None:
-                        return done[0]
-        return self.function(*args, **kwargs)
+        host = step.host() if step is not None else None
+        if host is None:
+            return self.function(*args, **kwargs)
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError:  # the function's own error, from the function
+            return self.function(*args, **kwargs)
+        bound.apply_defaults()
+        done = function_through_host(host, self.name, dict(bound.arguments), cast(Lockstep, step).point)
+        return self.function(*args, **kwargs) if done is None else done[0]
 
 
 def _open(step: "Lockstep", operators: bool = True) -> None:
@@ -258,7 +255,7 @@ class Lockstep:
         self._handles: List[Any] = []
         self._queued = False  # the end-of-backward point is queued for the backward running now
         self._plain: Dict[int, Tuple[Any, Any]] = {}
-        self._wraps = False  # its region makes points before functional collectives
+        self._wraps = False  # its region wraps the collectives (opened by __enter__, closed by __exit__)
         self._engine: Optional[nn.Module] = None  # DeepSpeed's engine around a ZeRO-3 model
 
     def _agree(self, ok: bool, value: Optional[int] = None) -> Tuple[bool, Optional[int]]:
