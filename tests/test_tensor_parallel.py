@@ -17,6 +17,8 @@ processes runs every scenario in turn under a hard timeout; each rank writes wha
 - ``vocab``: the TP attention block under GPT-2's 50,257-token head, at batch 4 x 16: a forward to the loss holds
   far more than the captures' share of the room, so a check's forwards that run to the logits run on the batch's
   first sample, the same on both ranks; the correct model gives no alert and trains bit-identically, the wrong softmax is alerted.
+- ``dropout``: the TP transformer with dropout on its embedding: the replay draws training's masks, so its forward is
+  not the capture's (which runs its own, dropout off); no alert, training bit-identical.
 - ``lockstep``: the TP transformer; one rank's check raises before the model, midway in its forward, after
   it, in a custom backward of the replay, or stalls: an error record naming that rank on both ranks, the run
   goes on and ends normally, and training is bit-identical to a run without the watch on every rank.
@@ -37,7 +39,7 @@ pytest.importorskip("torch.distributed.tensor.parallel")
 RUN_TIMEOUT = 240.0
 SHAPES = ("mlp", "attn", "sp", "2d21", "2d12")
 # ckpt first: its room, from the process peak, is its own
-SCENARIOS = ("ckpt", "ckpt2d21") + SHAPES + ("gathers", "lockstep", "terms", "vocab")
+SCENARIOS = ("ckpt", "ckpt2d21") + SHAPES + ("dropout", "gathers", "lockstep", "terms", "vocab")
 
 WORKER = textwrap.dedent(
     r'''
@@ -135,12 +137,13 @@ WORKER = textwrap.dedent(
 
 
     class LM(nn.Module):
-        def __init__(self, wrong, vocab=40, d=16):
+        def __init__(self, wrong, vocab=40, d=16, dropout=0.0):
             super().__init__()
             self.emb, self.block, self.ln, self.head = nn.Embedding(vocab, d), Block(d, wrong), nn.LayerNorm(d), nn.Linear(d, vocab)
+            self.drop = nn.Dropout(dropout)
 
         def forward(self, ids):
-            return self.head(self.ln(self.block(self.emb(ids))))
+            return self.head(self.ln(self.block(self.drop(self.emb(ids)))))
 
 
     class LM2(nn.Module):  # two blocks: what the replay may checkpoint
@@ -207,7 +210,8 @@ WORKER = textwrap.dedent(
             mesh = mesh2["tp"]
         else:
             mesh = init_device_mesh("cpu", (2,))
-        net = (SPLM if shape == "sp" else LM)(wrong, **({"vocab": VOCAB} if shape == "vocab" else {}))
+        extra = {"vocab": VOCAB} if shape == "vocab" else {"dropout": 0.1} if shape == "dropout" else {}
+        net = (SPLM if shape == "sp" else LM)(wrong, **extra)
         parallelize_module(net.block, mesh, SP if shape == "sp" else TP)
         if shape == "sp":  # the final norm on the sequence shards, the head gathering them
             parallelize_module(net, mesh, {"ln": SequenceParallel(),
@@ -258,7 +262,7 @@ WORKER = textwrap.dedent(
                 faults["checking"] = False
                 if report is not None:
                     checks.append({"step": step, "ok": report.ok, "notes": report.notes, "k": report.steps_to_full,
-                                   "pieces": list(report.pieces)})
+                                   "pieces": list(report.pieces), "calls": faults["calls"]})
             opt.step()
         params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                   for n, p in net.named_parameters()}
@@ -300,6 +304,10 @@ WORKER = textwrap.dedent(
             watched, res = train(scenario, 4, dict(every=1, log_dir=None))
             res["bit_identical"] = same(plain, watched) and base["losses"] == res["losses"]
             _, res["wrong"] = train(scenario, 2, dict(every=1, log_dir=None), wrong=True)
+        elif scenario == "dropout":  # the replay draws training's masks: the capture runs a forward of its own
+            plain, base = train(scenario, 4)
+            watched, res = train(scenario, 4, dict(every=1, log_dir=None))
+            res["bit_identical"] = same(plain, watched) and base["losses"] == res["losses"]
         elif scenario == "gathers":
             plain, base = train("mlp-gathers", 3)
             watched, res = train("mlp-gathers", 3, dict(every=1, log_dir=None))
@@ -319,7 +327,7 @@ WORKER = textwrap.dedent(
             res["bit_identical"] = same(plain, watched) and base["losses"] == res["losses"]
         elif scenario == "lockstep":
             plain, base = train("attn", 7)
-            faults["at"] = {(1, 1): (1, "before"), (0, 2): (1, "mid"), (1, 3): (2, "after"), (1, 4): (1, "stall"),
+            faults["at"] = {(1, 1): (1, "before"), (0, 2): (1, "mid"), (1, 3): (1, "after"), (1, 4): (1, "stall"),
                             (0, 5): (1, "backward")}
             watched, res = train("attn", 7, dict(every=1, log_dir=None))
             faults["at"] = {}
@@ -388,6 +396,18 @@ def test_planted_backward_errors_named_by_module(ranks, shape):
                    for n in named), named
 
 
+def test_the_replay_is_the_capture_unless_it_draws_random_numbers(ranks):
+    """The replay's forward is the capture's (one call of loss_fn less a check); with dropout on it draws training's
+    masks, so the capture runs a forward of its own: one call more, on both ranks alike, and still no alert."""
+    for r in ranks:
+        plain = [c["calls"] for c in r["attn"]["checks"]]
+        drawn = [c["calls"] for c in r["dropout"]["checks"]]
+        assert drawn[1:] == [n + 1 for n in plain[1:]], (plain, drawn)
+        res = r["dropout"]
+        assert res["alerts"] == [] and res["bit_identical"] and all(c["ok"] for c in res["checks"])
+        assert all(c["backward"] > 0 and c["training"] > 0 for c in res["coverage"].values()), res["coverage"]
+
+
 def test_sequence_parallel_partial_gradients_are_judged_reduced(ranks):
     for r in ranks:
         assert r["sp"]["partial"] == ["P(sum)"]  # str() of Partial(sum)
@@ -417,8 +437,8 @@ def test_a_rank_failing_inside_a_tp_check_stops_every_rank_at_the_same_point(ran
         assert "rank 1: ValueError: the loss could not be computed on rank 1" in errors[2]["message"]
         assert "rank 0: RuntimeError: the custom backward failed on rank 0" in errors[3]["message"]
         assert not any("rank 0" in a["message"] for a in (errors[0], errors[2]))  # the stopped rank adds nothing
-        # checks go on after each failed one; at step 3 rank 1 raised after the capture's forward: the agreement
-        # point after each capture (whether another forward is needed on any rank) stops rank 0 there too
+        # checks go on after each failed one; at step 3 rank 1 raised after the model in the replay's forward, which
+        # is the capture's too: the point before the replay's backward stops rank 0 there
         assert [c["step"] for c in res["checks"]] == [0, 4, 6]
         assert all(c["ok"] for c in res["checks"])
         assert any(n.startswith("rank 1 ran slow in this check") for n in res["checks"][1]["notes"])

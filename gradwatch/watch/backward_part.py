@@ -25,7 +25,7 @@ from gradwatch.check import model as model_check
 from gradwatch.check.judging.report import CheckReport
 from gradwatch.check.modules import module_form
 from gradwatch.check.modules.batch_cut import forward_transient, positions
-from gradwatch.check.modules.capture import capture
+from gradwatch.check.modules.capture import Forward, capture
 from gradwatch.check.modules.localize import name_straight_through
 from gradwatch.plan.memory import SAFETY, gradient_bytes, release_freed
 from gradwatch.watch.check_plan import CheckPlanner
@@ -64,9 +64,11 @@ class BackwardPart(TrendAlerting):
     def enabled(self) -> bool:
         return True
 
-    def run(self, check: CheckContext) -> Optional[CheckReport]:
+    def run(self, check: CheckContext, fused: Optional[Forward] = None) -> Optional[CheckReport]:
         """The check's report on ``check.names`` (None when this rank has none); the training part's verdicts
-        are added to it by the caller. Its memory summary is set where this process decided the plan."""
+        are added to it by the caller. Its memory summary is set where this process decided the plan. With
+        ``fused`` (shard by shard, :mod:`gradwatch.watch.replay_capture`), the training part's replay is the
+        first capture's forward."""
         if not check.names:
             return None
         estimate: Optional[int] = None
@@ -75,7 +77,7 @@ class BackwardPart(TrendAlerting):
             if form == "objective":
                 report = self._objective(check)
             else:
-                report = self._modules(check)
+                report = self._modules(check, fused)
                 estimate = report.memory.get("estimate_bytes")
             if why:
                 report.notes.append(why)
@@ -101,7 +103,7 @@ class BackwardPart(TrendAlerting):
             self._straight_through_named = name_straight_through(report, target, ctx.objective.loss, batch, opts)
         return report
 
-    def _modules(self, check: CheckContext) -> CheckReport:
+    def _modules(self, check: CheckContext, fused: Optional[Forward] = None) -> CheckReport:
         """Unit by unit: this check's pieces (this rank's share under DDP; shard by shard under FSDP2)."""
         ctx, target, batch, opts, room = self.watch, check.target, check.batch, check.opts, check.room
         self.planner.drop_shadow()
@@ -131,7 +133,7 @@ class BackwardPart(TrendAlerting):
             # through the module: a spy on module_form.run_module_check sees every check
             report = module_form.run_module_check(
                 target, ctx.objective, batch, opts, units=units, pieces=pieces, room=piece_room, view=view,
-                screen=True, early=early, everyone=everyone,
+                screen=True, early=early, everyone=everyone, replay=fused,
                 forward_bytes=forward_transient(self.output_per_position, batch) if view is not None else 0)
             # for the next check's forwards, not for the records
             self.output_per_position = report.memory.pop("output_per_position", 0.0) or self.output_per_position

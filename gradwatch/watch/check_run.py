@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 from gradwatch.check.judging.report import CheckReport
 from gradwatch.check.objective.rng import preserved_rng
@@ -36,6 +36,7 @@ from gradwatch.watch.distributed import RankResult, merge_results
 from gradwatch.watch.independence import IndependencePart
 from gradwatch.watch.inner_part import InnerPart
 from gradwatch.watch.lockstep import Lockstep
+from gradwatch.watch.replay_capture import Hooks, ReplayCapture, fusable
 from gradwatch.watch.schedule import Schedule
 from gradwatch.watch.sharded import live_forward_forbidden
 from gradwatch.watch.step_objective import StepObjective
@@ -97,6 +98,8 @@ class CheckRunner:
         self.notes = notes
         #: A check is running (a step() from inside it, the objective stepping an optimizer, is ignored).
         self.running = False
+        #: Shard by shard: the replay is tried as the capture's forward (until a replay's forward was not faithful).
+        self._fuse = True
 
     @property
     def memory(self) -> MemoryMeter:
@@ -192,35 +195,54 @@ class CheckRunner:
 
     def _run_parts(self, check: CheckContext) -> None:
         """The training part's replay (judged first in one process, its replayed gradients freed before the
-        backward part allocates; else kept in ``check.replay`` for the ranks to average), then the backward part."""
+        backward part allocates; else kept in ``check.replay`` for the ranks to average), then the backward part.
+        Shard by shard through DTensors, where the replay's forward computes the capture's, the replay is the backward
+        part's capture forward (:mod:`gradwatch.watch.replay_capture`; agreed by every rank)."""
         ctx = self.watch
-        self.training.run(check)  # its replay is in check.replay only: dropped below, its gradients are freed
-        judged: Optional[CheckReport] = None
-        objective: Optional[float] = None
-        if check.judge:
-            judged = CheckReport(tensors={})
-            self.training.judge(judged, check.replay)
-            objective = getattr(check.replay, "objective", None)
-            check.replay = None
-            if check.room is not None or ctx.by_shard:
-                # the replay's activations and gradients, before the backward part allocates and measures (the whole
-                # objective's batches are sized to training's activations: what the process holds now is taken off)
-                release_freed()
+        judged: List[CheckReport] = []
+        objective: List[Optional[float]] = [None]
+
+        def replay(hooks: Optional[Hooks] = None) -> Tuple[Optional[float], bool]:
+            faithful: List[bool] = []
+            self.training.run(check, hooks, faithful)  # its replay is in check.replay only: dropped below, freed
+            if hooks is not None and ctx.recorder is not None:
+                ctx.recorder.paused = True  # the backward part's evaluations go on: not training forwards
+            if check.judge:
+                judged.append(CheckReport(tensors={}))
+                self.training.judge(judged[0], check.replay)
+                objective[0] = getattr(check.replay, "objective", None)
+                check.replay = None
+                if check.room is not None or ctx.by_shard:
+                    # the replay's activations and gradients, before the backward part allocates and measures (the
+                    # whole objective's batches are sized to training's activations: what the process holds now is
+                    # taken off)
+                    release_freed()
+            return objective[0], bool(faithful) and faithful[0]
+
+        fused: Optional[ReplayCapture] = None
+        if ctx.lockstep is not None and ctx.by_shard and not ctx.zero:  # a point on every rank, whatever each says
+            lockstep = ctx.lockstep
+            if lockstep.point(1 if self._fuse and fusable(ctx, check) else 0) == 1:  # every rank's check can
+                fused = ReplayCapture(replay, lockstep.point)
+        if fused is None:
+            replay()
         if ctx.by_shard and check.room is not None:
             # What the replay left held counts against the room (measured again now); every rank plans the same
             # pieces with the smallest room (an agreement point: a rank that raised above stops the others here).
             check.room = self.memory.room()
             if ctx.lockstep is not None:
                 check.room = ctx.lockstep.point(check.room)
-        report = check.report = self.backward.run(check)
-        if report is not None and report.objective != report.objective and objective is not None:
+        report = check.report = self.backward.run(check, fused)
+        if fused is not None and not fused.usable:
+            self._fuse = False  # its forward drew random numbers or ran autocast (alike on every rank): not again
+        if report is not None and report.objective != report.objective and objective[0] is not None:
             # the module form's capture stopped before the loss (one process): the replay's is the step's objective
-            report.objective, report.terms = objective, {"loss": objective}
-            report.nonfinite = report.nonfinite or not math.isfinite(objective)
-        if report is not None and judged is not None:
-            report.training, report.training_note = judged.training, judged.training_note
-            report.training_rows, report.training_items = judged.training_rows, judged.training_items
-            report.training_window = judged.training_window
+            report.objective, report.terms = objective[0], {"loss": objective[0]}
+            report.nonfinite = report.nonfinite or not math.isfinite(objective[0])
+        if report is not None and judged:
+            report.training, report.training_note = judged[0].training, judged[0].training_note
+            report.training_rows, report.training_items = judged[0].training_rows, judged[0].training_items
+            report.training_window = judged[0].training_window
 
     def completed(self, step: int, report: CheckReport) -> List[Alert]:
         """A check that has a report: notes, counters and coverage, then its trends' alerts and the parts' own."""

@@ -39,6 +39,7 @@ from gradwatch.check.replay.window import PartialWindow
 from gradwatch.plan.memory import SAFETY, gradient_bytes, mb, peak_bytes, release_freed
 from gradwatch.watch.accumulation import AccumulationWindow
 from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
+from gradwatch.watch.replay_capture import Hooks, capturing
 from gradwatch.watch.shard_check import backward_on_shards, is_partial, local, settled_pairs
 from gradwatch.watch.sharded import is_dtensor
 from gradwatch.watch.step_objective import StepObjective, StepPlan
@@ -137,9 +138,12 @@ class TrainingPart(TrendAlerting):
     def enabled(self) -> bool:
         return self.watch.recorder is not None
 
-    def run(self, check: CheckContext) -> Optional[Replay]:
+    def run(self, check: CheckContext, hooks: Optional[Hooks] = None, faithful: Optional[List[bool]] = None
+            ) -> Optional[Replay]:
         """The check's replay (None when the part is off); judged into a new report with ``check.judge``,
-        else kept in ``check.replay`` for the ranks to average."""
+        else kept in ``check.replay`` for the ranks to average. With ``hooks`` (the backward part's capture,
+        :mod:`gradwatch.watch.replay_capture`), its forward runs them, and ``faithful`` gets whether that forward
+        computed the isolated forward's values."""
         ctx = self.watch
         if ctx.by_shard:
             release_freed()  # what training's backward freed: the replay's own backward allocates on top of it
@@ -155,9 +159,11 @@ class TrainingPart(TrendAlerting):
                 room //= 2  # ZeRO 1 and 2: the judge reads ZeRO's whole gradients beside the replayed ones
         dtensor = ctx.by_shard and not ctx.zero
         sizing = None if not dtensor or check.room is None else max(0, check.room - self.overshoot)
+        if sizing is not None and hooks is not None:
+            sizing = max(0, sizing - cast(int, check.room) // 3)  # the capture's copies (a third of the room) held beside it
         before = None if sizing is None else peak_bytes(ctx.memory.device)
         replay = self.replay(check.pending, check.target, room, only=None if check.plan is None else check.plan[1],
-                             seed=check.opts.seed, checkpoint_room=sizing)
+                             seed=check.opts.seed, checkpoint_room=sizing, hooks=hooks, faithful=faithful)
         if before is not None:
             self._learn_overshoot(before)
         check.replay = replay
@@ -278,7 +284,8 @@ class TrainingPart(TrendAlerting):
     # ------------------------------------------------------------------ the replay
     def replay(self, pending: Optional[Step], model: Optional[nn.Module] = None,
                room: Optional[int] = None, only: Optional[Sequence[str]] = None, seed: int = 0,
-               checkpoint_room: Optional[int] = None) -> Optional[Replay]:
+               checkpoint_room: Optional[int] = None, hooks: Optional[Hooks] = None,
+               faithful: Optional[List[bool]] = None) -> Optional[Replay]:
         """The objective's gradient recomputed as training computed it (None when the part is off).
 
         ``model`` is the module the replay runs (default: the model; a sharded model's gathered replica,
@@ -360,6 +367,8 @@ class TrainingPart(TrendAlerting):
         blocks = self._blocks_to_checkpoint(model, params, sizing, len(pending.micro)) if live and sizing is not None else 0
         if blocks:
             total = checkpointing(root, total, blocks)
+        if hooks is not None:  # the backward part's capture rides on the replay's forward
+            total = capturing(total, model, hooks[0], hooks[1], faithful if faithful is not None else [])
         with rowgrads if rowgrads is not None else contextlib.nullcontext(), ctx.wrapping.fabric_backward():
             replay = replay_step(root, ctx.recorder, pending, total, grad_of, params,
                                  loss_tolerance=10 * tolerance_for(worst), context=self.replay_context,

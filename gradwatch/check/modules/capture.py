@@ -68,6 +68,10 @@ class Captured:
 #: A captured floating tensor holding a value this large is an additive mask, not a differentiable input.
 MASK = 1e30
 
+#: A forward run for a capture: ``forward(pre, post)`` with the forward pre-hooks and forward hooks (module name ->
+#: hook) attached; returns the loss (None where it stopped early).
+Forward = Callable[[Dict[str, Callable[..., Any]], Dict[str, Callable[..., Any]]], Optional[float]]
+
 
 def live_bytes(obj: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensor_leaves(obj) if t.is_floating_point())
@@ -92,7 +96,8 @@ def linear_output_bytes(module: nn.Module, args: Any) -> int:
 
 def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], seed: int,
             budget: Optional[int] = None, everyone: Sequence[Unit] = (),
-            agree: Optional[Callable[[], Any]] = None, alone: bool = False, early: bool = False) -> Captured:
+            agree: Optional[Callable[[], Any]] = None, alone: bool = False, early: bool = False,
+            forward: Optional[Forward] = None) -> Captured:
     """The chosen units' inputs at their first call in one forward of the live model, and for own-code
     units the outputs of the modules their first call called (detached copies in the live dtype).
 
@@ -110,6 +115,10 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
     (and those the called module returns), whether it keeps them or not, so every rank makes the same collectives
     (the :mod:`gradwatch.watch.lockstep` region around the check makes an agreement point before each). ``agree``
     (such a point) tells the capture it runs on several ranks: it never stops early.
+
+    ``forward(pre, post)`` runs the forward instead (the training part's replay, its forward's values those of the
+    isolated forward: :class:`gradwatch.watch.replay_capture.ReplayCapture`), the hooks (module name -> hook) attached
+    for it; it returns the loss. It runs whole: ``early`` is then ignored.
     """
     got = Captured()
     whole_of: Dict[int, torch.Tensor] = {}  # id(DTensor) -> its gathered whole, during one hook
@@ -143,6 +152,7 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
     # (``everyone``), once every unit of ``everyone`` has made its first call: a point of the forward that is the
     # same on every rank, whatever each rank captured, so every rank stops there, its collectives made alike.
     shared = {u.name: u for u in everyone}
+    early = early and forward is None
     if shared:
         early = early and LOSS_FN not in shared
     else:
@@ -257,17 +267,19 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
                 seen.add(name)
             # (under a Lockstep region each gather's collective is preceded by an agreement point of its own)
             dtensors = [t for t in tensor_leaves((args, extra) if pre else extra) if is_dtensor(t)] if gather else []
-            if dtensors:
-                whole_of.update((id(t), whole(t)) for t in dtensors)
-            try:
-                if hook is not None:
-                    hook(module, args, extra)
-            finally:
-                whole_of.clear()
+            with torch.no_grad():  # a replay's forward (``forward``) records its graph: not the copies'
+                if dtensors:
+                    whole_of.update((id(t), whole(t)) for t in dtensors)
+                try:
+                    if hook is not None:
+                        hook(module, args, extra)
+                finally:
+                    whole_of.clear()
 
         return both
 
     pre = {n: gathering(n, enter(n) if n in hooked else None, True) for n in named if n in hooked | gather_in}
     post = {n: gathering(n, leave(n) if n in hooked else None, False) for n in named if n in hooked | gather_out | {""}}
-    got.loss = isolated_forward(model, loss_fn, batch, seed, pre=pre, post=post)
+    got.loss = isolated_forward(model, loss_fn, batch, seed, pre=pre, post=post) if forward is None \
+        else forward(pre, post)
     return got

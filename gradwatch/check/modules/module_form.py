@@ -53,7 +53,7 @@ from torch import nn
 
 from gradwatch.check.judging.report import OVER_ROOM, CheckReport, worse
 from gradwatch.check.modules.batch_cut import batch_dims, cuts_to_try, first_of_capture, forward_cut, positions, sub_batch
-from gradwatch.check.modules.capture import Captured, capture, live_bytes
+from gradwatch.check.modules.capture import Captured, Forward, capture, live_bytes
 from gradwatch.check.modules.localize import ModuleCheck, check_module
 from gradwatch.check.modules.own_code import LossCode, ModelStub, OwnCode, RowsInPlace, embedding_rows_copy, own_code_copy, rows_copy
 from gradwatch.check.modules.row_groups import NO_TOKEN, check_group, chunks, first_ids, groupable, grouped, param_of, positions_kept
@@ -144,6 +144,7 @@ def run_module_check(
     early: bool = False,
     everyone: Optional[Sequence[str]] = None,
     forward_bytes: int = 0,
+    replay: Optional[Forward] = None,
 ) -> CheckReport:
     """The module form of the backward part (see the module docstring).
 
@@ -173,6 +174,11 @@ def run_module_check(
             the room (a third) and this check's forwards run to the model's output (not ``early``, or the root's or
             ``loss_fn``'s own code in ``everyone``), they run on the batch's first samples, as many as fit, the same
             count on every rank (an agreement point): its pieces are then cut from those.
+        replay: The first capture's forward (:data:`~gradwatch.check.modules.capture.Forward`): the training part's
+            replay of the step, run with the capture's hooks (where the batch is cut, without them, before the
+            capture). Its ``usable`` attribute, set by the call, says whether the replay's forward computed what the
+            isolated forward would (no random draw, no autocast), alike on every rank; where it did not, the capture
+            runs again on an isolated forward.
 
     Returns:
         A :class:`CheckReport` with ``form == "module"``: parameters under their names, a unit's input
@@ -226,10 +232,18 @@ def run_module_check(
     if budget is not None and agree is not None and to_the_end:  # alike on every rank: room, plan, engine and view
         part = forward_cut(batch, forward_bytes, budget, agree, report)
     per_position = 0.0  # bytes of the model's output per position of the batch, as a forward to its end saw them
+    first = replay
+    if first is not None and part is not batch:  # the batch cut (alike on every rank): the replay runs on its own
+        first({}, {})
+        first = None
     while remaining or once:
         once = False
         got = capture(model, objective.loss, part, remaining, opts.seed, budget=budget,
-                      everyone=shared, agree=agree, alone=view is not None, early=early)
+                      everyone=shared, agree=agree, alone=view is not None, early=early, forward=first)
+        if first is not None and not getattr(first, "usable", False):  # the replay's forward was not the isolated one's
+            got = capture(model, objective.loss, part, remaining, opts.seed, budget=budget,
+                          everyone=shared, agree=agree, alone=view is not None, early=early)
+        first = None
         per_position = per_position or got.model_bytes / positions(part)
         if report.objective != report.objective and got.loss is not None and part is batch:  # the first forward's loss
             report.objective = got.loss

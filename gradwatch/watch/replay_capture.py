@@ -1,0 +1,141 @@
+"""The training part's replay run as the backward part's capture: one forward of a sharded model a check, not two.
+
+Shard by shard under tensor and sequence parallel and 2-D meshes, a check ran the model twice: the training part's
+replay of the step (a forward and backward of the sharded model, as training ran it), then the backward part's
+capture (a forward without grad that copies the chosen units' inputs, every DTensor gathered). On 2 CPU ranks a
+forward of the sharded model costs more than the same forward in one process (DTensor's dispatch, the collectives), so
+where the replay's forward computes what the capture's would, the capture's hooks ride on it
+(:class:`ReplayCapture`) and the second forward is not run.
+
+The two forwards compute the same values where nothing random runs and nothing is autocast: the replay runs the step
+as training did (its dropout masks, its autocast), the capture an isolated forward (dropout off, reseeded, no
+autocast). Both suspend the hooks your code registered and hold ``spectral_norm``'s power iteration. So the replay's
+forward is used when it drew no random number (every generator of torch's as before it) and ran with autocast off,
+on every rank (an agreement point); otherwise the capture runs its own forward, as before, and the watch stops trying
+(a model that draws once draws at every step).
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
+    >>> seen = []
+    >>> total = capturing(lambda m, b: m(b).sum(), model, {"0": lambda m, a, k: seen.append(a[0].shape)}, {}, [])
+    >>> float(total(model, torch.ones(3, 2))) == float(model(torch.ones(3, 2)).sum()), seen
+    (True, [torch.Size([3, 2])])
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from gradwatch.watch.context import CheckContext, WatchContext
+
+#: The capture's hooks: forward pre-hooks (with kwargs) and forward hooks, by module name.
+Hooks = Tuple[Dict[str, Callable[..., Any]], Dict[str, Callable[..., Any]]]
+
+
+def _states() -> List[torch.Tensor]:
+    """Torch's default generators' states (the CPU one, and CUDA's where CUDA is initialized)."""
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.extend(torch.cuda.get_rng_state_all())
+    return states
+
+
+def _autocast() -> bool:
+    """Whether autocast is on here (CPU or CUDA)."""
+    for device in ("cpu", "cuda"):
+        try:
+            if torch.is_autocast_enabled(device):
+                return True
+        except (TypeError, RuntimeError):  # torch before 2.4: no device argument
+            return bool(torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled())
+    return False
+
+
+def capturing(total: Callable[[nn.Module, Any], Any], model: nn.Module, pre: Dict[str, Callable[..., Any]],
+              post: Dict[str, Callable[..., Any]], faithful: List[bool]) -> Callable[[nn.Module, Any], Any]:
+    """``total`` with the capture's hooks on ``model``'s modules during its first call only (a checkpointed block's
+    recomputation in the backward, a second micro-batch, run without them); ``faithful`` gets one entry for that
+    call: whether it called ``model``, drew no random number from torch's generators from that call on (the replay
+    sets training's states as the model's forward begins, and checks the model's inputs are training's) and ran with
+    autocast off: its values the isolated forward's."""
+
+    def run(module: nn.Module, batch: Any) -> Any:
+        if faithful:
+            return total(module, batch)
+        named = dict(model.named_modules())
+        before: List[List[torch.Tensor]] = []
+        still = not _autocast()
+
+        def start(module: nn.Module, args: Any) -> None:  # after the replay's probe set training's generator states
+            if not before:
+                before.append(_states())
+
+        setattr(start, "_gradwatch_hook", True)  # noqa: B010 - gradwatch's own
+        handles = [model.register_forward_pre_hook(start)]
+        try:
+            for name, hook in pre.items():
+                handles.append(named[name].register_forward_pre_hook(hook, with_kwargs=True))
+            for name, hook in post.items():
+                handles.append(named[name].register_forward_hook(hook, always_call=True))
+            out = total(module, batch)
+        finally:
+            for h in handles:
+                h.remove()
+            after = _states()
+            faithful.append(still and bool(before) and len(after) == len(before[0])
+                            and all(torch.equal(a, b) for a, b in zip(before[0], after)))
+        return out
+
+    return run
+
+
+class ReplayCapture:
+    """The first capture's forward (:data:`gradwatch.check.modules.capture.Forward`): the training part's replay
+    with the capture's hooks (see the module docstring).
+
+    Args:
+        replay: Runs the training part's replay (and judges it) with the hooks given, or without hooks for None;
+            returns the step's objective (None where the replay did not run) and whether its forward was faithful.
+        agree: An agreement point taking a value and returning the ranks' smallest
+            (:meth:`gradwatch.watch.lockstep.Lockstep.point`).
+
+    Attributes:
+        usable: After the call: every rank's replay forward computed the isolated forward's values.
+
+    Example:
+        >>> fused = ReplayCapture(lambda hooks: (1.5, True), lambda value: value)
+        >>> fused({}, {}), fused.usable
+        (1.5, True)
+    """
+
+    def __init__(self, replay: Callable[[Optional[Hooks]], Tuple[Optional[float], bool]],
+                 agree: Callable[[int], Any]) -> None:
+        self.replay = replay
+        self.agree = agree
+        self.usable = False
+
+    def __call__(self, pre: Dict[str, Callable[..., Any]], post: Dict[str, Callable[..., Any]]) -> Optional[float]:
+        objective, faithful = self.replay((pre, post))
+        self.usable = self.agree(1 if faithful else 0) == 1
+        return objective
+
+
+def fusable(watch: WatchContext, check: CheckContext) -> bool:
+    """Whether this rank's check can run its replay as its capture (a point then agrees on it): shard by shard
+    through DTensors (not ZeRO), the training part on, one micro-batch (the check's) replayed on the model training
+    calls, the backward part's units known (``loss_fn`` known not to differentiate inside), no ``grad_fn``, no
+    regularizer (one that runs the model would add its calls to ``loss_fn``'s)."""
+    pending = check.pending
+    return (watch.by_shard and not watch.zero and watch.lockstep is not None and watch.recorder is not None
+            and check.judge and bool(check.names) and check.target is watch.model and not watch.objective.regularizers
+            and pending is not None and len(pending.micro) == 1 and pending.micro[0].batch is check.batch
+            and watch.wrapping.entry is watch.model and watch.grad_fn is None
+            and watch.objective.differentiates is False)
+
+
+__all__ = ["Hooks", "ReplayCapture", "capturing", "fusable"]
