@@ -46,9 +46,20 @@ def test_without_costs_the_whole_pieces_go_round_robin():
 
 
 def test_a_unit_never_measured_costs_what_the_measured_ones_typically_do():
-    assert piece_cost(COSTS, "blocks.1.attn", None) == 0.098  # the median whole piece
+    assert piece_cost(COSTS, "final_ln", None) == 0.098  # the median whole piece
     assert abs(piece_cost(COSTS, "blocks.1.fc2", 100) - 100 * 0.11 / 512) < 1e-12  # the median per row
     assert piece_cost({}, "x", None) == 1.0
+
+
+def test_a_unit_never_measured_costs_what_the_same_unit_of_another_block_did():
+    """A transformer's blocks repeat: a unit of block 1 not measured yet costs what block 2's measured, not the
+    median of every unit (an attention's own code is several LayerNorms' worth)."""
+    assert piece_cost(COSTS, "blocks.1.attn", None) == 0.129
+    assert piece_cost(COSTS, "blocks.1", None) == 0.098  # a block's own code: block 3's
+    assert abs(piece_cost(COSTS, "blocks.3.fc1", 100) - 100 * 0.11 / 512) < 1e-12  # per row, block 0's fc1
+    two = {"blocks.0.attn": (0.1, 0), "blocks.2.attn": (0.3, 0), "blocks.1.ln": (0.01, 0)}
+    assert abs(piece_cost(two, "blocks.1.attn", None) - 0.2) < 1e-12  # the mean of the blocks measured
+    assert piece_cost({"blocks.0.attn": (0.1, 0)}, "blocks.1.attn.q", 10) == 1.0  # none alike, none by rows
 
 
 def test_loss_fn_and_the_roots_own_code_go_to_different_ranks_whatever_they_cost():

@@ -65,23 +65,43 @@ class Holding(NamedTuple):
 Costs = Mapping[str, Tuple[float, int]]
 
 
-def piece_cost(costs: Costs, unit: str, rows: Optional[int]) -> float:
-    """Seconds a piece of ``unit`` is likely to take: its last measured time, per row for ``rows`` rows of a unit
-    measured by rows (a piece checked whole: the whole time); for a unit never measured, the median of the measured
-    ones (per row for ``rows``), 1.0 a piece where none is; none for no rows.
+def repeated(unit: str) -> str:
+    """``unit``'s name with its indices in a module list starred: the units of repeated blocks share it.
 
     Example:
-        >>> costs = {"fc": (0.4, 200), "attn": (0.3, 0)}
+        >>> repeated("blocks.3.attn.q"), repeated("layers.10"), repeated("head")
+        ('blocks.*.attn.q', 'layers.*', 'head')
+    """
+    return ".".join("*" if part.isdigit() else part for part in unit.split("."))
+
+
+def piece_cost(costs: Costs, unit: str, rows: Optional[int]) -> float:
+    """Seconds a piece of ``unit`` is likely to take: its last measured time, per row for ``rows`` rows of a unit
+    measured by rows (a piece checked whole: the whole time); for a unit never measured, the mean of the measured
+    units of the same name in other repeated blocks (:func:`repeated`: ``blocks.1.fc1`` for ``blocks.2.fc1``), else
+    the median of the measured ones (per row for ``rows``), 1.0 a piece where none is; none for no rows.
+
+    Example:
+        >>> costs = {"fc": (0.4, 200), "attn": (0.3, 0), "blocks.0.ln": (0.02, 0)}
         >>> piece_cost(costs, "fc", 50), piece_cost(costs, "attn", None), piece_cost(costs, "ln", None)
         (0.1, 0.3, 0.3)
         >>> piece_cost(costs, "fc2", 100)  # never measured: fc's per row
         0.2
+        >>> piece_cost(costs, "blocks.1.ln", None)  # another block's
+        0.02
     """
     if rows == 0:
         return 0.0
     if unit in costs:
         seconds, measured = costs[unit]
         return seconds * rows / measured if rows is not None and measured else seconds
+    key = repeated(unit)
+    if key != unit:
+        alike = [(s, r) for u, (s, r) in costs.items() if repeated(u) == key and (rows is None) == (not r)]
+        if alike:
+            if rows is None:
+                return sum(s for s, _ in alike) / len(alike)
+            return sum(s / r for s, r in alike) / len(alike) * rows
     if rows is None:
         typical = [s for s, r in costs.values() if not r]
         return median_high(typical) if typical else 1.0

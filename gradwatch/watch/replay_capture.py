@@ -10,9 +10,12 @@ where the replay's forward computes what the capture's would, the capture's hook
 The two forwards compute the same values where nothing random runs and nothing is autocast: the replay runs the step
 as training did (its dropout masks, its autocast), the capture an isolated forward (dropout off, reseeded, no
 autocast). Both suspend the hooks your code registered and hold ``spectral_norm``'s power iteration. So the replay's
-forward is used when it drew no random number (every generator of torch's as before it) and ran with autocast off,
-on every rank (an agreement point); otherwise the capture runs its own forward, as before, and the watch stops trying
-(a model that draws once draws at every step).
+forward is used when, from the model's call on, it drew no random number (torch's generators as the replay set them
+there) and ran with autocast off, on every rank (an agreement point); otherwise the capture runs its own forward, as
+before, and the watch stops trying (a model that draws once draws at every step). Only the first call of ``loss_fn``
+runs the hooks, and only where the step is one micro-batch, the check's batch, with no regularizer and no
+``grad_fn``; the capture's copies are held through the replay's backward, so under a room the replay checkpoints
+for a third of the room less (the captures' share).
 
 Example:
     >>> import torch

@@ -316,7 +316,7 @@ def _run_group(opts: CheckOptions, unit: Unit, blocks: List[Tuple[int, int]], go
         estimate = max(estimate, need)
         began = time.perf_counter()
         with view(unit, run[0]) if view is not None else contextlib.nullcontext((unit, 0)) as (local_unit, offset), \
-                no_collectives() if view is not None else contextlib.nullcontext():  # one rank alone
+                _one_rank(view, local_unit):  # one rank alone
             result, probed, empty = check_group(local_unit, run, args, kwargs, opts, dtype, canonical, constants,
                                                 screen, offset)
         report.spent(unit.name, time.perf_counter() - began, covered)
@@ -333,6 +333,24 @@ def _rows_cost(unit: Unit, inputs: Any, out_bytes: int, positions: float = 1.0) 
     ``positions`` share of the input a group is checked on)."""
     per_row = (_numel(unit.params.values()) * MODULE_BYTES_PER_ENTRY + 4 * out_bytes * positions) / max(1, _rows_of(unit) or 1)
     return 3 * float_bytes(inputs), per_row
+
+
+#: Where torch's own modules live: their ``forward`` on plain tensors makes no collective.
+_TORCH_MODULES = "torch.nn.modules."
+
+
+def _one_rank(view: Optional[PieceView], unit: Unit) -> ContextManager[Any]:
+    """Around a piece checked by one rank alone (with a ``view``): collectives refused
+    (:func:`~gradwatch.check.objective.dtensor.no_collectives`), unless the piece is torch's own modules only (a
+    Linear, a LayerNorm, an Embedding: on the view's plain tensors they make none). The refusing mode sees every
+    operator of the piece's evaluations (about 10 ms a check of ``benchmarks/parallel.py``'s 4.2M model), so only
+    code of yours (a module's own code, a module of your class) and a module with a parameter left a DTensor run in
+    it."""
+    if view is None or (unit.kind == "module"
+                        and all(type(m).__module__.startswith(_TORCH_MODULES) for m in unit.module.modules())
+                        and all(type(p) in (torch.Tensor, nn.Parameter) for p in unit.module.parameters())):
+        return contextlib.nullcontext()
+    return no_collectives()
 
 
 def _measured(left: int, limit: int, device: torch.device) -> int:
@@ -405,7 +423,7 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
                                 f"needs about {mb(whole_need)})")
     estimate = max(estimate, need)
     with view(unit, rows) if view is not None else contextlib.nullcontext((unit, 0)) as (local_unit, offset), \
-            no_collectives() if view is not None else contextlib.nullcontext():  # one rank alone: none may communicate
+            _one_rank(view, local_unit):  # one rank alone: none may communicate
         result, probed = _check_piece(local_unit, rows, args, kwargs, children, opts, dtype, canonical, objective.loss,
                                       constants, faithful_room=float("inf") if room is None else max(0, room - need),
                                       offset=offset, screen=screen)

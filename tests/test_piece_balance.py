@@ -1,0 +1,64 @@
+"""What a sharded check's pieces cost, and what they run under: the first check's times are not kept (they include
+the first call of each code path), and only code of yours runs where a collective is refused.
+
+A piece of a sharded model is checked by one rank alone, so a collective made there would wait for ranks that are
+not making it (:func:`gradwatch.check.objective.dtensor.no_collectives` refuses it). That refusing mode sees every
+operator of the piece's evaluations; torch's own modules on the view's plain tensors make no collective, so they run
+without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradwatch import GradWatch
+from gradwatch.check.modules.module_form import _one_rank
+from gradwatch.check.objective.dtensor import checked_alone
+from gradwatch.plan.units import Unit
+
+
+class Mine(nn.Module):  # a module of yours: its forward is your code
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).tanh()
+
+
+def _view(unit, rows):  # a stand-in for the sharded view: the unit as it is
+    return contextlib.nullcontext((unit, 0))
+
+
+def test_only_code_of_yours_runs_where_collectives_are_refused():
+    linear, norm, mine = nn.Linear(3, 3), nn.LayerNorm(3), Mine()
+    for module, kind, refused in ((linear, "module", False), (norm, "module", False), (mine, "own", True),
+                                  (mine.lin, "module", False), (nn.Sequential(mine), "module", True)):
+        unit = Unit("u", module, dict(module.named_parameters()), 1, kind=kind)
+        with _one_rank(_view, unit):
+            assert checked_alone() is refused, (type(module).__name__, kind)
+        with _one_rank(None, unit):  # one process: nothing is refused
+            assert not checked_alone()
+
+
+def test_the_first_checks_piece_times_are_not_kept():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    watch = GradWatch(model, lambda m, b: F.cross_entropy(m(b[0]), b[1]), every=1, log_dir=None, form="module")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tables = []
+    for _ in range(2):
+        batch = (torch.randn(6, 4), torch.randint(0, 3, (6,)))
+        opt.zero_grad()
+        F.cross_entropy(model(batch[0]), batch[1]).backward()
+        report = watch.step(batch)
+        assert report is not None and report.piece_seconds  # measured at every check
+        tables.append(dict(watch.backward.piece_seconds))
+        opt.step()
+    assert tables[0] == {}  # the first check's: not kept
+    assert tables[1] and all(seconds > 0 for seconds, _ in tables[1].values())
+    watch.close()
