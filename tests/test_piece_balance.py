@@ -62,3 +62,24 @@ def test_the_first_checks_piece_times_are_not_kept():
     assert tables[0] == {}  # the first check's: not kept
     assert tables[1] and all(seconds > 0 for seconds, _ in tables[1].values())
     watch.close()
+
+
+def test_what_the_captures_hold_through_the_replay_is_bounded_by_the_budgets_aim():
+    """Shard by shard, the captures ride on the replay's forward (:mod:`gradwatch.watch.replay_capture`) and are held
+    through its backward, which peaks about as training did: they hold the captures' third of the room at most, and
+    never more than the budget aims at above training's peak (half of ``memory_budget``)."""
+    from gradwatch.plan.memory import AIM
+    from gradwatch.watch.replay_capture import held_budget
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    watch = GradWatch(model, lambda m, b: F.cross_entropy(m(b[0]), b[1]), every=1, log_dir=None, memory_budget=0.1)
+    batch = (torch.randn(6, 4), torch.randint(0, 3, (6,)))
+    F.cross_entropy(model(batch[0]), batch[1]).backward()
+    assert watch.step(batch) is not None
+    ctx = watch.runner.watch
+    peak = ctx.memory.training_peak
+    assert peak > 0 and held_budget(ctx, None) is None
+    assert held_budget(ctx, 10 ** 12) == int(AIM * 0.1 * peak)  # the aim, under a room far above it
+    assert held_budget(ctx, 300) == 100  # the captures' third of a small room
+    watch.close()

@@ -225,6 +225,13 @@ class MemoryMeter:
             return None
         return int((1.0 + AIM * self.budget) * self.training_peak) + self._residue
 
+    def aimed(self) -> Optional[int]:
+        """Bytes the budget's aim allows above training's peak (:data:`AIM` of ``memory_budget`` times that peak; None
+        without a budget or a peak to read): what may be held through a computation that peaks as training does."""
+        if self.budget is None or not self.training_peak:
+            return None
+        return int(AIM * self.budget * self.training_peak)
+
     def transient(self, model: Optional[nn.Module] = None) -> int:
         """Training's peak above what is held now: its activations and temporaries, freed by now.
 

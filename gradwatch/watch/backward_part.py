@@ -30,6 +30,7 @@ from gradwatch.check.modules.localize import name_straight_through
 from gradwatch.plan.memory import SAFETY, gradient_bytes, release_freed
 from gradwatch.watch.check_plan import CheckPlanner
 from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
+from gradwatch.watch.replay_capture import held_budget
 from gradwatch.watch.shard_check import ShardView, plan_shards, reshard
 from gradwatch.watch.sharded import is_fsdp
 
@@ -134,6 +135,7 @@ class BackwardPart(TrendAlerting):
             report = module_form.run_module_check(
                 target, ctx.objective, batch, opts, units=units, pieces=pieces, room=piece_room, view=view,
                 screen=True, early=early, everyone=everyone, replay=fused,
+                replay_budget=held_budget(ctx, piece_room) if fused is not None else None,
                 forward_bytes=forward_transient(self.output_per_position, batch) if view is not None else 0)
             # for the next check's forwards, not for the records
             self.output_per_position = report.memory.pop("output_per_position", 0.0) or self.output_per_position

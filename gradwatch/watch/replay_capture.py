@@ -14,8 +14,9 @@ forward is used when, from the model's call on, it drew no random number (torch'
 there) and ran with autocast off, on every rank (an agreement point); otherwise the capture runs its own forward, as
 before, and the watch stops trying (a model that draws once draws at every step). Only the first call of ``loss_fn``
 runs the hooks, and only where the step is one micro-batch, the check's batch, with no regularizer and no
-``grad_fn``; the capture's copies are held through the replay's backward, so under a room the replay checkpoints
-for a third of the room less (the captures' share).
+``grad_fn``. The capture's copies are held through the replay's backward: under a room they hold at most
+:func:`held_budget` (the units over it are captured by another forward after the replay), and the replay
+checkpoints its blocks for that much less room.
 
 Example:
     >>> import torch
@@ -128,6 +129,17 @@ class ReplayCapture:
         return objective
 
 
+def held_budget(watch: WatchContext, room: Optional[int]) -> Optional[int]:
+    """Bytes the captures may hold through the replay's backward (None: no bound): the captures' third of ``room``, at
+    most what the budget aims at above training's peak (the replay peaks about as training did: at 20.8M, tensor
+    parallel, captures up to a third of the room held through it raised a rank's peak to 1.106x the unwatched run's).
+    Units over it are captured by a forward of their own after the replay, on every rank alike."""
+    if room is None:
+        return None
+    aimed = watch.memory.aimed()
+    return room // 3 if aimed is None else min(room // 3, aimed)
+
+
 def fusable(watch: WatchContext, check: CheckContext) -> bool:
     """Whether this rank's check can run its replay as its capture (a point then agrees on it): shard by shard
     through DTensors (not ZeRO), the training part on, one micro-batch (the check's) replayed on the model training
@@ -141,4 +153,4 @@ def fusable(watch: WatchContext, check: CheckContext) -> bool:
             and watch.objective.differentiates is False)
 
 
-__all__ = ["Hooks", "ReplayCapture", "capturing", "fusable"]
+__all__ = ["Hooks", "ReplayCapture", "capturing", "fusable", "held_budget"]

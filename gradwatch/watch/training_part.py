@@ -39,7 +39,7 @@ from gradwatch.check.replay.window import PartialWindow
 from gradwatch.plan.memory import SAFETY, gradient_bytes, mb, peak_bytes, release_freed
 from gradwatch.watch.accumulation import AccumulationWindow
 from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
-from gradwatch.watch.replay_capture import Hooks, capturing
+from gradwatch.watch.replay_capture import Hooks, capturing, held_budget
 from gradwatch.watch.shard_check import backward_on_shards, is_partial, local, settled_pairs
 from gradwatch.watch.sharded import is_dtensor
 from gradwatch.watch.step_objective import StepObjective, StepPlan
@@ -159,8 +159,9 @@ class TrainingPart(TrendAlerting):
                 room //= 2  # ZeRO 1 and 2: the judge reads ZeRO's whole gradients beside the replayed ones
         dtensor = ctx.by_shard and not ctx.zero
         sizing = None if not dtensor or check.room is None else max(0, check.room - self.overshoot)
-        if sizing is not None and hooks is not None:
-            sizing = max(0, sizing - cast(int, check.room) // 3)  # the capture's copies (a third of the room) held beside it
+        held = held_budget(ctx, check.room) if hooks is not None else None
+        if sizing is not None and held is not None:
+            sizing = max(0, sizing - held)  # the capture's copies, held beside it
         before = None if sizing is None else peak_bytes(ctx.memory.device)
         replay = self.replay(check.pending, check.target, room, only=None if check.plan is None else check.plan[1],
                              seed=check.opts.seed, checkpoint_room=sizing, hooks=hooks, faithful=faithful)

@@ -145,6 +145,7 @@ def run_module_check(
     everyone: Optional[Sequence[str]] = None,
     forward_bytes: int = 0,
     replay: Optional[Forward] = None,
+    replay_budget: Optional[int] = None,
 ) -> CheckReport:
     """The module form of the backward part (see the module docstring).
 
@@ -179,6 +180,8 @@ def run_module_check(
             capture). Its ``usable`` attribute, set by the call, says whether the replay's forward computed what the
             isolated forward would (no random draw, no autocast), alike on every rank; where it did not, the capture
             runs again on an isolated forward.
+        replay_budget: With ``replay`` and a ``room``: bytes its captures may hold (through the replay's backward);
+            the units over it are captured by the next forward, as units over a forward's budget are.
 
     Returns:
         A :class:`CheckReport` with ``form == "module"``: parameters under their names, a unit's input
@@ -238,7 +241,9 @@ def run_module_check(
         first = None
     while remaining or once:
         once = False
-        got = capture(model, objective.loss, part, remaining, opts.seed, budget=budget,
+        got = capture(model, objective.loss, part, remaining, opts.seed,
+                      budget=budget if first is None or replay_budget is None or budget is None
+                      else min(budget, replay_budget),
                       everyone=shared, agree=agree, alone=view is not None, early=early, forward=first)
         if first is not None and not getattr(first, "usable", False):  # the replay's forward was not the isolated one's
             got = capture(model, objective.loss, part, remaining, opts.seed, budget=budget,
