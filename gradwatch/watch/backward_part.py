@@ -126,7 +126,9 @@ class BackwardPart(TrendAlerting):
             # Tensor and sequence parallel: the capture's forward stops where every rank has captured what it checks
             # (FSDP2's and ZeRO-3's forward hooks keep per-forward state: their forwards run whole).
             early = not ctx.zero3 and not any(is_fsdp(m) for m in target.modules())
-            pieces, gathered, offsets = plan_shards(target, units, pieces, self.piece_seconds)
+            # (DTensors: the whole pieces' parameters gathered after the capture, not held through it; ZeRO-3's
+            # gathers run through its hooks, which keep per-forward state: before the capture's forward)
+            pieces, gathered, offsets = plan_shards(target, units, pieces, self.piece_seconds, later=not ctx.zero)
             view = ShardView(target, gathered, offsets, ctx.lockstep.point if ctx.lockstep is not None else None)
         elif ctx.dist is not None:
             pieces = ctx.dist.share(pieces)  # DDP: the ranks split the plan

@@ -32,7 +32,7 @@ import collections
 import contextlib
 import dataclasses
 import weakref
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, cast
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -172,13 +172,19 @@ def _subtree(unit: Unit, named: Mapping[str, nn.Module]) -> List[Tuple[str, nn.M
     return out
 
 
-def plan_shards(model: nn.Module, units: Sequence[Unit], pieces: Sequence[Piece], costs: Optional[Costs] = None
-                ) -> Tuple[List[Piece], Dict[int, torch.Tensor], Dict[str, int]]:
+#: The whole parameters of a rank's pieces (``id(live parameter)`` -> tensor), or what gathers them later.
+Gathered = Union[Dict[int, torch.Tensor], Callable[[], Dict[int, torch.Tensor]]]
+
+
+def plan_shards(model: nn.Module, units: Sequence[Unit], pieces: Sequence[Piece], costs: Optional[Costs] = None,
+                later: bool = False) -> Tuple[List[Piece], Gathered, Dict[str, int]]:
     """This rank's pieces, the whole parameters they need gathered (``id(live parameter)`` -> tensor) and the
     offset of each unit's rows on this rank (the whole pieces shared out by ``costs``, :func:`assign`, where given).
 
     Every rank gathers the parameters of every piece that is not checked by rows, in plan order, and keeps
-    those of its own: the same collectives everywhere, before anything of the check that may raise.
+    those of its own: the same collectives everywhere, here, before anything of the check that may raise; with
+    ``later``, when :meth:`ShardView.ready` is called instead (on every rank at the same point: after the capture,
+    so that the copies are not held through it, nor through a replay that is the capture's forward).
     """
     held = replicas(held_rows(units))
     mine = assign(pieces, held, *_rank_world(), costs=costs)
@@ -190,9 +196,8 @@ def plan_shards(model: nn.Module, units: Sequence[Unit], pieces: Sequence[Piece]
         unit = by_name.get(piece.unit)
         if unit is not None and unit.name not in held:
             groups.append((str(piece) in own, [p for _, m in _subtree(unit, named) for p in m._parameters.values()]))
-    gathered = gather_wholes(groups)
     offsets = {p.unit: off for p, off in mine if off}
-    return [p for p, _ in mine], gathered, offsets
+    return [p for p, _ in mine], (lambda: gather_wholes(groups)) if later else gather_wholes(groups), offsets
 
 
 def gather_wholes(groups: Sequence[Tuple[bool, Sequence[Optional[torch.Tensor]]]]) -> Dict[int, torch.Tensor]:
@@ -246,20 +251,29 @@ class ShardView:
 
     Args:
         model: The live sharded model.
-        gathered: ``id(live parameter)`` -> its gathered whole (:func:`plan_shards`).
+        gathered: ``id(live parameter)`` -> its gathered whole (:func:`plan_shards`), or what gathers them when
+            :meth:`ready` is called.
         offsets: Unit name -> the first of the rows this rank holds of it.
         agree: An agreement point (:meth:`gradwatch.watch.lockstep.Lockstep.point`), made before the capture
             gathers a DTensor input (tensor and sequence parallel).
     """
 
-    def __init__(self, model: nn.Module, gathered: Dict[int, torch.Tensor], offsets: Dict[str, int],
+    def __init__(self, model: nn.Module, gathered: Gathered, offsets: Dict[str, int],
                  agree: Optional[Callable[[], Any]] = None) -> None:
         self.model = model
         self.agree = agree
-        self.gathered = gathered
+        self._gather = gathered if callable(gathered) else None
+        self.gathered: Dict[int, torch.Tensor] = {} if callable(gathered) else gathered
         self.offsets = offsets
         self._named: Dict[str, nn.Module] = {}
         self._live: Dict[str, nn.Parameter] = {}
+
+    def ready(self) -> None:
+        """Gather the whole parameters now, where :func:`plan_shards` left it for later (collectives: called on every
+        rank at the same point, once the capture is done); nothing where they are gathered already."""
+        if self._gather is not None:
+            gather, self._gather = self._gather, None
+            self.gathered = gather()
 
     @contextlib.contextmanager
     def __call__(self, unit: Unit, rows: Optional[Tuple[int, int]]) -> Iterator[Tuple[Unit, int]]:

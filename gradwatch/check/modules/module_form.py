@@ -162,7 +162,8 @@ def run_module_check(
             the unit with plain parameters (this rank's rows, or the gathered whole) and the offset of its
             rows. Then exactly one forward of the live model runs (its collectives are the same on every rank,
             whatever this rank's pieces): no capture is deferred to another forward, and a piece over ``room``
-            is cut to the first samples of what that forward captured instead of captured again.
+            is cut to the first samples of what that forward captured instead of captured again. Its ``ready()``,
+            where it has one, is called on every rank after the first capture (the whole pieces gathered then).
         screen: Detection first in each piece (see :func:`gradwatch.localize.check_module`).
         early: Stop each capture forward once every unit it was run for is captured (one process; with a ``view``, once
             every unit of ``everyone`` has made its first call, the same point on every rank): the loss is then not
@@ -249,6 +250,9 @@ def run_module_check(
             got = capture(model, objective.loss, part, remaining, opts.seed, budget=budget,
                           everyone=shared, agree=agree, alone=view is not None, early=early)
         first = None
+        ready = getattr(view, "ready", None)
+        if ready is not None:  # on every rank, after its first capture: the whole pieces' parameters gathered now
+            ready()
         per_position = per_position or got.model_bytes / positions(part)
         if report.objective != report.objective and got.loss is not None and part is batch:  # the first forward's loss
             report.objective = got.loss
