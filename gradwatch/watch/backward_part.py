@@ -30,7 +30,6 @@ from gradwatch.check.modules.localize import name_straight_through
 from gradwatch.plan.memory import SAFETY, gradient_bytes, release_freed
 from gradwatch.watch.check_plan import CheckPlanner
 from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
-from gradwatch.watch.replay_capture import held_budget
 from gradwatch.watch.shard_check import ShardView, plan_shards, reshard
 from gradwatch.watch.sharded import is_fsdp
 
@@ -65,11 +64,12 @@ class BackwardPart(TrendAlerting):
     def enabled(self) -> bool:
         return True
 
-    def run(self, check: CheckContext, fused: Optional[Forward] = None) -> Optional[CheckReport]:
+    def run(self, check: CheckContext, fused: Optional[Forward] = None, captures: Optional[int] = None
+            ) -> Optional[CheckReport]:
         """The check's report on ``check.names`` (None when this rank has none); the training part's verdicts
         are added to it by the caller. Its memory summary is set where this process decided the plan. With
         ``fused`` (shard by shard, :mod:`gradwatch.watch.replay_capture`), the training part's replay is the
-        first capture's forward."""
+        first capture's forward, its captures holding at most ``captures`` bytes through it."""
         if not check.names:
             return None
         estimate: Optional[int] = None
@@ -78,7 +78,7 @@ class BackwardPart(TrendAlerting):
             if form == "objective":
                 report = self._objective(check)
             else:
-                report = self._modules(check, fused)
+                report = self._modules(check, fused, captures)
                 estimate = report.memory.get("estimate_bytes")
             if why:
                 report.notes.append(why)
@@ -104,7 +104,8 @@ class BackwardPart(TrendAlerting):
             self._straight_through_named = name_straight_through(report, target, ctx.objective.loss, batch, opts)
         return report
 
-    def _modules(self, check: CheckContext, fused: Optional[Forward] = None) -> CheckReport:
+    def _modules(self, check: CheckContext, fused: Optional[Forward] = None, captures: Optional[int] = None
+                 ) -> CheckReport:
         """Unit by unit: this check's pieces (this rank's share under DDP; shard by shard under FSDP2)."""
         ctx, target, batch, opts, room = self.watch, check.target, check.batch, check.opts, check.room
         self.planner.drop_shadow()
@@ -137,7 +138,7 @@ class BackwardPart(TrendAlerting):
             report = module_form.run_module_check(
                 target, ctx.objective, batch, opts, units=units, pieces=pieces, room=piece_room, view=view,
                 screen=True, early=early, everyone=everyone, replay=fused,
-                replay_budget=held_budget(ctx, piece_room) if fused is not None else None,
+                replay_budget=captures if fused is not None else None,
                 forward_bytes=forward_transient(self.output_per_position, batch) if view is not None else 0)
             # for the next check's forwards, not for the records
             self.output_per_position = report.memory.pop("output_per_position", 0.0) or self.output_per_position

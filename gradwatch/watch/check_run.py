@@ -36,7 +36,7 @@ from gradwatch.watch.distributed import RankResult, merge_results
 from gradwatch.watch.independence import IndependencePart
 from gradwatch.watch.inner_part import InnerPart
 from gradwatch.watch.lockstep import Lockstep
-from gradwatch.watch.replay_capture import Hooks, ReplayCapture, fusable
+from gradwatch.watch.replay_capture import Hooks, ReplayCapture, fusable, held_budget
 from gradwatch.watch.schedule import Schedule
 from gradwatch.watch.sharded import live_forward_forbidden
 from gradwatch.watch.step_objective import StepObjective
@@ -202,9 +202,11 @@ class CheckRunner:
         judged: List[CheckReport] = []
         objective: List[Optional[float]] = [None]
 
+        held = held_budget(ctx, check.room)  # what the captures may hold through a replay that is their forward
+
         def replay(hooks: Optional[Hooks] = None) -> Tuple[Optional[float], bool]:
             faithful: List[bool] = []
-            self.training.run(check, hooks, faithful)  # its replay is in check.replay only: dropped below, freed
+            self.training.run(check, hooks, faithful, held)  # its replay is in check.replay only: dropped below, freed
             if hooks is not None and ctx.recorder is not None:
                 ctx.recorder.paused = True  # the backward part's evaluations go on: not training forwards
             if check.judge:
@@ -223,7 +225,7 @@ class CheckRunner:
         if ctx.lockstep is not None and ctx.by_shard and not ctx.zero:  # a point on every rank, whatever each says
             lockstep = ctx.lockstep
             if lockstep.point(1 if self._fuse and fusable(ctx, check) else 0) == 1:  # every rank's check can
-                fused = ReplayCapture(replay, lockstep.point)
+                fused = ReplayCapture(replay, lockstep.point, held)
         if fused is None:
             replay()
         if ctx.by_shard and check.room is not None:
@@ -232,7 +234,7 @@ class CheckRunner:
             check.room = self.memory.room()
             if ctx.lockstep is not None:
                 check.room = ctx.lockstep.point(check.room)
-        report = check.report = self.backward.run(check, fused)
+        report = check.report = self.backward.run(check, fused, held)
         if fused is not None and not fused.usable:
             self._fuse = False  # its forward drew random numbers or ran autocast (alike on every rank): not again
         if report is not None and report.objective != report.objective and objective[0] is not None:

@@ -39,7 +39,7 @@ from gradwatch.check.replay.window import PartialWindow
 from gradwatch.plan.memory import SAFETY, gradient_bytes, mb, peak_bytes, release_freed
 from gradwatch.watch.accumulation import AccumulationWindow
 from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
-from gradwatch.watch.replay_capture import Hooks, capturing, held_budget
+from gradwatch.watch.replay_capture import Hooks, capturing
 from gradwatch.watch.shard_check import backward_on_shards, is_partial, local, settled_pairs
 from gradwatch.watch.sharded import is_dtensor
 from gradwatch.watch.step_objective import StepObjective, StepPlan
@@ -138,12 +138,13 @@ class TrainingPart(TrendAlerting):
     def enabled(self) -> bool:
         return self.watch.recorder is not None
 
-    def run(self, check: CheckContext, hooks: Optional[Hooks] = None, faithful: Optional[List[bool]] = None
-            ) -> Optional[Replay]:
+    def run(self, check: CheckContext, hooks: Optional[Hooks] = None, faithful: Optional[List[bool]] = None,
+            held: Optional[int] = None) -> Optional[Replay]:
         """The check's replay (None when the part is off); judged into a new report with ``check.judge``,
         else kept in ``check.replay`` for the ranks to average. With ``hooks`` (the backward part's capture,
-        :mod:`gradwatch.watch.replay_capture`), its forward runs them, and ``faithful`` gets whether that forward
-        computed the isolated forward's values."""
+        :mod:`gradwatch.watch.replay_capture`), its forward runs them, ``faithful`` gets whether that forward
+        computed the isolated forward's values, and its blocks are checkpointed for ``held`` bytes less room (what
+        the captures may hold through it)."""
         ctx = self.watch
         if ctx.by_shard:
             release_freed()  # what training's backward freed: the replay's own backward allocates on top of it
@@ -159,8 +160,7 @@ class TrainingPart(TrendAlerting):
                 room //= 2  # ZeRO 1 and 2: the judge reads ZeRO's whole gradients beside the replayed ones
         dtensor = ctx.by_shard and not ctx.zero
         sizing = None if not dtensor or check.room is None else max(0, check.room - self.overshoot)
-        held = held_budget(ctx, check.room) if hooks is not None else None
-        if sizing is not None and held is not None:
+        if sizing is not None and hooks is not None and held is not None:
             sizing = max(0, sizing - held)  # the capture's copies, held beside it
         before = None if sizing is None else peak_bytes(ctx.memory.device)
         replay = self.replay(check.pending, check.target, room, only=None if check.plan is None else check.plan[1],

@@ -118,7 +118,8 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
 
     ``forward(pre, post)`` runs the forward instead (the training part's replay, its forward's values those of the
     isolated forward: :class:`gradwatch.watch.replay_capture.ReplayCapture`), the hooks (module name -> hook) attached
-    for it; it returns the loss. It runs whole: ``early`` is then ignored.
+    for it; it returns the loss. It runs whole: ``early`` is then ignored; what it holds stays within ``budget``,
+    even for a unit alone (with ``alone``, such a unit is deferred to the next forward).
     """
     got = Captured()
     whole_of: Dict[int, torch.Tensor] = {}  # id(DTensor) -> its gathered whole, during one hook
@@ -177,7 +178,7 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
             first = name in wanted and name not in got.inputs and name not in got.big and name not in got.deferred
             if first:
                 need = live_bytes((args, kwargs))
-                if budget is not None and need > budget and not (alone and not sizes):
+                if budget is not None and need > budget and not (alone and not sizes and forward is None):
                     if alone:
                         got.deferred.append(name)
                     else:
@@ -231,7 +232,7 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
         if holder is None or rel is None:
             return
         need = live_bytes(out)
-        if alone and not fits(need) and not set(sizes) <= {holder}:
+        if alone and not fits(need) and (forward is not None or not set(sizes) <= {holder}):
             drop(holder, "deferred")  # captured again by a forward where it is alone, whatever its size
             if stack and stack[-1][0] == holder:
                 stack[-1][1] = False

@@ -236,7 +236,7 @@ def run_module_check(
     if budget is not None and agree is not None and to_the_end:  # alike on every rank: room, plan, engine and view
         part = forward_cut(batch, forward_bytes, budget, agree, report)
     per_position = 0.0  # bytes of the model's output per position of the batch, as a forward to its end saw them
-    first = replay
+    first, began = replay, False
     if first is not None and part is not batch:  # the batch cut (alike on every rank): the replay runs on its own
         first({}, {})
         first = None
@@ -249,10 +249,14 @@ def run_module_check(
         if first is not None and not getattr(first, "usable", False):  # the replay's forward was not the isolated one's
             got = capture(model, objective.loss, part, remaining, opts.seed, budget=budget,
                           everyone=shared, agree=agree, alone=view is not None, early=early)
-        first = None
         ready = getattr(view, "ready", None)
         if ready is not None:  # on every rank, after its first capture: the whole pieces' parameters gathered now
             ready()
+        if limit is not None and room is not None and not began and (first is not None or ready is not None):
+            # what the process holds now, but the captures, is where the pieces begin: the whole pieces' parameters
+            # just gathered, and what a replay run as this capture left (it ran after the limit was first taken)
+            limit = in_use_bytes(device) - _held(got) + room
+        first, began = None, True
         per_position = per_position or got.model_bytes / positions(part)
         if report.objective != report.objective and got.loss is not None and part is batch:  # the first forward's loss
             report.objective = got.loss
