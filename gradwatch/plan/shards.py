@@ -13,7 +13,9 @@ likewise, so a slice of them is checked on the rank that holds it, with no gathe
   counted (:func:`owners`); either way ``loss_fn``'s own code and the root's go to different ranks
   (:data:`OUTPUT_HOLDERS`: each needs a capture forward of its own, which every rank makes);
 - where several ranks hold the same rows (a 2-D mesh: the tensor parallel ranks of one FSDP2 shard, or the
-  FSDP2 ranks of one tensor parallel shard), those replicas take turns at the unit's pieces.
+  FSDP2 ranks of one tensor parallel shard), those replicas take turns at the unit's pieces, the turn running on
+  from one such unit to the next (with per-unit turns, a check of 5 blocks of the embedding, the head and ``fc1``
+  gave rank 0 three of each: 0.067 s of row groups on a 4.2M 1x2 mesh against 0.036 s on rank 1).
 
 Every rank computes the same plan: the assignment needs no message but, with replicas, one exchange of the
 ranks' splits (:func:`gradwatch.watch.shard_check.replicas`).
@@ -165,7 +167,7 @@ def assign(pieces: Sequence[Piece], held: Mapping[str, Holding], rank: int, worl
         pieces: The check's pieces, the same on every rank (:meth:`gradwatch.plan.planner.Planner.module_pieces`).
         held: Unit name -> how its rows are held (:class:`Holding`), for the units checked on the ranks that hold
             their rows (a Linear or an Embedding whose weight is sharded on dim 0). Where several ranks hold the same
-            rows (their replicas), they take turns at its pieces.
+            rows (their replicas), they take turns at its pieces, the turn running on to the next such unit.
         rank: This rank (of the process group).
         world: The process group's size: every rank takes its turn at the pieces checked whole.
         costs: What earlier checks measured (:data:`Costs`): the pieces checked whole are shared out by cost
@@ -181,7 +183,7 @@ def assign(pieces: Sequence[Piece], held: Mapping[str, Holding], rank: int, worl
     """
     out: List[Tuple[Piece, int]] = []
     turn = 0
-    turns: Dict[str, int] = {}  # per unit held by replicas: its pieces so far
+    shared = 0  # pieces of units held by replicas so far
     chosen = owners(pieces, held, world, costs) if costs else None
     holders = 0  # in turn too, the output holders each to another rank
     for i, piece in enumerate(pieces):
@@ -197,9 +199,8 @@ def assign(pieces: Sequence[Piece], held: Mapping[str, Holding], rank: int, worl
                 out.append((piece, 0))
             turn += 1
             continue
-        if holding.replicas > 1:
-            seen = turns.get(piece.unit, 0)
-            turns[piece.unit] = seen + 1
+        if holding.replicas > 1:  # in turn over every replicated unit's pieces: an odd count starts the next unit
+            seen, shared = shared, shared + 1  # on another replica, so none takes every unit's extra piece
             if seen % holding.replicas != holding.replica:
                 continue
         lo, hi = piece.rows if piece.rows is not None else (0, holding.rows)
