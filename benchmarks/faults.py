@@ -12,13 +12,15 @@ step ``--at``:
 - ``raise-replay``: ``loss_fn`` raises before calling the model, in the training part's replay;
 - ``raise-loss``: ``loss_fn`` raises after the model's forward (its all-gathers done), in the replay;
 - ``raise-forward``: a block raises in the middle of the model's forward, in the replay;
-- ``raise-capture``: ``loss_fn`` raises at its second call of the check (the units' capture forward);
+- ``raise-capture``: ``loss_fn`` raises at its second call of the check: the units' capture forward where it runs
+  one; where the replay's forward is the capture's (FSDP2, tensor parallel: ``gradwatch/watch/replay_capture.py``),
+  the next call (the forward that looks for terms reading the parameters, or a piece of ``loss_fn``'s own code);
 - ``nan``: that rank's logits are NaN at that step (in training and in the check);
 - ``stall``: ``loss_fn`` sleeps 3 s in the replay (less than ``distributed_timeout``);
 - ``stall-long``: it sleeps ``distributed_timeout + 5`` s;
 - ``raise-backward``: a custom backward (inside block 1) raises in the replay's backward;
 - ``killed``: the rank kills itself (SIGKILL) in the replay;
-- ``killed-capture``: the same at the second call.
+- ``killed-capture``: the same at the second call (as ``raise-capture``).
 
 Each fault runs once on rank 0 and once on rank 1 (20 runs). For each the table says whether both
 processes ended within the process group's timeout, whether every step before the fault (every

@@ -3,7 +3,8 @@
 Each run starts 2 fresh processes that train a small sharded transformer without, then with, the watch;
 one rank meets the fault at the check of step 2. The faults that raise inside the check are tested in
 tests/test_fsdp.py (``lockstep``); here the ones that need processes of their own: a rank killed, a rank
-stalled past ``distributed_timeout``, NaN logits on one rank. The 20-run campaign is the benchmark's.
+stalled past ``distributed_timeout``, NaN logits on one rank, a custom backward raising in the replay. The
+20-run campaign is the benchmark's.
 """
 
 from __future__ import annotations
@@ -47,3 +48,14 @@ def test_nan_logits_on_one_rank_are_a_nonfinite_record():
     assert not out["hung"] and out["codes"] == [0, 0] and out["identical"], out
     assert out["checks_written"] == [0, 1, 2, 3, 4]
     assert any(s.startswith("nonfinite: step 2") for s in out["said"]), out["said"]
+
+
+def test_a_custom_backward_raising_in_the_replay_that_is_the_capture_leaves_training_bit_identical():
+    """FSDP2's replay is the capture's forward (gradwatch/watch/replay_capture.py): a backward that raised midway left
+    gradients on unsharded parameters, which the check's region clears where it ends; resharding before that (as
+    after a capture that raised) lost them to training's next reduce-scatter, and training's next steps differed."""
+    out = faults.run("raise-backward", 0, at=2, timeout=4.0, pg_timeout=20.0)
+    assert not out["hung"] and out["codes"] == [0, 0] and out["training_error"] == [None, None], out
+    assert out["identical"], out  # every step, to the end, bit for bit
+    assert out["checks_written"] == [0, 1, 3, 4]
+    assert any(s.startswith("error:") and "custom backward raised" in s for s in out["said"]), out["said"]

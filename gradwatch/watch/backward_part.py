@@ -140,13 +140,18 @@ class BackwardPart(TrendAlerting):
                 screen=True, early=early, everyone=everyone, replay=fused,
                 replay_budget=captures if fused is not None else None,
                 forward_bytes=forward_transient(self.output_per_position, batch) if view is not None else 0)
-            # for the next check's forwards, not for the records
-            self.output_per_position = report.memory.pop("output_per_position", 0.0) or self.output_per_position
-            return report
-        finally:
+        except BaseException:
+            # (a replay run as the capture may have raised inside the model's backward: FSDP2's state is reset where
+            # the check's region ends, as after a replay run on its own, not resharded here midway)
             if view is not None:
-                reshard(target)
-                release_freed()  # the pieces' copies, before training's next forward
+                release_freed()
+            raise
+        if view is not None:
+            reshard(target)
+            release_freed()  # the pieces' copies, before training's next forward
+        # for the next check's forwards, not for the records
+        self.output_per_position = report.memory.pop("output_per_position", 0.0) or self.output_per_position
+        return report
 
     def record(self, report: CheckReport) -> None:
         """Count the check of every entry of a completed report; keep its pieces' times, but the first check's (they
