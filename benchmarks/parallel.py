@@ -67,12 +67,16 @@ s, 0.619 to 0.427, 0.778 to 0.623, 0.634 to 0.513 and ZeRO-3 0.746 to 0.509; ove
 and 0.86 (1.54, 1.68, 1.28, 2.01, 1.20 before), one process's check between 0.301 s and 0.435 s. At 20.8M at ef4e95e
 (one pair each): the checks' mean ratio 0.66, 0.60, 0.61, 0.67 and ZeRO-3 0.53 (the median check 0.85, 0.71, 0.75,
 0.95, 0.57), peaks r0; r1 1.014; 1.008, 1.064; 1.038, 0.903; 0.898, 1.073; 1.146 (that unwatched rank 1 at 655 MB,
-where earlier pairs gave 680 MB to 696 MB) and 0.968; 0.998.
+where earlier pairs gave 680 MB to 696 MB) and 0.968; 0.998. At 7490085 (the replay's forward is the capture's, torch's
+own modules outside the refusing mode, better piece estimates, replicas' turns over every unit), two 4.2M runs: the
+checks' mean ratio 0.71, 0.72; 0.74, 0.78; 0.54, 0.71; 0.68, 0.94 and ZeRO-3 0.78, 0.86 (0.77 to 1.27 for 68a5351
+in four runs of the same sitting), peaks 0.898 to 1.082, no alert.
 
 Every check ``ok``, module form, 0 alerts. Not met on this machine: every single pair's peak within 1.10x (at bad1703
 pairs up to 1.144; the medians are within it), and a 2-rank check no slower than one process's at every size: at
 20.8M by the mean and by the median check every engine is (single pairs up to 1.50), but a check whose costly whole
-piece one rank takes alone (``loss_fn``'s own code) is slower, and at 4.2M every engine but ZeRO-2 is slower.
+piece one rank takes alone (``loss_fn``'s own code) is slower, and at 4.2M every engine but ZeRO-2 was slower
+until 7490085.
 ``--mmap-threshold 1048576`` (glibc's threshold fixed at 1 MiB in every arm, commit c8c596e) lowers the unwatched
 peaks by 12% to 25% (ZeRO-3's from 1,216 MB, DeepSpeed's initialization, to 909 MB), and the watched ones less.
 At bf15136 with ``--mmap-threshold 1048576 --repeat 3``: tensor parallel 1.131; 1.103, sequence parallel 1.097;
