@@ -199,33 +199,33 @@ class CheckRunner:
         Shard by shard through DTensors, where the replay's forward computes the capture's, the replay is the backward
         part's capture forward (:mod:`gradwatch.watch.replay_capture`; agreed by every rank)."""
         ctx = self.watch
-        judged: List[CheckReport] = []
-        objective: List[Optional[float]] = [None]
-
+        judged: Optional[CheckReport] = None
+        objective: Optional[float] = None
         held = held_budget(ctx, check.room)  # what the captures may hold through a replay that is their forward
 
         def replay(hooks: Optional[Hooks] = None) -> Tuple[Optional[float], bool]:
+            nonlocal judged, objective
             faithful: List[bool] = []
             self.training.run(check, hooks, faithful, held)  # its replay is in check.replay only: dropped below, freed
             if hooks is not None and ctx.recorder is not None:
                 ctx.recorder.paused = True  # the backward part's evaluations go on: not training forwards
             if check.judge:
-                judged.append(CheckReport(tensors={}))
-                self.training.judge(judged[0], check.replay)
-                objective[0] = getattr(check.replay, "objective", None)
+                judged = CheckReport(tensors={})
+                self.training.judge(judged, check.replay)
+                objective = getattr(check.replay, "objective", None)
                 check.replay = None
                 if check.room is not None or ctx.by_shard:
                     # the replay's activations and gradients, before the backward part allocates and measures (the
                     # whole objective's batches are sized to training's activations: what the process holds now is
                     # taken off)
                     release_freed()
-            return objective[0], bool(faithful) and faithful[0]
+            return objective, bool(faithful) and faithful[0]
 
         fused: Optional[ReplayCapture] = None
         if ctx.lockstep is not None and ctx.by_shard and not ctx.zero:  # a point on every rank, whatever each says
             lockstep = ctx.lockstep
             if lockstep.point(1 if self._fuse and fusable(ctx, check) else 0) == 1:  # every rank's check can
-                fused = ReplayCapture(replay, lockstep.point, held)
+                fused = ReplayCapture(replay, lockstep.point)
         if fused is None:
             replay()
         if ctx.by_shard and check.room is not None:
@@ -237,14 +237,14 @@ class CheckRunner:
         report = check.report = self.backward.run(check, fused, held)
         if fused is not None and not fused.usable:
             self._fuse = False  # its forward drew random numbers or ran autocast (alike on every rank): not again
-        if report is not None and report.objective != report.objective and objective[0] is not None:
+        if report is not None and report.objective != report.objective and objective is not None:
             # the module form's capture stopped before the loss (one process): the replay's is the step's objective
-            report.objective, report.terms = objective[0], {"loss": objective[0]}
-            report.nonfinite = report.nonfinite or not math.isfinite(objective[0])
-        if report is not None and judged:
-            report.training, report.training_note = judged[0].training, judged[0].training_note
-            report.training_rows, report.training_items = judged[0].training_rows, judged[0].training_items
-            report.training_window = judged[0].training_window
+            report.objective, report.terms = objective, {"loss": objective}
+            report.nonfinite = report.nonfinite or not math.isfinite(objective)
+        if report is not None and judged is not None:
+            report.training, report.training_note = judged.training, judged.training_note
+            report.training_rows, report.training_items = judged.training_rows, judged.training_items
+            report.training_window = judged.training_window
 
     def completed(self, step: int, report: CheckReport) -> List[Alert]:
         """A check that has a report: notes, counters and coverage, then its trends' alerts and the parts' own."""

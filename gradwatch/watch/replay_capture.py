@@ -35,29 +35,21 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from gradwatch.check.objective.precision import any_autocast
+from gradwatch.check.replay.reference import StartState
 from gradwatch.watch.context import CheckContext, WatchContext
 
 #: The capture's hooks: forward pre-hooks (with kwargs) and forward hooks, by module name.
 Hooks = Tuple[Dict[str, Callable[..., Any]], Dict[str, Callable[..., Any]]]
 
 
-def _states() -> List[torch.Tensor]:
-    """Torch's default generators' states (the CPU one, and CUDA's where CUDA is initialized)."""
-    states = [torch.get_rng_state()]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states.extend(torch.cuda.get_rng_state_all())
-    return states
-
-
-def _autocast() -> bool:
-    """Whether autocast is on here (CPU or CUDA)."""
-    for device in ("cpu", "cuda"):
-        try:
-            if torch.is_autocast_enabled(device):
-                return True
-        except (TypeError, RuntimeError):  # torch before 2.4: no device argument
-            return bool(torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled())
-    return False
+def _same(a: StartState, b: StartState) -> bool:
+    """Whether torch's generators (the CPU one, and CUDA's where initialized) are in the same states in ``a``, ``b``."""
+    if not torch.equal(a.rng, b.rng) or (a.cuda is None) != (b.cuda is None):
+        return False
+    if a.cuda is None or b.cuda is None:
+        return True  # both None: CUDA not initialized
+    return len(a.cuda) == len(b.cuda) and all(torch.equal(x, y) for x, y in zip(a.cuda, b.cuda))
 
 
 def capturing(total: Callable[[nn.Module, Any], Any], model: nn.Module, pre: Dict[str, Callable[..., Any]],
@@ -72,12 +64,12 @@ def capturing(total: Callable[[nn.Module, Any], Any], model: nn.Module, pre: Dic
         if faithful:
             return total(module, batch)
         named = dict(model.named_modules())
-        before: List[List[torch.Tensor]] = []
-        still = not _autocast()
+        before: List[StartState] = []
+        still = not any_autocast()
 
         def start(module: nn.Module, args: Any) -> None:  # after the replay's probe set training's generator states
             if not before:
-                before.append(_states())
+                before.append(StartState.now(full=False))
 
         setattr(start, "_gradwatch_hook", True)  # noqa: B010 - gradwatch's own
         handles = [model.register_forward_pre_hook(start)]
@@ -90,9 +82,7 @@ def capturing(total: Callable[[nn.Module, Any], Any], model: nn.Module, pre: Dic
         finally:
             for h in handles:
                 h.remove()
-            after = _states()
-            faithful.append(still and bool(before) and len(after) == len(before[0])
-                            and all(torch.equal(a, b) for a, b in zip(before[0], after)))
+            faithful.append(still and bool(before) and _same(before[0], StartState.now(full=False)))
         return out
 
     return run
@@ -107,7 +97,6 @@ class ReplayCapture:
             returns the step's objective (None where the replay did not run) and whether its forward was faithful.
         agree: An agreement point taking a value and returning the ranks' smallest
             (:meth:`gradwatch.watch.lockstep.Lockstep.point`).
-        held: Bytes the captures may hold through the replay (:func:`held_budget`; None: no bound).
 
     Attributes:
         usable: After the call: every rank's replay forward computed the isolated forward's values.
@@ -119,10 +108,9 @@ class ReplayCapture:
     """
 
     def __init__(self, replay: Callable[[Optional[Hooks]], Tuple[Optional[float], bool]],
-                 agree: Callable[[int], Any], held: Optional[int] = None) -> None:
+                 agree: Callable[[int], Any]) -> None:
         self.replay = replay
         self.agree = agree
-        self.held = held
         self.usable = False
 
     def __call__(self, pre: Dict[str, Callable[..., Any]], post: Dict[str, Callable[..., Any]]) -> Optional[float]:
@@ -144,13 +132,14 @@ def held_budget(watch: WatchContext, room: Optional[int]) -> Optional[int]:
 
 
 def fusable(watch: WatchContext, check: CheckContext) -> bool:
-    """Whether this rank's check can run its replay as its capture (a point then agrees on it): shard by shard
-    through DTensors (not ZeRO), the training part on, one micro-batch (the check's) replayed on the model training
-    calls, the backward part's units known (``loss_fn`` known not to differentiate inside), no ``grad_fn``, no
-    regularizer (one that runs the model would add its calls to ``loss_fn``'s)."""
+    """Whether this rank's check, shard by shard through DTensors in a lockstep region (where the caller asks, and a
+    point then agrees on the answer), can run its replay as its capture: the training part on, one micro-batch (the
+    check's) replayed on the model training calls, the backward part's units known (``loss_fn`` known not to
+    differentiate inside), no ``grad_fn``, no regularizer (one that runs the model would add its calls to
+    ``loss_fn``'s)."""
     pending = check.pending
-    return (watch.by_shard and not watch.zero and watch.lockstep is not None and watch.recorder is not None
-            and check.judge and bool(check.names) and check.target is watch.model and not watch.objective.regularizers
+    return (watch.recorder is not None and check.judge and bool(check.names) and check.target is watch.model
+            and not watch.objective.regularizers
             and pending is not None and len(pending.micro) == 1 and pending.micro[0].batch is check.batch
             and watch.wrapping.entry is watch.model and watch.grad_fn is None
             and watch.objective.differentiates is False)
