@@ -55,6 +55,9 @@ class Unit:
             with the modules it called replaced by stubs) or ``"loss_fn"`` (``loss_fn``'s own code, the
             model replaced by a stub; named :data:`LOSS_FN`).
         stubbed: For ``"own"``: the modules its first call called, in call order (full names).
+        saved_ratio: What its own ops save for their backward per byte of its input, as counted on the check's
+            batch (:mod:`gradwatch.check.modules.activations`; 0: not counted): an attention's scores over a
+            sequence, which its inputs and outputs do not tell.
 
     Example:
         >>> Unit("fc", nn.Linear(2, 2)).label
@@ -67,6 +70,7 @@ class Unit:
     calls: int = 1
     kind: str = "module"
     stubbed: Tuple[str, ...] = ()
+    saved_ratio: float = 0.0
 
     @property
     def label(self) -> str:

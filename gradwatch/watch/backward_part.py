@@ -19,15 +19,18 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple, cast
+
+import torch
 
 from gradwatch.check import model as model_check
 from gradwatch.check.judging.report import CheckReport
 from gradwatch.check.modules import module_form
-from gradwatch.check.modules.batch_cut import forward_transient, positions
+from gradwatch.check.modules.activations import Saved
+from gradwatch.check.modules.batch_cut import batch_dims, forward_transient, positions, sub_batch
 from gradwatch.check.modules.capture import Forward, capture
 from gradwatch.check.modules.localize import name_straight_through
-from gradwatch.plan.memory import SAFETY, gradient_bytes, release_freed
+from gradwatch.plan.memory import OBJECTIVE_PER_SAVED_BYTE, SAFETY, gradient_bytes, mb, objective_bytes, objective_samples, release_freed
 from gradwatch.watch.check_plan import CheckPlanner
 from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
 from gradwatch.watch.shard_check import ShardView, plan_shards, reshard
@@ -87,22 +90,56 @@ class BackwardPart(TrendAlerting):
         return report
 
     def _objective(self, check: CheckContext) -> CheckReport:
-        """The whole objective on the shadow copy (one process: what it cannot resolve, judged on modules)."""
+        """The whole objective on the shadow copy (one process: what it cannot resolve, judged on modules), on as many
+        of the batch's samples as its counted activations leave room for (:meth:`_fitting`)."""
         ctx, target, batch, opts = self.watch, check.target, check.batch, check.opts
+        saved = self.planner.activations(target, batch) if check.room is not None else None
+        batch, cut = self._fitting(check, saved)
+        if batch is None:
+            return CheckReport(tensors={}, seed=opts.seed, notes=[cast(str, cut)])
         shadow = self.planner.shadow_for(target, opts)
         # through the module: a spy on gradwatch.check.model.run_model_check sees every check
         alone = ctx.grad_fn is None  # distributed too: each rank judges its share on modules (no collective)
         # Under memory_budget the room was sized without the outputs a probe replays: every evaluation runs it all.
-        # The batched evaluations hold one forward's activations per perturbation: training's, in float64.
+        # The batched evaluations hold one forward's activations per perturbation: as counted, in the check's dtype.
+        activations = 2 * ctx.memory.transient(ctx.model) if saved is None \
+            else _per_sample(saved, opts.torch_dtype) * batch_dims(batch)[0]
         report = model_check.run_model_check(target, ctx.objective, batch, opts, grad_fn=ctx.grad_fn, names=check.names,
                                              shadow=shadow, mark_unseen=alone,
                                              prefix_bytes=model_check.KEEP_BYTES if check.room is None else None,
-                                             activations=2 * ctx.memory.transient(ctx.model))
+                                             activations=activations)
+        if cut is not None:
+            report.notes.append(cut)
         if alone:
             model_check.judge_unseen_on_modules(report, target, ctx.objective, batch, opts, screen=True)
         if not self._straight_through_named:
             self._straight_through_named = name_straight_through(report, target, ctx.objective.loss, batch, opts)
         return report
+
+    def _fitting(self, check: CheckContext, saved: Optional[Saved]) -> Tuple[Any, Optional[str]]:
+        """``(batch, note)``: the check's batch, or its first samples where the whole batch's activations (``saved``, as
+        counted) would not fit the room beside the float64 copy (an explicit ``form="objective"`` obeys the budget
+        too), with a note saying so; ``(None, note)`` where not even one sample fits."""
+        ctx, opts, room = self.watch, check.opts, check.room
+        if saved is None or room is None:
+            return check.batch, None
+        dtype = opts.torch_dtype
+        shadow = self.planner.shadow
+        held = dtype is not None and shadow is not None and shadow.matches(check.target)
+        fixed = objective_bytes(check.target, check.names, dtype) - (objective_bytes(check.target, [], dtype) if held else 0)
+        per, size = _per_sample(saved, dtype), saved.samples
+        keep = objective_samples(fixed, per, size, room)
+        if keep >= size:
+            return check.batch, None
+        need = mb(fixed + OBJECTIVE_PER_SAVED_BYTE * per * size)
+        if keep == 0:
+            return None, (f"the whole objective not checked: {'its float64 copy and ' if dtype is not None else ''}"
+                          f"one sample's activations need about {mb(fixed + OBJECTIVE_PER_SAVED_BYTE * per)}, over the "
+                          f"room memory_budget={ctx.memory.budget} leaves ({mb(room)}) (on the whole batch {need})")
+        return sub_batch(check.batch, keep)[0], (
+            f"form: objective: checked on {keep} of the batch's {size} samples (on the whole batch it needs about "
+            f"{need}, over the room memory_budget={ctx.memory.budget} leaves, {mb(room)}); the training verdict "
+            "judges the whole batch")
 
     def _modules(self, check: CheckContext, fused: Optional[Forward] = None, captures: Optional[int] = None
                  ) -> CheckReport:
@@ -116,6 +153,9 @@ class BackwardPart(TrendAlerting):
             got = capture(target, ctx.objective.loss, batch, [], opts.seed)  # no unit: the forward, its output's size
             self.output_per_position = got.model_bytes / positions(batch)
         units, pieces = self.planner.module_pieces(check, piece_room)
+        saved = self.planner.activations(target, batch) if room is not None else None
+        for unit in units:  # what each unit's own ops save for backward, as counted on this batch
+            unit.saved_ratio = saved.ratios.get(unit.name, 0.0) if saved is not None and unit.kind != "loss_fn" else 0.0
         view = None
         everyone = None
         early = ctx.dist is None
@@ -167,6 +207,11 @@ class BackwardPart(TrendAlerting):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.counts = dict(state.get("counts", {}))
+
+
+def _per_sample(saved: Saved, dtype: Optional[torch.dtype]) -> int:
+    """Bytes a sample's activations take in the check's ``dtype`` (None: in place, the model's own)."""
+    return saved.per_sample * (dtype.itemsize if dtype is not None else saved.dtype_bytes) // saved.dtype_bytes
 
 
 __all__ = ["BackwardPart"]

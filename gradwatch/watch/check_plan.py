@@ -33,12 +33,16 @@ from torch import nn
 from gradwatch.check.higher_order.inner import leaf_modules
 from gradwatch.check.judging.report import CheckReport, not_checked_in
 from gradwatch.check.model import trainable_names
+from gradwatch.check.modules.activations import Saved, saved_bytes
 from gradwatch.check.modules.module_form import units_signature
 from gradwatch.check.numerics.sampling import rotate
+from gradwatch.check.objective.generators import HeldGenerators
 from gradwatch.check.objective.shadow import Shadow
+from gradwatch.check.probes.batched import compiled_modules
 from gradwatch.config import GradWatchConfig
-from gradwatch.plan.memory import SAFETY, mb, module_bytes
+from gradwatch.plan.memory import OBJECTIVE_PER_SAVED_BYTE, SAFETY, mb, module_bytes
 from gradwatch.plan.planner import Planner
+from gradwatch.trees import tensor_leaves
 from gradwatch.watch.context import CheckContext, WatchContext
 
 logger = logging.getLogger("gradwatch")
@@ -68,6 +72,8 @@ class CheckPlanner:
         #: K: checks within which every unit and every parameter row is probed once (None before the first check).
         self.cycle_length: Optional[int] = None
         self._mark: Optional[Tuple[Any, Optional[bool]]] = None
+        #: What a forward of a batch saves for its backward, by the batch's shapes (:meth:`activations`).
+        self._saved: Dict[Tuple, Optional[Saved]] = {}
 
     # ------------------------------------------------------------------ tensors
     def names_to_check(self) -> List[str]:
@@ -98,14 +104,38 @@ class CheckPlanner:
         return names
 
     # ------------------------------------------------------------------ the form
-    def choose_form(self, model: nn.Module, names: List[str], room: Optional[int]) -> Form:
-        """``(form, estimate in bytes, a note or None)`` from the planner (:meth:`Planner.choose_form`)."""
+    def choose_form(self, model: nn.Module, names: List[str], room: Optional[int], batch: Any = None) -> Form:
+        """``(form, estimate in bytes, a note or None)`` from the planner (:meth:`Planner.choose_form`), the whole
+        objective's activations counted on ``batch`` where it can be (:meth:`activations`)."""
         dtype = self.watch.options.torch_dtype
         held = dtype is not None and self.shadow is not None and self.shadow.matches(model)
         objective = self.watch.objective
         plain = not (objective.regularizers or objective.weight_decay or objective.differentiates)
-        return self.planner.choose_form(model, names, room, dtype, held, self.watch.memory.transient(model),
+        saved = self.activations(model, batch) if room is not None and batch is not None else None
+        transient = int(OBJECTIVE_PER_SAVED_BYTE * saved.total) if saved is not None \
+            else self.watch.memory.transient(model)
+        return self.planner.choose_form(model, names, room, dtype, held, transient,
                                         self.watch.grad_fn is not None, plain=plain)
+
+    def activations(self, model: nn.Module, batch: Any) -> Optional[Saved]:
+        """What one forward of ``model`` on ``batch`` saves for its backward, in the model's dtypes
+        (:func:`~gradwatch.check.modules.activations.saved_bytes`), counted once per shape of batch; None where it is
+        not counted: ranks (a DDP forward with grad expects its backward), compiled modules (grad mode is one of their
+        guards: a new graph), or ``loss_fn`` raised on it (the check itself then says so)."""
+        if self.watch.dist is not None or self.watch.sharded or model is not self.watch.model \
+                or compiled_modules(model):
+            return None
+        key = tuple(tuple(t.shape) for t in tensor_leaves(batch))
+        if key not in self._saved:
+            if len(self._saved) >= 16:  # variable shapes (padded to each batch's longest): the oldest goes
+                self._saved.pop(next(iter(self._saved)))
+            try:
+                held = HeldGenerators.of(self.watch.held_generators())
+                self._saved[key] = saved_bytes(model, self.watch.objective.loss, batch, self.watch.options.seed,
+                                               held=held)
+            except Exception:  # noqa: BLE001 - the objective's own evaluation raises it where it matters
+                self._saved[key] = None
+        return self._saved[key]
 
     def form_for(self, check: CheckContext) -> Form:
         """The form of this check: rank 0's (DDP), the module form shard by shard, else chosen here (one process;
@@ -114,7 +144,8 @@ class CheckPlanner:
             return check.plan[0]
         if self.watch.by_shard:
             return ("module", None, None)
-        return self.choose_form(check.target, check.names, check.room) if check.judge else ("objective", None, None)
+        return self.choose_form(check.target, check.names, check.room, check.batch) if check.judge \
+            else ("objective", None, None)
 
     def shadow_for(self, target: nn.Module, opts: Any) -> Optional[Shadow]:
         """The shadow copy of ``target`` in ``opts.dtype`` (made again only when the model changed)."""

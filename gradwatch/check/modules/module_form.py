@@ -27,7 +27,8 @@ Example:
     >>> import torch
     >>> from torch import nn
     >>> from gradwatch.check.objective.terms import Objective
-    >>> from gradwatch.options import CheckOptions
+    >>> from gradwatch.check.modules.window_cut import WINDOWED, windowed_piece
+from gradwatch.options import CheckOptions
     >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
     >>> batch = (torch.randn(8, 3), torch.randn(8, 1))
     >>> objective = Objective(lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
@@ -57,6 +58,7 @@ from gradwatch.check.modules.capture import Captured, Forward, capture, live_byt
 from gradwatch.check.modules.localize import ModuleCheck, check_module
 from gradwatch.check.modules.own_code import LossCode, ModelStub, OwnCode, RowsInPlace, embedding_rows_copy, own_code_copy, rows_copy
 from gradwatch.check.modules.row_groups import NO_TOKEN, check_group, chunks, first_ids, groupable, grouped, param_of, positions_kept
+from gradwatch.check.modules.window_cut import WINDOWED, windowed_piece
 from gradwatch.check.objective.dropout_off import dropout_off
 from gradwatch.check.objective.dtensor import no_collectives
 from gradwatch.check.objective.guards import frozen_power_iteration, suspended_hooks
@@ -71,6 +73,7 @@ from gradwatch.plan.memory import (
     LOSS_CODE_BYTES_PER_ENTRY,
     MODULE_BYTES_PER_ENTRY,
     TRIM_BYTES,
+    conv_workspace_bytes,
     float_bytes,
     in_use_bytes,
     mb,
@@ -225,10 +228,10 @@ def run_module_check(
     # Captures take a third of the room at most; units that do not fit together are captured by later forwards
     # (sharded: as many on every rank, agreed after each; without a way to agree, one forward holding them all).
     budget = None if room is None or (view is not None and agree is None) else room // 3
-    # Sharded, what the pieces leave in the process's heap (freed, not given back) is measured too: the pieces of a
-    # check never hold more than the room above what the process held when they began.
+    # What the pieces leave in the process's heap (freed, not given back) is measured too: the pieces of a check never
+    # hold more than the room above what the process held when they began.
     device = model_device(model)
-    limit = None if room is None or view is None else in_use_bytes(device) + room
+    limit = None if room is None else in_use_bytes(device) + room
     part = batch
     # Only forwards that run to the model's output are cut (FSDP2's and ZeRO-3's always do; under tensor and sequence
     # parallel, those of a check where some rank checks the root's or loss_fn's own code): the others stop before it.
@@ -242,6 +245,8 @@ def run_module_check(
         first = None
     while remaining or once:
         once = False
+        if began and limit is not None and in_use_bytes(device) > limit - (budget or 0):
+            release_freed()  # what the pieces freed, before another forward captures
         got = capture(model, objective.loss, part, remaining, opts.seed,
                       budget=budget if first is None or replay_budget is None or budget is None
                       else min(budget, replay_budget),
@@ -289,12 +294,16 @@ def run_module_check(
             once = agree(0 if remaining else 1) == 0  # another forward on every rank while any rank needs one
     for piece in solo:  # each alone: its own captures only beside its check
         unit = by_name[piece.unit]
+        if limit is not None:
+            release_freed()  # what the pieces before freed, before this capture's forward
         got = capture(model, objective.loss, batch, [unit], opts.seed, budget=None if room is None else room // 3,
                       early=early)
         if unit.name in got.inputs or unit.name in got.big:
+            left = None if room is None else max(0, room - _held(got))
+            if limit is not None and left is not None:
+                left = _measured(left, limit, device)
             estimate, unused = _run_piece(model, objective, batch, opts, unit, piece, got, dtype, canonical,
-                                          None if room is None else max(0, room - _held(got)), report, skipped,
-                                          estimate, unused, screen=screen)  # detection first there too
+                                          left, report, skipped, estimate, unused, screen=screen)  # detection first
         del got
     if unused:
         report.notes.append(f"module form: {unused} embedding slice(s) held no token of this batch (their rows count "
@@ -522,26 +531,31 @@ def _fewer_samples(model: nn.Module, loss_fn: Any, batch: Any, unit: Unit, need:
         return None  # no cut of the batch fits: the parameters' copies alone fill the room
     size, seq = batch_dims(batch)
     cuts = cuts_to_try(size, seq, max(1, need - fixed), room - fixed)
+    if isinstance(unit.module, WINDOWED) and unit.kind == "module" and (1, None) not in cuts:
+        cuts = [c for c in cuts if c[1] is None] + [(1, None)]  # one sample, to window its positions
     retried = False
+    one: Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, Set[int]]] = None  # one sample's capture
     while cuts:
         kept, length = cuts.pop(0)
         part, _, _ = sub_batch(batch, kept, length)
         try:
             got = capture(model, loss_fn, part, [unit], seed, budget=room // 3)
         except Exception:  # noqa: BLE001 - a model that refuses the cut batch: the unit is named as not checked
-            return None
+            break
         if unit.name not in got.inputs:
             continue
         inputs, children, _, cost, constants = _cast_capture(got, unit, rows, dtype)  # costed as on the whole batch
         if cost <= room:
             what = f"{kept} of the batch's {size} samples" + ("" if length is None else f", its first {length} of {seq} positions")
             return inputs, children, cost, what, constants
+        if kept == 1 and length is None:
+            one = (inputs, children, cost, constants)
         if length is None and not retried and cost > fixed:  # once: as many samples as this cut's cost says fit
             retried = True
             fit = int(kept * (room - fixed) / (cost - fixed))
             if 1 <= fit < kept:
                 cuts.insert(0, (fit, None))
-    return None
+    return windowed_piece(unit, one, fixed, room, seed, size)
 
 
 def _cast_capture(got: Captured, unit: Unit, rows: Optional[Tuple[int, int]], dtype: torch.dtype
@@ -556,11 +570,18 @@ def _cast_capture(got: Captured, unit: Unit, rows: Optional[Tuple[int, int]], dt
     out_bytes = got.output_bytes.get(unit.name, 0)
     if rows is None:
         stub = [t for outs in children.values() for o in outs for t in tensor_leaves(o) if t.is_floating_point()]
-        need = module_bytes(unit.params.values(), inputs, out_bytes) + _numel(stub) * _per_stub_entry(unit)
+        need = module_bytes(unit.params.values(), inputs, out_bytes) + _numel(stub) * _per_stub_entry(unit) \
+            + (conv_workspace_bytes(unit.module, out_bytes) if unit.kind == "module" else 0) \
+            + int(SAVED_COPIES * unit.saved_ratio * float_bytes(inputs))
     else:
         fixed, per_row = _rows_cost(unit, inputs, out_bytes)
         need = fixed + int(per_row * (rows[1] - rows[0]))
     return inputs, children, out_bytes, need, constants
+
+
+#: Copies of what a unit's own ops save for backward (:attr:`Unit.saved_ratio`) its check holds at once: the analytic
+#: forward's, and their gradients in the backward.
+SAVED_COPIES = 2
 
 
 def _per_stub_entry(unit: Unit) -> int:

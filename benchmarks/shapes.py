@@ -1,0 +1,278 @@
+"""A check beside training on models whose activations dwarf their trained parameters: peak memory and steps a check.
+
+Each shape trains ``--steps`` steps (one thread) in a fresh process, once unwatched and once with
+``GradWatch(every=1)`` at its default options (``memory_budget=0.1``), and prints, side by side:
+
+- the peak RSS of the watched run over the unwatched one (``VmHWM``, one subprocess per figure);
+- each check's seconds over the unwatched run's median training step: "steps a check", the first check and
+  the median of all of them;
+- the checks' forms, the tensors judged by each part, and the alerts.
+
+The shapes (``--shapes`` picks some):
+
+============== =========================================================================================
+lora_gpt2      GPT-2 (2 blocks of 128, the 50,257-token vocabulary), LoRA (r=8) on ``c_attn``, batch 4 x 128
+gpt2_ckpt      the same GPT-2 whole, gradient checkpointing on
+gpt2_frozen    the same GPT-2, embeddings and first block frozen
+encoder_long   ``nn.TransformerEncoder`` (2 layers of 128, 4 heads) on 1,024-token sequences, batch 4, LM head 1,000
+mlp_batch      an MLP 64 -> 256 -> 256 -> 10 on a batch of 16,384, ``form="objective"``
+cnn64          two 3x3 convolutions of 32 channels, BatchNorm, a linear head; batch 8, 64x64
+cnn128         the same CNN at batch 32, 128x128
+unet           diffusers' ``UNet2DModel`` (channels 16 and 32, attention blocks), 32x32, batch 8, the DDPM loss
+============== =========================================================================================
+
+Example::
+
+    python benchmarks/shapes.py --shapes cnn64 lora_gpt2 --steps 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+SHAPES = ("lora_gpt2", "gpt2_ckpt", "gpt2_frozen", "encoder_long", "mlp_batch", "cnn64", "cnn128", "unet")
+
+
+def _gpt2(kind: str) -> Tuple[Any, Callable, Any, Dict[str, Any]]:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=2, n_embd=128, n_head=4, n_positions=128, vocab_size=50257,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg)
+    if kind == "lora_gpt2":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"], lora_dropout=0.0))
+    elif kind == "gpt2_ckpt":
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    elif kind == "gpt2_frozen":
+        for p in list(model.transformer.wte.parameters()) + list(model.transformer.wpe.parameters()) + \
+                list(model.transformer.h[0].parameters()):
+            p.requires_grad_(False)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (4, 128), generator=gen)
+
+    def loss_fn(m: Any, b: Any) -> Any:
+        return m(input_ids=b, labels=b).loss
+
+    return model, loss_fn, ids, {}
+
+
+def _encoder() -> Tuple[Any, Callable, Any, Dict[str, Any]]:
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(1000, 128)
+            layer = nn.TransformerEncoderLayer(128, 4, 256, dropout=0.0, batch_first=True)
+            self.body = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.head = nn.Linear(128, 1000)
+
+        def forward(self, ids: Any) -> Any:
+            return self.head(self.body(self.emb(ids)))
+
+    torch.manual_seed(0)
+    model = Encoder()
+    ids = torch.randint(0, 1000, (4, 1024), generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(m: Any, b: Any) -> Any:
+        return F.cross_entropy(m(b).flatten(0, 1), b.flatten())
+
+    return model, loss_fn, ids, {}
+
+
+def _mlp() -> Tuple[Any, Callable, Any, Dict[str, Any]]:
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 10))
+    gen = torch.Generator().manual_seed(1)
+    batch = (torch.randn(16384, 64, generator=gen), torch.randint(0, 10, (16384,), generator=gen))
+
+    def loss_fn(m: Any, b: Any) -> Any:
+        return F.cross_entropy(m(b[0]), b[1])
+
+    return model, loss_fn, batch, {"form": "objective"}
+
+
+def _cnn(size: int, batch: int) -> Tuple[Any, Callable, Any, Dict[str, Any]]:
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                          nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(32 * 16, 10))
+    gen = torch.Generator().manual_seed(1)
+    data = (torch.randn(batch, 3, size, size, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
+
+    def loss_fn(m: Any, b: Any) -> Any:
+        return F.cross_entropy(m(b[0]), b[1])
+
+    return model, loss_fn, data, {}
+
+
+def _unet() -> Tuple[Any, Callable, Any, Dict[str, Any]]:
+    import torch
+    from diffusers import UNet2DModel
+    from torch.nn import functional as F
+
+    torch.manual_seed(0)
+    model = UNet2DModel(sample_size=32, in_channels=3, out_channels=3, layers_per_block=1,
+                        block_out_channels=(16, 32), norm_num_groups=8,
+                        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                        up_block_types=("AttnUpBlock2D", "UpBlock2D"))
+    gen = torch.Generator().manual_seed(1)
+    images = torch.randn(8, 3, 32, 32, generator=gen)
+
+    def loss_fn(m: Any, x: Any) -> Any:  # the DDPM loss: it draws its own noise and timesteps
+        noise = torch.randn_like(x)
+        t = torch.randint(0, 1000, (x.shape[0],))
+        alpha = torch.cos(t.float() / 1000 * 1.5707963).view(-1, 1, 1, 1)
+        noisy = alpha * x + (1 - alpha ** 2).sqrt() * noise
+        return F.mse_loss(m(noisy, t).sample, noise)
+
+    return model, loss_fn, images, {}
+
+
+def build(shape: str) -> Tuple[Any, Callable, Any, Dict[str, Any]]:
+    """``(model, loss_fn, batch, watch options)`` of ``shape``."""
+    if shape.startswith("gpt2") or shape == "lora_gpt2":
+        return _gpt2(shape)
+    if shape == "encoder_long":
+        return _encoder()
+    if shape == "mlp_batch":
+        return _mlp()
+    if shape == "cnn64":
+        return _cnn(64, 8)
+    if shape == "cnn128":
+        return _cnn(128, 32)
+    if shape == "unet":
+        return _unet()
+    raise ValueError(f"shape {shape!r}: one of {', '.join(SHAPES)}")
+
+
+def worker(shape: str, watch: bool, steps: int) -> Dict[str, Any]:
+    """One run of ``shape`` in this process: its peak, its steps' and checks' seconds (the module docstring)."""
+    import torch
+
+    torch.set_num_threads(1)
+    model, loss_fn, batch, options = build(shape)
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    w = None
+    if watch:
+        from gradwatch import GradWatch
+
+        w = GradWatch(model, loss_fn, every=1, log_dir=None, **options)
+    step_s: List[float] = []
+    check_s: List[float] = []
+    forms, backward, training, notes = [], [], [], []
+    torch.manual_seed(2)
+    for _ in range(steps):
+        start = time.perf_counter()
+        opt.zero_grad()
+        loss = loss_fn(model, batch)
+        loss.backward()
+        step_s.append(time.perf_counter() - start)
+        if w is not None:
+            start = time.perf_counter()
+            report = w.step(batch, loss=loss)
+            check_s.append(time.perf_counter() - start)
+            if report is not None:
+                forms.append(report.form)
+                backward.append(len(report.tensors))
+                training.append(len(report.training))
+                notes += [n for n in report.notes if n not in notes]
+        start = time.perf_counter()
+        opt.step()
+        step_s[-1] += time.perf_counter() - start
+    from gradwatch.plan.memory import peak_bytes
+
+    out: Dict[str, Any] = {"shape": shape, "watch": watch, "peak_bytes": peak_bytes(torch.device("cpu")),
+                           "step_seconds": step_s, "check_seconds": check_s,
+                           "params": sum(p.numel() for p in model.parameters()),
+                           "trained": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    if w is not None:
+        out.update(forms=forms, backward=backward, training=training, notes=notes[:12],
+                   alerts=[a.message[:200] for a in w.alerts], cycle=w.cycle_length if hasattr(w, "cycle_length")
+                   else None)
+        w.close()
+    return out
+
+
+def spawn(shape: str, watch: bool, steps: int) -> Dict[str, Any]:
+    """:func:`worker` in a fresh interpreter (its own peak RSS)."""
+    here = os.path.abspath(__file__)
+    root = os.path.dirname(os.path.dirname(here))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, here, "--worker", shape, "--steps", str(steps)] + (["--watch"] if watch else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        return {"shape": shape, "watch": watch, "error": (out.stderr.strip().splitlines() or ["?"])[-1][:300]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def row(plain: Dict[str, Any], watched: Dict[str, Any]) -> Dict[str, Any]:
+    """The side-by-side figures of one shape."""
+    if "error" in plain or "error" in watched:
+        return {"shape": plain["shape"], "error": plain.get("error") or watched.get("error")}
+    step = statistics.median(plain["step_seconds"][1:] or plain["step_seconds"])
+    per = [c / step for c in watched["check_seconds"]]
+    return {"shape": plain["shape"], "peak_ratio": watched["peak_bytes"] / plain["peak_bytes"],
+            "plain_mb": plain["peak_bytes"] / 2**20, "watched_mb": watched["peak_bytes"] / 2**20,
+            "step_s": step, "first_steps": per[0] if per else None, "median_steps": statistics.median(per) if per else None,
+            "max_steps": max(per) if per else None, "steps_a_check": [round(p, 1) for p in per],
+            "forms": watched["forms"], "backward": watched["backward"], "training": watched["training"],
+            "alerts": watched["alerts"], "notes": watched["notes"]}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python benchmarks/shapes.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=SHAPES)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--worker", choices=SHAPES)
+    parser.add_argument("--watch", action="store_true")
+    parser.add_argument("--out", help="write the rows as JSON here too")
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.watch, args.steps)))
+        return 0
+    rows = []
+    print(f"{'shape':13} {'plain MB':>9} {'watched MB':>10} {'peak':>6} {'step s':>7} {'first':>6} {'median':>7} "
+          f"{'max':>6}  forms")
+    for shape in args.shapes:
+        r = row(spawn(shape, False, args.steps), spawn(shape, True, args.steps))
+        rows.append(r)
+        if "error" in r:
+            print(f"{shape:13} error: {r['error']}")
+            continue
+        print(f"{shape:13} {r['plain_mb']:9.0f} {r['watched_mb']:10.0f} {r['peak_ratio']:6.2f} {r['step_s']:7.3f} "
+              f"{r['first_steps']:6.1f} {r['median_steps']:7.1f} {r['max_steps']:6.1f}  {','.join(r['forms'])}",
+              flush=True)
+        for a in r["alerts"]:
+            print(f"{'':13} alert: {a}")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""A window of an image-like input: where one sample of a convolution's (or a norm's, an activation's, a pooling's)
+input does not fit the room, its check runs on a window of that sample's positions, drawn anew at each check.
+
+A convolution's weight gradient sums over samples and positions, so any window of the input is an input the module
+computes on, and its backward is checked there as on the whole image (the window's own borders, padded as the
+module pads, exercise the border rows at every check). Each check draws another window, so over a run the draws
+cover the image. Only modules whose input is ``(N, C, *spatial)`` and whose computation is local in the spatial
+dimensions (or over all of them alike) are windowed: convolutions, norms over channels, pools, elementwise
+activations.
+
+Example:
+    >>> conv = nn.Conv2d(3, 4, 3, padding=1)
+    >>> x = torch.zeros(1, 3, 64, 64)
+    >>> (args, kwargs), what = window((x,), {}, 0.25, seed=0)
+    >>> args[0].shape, what.startswith("a 32x32 window at")
+    (torch.Size([1, 3, 32, 32]), True)
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import torch
+from torch import nn
+
+from gradwatch.plan.units import Unit
+
+#: Leaf modules computed over an ``(N, C, *spatial)`` input locally in space (or alike over all of it): a window of
+#: the input is an input they compute on.
+WINDOWED = (nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm, nn.GroupNorm,
+            nn.modules.instancenorm._InstanceNorm, nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd,
+            nn.modules.pooling._AdaptiveAvgPoolNd, nn.modules.pooling._AdaptiveMaxPoolNd,
+            nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.SiLU, nn.GELU, nn.Mish, nn.ELU, nn.SELU, nn.CELU, nn.Tanh, nn.Sigmoid,
+            nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Softplus, nn.PReLU, nn.Identity,
+            nn.modules.dropout._DropoutNd)
+
+
+def windowable(module: nn.Module, args: Any, kwargs: Any) -> bool:
+    """Whether ``module`` on ``(args, kwargs)`` can be checked on a window: one of :data:`WINDOWED`, called on one
+    floating ``(N, C, *spatial)`` tensor and nothing else that is a tensor.
+
+    Example:
+        >>> windowable(nn.Conv2d(3, 4, 3), (torch.zeros(2, 3, 8, 8),), {}), windowable(nn.Linear(3, 4), (torch.zeros(2, 3),), {})
+        (True, False)
+    """
+    if not isinstance(module, WINDOWED) or not isinstance(args, tuple) or len(args) != 1:
+        return False
+    x = args[0]
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 3:
+        return False
+    return not any(isinstance(v, torch.Tensor) for v in (kwargs or {}).values())
+
+
+def window(args: Tuple[Any, ...], kwargs: Dict[str, Any], share: float, seed: int, smallest: int = 4
+           ) -> Tuple[Tuple[Tuple[Any, ...], Dict[str, Any]], str]:
+    """``((args, kwargs), what)``: ``args[0]`` cut to a window of about ``share`` of its spatial positions (each side
+    scaled alike, at least ``smallest`` positions), at an offset drawn from ``seed``; ``what`` says where.
+
+    Example:
+        >>> (args, _), what = window((torch.zeros(1, 2, 10, 40),), {}, 0.5, seed=3)
+        >>> args[0].shape[2:], what.split(" at ")[0]
+        (torch.Size([7, 28]), 'a 7x28 window')
+    """
+    x = args[0]
+    spatial = tuple(int(s) for s in x.shape[2:])
+    scale = max(0.0, min(1.0, share)) ** (1.0 / len(spatial))
+    sides = [max(min(s, smallest), min(s, int(math.floor(s * scale)))) for s in spatial]
+    rng = random.Random(seed)
+    starts = [rng.randint(0, s - w) for s, w in zip(spatial, sides)]
+    index = (slice(None), slice(None)) + tuple(slice(a, a + w) for a, w in zip(starts, sides))
+    cut = x[index].contiguous()
+    what = (f"a {'x'.join(map(str, sides))} window at ({', '.join(map(str, starts))}) of its "
+            f"{'x'.join(map(str, spatial))} positions, drawn anew at each check")
+    return ((cut,), dict(kwargs)), what
+
+
+def positions_share(fixed: int, cost: int, room: int) -> Optional[float]:
+    """The share of a sample's positions whose check fits ``room``, where the whole sample's costs ``cost`` of which
+    ``fixed`` (the parameters' copies) whatever the positions; None where not even the parameters fit.
+
+    Example:
+        >>> positions_share(100, 1100, 600), positions_share(700, 1100, 600)
+        (0.45, None)
+    """
+    if fixed >= room:
+        return None
+    return 0.9 * (room - fixed) / max(1, cost - fixed)
+
+
+def windowed_piece(unit: Unit, one: Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, Set[int]]], fixed: int,
+                   room: int, seed: int, size: int
+                   ) -> Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, str, Set[int]]]:
+    """A convolution (a norm, a pooling, an activation) whose check does not fit on one sample (``one``: its capture,
+    its stubs' outputs, its cost and constants): on a window of that sample's positions, as the module form's cuts
+    give it, ``(inputs, children, bytes, what, constants)``; None where it cannot be windowed or its parameters alone
+    fill the room."""
+    if one is None or unit.kind != "module" or one[1]:
+        return None
+    (args, kwargs), _, cost, constants = one
+    share = positions_share(fixed, cost, room)
+    if share is None or not windowable(unit.module, args, kwargs):
+        return None
+    inputs, where = window(args, kwargs, share, seed)
+    kept = inputs[0][0].numel() / max(1, args[0].numel())
+    return inputs, {}, fixed + int((cost - fixed) * kept), f"1 of the batch's {size} samples, {where}", constants
+
+
+__all__ = ["WINDOWED", "positions_share", "window", "windowable", "windowed_piece"]

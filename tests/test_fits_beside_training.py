@@ -1,0 +1,160 @@
+"""A check that fits beside training: activations counted, not guessed; the whole objective cut to the samples that fit;
+convolutions windowed where one sample does not fit; a planted border-row bug still caught on the windows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from gradwatch import GradWatch
+from gradwatch.check.modules.activations import WHOLE, saved_bytes
+from gradwatch.check.modules.module_form import run_module_check
+from gradwatch.check.objective.terms import Objective
+from gradwatch.options import CheckOptions
+from gradwatch.plan.memory import conv_workspace_bytes, objective_samples
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 10))
+
+
+def _ce(m: nn.Module, b):
+    return F.cross_entropy(m(b[0]), b[1])
+
+
+def test_saved_bytes_count_the_activations_of_the_whole_batch_from_two_samples():
+    model = _mlp()
+    n = 4096
+    batch = (torch.randn(n, 64), torch.randint(0, 10, (n,)))
+    counted = saved_bytes(model, _ce, batch)
+    # what autograd saves: the input (the first Linear's), each tanh's output (the next Linear's input too, counted
+    # once) and the logits' log-softmax; never the weights
+    floats = n * (64 + 256 + 256 + 10)
+    assert counted.samples == n
+    assert 0.9 * 4 * floats <= counted.total <= 1.3 * 4 * floats, (counted.total, 4 * floats)
+    assert counted.dtype_bytes == 4
+    assert counted.scaled(8) == 2 * counted.total
+
+
+def test_a_small_batch_is_counted_whole_and_loss_fn_sees_the_very_batch():
+    model = _mlp()
+    batch = (torch.randn(WHOLE, 64), torch.randint(0, 10, (WHOLE,)))
+    seen = []
+
+    def loss_fn(m, b):
+        seen.append(b)
+        return _ce(m, b)
+
+    saved_bytes(model, loss_fn, batch)
+    assert seen and all(b is batch for b in seen)
+
+
+def test_attention_saves_more_than_its_input_and_is_counted_per_module():
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+            self.out = nn.Linear(32, 32)
+
+        def forward(self, x):
+            return self.out(self.attn(x, x, x)[0])
+
+    counted = saved_bytes(Block(), lambda m, b: m(b).sum(), torch.randn(2, 512, 32))
+    # its scores (4 heads x 512 x 512 a sample) dwarf its three 512 x 32 inputs
+    assert counted.ratios["attn"] > 4, counted.ratios
+    assert counted.ratios["out"] < 2, counted.ratios
+
+
+def test_objective_samples_keep_what_fits_and_none_where_the_copy_alone_does_not():
+    assert objective_samples(fixed=0, per_sample=10, samples=100, room=3000) == 100
+    assert objective_samples(fixed=100, per_sample=10, samples=1000, room=3000) == 93
+    assert objective_samples(fixed=2000, per_sample=10, samples=1000, room=3000) == 0
+
+
+def test_the_conv_workspace_is_counted_from_its_unfolded_input():
+    conv = nn.Conv2d(32, 64, 3)
+    assert conv_workspace_bytes(conv, 64 * 100 * 8) == 3 * 32 * 9 * 100 * 8
+    assert conv_workspace_bytes(nn.Linear(2, 2), 100) == 0
+
+
+@pytest.mark.slow
+def test_an_activation_heavy_model_is_checked_in_modules_and_an_explicit_objective_on_a_cut():
+    model = _mlp()
+    n = 32768  # about 430 MB of float64 activations: over any room memory_budget=0.1 leaves in this process
+    batch = (torch.randn(n, 64), torch.randint(0, 10, (n,)))
+    for form, expected in (("auto", "module"), ("objective", "objective")):
+        watch = GradWatch(model, _ce, every=1, log_dir=None, form=form, training=False)
+        loss = _ce(model, batch)
+        loss.backward()
+        report = watch.step(batch)
+        model.zero_grad()
+        assert report is not None and report.form == expected, (form, report and report.notes)
+        if form == "objective":
+            cut = [n for n in report.notes if n.startswith("form: objective: checked on ")]
+            assert cut, report.notes
+            assert f"of the batch's {n} samples" in cut[0]
+            assert set(report.tensors) == {n for n, _ in model.named_parameters()}
+            assert report.ok, str(report)
+        watch.close()
+
+
+class _BorderConv(torch.autograd.Function):
+    """A 3x3 convolution whose input gradient is 1.3x too large on the first row (a border bug)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w, b)
+        return F.conv2d(x, w, b, padding=1)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, b = ctx.saved_tensors
+        with torch.enable_grad():
+            x_, w_, b_ = (t.detach().requires_grad_() for t in (x, w, b))
+            gx, gw, gb = torch.autograd.grad(F.conv2d(x_, w_, b_, padding=1), (x_, w_, b_), g)
+        gx = gx.clone()
+        gx[:, :, 0, :] *= 1.3
+        return gx, gw, gb
+
+
+class _Conv(nn.Conv2d):
+    def __init__(self, bug: bool) -> None:
+        super().__init__(4, 8, 3, padding=1)
+        self.bug = bug
+
+    def forward(self, x):
+        return _BorderConv.apply(x, self.weight, self.bias) if self.bug else super().forward(x)
+
+
+def _cnn(bug: bool) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(), _Conv(bug), nn.Tanh(),
+                         nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(32, 3))
+
+
+def _conv_check(bug: bool, seed: int):
+    model = _cnn(bug)
+    batch = (torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 0]))
+    # a room under one sample's float64 check of the 4 -> 8 convolution at 64x64 (its unfolded input alone: 1.2 MB)
+    return run_module_check(model, Objective(_ce, {}, 0.0), batch, CheckOptions(seed=seed), room=1_000_000)
+
+
+def test_a_convolution_over_the_room_on_one_sample_is_checked_on_a_window_drawn_anew():
+    notes = [_conv_check(False, seed).notes for seed in (0, 1)]
+    windows = [[n for n in ns if n.startswith("module form: `2` (_Conv) checked on 1 of the batch's 4 samples, a ")]
+               for ns in notes]
+    assert all(windows), notes
+    assert windows[0] != windows[1]  # another draw at another check
+    report = _conv_check(False, 0)
+    assert report.ok, str(report)
+    assert "2.weight" in report.tensors and "2:input" in report.tensors
+
+
+def test_a_border_row_bug_in_a_convolution_backward_is_caught_on_its_window():
+    report = _conv_check(True, 0)
+    assert any("window" in n for n in report.notes), report.notes
+    assert not report.ok
+    assert "2:input" in {f.name for f in report.failures}, str(report)
