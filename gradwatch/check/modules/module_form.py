@@ -27,8 +27,7 @@ Example:
     >>> import torch
     >>> from torch import nn
     >>> from gradwatch.check.objective.terms import Objective
-    >>> from gradwatch.check.modules.window_cut import WINDOWED, windowed_piece
-from gradwatch.options import CheckOptions
+    >>> from gradwatch.options import CheckOptions
     >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
     >>> batch = (torch.randn(8, 3), torch.randn(8, 1))
     >>> objective = Objective(lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
