@@ -299,6 +299,17 @@ def objective_bytes(model: nn.Module, checked: Sequence[str], dtype: Optional[to
 OBJECTIVE_PER_SAVED_BYTE = 1.5
 
 
+def objective_activations(per_sample: int, samples: int = 1) -> int:
+    """What the whole objective's analytic pass holds for the activations of ``samples`` samples, each saving
+    ``per_sample`` bytes for its backward in the check's dtype (:data:`OBJECTIVE_PER_SAVED_BYTE` of them).
+
+    Example:
+        >>> objective_activations(100, 4)
+        600
+    """
+    return int(OBJECTIVE_PER_SAVED_BYTE * per_sample * samples)
+
+
 def objective_samples(fixed: int, per_sample: int, samples: int, room: int) -> int:
     """Samples of a batch of ``samples`` whose whole-objective check fits :data:`SAFETY` of ``room``: ``fixed`` bytes
     held whatever the batch (the float64 copy of the model, the engine's copies of the checked tensors) and
@@ -309,7 +320,7 @@ def objective_samples(fixed: int, per_sample: int, samples: int, room: int) -> i
         (3, 3, 0)
     """
     free = SAFETY * room - fixed
-    per = max(1.0, OBJECTIVE_PER_SAVED_BYTE * per_sample)
+    per = max(1, objective_activations(per_sample))
     if free < per:
         return 0
     return int(min(samples, free // per))
@@ -331,6 +342,11 @@ def module_bytes(params: Iterable[torch.Tensor], inputs: Any, outputs: int = 0) 
 #: on the CPU unfold their input for the forward and again for each of the two gradients of the backward. Measured:
 #: a 32 -> 32 channel 3x3 Conv2d on 2 samples of 64x64 (unfolded: 18.9 MB) raised the process's peak by 54 MB.
 CONV_UNFOLD_COPIES = 3
+
+
+#: Copies of what a unit's own ops save for backward (per byte of its input: ``Unit.saved_ratio``) the module form's
+#: check of it holds at once: the analytic forward's, and their gradients in the backward.
+MODULE_SAVED_COPIES = 2
 
 
 def conv_workspace_bytes(module: nn.Module, output_bytes: int) -> int:

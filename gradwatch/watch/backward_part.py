@@ -21,8 +21,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional, Tuple, cast
 
-import torch
-
 from gradwatch.check import model as model_check
 from gradwatch.check.judging.report import CheckReport
 from gradwatch.check.modules import module_form
@@ -30,7 +28,7 @@ from gradwatch.check.modules.activations import Saved
 from gradwatch.check.modules.batch_cut import batch_dims, forward_transient, positions, sub_batch
 from gradwatch.check.modules.capture import Forward, capture
 from gradwatch.check.modules.localize import name_straight_through
-from gradwatch.plan.memory import OBJECTIVE_PER_SAVED_BYTE, SAFETY, gradient_bytes, mb, objective_bytes, objective_samples, release_freed
+from gradwatch.plan.memory import SAFETY, gradient_bytes, mb, objective_activations, objective_bytes, objective_samples, release_freed
 from gradwatch.watch.check_plan import CheckPlanner
 from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
 from gradwatch.watch.shard_check import ShardView, plan_shards, reshard
@@ -102,8 +100,8 @@ class BackwardPart(TrendAlerting):
         alone = ctx.grad_fn is None  # distributed too: each rank judges its share on modules (no collective)
         # Under memory_budget the room was sized without the outputs a probe replays: every evaluation runs it all.
         # The batched evaluations hold one forward's activations per perturbation: as counted, in the check's dtype.
-        activations = 2 * ctx.memory.transient(ctx.model) if saved is None \
-            else _per_sample(saved, opts.torch_dtype) * batch_dims(batch)[0]
+        size = opts.torch_dtype.itemsize if opts.torch_dtype is not None else None
+        activations = 2 * ctx.memory.transient(ctx.model) if saved is None else saved.scaled(size, batch_dims(batch)[0])
         report = model_check.run_model_check(target, ctx.objective, batch, opts, grad_fn=ctx.grad_fn, names=check.names,
                                              shadow=shadow, mark_unseen=alone,
                                              prefix_bytes=model_check.KEEP_BYTES if check.room is None else None,
@@ -127,14 +125,14 @@ class BackwardPart(TrendAlerting):
         shadow = self.planner.shadow
         held = dtype is not None and shadow is not None and shadow.matches(check.target)
         fixed = objective_bytes(check.target, check.names, dtype) - (objective_bytes(check.target, [], dtype) if held else 0)
-        per, size = _per_sample(saved, dtype), saved.samples
+        per, size = saved.scaled(dtype.itemsize if dtype is not None else None, 1), saved.samples
         keep = objective_samples(fixed, per, size, room)
         if keep >= size:
             return check.batch, None
-        need = mb(fixed + OBJECTIVE_PER_SAVED_BYTE * per * size)
+        need = mb(fixed + objective_activations(per, size))
         if keep == 0:
             return None, (f"the whole objective not checked: {'its float64 copy and ' if dtype is not None else ''}"
-                          f"one sample's activations need about {mb(fixed + OBJECTIVE_PER_SAVED_BYTE * per)}, over the "
+                          f"one sample's activations need about {mb(fixed + objective_activations(per))}, over the "
                           f"room memory_budget={ctx.memory.budget} leaves ({mb(room)}) (on the whole batch {need})")
         return sub_batch(check.batch, keep)[0], (
             f"form: objective: checked on {keep} of the batch's {size} samples (on the whole batch it needs about "
@@ -207,11 +205,6 @@ class BackwardPart(TrendAlerting):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.counts = dict(state.get("counts", {}))
-
-
-def _per_sample(saved: Saved, dtype: Optional[torch.dtype]) -> int:
-    """Bytes a sample's activations take in the check's ``dtype`` (None: in place, the model's own)."""
-    return saved.per_sample * (dtype.itemsize if dtype is not None else saved.dtype_bytes) // saved.dtype_bytes
 
 
 __all__ = ["BackwardPart"]

@@ -40,7 +40,7 @@ from gradwatch.check.objective.generators import HeldGenerators
 from gradwatch.check.objective.shadow import Shadow
 from gradwatch.check.probes.batched import compiled_modules
 from gradwatch.config import GradWatchConfig
-from gradwatch.plan.memory import OBJECTIVE_PER_SAVED_BYTE, SAFETY, mb, module_bytes
+from gradwatch.plan.memory import SAFETY, mb, module_bytes, objective_activations
 from gradwatch.plan.planner import Planner
 from gradwatch.trees import tensor_leaves
 from gradwatch.watch.context import CheckContext, WatchContext
@@ -112,8 +112,7 @@ class CheckPlanner:
         objective = self.watch.objective
         plain = not (objective.regularizers or objective.weight_decay or objective.differentiates)
         saved = self.activations(model, batch) if room is not None and batch is not None else None
-        transient = int(OBJECTIVE_PER_SAVED_BYTE * saved.total) if saved is not None \
-            else self.watch.memory.transient(model)
+        transient = objective_activations(saved.total) if saved is not None else self.watch.memory.transient(model)
         return self.planner.choose_form(model, names, room, dtype, held, transient,
                                         self.watch.grad_fn is not None, plain=plain)
 

@@ -21,7 +21,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set
+import itertools
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 from torch import nn
@@ -62,27 +63,35 @@ class Saved:
     dtype_bytes: int
     ratios: Dict[str, float] = dataclasses.field(default_factory=dict)
 
-    def scaled(self, element_size: int) -> int:
-        """The whole batch's bytes once every floating tensor is ``element_size`` bytes an entry (float64: 8)."""
-        return self.total * element_size // max(1, self.dtype_bytes)
+    def scaled(self, element_size: Optional[int], samples: Optional[int] = None) -> int:
+        """Bytes of ``samples`` samples (default: the whole batch) once every floating tensor is ``element_size`` bytes
+        an entry (float64: 8; None: the model's own).
+
+        Example:
+            >>> Saved(800, 100, 8, 4).scaled(None, 1)
+            100
+        """
+        n = self.samples if samples is None else samples
+        return self.per_sample * n * (element_size or self.dtype_bytes) // max(1, self.dtype_bytes)
 
 
-class SavedCounter:
+class SavedCounter(torch.autograd.graph.saved_tensors_hooks):
     """A context: adds up the distinct storages autograd saves for backward inside it, except ``exclude``'s.
 
     Example:
         >>> w = torch.ones(3, requires_grad=True)
-        >>> with SavedCounter({w.untyped_storage().data_ptr()}) as counter:
+        >>> counter = SavedCounter({w.untyped_storage().data_ptr()})
+        >>> with counter:
         ...     _ = (w * torch.ones(3)).tanh()
         >>> counter.bytes  # the ones multiplied by w (w itself excluded) and the tanh's result
         24
     """
 
     def __init__(self, exclude: Set[int]) -> None:
+        super().__init__(self._pack, _unpack)
         self.exclude = set(exclude)
         self.widest = 0
         self._seen: Dict[int, int] = {}  # storage -> the most bytes a saved view of it spans
-        self._hooks: Any = None
         #: The modules running now, innermost last (set by the counting forward's hooks): what is saved is theirs.
         self.stack: List[str] = []
         #: Bytes saved by each module's own ops (the innermost module running when they were saved).
@@ -112,14 +121,6 @@ class SavedCounter:
             pass
         return t
 
-    def __enter__(self) -> "SavedCounter":
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._hooks.__exit__(*exc)
-
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
@@ -127,12 +128,7 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
 
 def _held(model: nn.Module) -> Set[int]:
     """The storages of the model's parameters and buffers (saved by reference: no activation)."""
-    return {t.untyped_storage().data_ptr() for t in _tensors(model)}
-
-
-def _tensors(model: nn.Module) -> Iterator[torch.Tensor]:
-    yield from model.parameters()
-    yield from model.buffers()
+    return {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
 
 
 def saved_bytes(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any], batch: Any, seed: int = 0,

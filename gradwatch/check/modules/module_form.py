@@ -71,6 +71,7 @@ from gradwatch.plan.cycle import Piece
 from gradwatch.plan.memory import (
     LOSS_CODE_BYTES_PER_ENTRY,
     MODULE_BYTES_PER_ENTRY,
+    MODULE_SAVED_COPIES,
     TRIM_BYTES,
     conv_workspace_bytes,
     float_bytes,
@@ -571,16 +572,11 @@ def _cast_capture(got: Captured, unit: Unit, rows: Optional[Tuple[int, int]], dt
         stub = [t for outs in children.values() for o in outs for t in tensor_leaves(o) if t.is_floating_point()]
         need = module_bytes(unit.params.values(), inputs, out_bytes) + _numel(stub) * _per_stub_entry(unit) \
             + (conv_workspace_bytes(unit.module, out_bytes) if unit.kind == "module" else 0) \
-            + int(SAVED_COPIES * unit.saved_ratio * float_bytes(inputs))
+            + int(MODULE_SAVED_COPIES * unit.saved_ratio * float_bytes(inputs))
     else:
         fixed, per_row = _rows_cost(unit, inputs, out_bytes)
         need = fixed + int(per_row * (rows[1] - rows[0]))
     return inputs, children, out_bytes, need, constants
-
-
-#: Copies of what a unit's own ops save for backward (:attr:`Unit.saved_ratio`) its check holds at once: the analytic
-#: forward's, and their gradients in the backward.
-SAVED_COPIES = 2
 
 
 def _per_stub_entry(unit: Unit) -> int:
