@@ -133,9 +133,9 @@ def no_collectives() -> Any:
         ...     (torch.ones(2) * 2).tolist()
         [2.0, 2.0]
     """
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from gradwatch.check.objective.dispatch_mode import EagerDispatchMode
 
-    class _Refuse(TorchDispatchMode):
+    class _Refuse(EagerDispatchMode):
         def __enter__(self) -> Any:
             _ALONE.append(self)
             return super().__enter__()
@@ -144,7 +144,7 @@ def no_collectives() -> Any:
             _ALONE.remove(self)
             return super().__exit__(*exc)
 
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        def dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             if func.namespace in COLLECTIVE_NAMESPACES:
                 raise CollectiveInCheck(
                     f"its own code makes a collective ({func.namespace}::{func.__name__}), which one rank cannot make "

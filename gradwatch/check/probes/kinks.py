@@ -29,9 +29,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradwatch.check.judging.judge import agrees
+from gradwatch.check.objective.dispatch_mode import EagerDispatchMode
 from gradwatch.check.probes.lines import (
     EngineSettings,
     Evaluator,
@@ -173,7 +173,7 @@ RULES: Dict[Any, Callable[..., List[Tuple[str, torch.Tensor]]]] = {
 }
 
 
-class Recorder(TorchDispatchMode):
+class Recorder(EagerDispatchMode):
     """Notes the branch each non-smooth op takes during one evaluation (see the module's docstring).
 
     Example:
@@ -218,7 +218,7 @@ class Recorder(TorchDispatchMode):
         replayed: :mod:`gradwatch.check.probes.prefix`), so that the records still line up."""
         self.record.extend(entries)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Tuple = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
+    def dispatch(self, func: Any, types: Any, args: Tuple = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
         if self.watched:
             note_reads(self.watched, self.first, self.ops, args, kwargs)

@@ -36,8 +36,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Un
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from gradwatch.check.objective.dispatch_mode import EagerDispatchMode
 from gradwatch.check.probes import kinks
 from gradwatch.trees import tensor_leaves
 
@@ -83,7 +83,7 @@ def _same_states(a: List[torch.Tensor], b: List[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-class _FirstReads(TorchDispatchMode):
+class _FirstReads(EagerDispatchMode):
     """Counts the ops of one evaluation and notes the first op that reads each watched storage."""
 
     def __init__(self, storages: Set[int]) -> None:
@@ -92,7 +92,7 @@ class _FirstReads(TorchDispatchMode):
         self.ops = 0
         self.first: Dict[int, int] = {}
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Tuple = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
+    def dispatch(self, func: Any, types: Any, args: Tuple = (), kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kinks.note_reads(self.storages, self.first, self.ops, args, kwargs or {})
         self.ops += 1
         return func(*args, **(kwargs or {}))
