@@ -101,11 +101,11 @@ def _load_malloc_trim() -> Any:
 _MALLOC_TRIM = _load_malloc_trim() if sys.platform.startswith("linux") else None
 
 
-#: The least a measured limit allows the pieces of a check above what the process's data held when they began: the
-#: first float64 evaluations of a process allocate a few MB once (the autograd engine's threads, the allocator's
-#: pools: 4.3 MB at a fresh process's first piece, 0.06 MB at the next), which no piece holds. Below it the pieces'
-#: estimates alone bound them.
-MEASURE_FLOOR = 8 << 20
+#: The least a measured limit allows the pieces of a check above what the process held when they began: a process's
+#: first float64 evaluations take memory once that no piece holds (the pages of torch's float64 kernels, the autograd
+#: engine's threads: 8.7 MB and 9.0 MB at a fresh process's first piece, a cross-entropy on 2 samples, then 0). Below
+#: it the pieces' estimates alone bound them.
+MEASURE_FLOOR = 16 << 20
 #: A part of a check that freed this much gives it back to the system before the next part allocates (glibc's
 #: ``malloc_trim`` walks the whole heap: 5 to 10 ms in a process of a few hundred MB, more than a small piece's
 #: check itself); smaller frees are reused by the next allocations.
@@ -148,27 +148,6 @@ def in_use_bytes(device: torch.device) -> int:
         return int(torch.cuda.memory_allocated(device))
     now = _rss_now_bytes()
     return now if now is not None else _rss_peak_bytes()
-
-
-def anonymous_bytes(device: torch.device) -> int:
-    """Memory the process's data holds now: CUDA allocated, else the anonymous part of the resident set (``RssAnon``:
-    the heap and its mappings, not the pages of code and files it mapped; :func:`in_use_bytes` where that is not
-    read). A first float64 check touches kernels of torch's libraries that training never ran: tens of MB of code
-    pages that come in once and count in the resident set, but are not what a check's pieces hold.
-
-    Example:
-        >>> 0 < anonymous_bytes(torch.device("cpu")) <= in_use_bytes(torch.device("cpu"))
-        True
-    """
-    if device.type != "cuda":
-        try:
-            with open("/proc/self/status", "rb") as fh:
-                for line in fh:
-                    if line.startswith(b"RssAnon:"):
-                        return int(line.split()[1]) * 1024  # kB
-        except (OSError, ValueError, IndexError):
-            pass
-    return in_use_bytes(device)
 
 
 def model_device(model: nn.Module) -> torch.device:

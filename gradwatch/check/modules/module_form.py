@@ -74,7 +74,6 @@ from gradwatch.plan.memory import (
     MODULE_BYTES_PER_ENTRY,
     MODULE_SAVED_COPIES,
     TRIM_BYTES,
-    anonymous_bytes,
     conv_workspace_bytes,
     float_bytes,
     in_use_bytes,
@@ -231,10 +230,10 @@ def run_module_check(
     # (sharded: as many on every rank, agreed after each; without a way to agree, one forward holding them all).
     budget = None if room is None or (view is not None and agree is None) else room // 3
     # What the pieces leave in the process's heap (freed, not given back) is measured too: the pieces of a check never
-    # hold more data (anonymous memory: not the pages of torch's code a first float64 check maps in) than the room
-    # above what the process held when they began (at least MEASURE_FLOOR above it: what first evaluations allocate once).
+    # hold more than the room above what the process held when they began (at least MEASURE_FLOOR above it: what a
+    # process's first float64 evaluations take once).
     device = model_device(model)
-    limit = None if room is None else anonymous_bytes(device) + max(room, MEASURE_FLOOR)
+    limit = None if room is None else in_use_bytes(device) + max(room, MEASURE_FLOOR)
     part = batch
     # Only forwards that run to the model's output are cut (FSDP2's and ZeRO-3's always do; under tensor and sequence
     # parallel, those of a check where some rank checks the root's or loss_fn's own code): the others stop before it.
@@ -248,7 +247,7 @@ def run_module_check(
         first = None
     while remaining or once:
         once = False
-        if began and limit is not None and anonymous_bytes(device) > limit - (budget or 0):
+        if began and limit is not None and in_use_bytes(device) > limit - (budget or 0):
             release_freed()  # what the pieces freed, before another forward captures
         got = capture(model, objective.loss, part, remaining, opts.seed,
                       budget=budget if first is None or replay_budget is None or budget is None
@@ -263,7 +262,7 @@ def run_module_check(
         if limit is not None and room is not None and not began and (first is not None or ready is not None):
             # what the process holds now, but the captures, is where the pieces begin: the whole pieces' parameters
             # just gathered, and what a replay run as this capture left (it ran after the limit was first taken)
-            limit = anonymous_bytes(device) - _held(got) + max(room, MEASURE_FLOOR)
+            limit = in_use_bytes(device) - _held(got) + max(room, MEASURE_FLOOR)
         first, began = None, True
         per_position = per_position or got.model_bytes / positions(part)
         if report.objective != report.objective and got.loss is not None and part is batch:  # the first forward's loss
@@ -277,7 +276,7 @@ def run_module_check(
                 continue
             left = None if room is None else max(0, room - held)
             if limit is not None and left is not None:
-                left = _measured(left, limit, device, anonymous_bytes)
+                left = _measured(left, limit, device)
             # shard by shard, a rank's one block of a unit too (it holds fewer rows: often one block a check), on the
             # group's positions, as the blocks of a group are
             if (len(item) > 1 or (view is not None and groupable(item[0], unit))) and unit.name in got.inputs:
@@ -304,7 +303,7 @@ def run_module_check(
         if unit.name in got.inputs or unit.name in got.big:
             left = None if room is None else max(0, room - _held(got))
             if limit is not None and left is not None:
-                left = _measured(left, limit, device, anonymous_bytes)
+                left = _measured(left, limit, device)
             estimate, unused = _run_piece(model, objective, batch, opts, unit, piece, got, dtype, canonical,
                                           left, report, skipped, estimate, unused, screen=screen)  # detection first
         del got
@@ -378,14 +377,13 @@ def _one_rank(view: Optional[PieceView], unit: Unit) -> ContextManager[Any]:
     return no_collectives()
 
 
-def _measured(left: int, limit: int, device: torch.device, held: Callable[[torch.device], int] = in_use_bytes) -> int:
-    """``left`` (the room an estimate leaves a piece) within what the process may still add under ``limit``, as ``held``
-    reads it (the check's pieces: :func:`~gradwatch.plan.memory.anonymous_bytes`): where the heap kept what earlier
-    pieces freed, it is given back first (glibc's ``malloc_trim``; elsewhere nothing)."""
-    if held(device) + left <= limit:
+def _measured(left: int, limit: int, device: torch.device) -> int:
+    """``left`` (the room an estimate leaves a piece) within what the process may still add under ``limit``: where the
+    heap kept what earlier pieces freed, it is given back first (glibc's ``malloc_trim``; elsewhere nothing)."""
+    if in_use_bytes(device) + left <= limit:
         return left
     release_freed()
-    return max(0, min(left, limit - held(device)))
+    return max(0, min(left, limit - in_use_bytes(device)))
 
 
 def _held(got: Captured) -> int:
