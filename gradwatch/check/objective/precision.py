@@ -17,6 +17,11 @@ evaluates the shadow. It
   without the rounding, and that is the one the check then evaluates;
 - runs ops without a float64 kernel in float64 where it has an exact
   implementation (grouped matmul), else in float32 (cast in, cast back);
+- runs an op that raised because it mixes shadow-dtype tensors with
+  lower-precision ones (``scatter_add_`` of a float32 source into a buffer
+  the shadow made in float64, ``index_add_``, ``index_put_``, ``mm``, ...)
+  as the float32 program ran it: every operand in the shadow dtype, or, when
+  the op writes into a lower-precision tensor, in that tensor's dtype;
 - records, during the check's first (analytic) forward, every op whose
   output depends on the parameters and is still of lower precision than
   the shadow (an *island*), with the module it ran in.
@@ -116,6 +121,7 @@ class ShadowPrecision(TorchFunctionMode):
     Attributes:
         upcasts: ``{where: count}`` of casts down that were kept in ``dtype`` (where: ``module: op -> dtype``).
         fallbacks: ``{where: how}`` for ops without a kernel in ``dtype``.
+        mixed: ``{where: how}`` for ops that raised on operands of mixed dtypes and ran with them made one dtype.
         islands: ``{where: dtype}`` of parameter-dependent ops still computed in a lower precision.
 
     Example:
@@ -132,6 +138,7 @@ class ShadowPrecision(TorchFunctionMode):
         self._eps = torch.finfo(dtype).eps
         self.upcasts: Dict[str, int] = {}
         self.fallbacks: Dict[str, str] = {}
+        self.mixed: Dict[str, str] = {}
         self.islands: Dict[str, torch.dtype] = {}
         self._trace = False
         self._stack: List[str] = []
@@ -141,7 +148,7 @@ class ShadowPrecision(TorchFunctionMode):
     @property
     def needed(self) -> bool:
         """True when an evaluation without the mode would compute something else (a cast or a fallback happened)."""
-        return bool(self.upcasts or self.fallbacks)
+        return bool(self.upcasts or self.fallbacks or self.mixed)
 
     def eps(self) -> float:
         """Unit roundoff of the coarsest precision a parameter-dependent op ran in (the shadow's when none lower)."""
@@ -154,6 +161,7 @@ class ShadowPrecision(TorchFunctionMode):
             "eps": self.eps(),
             "kept_in_shadow_dtype": dict(self.upcasts),
             "fallbacks": dict(self.fallbacks),
+            "mixed_dtypes": dict(self.mixed),
             "low_precision": {k: str(v).replace("torch.", "") for k, v in self.islands.items()},
         }
 
@@ -169,6 +177,9 @@ class ShadowPrecision(TorchFunctionMode):
             )
         if self.fallbacks:
             out.append(f"precision: ops without a {name} kernel: " + "; ".join(f"{k} ({v})" for k, v in self.fallbacks.items()))
+        if self.mixed:
+            out.append(f"precision: ops given {name} and lower-precision operands at once ran with them made one dtype, "
+                       "as the lower-precision program ran them: " + "; ".join(f"{k} ({v})" for k, v in self.mixed.items()))
         if self.islands:
             coarse = str(max(self.islands.values(), key=lambda d: torch.finfo(d).eps)).replace("torch.", "")
             out.append(
@@ -213,7 +224,7 @@ class ShadowPrecision(TorchFunctionMode):
     def _where(self, func: Any) -> str:
         op = _op_name(func)
         if not self._trace:  # a later evaluation: the module the first forward found it in
-            known = [k for k in self.fallbacks if k.endswith(f": {op}")]
+            known = [k for k in (*self.fallbacks, *self.mixed) if k.endswith(f": {op}")]
             return known[0] if known else f"an evaluation after the first: {op}"
         return f"{self._stack[-1] if self._stack else 'the loss function'}: {op}"
 
@@ -283,11 +294,60 @@ class ShadowPrecision(TorchFunctionMode):
         return None
 
     def _fallback(self, func: Any, args: tuple, kwargs: dict, err: Exception) -> Any:
-        """Run an op that has no kernel in the shadow dtype: exactly where possible, else in float32."""
+        """Run an op that raised in the shadow dtype: operands of mixed dtypes made one (:meth:`_one_dtype`); without
+        a kernel in the shadow dtype, exactly where possible, else in float32."""
+        flat = tree_flatten((args, kwargs))[0]
+        if not any(self._high(t) for t in flat):
+            raise err
+        same = self._one_dtype(func, args, kwargs, flat)
+        if same is not None:
+            try:
+                out = func(*same[0], **same[1])
+            except (RuntimeError, NotImplementedError, TypeError) as again:  # no shadow-dtype kernel, or the program's
+                return self._no_kernel(func, same[0], same[1], again, again)  # own error: the one float32 raises too
+            self._note_mixed(func, same[2])
+            return out
+        return self._no_kernel(func, args, kwargs, err, err)
+
+    def _one_dtype(self, func: Any, args: tuple, kwargs: dict, flat: List[Any]) -> Optional[Tuple[tuple, dict, str]]:
+        """``(args, kwargs, how)`` with every floating operand in one dtype, for a call that mixes shadow-dtype tensors
+        with lower-precision ones; None when it does not.
+
+        The shadow makes some tensors in its dtype (factories with a ``dtype=``, casts kept) while others the program
+        makes stay in a lower precision (an integer mask ``.to(torch.float32)``, ``torch.zeros(n)`` in the default
+        dtype), and ops that require one dtype (``scatter_add_``, ``index_add_``, ``index_put_``, ``mm``, ``lerp``)
+        raise on the mix, where the lower-precision program, all in one dtype, did not. The call is made again as that
+        program made it: every floating operand in the shadow dtype, or, when the op writes into a lower-precision
+        tensor (``out=``, an in-place method, ``__setitem__``), in that tensor's dtype (its result cannot be
+        anything else; an op that depends on the parameters there is an island like any other).
+        """
+        lows = [t for t in flat if isinstance(t, torch.Tensor) and self._low(t.dtype)]
+        if not lows:
+            return None
+        written = _written(func, args, kwargs)
+        to = written.dtype if written is not None and self._low(written.dtype) else self.dtype
+        if to == self.dtype:
+            def change(t: Any) -> Any:
+                return t.to(to) if isinstance(t, torch.Tensor) and self._low(t.dtype) and t is not written else t
+            how = f"the {_name(lows[0].dtype)} operands cast to {_name(to)}"
+        else:
+            def change(t: Any) -> Any:
+                return t.to(to) if self._high(t) else t
+            how = f"it writes into a {_name(to)} tensor: the {_name(self.dtype)} operands cast to {_name(to)}"
+        return tree_map(change, args), tree_map(change, kwargs), how
+
+    def _note_mixed(self, func: Any, how: str) -> None:
+        where = self._where(func)
+        if where not in self.mixed:
+            self.mixed[where] = how
+
+    def _no_kernel(self, func: Any, args: tuple, kwargs: dict, err: Exception, original: Exception) -> Any:
+        """Run an op that has no kernel in the shadow dtype: exactly where possible, else in float32; ``original``
+        (the error of the call as the program made it) is raised when it cannot run."""
         message = str(err)
         flat = tree_flatten((args, kwargs))[0]
         if not any(self._high(t) for t in flat) or not any(s in message for s in ("Double", "double", "float64", "Float64")):
-            raise err
+            raise original
         where = self._where(func)
         if func in _GROUPED_MM and _grouped_shapes(args, kwargs):
             out = _grouped_mm(*args, **kwargs)
@@ -301,7 +361,7 @@ class ShadowPrecision(TorchFunctionMode):
         try:
             out = func(*tree_map(down, args), **tree_map(down, kwargs))
         except Exception:  # noqa: BLE001 - the float32 retry failed too: the original error is the one to show
-            raise err from None
+            raise original from None
         if where not in self.fallbacks:
             self.fallbacks[where] = f"no {_name(self.dtype)} kernel ({message.splitlines()[0][:80]}); evaluated in float32"
             warnings.warn(f"gradwatch: {where} has no {_name(self.dtype)} kernel; the check evaluates it in float32",
@@ -315,6 +375,21 @@ class ShadowPrecision(TorchFunctionMode):
             if isinstance(t, torch.Tensor) and t.requires_grad and self._low(t.dtype):
                 self.islands.setdefault(self._where(func), t.dtype)
                 return
+
+
+#: Dunder methods that write into their first argument (``x += y``, ``x[i] = y``).
+_WRITING_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                              "__imod__", "__ipow__", "__imatmul__"})
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """The tensor a call writes its result into: ``out=``, or the first argument of an in-place method; None if none."""
+    out = kwargs.get("out")
+    if isinstance(out, torch.Tensor):
+        return out
+    name = getattr(func, "__name__", "") or ""
+    inplace = name in _WRITING_DUNDERS or (name.endswith("_") and not name.startswith("_"))
+    return args[0] if inplace and args and isinstance(args[0], torch.Tensor) else None
 
 
 def _listed(found: Dict[str, Any]) -> str:
