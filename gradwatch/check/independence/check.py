@@ -46,7 +46,7 @@ from gradwatch.check.independence.structures import (
     parse_structures,
 )
 from gradwatch.check.objective.generators import HeldGenerators
-from gradwatch.check.objective.guards import BufferGuard
+from gradwatch.check.objective.guards import BufferGuard, suspended_hooks
 from gradwatch.check.objective.rng import preserved_rng, seed_everything
 
 #: Keyword arguments of a Hugging Face model call that may hold the input, in order of preference.
@@ -242,7 +242,8 @@ class _Runner:
 
 @contextmanager
 def _quiet_state(model: nn.Module, held: HeldGenerators) -> Iterator[List[str]]:
-    """Eval mode, every generator and buffer put back, the train/eval flags as they were; yields notes.
+    """Eval mode, the user's module hooks suspended, every generator and buffer put back, the train/eval flags as they
+    were; yields notes.
 
     ``held``: the generators the model holds (``torch.Generator``, numpy, ``random``), put back on exit.
     """
@@ -254,7 +255,7 @@ def _quiet_state(model: nn.Module, held: HeldGenerators) -> Iterator[List[str]]:
             f"; {norms[0]} on its running statistics (in train mode it mixes the batch by design)" if norms else ""))
     guard = BufferGuard(model)
     try:
-        with preserved_rng():
+        with preserved_rng(), suspended_hooks(model):  # the user's hooks run in training's forwards only
             model.eval()
             yield notes
     finally:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import operator
-import types
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 from torch.nn.utils.parametrizations import _SpectralNorm
+
+from gradwatch.check.objective.library_code import library_of
 
 
 class BufferGuard:
@@ -99,9 +100,10 @@ _HOOK_KINDS = {"_forward_pre_hooks": "forward pre-hook", "_forward_hooks": "forw
                "_backward_pre_hooks": "backward pre-hook", "_backward_hooks": "backward hook"}
 
 
-#: Top-level packages whose hooks are part of the function a module computes (weight_norm, pruning, ...; DeepSpeed
-#: ZeRO-3's gather their module's parameters, and its engine's casts the inputs under fp16).
-_LIBRARY_HOOKS = ("torch", "deepspeed")
+#: Libraries whose hooks are part of what any module computes, whoever made the module: torch's (weight_norm,
+#: pruning, spectral_norm) and DeepSpeed's (ZeRO-3's gather their module's parameters, and its engine's cast the
+#: inputs under fp16). Named, so that a source checkout of either (outside site-packages) counts too.
+_ANY_MODULE = ("torch", "deepspeed")
 
 
 def _function_of(hook: Any) -> Any:
@@ -109,17 +111,8 @@ def _function_of(hook: Any) -> Any:
     return hook.func if isinstance(hook, functools.partial) else hook
 
 
-def _library_hook(hook: Any) -> bool:
-    if getattr(hook, "_gradwatch_hook", False):  # gradwatch's own (the shadow's input casting)
-        return True
-    fn = _function_of(hook)
-    fn = getattr(fn, "__func__", fn)  # a bound method: where its function is defined
-    where = fn.__module__ if isinstance(fn, (types.FunctionType, types.BuiltinFunctionType)) else type(fn).__module__
-    return isinstance(where, str) and where.split(".")[0] in _LIBRARY_HOOKS
-
-
 #: Hooks a library registers that only mark outputs as requiring grad (Hugging Face's
-#: ``enable_input_require_grads``, which reentrant checkpointing and PEFT use): suspended like the others, but
+#: ``enable_input_require_grads``, which reentrant checkpointing and PEFT use): suspended like the user's, but
 #: not named as the user's (they change no value, and the check takes its gradients itself).
 _SILENT_HOOKS = {("transformers", "make_inputs_require_grads")}
 
@@ -135,6 +128,67 @@ def _hook_name(hook: Any) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
+#: Top-level packages of the classes a module type derives from (its own and its bases'), by type.
+_PACKAGES_OF_TYPE: Dict[type, FrozenSet[str]] = {}
+
+
+def _packages_of(cls: type) -> FrozenSet[str]:
+    known = _PACKAGES_OF_TYPE.get(cls)
+    if known is None:
+        known = _PACKAGES_OF_TYPE[cls] = frozenset(
+            c.__module__.split(".")[0] for c in cls.__mro__ if isinstance(getattr(c, "__module__", None), str))
+    return known
+
+
+class HookRule:
+    """Which module hooks are part of the model (they run in a check) and which are the user's (suspended).
+
+    A hook runs in every evaluation of a check when it is gradwatch's own (marked ``_gradwatch_hook``), or its
+    function is the code of an installed library (:func:`~gradwatch.check.objective.library_code.library_of`:
+    site-packages, the standard library) that is part of the model: torch or DeepSpeed (their hooks are part of what
+    any module computes), or a library that defines the class of one of ``modules`` or of one of its bases
+    (transformers' output-capturing hooks on a transformers model, PEFT's on its layers). Every other hook is
+    suspended: the user's (a script, a test file, the user's project, an editable install of it), and an installed
+    library's on a model it did not make (an observer such as a logger's ``watch``, whose counters and logs a check
+    must not move). A hook that only marks outputs as requiring grad (:data:`_SILENT_HOOKS`) is suspended too.
+
+    Args:
+        modules: The modules whose hooks are decided (the model's, or a part of it).
+
+    Example:
+        >>> from torch.nn.utils import prune
+        >>> lin = prune.l1_unstructured(nn.Linear(2, 1), "weight", amount=0.5)  # torch's pre-hook
+        >>> rule = HookRule(list(lin.modules()))
+        >>> [rule.keeps(h) for h in lin._forward_pre_hooks.values()], rule.keeps(lambda m, i, o: None)
+        ([True], False)
+    """
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        self._modules = modules
+        self._packages: Optional[Set[str]] = None
+
+    def keeps(self, hook: Any) -> bool:
+        """True when ``hook`` runs in a check (it is part of the model)."""
+        if getattr(hook, "_gradwatch_hook", False):  # gradwatch's own (the shadow's input casting)
+            return True
+        if _silent_hook(hook):
+            return False
+        library = library_of(_function_of(hook))
+        return library is not None and (library in _ANY_MODULE or library in self.packages())
+
+    def library(self, hook: Any) -> Optional[str]:
+        """The installed library ``hook`` comes from (None: the user's code), for a note naming it."""
+        return library_of(_function_of(hook))
+
+    def packages(self) -> Set[str]:
+        """Top-level packages defining the classes of the modules (and their bases); computed at the first need."""
+        if self._packages is None:
+            self._packages = set()
+            for cls in {type(m) for m in self._modules}:
+                self._packages |= _packages_of(cls)
+        return self._packages
+
+
 def _has_hooks(m: nn.Module) -> bool:
     # Attribute reads, not a loop over _HOOK_KINDS: this runs for every module of every replay.
     return bool(m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks)
@@ -146,9 +200,10 @@ def suspended_hooks(model: nn.Module, modules: Optional[List[nn.Module]] = None)
 
     A hook on the live model (or its deep copy, whose hooks are the same functions) would run
     at every evaluation of a check: a recorder of activations would fill up, a counter rise,
-    by dozens per check. Hooks defined by torch (``weight_norm``, pruning, ``spectral_norm``), by DeepSpeed
-    (ZeRO-3 gathers a module's parameters in its hooks) and gradwatch's own are part of what a module computes
-    and keep running. Global module
+    by dozens per check. Hooks that are part of the model keep running (:class:`HookRule`): torch's
+    (``weight_norm``, pruning, ``spectral_norm``), DeepSpeed's (ZeRO-3 gathers a module's parameters in its
+    hooks), gradwatch's own, and those of the installed library that makes the model (transformers collects
+    router logits and hidden states with forward hooks, into a collector of its own for each call). Global module
     hooks (``register_module_forward_hook``) are suspended by the same rule. Each hook is put
     back in its place afterwards. A library hook that only marks outputs as requiring grad (Hugging Face's
     ``make_inputs_require_grads``) is suspended too, but not named: it is not the user's, and changes no value.
@@ -162,21 +217,22 @@ def suspended_hooks(model: nn.Module, modules: Optional[List[nn.Module]] = None)
         >>> len(seen), names, len(lin._forward_hooks)
         (0, ['forward hook <lambda> on the model'], 1)
     """
-    places: List[Tuple[Any, Dict[str, Any]]] = [
-        (m, m.__dict__) for m in (model.modules() if modules is None else modules) if _has_hooks(m)]
+    walked = list(model.modules()) if modules is None else modules
+    rule = HookRule(walked)
+    places: List[Tuple[Any, Dict[str, Any]]] = [(m, m.__dict__) for m in walked if _has_hooks(m)]
     places.append(("every module (global)", _global_hooks()))
     removed: List[_Removed] = []
     names: List[str] = []
     module_names: Dict[int, str] = {}  # built once, only when a user hook needs naming
     for where, attrs in places:
         for key, kind in _HOOK_KINDS.items():
-            user = _take_user_hooks(attrs.get(key), removed)
+            user = _take_user_hooks(attrs.get(key), removed, rule)
             if user:
                 if isinstance(where, nn.Module):
                     if not module_names:
                         module_names = {id(m): name or "the model" for name, m in model.named_modules()}
                     where = module_names.get(id(where), "the model")
-                names.extend(f"{kind} {_hook_name(h)} on {where}" for h in user.values() if not _silent_hook(h))
+                names.extend(f"{kind} {_named(h, rule)} on {where}" for h in user.values() if not _silent_hook(h))
     try:
         yield names
     finally:
@@ -192,11 +248,17 @@ def _global_hooks() -> Dict[str, Any]:
     return {k: getattr(torch_module, "_global" + k, None) for k in _HOOK_KINDS}
 
 
-def _take_user_hooks(hooks: Optional[Dict[Any, Any]], removed: List[_Removed]) -> Optional[Dict[Any, Any]]:
-    """Take the hooks user code registered out of ``hooks`` (noted in ``removed``); returns them (None: none)."""
+def _named(hook: Any, rule: HookRule) -> str:
+    """A suspended hook's name in a note, with the installed library it comes from (``parameter_log_hook (wandb)``)."""
+    library = rule.library(hook)
+    return _hook_name(hook) + (f" ({library})" if library is not None else "")
+
+
+def _take_user_hooks(hooks: Optional[Dict[Any, Any]], removed: List[_Removed], rule: HookRule) -> Optional[Dict[Any, Any]]:
+    """Take the hooks ``rule`` does not keep out of ``hooks`` (noted in ``removed``); returns them (None: none)."""
     if not hooks:
         return None
-    user = {k: h for k, h in hooks.items() if not _library_hook(h)}
+    user = {k: h for k, h in hooks.items() if not rule.keeps(h)}
     if not user:
         return None
     removed.append((hooks, list(hooks), user))
@@ -329,11 +391,12 @@ class LiveIsolation:
 
     def __enter__(self) -> "LiveIsolation":
         owners: List[Tuple[nn.Module, str, torch.Tensor]] = []
+        rule = HookRule(self.modules)
         for m in self.modules:
             d = m.__dict__
             if _has_hooks(m):
                 for key in _HOOK_KINDS:
-                    _take_user_hooks(d[key], self._hooks)
+                    _take_user_hooks(d[key], self._hooks, rule)
             buffers = d["_buffers"]
             if buffers:
                 owners.extend((m, k, b) for k, b in buffers.items() if b is not None)
@@ -343,7 +406,7 @@ class LiveIsolation:
             if not _stateless(type(m)) or "forward" in d:  # a forward of user code may change a plain attribute
                 self._attrs.append((d, d.copy()))  # compared on exit
         for hooks in _global_hooks().values():
-            _take_user_hooks(hooks, self._hooks)
+            _take_user_hooks(hooks, self._hooks, rule)
         for p in self.params:
             hooks = p._backward_hooks
             if hooks:
