@@ -102,13 +102,14 @@ class AlertPolicy:
     def should_raise(self, alert: Alert) -> bool:
         """Whether ``alert`` raises under ``raise_on`` (a confirmed independence leak raises at any level; a drift and
         a partial accumulation window, warnings, at ``"suspicious"``; a ``not_checked`` alert never: nothing was
-        judged, see :meth:`~gradwatch.watch.trend.TrendTracker.not_checked`)."""
+        judged, see :meth:`~gradwatch.watch.trend.TrendTracker.not_checked`; a ``term_weight`` alert as the threshold
+        alerts of the tensors it explains would, by its value)."""
         level = self.raise_on
         if level is None or alert.kind == "not_checked":
             return False
         if alert.kind == "independence":  # a confirmed leak is wrong at any level
             return True
-        if alert.kind == "threshold":
+        if alert.kind in ("threshold", "term_weight"):  # a term weighted wrong: as its tensors' verdicts would
             return Verdict.from_value(alert.value, self.bands).is_failure(Verdict.parse(level))
         return alert.kind in ("drift", "partial_window") and Verdict.parse(level) == Verdict.SUSPICIOUS
 

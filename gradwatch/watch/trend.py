@@ -50,9 +50,11 @@ class Alert:
             it starts, see :mod:`gradwatch.watch.independence`), and of the training part ``"partial_window"`` (a
             step of a partial accumulation window, its ``.grad`` the step's objective's times ``n / K``) or
             ``"unjudged"`` (its micro-batches were not handed to the watch; once for the run), both on ``"*"``
-            (see :mod:`gradwatch.watch.accumulation`), and ``"not_checked"`` (a unit or a part a check could not
-            check, once per run for each thing and reason; the tensor is the unit, or ``"*"`` for a whole part: a
-            warning, never a failed verdict, see :meth:`TrendTracker.not_checked`).
+            (see :mod:`gradwatch.watch.accumulation`), ``"term_weight"`` (a term of the loss weighted otherwise than
+            the step's objective weighs it, on ``"*"``, once for the run; :mod:`gradwatch.watch.term_weights`), and
+            ``"not_checked"`` (a unit or a part a check could not check, once per run for each thing and reason; the
+            tensor is the unit, or ``"*"`` for a whole part: a warning, never a failed verdict, see
+            :meth:`TrendTracker.not_checked`).
         severity: ``"error"`` (WRONG threshold, nonfinite, error) or ``"warning"``.
         value: The value that triggered it (judged rel_diff, rolling median for drift,
             the objective for whole-check alerts, the scale for a partial window; ``nan`` when there is none).

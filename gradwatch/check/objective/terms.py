@@ -235,11 +235,19 @@ class Objective:
             blame(exc, "loss_fn")
             raise
 
+    def regularizer_terms(self, model: nn.Module) -> Dict[str, torch.Tensor]:
+        """Each regularizer's value: the terms of :meth:`training_total` beside the loss.
+
+        Example:
+            >>> obj = Objective(lambda m, b: m(b).sum(), {"l2": 0.5})
+            >>> {k: float(v) for k, v in obj.regularizer_terms(nn.Linear(1, 1, bias=False).requires_grad_(False)).items()}
+            {'l2': 0.0}
+        """
+        return {name: _regularizer(name, reg, model) for name, reg in self.regularizers.items()}
+
     def param_terms(self, model: nn.Module) -> Dict[str, torch.Tensor]:
         """The terms that read only the parameters: each regularizer, and ``"weight_decay"`` when present."""
-        out: Dict[str, torch.Tensor] = {}
-        for name, reg in self.regularizers.items():
-            out[name] = _regularizer(name, reg, model)
+        out = self.regularizer_terms(model)
         if self.weight_decay:
             params = dict(model.named_parameters())
             out["weight_decay"] = as_scalar("weight_decay", sum(0.5 * wd * params[n].pow(2).sum()
