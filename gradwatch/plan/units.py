@@ -4,7 +4,8 @@ One counting forward of the live model (no grad, dropout off, nothing changed) s
 run and which module called which. Each module that ran gives one unit:
 
 - a module whose forward called no other module (a leaf, or ``MultiheadAttention``, which uses
-  ``out_proj`` through its weight) is checked whole: its input gradient and its own parameters;
+  ``out_proj`` through its weight) is checked whole: its input gradient and its own parameters
+  (none of either, as diffusers' ``Timesteps`` on integer timesteps: nothing to check, no unit);
 - a module whose forward called others is checked for its **own code**: the ops of its ``forward``
   between the calls (hand-written attention, residual adds, a loss computed inside ``forward``),
   as a function of its inputs, its own parameters and the outputs of the modules it called. Those
@@ -35,6 +36,7 @@ from gradwatch.check.objective.dropout_off import dropout_off
 from gradwatch.check.objective.guards import BufferGuard, frozen_batchnorm_stats, frozen_power_iteration, suspended_hooks
 from gradwatch.check.objective.padding_idx import padding_rows_constant
 from gradwatch.check.objective.rng import Reseeder, preserved_rng
+from gradwatch.trees import tensor_leaves
 
 #: Module classes whose own code is torch's plain calling of children (no op of their own to check).
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -92,6 +94,8 @@ class Calls:
 
     counts: Dict[str, int] = field(default_factory=dict)
     children: Dict[str, List[str]] = field(default_factory=dict)
+    #: Modules whose first call was given no floating tensor (integer timesteps, token ids).
+    inputless: Set[str] = field(default_factory=set)
 
     def called(self, name: str) -> List[str]:
         """Modules (full names) the first call of ``name`` called directly, in call order, once each."""
@@ -167,6 +171,8 @@ def count_calls(model: nn.Module, loss_fn: Any, batch: Any, seed: int = 0) -> Ca
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             first = name not in calls.counts
             calls.counts[name] = calls.counts.get(name, 0) + 1
+            if first and not any(t.is_floating_point() and t.numel() for t in tensor_leaves((args, kwargs))):
+                calls.inputless.add(name)
             if stack and stack[-1][1]:
                 siblings = calls.children.setdefault(stack[-1][0], [])
                 if name not in siblings:
@@ -220,7 +226,9 @@ def units_from_calls(model: nn.Module, calls: Calls, own_code: bool = True) -> L
             continue
         children = calls.called(n)
         if not children:
-            out.append(Unit(n, m, owned(m, n, calls), count))
+            params = owned(m, n, calls)
+            if params or n not in calls.inputless:  # else no gradient to check: no input's, no parameter's
+                out.append(Unit(n, m, params, count))
         elif own_code and not isinstance(m, CONTAINERS):
             out.append(Unit(n, m, owned(m, n, calls), count, kind="own", stubbed=tuple(children)))
     return out

@@ -1,3 +1,3 @@
 """Modules: a failure localized to a module (``localize``), the module form of a check (``module_form``),
-and own-code copies of a module's forward (``own_code``).
+own-code copies of a module's forward (``own_code``) and the stubs standing for the modules it calls (``stubs``).
 """

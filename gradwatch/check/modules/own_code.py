@@ -3,11 +3,13 @@
 Own code. A module whose ``forward`` calls other modules (an attention block that computes
 ``softmax(q kᵀ) v`` between its projections) is checked as a function of its inputs, its own
 parameters and the outputs of the modules it calls. :func:`own_code_copy` makes a shallow copy
-of it in float64 in which each called module is a :class:`Stub`: the stub hands back, call by
-call, the output that module gave in the live forward, as a leaf the check perturbs, and keeps
-what it was given. :class:`OwnCode` runs the copy and returns its output together with every
-stub's inputs, so the vector-Jacobian product covers both directions of the own code: from the
-module's inputs to its output and to its children's inputs, and from its children's outputs on.
+of it in float64 in which each called module is a :class:`~gradwatch.check.modules.stubs.Stub`:
+the stub hands back, call by call, the output that module gave in the live forward, as a leaf the
+check perturbs, and keeps what it was given; what the own code reads of it (flags, submodules, the
+dtype of a weight) reads as the live module's, without running or changing it. :class:`OwnCode`
+runs the copy and returns its output together with every stub's inputs, so the vector-Jacobian
+product covers both directions of the own code: from the module's inputs to its output and to its
+children's inputs, and from its children's outputs on.
 The called modules are checked as units of their own.
 
 Slices. A parameter too big to check whole is checked a block of rows at a time, and only the
@@ -39,7 +41,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from gradwatch.trees import rebuild, tensor_leaves
+from gradwatch.check.modules.stubs import LiveReads, ModelStub, Stub
+from gradwatch.trees import tensor_leaves
 
 #: Per-module hook dictionaries a shallow copy gets fresh (the check runs no hook of the live module).
 HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
@@ -58,98 +61,6 @@ def fresh_shallow(module: nn.Module) -> nn.Module:
     new._buffers = dict(module._buffers)
     new._modules = dict(module._modules)
     return new
-
-
-class Stub(nn.Module):
-    """Stands in for a module an own-code unit calls.
-
-    Call ``k`` returns the output the module gave at its ``k``-th call in the live forward, its
-    floating tensors as leaves (:attr:`outputs`, cloned at each call, so the own code may work in
-    place), and records the floating tensors it was given in :attr:`given`.
-
-    Args:
-        name: The stubbed module's full name (for messages).
-        outputs: Its output at each call, already in the check's dtype.
-
-    Example:
-        >>> stub = Stub("fc", [torch.ones(2)])
-        >>> stub(torch.zeros(3)).tolist(), len(stub.given)
-        ([1.0, 1.0], 1)
-    """
-
-    def __init__(self, name: str, outputs: Sequence[Any], original: Optional[nn.Module] = None,
-                 dtype: torch.dtype = torch.float64) -> None:
-        super().__init__()
-        self.__dict__["original"] = original  # not a submodule: only its plain attributes are read
-        self.dtype = dtype
-        self.stub_name = name
-        self.templates = list(outputs)
-        self.outputs: List[List[nn.Parameter]] = []
-        for k, out in enumerate(self.templates):
-            leaves = []
-            for i, t in enumerate(t for t in tensor_leaves(out) if t.is_floating_point()):
-                p = nn.Parameter(t.detach(), requires_grad=True)
-                self.register_parameter(f"out{k}_{i}", p)
-                leaves.append(p)
-            self.outputs.append(leaves)
-        self.calls = 0
-        self.given: List[torch.Tensor] = []
-
-    def __getattr__(self, name: str) -> Any:
-        """What the own code reads of the module it calls (a LoRA wrapper reads ``base_layer.weight.dtype``): its
-        plain attributes, and its tensors as ``meta`` tensors of their shape in the check's dtype (nothing to
-        compute with: the module's output is the stub's)."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            original = self.__dict__.get("original")
-            value = getattr(original, name, None) if original is not None else None
-            if value is None or isinstance(value, nn.Module) or callable(value) and not isinstance(value, torch.Tensor):
-                raise
-            if isinstance(value, torch.Tensor):
-                return torch.empty(value.shape, dtype=self.dtype if value.is_floating_point() else value.dtype,
-                                   device="meta")
-            return value
-
-    def reset(self) -> None:
-        """Before each evaluation: no call yet, nothing given."""
-        self.calls = 0
-        self.given = []
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        k = self.calls
-        if k >= len(self.templates):
-            raise RuntimeError(f"`{self.stub_name}` was called {k + 1} times, more than in the live forward "
-                               f"({len(self.templates)}): the own code does not compute the same thing twice")
-        self.calls += 1
-        self.given.extend(t for t in tensor_leaves((args, kwargs)) if t.is_floating_point())
-        leaves = iter(self.outputs[k])
-        return rebuild(self.templates[k], lambda t: next(leaves).clone() if t.is_floating_point() else t)
-
-
-class ModelStub(Stub):
-    """Stands in for the whole model inside ``loss_fn``: calls return the model's live outputs (see
-    :class:`Stub`); any other attribute (``model.config``, a submodule) is the live model's.
-
-    Example:
-        >>> stub = ModelStub(nn.Linear(2, 3), [torch.zeros(1, 3)])
-        >>> stub(torch.ones(1, 2)).shape, stub.out_features
-        (torch.Size([1, 3]), 3)
-    """
-
-    def __init__(self, model: nn.Module, outputs: Sequence[Any]) -> None:
-        self.__dict__["_live"] = None  # set after the stub's own attributes exist
-        super().__init__("<model>", outputs)
-        self.__dict__["_live"] = model  # not a submodule: nothing of the live model is copied, cast or switched
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            live = self.__dict__.get("_live")
-            if live is None:
-                raise
-            return getattr(live, name)
 
 
 class LossCode(nn.Module):
@@ -237,7 +148,9 @@ def own_code_copy(module: nn.Module, name: str, stubbed: Sequence[str], outputs:
     memo: Dict[int, Any] = {}
     for p in params.values():
         memo[id(p)] = nn.Parameter(_cast(p, dtype), requires_grad=True)
-    stubs = {s: Stub(prefix + s, outputs.get(s, ()), _submodule(module, s), dtype) for s in stubbed}
+    reads = LiveReads(module, dtype=dtype)  # what the own code reads of the modules it calls (stubs.py)
+    stubs = {s: Stub(prefix + s, outputs.get(s, ()), _submodule(module, s), dtype, reads) for s in stubbed}
+    reads.stubs.update(stubs)
 
     def cast_param(p: Optional[nn.Parameter]) -> Any:
         if p is None:
