@@ -12,7 +12,8 @@ from torch import nn
 from gradwatch.check.judging.report import CheckReport
 from gradwatch.check.modules.batch_cut import forward_cut, forward_transient
 from gradwatch.check.modules.capture import capture
-from gradwatch.check.modules.module_form import _cut_samples, run_module_check
+from gradwatch.check.modules.module_form import run_module_check
+from gradwatch.check.modules.piece_cuts import cut_samples
 from gradwatch.check.objective.terms import Objective
 from gradwatch.options import CheckOptions
 from gradwatch.plan.cycle import Piece
@@ -77,11 +78,11 @@ def test_a_sharded_cut_keeps_the_rows_share_of_the_parameters_in_its_cost():
     x = torch.randn(2048, 64)
     rows, params = (0, 100), 100 * 65 * 48  # 312,000 bytes whatever the cut
     need = params + 5_000_000
-    (args, _), _, cost, what, _ = _cut_samples(unit, ((x,), {}), {}, set(), need, 500_000, rows)
+    (args, _), _, cost, what, _ = cut_samples(unit, ((x,), {}), {}, set(), need, 500_000, rows)
     kept = args[0].shape[0]
     assert 1 <= kept < 2048 and what.startswith(f"{kept} of the batch's 2048 samples")
     assert cost == params + 5_000_000 * kept // 2048 and cost <= 500_000
-    assert _cut_samples(unit, ((x,), {}), {}, set(), need, 300_000, rows) is None  # the rows' copies alone: 312 KB
+    assert cut_samples(unit, ((x,), {}), {}, set(), need, 300_000, rows) is None  # the rows' copies alone: 312 KB
 
 
 def test_the_loss_codes_piece_is_costed_with_its_own_intermediates():
@@ -104,7 +105,8 @@ def test_the_loss_codes_piece_is_costed_with_its_own_intermediates():
     report = run_module_check(model, Objective(lm), batch, CheckOptions(seed=0), pieces=[Piece("<loss_fn>")], room=room)
     assert report.ok and "<model>:output" in report.tensors
     assert report.memory["estimate_bytes"] <= room
-    assert any("own code of `loss_fn` checked on" in n for n in report.notes), report.notes
+    # cut: captured again on a window of the batch's samples that fits it (one forward, not one per cut tried)
+    assert any(n.startswith("module form: 1 unit(s) captured and checked on sample") for n in report.notes), report.notes
 
 
 def test_a_sharded_linear_too_big_both_ways_is_checked_on_rows_of_one_sample():

@@ -30,8 +30,24 @@ import torch
 
 #: Rows of one slice at most (a 20% error in 4 of 256 rows moves a dense directional derivative by ~2.5%).
 ROWS_PER_SLICE = 256
-#: Checks in one pass over the slices of the largest sliced unit (fewer when no unit has that many).
+#: Checks in one pass over the slices of the largest sliced unit (fewer when no unit has that many); a paced cycle
+#: spreads its whole units over this many checks at most.
 CHECKS_PER_PASS = 8
+#: A paced cycle (one process): training steps a check's pieces may take; the whole units a check holds are then as
+#: many as fitted that time (a small UNet's 117 units took 2.5 s to 3 s a check, about 10 steps of 0.3 s, in one).
+PIECE_STEPS = 2.0
+#: ... and never fewer seconds than this (a small model's whole check costs less than a person notices).
+PACED_SECONDS = 0.25
+
+
+def fewest_whole(units: int) -> int:
+    """Whole units a check takes at the least: the cycle spreads them over :data:`CHECKS_PER_PASS` checks at most.
+
+    Example:
+        >>> fewest_whole(117), fewest_whole(3)
+        (15, 1)
+    """
+    return max(1, math.ceil(units / CHECKS_PER_PASS))
 
 
 @dataclass(frozen=True)

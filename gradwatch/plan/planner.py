@@ -33,7 +33,7 @@ from torch import nn
 from gradwatch.check.judging.report import CheckReport
 from gradwatch.check.objective.surrogate import find_surrogates, inside
 from gradwatch.plan.coverage import Coverage
-from gradwatch.plan.cycle import ROWS_PER_SLICE, Cycle, Piece
+from gradwatch.plan.cycle import PACED_SECONDS, PIECE_STEPS, ROWS_PER_SLICE, Cycle, Piece, fewest_whole
 from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY, SAFETY, mb, objective_bytes
 from gradwatch.plan.units import Unit, plan_units, sliceable_rows
 from gradwatch.trees import whole_shape
@@ -119,6 +119,8 @@ class Planner:
         self._checks = 0  # module-form checks planned on this cycle
         self._resume_at = 0  # from a resumed run's state: where the cycle goes on once the units are found
         self._handed: List[Piece] = []  # the last check's pieces
+        self._rows: Dict[str, Optional[int]] = {}  # the cycle's units, and the rows each is sliced by
+        self._per_slice: Dict[str, int] = {}
         self._owed: List[Piece] = []  # of those, the ones that did not fit its room: the next check takes them first
         self.announced: Optional[str] = None  # the line said once when the cycle is known
         self._said: set = set()  # what was not checked, said once each
@@ -223,6 +225,7 @@ class Planner:
             self._units, self._key = units, key
             rows = {u.name: sliceable_rows(u.module) if u.kind == "module" else None for u in units}
             per_slice = {u.name: slice_rows(u.module, room) for u in units if rows[u.name] and room is not None}
+            self._rows, self._per_slice = rows, per_slice
             self._cycle = Cycle(rows, self.tensors_per_check, self.seed, per_slice)
             self._checks, self._resume_at = self._resume_at, 0
             self.announced = None
@@ -237,6 +240,64 @@ class Planner:
         for a whole pass)."""
         names = set(unfit)
         self._owed = [p for p in self._handed if str(p) in names]
+
+    def pace_seconds(self, step_seconds: Optional[float]) -> Optional[float]:
+        """Seconds this check's pieces may take (one process, the module form): :data:`PIECE_STEPS` training steps of
+        ``step_seconds``, at least :data:`PACED_SECONDS`; None (no bound) where the step is not known, where the cycle
+        has row slices (its whole units are spread over the checks those take), or where it already spreads its
+        whole units over :data:`~gradwatch.plan.cycle.CHECKS_PER_PASS` checks.
+
+        Example:
+            >>> p = Planner()
+            >>> p.pace_seconds(0.5) is None  # before a plan
+            True
+        """
+        cycle = self._cycle
+        if step_seconds is None or cycle is None or self.tensors_per_check > 0 or cycle.slices or \
+                cycle.per_check <= fewest_whole(len(cycle.whole)):
+            return None  # (a cycle with row slices spreads its whole units over the checks they take already)
+        return max(PACED_SECONDS, PIECE_STEPS * step_seconds)
+
+    def pace(self, later: Sequence[str]) -> Optional[str]:
+        """The pieces a check's :meth:`pace_seconds` could not hold (``str`` of each): the cycle is planned again with
+        as many whole units a check as that check held (at least a :data:`~gradwatch.plan.cycle.CHECKS_PER_PASS`-th
+        of them), the units left first; row slices left are owed (:meth:`owe`). Returns the line that says it (None
+        where nothing changed).
+
+        Example:
+            >>> from torch import nn
+            >>> model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(16)])
+            >>> p = Planner()
+            >>> names = [n for n, _ in model.named_parameters()]
+            >>> def plan():
+            ...     return p.module_pieces(model, lambda m, b: m(b).sum(), torch.randn(1, 2), names, key=("k",))[1]
+            >>> pieces = plan()
+            >>> p.cycle_length, [str(q) for q in pieces[:5]]
+            (1, ['<loss_fn>', '0', '1', '2', '3'])
+            >>> p.pace([str(q) for q in pieces[4:]])  # 4 of its 17 units fitted a check's time
+            'the pieces of a check took its pace: 4 whole units a check now, within K = 5 checks'
+            >>> [str(q) for q in plan()]
+            ['3', '4', '5', '6']
+        """
+        cycle = self._cycle
+        if cycle is None or not later:
+            return None
+        names = set(later)
+        left = [n for n in cycle.whole if n in names]
+        self._owed = [p for p in self._handed if str(p) in names and p.rows is not None] + self._owed
+        handed = [p.unit for p in self._handed if p.rows is None and p.unit in cycle.whole]
+        done = len(handed) - len(left) - sum(1 for p in self._owed if p.rows is None)
+        per = max(done, fewest_whole(len(cycle.whole)))
+        if not left or per >= cycle.per_check:
+            self._owed += [p for p in self._handed if str(p) in names and p.rows is None]
+            return None
+        order = left + [n for n in cycle.whole if n not in names]
+        rows = {n: self._rows[n] for n in order}
+        rows.update((n, r) for n, r in self._rows.items() if n not in rows)
+        self._cycle = Cycle(rows, per, self.seed, self._per_slice)
+        self._checks = 0
+        return (f"the pieces of a check took its pace: {per} whole unit{'s' if per != 1 else ''} a check now, within "
+                f"K = {self._cycle.length} checks")
 
     @property
     def cycle_length(self) -> Optional[int]:

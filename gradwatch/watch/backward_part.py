@@ -176,7 +176,7 @@ class BackwardPart(TrendAlerting):
             report = module_form.run_module_check(
                 target, ctx.objective, batch, opts, units=units, pieces=pieces, room=piece_room, view=view,
                 screen=True, early=early, everyone=everyone, replay=fused,
-                replay_budget=captures if fused is not None else None,
+                replay_budget=captures if fused is not None else None, seconds=self.planner.pace_seconds(check),
                 forward_bytes=forward_transient(self.output_per_position, batch) if view is not None else 0)
         except BaseException:
             # (a replay run as the capture may have raised inside the model's backward: FSDP2's state is reset where

@@ -164,6 +164,13 @@ class CheckPlanner:
                                           key=units_signature(target), seed=opts.seed, room=room,
                                           surrogates=opts.surrogates)
 
+    def pace_seconds(self, check: CheckContext) -> Optional[float]:
+        """Seconds this module-form check's pieces may take (one process only: ranks keep one plan;
+        :meth:`gradwatch.plan.planner.Planner.pace_seconds`)."""
+        if self.watch.dist is not None or self.watch.by_shard:
+            return None
+        return self.planner.pace_seconds(check.step_seconds)
+
     def for_ranks(self, room: Optional[int], training: Any) -> Tuple[Form, Optional[List[str]]]:
         """Rank 0's plan under DDP: the form, and the training part's tensors when a room bounds them (``training``:
         ``(room) -> names`` or None when the training part is off)."""
@@ -218,6 +225,9 @@ class CheckPlanner:
         self.planner.record(report)
         if self.watch.dist is None:  # one process: pieces its room could not hold come first next time (ranks keep one plan)
             self.planner.owe(report.unfit)
+            paced = self.planner.pace(report.later)  # and those its time could not: the cycle spreads the units wider
+            if paced is not None:
+                report.notes.append(f"module form: {paced}")
         self.announce(report, watched)
         for note in self.planner.unchecked_news(report):
             if not_checked_in([note]):

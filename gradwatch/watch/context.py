@@ -231,6 +231,9 @@ class CheckContext:
         judge: Judge the training part here (one process, or shard by shard); else its replay goes to the ranks.
         replay: The training part's replay, while it is not judged yet (distributed).
         report: The check's report (None until the backward part made it).
+        step_seconds: A training step's seconds, as the schedule timed them (their median), or before it had one, as
+            the training part's replay of the step took them (None: not known); a paced module form's pieces take a
+            few of them (:meth:`gradwatch.plan.planner.Planner.pace_seconds`).
 
     Example:
         >>> CheckContext(None, 3, None, None, None).names
@@ -250,6 +253,7 @@ class CheckContext:
     judge: bool = True
     replay: Optional[Replay] = None
     report: Optional[CheckReport] = None
+    step_seconds: Optional[float] = None
 
 
 @runtime_checkable

@@ -70,6 +70,15 @@ class Schedule:
         if seconds > 0 and math.isfinite(seconds):
             self._step_seconds.append(float(seconds))
 
+    def step_seconds(self) -> Optional[float]:
+        """The median of the training steps' recorded seconds (None before one).
+
+        Example:
+            >>> s = Schedule(every=1); s.record_step_seconds(0.5); s.step_seconds()
+            0.5
+        """
+        return median(self._step_seconds) if self._step_seconds else None
+
     def record_check(self, step: int, seconds: float, scheduled: bool = True) -> None:
         """A check ran at ``step`` and took ``seconds``.
 

@@ -121,6 +121,7 @@ class TrainingPart(TrendAlerting):
         self._modules_cache: List[nn.Module] = []
         #: Whether the replay's graph holds a reentrant checkpoint: None until a replay looked (:meth:`_replay_grads`).
         self._reentrant: Optional[bool] = None
+        self._mode: Optional[str] = None  # the replay mode that reproduced the last step ("forward", "start")
         #: The run's accumulation window: a partial one found and said once (:mod:`gradwatch.watch.accumulation`).
         self.window = AccumulationWindow()
         #: Shard by shard: bytes by which earlier replays rose above the check's ceiling (:meth:`_learn_overshoot`);
@@ -376,7 +377,9 @@ class TrainingPart(TrendAlerting):
                                  generators=ctx.held_generators(), modules=self._modules_cache,
                                  lockstep=ctx.by_shard, weights=plan.weights,
                                  each=self.step_objective.each(seed) if plan.cut and not plan.equal else None,
-                                 entry=entry)
+                                 entry=entry, prefer=self._mode)
+            if replay.how and "+" not in replay.how:
+                self._mode = replay.how  # the next check's replay tries it first
         replay.params = params
         replay.rows = row_plan
         replay.plan = plan

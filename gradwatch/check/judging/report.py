@@ -210,6 +210,8 @@ class CheckReport:
         pieces: Module form: the pieces checked (``"lm_head[0:256]"``), in order.
         unfit: Module form: the pieces given to this check that did not fit the room it had (the next check of
             one process takes them first).
+        later: Module form: the pieces given to this check that its time could not hold (one process: a paced cycle
+            gives them to the next checks).
         piece_seconds: Module form: unit name -> ``(seconds, rows)``, the time its checked pieces took and the rows
             they covered (0 for a piece checked whole); summed over the ranks that checked parts of it. Shard by shard,
             the ranks share the next check's whole pieces out by these (:func:`gradwatch.plan.shards.assign`).
@@ -260,6 +262,7 @@ class CheckReport:
     probed: List[Tuple[str, Any]] = field(default_factory=list)
     pieces: List[str] = field(default_factory=list)
     unfit: List[str] = field(default_factory=list)
+    later: List[str] = field(default_factory=list)
     piece_seconds: Dict[str, Tuple[float, int]] = field(default_factory=dict)
     steps_to_full: Optional[int] = None
     independence: Any = None

@@ -48,6 +48,7 @@ class Captured:
             tensors, so that no id is taken by another tensor while the capture lives (a unit's capture dropped
             for another forward frees its mask; a later capture could reuse its id and lose its input).
         deferred: Units not captured in this forward, the captures already holding the budget.
+        deferred_bytes: Live bytes of the deferred units' inputs (where they were called in this forward).
         big: Unit name -> live bytes of what it needs captured, for units over the budget alone.
         loss: The loss of that forward (None where it stopped once every unit was captured).
         model_bytes: Bytes of the model's output (the root module's first call; 0 where the forward stopped before
@@ -60,6 +61,7 @@ class Captured:
     constants: Set[int] = field(default_factory=set)
     masks: List[torch.Tensor] = field(default_factory=list)
     deferred: List[str] = field(default_factory=list)
+    deferred_bytes: int = 0
     big: Dict[str, int] = field(default_factory=dict)
     loss: Optional[float] = float("nan")
     model_bytes: int = 0
@@ -126,6 +128,7 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
     wanted = {u.name: u for u in units}
     own = {u.name: {c: relative(u, c) for c in u.stubbed} for u in units if u.kind == "own"}
     sizes: Dict[str, int] = {}
+    inputs_of: Dict[str, int] = {}  # bytes of a captured unit's inputs (its children's outputs not counted)
     stack: List[List[Any]] = []  # [module, is this the first call of a wanted unit being captured]
 
     def keep(t: torch.Tensor) -> torch.Tensor:
@@ -147,6 +150,7 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
             got.big[name] = size
         else:
             got.deferred.append(name)
+            got.deferred_bytes += inputs_of.get(name, 0)
 
     # One process: the forward stops once every chosen unit is captured (an LM head's product and the loss over the
     # vocabulary are not computed for nothing); its loss is then not known (``got.loss`` None). On several ranks
@@ -181,15 +185,17 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
                 if budget is not None and need > budget and not (alone and not sizes and forward is None):
                     if alone:
                         got.deferred.append(name)
+                        got.deferred_bytes += need
                     else:
                         got.big[name] = need
                     first = False
                 elif not fits(need) and sizes:
                     got.deferred.append(name)
+                    got.deferred_bytes += need
                     first = False
                 else:
                     got.inputs[name] = copy_opaque(map_tensors((args, kwargs), keep))
-                    sizes[name] = need
+                    sizes[name] = inputs_of[name] = need
                     if name in own:
                         got.children[name] = {}
                     shape = output_shape(wanted[name], args, kwargs)
@@ -252,7 +258,7 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
     if LOSS_FN in wanted:
         got.inputs[LOSS_FN] = copy_opaque(map_tensors(((batch,), {}), keep))
         got.children[LOSS_FN] = {}
-        sizes[LOSS_FN] = live_bytes(batch)
+        sizes[LOSS_FN] = inputs_of[LOSS_FN] = live_bytes(batch)
     named = dict(model.named_modules())
     hooked = set(wanted) | {c for u in units for c in u.stubbed} | (set(shared) if early else set())
     gather_in = {u.name for u in everyone}

@@ -52,10 +52,19 @@ import torch
 from torch import nn
 
 from gradwatch.check.judging.report import OVER_ROOM, CheckReport, worse
-from gradwatch.check.modules.batch_cut import batch_dims, cuts_to_try, first_of_capture, forward_cut, positions, sub_batch
+from gradwatch.check.modules.batch_cut import batch_dims, capture_window, cuts_to_try, forward_cut, positions, sub_batch
 from gradwatch.check.modules.capture import Captured, Forward, capture, live_bytes
 from gradwatch.check.modules.localize import ModuleCheck, check_module
 from gradwatch.check.modules.own_code import LossCode, ModelStub, OwnCode, RowsInPlace, embedding_rows_copy, own_code_copy, rows_copy
+from gradwatch.check.modules.piece_cuts import (
+    cut_samples,
+    numel,
+    piece_params_bytes,
+    row_block,
+    rows_cost,
+    rows_of,
+    rows_of_one_sample,
+)
 from gradwatch.check.modules.row_groups import NO_TOKEN, check_group, chunks, first_ids, groupable, grouped, param_of, positions_kept
 from gradwatch.check.modules.window_cut import WINDOWED, windowed_piece
 from gradwatch.check.objective.dropout_off import dropout_off
@@ -82,7 +91,7 @@ from gradwatch.plan.memory import (
     module_bytes,
     release_freed,
 )
-from gradwatch.plan.units import LOSS_FN, Unit, faithful_rows, plan_units, relative, sliceable_rows
+from gradwatch.plan.units import LOSS_FN, Unit, faithful_rows, plan_units, relative
 from gradwatch.trees import rebuild, tensor_leaves
 
 #: ``view(unit, rows)``: a context giving ``(unit with plain parameters, offset of its rows)`` (sharded models).
@@ -150,6 +159,7 @@ def run_module_check(
     forward_bytes: int = 0,
     replay: Optional[Forward] = None,
     replay_budget: Optional[int] = None,
+    seconds: Optional[float] = None,
 ) -> CheckReport:
     """The module form of the backward part (see the module docstring).
 
@@ -187,6 +197,8 @@ def run_module_check(
             runs again on an isolated forward.
         replay_budget: With ``replay`` and a ``room``: bytes its captures may hold (through the replay's backward);
             the units over it are captured by the next forward, as units over a forward's budget are.
+        seconds: One process: no piece begins once the check has run this long; the pieces not begun are in
+            ``report.later`` (a paced cycle gives them to the next checks: :meth:`gradwatch.plan.planner.Planner.pace`).
 
     Returns:
         A :class:`CheckReport` with ``form == "module"``: parameters under their names, a unit's input
@@ -221,7 +233,8 @@ def run_module_check(
     unused = 0
     remaining = chosen
     got = Captured()
-    solo: List[Piece] = []  # pieces that fit the room only without the other units' captures beside them
+    solo: List[Tuple[Piece, Any]] = []  # pieces that fit the room only without the other captures beside them (and
+    # the batch they were captured on)
     once = view is not None  # sharded: one forward on every rank, even with no piece of its own
     agree = getattr(view, "agree", None)
     checked = None if everyone is None else set(everyone)
@@ -245,14 +258,26 @@ def run_module_check(
     if first is not None and part is not batch:  # the batch cut (alike on every rank): the replay runs on its own
         first({}, {})
         first = None
+    window: Optional[str] = None  # the samples the rest of a one-process check's captures run on, said
     while remaining or once:
         once = False
         if began and limit is not None and in_use_bytes(device) > limit - (budget or 0):
             release_freed()  # what the pieces freed, before another forward captures
-        got = capture(model, objective.loss, part, remaining, opts.seed,
-                      budget=budget if first is None or replay_budget is None or budget is None
-                      else min(budget, replay_budget),
-                      everyone=shared, agree=agree, alone=view is not None, early=early, forward=first)
+        try:
+            got = capture(model, objective.loss, part, remaining, opts.seed,
+                          budget=budget if first is None or replay_budget is None or budget is None
+                          else min(budget, replay_budget),
+                          everyone=shared, agree=agree, alone=view is not None, early=early, forward=first)
+        except Exception:  # noqa: BLE001 - a model that refuses a window of its batch: the rest on the whole batch
+            if window is None or part is batch:
+                raise
+            part, window = batch, "refused"  # not tried again
+            continue
+        if window and window not in ("refused", "whole", "said"):
+            report.notes.append(f"module form: {len(remaining)} unit(s) captured and checked on {window} (a new "
+                                "window each check): on the whole batch their inputs are over the captures' share of "
+                                f"the room ({mb(budget)}), which would take a forward of the model per share")
+            window = "said"
         if first is not None and not getattr(first, "usable", False):  # the replay's forward was not the isolated one's
             got = capture(model, objective.loss, part, remaining, opts.seed, budget=budget,
                           everyone=shared, agree=agree, alone=view is not None, early=early)
@@ -270,9 +295,16 @@ def run_module_check(
             report.terms = {"loss": got.loss}
             report.nonfinite = report.nonfinite or not math.isfinite(got.loss)  # said once, for the whole check
         held = _held(got)
+        # one process, the whole batch: whole pieces over the room (or only alone in it) are captured again by one
+        # forward, with the deferred units, on a window of the batch that fits them all (unit name -> need)
+        later: Optional[Dict[str, int]] = {} if view is None and budget is not None and part is batch and \
+            window is None else None
         for item in grouped(pieces, by_name):
             unit = by_name.get(item[0].unit)
             if unit is None or (unit.name not in got.inputs and unit.name not in got.big):
+                continue
+            if _late(start, seconds):
+                report.later.extend(str(p) for p in item)
                 continue
             left = None if room is None else max(0, room - held)
             if limit is not None and left is not None:
@@ -283,30 +315,46 @@ def run_module_check(
                 estimate, unused, item = _run_group(opts, unit, [p.rows for p in item if p.rows], got, dtype, canonical,
                                                     left, report, estimate, unused, screen, view)
             for piece in item:
-                estimate, unused = _run_piece(model, objective, batch, opts, unit, piece, got, dtype, canonical, left,
+                estimate, unused = _run_piece(model, objective, part, opts, unit, piece, got, dtype, canonical, left,
                                               report, skipped, estimate, unused,
                                               solo=solo if len(got.inputs) > 1 and view is None else None,
-                                              full_room=room, view=view, screen=screen)
+                                              full_room=room, view=view, screen=screen, later=later,
+                                              in_window=part is not batch)
         progress = len(got.inputs) + len(got.big)
-        remaining = [by_name[n] for n in got.deferred if n in by_name] if progress else []
+        remaining = [by_name[n] for n in got.deferred + list(later or ()) if n in by_name] if progress else []
+        if later is not None and remaining and room is not None and budget is not None:
+            part, said = capture_window(batch, held, live_bytes(got.inputs), got.deferred_bytes, budget, opts.seed,
+                                        list(later.values()), room - budget)
+            window = said if said is not None else "whole"
+        if remaining and _late(start, seconds):  # not captured: their pieces wait for the next checks
+            names = {u.name for u in remaining}
+            report.later.extend(str(p) for p in pieces if p.unit in names)
+            remaining = []
         if not progress and got.deferred:
             skipped.extend(f"{by_name[n].label} (its inputs do not fit in the room)" for n in got.deferred)
         del got
         if view is not None and budget is not None and agree is not None:
             once = agree(0 if remaining else 1) == 0  # another forward on every rank while any rank needs one
-    for piece in solo:  # each alone: its own captures only beside its check
+    for piece, on in solo:  # each alone: its own captures only beside its check
         unit = by_name[piece.unit]
+        if _late(start, seconds):
+            report.later.append(str(piece))
+            continue
         if limit is not None:
             release_freed()  # what the pieces before freed, before this capture's forward
-        got = capture(model, objective.loss, batch, [unit], opts.seed, budget=None if room is None else room // 3,
+        got = capture(model, objective.loss, on, [unit], opts.seed, budget=None if room is None else room // 3,
                       early=early)
         if unit.name in got.inputs or unit.name in got.big:
             left = None if room is None else max(0, room - _held(got))
             if limit is not None and left is not None:
                 left = _measured(left, limit, device)
-            estimate, unused = _run_piece(model, objective, batch, opts, unit, piece, got, dtype, canonical,
-                                          left, report, skipped, estimate, unused, screen=screen)  # detection first
+            estimate, unused = _run_piece(model, objective, on, opts, unit, piece, got, dtype, canonical, left, report,
+                                          skipped, estimate, unused, screen=screen, in_window=on is not batch)
         del got
+    if report.later:
+        report.notes.append(f"module form: {len(report.later)} piece(s) left to the next checks, this check's pieces "
+                            f"having taken the {seconds:.2f} s its pace gives them: {', '.join(report.later[:4])}"
+                            f"{', ...' if len(report.later) > 4 else ''}")
     if unused:
         report.notes.append(f"module form: {unused} embedding slice(s) held no token of this batch (their rows count "
                             "as unreached until a batch uses them)")
@@ -319,6 +367,11 @@ def run_module_check(
     return report
 
 
+def _late(start: float, seconds: Optional[float]) -> bool:
+    """Whether a check that began at ``start`` has run its ``seconds`` (None: never)."""
+    return seconds is not None and time.perf_counter() - start > seconds
+
+
 def _run_group(opts: CheckOptions, unit: Unit, blocks: List[Tuple[int, int]], got: Captured, dtype: torch.dtype,
                canonical: Dict[int, str], room: Optional[int], report: CheckReport, estimate: int, unused: int,
                screen: bool, view: Optional[PieceView] = None) -> Tuple[int, int, List[Piece]]:
@@ -327,9 +380,9 @@ def _run_group(opts: CheckOptions, unit: Unit, blocks: List[Tuple[int, int]], go
     With a ``view`` (sharded), the blocks are this rank's rows, checked on its shard (one offset for them all)."""
     constants: Set[int] = set()
     args, kwargs = _cast_tree(got.inputs[unit.name], dtype, got.constants, constants)
-    fixed, per_row = _rows_cost(unit, (args, kwargs), got.output_bytes.get(unit.name, 0),
+    fixed, per_row = rows_cost(unit, (args, kwargs), got.output_bytes.get(unit.name, 0),
                                 positions_kept(unit.module, args, kwargs))
-    capacity = (_rows_of(unit) or 1) if room is None else int(max(0, room - fixed) // max(per_row, 1.0))
+    capacity = (rows_of(unit) or 1) if room is None else int(max(0, room - fixed) // max(per_row, 1.0))
     single: List[Piece] = []
     for run in chunks(sorted(blocks), capacity):
         if len(run) == 1 and (view is None or run[0][1] - run[0][0] > capacity):  # over the room: cut as a piece
@@ -351,15 +404,6 @@ def _run_group(opts: CheckOptions, unit: Unit, blocks: List[Tuple[int, int]], go
     return estimate, unused, single
 
 
-def _rows_cost(unit: Unit, inputs: Any, out_bytes: int, positions: float = 1.0) -> Tuple[int, float]:
-    """``(fixed bytes, bytes per row)`` of checking blocks of a unit's rows: its inputs three times (captured, working,
-    fresh per call), and per row its share of the parameters' entries and four times its share of the output (of the
-    ``positions`` share of the input a group is checked on)."""
-    per_row = (_numel(unit.params.values()) * MODULE_BYTES_PER_ENTRY + 4 * out_bytes * positions) / max(1, _rows_of(unit) or 1)
-    return 3 * float_bytes(inputs), per_row
-
-
-#: Where torch's own modules live: their ``forward`` on plain tensors makes no collective.
 _TORCH_MODULES = "torch.nn.modules."
 
 
@@ -393,13 +437,17 @@ def _held(got: Captured) -> int:
 
 def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions, unit: Unit, piece: Piece, got: Captured,
                dtype: torch.dtype, canonical: Dict[int, str], room: Optional[int], report: CheckReport,
-               skipped: List[str], estimate: int, unused: int, solo: Optional[List[Piece]] = None,
+               skipped: List[str], estimate: int, unused: int, solo: Optional[List[Tuple[Piece, Any]]] = None,
                full_room: Optional[int] = None, view: Optional[PieceView] = None,
-               screen: bool = False) -> Tuple[int, int]:
+               screen: bool = False, later: Optional[Dict[str, int]] = None, in_window: bool = False
+               ) -> Tuple[int, int]:
     """One piece of a captured unit: fit it to the room (rows, or fewer samples), check it, file the result.
 
-    With ``solo``: a whole piece that fits ``full_room`` but not beside the other captures is put there, to be
-    checked again alone."""
+    ``batch`` is the batch the piece was captured on. With ``solo``: a whole piece that fits ``full_room`` but not
+    beside the other captures is put there (with ``batch``), to be checked again alone. With ``later``: such a whole
+    piece, and a whole piece over the room (no row block fits), is put there instead (unit name -> its need on
+    ``batch``), to be captured by the next forward on a window of the batch's samples that fits it, instead of by a
+    forward of its own. ``in_window``: ``batch`` is a window of the check's batch (:func:`capture_window`)."""
     constants: Set[int] = set()
     rows = piece.rows
     began = time.perf_counter()
@@ -413,17 +461,23 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
     if room is not None and solo is not None and full_room is not None and \
             _alone(unit, rows, need, dtype, room, full_room - live_bytes(got.inputs.get(unit.name))
                    - live_bytes(got.children.get(unit.name))):
-        solo.append(piece)
+        if later is not None and rows is None:
+            later[unit.name] = need
+        else:
+            solo.append((piece, batch))
         return estimate, unused
     if room is not None and need > room:
-        block = None if args is None else _row_block(unit, (args, kwargs), out_bytes, room // 2, opts.seed, rows)
+        block = None if args is None else row_block(unit, (args, kwargs), out_bytes, room // 2, opts.seed, rows)
         samples = ""  # the samples a row block is checked on, where not the whole batch
+        if block is None and later is not None and rows is None:
+            later[unit.name] = need
+            return estimate, unused
         if block is not None:
             smaller = None
         elif view is not None:  # one forward only (sharded): cut what it captured
-            smaller = None if args is None else _cut_samples(unit, (args, kwargs), children, constants, need, room, rows)
+            smaller = None if args is None else cut_samples(unit, (args, kwargs), children, constants, need, room, rows)
             if smaller is None and args is not None:  # a Linear whose rows and inputs both fill the room: cut both
-                both = _rows_of_one_sample(unit, (args, kwargs), children, constants, out_bytes, room, opts.seed, rows)
+                both = rows_of_one_sample(unit, (args, kwargs), children, constants, out_bytes, room, opts.seed, rows)
                 if both is not None:
                     (args, kwargs), children, constants, block, what = both
                     samples = f", on {what}"
@@ -436,15 +490,17 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
             return estimate, unused
         if block is not None:
             report.notes.append(f"module form: {unit.label} checked on output rows {block[0]}:{block[1]} of "
-                                f"{_rows_of(unit)}{samples} (its {'slice' if rows else 'whole'} float64 check needs about "
+                                f"{rows_of(unit)}{samples} (its {'slice' if rows else 'whole'} float64 check needs about "
                                 f"{mb(need)}; the rows rotate from check to check)")
             rows, need = (block[0], block[1]), block[2]
         else:
             assert smaller is not None
             whole_need = need
             (args, kwargs), children, need, what, constants = smaller
-            report.notes.append(f"module form: {unit.label} checked on {what} (on the whole batch its float64 check "
-                                f"needs about {mb(whole_need)})")
+            on = "the window" if in_window else "the whole batch"
+            report.notes.append(f"module form: {unit.label} checked on "
+                                f"{what.replace(' the batch', ' the window') if in_window else what} (on {on} its "
+                                f"float64 check needs about {mb(whole_need)})")
     estimate = max(estimate, need)
     with view(unit, rows) if view is not None else contextlib.nullcontext((unit, 0)) as (local_unit, offset), \
             _one_rank(view, local_unit):  # one rank alone: none may communicate
@@ -487,36 +543,6 @@ def _file(report: CheckReport, unit: Unit, result: ModuleCheck, probed: List[Tup
     return 0
 
 
-def _numel(tensors: Any) -> int:
-    return sum(int(t.numel()) for t in tensors)
-
-
-def _rows_of(unit: Unit) -> Optional[int]:
-    """Rows a unit can be sliced by: a Linear's output rows, an Embedding's token rows (None for any other)."""
-    return sliceable_rows(unit.module) if unit.kind == "module" else None
-
-
-def _row_block(unit: Unit, inputs: Any, output_bytes: int, room: int, seed: int,
-               within: Optional[Tuple[int, int]] = None) -> Optional[Tuple[int, int, int]]:
-    """For a Linear too big for the room: ``(first row, end row, bytes)`` of the largest block of output rows
-    (within ``within``, default all) that fits (rows ``i`` of the output depend on rows ``i`` of the weight and
-    bias alone), at an offset that moves with the check's seed; None for any other module, or when not one row fits."""
-    module = unit.module
-    if not isinstance(module, nn.Linear) or unit.kind != "module" or not faithful_rows(module):
-        return None
-    rows = module.out_features
-    lo, hi = within if within is not None else (0, rows)
-    per_row = (module.in_features + (1 if module.bias is not None else 0)) * MODULE_BYTES_PER_ENTRY \
-        + 4 * output_bytes // max(rows, 1)
-    fixed = 3 * float_bytes(inputs)
-    k = min(hi - lo, (room - fixed) // per_row) if room > fixed else 0
-    if k < 1:
-        return None
-    first = lo + (seed * k) % (hi - lo)
-    first = min(first, hi - k)
-    return first, first + k, fixed + k * per_row
-
-
 def _fewer_samples(model: nn.Module, loss_fn: Any, batch: Any, unit: Unit, need: int, room: int, seed: int,
                    dtype: torch.dtype, rows: Optional[Tuple[int, int]] = None
                    ) -> Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, str, Set[int]]]:
@@ -525,10 +551,10 @@ def _fewer_samples(model: nn.Module, loss_fn: Any, batch: Any, unit: Unit, need:
     token batch), as ``((args, kwargs), children, bytes, what was kept, constants)``; None when no cut fits (or the
     model refuses the cut batch).
 
-    A cut shrinks what depends on the batch only: the piece's share of the parameters (:func:`_piece_params_bytes`)
+    A cut shrinks what depends on the batch only: the piece's share of the parameters (:func:`piece_params_bytes`)
     stays. Where that share alone fills the room no forward is run; otherwise the cuts are sized on the rest.
     """
-    fixed = _piece_params_bytes(unit, rows)
+    fixed = piece_params_bytes(unit, rows)
     if fixed >= room:
         return None  # no cut of the batch fits: the parameters' copies alone fill the room
     size, seq = batch_dims(batch)
@@ -572,11 +598,11 @@ def _cast_capture(got: Captured, unit: Unit, rows: Optional[Tuple[int, int]], dt
     out_bytes = got.output_bytes.get(unit.name, 0)
     if rows is None:
         stub = [t for outs in children.values() for o in outs for t in tensor_leaves(o) if t.is_floating_point()]
-        need = module_bytes(unit.params.values(), inputs, out_bytes) + _numel(stub) * _per_stub_entry(unit) \
+        need = module_bytes(unit.params.values(), inputs, out_bytes) + numel(stub) * _per_stub_entry(unit) \
             + (conv_workspace_bytes(unit.module, out_bytes) if unit.kind == "module" else 0) \
             + int(MODULE_SAVED_COPIES * unit.saved_ratio * float_bytes(inputs))
     else:
-        fixed, per_row = _rows_cost(unit, inputs, out_bytes)
+        fixed, per_row = rows_cost(unit, inputs, out_bytes)
         need = fixed + int(per_row * (rows[1] - rows[0]))
     return inputs, children, out_bytes, need, constants
 
@@ -586,80 +612,6 @@ def _per_stub_entry(unit: Unit) -> int:
     code at :data:`~gradwatch.plan.memory.LOSS_CODE_BYTES_PER_ENTRY` (its intermediates have that size), any other
     at :data:`~gradwatch.plan.memory.MODULE_BYTES_PER_ENTRY`."""
     return LOSS_CODE_BYTES_PER_ENTRY if unit.kind == "loss_fn" else MODULE_BYTES_PER_ENTRY
-
-
-def _piece_params_bytes(unit: Unit, rows: Optional[Tuple[int, int]]) -> int:
-    """What a piece's check holds for its parameters whatever the batch: :data:`MODULE_BYTES_PER_ENTRY` per entry of
-    the unit's parameters, or of ``rows`` of them.
-
-    Example:
-        >>> from gradwatch.plan.units import Unit
-        >>> lin = nn.Linear(4, 10)
-        >>> _piece_params_bytes(Unit("", lin, dict(lin.named_parameters())), None), \\
-        ...     _piece_params_bytes(Unit("", lin, dict(lin.named_parameters())), (0, 5))
-        (2400, 1200)
-    """
-    whole = _numel(unit.params.values()) * MODULE_BYTES_PER_ENTRY
-    total = _rows_of(unit)
-    return whole * (rows[1] - rows[0]) // total if rows is not None and total else whole
-
-
-def _rows_of_one_sample(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str, List[Any]], constants: Set[int],
-                        out_bytes: int, room: int, seed: int, rows: Optional[Tuple[int, int]] = None
-                        ) -> Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], Set[int], Tuple[int, int, int], str]]:
-    """For a Linear (or ``rows`` of it) whose row block does not fit the room on the whole batch's captured inputs, nor
-    the whole piece on fewer samples (a sharded model: no other forward may run): a block of its rows on one sample's
-    captured inputs, as ``(inputs, children, constants, (first, end, bytes), what)``; None where not one row fits.
-
-    Example:
-        >>> lin = nn.Linear(64, 32)
-        >>> x = torch.zeros(16, 64, dtype=torch.float64)
-        >>> unit = Unit("", lin, dict(lin.named_parameters()))
-        >>> _row_block(unit, ((x,), {}), 16 * 32 * 8, 40_000 // 2, 0) is None  # three copies of x fill half the room
-        True
-        >>> (args, _), _, _, block, what = _rows_of_one_sample(unit, ((x,), {}), {}, set(), 16 * 32 * 8, 40_000, 0)
-        >>> args[0].shape, block, what
-        (torch.Size([1, 64]), (0, 5, 17296), "1 of the batch's 16 samples (cut from the forward's capture)")
-    """
-    size, _ = batch_dims(inputs)
-    if size <= 1:
-        return None
-    cut_inputs, cut_children, kept, what = first_of_capture(inputs, children, constants, 1)
-    block = _row_block(unit, cut_inputs, out_bytes // size, room // 2, seed, rows)
-    return None if block is None else (cut_inputs, cut_children, kept, block, what)
-
-
-def _cut_samples(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str, List[Any]], constants: Set[int], need: int,
-                 room: int, rows: Optional[Tuple[int, int]] = None
-                 ) -> Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, str, Set[int]]]:
-    """For a unit (or its ``rows``) too big for the room, when no other forward may run (a sharded model): its captured inputs and
-    stubs' outputs cut to their first samples (every tensor whose first dimension is the batch size), as many as
-    fit, or, when one sample does not fit, to one sample's first positions (every tensor whose second dimension
-    is the sequence length, and one position fewer where it is one shorter: next-token logits beside the ids),
-    in :func:`_fewer_samples`' form; None when no cut fits, or the inputs hold no batch. As there, the piece's share
-    of the parameters stays whatever the cut: the cut is sized on the rest, and none fits where that share fills the room.
-
-    Example:
-        >>> ids, logits = torch.zeros(4, 8, dtype=torch.long), torch.zeros(4, 7, 3)
-        >>> from gradwatch.plan.units import Unit
-        >>> code = Unit("", nn.Identity(), {})  # no parameters: the whole need is the batch's
-        >>> (args, _), children, need, what, _ = _cut_samples(code, ((ids,), {}), {"h": [logits]}, set(), 64, 4)
-        >>> args[0].shape, children["h"][0].shape, need
-        (torch.Size([1, 2]), torch.Size([1, 1, 3]), 4)
-        >>> what
-        "1 of the batch's 4 samples, its first 2 of 8 positions (cut from the forward's capture)"
-    """
-    fixed = _piece_params_bytes(unit, rows)
-    if fixed >= room:
-        return None
-    size, seq = batch_dims(inputs)
-    variable = max(need - fixed, 1)
-    cuts = cuts_to_try(size, seq, variable, room - fixed)  # the first: as many samples, or positions, as fit
-    if not cuts:
-        return None
-    keep, length = cuts[0]
-    cut_inputs, cut_children, kept, what = first_of_capture(inputs, children, constants, keep, length)
-    return cut_inputs, cut_children, fixed + variable * keep * (length or seq) // (size * seq), what, kept
 
 
 def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs: Any, children: Dict[str, List[Any]],
@@ -773,7 +725,7 @@ def _alone(unit: Unit, rows: Optional[Tuple[int, int]], need: int, dtype: torch.
 def _in_place_bytes(module: nn.Module, dtype: torch.dtype) -> int:
     """What checking a block of a Linear or Embedding subclass in place adds: a ``dtype`` copy of its whole weight
     (:class:`~gradwatch.check.modules.own_code.RowsInPlace`)."""
-    return _numel([module.weight]) * dtype.itemsize
+    return numel([module.weight]) * dtype.itemsize
 
 
 def units_signature(model: nn.Module) -> Tuple:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, cast
 
@@ -376,6 +377,7 @@ class Replay:
     rows: Dict[str, Tuple[int, int]] = field(default_factory=dict)  # weights whose gradients are of these rows only
     plan: Any = None  # the step's objective the replay weighed its micro-batches by (gradwatch.watch.step_objective)
     accumulating: int = 0  # skipped: the micro-batches training's forwards tell of, where the watch was handed one
+    seconds: float = 0.0  # what the replays that reproduced the step took (not those tried in vain): about a step
 
 
 class _Probe:
@@ -568,7 +570,7 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
                 params: Dict[str, torch.Tensor], loss_tolerance: float, context: Context = None,
                 generators: Sequence[Any] = (), modules: Optional[List[nn.Module]] = None, lockstep: bool = False,
                 weights: Optional[Sequence[float]] = None, each: Optional[Each] = None,
-                entry: Optional[nn.Module] = None) -> Replay:
+                entry: Optional[nn.Module] = None, prefer: Optional[str] = None) -> Replay:
     """Recompute the objective's gradient of a whole optimizer step: its micro-batches' objectives, weighed.
 
     The sum is formed as training forms it under gradient accumulation: the gradient of each
@@ -597,6 +599,9 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
             they are summed into the others'; a sketch of them explains a step cut wrongly, :mod:`gradwatch.check.replay.cut`).
         entry: The module ``evaluate`` is given, when training called a wrapper of ``root`` (a Lightning Fabric module:
             its precision converts the inputs and opens autocast around ``root``'s forward); default ``root``.
+        prefer: The mode to try first (``"start"``: from the step's first RNG state, where an earlier replay of the
+            same run needed it, its objective drawing before the model's forward: the ``"forward"`` mode then replays
+            in vain, a whole forward and backward at each check). Each mode is verified as always.
 
     Returns:
         A :class:`Replay`; ``grads`` is None (with ``reason``) when no replay could be verified.
@@ -611,6 +616,7 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
     hows = []
     gaps = []
     forwards = (0, 0)
+    seconds = 0.0
     failed: Optional[Replay] = None  # lockstep: the first failure, returned once every micro-batch ran
     for i, mb in enumerate(step.micro):
         mb.loss = as_float(mb.loss)
@@ -624,12 +630,18 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
             return Replay(None, None, None, f"training ran more than {MAX_RECORDS} forwards of the model in this step")
         done = None
         tried = []
-        modes = ("forward", "start") if mb.records else ("start",)
+        spent: List[float] = []  # each mode's replay of this micro-batch, in seconds
+        modes: Tuple[str, ...] = ("forward", "start") if mb.records else ("start",)
         if lockstep:
             modes = modes[:1]
+        elif prefer is not None and prefer in modes:
+            modes = (prefer,) + tuple(m for m in modes if m != prefer)
         for mode in modes:
+            began = time.perf_counter()
             grads, value, probe, autocast = _one(root, recorder, evaluate, grad_of, mb, mode, params, context, generators,
                                                   modules, entry)
+            took = time.perf_counter() - began
+            spent.append(took)
             if probe.private:
                 return Replay(None, None, None, "the model or loss_fn draws from a random generator of its own "
                               "(torch.Generator, numpy Generator, random.Random): the replay cannot reproduce training's "
@@ -643,6 +655,7 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
                 ok = mb.start.exact or loss_agrees or (not lockstep and rng_free(root, recorder, evaluate, mb, modules, entry))
             if ok:
                 done = (grads, value, mode, autocast)
+                seconds += took
                 break
             tried.append((mode, probe.count, probe.faithful))
         if done is None:
@@ -666,6 +679,7 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
                            "wrapper of the watched module (give GradWatch the module training calls: Fabric's, a "
                            "compiled one)")
                 failure = Replay(None, None, None, why, forwards=forwards)
+            failure.seconds = min(spent)  # a replay in vain costs about a step too
             if not lockstep:
                 return failure
             failed = failed or failure
@@ -689,4 +703,5 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
         return Replay(None, None, None, "not judged: every micro-batch of the step weighs 0 (no item to average over)")
     mean = sums
     gap = (sum(a for a, _ in gaps) / len(gaps), sum(b for _, b in gaps) / len(gaps)) if gaps else None
-    return Replay(mean, objective / count, "+".join(sorted(set(hows))), loss_gap=gap, forwards=forwards, autocast=ran_in)
+    return Replay(mean, objective / count, "+".join(sorted(set(hows))), loss_gap=gap, forwards=forwards, autocast=ran_in,
+                  seconds=seconds)
