@@ -43,6 +43,7 @@ from gradwatch.watch.replay_capture import Hooks, capturing
 from gradwatch.watch.shard_check import backward_on_shards, is_partial, local, settled_pairs
 from gradwatch.watch.sharded import is_dtensor
 from gradwatch.watch.step_objective import StepObjective, StepPlan
+from gradwatch.watch.term_weights import Again, TermWeights
 from gradwatch.watch.trend import Alert
 from gradwatch.watch.wrappers import unwrap_model
 from gradwatch.watch.zero import is_partitioned, loss_scale, whole_grad, zero_part
@@ -127,13 +128,20 @@ class TrainingPart(TrendAlerting):
         #: Shard by shard: bytes by which earlier replays rose above the check's ceiling (:meth:`_learn_overshoot`);
         #: the next replays checkpoint their blocks for that much less room.
         self.overshoot = 0
+        #: A term weighted otherwise than the step's objective weighs it, named where the verdict failed
+        #: (:mod:`gradwatch.watch.term_weights`); ``_again`` replays this check's step with another objective.
+        self.terms = TermWeights()
+        self._again: Optional[Tuple[Again, nn.Module, Dict[str, torch.Tensor], int]] = None
 
     def state_dict(self) -> Dict[str, Any]:
-        """``{"training": ...}``: the accumulation window learned (a resumed run names a partial window at once)."""
-        return {"training": self.window.state_dict()}
+        """``{"training": ...}``: the accumulation window learned (a resumed run names a partial window at once) and
+        the term weightings said."""
+        said = {"terms": self.terms.state_dict()} if self.terms.said else {}
+        return {"training": {**self.window.state_dict(), **said}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.window.load_state_dict(state.get("training") or {})
+        self.terms.load_state_dict((state.get("training") or {}).get("terms") or {})
 
     @property
     def enabled(self) -> bool:
@@ -384,7 +392,31 @@ class TrainingPart(TrendAlerting):
         replay.rows = row_plan
         replay.plan = plan
         self.window.replayed(replay.accumulating, replay.forwards)
+        self._again = None
+        if live and replay.grads is not None and ctx.grad_fn is None and not (ctx.dist is not None or ctx.sharded
+                                                                               or ctx.zero or scaler):
+            self._again = (self._replays(root, entry, pending, dict(whole)), entry or root, dict(whole), seed)
         return replay
+
+    def _replays(self, root: nn.Module, entry: Optional[nn.Module], pending: Step, params: Dict[str, torch.Tensor]
+                 ) -> Again:
+        """This check's step replayed with another objective (the term-weight diagnosis's, only where the verdict
+        fails), as :meth:`replay` replays it; the recorder left paused or not as it was."""
+        ctx = self.watch
+        recorder = cast(Any, ctx.recorder)
+
+        def again(evaluate: Any, grad_of: Any, weights: Sequence[float], each: Any) -> Replay:
+            paused = recorder.paused
+            try:
+                with ctx.wrapping.fabric_backward():
+                    return replay_step(root, recorder, pending, evaluate, grad_of, params, loss_tolerance=1.0,
+                                       context=self.replay_context, generators=ctx.held_generators(),
+                                       modules=self._modules_cache, weights=list(weights), each=each, entry=entry,
+                                       prefer=self._mode)
+            finally:
+                recorder.paused = paused
+
+        return again
 
     def _blocks_to_checkpoint(self, model: nn.Module, params: Dict[str, torch.Tensor], room: int, micro: int = 1) -> int:
         """How many of the model's repeated blocks the replay checkpoints (:mod:`gradwatch.check.replay.checkpoint_blocks`;
@@ -531,8 +563,12 @@ class TrainingPart(TrendAlerting):
         if plan is not None:
             report.training_items = plan.record()
             notes.insert(0, plan.note or "")
-            if found is None:
-                self.step_objective.explain(plan, report.training, lives, rows, folded=self.watch.by_shard)
+            cut = self.step_objective.explain(plan, report.training, lives, rows, folded=self.watch.by_shard) \
+                if found is None else None
+            if found is None and cut is None:
+                named = self._term_weights(report, plan, lives, grads, judged, scale)
+                if named is not None:
+                    notes.insert(1, f"a term weighted otherwise than the step's objective weighs it: {named}")
         if replay.loss_gap is not None:
             given, replayed = replay.loss_gap
             notes.append(
@@ -540,6 +576,26 @@ class TrainingPart(TrendAlerting):
                 f"(by {given - replayed:+.3g}): the training loss has a term the objective lacks, or the reverse"
             )
         report.training_note = "; ".join(n for n in notes if n) or None
+
+    def _term_weights(self, report: CheckReport, plan: StepPlan, lives: Dict[str, Optional[torch.Tensor]],
+                      grads: Dict[str, torch.Tensor], judged: Dict[str, Tuple[torch.Tensor, torch.dtype]],
+                      scale: Callable[[], float]) -> Optional[str]:
+        """Where tensors still fail: a term of the loss weighted otherwise by training, named and judged as such
+        (:mod:`gradwatch.watch.term_weights`; one process, this check's step replayed again)."""
+        again, self._again, self.terms.found = self._again, None, None
+        failing = [tc for tc in report.training.values() if tc.failed]
+        explained = all(tc.ratio is not None for tc in failing) and not (plan.cut and self.watch.objective.regularizers)
+        if again is None or plan.weights is None or not failing or explained:
+            return None  # nothing failed, or the judge's words explain each (a factor; an L2 term, on a step not cut)
+        replays, model, whole, seed = again
+        options = self.watch.options
+
+        def rejudge(n: str, reference: torch.Tensor) -> TrainingCheck:
+            p, dtype = judged[n]
+            return judge_training(n, lives[n], reference, p, dtype, options.bands, options.fail_verdict, scale=scale)
+
+        return self.terms.diagnose(replays, model, self.watch.objective, whole, plan.weights, report.training, lives,
+                                   grads, rejudge, seed)
 
     def _partial_window(self, report: CheckReport, plan: Optional[StepPlan], lives: Dict[str, Optional[torch.Tensor]],
                         grads: Dict[str, torch.Tensor], judged: Dict[str, Tuple[torch.Tensor, torch.dtype]],
@@ -564,8 +620,11 @@ class TrainingPart(TrendAlerting):
 
     def alerts(self, step: int, results: Any) -> List[Alert]:
         """The run's accumulation, said once (:meth:`~gradwatch.watch.accumulation.AccumulationWindow.alerts`): a
-        partial window a check found, micro-batches the watch was not handed."""
-        return self.window.alerts(step, results) if isinstance(results, CheckReport) else []
+        partial window a check found, micro-batches the watch was not handed; and a term weighted otherwise than the
+        step's objective weighs it, once for the run (:meth:`~gradwatch.watch.term_weights.TermWeights.alerts`)."""
+        if not isinstance(results, CheckReport):
+            return []
+        return self.window.alerts(step, results) + self.terms.alerts(step)
 
     def judge_across_ranks(self, merged: CheckReport, replay: Optional[Replay],
                            statuses: List[Optional[Tuple[bool, Optional[str]]]],
