@@ -69,7 +69,9 @@ def sft(tmp_path, callback, model, max_steps):
 
 
 def test_sft_trainer_at_its_defaults_both_verdicts_on_every_tensor_and_no_alert(tmp_path):
-    callback = GradWatchCallback(every=1, tensorboard=False)
+    # the objective form named: which form a run takes is timed (a trial of the whole objective, TRIAL_SECONDS), and
+    # under a test suite's workers this check's 2 s went over it and the form switched to modules
+    callback = GradWatchCallback(every=1, tensorboard=False, form="objective")
     model = tiny_llama()
     trainer, said = sft(tmp_path, callback, model, max_steps=4)
     assert trainer.args.bf16 and model.is_activation_checkpointing  # checked at TRL's defaults, as trained

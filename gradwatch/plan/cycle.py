@@ -36,8 +36,13 @@ CHECKS_PER_PASS = 8
 #: A paced cycle (one process): training steps a check's pieces may take; the whole units a check holds are then as
 #: many as fitted that time (a small UNet's 117 units took 2.5 s to 3 s a check, about 10 steps of 0.3 s, in one).
 PIECE_STEPS = 2.0
-#: ... and never fewer seconds than this (a small model's whole check costs less than a person notices).
-PACED_SECONDS = 0.25
+#: ... and never fewer seconds than this ...
+PACED_SECONDS = 0.1
+#: ... where a training step takes this long at least: a small model's check costs less than a person notices
+#: however many of its steps, and a test's small model on a loaded machine is not paced by chance (the pace is a
+#: ratio of two times the load moves alike; an absolute floor of 0.25 s paced a model checked in 0.12 s alone, under
+#: a test suite's workers).
+PACED_STEP_SECONDS = 0.02
 
 
 def fewest_whole(units: int) -> int:

@@ -33,7 +33,7 @@ from torch import nn
 from gradwatch.check.judging.report import CheckReport
 from gradwatch.check.objective.surrogate import find_surrogates, inside
 from gradwatch.plan.coverage import Coverage
-from gradwatch.plan.cycle import PACED_SECONDS, PIECE_STEPS, ROWS_PER_SLICE, Cycle, Piece, fewest_whole
+from gradwatch.plan.cycle import PACED_SECONDS, PACED_STEP_SECONDS, PIECE_STEPS, ROWS_PER_SLICE, Cycle, Piece, fewest_whole
 from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY, SAFETY, mb, objective_bytes
 from gradwatch.plan.units import Unit, plan_units, sliceable_rows
 from gradwatch.trees import whole_shape
@@ -243,7 +243,8 @@ class Planner:
 
     def pace_seconds(self, step_seconds: Optional[float]) -> Optional[float]:
         """Seconds this check's pieces may take (one process, the module form): :data:`PIECE_STEPS` training steps of
-        ``step_seconds``, at least :data:`PACED_SECONDS`; None (no bound) where the step is not known, where the cycle
+        ``step_seconds``, at least :data:`PACED_SECONDS`; None (no bound) where the step is not known or shorter than
+        :data:`PACED_STEP_SECONDS`, where the cycle
         has row slices (its whole units are spread over the checks those take), or where it already spreads its
         whole units over :data:`~gradwatch.plan.cycle.CHECKS_PER_PASS` checks.
 
@@ -253,7 +254,8 @@ class Planner:
             True
         """
         cycle = self._cycle
-        if step_seconds is None or cycle is None or self.tensors_per_check > 0 or cycle.slices or \
+        if step_seconds is None or step_seconds < PACED_STEP_SECONDS or cycle is None or self.tensors_per_check > 0 or \
+                cycle.slices or \
                 cycle.per_check <= fewest_whole(len(cycle.whole)):
             return None  # (a cycle with row slices spreads its whole units over the checks they take already)
         return max(PACED_SECONDS, PIECE_STEPS * step_seconds)

@@ -28,9 +28,10 @@ from typing import Any, List, Optional, Tuple
 
 from gradwatch.check.judging.report import CheckReport
 from gradwatch.check.objective.rng import preserved_rng
-from gradwatch.plan.memory import MemoryMeter, release_freed
+from gradwatch.plan.memory import MemoryMeter, model_device, release_freed
 from gradwatch.watch.backward_part import BackwardPart
 from gradwatch.watch.check_plan import CheckPlanner
+from gradwatch.watch.check_thread import CheckThread
 from gradwatch.watch.context import CheckContext, WatchContext
 from gradwatch.watch.distributed import RankResult, merge_results
 from gradwatch.watch.independence import IndependencePart
@@ -89,6 +90,7 @@ class CheckRunner:
                  inner: InnerPart, independence: IndependencePart, schedule: Schedule, tracker: TrendTracker,
                  step_objective: StepObjective, notes: List[str]) -> None:
         self.watch = watch
+        self.thread = CheckThread()  # one process on the CPU: a check allocates from an arena of its own
         self.check_plan = check_plan
         self.backward, self.training, self.inner, self.independence = backward, training, inner, independence
         self.schedule = schedule
@@ -106,7 +108,18 @@ class CheckRunner:
         return self.watch.memory
 
     def run(self, step: int, batch: Any, scheduled: bool = True, pending: Any = None) -> Optional[Outcome]:
-        """One check of ``batch`` at ``step`` (None when the ranks' coordinator is broken: no more checks)."""
+        """One check of ``batch`` at ``step`` (None when the ranks' coordinator is broken: no more checks); in one
+        process with the model on the CPU, in the check's own thread (:mod:`gradwatch.watch.check_thread`)."""
+        ctx = self.watch
+        if ctx.dist is None and not ctx.sharded and model_device(ctx.model).type == "cpu":
+            return self.thread.run(lambda: self._run(step, batch, scheduled, pending))
+        return self._run(step, batch, scheduled, pending)
+
+    def close(self) -> None:
+        """Stop the check's thread (idempotent)."""
+        self.thread.close()
+
+    def _run(self, step: int, batch: Any, scheduled: bool, pending: Any) -> Optional[Outcome]:
         ctx, coord = self.watch, self.watch.dist
         if coord is not None and coord.broken is not None:
             return None

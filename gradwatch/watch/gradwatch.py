@@ -36,7 +36,6 @@ from gradwatch.watch.alert_policy import MAX_CONSECUTIVE_FAILURES, AlertPolicy
 from gradwatch.watch.backward_part import BackwardPart
 from gradwatch.watch.check_plan import CheckPlanner
 from gradwatch.watch.check_run import CheckRunner
-from gradwatch.watch.check_thread import CheckThread
 from gradwatch.watch.clock import OverheadClock
 from gradwatch.watch.context import WatchContext, check_arguments
 from gradwatch.watch.distributed import DEFAULT_TIMEOUT, DistributedCoordinator
@@ -171,12 +170,10 @@ class GradWatch:
         )
         self._step = 0
         self._closed = False
-        self._thread = CheckThread()  # one process on the CPU: a check allocates from an arena of its own
         #: Training's own peak memory and the room a check has under ``memory_budget`` (:mod:`gradwatch.plan.memory`).
         self.memory = MemoryMeter(self.config.memory_budget, model_device(model))
         #: What each check covers (form, units, the cycle of K checks) and what the run has covered.
-        self.planner = Planner(self.config.form, self.config.tensors_per_check, self._check_options.seed,
-                               self.config.memory_budget)
+        self.planner = Planner(self.config.form, self.config.tensors_per_check, self._check_options.seed, self.config.memory_budget)
         # Training part: a forward pre-hook records what each training forward started from.
         self._recorder: Optional[ForwardRecorder] = ForwardRecorder(wrapping.root) if self.config.training else None
         #: What every part reads (:mod:`gradwatch.watch.context`).
@@ -373,10 +370,7 @@ class GradWatch:
         try:
             if self._closed:
                 raise RuntimeError("GradWatch is closed; create a new one to keep monitoring")
-            if self.dist is None and not self.context.sharded and model_device(self.model).type == "cpu":
-                outcome = self._thread.run(lambda: self.runner.run(step, batch, scheduled, pending))
-            else:
-                outcome = self.runner.run(step, batch, scheduled, pending)
+            outcome = self.runner.run(step, batch, scheduled, pending)
         finally:
             self.context.release()  # a sharded model's gathered .grad lives for one check only
         if outcome is None:
@@ -485,7 +479,7 @@ class GradWatch:
         """Flush and close the sinks and remove the forward hook from the model (idempotent)."""
         if not self._closed:
             self._closed = True
-            self._thread.close()
+            self.runner.close()
             if self._recorder is not None:
                 self._recorder.close()
             self.sinks.close()
