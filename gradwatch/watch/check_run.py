@@ -218,14 +218,14 @@ class CheckRunner:
         judged: Optional[CheckReport] = None
         objective: Optional[float] = None
         held = held_budget(ctx, check.room)  # what the captures may hold through a replay that is their forward
-        replayed: List[float] = []  # the replay's seconds: the step's forwards and backwards again, about a step
+        replayed: Optional[float] = None  # the replay's seconds: the step's forwards and backwards again, about a step
 
         def replay(hooks: Optional[Hooks] = None) -> Tuple[Optional[float], bool]:
-            nonlocal judged, objective
+            nonlocal judged, objective, replayed
             faithful: List[bool] = []
             ran = self.training.run(check, hooks, faithful, held)  # its replay is in check.replay only: dropped below,
             if ran is not None and ran.seconds:  # freed
-                replayed.append(ran.seconds)
+                replayed = ran.seconds
             if hooks is not None and ctx.recorder is not None:
                 ctx.recorder.paused = True  # the backward part's evaluations go on: not training forwards
             if check.judge:
@@ -247,7 +247,7 @@ class CheckRunner:
                 fused = ReplayCapture(replay, lockstep.point)
         if fused is None:
             replay()
-        check.step_seconds = self.schedule.step_seconds() or (replayed[0] if replayed else None)
+        check.step_seconds = self.schedule.step_seconds() or replayed
         if ctx.by_shard and check.room is not None:
             # What the replay left held counts against the room (measured again now); every rank plans the same
             # pieces with the smallest room (an agreement point: a rank that raised above stops the others here).

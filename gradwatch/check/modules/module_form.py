@@ -258,7 +258,10 @@ def run_module_check(
     if first is not None and part is not batch:  # the batch cut (alike on every rank): the replay runs on its own
         first({}, {})
         first = None
-    window: Optional[str] = None  # the samples the rest of a one-process check's captures run on, said
+    # one process: once, where the whole batch's captures leave units or pieces over the room, the rest is captured on
+    # a window of the batch's samples (said once its capture ran)
+    windowing = view is None and budget is not None
+    window: Optional[str] = None
     while remaining or once:
         once = False
         if began and limit is not None and in_use_bytes(device) > limit - (budget or 0):
@@ -269,15 +272,15 @@ def run_module_check(
                           else min(budget, replay_budget),
                           everyone=shared, agree=agree, alone=view is not None, early=early, forward=first)
         except Exception:  # noqa: BLE001 - a model that refuses a window of its batch: the rest on the whole batch
-            if window is None or part is batch:
+            if part is batch:
                 raise
-            part, window = batch, "refused"  # not tried again
+            part, window = batch, None
             continue
-        if window and window not in ("refused", "whole", "said"):
+        if window is not None:
             report.notes.append(f"module form: {len(remaining)} unit(s) captured and checked on {window} (a new "
                                 "window each check): on the whole batch their inputs are over the captures' share of "
                                 f"the room ({mb(budget)}), which would take a forward of the model per share")
-            window = "said"
+            window = None
         if first is not None and not getattr(first, "usable", False):  # the replay's forward was not the isolated one's
             got = capture(model, objective.loss, part, remaining, opts.seed, budget=budget,
                           everyone=shared, agree=agree, alone=view is not None, early=early)
@@ -297,8 +300,7 @@ def run_module_check(
         held = _held(got)
         # one process, the whole batch: whole pieces over the room (or only alone in it) are captured again by one
         # forward, with the deferred units, on a window of the batch that fits them all (unit name -> need)
-        later: Optional[Dict[str, int]] = {} if view is None and budget is not None and part is batch and \
-            window is None else None
+        later: Optional[Dict[str, int]] = {} if windowing else None
         for item in grouped(pieces, by_name):
             unit = by_name.get(item[0].unit)
             if unit is None or (unit.name not in got.inputs and unit.name not in got.big):
@@ -323,9 +325,9 @@ def run_module_check(
         progress = len(got.inputs) + len(got.big)
         remaining = [by_name[n] for n in got.deferred + list(later or ()) if n in by_name] if progress else []
         if later is not None and remaining and room is not None and budget is not None:
-            part, said = capture_window(batch, held, live_bytes(got.inputs), got.deferred_bytes, budget, opts.seed,
-                                        list(later.values()), room - budget)
-            window = said if said is not None else "whole"
+            windowing = False
+            part, window = capture_window(batch, held, live_bytes(got.inputs), got.deferred_bytes, budget, opts.seed,
+                                          list(later.values()), room - budget)
         if remaining and _late(start, seconds):  # not captured: their pieces wait for the next checks
             names = {u.name for u in remaining}
             report.later.extend(str(p) for p in pieces if p.unit in names)
