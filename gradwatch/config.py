@@ -108,8 +108,8 @@ class GradWatchConfig(CheckOptions):
         "callable items(batch) -> count")
     independence: Optional[Union[str, List[str]]] = option(
         "auto", "also check that outputs depend only on the inputs they may: auto (Hugging Face causal LMs: causal, "
-        "plus padding and documents when the batch has them), off, or batch, causal, documents, padding (a list "
-        "combines them)")
+        "plus padding and documents when the batch has them; any model called on packed documents: documents), off, "
+        "or batch, causal, documents, padding (a list combines them)")
 
     def __post_init__(self) -> None:
         for f in fields(self):

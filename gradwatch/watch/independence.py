@@ -5,7 +5,9 @@ model's inputs of the batch being checked. Those are captured by calling ``loss_
 with a forward pre-hook on the model that records the call and stops it at once (no forward runs).
 ``"auto"`` chooses from the model and that call: a Hugging Face decoder-only causal LM is checked
 ``causal``, plus ``padding`` when the call carries an ``attention_mask`` with padded positions, plus
-``documents`` when its ``position_ids`` restart at 0; any other model is not checked (name the
+``documents`` when the call is packed (its ``position_ids`` restart at 0, or it carries ``seq_idx`` or
+flash-attention's ``cu_seq_lens_q``: :func:`~gradwatch.check.independence.structures.packed_documents`); any other
+model is checked ``documents`` when the batch and its call are packed, and not checked otherwise (name the
 structures to check it).
 
 Example:
@@ -24,7 +26,7 @@ from torch import nn
 
 from gradwatch.check.independence.check import IndependenceReport, ModelCall, check_independence
 from gradwatch.check.independence.report import merge_ranks
-from gradwatch.check.independence.structures import INDEPENDENCE_WORDS, parse_independence, restarts
+from gradwatch.check.independence.structures import INDEPENDENCE_WORDS, PACKED_KEYS, packed_documents, parse_independence
 from gradwatch.check.objective.generators import HeldGenerators
 from gradwatch.check.objective.rng import preserved_rng
 from gradwatch.plan.cycle import next_pass
@@ -69,6 +71,18 @@ def _hf_causal_lm(model: nn.Module) -> bool:
         return False
     name = type(model).__name__
     return name.endswith("ForCausalLM") or name.endswith("LMHeadModel")
+
+
+def packed_batch(batch: Any) -> bool:
+    """Whether a batch may be a packed call (keyword arguments naming its documents: :data:`PACKED_KEYS`); only then is
+    the model call of a model other than a Hugging Face causal LM captured under ``"auto"``.
+
+    Example:
+        >>> packed_batch({"input_ids": torch.zeros(1, 4), "position_ids": torch.zeros(1, 4)}), packed_batch(torch.zeros(2))
+        (True, False)
+    """
+    kwargs = batch if isinstance(batch, Mapping) else getattr(batch, "kwargs", None)
+    return isinstance(kwargs, Mapping) and any(isinstance(kwargs.get(k), torch.Tensor) for k in PACKED_KEYS)
 
 
 class IndependencePart:
@@ -118,15 +132,21 @@ class IndependencePart:
             return None
         if self.option != "auto":
             return list(self.option)
+        packed = packed_documents(kwargs) is not None
         if not _hf_causal_lm(model):
-            return None
+            return ["documents"] if packed else None
         out = ["causal"]
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool((mask == 0).any()):
             out.append("padding")
-        if restarts(kwargs.get("position_ids")):
+        if packed:
             out.append("documents")
         return out
+
+    def skips(self, model: nn.Module, batch: Any) -> bool:
+        """Whether ``"auto"`` leaves this check alone without capturing the model call: neither a Hugging Face causal LM
+        nor a batch that may be packed (:func:`packed_batch`)."""
+        return self.option == "auto" and not _hf_causal_lm(model) and not packed_batch(batch)
 
     def run(self, check: CheckContext) -> Optional[IndependenceReport]:
         """The part on one check: its report put in ``check.report.independence`` (and returned); why it was not
@@ -166,7 +186,7 @@ class IndependencePart:
         ctx, report = check.watch, check.report
         assert report is not None and ctx.dist is not None
         model, seed = check.target, check.opts.seed
-        if self.option == "auto" and not _hf_causal_lm(model):
+        if self.skips(model, check.batch):
             return None
         generators = ctx.held_generators()
         mine: Any = None
@@ -207,7 +227,7 @@ class IndependencePart:
         ``generators``: those the model and ``loss_fn`` hold; put back afterwards, as are torch's, numpy's
         and ``random``'s global ones (capturing the call runs ``loss_fn`` up to the model's forward).
         """
-        if self.option is None or (self.option == "auto" and not _hf_causal_lm(model)):
+        if self.option is None or self.skips(model, batch):
             return None, None
         held = HeldGenerators.of(generators)
         try:

@@ -36,12 +36,14 @@ from torch import nn
 
 from gradwatch.check.independence.report import IndependenceReport, StructureResult, Violation
 from gradwatch.check.independence.structures import (
+    PACKED_KEYS,
     STRUCTURES,
     Probe,
     batch_probes,
     causal_probes,
     document_probes,
     documents_from_positions,
+    packed_documents,
     padding_probes,
     parse_structures,
 )
@@ -499,9 +501,11 @@ def check_independence(
         seq_dim: Their sequence dimension (used by every structure but ``batch``; ``batch`` uses it
             when both have it).
         document_ids: ``[B, T]`` document index per position (``documents``); default: from
-            ``inputs["position_ids"]``, a new document wherever they restart at 0.
+            ``inputs["position_ids"]``, a new document wherever they restart at 0 (or ``seq_idx``, or
+            flash-attention's ``cu_seq_lens_q``: :func:`~gradwatch.check.independence.structures.packed_documents`).
         attention_mask: ``[B, T]``, nonzero at real positions (``padding``); default:
-            ``inputs["attention_mask"]``. When known, padded positions are left out of the other structures.
+            ``inputs["attention_mask"]`` when it is ``[B, T]`` (a 4-D mask, the model's own attention pattern,
+            is passed to the model and not read). When known, padded positions are left out of the other structures.
         allow: Modules (names, classes or modules) that may create a dependence by design
             (an MoE router with capacity, say): a dependence first seen in their output is reported as
             expected, not as a leak.
@@ -542,8 +546,7 @@ def check_independence(
             kwargs.pop(key)
             notes.append(f"{key} left out of the call: {why}")
     where, primary = _primary(args, kwargs)
-    mask = attention_mask if attention_mask is not None else kwargs.get("attention_mask")
-    positions = kwargs.get("position_ids")
+    mask = attention_mask if attention_mask is not None else _padding_mask(kwargs, structures, notes)
     # batch alone: every position of a sample at once, unless a padding mask says which positions are real
     seq = any(s != "batch" for s in structures) or (mask is not None and primary.dim() > seq_dim)
     results: Dict[str, StructureResult] = {}
@@ -560,7 +563,7 @@ def check_independence(
         valid = None if mask is None else _mask_of(mask, batch, length, "attention_mask") != 0
         notes.insert(0, f"differentiated with respect to {_describe_input(where, runner)}")
         for name in structures:
-            probes = _probes(name, batch, length, valid, document_ids, positions, causal_probes_count, generator)
+            probes = _probes(name, batch, length, valid, document_ids, kwargs, causal_probes_count, generator)
             if isinstance(probes, str):
                 results[name] = StructureResult(name, 0, note=probes)
                 continue
@@ -585,8 +588,37 @@ def _describe_input(where: Tuple[str, Any], runner: _Runner) -> str:
     return f"the output of {name} (the embedding of {what})"
 
 
-def _probes(name: str, batch: int, length: int, valid: Optional[torch.Tensor], document_ids: Any, positions: Any,
-            causal_count: int, generator: torch.Generator) -> Union[List[Probe], str]:
+def _padding_mask(kwargs: Mapping[str, Any], structures: Sequence[str], notes: List[str]) -> Any:
+    """The call's ``attention_mask`` where it says which positions are real (``[B, T]``); None for a mask the model takes
+    as its attention pattern (``[B, 1, T, T]``: a block-diagonal mask over packed documents), said in a note."""
+    mask = kwargs.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() <= 2:
+        return mask
+    if "padding" in structures:
+        raise ValueError(f"structure 'padding' needs a [batch, sequence] padding mask; inputs['attention_mask'] has shape "
+                         f"{tuple(mask.shape)} (the model's own attention pattern): pass attention_mask= 1 at real "
+                         "positions, 0 at padded ones")
+    notes.append(f"attention_mask of shape {tuple(mask.shape)} given to the model as it is: not read as a padding mask "
+                 "(every position taken as real)")
+    return None
+
+
+def _documents(batch: int, length: int, document_ids: Any, kwargs: Mapping[str, Any]) -> torch.Tensor:
+    """``[B, T]`` document index per position: ``document_ids=``, else what the packed call says (:func:`packed_documents`)."""
+    if document_ids is not None:
+        return _mask_of(document_ids, batch, length, "document_ids")
+    docs = packed_documents(kwargs)
+    if docs is not None:
+        name = next(k for k in PACKED_KEYS if packed_documents({k: kwargs.get(k)}) is not None)
+        return _mask_of(docs, batch, length, name)
+    if kwargs.get("position_ids") is not None:  # one document a row: position ids as given, no restart
+        return documents_from_positions(_mask_of(kwargs["position_ids"], batch, length, "position_ids"))
+    raise ValueError("structure 'documents' needs document_ids= or inputs['position_ids'] that restart at 0 at each "
+                     "document of the packed sequences (or seq_idx, or flash-attention's cu_seq_lens_q)")
+
+
+def _probes(name: str, batch: int, length: int, valid: Optional[torch.Tensor], document_ids: Any,
+            kwargs: Mapping[str, Any], causal_count: int, generator: torch.Generator) -> Union[List[Probe], str]:
     """A structure's probes, restricted to real positions when padding is known; a note when there is nothing to do."""
     if name == "padding":
         if valid is None:
@@ -603,14 +635,7 @@ def _probes(name: str, batch: int, length: int, valid: Optional[torch.Tensor], d
         if not probes:
             return "nothing to check: sequences of one position"
     else:
-        if document_ids is not None:
-            docs = _mask_of(document_ids, batch, length, "document_ids")
-        elif positions is not None:
-            docs = documents_from_positions(_mask_of(positions, batch, length, "position_ids"))
-        else:
-            raise ValueError("structure 'documents' needs document_ids= or inputs['position_ids'] that restart at 0 "
-                             "at each document of the packed sequences")
-        probes = document_probes(docs, valid)
+        probes = document_probes(_documents(batch, length, document_ids, kwargs), valid)
         if not probes:
             return "nothing to check: one document per sequence"
     if valid is not None:

@@ -12,7 +12,8 @@ no cotangent).
 - ``causal``: in each sample, the outputs up to a cut position ``c`` against the inputs after it;
   each probe puts its cut at a different place in each sample, spread over the sequence.
 - ``documents``: in each sample, documents split by the bits of their index within the sample,
-  both halves in turn (every pair of documents of a sample separated).
+  both halves in turn (every pair of documents of a sample separated); where a packed call says its documents
+  are: :func:`packed_documents`.
 - ``padding``: every real position's output against every padded position's input (one probe).
 
 Example:
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -101,6 +102,38 @@ def restarts(position_ids: Any) -> bool:
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() not in (1, 2) or position_ids.shape[-1] < 2:
         return False
     return bool((position_ids[..., 1:] == 0).any())
+
+
+#: Keyword arguments of a packed model call that say where its documents are, in the order they are read.
+PACKED_KEYS = ("position_ids", "seq_idx", "cu_seq_lens_q")
+
+
+def packed_documents(kwargs: Mapping[str, Any]) -> Optional[torch.Tensor]:
+    """Document index per position of a packed model call, from its keyword arguments (None: one document a row).
+
+    Read from, in this order: ``position_ids`` that restart at 0 (``DataCollatorWithFlattening``'s default, TRL's
+    padding-free batches); ``seq_idx``, the document of each position (``return_seq_idx=True``); ``cu_seq_lens_q``,
+    the cumulative document lengths of flash-attention's variable-length kernels (``return_flash_attn_kwargs=True``:
+    one row of all the documents).
+
+    Example:
+        >>> packed_documents({"cu_seq_lens_q": torch.tensor([0, 2, 5])}).tolist()
+        [[0, 0, 1, 1, 1]]
+        >>> packed_documents({"position_ids": torch.arange(4)[None]}) is None
+        True
+    """
+    if restarts(kwargs.get("position_ids")):
+        return documents_from_positions(kwargs["position_ids"])
+    seq_idx = kwargs.get("seq_idx")
+    if isinstance(seq_idx, torch.Tensor) and seq_idx.dim() in (1, 2) and seq_idx.numel() > 1:
+        rows = seq_idx if seq_idx.dim() == 2 else seq_idx[None]
+        if bool((rows[:, 1:] != rows[:, :-1]).any()):
+            return rows.long()
+    cu = kwargs.get("cu_seq_lens_q")
+    if isinstance(cu, torch.Tensor) and cu.dim() == 1 and cu.numel() > 2 and int(cu[0]) == 0:
+        ends = cu[1:].long().cpu()
+        return torch.bucketize(torch.arange(int(ends[-1])), ends, right=True)[None]
+    return None
 
 
 def _bit_splits(count: int) -> List[Tuple[List[int], List[int]]]:
