@@ -152,6 +152,7 @@ def test_a_model_of_ones_own_attending_across_documents_is_alerted_at_the_first_
     alerts = leaks(watch)
     assert alerts and alerts[0].step == 0 and alerts[0].tensor == "attn", [str(a) for a in watch.alerts]
     assert "documents independence broken" in alerts[0].message and "another document" in alerts[0].message
+    assert "called again" not in alerts[0].message  # a model of one's own: no other call of it is tried
     records = checks_of(tmp_path)
     assert records[0]["independence"]["structures"]["documents"]["violation"]["module"] == "attn"
     assert set(records[0]["independence"]["structures"]) == {"documents"}  # not a causal LM of transformers
@@ -183,6 +184,7 @@ def test_mixtral_under_the_trainer_gets_the_verdict_brute_force_gives(use_cache,
     assert bool(alerts) == truth, [str(a) for a in watch.alerts]
     if truth:
         assert alerts[0].step == 0 and alerts[0].tensor == "model.layers.0.self_attn", str(alerts[0])
+        assert "called again with use_cache=False, the documents are independent" in alerts[0].message
     assert not [a for a in watch.alerts if a.kind in ("error", "paused")], [str(a) for a in watch.alerts]
 
 
@@ -230,6 +232,15 @@ def test_auto_checks_documents_of_a_model_of_ones_own_in_a_plain_loop():
 # ---------------------------------------------------------------- where the documents are read
 
 
+def test_the_collators_three_forms_give_the_same_documents():
+    from gradwatch.check.independence.structures import packed_documents
+
+    forms = [packed(), packed(return_position_ids=False, return_seq_idx=True),
+             packed(return_position_ids=False, return_flash_attn_kwargs=True)]
+    docs = [packed_documents(f) for f in forms]
+    assert docs[0].tolist() == docs[1].tolist() == docs[2].tolist() and int(docs[0].max()) == 3
+
+
 @pytest.mark.parametrize("respects", [False, True])
 def test_documents_are_read_from_seq_idx_without_position_ids(respects):
     call = packed(return_position_ids=False, return_seq_idx=True)
@@ -240,6 +251,22 @@ def test_documents_are_read_from_seq_idx_without_position_ids(respects):
     assert report.results["documents"].probes == 4
     if not respects:
         assert report.worst.module == "attn"
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_leak_through_an_all_ones_mask_says_the_call_that_has_none(use_cache):
+    call = packed()
+    call.pop("labels")
+    call = {**call, "attention_mask": torch.ones_like(call["input_ids"]), "use_cache": use_cache}
+    model = llama()
+    assert crosses(model, call)
+    report = check_independence(model, call, "documents")
+    fix = "without its all-ones attention_mask" + (" and with use_cache=False" if use_cache else "")
+    assert f"called again {fix}, the documents are independent" in report.worst.describe(), str(report)
+    padded = {**call, "attention_mask": call["attention_mask"].clone()}
+    padded["attention_mask"][0, -1] = 0  # a padded position: the mask is kept, and with it the leak
+    report = check_independence(model, padded, "documents")
+    assert not report.ok and report.worst.remedy is None, str(report)
 
 
 def test_padding_with_a_four_d_mask_is_refused_with_its_shape():

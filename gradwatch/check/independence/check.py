@@ -392,8 +392,12 @@ class _Checker:
         """``(output that moved most, relative change, delta)`` if changing input ``(b, s)`` moves a guarded output."""
         base, noise = self._baseline()
         delta = self._delta(probe, b, s, generator)
-        moved = self.runner.run(delta)
-        guarded = self._guarded(probe, b)
+        found = self._moves(self.runner.run(delta), base, noise, self._guarded(probe, b))
+        return None if found is None else (found[0], found[1], delta)
+
+    def _moves(self, moved: torch.Tensor, base: torch.Tensor, noise: float, guarded: torch.Tensor
+               ) -> Optional[Tuple[Tuple[int, int], float]]:
+        """``(guarded output that moved most, relative change)`` when one moved beyond the noise, else None."""
         diff = self.layout.grid(moved - base).abs().amax(-1).double().cpu()
         diff = torch.nan_to_num(diff, nan=float("inf")).masked_fill(~guarded, 0.0)
         scale = float(self.layout.grid(base).abs().amax(-1).double().cpu()[guarded].max()) if guarded.any() else 0.0
@@ -401,8 +405,32 @@ class _Checker:
         if top <= max(10.0 * noise, CHANGE_EPS * _eps(base) * scale) or top == 0.0:
             return None
         flat = int(diff.reshape(-1).argmax())
-        where = (flat // diff.shape[1], flat % diff.shape[1])
-        return where, top / (scale or 1.0), delta
+        return (flat // diff.shape[1], flat % diff.shape[1]), top / (scale or 1.0)
+
+    def remedy(self, probe: Probe, b: int, delta: torch.Tensor) -> Optional[str]:
+        """A packed call that leaks across documents, called again as a Hugging Face model masks packed documents
+        (:func:`packed_call_remedy`): what to change, in words, when the leak is gone then (None otherwise)."""
+        fix = packed_call_remedy(self.model, self.runner.kwargs)
+        if fix is None:
+            return None
+        kwargs, words = fix
+        runner = self.runner
+        primary = runner.variable.detach() if runner.site is None and runner.variable is not None else runner.primary
+        again = _Runner(self.model, runner.args, kwargs, runner.where, primary, runner.seed)
+        again.held = runner.held
+        try:
+            base = again.run()
+            noise = float((again.run() - base).abs().max()) if base.numel() else 0.0
+            still = self._moves(again.run(delta), base, noise, self._guarded(probe, b))
+        except Exception:  # noqa: BLE001 - the model refuses the other call: no remedy to say
+            return None
+        finally:
+            runner.forwards += again.forwards
+        if still is not None:
+            return None
+        return (f"called again {words}, the documents are independent: this model masks packed documents from "
+                "position_ids only without a cache and without a 2-D attention_mask (transformers); train with that "
+                "call, or give it a block-diagonal 4-D attention_mask")
 
     def localize(self, probe: Probe, b: int, delta: torch.Tensor) -> Optional[str]:
         """Where the dependence starts: the first module (in the order modules finish their forward) whose output
@@ -467,6 +495,8 @@ class _Checker:
             where_in = (b, s if probe.same_sample else -1)
             v = Violation(probe.structure, output, where_in, float(forbidden[b, s]) / scale, change, module,
                           expected=_allowed(module, self.model, self.allow))
+            if probe.structure == "documents" and not v.expected:
+                v.remedy = self.remedy(probe, b, delta)
             return v, None
         return None, (f"a gradient of {float(forbidden.max()) / scale:.2g} reached a forbidden input, but changing "
                       "that input moved no guarded output: not a dependence (counted as none)")
@@ -588,6 +618,33 @@ def _describe_input(where: Tuple[str, Any], runner: _Runner) -> str:
     return f"the output of {name} (the embedding of {what})"
 
 
+def packed_call_remedy(model: nn.Module, kwargs: Mapping[str, Any]) -> Optional[Tuple[Dict[str, Any], str]]:
+    """The packed call as a Hugging Face model masks its documents, and the change in words; None when it is that already.
+
+    transformers' ``create_causal_mask`` reads packed documents from ``position_ids`` only when it is given no 2-D
+    ``attention_mask`` and no cache; a causal LM makes a cache whenever ``use_cache`` is true (``config.use_cache``
+    by default), in training too.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> m = nn.Linear(1, 1); m.config = SimpleNamespace(use_cache=True)
+        >>> packed_call_remedy(m, {"position_ids": torch.tensor([[0, 1, 0]]), "attention_mask": torch.ones(1, 3)})[1]
+        'without its all-ones attention_mask and with use_cache=False'
+    """
+    config = getattr(model, "config", None)
+    if config is None or not isinstance(kwargs.get("position_ids"), torch.Tensor):
+        return None
+    call, words = dict(kwargs), []
+    mask = call.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool((mask != 0).all()):  # no padding it would lose
+        call.pop("attention_mask")
+        words.append("without its all-ones attention_mask")
+    if call.get("use_cache", getattr(config, "use_cache", None)):
+        call["use_cache"] = False
+        words.append("with use_cache=False")
+    return (call, " and ".join(words)) if words else None
+
+
 def _padding_mask(kwargs: Mapping[str, Any], structures: Sequence[str], notes: List[str]) -> Any:
     """The call's ``attention_mask`` where it says which positions are real (``[B, T]``); None for a mask the model takes
     as its attention pattern (``[B, 1, T, T]``: a block-diagonal mask over packed documents), said in a note."""
@@ -645,4 +702,5 @@ def _probes(name: str, batch: int, length: int, valid: Optional[torch.Tensor], d
     return probes
 
 
-__all__ = ["IndependenceReport", "ModelCall", "StructureResult", "Violation", "check_independence", "output_tensor", "STRUCTURES"]
+__all__ = ["IndependenceReport", "ModelCall", "StructureResult", "Violation", "check_independence", "output_tensor",
+           "packed_call_remedy", "STRUCTURES"]

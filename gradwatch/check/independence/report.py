@@ -30,6 +30,7 @@ class Violation:
         module: The first module (in the order modules finish their forward) whose output moved;
             ``""`` is the model's own ``forward``; None when no module's output could be compared.
         expected: The module is one ``allow=`` names: a dependence by design, not a leak.
+        remedy: What made the leak go away when the model was called again otherwise (packed documents), or None.
 
     Example:
         >>> v = Violation("causal", (0, 2), (0, 3), 0.4, 0.1, "blocks.0.attn")
@@ -44,6 +45,7 @@ class Violation:
     change: float
     module: Optional[str] = None
     expected: bool = False
+    remedy: Optional[str] = None
 
     def describe(self) -> str:
         """One sentence: which output depends on which input, how much, and where it starts."""
@@ -57,7 +59,8 @@ class Violation:
         where = ("" if self.module is None else
                  " in the model's own forward" if self.module == "" else f" from module {self.module}")
         return (f"{self.structure}: {what}{where} (gradient {self.gradient:.2g} of the largest allowed one; "
-                f"changing that input moved the output by {self.change:.2g} of its scale)")
+                f"changing that input moved the output by {self.change:.2g} of its scale)"
+                + ("" if self.remedy is None else f"; {self.remedy}"))
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON-safe dict."""
