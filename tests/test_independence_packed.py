@@ -273,3 +273,18 @@ def test_padding_with_a_four_d_mask_is_refused_with_its_shape():
     call = packed(four_d=True)
     with pytest.raises(ValueError, match=r"'padding' needs a \[batch, sequence\] padding mask.*shape \(1, 1, 2"):
         check_independence(llama(), call, ["documents", "padding"])
+
+
+def test_auto_on_a_packed_batch_a_loss_fn_never_calling_the_model_is_left_alone():
+    model = PackedLM(respects=False)
+
+    def by_parts(m, batch):  # the model's modules called one by one: no model call to check
+        x = m.emb(batch["input_ids"]) + m.pos(batch["position_ids"])
+        return m.head(x + m.attn(x, (batch["position_ids"] == 0).long().cumsum(-1))).logsumexp(-1).mean()
+
+    watch = GradWatch(model, by_parts, every=1, tensorboard=False, jsonl=False)
+    batch = packed()
+    by_parts(model, batch).backward()
+    report = watch.step(batch)
+    watch.close()
+    assert report.independence is None and not [n for n in report.notes if "independence" in n], report.notes

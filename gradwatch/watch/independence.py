@@ -234,8 +234,9 @@ class IndependencePart:
             with preserved_rng():
                 call = capture_call(model, loss_fn, batch)
             held.reset()
-            if call is None:
-                return None, "independence not checked: loss_fn never calls the model itself"
+            if call is None:  # said where asked for, or for a causal LM; a packed batch of another model: silent
+                said = self.option != "auto" or _hf_causal_lm(model)
+                return None, "independence not checked: loss_fn never calls the model itself" if said else None
             args, kwargs = call
             structures = self.structures_for(model, args, kwargs)
             if not structures:
