@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, List, Tuple
 
 from torch import nn
@@ -16,6 +17,8 @@ def is_dtensor(t: Any) -> bool:
         >>> is_dtensor(torch.zeros(2))
         False
     """
+    if "torch.distributed.tensor" not in sys.modules:
+        return False  # no DTensor exists before its package is imported (importing it takes a second)
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch built without distributed
@@ -33,6 +36,8 @@ def is_sharded(model: nn.Module) -> bool:
         >>> is_sharded(nn.Sequential(nn.Linear(2, 2)))
         False
     """
+    if "torch.distributed.fsdp" not in sys.modules and "torch.distributed.tensor" not in sys.modules:
+        return False  # neither exists before its package is imported (1.3 s at a first check, importing them here)
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch < 2.6 or built without distributed
