@@ -368,7 +368,40 @@ def screen(p, saved, grads, sample: Sample, base: Tuple[Terms, Terms, Terms, Ter
             return flat, not settings.mark_unseen or settings.eval_eps > LOW_PRECISION_EPS
         return judge_sample(p, saved, grads, sample, base, j0, evaluate, settings, batch=batch), False
     out = judge_sample(p, saved, grads, sample, base, j0, evaluate, settings, batch=batch)
-    return out, screened(out, settings)
+    if screened(out, settings):
+        return out, True
+    wider = settle_wider(p, saved, grads, sample, out, j0, evaluate, settings, batch)
+    return (wider, True) if wider is not None else (out, False)
+
+
+def settle_wider(p, saved, grads, sample: Sample, out: Outcome, j0: Terms, evaluate: Evaluator,
+                 settings: EngineSettings, batch: Optional[Tuple[str, Any]] = None) -> Optional[Outcome]:
+    """The detection probe at two wider steps, where only its noise floor kept it from settling; the outcome at the
+    narrower of them when both settle the tensor, else None.
+
+    A probe along a random direction of a large tensor has a slope about ``|g| / sqrt(n)``: its floor can be under
+    ``IMPRECISE`` of the slope (no widening) and still over the tenth of the ACCEPTABLE band :func:`screened` asks
+    for, though its slopes agree to the EXCELLENT band. At a wider step the floor is lower, so the probe only sees
+    more: the steps are chosen for a floor of a twentieth and a fortieth of the ACCEPTABLE band, and the tensor is
+    settled only where the slopes agree to the EXCELLENT band at both (a kink crossed or curvature within a step
+    makes them disagree; 4 evaluations, against the full sample's 20 or more). Otherwise the full sample goes on
+    from the base probe, judged as before.
+    """
+    a, n = out.analytic["total"], out.numeric["total"]
+    scale = abs(a) + abs(n)
+    if out.widened or set(out.analytic) != {"total"} or not settings.detect_kinks or not scale > 0 \
+            or abs(a - n) - out.floor > settings.bands[0] * scale or len(settings.bands) < 2:
+        return None  # it disagrees (or cannot settle): the full sample judges it
+    unit = max(1.0, abs(sample.base)) if sample.base is not None else sample.step / base_step(settings)
+    factor = min(WIDEN_MAX, 0.1 * unit / sample.step, out.floor / (0.05 * settings.bands[1] * scale))
+    if not factor > 1.0:
+        return None
+    lines = [replace(sample, step=sample.step * factor * f, target=None, view=None) for f in (1.0, 2.0)]
+    got = batched_bases(batch[0], p, saved, grads, lines, batch[1]) if batch is not None else None
+    probes = got if got is not None else [central_probe(p, saved, grads, line, line.step, evaluate) for line in lines]
+    taken = [Outcome(*slopes_of(*probe, line.step), floor_at(settings, line.step), widened=True, step=line.step)
+             for line, probe in zip(lines, probes)]
+    return taken[0] if all(screened(o, settings) for o in taken) else None
 
 
 def param_norm(saved: torch.Tensor, grads: Dict[str, torch.Tensor]) -> float:
