@@ -26,7 +26,7 @@ from gradwatch.check.objective.guards import BufferGuard, frozen_batchnorm_stats
 from gradwatch.check.objective.padding_idx import padding_note, padding_rows_constant
 from gradwatch.check.objective.precision import ShadowPrecision
 from gradwatch.check.objective.rng import Reseeder, preserved_rng, seed_everything
-from gradwatch.check.objective.shadow import Shadow, cast_floats, restore_params, snapshot_params
+from gradwatch.check.objective.shadow import Shadow, cast_floats, keep_shadow, kept_shadow, restore_params, snapshot_params
 from gradwatch.check.objective.surrogate import SurrogateCut, find_surrogates, surrogate_note, surrogate_parameters
 from gradwatch.check.objective.terms import Objective, coupled_weight_decay
 from gradwatch.check.probes.batched import compiled_modules
@@ -120,7 +120,7 @@ def check_model(
     objective = Objective(loss_fn, regularizers, weight_decay)
     before = time.perf_counter() - entered
     report = run_model_check(model, objective, batch, opts, grad_fn=grad_fn, batched=batched, screen=screen,
-                             mark_unseen=grad_fn is None)
+                             mark_unseen=grad_fn is None, keep=True)
     report.seconds += before
     report.verdict_seconds += before
     report.notes[:0] = notes
@@ -279,6 +279,7 @@ def run_model_check(
     mark_unseen: bool = False,
     prefix_bytes: Optional[int] = KEEP_BYTES,
     activations: int = 0,
+    keep: bool = False,
 ) -> CheckReport:
     """The check behind :func:`check_model` and the training hook.
 
@@ -294,6 +295,8 @@ def run_model_check(
             (:class:`~gradwatch.check.probes.prefix.PrefixCache`); None or 0: every evaluation runs the whole forward.
         activations: Bytes of one evaluation's activations (the batched evaluations hold one set per perturbation
             and are sized to that); 0: not known, only the perturbed copies are counted.
+        keep: Without ``shadow``, reuse the one kept from this model's last check where it is still faithful, and keep
+            this one for the next (:func:`~gradwatch.check.objective.shadow.kept_shadow`: one-shot checks).
     """
     start = time.perf_counter()
     all_names = trainable_names(model)
@@ -304,6 +307,8 @@ def run_model_check(
     if dtype is None:
         target = model
     else:
+        if shadow is None and keep:
+            shadow = kept_shadow(model, dtype)
         if shadow is None or shadow.dtype != dtype or not shadow.matches(model):
             shadow = Shadow(model, dtype)
         shadow.refresh(model)
@@ -468,6 +473,8 @@ def run_model_check(
     at, count = verdict_at[0] if verdict_at else (end, evaluator.count)
     report.verdict_seconds, report.verdict_evaluations = at - start + flat_spent, count + 1 + flat_evaluations
     report.localize_seconds = end - at if report.failures else 0.0
+    if keep and shadow is not None:
+        keep_shadow(model, shadow)
     return report
 
 
