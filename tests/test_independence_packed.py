@@ -288,3 +288,26 @@ def test_auto_on_a_packed_batch_a_loss_fn_never_calling_the_model_is_left_alone(
     report = watch.step(batch)
     watch.close()
     assert report.independence is None and not [n for n in report.notes if "independence" in n], report.notes
+
+
+@pytest.mark.slow  # TRL at its defaults (bf16 autocast, checkpointing, its fused LM head): about 8 s
+def test_trl_padding_free_sft_is_checked_by_document_and_clean(tmp_path):
+    pytest.importorskip("trl")
+    from test_trl import texts, tiny_llama, tokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from gradwatch.integrations.transformers import GradWatchCallback
+
+    model = tiny_llama()
+    calls: list = []
+    model.register_forward_pre_hook(lambda m, a, kw: calls.append(dict(kw)) if not calls else None, with_kwargs=True)
+    callback = GradWatchCallback(every=1, tensorboard=False)
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, use_cpu=True, report_to=[],
+                     disable_tqdm=True, logging_steps=100, save_strategy="no", seed=0, padding_free=True, max_length=None)
+    SFTTrainer(model=model, args=args, train_dataset=texts(), processing_class=tokenizer(), callbacks=[callback]).train()
+    call = {k: v for k, v in calls[0].items() if k != "fused_lm_head"}  # the logits, not the labels' log-probabilities
+    assert call["position_ids"].shape[0] == 1 and call["use_cache"] is False  # TRL's compute_loss says so
+    assert not crosses(model, call)
+    records = checks_of(tmp_path)
+    assert len(records) == 2 and all(set(r["independence"]["structures"]) == {"causal", "documents"} for r in records)
+    assert all(r["independence"]["ok"] for r in records) and not leaks(callback.watch)
