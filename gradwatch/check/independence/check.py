@@ -671,7 +671,8 @@ def _documents(batch: int, length: int, document_ids: Any, kwargs: Mapping[str, 
     if kwargs.get("position_ids") is not None:  # one document a row: position ids as given, no restart
         return documents_from_positions(_mask_of(kwargs["position_ids"], batch, length, "position_ids"))
     raise ValueError("structure 'documents' needs document_ids= or inputs['position_ids'] that restart at 0 at each "
-                     "document of the packed sequences (or seq_idx, or flash-attention's cu_seq_lens_q)")
+                     "document of the packed sequences (or seq_idx, or flash-attention's cu_seq_lens_q); the call's "
+                     f"keyword arguments: {sorted(kwargs)}")
 
 
 def _probes(name: str, batch: int, length: int, valid: Optional[torch.Tensor], document_ids: Any,
