@@ -222,7 +222,8 @@ class PrefixCache:
             self.counts[index] = n + 1
             key = (index, n)
             if self.phase == "capture":
-                return self._capture(key, forward, args, kwargs)
+                # (Before the first evaluation's begin(), the analytic forward: nothing of it is kept.)
+                return self._capture(key, forward, args, kwargs) if self._reads is not None else forward(*args, **kwargs)
             if self.enabled and self.limit is not None and key in self.values and self.spans[key][1] <= self.limit \
                     and not torch.is_grad_enabled():  # (an objective differentiating inside needs the graph)
                 recorder = kinks.active_recorder()
