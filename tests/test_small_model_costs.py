@@ -180,3 +180,17 @@ def test_checking_a_plain_model_imports_no_distributed_package():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_detection_directions_are_drawn_once_per_seed_and_only_read():
+    torch.manual_seed(0)
+    model, batch = Net(), _batch()
+    reexamine._DRAWN.clear()
+    first = check_model(model, _ce, batch, seed=3)
+    kept = dict(reexamine._DRAWN)
+    values = {k: d.clone() for k, d in kept.items()}
+    assert first.ok and kept and all(d.numel() <= reexamine._DRAWN_ENTRIES for d in kept.values())
+    assert check_model(model, _ce, batch, seed=3).ok
+    assert all(reexamine._DRAWN[k] is d and torch.equal(d, values[k]) for k, d in kept.items())  # reused, unchanged
+    check_model(model, _ce, batch, seed=4)  # another seed: other directions
+    assert len(reexamine._DRAWN) == 2 * len(kept)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
+import threading
 from dataclasses import replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -295,6 +297,30 @@ def fails_alone(out: Outcome, settings: EngineSettings) -> bool:
     return Verdict.from_value(judged_rel_diff([a_t], [n_t], [out.floor]), settings.bands).is_failure(settings.fail_at)
 
 
+#: Detection directions of small tensors kept for the next check with the same seed (a unit test's check_model calls,
+#: each with seed 0): ``(seed, shape, dtype, device) -> direction``, read only. Drawing one costs more than
+#: evaluating a small model (a generator seeded, a draw, a norm, three casts).
+_DRAWN: "collections.OrderedDict[Tuple[Any, ...], torch.Tensor]" = collections.OrderedDict()
+_DRAWN_ENTRIES = 1 << 16  # the largest tensor whose direction is kept, in entries
+_DRAWN_BYTES = 4 * 2**20  # all of them, in bytes
+_DRAWN_LOCK = threading.Lock()
+_drawn_bytes = 0
+
+
+def _keep_drawn(key: Tuple[Any, ...], direction: torch.Tensor) -> None:
+    """Keep a small tensor's detection direction (the oldest go first beyond :data:`_DRAWN_BYTES`)."""
+    if direction.numel() > _DRAWN_ENTRIES:
+        return
+    global _drawn_bytes
+    with _DRAWN_LOCK:
+        if key not in _DRAWN:
+            _DRAWN[key] = direction
+            _drawn_bytes += direction.numel() * direction.element_size()
+        while _drawn_bytes > _DRAWN_BYTES:
+            _, dropped = _DRAWN.popitem(last=False)
+            _drawn_bytes -= dropped.numel() * dropped.element_size()
+
+
 def screen_sample(name: str, p: torch.Tensor, settings: EngineSettings, seed: int, h: float) -> Optional[Sample]:
     """The detection probe of one tensor: one random unit direction (Gaussian; int8 signs for huge tensors).
 
@@ -305,15 +331,20 @@ def screen_sample(name: str, p: torch.Tensor, settings: EngineSettings, seed: in
     n = p.numel()
     if n <= 1:
         return None
-    gen = generator(tensor_seed(seed, name + "#screen"))
+    drawn = tensor_seed(seed, name + "#screen")
     rms = float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) / math.sqrt(n)
     unit = unit_sample(name, p)
     if n <= DENSE_SIGNS_MAX and p.is_floating_point():
-        # Drawn in float32 (6x faster than float64 draws; the direction used is the one stored, either way).
-        z = torch.randn(n, generator=gen, dtype=torch.float32).to(torch.float64)
-        z /= torch.linalg.vector_norm(z)
-        return Sample(label=("screen",), step=h * max(unit, rms), direction=z.to(p.dtype).reshape(p.shape).to(p.device))
-    signs = rademacher_signs(n, 1, gen).to(p.device)
+        key = (drawn, tuple(p.shape), p.dtype, p.device)
+        direction = _DRAWN.get(key)
+        if direction is None:
+            # Drawn in float32 (6x faster than float64 draws; the direction used is the one stored, either way).
+            z = torch.randn(n, generator=generator(drawn), dtype=torch.float32).to(torch.float64)
+            z /= torch.linalg.vector_norm(z)
+            direction = z.to(p.dtype).reshape(p.shape).to(p.device)
+            _keep_drawn(key, direction)
+        return Sample(label=("screen",), step=h * max(unit, rms), direction=direction)
+    signs = rademacher_signs(n, 1, generator(drawn)).to(p.device)
     return Sample(label=("screen",), step=h * max(unit, rms), signs=signs[0].reshape(p.shape), scale=1.0 / math.sqrt(n))
 
 
