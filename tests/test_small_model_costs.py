@@ -169,6 +169,7 @@ def test_a_wrong_gradient_does_not_settle_at_the_wider_step(factor):
     assert [t.name for t in report.failures] == ["2.weight"]
 
 
+@pytest.mark.slow  # a fresh Python process (torch imported anew)
 def test_checking_a_plain_model_imports_no_distributed_package():
     code = (
         "import sys, torch\n"
