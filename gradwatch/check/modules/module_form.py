@@ -707,8 +707,12 @@ def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs:
     # unit's random cotangent reaches the padding positions, which the loss masks.
     with preserved_rng(), dropout_off(local), frozen_power_iteration(local, modules), suspended_hooks(local, modules), \
             padding_rows_constant(local), ShadowPrecision(dtype):
-        result = check_module(unit.name, local, args, kwargs, opts, unit.calls, params=params, restore=False,
-                              constants=constants, screen=screen)
+        try:
+            result = check_module(unit.name, local, args, kwargs, opts, unit.calls, params=params, restore=False,
+                                  constants=constants, screen=screen)
+        finally:
+            if isinstance(local, OwnCode):
+                local.release()
     result.type = kind
     return result, probed
 

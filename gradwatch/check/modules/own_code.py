@@ -114,6 +114,22 @@ class OwnCode(nn.Module):
             raise RuntimeError(f"the own code gave {len(results)} tensors, {len(self.keep)} at its first call")
         return [t for t, k in zip(results, self.keep) if k]
 
+    def release(self) -> None:
+        """Drop what the copy holds (its stubs' outputs and inputs, its parameters' and buffers' copies) once its check
+        is done: a library's module may hold itself in a cycle (a PEFT model's shallow copy does), which would keep them
+        (float64 logits of a window, a frozen embedding's copy) until Python's full collection came round.
+
+        Example:
+            >>> code = OwnCode(nn.Linear(2, 2), [])
+            >>> code.release(); list(code.parameters())
+            []
+        """
+        for s in self.stubs:
+            s.outputs, s.stub_templates, s.given = [], [], []
+            s._parameters = {}
+        for m in self.inner.modules():
+            m._parameters, m._buffers = {}, {}
+
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.detach().to(dtype) if t.is_floating_point() else t.detach().clone()
@@ -170,7 +186,7 @@ def own_code_copy(module: nn.Module, name: str, stubbed: Sequence[str], outputs:
             if rel in stubs:
                 new._modules[k] = stubs[rel]
             elif any(s.startswith(rel + ".") for s in stubs):
-                new._modules[k] = build(child, rel + ".")
+                new._modules[k] = build(child, rel + ".")  # noqa: F821 - deleted once built (below)
             else:  # not called as a module (its weights are used directly) or not called at all
                 for p in child.parameters():
                     cast_param(p)
@@ -180,6 +196,7 @@ def own_code_copy(module: nn.Module, name: str, stubbed: Sequence[str], outputs:
         return new
 
     local = build(module, "")
+    del build  # a recursive closure holds itself: the copy, the stubs and their outputs with it, until a full collection
     checked: Dict[str, nn.Parameter] = {}
     for full, p in params.items():
         checked[full[len(prefix):]] = memo[id(p)]

@@ -30,7 +30,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
+import weakref
+from typing import Any, Dict, Iterator, List, Mapping, MutableMapping, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -73,10 +74,12 @@ class LiveReads:
     def __init__(self, root: nn.Module, stubs: Optional[Mapping[str, "Stub"]] = None,
                  dtype: torch.dtype = torch.float64) -> None:
         self.root = root
-        self.stubs: Dict[str, Stub] = dict(stubs or {})
+        # Weak: each stub and view holds these reads, and a cycle would keep the stubs' outputs (float64 logits of a
+        # window, 52 MB on GPT-2's 50,257 tokens) held after the check until Python's full collection came round
+        self.stubs: MutableMapping[str, Stub] = weakref.WeakValueDictionary(stubs or {})
         self.dtype = dtype
         self._paths: Optional[Dict[int, str]] = None
-        self._views: Dict[int, ModuleView] = {}
+        self._views: MutableMapping[int, ModuleView] = weakref.WeakValueDictionary()
         self._constants: Dict[int, torch.Tensor] = {}
         self.pending: Set[Tuple[int, str]] = set()  # reads in a class's own ``__getattr__``, against a loop
 
@@ -98,9 +101,10 @@ class LiveReads:
 
     def view(self, module: nn.Module) -> "ModuleView":
         """``module``'s :class:`ModuleView` (a stubbed module's too: its methods run on it, calls go to the stub)."""
-        if id(module) not in self._views:
-            self._views[id(module)] = ModuleView(module, self, self.path(module))
-        return self._views[id(module)]
+        view = self._views.get(id(module))
+        if view is None:
+            view = self._views[id(module)] = ModuleView(module, self, self.path(module))
+        return view
 
     def value(self, value: Any) -> Any:
         """What reading ``value`` off a live module gives the own code (the module docstring's rule)."""

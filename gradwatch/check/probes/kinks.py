@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
@@ -371,11 +372,25 @@ class ForwardKinks:
         return probe, Crossing(sum(s.count for s in sides), min(s.fraction for s in sides))
 
 
+def _weakly(evaluate: Evaluator) -> Callable[[], Terms]:
+    """``evaluate`` called through a weak reference: the evaluator holds its records, which must not hold it (the cycle
+    kept what its closure holds, a unit's float64 cotangents, until Python's full collection came round)."""
+    ref = weakref.ref(evaluate)
+
+    def call() -> Terms:
+        target = ref()
+        if target is None:
+            raise RuntimeError("the evaluator of these records is gone")
+        return target()
+
+    return call
+
+
 def forward_kinks(evaluate: Evaluator) -> ForwardKinks:
     """The evaluator's :class:`ForwardKinks`, made at the first call."""
     found = evaluate.forward_kinks
     if not isinstance(found, ForwardKinks):
-        found = ForwardKinks(evaluate)
+        found = ForwardKinks(_weakly(evaluate))
         if not evaluate.recordable:
             found._tried = True  # never recorded: the slopes' own rules judge every probe
         evaluate.forward_kinks = found
