@@ -31,6 +31,7 @@ from gradwatch.check.objective.surrogate import SurrogateCut, find_surrogates, s
 from gradwatch.check.objective.terms import Objective, coupled_weight_decay
 from gradwatch.check.probes.batched import compiled_modules
 from gradwatch.check.probes.engine import check_tensors
+from gradwatch.check.probes.experts import in_order, tensor_of
 from gradwatch.check.probes.lines import EngineSettings, Evaluator, total
 from gradwatch.check.probes.prefix import KEEP_BYTES, PrefixCache
 from gradwatch.errors import blame
@@ -172,7 +173,7 @@ def judge_unseen_on_modules(report: CheckReport, model: nn.Module, objective: Ob
     if all(report.tensors[n].inconclusive_kind is InconclusiveKind.FLAT for n in unseen):
         # The objective is bit-for-bit flat in each of them (a bias before a normalization, or a gradient far
         # below rounding): what can still be wrong is their own module's backward, so only it is checked.
-        units = [u for u in units if any(n in u.params for n in unseen)]
+        units = [u for u in units if any(tensor_of(n) in u.params for n in unseen)]
     modular = run_module_check(model, objective, batch, opts, units=units, screen=screen)
     judged = []
     for n in unseen:
@@ -625,7 +626,7 @@ def _judge_all(report: CheckReport, params: Dict[str, torch.Tensor], grads, eval
             report.nondeterministic = True
         elif judged.before_sampling is InconclusiveKind.NONFINITE:
             report.nonfinite = True
-    report.tensors = {n: report.tensors[n] for n in params if n in report.tensors}  # model order (failing ones came last)
+    report.tensors = in_order(report.tensors, list(params))  # model order (failing ones came last), experts in place
 
 
 def _not_finite(report: CheckReport, params: Mapping[str, torch.Tensor], why: str) -> None:

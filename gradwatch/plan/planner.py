@@ -32,6 +32,7 @@ from torch import nn
 
 from gradwatch.check.judging.report import CheckReport
 from gradwatch.check.objective.surrogate import find_surrogates, inside
+from gradwatch.check.probes.experts import NOT_REACHED, expert_of
 from gradwatch.plan.coverage import Coverage
 from gradwatch.plan.cycle import PACED_SECONDS, PACED_STEP_SECONDS, PIECE_STEPS, ROWS_PER_SLICE, Cycle, Piece, fewest_whole
 from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY, SAFETY, mb, objective_bytes
@@ -100,6 +101,15 @@ def adapter_bases(units: Sequence[Unit], watched: Set[int]) -> Set[str]:
     kinds = {u.name: u.kind for u in units}
     return {c for u in units if u.kind == "own" and holds.intersection(u.stubbed)
             for c in u.stubbed if c not in holds and kinds.get(c) == "module"}
+
+
+def _probe(cov: Coverage, part: str, name: str, check: Any, rows: Any) -> None:
+    """``part`` probed tensor ``name``'s ``rows`` (None: all); an expert's key its expert's row, unless not reached."""
+    found = expert_of(name)
+    if found is None:
+        cov.probe(part, name, rows)
+    elif check.inconclusive != NOT_REACHED:
+        cov.probe(part, found[0], (found[1], found[1] + 1))
 
 
 def _rows(p: torch.Tensor) -> int:
@@ -373,10 +383,10 @@ class Planner:
                 else:
                     cov.probe("backward", name, rows)
         else:
-            for name in report.tensors:
-                cov.probe("backward", name)
-        for name in report.training:
-            cov.probe("training", name, report.training_rows.get(name))  # None: the whole tensor
+            for name, tc in report.tensors.items():
+                _probe(cov, "backward", name, tc, None)
+        for name, judged in report.training.items():
+            _probe(cov, "training", name, judged, report.training_rows.get(name))  # None: the whole tensor
 
     def unchecked_news(self, report: CheckReport) -> List[str]:
         """The notes of ``report`` that name something not checked, each said for the first time in the run

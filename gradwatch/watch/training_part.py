@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import operator
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
@@ -32,6 +33,7 @@ from gradwatch.check.judging.training_judge import compute_dtype, gradient_scale
 from gradwatch.check.model import validate_grads
 from gradwatch.check.numerics.sampling import match_names
 from gradwatch.check.objective.checkpointed import grad_by_backward, reentrant_checkpoint_leaves
+from gradwatch.check.probes.experts import by_expert
 from gradwatch.check.replay.checkpoint_blocks import blocks_needed, checkpointing, repeated_blocks, replay_excess
 from gradwatch.check.replay.reference import Replay, Step, replay_step, scalar_grad
 from gradwatch.check.replay.rows import RowGrads, sliceable_linears
@@ -549,6 +551,7 @@ class TrainingPart(TrendAlerting):
             lives[n], judged[n] = live, (p, dtype)
             report.training[n] = judge_training(n, live, grads[n], p, dtype, bands, fail_at, scale=scale)
         report.training_rows = dict(sliced)
+        first = dict(report.training)  # a fused expert tensor's whole verdict, judged again expert by expert below
         plan: Optional[StepPlan] = getattr(replay, "plan", None)
         notes = [f"replayed from the {replay.how} RNG state" if replay.how else ""]
         if zero and self.watch.dist is not None:
@@ -569,6 +572,8 @@ class TrainingPart(TrendAlerting):
                 named = self._term_weights(report, plan, lives, grads, judged, scale)
                 if named is not None:
                     notes.insert(1, f"a term weighted otherwise than the step's objective weighs it: {named}")
+        report.training = by_expert(report.training, first, lives, grads, judged, functools.partial(
+            judge_training, bands=bands, fail_at=fail_at, scale=scale))
         if replay.loss_gap is not None:
             given, replayed = replay.loss_gap
             notes.append(

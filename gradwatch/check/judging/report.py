@@ -34,6 +34,7 @@ class InconclusiveKind(str, Enum):
     UNRESOLVED = "unresolved"  #: some samples differ by less than central differences can resolve
     BELOW_RESOLUTION = "below_resolution"  #: no sample could show a 1% error: the gradient is lost in rounding
     FLAT = "flat"  #: the objective is bit-for-bit the same at the widest step: the gradient is zero, or far below rounding
+    NOT_REACHED = "not_reached"  #: an expert no token of the check's batch was routed to (not counted as checked)
 
 
 @dataclass

@@ -52,6 +52,7 @@ from gradwatch.check.objective.rng import Reseeder, preserved_rng
 from gradwatch.check.objective.shadow import Shadow, cast_floats, restore_params, snapshot_params
 from gradwatch.check.probes.batched import compiled_modules
 from gradwatch.check.probes.engine import check_tensors
+from gradwatch.check.probes.experts import in_order
 from gradwatch.check.probes.lines import EngineSettings, Evaluator, TermScales, part_key
 from gradwatch.options import CheckOptions
 from gradwatch.trees import rebuild
@@ -373,7 +374,7 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
             targets = [(key, f"{name}:{key}", t, {"total": g}) for key, t, g in zip(keys_all, tensors, grads)]
             for judged in check_tensors(targets, evaluator, settings, opts.seed, base_terms=base_terms, scales=scales):
                 result.tensors[judged.key] = judged.check
-            result.tensors = {key: result.tensors[key] for key in keys_all if key in result.tensors}
+            result.tensors = in_order(result.tensors, keys_all)
     except Exception as err:  # noqa: BLE001 - as above: a module whose evaluations raise is reported, not fatal
         result.inconclusive = f"evaluating the module alone raised {type(err).__name__}: {err}"
     finally:

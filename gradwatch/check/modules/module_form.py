@@ -75,6 +75,7 @@ from gradwatch.check.objective.precision import ShadowPrecision
 from gradwatch.check.objective.rng import preserved_rng
 from gradwatch.check.objective.shadow import param_signature
 from gradwatch.check.objective.surrogate import find_surrogates, inside, surrogate_note
+from gradwatch.check.probes.experts import reached_rows
 from gradwatch.options import CheckOptions
 from gradwatch.plan.cycle import Piece
 from gradwatch.plan.memory import (
@@ -530,7 +531,7 @@ def _file(report: CheckReport, unit: Unit, result: ModuleCheck, probed: List[Tup
     if result.inconclusive and not result.tensors:
         report.notes.append(f"module form: {result.label} not checked: {result.inconclusive}")
         return 0
-    report.probed.extend(probed)
+    report.probed.extend(_reached(probed, result, unit))
     for key, tc in result.tensors.items():
         if key.startswith("input"):
             name = f"{unit.name or '<model>'}:{key}"
@@ -543,6 +544,15 @@ def _file(report: CheckReport, unit: Unit, result: ModuleCheck, probed: List[Tup
     if result.inconclusive:
         report.notes.append(f"module form: {result.label} not checked: {result.inconclusive}")
     return 0
+
+
+def _reached(probed: List[Tuple[str, Any]], result: ModuleCheck, unit: Unit) -> List[Tuple[str, Any]]:
+    """What a piece probed, a fused expert tensor's rows only those of the experts it judged (not those no token
+    reached)."""
+    prefix = f"{unit.name}." if unit.name and unit.kind != "loss_fn" else ""
+    checks = {prefix + k: tc for k, tc in result.tensors.items()}
+    return [(name, rows if rows is not None or (experts := reached_rows(checks, name)) is None else experts)
+            for name, rows in probed]
 
 
 def _fewer_samples(model: nn.Module, loss_fn: Any, batch: Any, unit: Unit, need: int, room: int, seed: int,

@@ -29,6 +29,7 @@ from torch import nn
 from gradwatch.check.modules.localize import ModuleCheck, check_module
 from gradwatch.check.modules.own_code import fresh_shallow
 from gradwatch.check.objective.rng import preserved_rng
+from gradwatch.check.probes.experts import expert_of
 from gradwatch.options import CheckOptions
 from gradwatch.plan.cycle import Piece
 from gradwatch.plan.units import Unit, faithful_rows
@@ -51,8 +52,9 @@ def block_key(param: str, block: Block) -> str:
 
 
 def param_of(key: str) -> str:
-    """The parameter a block's key names (``"weight"`` for ``"weight[0:256]"``); any other key as it is."""
-    return key.split("[", 1)[0] if key.endswith("]") and not key.startswith("input") else key
+    """The parameter a block's key names (``"weight"`` for ``"weight[0:256]"``); any other key (an expert's too,
+    ``"gate_up_proj[expert 3]"``: judged on its own) as it is."""
+    return key.split("[", 1)[0] if key.endswith("]") and not key.startswith("input") and expert_of(key) is None else key
 
 
 class LinearRowBlocks(nn.Module):

@@ -27,6 +27,7 @@ from gradwatch.check.judging.judge import (
     judge,
 )
 from gradwatch.check.judging.report import InconclusiveKind, TensorCheck
+from gradwatch.check.probes.experts import expert_of, idle, not_reached, split_experts
 from gradwatch.check.probes.joint import joint_detect
 from gradwatch.check.probes.kinks import adopt, disagrees, forward_kinks, kink_free
 from gradwatch.check.probes.lines import (
@@ -273,8 +274,12 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
     # The module form: joint probes first settle the unit's tensors whose shares show their errors. They need no
     # evaluation at the point (a central difference only): evaluations that differ from call to call would make
     # them disagree beyond the EXCELLENT band, and every tensor they leave goes the way below.
-    joint = joint_detect(targets, evaluate, settings, seed, scales) if probe_batch is None else {}
-    if joint and all(key in joint for key, _, _, _ in targets):
+    # A fused expert tensor is judged expert by expert; an expert with a zero gradient waits for the base point.
+    targets, scales = split_experts(targets, scales)
+    waiting = [t for t in targets if idle(t)]
+    joint = joint_detect([t for t in targets if not idle(t)], evaluate, settings, seed, scales) \
+        if probe_batch is None else {}
+    if joint and not waiting and all(key in joint for key, _, _, _ in targets):
         for key, name, p, _ in targets:
             record, outcome = joint[key]
             yield Judged(key, _summarize(name, tuple(p.shape), [record], [outcome], "total", settings))
@@ -302,6 +307,11 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
     def own(key: str) -> EngineSettings:  # a tensor's settings: the noise of the parts it moves, where traced
         return common if scales is None else scales.settings(common, [key])
 
+    for target in waiting:  # an expert no token reached: the objective does not move along it at all
+        unmoved = not_reached(target, evaluate, own(target[0]), seed)
+        if unmoved is not None:
+            targets = [t for t in targets if t[0] != target[0]]
+            yield Judged(target[0], unmoved)
     for key, name, p, grads in targets:
         settings = own(key)
         if not all(all_finite(t) for t in grads.values()):
@@ -309,7 +319,8 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
             yield Judged(key, inconclusive(name, tuple(p.shape), InconclusiveKind.NONFINITE, why),
                          before_sampling=InconclusiveKind.NONFINITE)
             continue
-        batch = probe_batch if probe_batch is not None and probe_batch.wants(key) else None
+        # (an expert's slice is a view: batched evaluations swap whole parameters)
+        batch = probe_batch if probe_batch is not None and probe_batch.wants(key) and expert_of(key) is None else None
         evaluate.focus(p)
         if key in joint:
             detected: Optional[Detection] = Detection(*joint[key], settled=True)
