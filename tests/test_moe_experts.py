@@ -11,6 +11,8 @@ Qwen2-MoE and OLMoE models from transformers (``test_moe_hooks``'s), on CPU.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from helpers import WrongSiluFunction, WrongSoftmax
@@ -19,7 +21,11 @@ from torch.nn import functional as F
 
 import gradwatch
 from gradwatch.check.judging.report import InconclusiveKind
+from gradwatch.check.modules.module_form import run_module_check
+from gradwatch.check.objective.terms import Objective
 from gradwatch.check.probes.experts import NOT_REACHED, expert_count, expert_of
+from gradwatch.options import CheckOptions
+from gradwatch.plan.cycle import Piece
 
 pytest.importorskip("transformers")
 from test_moe_hooks import COMMON, KINDS, Ids, model_loss, padded_batch, tiny_moe  # noqa: E402
@@ -84,8 +90,9 @@ class GroupedMM(torch.autograd.Function):
         return torch.cat([gi @ w[e] for e, gi in enumerate(g.split(ctx.counts))]), gw, None, None
 
 
-def grouped_experts(experts: nn.Module, factor: float = 1.0) -> None:
-    """The experts as two :class:`GroupedMM` calls over the tokens sorted by expert (a fused expert kernel)."""
+def grouped_experts(experts: nn.Module, factor: float = 1.0, on_instance: bool = False) -> None:
+    """The experts as two :class:`GroupedMM` calls over the tokens sorted by expert (a fused expert kernel); with
+    ``on_instance``, patched onto the module itself (``experts.forward = MethodType(...)``) instead of its class."""
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         flat = top_k_index.reshape(-1)
@@ -96,7 +103,10 @@ def grouped_experts(experts: nn.Module, factor: float = 1.0) -> None:
         h = GroupedMM.apply(self.act_fn(gate) * up, self.down_proj, counts, 1.0) * top_k_weights.reshape(-1)[order, None]
         return torch.zeros_like(hidden_states).index_add_(0, tok, h)
 
-    _planted(experts, forward)
+    if on_instance:
+        experts.forward = types.MethodType(forward, experts)
+    else:
+        _planted(experts, forward)
 
 
 def routed(model: nn.Module, batch: dict, tokens: slice = slice(None)) -> dict:
@@ -215,6 +225,26 @@ def test_a_fused_expert_kernel_with_a_wrong_backward_is_named_expert_by_expert_w
     assert sorted(failing) == sorted(routed(model, batch)[1]), str(report)  # every expert it ran: the kernel is wrong
     assert all(report.tensors[n].ratio == pytest.approx(1.5, rel=1e-3) for n in failing.values())
     assert set(failed(report)) == set(failing.values()), str(report)  # layer 0's kernel (1.0x) and down_proj pass
+
+
+@pytest.mark.parametrize("on_instance", [False, True])
+@pytest.mark.parametrize("factor", [1.0, 1.5])
+def test_a_fused_expert_kernel_is_judged_expert_by_expert_in_the_module_form(factor, on_instance):
+    model = tiny_moe("mixtral")
+    model.train()
+    grouped_experts(model.model.layers[1].mlp.experts, factor, on_instance=on_instance)
+    # The joint detection probe used to pass the 1.5x kernel: the experts' shares, balanced to one size, had random
+    # signs, and the errors of one factor cancelled in their sum. Patched onto the instance, the copy the module form
+    # checks used to run the live module's forward (its float32 weights, not the copy's): the weights passed whatever
+    # their backward, and the input's gradient was zero where numeric was not.
+    report = run_module_check(model, Objective(model_loss), padded_batch(rows=4, seq=8), CheckOptions(seed=0),
+                              pieces=[Piece("model.layers.1.mlp.experts")], screen=True)
+    failing = failed(report)
+    if factor == 1.0:
+        assert failing == [] and experts_of(report.tensors, "model.layers.1.mlp.experts.gate_up_proj"), str(report)
+    else:
+        assert failing and set(failing) <= {f"model.layers.1.mlp.experts.gate_up_proj[expert {e}]" for e in range(4)}
+        assert all(report.tensors[n].ratio == pytest.approx(1.5, rel=1e-3) for n in failing), str(report)
 
 
 # ---------------------------------------------------------------- a run

@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import types
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
 import torch
@@ -60,6 +61,9 @@ def fresh_shallow(module: nn.Module) -> nn.Module:
     new._parameters = dict(module._parameters)
     new._buffers = dict(module._buffers)
     new._modules = dict(module._modules)
+    for key, value in module.__dict__.items():  # a method patched onto the instance (a forward) runs on the copy
+        if isinstance(value, types.MethodType) and value.__self__ is module:
+            new.__dict__[key] = types.MethodType(value.__func__, new)
     return new
 
 

@@ -128,8 +128,11 @@ def _round(lines: Sequence[Line], evaluate: Evaluator, settings: EngineSettings,
            scales: Optional[TermScales] = None) -> Optional[Dict[str, Tuple[Sample, Outcome]]]:
     """One joint probe of ``lines`` (balanced, :func:`balance`): the tensors it settles; None when its slopes
     disagree (or it cannot be taken)."""
-    weights = balance([sample.step * cast(Terms, sample.slope)["total"] for _, _, _, sample, _ in lines])
-    kept = [(line, w) for line, w in zip(lines, weights) if w > 0.0]
+    contributions = [sample.step * cast(Terms, sample.slope)["total"] for _, _, _, sample, _ in lines]
+    # Each line taken the way its own slope rises (a negative weight walks it backwards): every share is positive,
+    # so one factor wrong in several tensors (a kernel shared by a module's weights, each expert of a fused tensor)
+    # adds up in the sum instead of cancelling between shares of opposite signs.
+    kept = [(line, math.copysign(w, c)) for line, w, c in zip(lines, balance(contributions), contributions) if w > 0.0]
     if not kept:
         return None
     if scales is not None:
@@ -140,7 +143,7 @@ def _round(lines: Sequence[Line], evaluate: Evaluator, settings: EngineSettings,
     floor = floor_at(settings, 1.0)
     probable = probable_floor(settings, 1.0, math.sqrt(sum(param_norm(line[4], line[2]) ** 2 for line, _ in kept)))
     floor = min(floor, probable) if probable is not None else floor
-    expected = sum(w * abs(line[3].step * cast(Terms, line[3].slope)["total"]) for line, w in kept)
+    expected = sum(abs(w * line[3].step * cast(Terms, line[3].slope)["total"]) for line, w in kept)
     longer = min(JOINT_STEP_MAX, max(1.0, floor / (1e-2 * settings.bands[0] * expected))) if expected > 0 else 1.0
     kept = [(line, w * longer) for line, w in kept]
     with torch.no_grad():
@@ -171,9 +174,9 @@ def _round(lines: Sequence[Line], evaluate: Evaluator, settings: EngineSettings,
             # In the tensor's own units: its own analytic slope, and the numeric one that takes the whole
             # disagreement of the sum as its own (the most this probe can say of it).
             step = w * sample.step
-            record = Sample(label=("joint", len(kept)), step=step)
+            record = Sample(label=("joint", len(kept)), step=abs(step))
             settled[key] = (record, Outcome({"total": share / step}, {"total": (share + numeric - analytic) / step},
-                                            floor / step))
+                                            floor / abs(step)))
     return settled
 
 
