@@ -19,6 +19,11 @@ mlp_batch      an MLP 64 -> 256 -> 256 -> 10 on a batch of 16,384, ``form="objec
 cnn64          two 3x3 convolutions of 32 channels, BatchNorm, a linear head; batch 8, 64x64
 cnn128         the same CNN at batch 32, 128x128
 unet           diffusers' ``UNet2DModel`` (channels 16 and 32, attention blocks), 32x32, batch 8, the DDPM loss
+moe8           transformers' Mixtral, 8 experts (top 2), 4 layers of 256, a 32,000-token vocabulary (29.6M
+               parameters), batch 4 x 128, the model's own loss with its router aux loss
+trl_sft        TRL's ``SFTTrainer`` at its defaults (bf16 autocast, gradient checkpointing, its loss) on a Llama of
+               4 layers of 256 and a 32,000-token vocabulary, batches of 4 padded texts of 48 to 128 words,
+               ``GradWatchCallback(every=1)``
 ============== =========================================================================================
 
 Example::
@@ -37,7 +42,8 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-SHAPES = ("lora_gpt2", "gpt2_ckpt", "gpt2_frozen", "encoder_long", "mlp_batch", "cnn64", "cnn128", "unet")
+SHAPES = ("lora_gpt2", "gpt2_ckpt", "gpt2_frozen", "encoder_long", "mlp_batch", "cnn64", "cnn128", "unet", "moe8",
+          "trl_sft")
 
 
 def _gpt2(kind: str) -> Tuple[Any, Callable, Any, Dict[str, Any]]:
@@ -151,6 +157,24 @@ def _unet() -> Tuple[Any, Callable, Any, Dict[str, Any]]:
     return model, loss_fn, images, {}
 
 
+def _moe() -> Tuple[Any, Callable, Any, Dict[str, Any]]:
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(vocab_size=32000, hidden_size=256, intermediate_size=512,
+                                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                             num_local_experts=8, num_experts_per_tok=2, output_router_logits=True,
+                                             max_position_embeddings=128))
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 32000, (4, 128), generator=gen)
+
+    def loss_fn(m: Any, b: Any) -> Any:
+        return m(input_ids=b, labels=b).loss
+
+    return model, loss_fn, ids, {}
+
+
 def build(shape: str) -> Tuple[Any, Callable, Any, Dict[str, Any]]:
     """``(model, loss_fn, batch, watch options)`` of ``shape``."""
     if shape.startswith("gpt2") or shape == "lora_gpt2":
@@ -165,6 +189,8 @@ def build(shape: str) -> Tuple[Any, Callable, Any, Dict[str, Any]]:
         return _cnn(128, 32)
     if shape == "unet":
         return _unet()
+    if shape == "moe8":
+        return _moe()
     raise ValueError(f"shape {shape!r}: one of {', '.join(SHAPES)}")
 
 
@@ -217,6 +243,83 @@ def worker(shape: str, watch: bool, steps: int) -> Dict[str, Any]:
     return out
 
 
+def trl_worker(watch: bool, steps: int) -> Dict[str, Any]:
+    """TRL's ``SFTTrainer`` at its defaults (``trl_sft``): its steps' seconds and the checks' (each ``watch.step``)."""
+    import logging
+    import tempfile
+
+    import torch
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    from gradwatch.plan.memory import peak_bytes
+
+    logging.disable(logging.WARNING)
+    torch.set_num_threads(1)
+    words = [f"w{i}" for i in range(2000)]
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(48, 129, (4 * steps,), generator=g).tolist()
+    data = Dataset.from_dict({"text": [" ".join(words[j] for j in torch.randint(0, len(words), (k,), generator=g).tolist())
+                                       for k in lengths]})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                         pad_token_id=0, eos_token_id=1, bos_token_id=None))
+    times: List[float] = []
+    check_s: List[float] = []
+    forms: List[str] = []
+    backward: List[int] = []
+    training: List[int] = []
+
+    class Clock(TrainerCallback):  # type: ignore[misc]
+        def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
+            times.append(time.perf_counter())
+
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            times[-1] = time.perf_counter() - times[-1]
+
+    callbacks: List[Any] = []
+    if watch:
+        from gradwatch.integrations.transformers import GradWatchCallback
+        from gradwatch.watch.gradwatch import GradWatch
+
+        plain_step = GradWatch.step
+
+        def timed_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            report = plain_step(self, *args, **kwargs)
+            if report is not None:
+                check_s.append(time.perf_counter() - start)
+                forms.append(report.form)
+                backward.append(len(report.tensors))
+                training.append(len(report.training))
+            return report
+
+        GradWatch.step = timed_step  # type: ignore[method-assign]
+        callbacks.append(GradWatchCallback(every=1, tensorboard=False, jsonl=False))
+    with tempfile.TemporaryDirectory() as out:
+        args = SFTConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=4, use_cpu=True, report_to=[],
+                         disable_tqdm=True, logging_steps=10_000, save_strategy="no", seed=0, max_length=256)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
+                             callbacks=[Clock()] + callbacks)
+        trainer.train()
+    step_s = [t - (check_s[i] if i < len(check_s) else 0.0) for i, t in enumerate(times)]
+    result: Dict[str, Any] = {"shape": "trl_sft", "watch": watch, "peak_bytes": peak_bytes(torch.device("cpu")),
+                              "step_seconds": step_s, "check_seconds": check_s,
+                              "params": sum(p.numel() for p in model.parameters())}
+    if watch:
+        w = callbacks[0].watch
+        result.update(forms=forms, backward=backward, training=training, notes=[], cycle=None,
+                      alerts=[a.message[:200] for a in w.alerts] if w is not None else [])
+    return result
+
+
 def spawn(shape: str, watch: bool, steps: int) -> Dict[str, Any]:
     """:func:`worker` in a fresh interpreter (its own peak RSS)."""
     here = os.path.abspath(__file__)
@@ -252,7 +355,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", help="write the rows as JSON here too")
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker, args.watch, args.steps)))
+        run = trl_worker(args.watch, args.steps) if args.worker == "trl_sft" else worker(args.worker, args.watch, args.steps)
+        print(json.dumps(run))
         return 0
     rows = []
     print(f"{'shape':13} {'plain MB':>9} {'watched MB':>10} {'peak':>6} {'step s':>7} {'first':>6} {'median':>7} "
