@@ -27,7 +27,7 @@ from gradwatch.check.judging.judge import (
     judge,
 )
 from gradwatch.check.judging.report import InconclusiveKind, TensorCheck
-from gradwatch.check.probes.experts import expert_of, idle, not_reached, split_experts
+from gradwatch.check.probes.experts import expert_counts, expert_of, idle, not_reached, shared_samples, split_experts
 from gradwatch.check.probes.joint import joint_detect
 from gradwatch.check.probes.kinks import adopt, disagrees, forward_kinks, kink_free
 from gradwatch.check.probes.lines import (
@@ -276,6 +276,7 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
     # them disagree beyond the EXCELLENT band, and every tensor they leave goes the way below.
     # A fused expert tensor is judged expert by expert; an expert with a zero gradient waits for the base point.
     targets, scales = split_experts(targets, scales)
+    experts = expert_counts(targets)  # (each expert takes its share of its tensor's samples)
     waiting = [t for t in targets if idle(t)]
     joint = joint_detect([t for t in targets if not idle(t)], evaluate, settings, seed, scales) \
         if probe_batch is None else {}
@@ -305,7 +306,7 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
     common = settings
 
     def own(key: str) -> EngineSettings:  # a tensor's settings: the noise of the parts it moves, where traced
-        return common if scales is None else scales.settings(common, [key])
+        return shared_samples(common if scales is None else scales.settings(common, [key]), key, experts)
 
     for target in waiting:  # an expert no token reached: the objective does not move along it at all
         unmoved = not_reached(target, evaluate, own(target[0]), seed)

@@ -94,6 +94,35 @@ def split_experts(targets: Sequence[Target], scales: Optional[TermScales] = None
     return out, (replace(scales, moved=moved) if scales is not None else None)
 
 
+def expert_counts(targets: Sequence[Target]) -> Dict[str, int]:
+    """Per fused tensor among ``targets`` (split), its number of experts."""
+    counts: Dict[str, int] = {}
+    for key, _, _, _ in targets:
+        found = expert_of(key)
+        if found is not None:
+            counts[found[0]] = counts.get(found[0], 0) + 1
+    return counts
+
+
+def shared_samples(settings: EngineSettings, key: str, counts: Mapping[str, int]) -> EngineSettings:
+    """An expert's settings: its tensor's coordinates and directions spread over its experts (at least one of each),
+    so that a fused tensor judged expert by expert takes about the probes it took whole; any other key's as they are.
+
+    Example:
+        >>> from gradwatch.bands import Verdict
+        >>> s = EngineSettings(8, 4, None, (1e-7, 1e-4, 1e-2), Verdict.SUSPICIOUS, True, 2.0 ** -52, magnitude=1.0)
+        >>> e = shared_samples(s, "w[expert 1]", {"w": 4})
+        >>> (e.coords, e.directions), shared_samples(s, "b", {"w": 4}) is s
+        ((2, 1), True)
+    """
+    found = expert_of(key)
+    count = counts.get(found[0], 0) if found is not None else 0
+    if count < 2:
+        return settings
+    return replace(settings, coords=max(1, -(-settings.coords // count)),
+                   directions=max(1, -(-settings.directions // count)) if settings.directions else 0)
+
+
 def idle(target: Target) -> bool:
     """An expert's slice whose analytic gradient is exactly zero: not reached, unless the objective moves along it."""
     key, _, _, grads = target
@@ -192,5 +221,5 @@ def by_expert(training: Mapping[str, TrainingCheck], first: Mapping[str, Trainin
     return out
 
 
-__all__ = ["NOT_REACHED", "by_expert", "expert_count", "expert_key", "expert_of", "idle", "in_order", "not_reached",
-           "reached_rows", "split_experts", "tensor_of"]
+__all__ = ["NOT_REACHED", "by_expert", "expert_count", "expert_counts", "expert_key", "expert_of", "idle", "in_order",
+           "not_reached", "reached_rows", "shared_samples", "split_experts", "tensor_of"]
