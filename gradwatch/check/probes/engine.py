@@ -27,7 +27,7 @@ from gradwatch.check.judging.judge import (
     judge,
 )
 from gradwatch.check.judging.report import InconclusiveKind, TensorCheck
-from gradwatch.check.probes.experts import expert_counts, expert_of, idle, not_reached, shared_samples, split_experts
+from gradwatch.check.probes.experts import expert_counts, expert_groups, expert_of, idle, not_reached, shared_samples, split_experts
 from gradwatch.check.probes.joint import joint_detect
 from gradwatch.check.probes.kinks import adopt, disagrees, forward_kinks, kink_free
 from gradwatch.check.probes.lines import (
@@ -308,6 +308,9 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
     def own(key: str) -> EngineSettings:  # a tensor's settings: the noise of the parts it moves, where traced
         return shared_samples(common if scales is None else scales.settings(common, [key]), key, experts)
 
+    if common.detection_first and common.term_norm is None:  # the whole objective: a fused tensor's experts together
+        for group in expert_groups([t for t in targets if t[0] not in joint and not idle(t)]):
+            joint.update(joint_detect(group, evaluate, own(group[0][0]), seed, always=True))
     for target in waiting:  # an expert no token reached: the objective does not move along it at all
         unmoved = not_reached(target, evaluate, own(target[0]), seed)
         if unmoved is not None:

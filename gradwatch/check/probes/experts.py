@@ -104,6 +104,16 @@ def expert_counts(targets: Sequence[Target]) -> Dict[str, int]:
     return counts
 
 
+def expert_groups(targets: Sequence[Target]) -> List[List[Target]]:
+    """The experts among ``targets`` (split), one list per fused tensor (of two experts or more)."""
+    groups: Dict[str, List[Target]] = {}
+    for target in targets:
+        found = expert_of(target[0])
+        if found is not None:
+            groups.setdefault(found[0], []).append(target)
+    return [group for group in groups.values() if len(group) > 1]
+
+
 def shared_samples(settings: EngineSettings, key: str, counts: Mapping[str, int]) -> EngineSettings:
     """An expert's settings: its tensor's coordinates and directions spread over its experts (at least one of each),
     so that a fused tensor judged expert by expert takes about the probes it took whole; any other key's as they are.
@@ -221,5 +231,5 @@ def by_expert(training: Mapping[str, TrainingCheck], first: Mapping[str, Trainin
     return out
 
 
-__all__ = ["NOT_REACHED", "by_expert", "expert_count", "expert_counts", "expert_key", "expert_of", "idle", "in_order",
+__all__ = ["NOT_REACHED", "by_expert", "expert_count", "expert_counts", "expert_groups", "expert_key", "expert_of", "idle", "in_order",
            "not_reached", "reached_rows", "shared_samples", "split_experts", "tensor_of"]

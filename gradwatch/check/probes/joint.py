@@ -57,7 +57,7 @@ Line = Tuple[str, torch.Tensor, Dict[str, torch.Tensor], Sample, torch.Tensor]
 
 
 def joint_detect(targets: Sequence[Target], evaluate: Evaluator, settings: EngineSettings, seed: int,
-                 scales: Optional[TermScales] = None) -> Dict[str, Tuple[Sample, Outcome]]:
+                 scales: Optional[TermScales] = None, always: bool = False) -> Dict[str, Tuple[Sample, Outcome]]:
     """The tensors of ``targets`` settled by joint detection probes (two evaluations each): the line and outcome
     each is recorded with, by key.
 
@@ -91,7 +91,7 @@ def joint_detect(targets: Sequence[Target], evaluate: Evaluator, settings: Engin
         >>> joint_detect([("w", "w", w, {"total": 1.01 * gw}), ("x", "x", x, {"total": gx})], ev, settings, 0)
         {}
     """
-    if settings.term_norm is None or not settings.detection_first:
+    if (settings.term_norm is None and not always) or not settings.detection_first:
         return {}
     h = base_step(settings)
     drawn = []
