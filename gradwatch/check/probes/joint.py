@@ -61,8 +61,8 @@ def joint_detect(targets: Sequence[Target], evaluate: Evaluator, settings: Engin
     """The tensors of ``targets`` settled by joint detection probes (two evaluations each): the line and outcome
     each is recorded with, by key.
 
-    Taken only where the objective's terms are known (``settings.term_norm``: the module form) and detection
-    comes first; a tensor with per-term gradients, a single entry or a non-finite gradient keeps its own
+    Taken only where the objective's terms are known (``settings.term_norm``: the module form), or ``always`` (the
+    experts of one fused tensor on the whole objective, its worst-case floor), and detection comes first; a tensor with per-term gradients, a single entry or a non-finite gradient keeps its own
     probe. The first round probes every tensor at once; the tensors it leaves unsettled are probed again
     together (:data:`JOINT_ROUNDS` at most). A round whose slopes disagree ends it: every tensor not settled
     yet is probed alone (where a wrong gradient is diagnosed). The tensors are perturbed in place and restored
