@@ -201,6 +201,11 @@ def test_a_wrong_backward_in_one_experts_activation_is_named_with_its_expert(kin
     experts = experts_of(failed(report), "model.layers.1.mlp.experts.gate_up_proj")
     assert list(experts) == [3], str(report)  # the other experts, and every expert's down_proj, pass
     assert not [n for n in failed(report) if "down_proj" in n or "gate.weight" in n], str(report)
+    # The module form: the experts' own code on its inputs, the activation module it calls stubbed.
+    report = run_module_check(model, Objective(model_loss), batch, CheckOptions(seed=0),
+                              pieces=[Piece("model.layers.1.mlp.experts")], screen=True)
+    assert sorted(failed(report)) == ["model.layers.1.mlp.experts.gate_up_proj[expert 3]",
+                                      "model.layers.1.mlp.experts:input[0]"], str(report)  # (its input's gradient too)
 
 
 @pytest.mark.parametrize("kind", KINDS)
