@@ -108,3 +108,31 @@ def test_a_module_drawing_random_numbers_always_runs(caches):
     assert with_replay.ok and without.ok
     for name, t in with_replay.tensors.items():  # the same objective along every probe
         assert t.numeric == without.tensors[name].numeric and t.dir_numeric == without.tensors[name].dir_numeric
+
+
+def test_a_module_returning_its_own_parameter_always_runs(caches):
+    """``forward`` returning ``self.weight`` reads it with no op: replaying its kept output would stand the unperturbed
+    parameter for the perturbed one (the numeric slope 0: a correct model's WRONG)."""
+
+    class Table(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(2))
+
+        def forward(self):
+            return self.weight
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.table = nn.Linear(6, 2), Table()
+
+        def forward(self, x):
+            offset = self.table()
+            return torch.tanh(self.fc(x) + 2 * offset)
+
+    torch.manual_seed(0)
+    report = check_model(Net(), mse, data())
+    assert report.ok, str(report)
+    made, _ = caches
+    assert made[-1].verified and made[-1].replayed > 0  # the rest is still replayed

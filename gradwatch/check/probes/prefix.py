@@ -262,9 +262,10 @@ class PrefixCache:
             self.entries[key] = (start, recorder.size_entries())
         outs = _tensors(out)
         if outs is None or _versions(inputs) != before or not _same_states(drawn, _rng_states()) or \
-                {o.untyped_storage().data_ptr() for o in outs} & _storages(inputs):
+                {o.untyped_storage().data_ptr() for o in outs} & (_storages(inputs) | self.storages):
             # Not made of tensors, writes to its inputs, draws random numbers (a later call would draw others
-            # if it did not run) or returns a view of an input: it always runs.
+            # if it did not run), returns a view of an input, or a checked tensor itself (a module whose forward is
+            # `return self.weight` reads it with no op: its kept copy would stand for the perturbed one): it always runs.
             return out
         size = sum(o.numel() * o.element_size() for o in outs)
         if self.kept_bytes + size <= self.keep_bytes:
