@@ -63,10 +63,11 @@ def joint_detect(targets: Sequence[Target], evaluate: Evaluator, settings: Engin
 
     Taken only where the objective's terms are known (``settings.term_norm``: the module form), or ``always`` (the
     experts of one fused tensor on the whole objective, its worst-case floor), and detection comes first; a tensor
-    with per-term gradients, a single entry or a non-finite gradient keeps its own probe. The first round probes every tensor at once; the tensors it leaves unsettled are probed again
-    together (:data:`JOINT_ROUNDS` at most). A round whose slopes disagree ends it: every tensor not settled
-    yet is probed alone (where a wrong gradient is diagnosed). The tensors are perturbed in place and restored
-    bit for bit. With ``scales``, a round's noise is that of the terms its tensors move
+    with per-term gradients, a single entry or a non-finite gradient keeps its own probe. The first round probes
+    every tensor at once; the tensors it leaves unsettled are probed again together (:data:`JOINT_ROUNDS` at most).
+    A round whose slopes disagree ends it: every tensor not settled yet is probed alone (where a wrong gradient is
+    diagnosed). The tensors are perturbed in place and restored bit for bit. With ``scales``, a round's noise is that
+    of the terms its tensors move
     (:class:`~gradwatch.check.probes.lines.TermScales`).
     A settled tensor's record is its own detection line (its step in that round and label
     ``("joint", n)``): its own analytic slope along it, and as numeric slope the analytic one plus the whole
