@@ -67,12 +67,11 @@ def within_samples(args: tuple, kwargs: dict, structures: Sequence[str]) -> Tupl
         padded = (mask == 0).any(dim=1).nonzero()
         if padded.numel():
             keep = max(keep, int(padded[0]) + 1)
-    if size <= keep:
-        return (args, kwargs), None if size <= WITHIN_SAMPLES else \
-            f"independence checked on the batch's first {size} of {size} samples (a leak within a sample is the model's code)"
-    cut = rebuild((args, kwargs), lambda t: t[:keep] if t.dim() and t.shape[0] == size else t)
-    return cut, (f"independence checked on the batch's first {keep} of {size} samples (a leak within a sample is the "
-                 "model's code)")
+    if size <= WITHIN_SAMPLES:
+        return (args, kwargs), None
+    keep = min(keep, size)
+    cut = (args, kwargs) if keep == size else rebuild((args, kwargs), lambda t: t[:keep] if t.dim() and t.shape[0] == size else t)
+    return cut, f"independence checked on the batch's first {keep} of {size} samples (a leak within a sample is the model's code)"
 
 
 class _Captured(Exception):
