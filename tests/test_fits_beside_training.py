@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 import torch
@@ -57,11 +58,13 @@ def test_a_small_batch_is_counted_whole_and_loss_fn_sees_the_very_batch():
     assert seen and all(b is batch for b in seen)
 
 
-def _graphs_alive() -> list:
+def _graphs_alive(before: Sequence[torch.Tensor] = ()) -> list:
+    """Tensors with a graph alive now and not in ``before`` (what earlier tests of the same worker left is theirs)."""
     import gc
 
     gc.collect()
-    return [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen = {id(t) for t in before}  # (``before`` is held by the caller: its ids are not reused meanwhile)
+    return [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.grad_fn is not None and id(t) not in seen]
 
 
 def test_counting_leaves_no_graph_behind():
@@ -70,14 +73,15 @@ def test_counting_leaves_no_graph_behind():
     # forward's whole graph for the rest of the run (GPT-2's logits: 98 MB at batch 4 x 128)
     model = _mlp()
     batch = (torch.randn(8, 64), torch.randint(0, 10, (8,)))
-    assert _graphs_alive() == []
+    before = _graphs_alive()
     assert saved_bytes(model, _ce, batch).total > 0
-    assert _graphs_alive() == []
+    assert _graphs_alive(before) == []
 
 
 def test_a_watched_run_holds_no_graph_between_steps():
     from gradwatch import GradWatch
 
+    before = _graphs_alive()
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     watch = GradWatch(model, _ce, every=1, log_dir=None)
@@ -89,7 +93,7 @@ def test_a_watched_run_holds_no_graph_between_steps():
         assert watch.step(batch, loss=loss) is not None
         opt.step()
     del loss
-    assert _graphs_alive() == []
+    assert _graphs_alive(before) == []
     watch.close()
 
 
