@@ -155,6 +155,13 @@ class TermWeights:
         worst = max((training[n] for n in explained), key=lambda tc: (tc.verdict.rank if tc.verdict else -1,
                                                                       tc.judged_rel_diff))
         text = f"{fit.text} (training's .grad is the step objective's gradient with that weighting)"
+        # The weighting moves passing tensors too, less: judged against the objective they sit above rounding (an
+        # ACCEPTABLE 8e-5 of a q_proj two layers before the router), a drift of their own at the next check that
+        # fails. Each judged closer with the weighting takes that verdict too.
+        closer = [n for n, tc in training.items() if n in params and n not in judged and tc.verdict is not None
+                  and tc.judged_rel_diff > 0]
+        judged.update({n: rejudge(n, refs[n] + delta[n].to(refs[n].dtype)) for n in closer})
+        explained += [n for n in closer if judged[n].judged_rel_diff < training[n].judged_rel_diff]
         for n in explained:
             judged[n].diagnosis = text
             training[n] = judged[n]

@@ -160,6 +160,20 @@ def _words(weights: Sequence[float], expected: Sequence[float], data_ok: bool, k
                     f"gives it {_series([_num(e) for e in expected])}: {_num(factor)}x over the step")
 
 
+def _snapped(weights: Sequence[float], expected: Sequence[float]) -> List[float]:
+    """A term's fitted weights as the pattern its words name: the objective's, a whole multiple of them, 1 each
+    (summed) or ``1/k`` each (averaged), exactly (each weight within :data:`WEIGHT_TOLERANCE` of it); else as fitted.
+    The correction replayed from them is then exact up to rounding, not up to the least squares' few parts in 1e5
+    (which, on a tensor the term moves a lot, read as a drift of its own)."""
+    k, want = len(weights), sum(expected)
+    times = round(sum(weights) / want) if want else 0
+    patterns = [list(expected)] + ([[times * e for e in expected]] if times > 1 else []) + [[1.0] * k, [1.0 / k] * k]
+    for pattern in patterns:
+        if all(abs(w - p) <= WEIGHT_TOLERANCE * max(abs(p), 1e-300) for w, p in zip(weights, pattern)):
+            return [float(p) for p in pattern]
+    return [float(w) for w in weights]
+
+
 def fit_terms(rows: TermRows, live: torch.Tensor, weights: Sequence[float],
               coefficients: Mapping[str, Optional[Tuple[str, float]]], in_loss: bool = True) -> Optional[TermFit]:
     """Name the terms training weighs otherwise than the step's objective, when a fit on them explains its gradient.
@@ -227,8 +241,28 @@ def fit_terms(rows: TermRows, live: torch.Tensor, weights: Sequence[float],
                    "model or its config to weigh it by)")
         found.append(TermWeight(n, label, factor, w, e, how))
     text = "; ".join(f"{t.label} {t.words}" for t in found)
-    delta = {"loss": [a - b for a, b in zip(xs, u)], **ys, **{f"reg:{n}": [z] for n, z in zs.items()}}
-    return TermFit(found, text, misfit, int(live.numel()), delta)
+    return TermFit(found, text, misfit, int(live.numel()), _delta(terms, u, coefficients, in_loss, ys, zs))
+
+
+def _delta(terms: Sequence[Tuple[str, str, List[float], List[float]]], u: Sequence[float],
+           coefficients: Mapping[str, Optional[Tuple[str, float]]], in_loss: bool, ys: Mapping[str, List[float]],
+           zs: Mapping[str, float]) -> Dict[str, List[float]]:
+    """:attr:`TermFit.delta` from each term's weights snapped to the pattern they name (:func:`_snapped`); the
+    coefficients of a term without one (an output's loss of unknown coefficient) as fitted."""
+    k = len(u)
+    weights = {n: _snapped(w, e) for n, _, w, e in terms}
+    xs = weights["loss"]
+    delta: Dict[str, List[float]] = {"loss": [a - b for a, b in zip(xs, u)]}
+    for n, y in ys.items():
+        coef = coefficients.get(n)
+        if coef is not None and coef[1]:
+            inside = xs if in_loss else [0.0] * k
+            delta[n] = [(w - a) * coef[1] for w, a in zip(weights[n], inside)]
+        else:
+            delta[n] = list(y)
+    for n in zs:
+        delta[f"reg:{n}"] = [weights[f"reg:{n}"][0] - sum(xs)]
+    return delta
 
 
 __all__ = ["DATA", "TermFit", "TermRows", "TermWeight", "fit_terms"]
