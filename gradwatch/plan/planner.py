@@ -36,7 +36,7 @@ from gradwatch.check.probes.experts import NOT_REACHED, expert_of
 from gradwatch.plan.coverage import Coverage
 from gradwatch.plan.cycle import PACED_SECONDS, PACED_STEP_SECONDS, PIECE_STEPS, ROWS_PER_SLICE, Cycle, Piece, fewest_whole
 from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY, SAFETY, mb, objective_bytes
-from gradwatch.plan.units import Unit, plan_units, sliceable_rows
+from gradwatch.plan.units import Unit, expert_bytes, expert_rows, plan_units, sliceable_rows
 from gradwatch.trees import whole_shape
 
 
@@ -54,6 +54,23 @@ def slice_rows(module: nn.Module, room: Optional[int]) -> int:
     # from the whole shape: a DTensor row is a collective, a ZeRO-3 placeholder is empty
     per_row = (math.prod(shape[1:]) + 1) * MODULE_BYTES_PER_ENTRY
     return max(1, (room // 2) // per_row)
+
+
+def slice_experts(unit: Unit, room: int) -> int:
+    """Experts of a unit holding fused expert tensors whose block's check fits in half of ``room`` with the whole unit's
+    float64 copy (:func:`~gradwatch.plan.units.expert_bytes`); at least one.
+
+    Example:
+        >>> class Experts(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.w = nn.Parameter(torch.zeros(8, 256, 256))
+        >>> m = Experts()
+        >>> slice_experts(Unit("experts", m, {"experts.w": m.w}), 40 * 2**20)
+        5
+    """
+    fixed, per_expert = expert_bytes(unit)
+    return max(1, (room // 2 - fixed) // max(per_expert, 1))
 
 
 def frozen_only(model: nn.Module, watched: Any) -> bool:
@@ -255,8 +272,9 @@ class Planner:
                 units = [u for u in units if any(names.get(id(p)) in chosen for p in u.params.values())
                          or (adapters and (between(u) or u.name in bases))]
             self._units, self._key = units, key
-            rows = {u.name: sliceable_rows(u.module) if u.kind == "module" else None for u in units}
-            per_slice = {u.name: slice_rows(u.module, room) for u in units if rows[u.name] and room is not None}
+            rows = {u.name: (sliceable_rows(u.module) if u.kind == "module" else None) or expert_rows(u) for u in units}
+            per_slice = {u.name: slice_experts(u, room) if expert_rows(u) else slice_rows(u.module, room)
+                         for u in units if rows[u.name] and room is not None}
             self._rows, self._per_slice = rows, per_slice
             self._cycle = Cycle(rows, self.tensors_per_check, self.seed, per_slice)
             self._checks, self._resume_at = self._resume_at, 0

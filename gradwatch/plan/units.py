@@ -36,6 +36,8 @@ from gradwatch.check.objective.dropout_off import dropout_off
 from gradwatch.check.objective.guards import BufferGuard, frozen_batchnorm_stats, frozen_power_iteration, suspended_hooks
 from gradwatch.check.objective.padding_idx import padding_rows_constant
 from gradwatch.check.objective.rng import Reseeder, preserved_rng
+from gradwatch.check.probes.experts import expert_count
+from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY
 from gradwatch.trees import tensor_leaves
 
 #: Module classes whose own code is torch's plain calling of children (no op of their own to check).
@@ -263,6 +265,47 @@ def sliceable_rows(module: nn.Module) -> Optional[int]:
     if isinstance(module, nn.Embedding) and module.max_norm is None:
         return int(module.num_embeddings)
     return None
+
+
+def expert_rows(unit: Unit) -> Optional[int]:
+    """Experts a unit's check can be cut by: E where the parameters its own code uses include fused expert tensors
+    (:func:`~gradwatch.check.probes.experts.expert_count`), all of E experts; None for any other unit. A block of
+    experts is checked in place, inside a copy of the whole unit (:mod:`gradwatch.check.modules.expert_blocks`).
+
+    Example:
+        >>> class Experts(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.gate_up_proj = nn.Parameter(torch.zeros(8, 6, 4))
+        >>> m = Experts()
+        >>> expert_rows(Unit("experts", m, {"experts.gate_up_proj": m.gate_up_proj})), expert_rows(Unit("fc", nn.Linear(2, 2)))
+        (8, None)
+    """
+    if unit.kind not in ("module", "own"):
+        return None
+    counts = {expert_count(n, tuple(p.shape)) for n, p in unit.params.items()} - {None}
+    return counts.pop() if len(counts) == 1 else None
+
+
+def expert_bytes(unit: Unit) -> Tuple[int, int]:
+    """``(fixed bytes, bytes per expert)`` a block of a unit's experts holds for its parameters whatever the batch: the
+    whole unit in float64 (8 bytes an entry: the experts outside the block are constants there) and the rest of its
+    parameters checked (:data:`~gradwatch.plan.memory.MODULE_BYTES_PER_ENTRY` an entry); per expert its slice of the
+    fused tensors checked (the same).
+
+    Example:
+        >>> class Experts(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.w = nn.Parameter(torch.zeros(8, 6, 4))
+        >>> m = Experts()
+        >>> expert_bytes(Unit("experts", m, {"experts.w": m.w}))
+        (1536, 1152)
+    """
+    count = expert_rows(unit) or 1
+    fused = sum(int(p.numel()) for n, p in unit.params.items() if expert_count(n, tuple(p.shape)))
+    other = sum(int(p.numel()) for n, p in unit.params.items() if not expert_count(n, tuple(p.shape)))
+    return fused * 8 + other * MODULE_BYTES_PER_ENTRY, fused * MODULE_BYTES_PER_ENTRY // count
 
 
 def faithful_rows(module: nn.Module) -> bool:

@@ -46,7 +46,7 @@ import contextlib
 import copy
 import math
 import time
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -54,6 +54,7 @@ from torch import nn
 from gradwatch.check.judging.report import OVER_ROOM, CheckReport, worse
 from gradwatch.check.modules.batch_cut import batch_dims, capture_window, cuts_to_try, forward_cut, positions, sub_batch
 from gradwatch.check.modules.capture import Captured, Forward, capture, live_bytes
+from gradwatch.check.modules.expert_blocks import expert_block
 from gradwatch.check.modules.localize import ModuleCheck, check_module
 from gradwatch.check.modules.own_code import LossCode, ModelStub, OwnCode, RowsInPlace, embedding_rows_copy, own_code_copy, rows_copy
 from gradwatch.check.modules.piece_cuts import (
@@ -75,7 +76,7 @@ from gradwatch.check.objective.precision import ShadowPrecision
 from gradwatch.check.objective.rng import preserved_rng
 from gradwatch.check.objective.shadow import param_signature
 from gradwatch.check.objective.surrogate import find_surrogates, inside, surrogate_note
-from gradwatch.check.probes.experts import reached_rows
+from gradwatch.check.probes.experts import expert_count, reached_rows
 from gradwatch.options import CheckOptions
 from gradwatch.plan.cycle import Piece
 from gradwatch.plan.memory import (
@@ -92,7 +93,7 @@ from gradwatch.plan.memory import (
     module_bytes,
     release_freed,
 )
-from gradwatch.plan.units import LOSS_FN, Unit, faithful_rows, plan_units, relative
+from gradwatch.plan.units import LOSS_FN, Unit, expert_rows, faithful_rows, plan_units, relative
 from gradwatch.trees import rebuild, tensor_leaves
 
 #: ``view(unit, rows)``: a context giving ``(unit with plain parameters, offset of its rows)`` (sharded models).
@@ -551,8 +552,7 @@ def _reached(probed: List[Tuple[str, Any]], result: ModuleCheck, unit: Unit) -> 
     reached)."""
     prefix = f"{unit.name}." if unit.name and unit.kind != "loss_fn" else ""
     checks = {prefix + k: tc for k, tc in result.tensors.items()}
-    return [(name, rows if rows is not None or (experts := reached_rows(checks, name)) is None else experts)
-            for name, rows in probed]
+    return [(name, rows if (experts := reached_rows(checks, name)) is None else experts) for name, rows in probed]
 
 
 def _fewer_samples(model: nn.Module, loss_fn: Any, batch: Any, unit: Unit, need: int, room: int, seed: int,
@@ -608,9 +608,10 @@ def _cast_capture(got: Captured, unit: Unit, rows: Optional[Tuple[int, int]], dt
     children = {rel: [_cast_tree(o, dtype, got.constants, constants) for o in outs]
                 for rel, outs in got.children.get(unit.name, {}).items()}
     out_bytes = got.output_bytes.get(unit.name, 0)
-    if rows is None:
+    if rows is None or expert_rows(unit):
         stub = [t for outs in children.values() for o in outs for t in tensor_leaves(o) if t.is_floating_point()]
-        need = module_bytes(unit.params.values(), inputs, out_bytes) + numel(stub) * _per_stub_entry(unit) \
+        need = module_bytes(unit.params.values() if rows is None else (), inputs, out_bytes) \
+            + (piece_params_bytes(unit, rows) if rows is not None else 0) + numel(stub) * _per_stub_entry(unit) \
             + (conv_workspace_bytes(unit.module, out_bytes) if unit.kind == "module" else 0) \
             + int(MODULE_SAVED_COPIES * unit.saved_ratio * float_bytes(inputs))
     else:
@@ -650,6 +651,9 @@ def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs:
                       for k, leaves in enumerate(stub.outputs) for i, leaf in enumerate(leaves)}
             kind = "loss_fn"
             probed = [(LOSS_FN, "code")]
+        elif rows is not None and expert_rows(unit):
+            local, params, probed = _expert_piece(unit, rows, children, dtype, names)
+            kind += f"{', own code' if unit.kind == 'own' else ''}, experts {rows[0]}:{rows[1]} (in place)"
         elif unit.kind == "own":
             inner, stubs, params = own_code_copy(unit.module, unit.name, [relative(unit, c) or c for c in unit.stubbed],
                                                  children, unit.params, dtype)
@@ -725,6 +729,27 @@ def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs:
                 local.release()
     result.type = kind
     return result, probed
+
+
+def _expert_piece(unit: Unit, rows: Tuple[int, int], children: Dict[str, List[Any]], dtype: torch.dtype,
+                  names: Mapping[str, str]) -> Tuple[nn.Module, Dict[str, Any], List[Tuple[str, Any]]]:
+    """A block of a unit's experts (:mod:`gradwatch.check.modules.expert_blocks`): ``(the copy, the leaves it checks,
+    what it probes)``; the unit's other parameters and its own code with the first block."""
+    prefix = f"{unit.name}." if unit.name else ""
+    fused = [k for k, p in unit.params.items() if expert_count(k, tuple(p.shape))]
+    stubs: List[Any] = []
+    if unit.kind == "own":
+        inner, stubs, params = own_code_copy(unit.module, unit.name, [relative(unit, c) or c for c in unit.stubbed],
+                                             children, unit.params, dtype)
+    else:
+        inner = float64_copy(unit.module, dtype)
+        named = dict(inner.named_parameters())
+        params = {k[len(prefix):]: named[k[len(prefix):]] for k in unit.params if k[len(prefix):] in named}
+    block, params = expert_block(inner, params, [k[len(prefix):] for k in fused], rows)
+    probed: List[Tuple[str, Any]] = [(names[k], rows) for k in fused]
+    if not rows[0]:
+        probed += [(names[k], None) for k in unit.params if k not in fused] + [(unit.name, "code")]
+    return (OwnCode(block, stubs) if unit.kind == "own" else block), params, probed
 
 
 def _alone(unit: Unit, rows: Optional[Tuple[int, int]], need: int, dtype: torch.dtype, room: int, alone: int) -> bool:

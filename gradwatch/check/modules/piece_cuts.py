@@ -21,7 +21,7 @@ from torch import nn
 
 from gradwatch.check.modules.batch_cut import batch_dims, cuts_to_try, first_of_capture
 from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY, float_bytes
-from gradwatch.plan.units import Unit, faithful_rows, sliceable_rows
+from gradwatch.plan.units import Unit, expert_bytes, expert_rows, faithful_rows, sliceable_rows
 
 
 def rows_cost(unit: Unit, inputs: Any, out_bytes: int, positions: float = 1.0) -> Tuple[int, float]:
@@ -67,7 +67,7 @@ def row_block(unit: Unit, inputs: Any, output_bytes: int, room: int, seed: int,
 
 def piece_params_bytes(unit: Unit, rows: Optional[Tuple[int, int]]) -> int:
     """What a piece's check holds for its parameters whatever the batch: :data:`MODULE_BYTES_PER_ENTRY` per entry of
-    the unit's parameters, or of ``rows`` of them.
+    the unit's parameters, or of ``rows`` of them (a block of experts: :func:`~gradwatch.plan.units.expert_bytes`).
 
     Example:
         >>> from gradwatch.plan.units import Unit
@@ -76,6 +76,9 @@ def piece_params_bytes(unit: Unit, rows: Optional[Tuple[int, int]]) -> int:
         ...     piece_params_bytes(Unit("", lin, dict(lin.named_parameters())), (0, 5))
         (2400, 1200)
     """
+    if rows is not None and expert_rows(unit):  # a block of experts, in place in the whole unit's copy
+        fixed, per_expert = expert_bytes(unit)
+        return fixed + per_expert * (rows[1] - rows[0])
     whole = numel(unit.params.values()) * MODULE_BYTES_PER_ENTRY
     total = rows_of(unit)
     return whole * (rows[1] - rows[0]) // total if rows is not None and total else whole
