@@ -316,7 +316,7 @@ def _keep_drawn(key: Tuple[Any, ...], direction: torch.Tensor) -> None:
         if key not in _DRAWN:
             _DRAWN[key] = direction
             _drawn_bytes += direction.numel() * direction.element_size()
-        while _drawn_bytes > _DRAWN_BYTES:
+        while _drawn_bytes > _DRAWN_BYTES and _DRAWN:
             _, dropped = _DRAWN.popitem(last=False)
             _drawn_bytes -= dropped.numel() * dropped.element_size()
 
