@@ -278,6 +278,7 @@ class GradWatchCallback(TrainerCallback):
             self.watch.sinks.add(ReportingSink(others, lambda: self._context))
         if pending is not None:
             self.watch.load_state_dict(pending)
+        self.watch.update.asked = float(getattr(args, "max_grad_norm", 0) or 0)  # the clipping the step is judged by
         self._hooks.append(model.register_forward_pre_hook(self._capture_hook(), with_kwargs=True))
         if self._engine is not None:
             self._check_in_engine_step(self._engine)

@@ -47,6 +47,7 @@ from gradwatch.watch.sharded import refuse_unsupported
 from gradwatch.watch.step_objective import StepObjective
 from gradwatch.watch.training_part import TrainingPart
 from gradwatch.watch.trend import Alert, TrendTracker
+from gradwatch.watch.update_part import UpdatePart
 from gradwatch.watch.wrappers import Wrapping
 
 logger = logging.getLogger("gradwatch")
@@ -67,42 +68,36 @@ def _forwarded(owner: str, attr: str, doc: str) -> Any:
 class GradWatch:
     """Watches a training run for wrong gradients.
 
-    Call :meth:`step` once per optimizer step, after ``loss.backward()`` and
-    before gradient clipping and ``optimizer.step()``. At the first step and
-    then on the schedule (``every=N`` or ``every="auto"`` within
+    Call :meth:`step` once per optimizer step, after ``loss.backward()`` and before gradient clipping and
+    ``optimizer.step()``. At the first step and then on the schedule (``every=N`` or ``every="auto"`` within
     ``overhead_budget``) a check gives two verdicts per tensor:
 
-    - **backward**: a rotating subset of parameter tensors against two-sided
-      numerical gradients of the full objective (loss + regularizers + coupled
-      weight decay), on a float64 shadow copy with dropout off: are the
+    - **backward**: a rotating subset of parameter tensors against two-sided numerical gradients of the full
+      objective (loss + regularizers + coupled weight decay), on a float64 shadow copy with dropout off: are the
       backward formulas right?
-    - **training** (``training=True``, the default): every watched tensor's live
-      ``.grad`` against the objective's gradient recomputed the way training
-      computed it (live model and dtype, the same dropout masks and autocast
-      state; see :mod:`gradwatch.check.replay.reference`): is the gradient training applies the
-      gradient of the objective?
+    - **training** (``training=True``, the default): every watched tensor's live ``.grad`` against the objective's
+      gradient recomputed the way training computed it (live model and dtype, the same dropout masks and autocast
+      state; see :mod:`gradwatch.check.replay.reference`): is the gradient training applies the objective's?
 
-    Under gradient accumulation call :meth:`accumulate` after each micro-batch's
-    backward. Training is left exactly as it would have been: parameters,
-    ``.grad``, buffers and RNG streams are not touched.
+    Under gradient accumulation call :meth:`accumulate` after each micro-batch's backward. Training is left exactly
+    as it would have been: parameters, ``.grad``, buffers and RNG streams are not touched.
 
     Args:
         model: The model being trained (DDP, ``torch.compile``, Fabric, DeepSpeed looked through: :mod:`gradwatch.watch.wrappers`).
         loss_fn: ``loss_fn(model, batch) -> scalar tensor`` (the training loss).
-        optimizer: Optional; its coupled ``weight_decay`` joins the objective.
+        optimizer: Optional; its coupled ``weight_decay`` joins the objective, and the step after each check is
+            verified (clipping, the update, ties: :mod:`gradwatch.watch.update_part`).
         grad_fn: Optional hand-written backprop ``grad_fn(model, batch) -> {name: grad}``.
-        on_alert: Optional callback ``on_alert(alert)``; if it raises, the error is
-            logged and training goes on.
+        on_alert: Optional callback ``on_alert(alert)``; if it raises, the error is logged and training goes on.
         writer: Optional existing ``SummaryWriter`` to log through (e.g. Lightning's).
-        distributed: ``"auto"`` (default): coordinate the ranks when ``torch.distributed`` is
-            initialized with 2+ ranks (see :mod:`gradwatch.watch.distributed`); ``False``: act as a single process.
+        distributed: ``"auto"`` (default): coordinate the ranks when ``torch.distributed`` is initialized with 2+
+            ranks (see :mod:`gradwatch.watch.distributed`); ``False``: act as a single process.
         distributed_timeout: Seconds gradwatch's own collectives wait for a missing rank.
-        grad_scaler: Optional ``torch.amp.GradScaler`` of a float16 AMP loop. The training part then
-            replays ``scaler.scale(loss).backward()`` and the unscaling as training ran them (the same
-            bits), so call :meth:`step` after ``scaler.unscale_(optimizer)``.
-        **options: Every option of :class:`~gradwatch.config.GradWatchConfig`
-            (``every``, ``overhead_budget``, ``tensors_per_check``, ``raise_on``,
-            ``log_dir``, ``coords``, ``directions``, ``regularizers``, ...).
+        grad_scaler: Optional ``torch.amp.GradScaler`` of a float16 AMP loop. The training part then replays
+            ``scaler.scale(loss).backward()`` and the unscaling as training ran them (the same bits), so call
+            :meth:`step` after ``scaler.unscale_(optimizer)``.
+        **options: Every option of :class:`~gradwatch.config.GradWatchConfig` (``every``, ``overhead_budget``,
+            ``tensors_per_check``, ``raise_on``, ``log_dir``, ``coords``, ``directions``, ``regularizers``, ...).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -197,6 +192,7 @@ class GradWatch:
         #: Runs one check: the plan, the parts, the ranks' results merged (:mod:`gradwatch.watch.check_run`).
         self.runner = CheckRunner(self.context, self.check_plan, self.backward, self.training, self.inner,
                                   self.independence, self.schedule, self.tracker, self.step_objective, self.notes)
+        self.update = UpdatePart(model, optimizer, self._check_options.seed, emit=lambda s, a: self._emit(s, None, a, 0.0))
         #: The monitor's seconds against the run's wall time.
         self.clock = OverheadClock(timed=self.runner.say_steps_to_full)
         #: Why the checks are paused (None while they run); see :meth:`pause` and :meth:`resume`.
@@ -383,6 +379,7 @@ class GradWatch:
             self.clock.checked(outcome.seconds)
         try:
             self._emit(step, outcome.report, outcome.alerts, outcome.seconds)
+            self.update.arm(step)  # .grad as backprop left it: the step that follows is watched
         except GradWatchError:
             raise  # GradientDriftError: raise_on asked for it, after the records were written
         except Exception as exc:  # noqa: BLE001 - recording it failed (a gradwatch bug): an error alert, never training's
@@ -449,6 +446,7 @@ class GradWatch:
             **self.policy.state_dict(),  # "alerts"
             **self.clock.state_dict(),  # "monitor_seconds", "baseline_seconds", "wall_seconds"
             **self.training.state_dict(),  # "training": the accumulation window
+            **self.update.state_dict(),  # "update": what it said, the clipping thresholds
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -467,7 +465,7 @@ class GradWatch:
         self.schedule.load_state_dict(state["schedule"])
         self.tracker.load_state_dict(state["tracker"])
         self.independence.load_state_dict(state.get("independence", {}))
-        for part in (self.policy, self.clock, self.training):  # each reads its own keys of the state
+        for part in (self.policy, self.clock, self.training, self.update):  # each reads its own keys of the state
             part.load_state_dict(state)
         run_id = state.get("run_id")
         if run_id and str(run_id) != self.run_id:  # a resumed run: its records go on under its id
@@ -480,6 +478,7 @@ class GradWatch:
         if not self._closed:
             self._closed = True
             self.runner.close()
+            self.update.disarm()
             if self._recorder is not None:
                 self._recorder.close()
             self.sinks.close()

@@ -1,0 +1,300 @@
+"""The update, verified: what training does between ``.grad`` at a check and the weights after the next step.
+
+At each check, with the optimizer known (``optimizer=``; the HF Trainer's and Lightning's own), :class:`UpdatePart`
+draws a few coordinates of every watched tensor and reads there ``.grad`` as backprop left it, and the whole
+gradient's norm in float64. One-shot hooks on the optimizer then read, at its pre-step hook, ``.grad`` as the step
+takes it (after clipping), the parameter and the optimizer's state before the step and the group's hyperparameters;
+at its post-step hook the parameter after the step. Nothing is written: training is bit for bit as unwatched.
+
+Three verdicts follow, each said once for the run as an alert of part ``"update"``:
+
+- **clipping** (:mod:`gradwatch.check.update.clipping`): every tensor scaled by one factor, at one threshold
+  (the asked one where known: ``max_grad_norm``);
+- **update** (:mod:`gradwatch.check.update.optimizer_replay`): for torch's own optimizers (a subclass as its base),
+  the update each tensor got against the algorithm's, replayed in float64; and for any optimizer, a step that moved
+  no sampled coordinate of any tensor whose gradient was not zero;
+- **structure**: a watched tensor the optimizer does not hold (it was built before the parameters were replaced:
+  ``load_state_dict(assign=True)``, ``to_empty``), and tied parameters (a Hugging Face config's
+  ``tie_word_embeddings``, or one parameter met twice when the watch was built) that no longer share one tensor.
+
+Not yet: sharded models (FSDP2, tensor parallel, ZeRO: each rank's shards), replicas compared across ranks, and
+records, TensorBoard and ``gradwatch report`` for these verdicts (the alerts and :attr:`UpdatePart.last` hold them).
+
+Example:
+    >>> model = nn.Linear(3, 2)
+    >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    >>> part = UpdatePart(model, opt, seed=0)
+    >>> model(torch.ones(4, 3)).pow(2).sum().backward()
+    >>> part.arm(0); opt.step()
+    >>> part.last["update"]["weight"]["verdict"], part.alerts
+    ('excellent', [])
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import nn
+
+from gradwatch.check.numerics.sampling import generator, tensor_seed
+from gradwatch.check.update.clipping import factors, judge_clipping
+from gradwatch.check.update.optimizer_replay import algorithm, judge_update, replay
+from gradwatch.watch.trend import WHOLE_CHECK, Alert
+
+#: Coordinates drawn from each tensor at a check.
+COORDS = 16
+#: Tensors named in words, at most.
+NAMED = 3
+
+
+def _listed(names: Sequence[str]) -> str:
+    return ", ".join(names[:NAMED]) + (f" and {len(names) - NAMED} more" if len(names) > NAMED else "")
+
+
+def torch_optimizer(optimizer: Any) -> Optional[torch.optim.Optimizer]:
+    """The ``torch.optim.Optimizer`` that steps the parameters, through the wrappers training hands over (accelerate's
+    ``AcceleratedOptimizer`` and Lightning's ``LightningOptimizer``, whose ``step`` steps it when the step is due);
+    None where there is none.
+
+    Example:
+        >>> opt = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+        >>> class Wrapper:
+        ...     def __init__(self, inner): self.optimizer = inner
+        >>> torch_optimizer(Wrapper(opt)) is opt, torch_optimizer(None)
+        (True, None)
+    """
+    seen = 0
+    while optimizer is not None and seen < 4:
+        if isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks"):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        seen += 1
+    return None
+
+
+def declared_ties(model: nn.Module) -> List[Tuple[str, ...]]:
+    """Names of the parameters that are one parameter now (met twice in the module tree), and of a Hugging Face
+    model's input and output embeddings where its config says ``tie_word_embeddings``.
+
+    Example:
+        >>> m = nn.Sequential(nn.Embedding(5, 2), nn.Linear(2, 5, bias=False)); m[1].weight = m[0].weight
+        >>> declared_ties(m)
+        [('0.weight', '1.weight')]
+    """
+    shared: Dict[int, List[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        shared.setdefault(id(p), []).append(name)
+    ties = [tuple(names) for names in shared.values() if len(names) > 1]
+    config = getattr(model, "config", None)
+    if getattr(config, "tie_word_embeddings", False) and hasattr(model, "get_output_embeddings"):
+        try:
+            hf: Any = model  # a transformers PreTrainedModel
+            inp, out = hf.get_input_embeddings(), hf.get_output_embeddings()
+        except Exception:  # noqa: BLE001 - a model without the accessors: nothing declared this way
+            return ties
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        pair = tuple(names.get(id(getattr(m, "weight", None)), "") for m in (inp, out))
+        if all(pair) and pair[0] != pair[1] and not any(set(pair) <= set(t) for t in ties):
+            ties.append(pair)
+    return ties
+
+
+class UpdatePart:
+    """Watches the optimizer step that follows each check (the module's docstring).
+
+    Args:
+        model: The user's module.
+        optimizer: The optimizer training steps (None: nothing is watched).
+        seed: The watch's seed (the coordinates drawn follow it and the step).
+        asked: The clipping threshold training asked for (``max_grad_norm``; 0: none; None: not known).
+        emit: ``emit(step, alerts)``: where the alerts go (the watch's records and policy); default: kept only.
+
+    Attributes:
+        alerts: Every alert raised, in order.
+        last: The last step's verdicts: ``{"step", "clipping", "update": {name: ...}}`` (None before one).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], seed: int = 0,
+                 asked: Optional[float] = None, emit: Optional[Callable[[int, List[Alert]], None]] = None) -> None:
+        self.model, self.optimizer, self.seed, self.asked = model, torch_optimizer(optimizer), int(seed), asked
+        self.emit = emit
+        self.ties = declared_ties(model)
+        self.alerts: List[Alert] = []
+        self.last: Optional[Dict[str, Any]] = None
+        self.thresholds: List[float] = []
+        self._said: Set[str] = set()
+        self._hooks: List[Any] = []
+        self._at: Dict[str, Any] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.optimizer is not None
+
+    # ------------------------------------------------------------------ at the check
+    def arm(self, step: int) -> None:
+        """At a check (``.grad`` as backprop left it): the structure judged now, the next step watched. What raises
+        here (gradwatch's own failure) is said once, as this part's ``not_checked``, and the part stops."""
+        if not self.enabled:
+            return
+        self.disarm()
+        try:
+            self._arm(step)
+        except Exception as exc:  # noqa: BLE001 - never the check's failure, never training's
+            self.disarm()
+            self.optimizer = None
+            self._deliver(step, self._once(step, "not_checked", "raised", "warning", (
+                f"step {step} (update): the optimizer's step is not verified in this run: watching it raised "
+                f"{type(exc).__name__}: {exc}")))
+
+    def _arm(self, step: int) -> None:
+        alerts = self._structure(step)
+        params = dict(self.model.named_parameters())
+        drawn: Dict[str, torch.Tensor] = {}
+        before: Dict[str, torch.Tensor] = {}
+        norms: List[torch.Tensor] = []
+        for name, p in params.items():
+            g = p.grad
+            if g is None or g.is_sparse or type(g) is not torch.Tensor or type(p.data) is not torch.Tensor:
+                continue  # (a sharded tensor's norm and coordinates are each rank's: not judged yet)
+            norms.append(torch.linalg.vector_norm(g.detach(), dtype=torch.float64))
+            if g.numel() and g.is_floating_point():
+                gen = generator(tensor_seed(self.seed + step, name))
+                drawn[name] = torch.unique(torch.randint(0, g.numel(), (min(COORDS, g.numel()),), generator=gen)).to(g.device)
+                before[name] = g.detach().reshape(-1)[drawn[name]].to(torch.float64)
+        norm = float(torch.linalg.vector_norm(torch.stack([n.cpu() for n in norms]))) if norms else 0.0
+        self._at = {"step": int(step), "drawn": drawn, "before": before, "norm": norm, "params": params}
+        assert self.optimizer is not None
+        self._hooks = [self.optimizer.register_step_pre_hook(self._pre),
+                       self.optimizer.register_step_post_hook(self._post)]
+        self._deliver(step, alerts)
+
+    def disarm(self) -> None:
+        """Remove the hooks (a step that never came: a skipped step, the run's end)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _structure(self, step: int) -> List[Alert]:
+        assert self.optimizer is not None
+        held = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        trained = [n for n, p in self.model.named_parameters() if p.requires_grad and p.grad is not None]
+        missing = [n for n, p in self.model.named_parameters() if p.requires_grad and p.grad is not None
+                   and id(p) not in held]
+        alerts = []
+        if missing:
+            alerts += self._once(step, "update", f"missing:{','.join(missing)}", "error", (
+                f"the optimizer holds none of {len(missing)} of the {len(trained)} trained tensors "
+                f"({_listed(missing)}): its step cannot change them. It was built before the parameters were "
+                "replaced (load_state_dict(assign=True), to_empty, fully_shard after the optimizer): build the "
+                "optimizer after the model's final parameters exist"))
+        now = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
+        for tie in self.ties:
+            tensors = [now.get(n) for n in tie]
+            if any(t is None for t in tensors) or len({id(t) for t in tensors}) == 1:
+                continue
+            alerts += self._once(step, "tie", f"tie:{','.join(tie)}", "error", (
+                f"{' and '.join(tie)} are declared tied (one parameter when the watch was built, or the config's "
+                "tie_word_embeddings) but are now separate tensors: each gets only its own part of the gradient and "
+                "they drift apart. They were untied by to_empty, a load or a copy: tie them again "
+                "(model.tie_weights()) after it"))
+        return alerts
+
+    # ------------------------------------------------------------------ around the step
+    def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        at = self._at
+        groups: Dict[int, Tuple[int, Dict[str, Any]]] = {}
+        for i, group in enumerate(optimizer.param_groups):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            for p in group["params"]:
+                groups[id(p)] = (i, hyper)
+        after, start, states, hyper, group_of = {}, {}, {}, {}, {}
+        for name, coords in at["drawn"].items():
+            p = at["params"][name]
+            if p.grad is None or id(p) not in groups:
+                continue
+            after[name] = p.grad.detach().reshape(-1)[coords].to(torch.float64)
+            start[name] = p.detach().reshape(-1)[coords].clone()
+            states[name] = {k: (v.detach().reshape(-1)[coords].clone() if isinstance(v, torch.Tensor) and
+                                v.shape == p.shape else (v.clone() if isinstance(v, torch.Tensor) else v))
+                            for k, v in optimizer.state.get(p, {}).items()}
+            group_of[name], hyper[name] = groups[id(p)]
+        at.update(after=after, start=start, states=states, hyper=hyper, group_of=group_of)
+
+    def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.disarm()
+        at, self._at = self._at, {}
+        if "after" not in at:
+            return
+        step = at["step"]
+        alerts: List[Alert] = []
+        clipping = judge_clipping(factors(at["before"], at["after"]), at["group_of"], at["norm"], self.asked,
+                                  self.thresholds)
+        if clipping.threshold is not None and clipping.problem is None:
+            self.thresholds.append(clipping.threshold)
+        if clipping.problem is not None:
+            alerts += self._once(step, "clipping", f"clipping:{clipping.kind}", "error",
+                                 f"step {step} (update): {clipping.problem}")
+        name_of_algorithm = algorithm(optimizer)
+        updates: Dict[str, Any] = {}
+        moved, pushed = False, False
+        for name, coords in at["drawn"].items():
+            if name not in at["after"]:
+                continue
+            p = at["params"][name]
+            end = p.detach().reshape(-1)[coords]
+            moved |= bool((end != at["start"][name]).any())
+            lr = at["hyper"][name].get("lr", 0.0)
+            pushed |= bool(at["after"][name].any()) and float(lr) != 0.0
+            if name_of_algorithm is None:
+                continue
+            expected = replay(optimizer, at["hyper"][name], at["start"][name], at["after"][name], at["states"][name])
+            if expected is not None:
+                check = judge_update(name, at["start"][name], end, expected, p.dtype)
+                updates[name] = check.record()
+                updates[name]["check"] = check
+        if pushed and not moved:
+            alerts += self._once(step, "update", "unmoved", "error", (
+                f"step {step} (update): optimizer.step() changed none of the sampled coordinates of any tensor, whose "
+                "gradients were not zero: the optimizer steps other tensors than the model's (built before the "
+                "parameters were replaced), or its step does nothing"))
+        wrong = [n for n, u in updates.items() if u["check"].verdict.is_failure(u["check"].verdict.SUSPICIOUS)]
+        if wrong and moved:
+            worst = max((updates[n]["check"] for n in wrong), key=lambda c: c.judged_rel_diff)
+            ratio = f"; training's update is {worst.ratio:.3g}x the algorithm's" if worst.ratio else ""
+            alerts += self._once(step, "update", f"replay:{name_of_algorithm}", "error", (
+                f"step {step} (update): the update of {len(wrong)} tensor{'s' if len(wrong) > 1 else ''} "
+                f"({_listed(wrong)}) departs from {name_of_algorithm}'s algorithm replayed in float64 on the sampled "
+                f"coordinates (rel_diff up to {worst.rel_diff:.1e}{ratio}): the optimizer's step ({type(optimizer).__name__}) "
+                f"is not {name_of_algorithm}'s, or its state or hyperparameters were changed outside it"))
+        for u in updates.values():
+            u.pop("check")
+        self.last = {"step": step, "clipping": clipping.record(), "algorithm": name_of_algorithm, "update": updates}
+        self._deliver(step, alerts)
+
+    # ------------------------------------------------------------------ alerts
+    def _once(self, step: int, kind: str, key: str, severity: str, message: str) -> List[Alert]:
+        if key in self._said:
+            return []
+        self._said.add(key)
+        return [Alert(int(step), WHOLE_CHECK, kind, severity, math.nan, None, message + ". Said once for the run",
+                      "update")]
+
+    def _deliver(self, step: int, alerts: List[Alert]) -> None:
+        if not alerts:
+            return
+        self.alerts.extend(alerts)
+        if self.emit is not None:
+            self.emit(step, alerts)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"update": {"said": sorted(self._said), "thresholds": list(self.thresholds)}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        got = state.get("update", {})
+        self._said = set(got.get("said", []))
+        self.thresholds = [float(t) for t in got.get("thresholds", [])]
+
+
+__all__ = ["COORDS", "UpdatePart", "declared_ties", "torch_optimizer"]

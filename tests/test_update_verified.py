@@ -1,0 +1,223 @@
+"""The update, verified (issue 74, one process): the step after each check watched through the optimizer's hooks.
+
+Clipping (one factor for every tensor, at the asked threshold), the update torch's optimizers apply (replayed in
+float64 on sampled coordinates), a step that moves nothing, and tied parameters untied. Real optimizers, real
+clipping, a real HF Trainer; training bit-identical watched and unwatched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from gradwatch import GradWatch
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(20, 16)
+        self.body = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 20, bias=False)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.body(self.emb(ids))))
+
+
+def loss_fn(model, batch):
+    return F.cross_entropy(model(batch[0]).reshape(-1, 20), batch[1].reshape(-1))
+
+
+def batches(n=4):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 20, (8, 6), generator=g), torch.randint(0, 20, (8, 6), generator=g)) for _ in range(n)]
+
+
+def run(make_opt, clip=None, watched=True, model=None, steps=4, **options):
+    """A plain loop of ``steps`` steps with a check at each; ``clip(model, opt)`` between the check and the step."""
+    model = model or Net()
+    opt = make_opt(model)
+    watch = GradWatch(model, loss_fn, optimizer=opt, every=1, log_dir=None, **options) if watched else None
+    for b in batches(steps):
+        opt.zero_grad()
+        loss_fn(model, b).backward()
+        if watch is not None:
+            watch.step(b)
+        if clip is not None:
+            clip(model, opt)
+        opt.step()
+    return model, watch
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3),
+    "adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2),
+    "adamw_foreach": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, foreach=True),
+    "adamw_fused": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, fused=True),
+}
+
+
+def clip_all(model, opt):
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_torchs_optimizers_and_clipping_are_clean_and_training_bit_identical(name):
+    model, watch = run(OPTIMIZERS[name], clip_all)
+    assert watch.alerts == [], [a.message for a in watch.alerts]
+    last = watch.update.last
+    assert last["step"] == 3 and last["update"] and all(u["verdict"] == "excellent" for u in last["update"].values())
+    assert last["clipping"]["factor"] < 1.0 and last["clipping"]["threshold"] == pytest.approx(0.05, rel=1e-4), last
+    plain, _ = run(OPTIMIZERS[name], clip_all, watched=False)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), plain.state_dict().values()))
+
+
+def test_clipping_per_parameter_group_is_named_at_the_first_clipped_check():
+    def two_groups(m):
+        return torch.optim.SGD([{"params": [m.emb.weight, m.body.weight, m.body.bias]}, {"params": [m.head.weight]}],
+                               lr=0.1)
+
+    def per_group(model, opt):
+        for group in opt.param_groups:
+            torch.nn.utils.clip_grad_norm_(group["params"], 0.1)
+
+    _, watch = run(two_groups, per_group)
+    clipping = [a for a in watch.alerts if a.part == "update"]
+    assert [a.kind for a in clipping] == ["clipping"] and clipping[0].step == 0, [a.message for a in watch.alerts]
+    assert "parameter group 0 (3 tensors)" in clipping[0].message and "parameter group 1 (1 tensor)" in \
+        clipping[0].message and "its own norm" in clipping[0].message
+
+
+def test_a_threshold_taken_over_half_the_gradient_moves_and_is_named():
+    def half(model, opt):  # the norm of a part of the gradient (one "shard"), applied to all of it
+        part = torch.linalg.vector_norm(torch.cat([model.head.weight.grad.reshape(-1)]))
+        for p in model.parameters():
+            p.grad.mul_(min(1.0, 0.05 / (float(part) + 1e-6)))
+
+    _, watch = run(lambda m: torch.optim.SGD(m.parameters(), lr=0.1), half, steps=4)
+    moved = [a for a in watch.alerts if a.kind == "clipping"]
+    assert moved and "moves with the gradient" in moved[0].message, [a.message for a in watch.alerts]
+
+
+def test_an_optimizer_built_before_the_parameters_were_replaced_is_alerted_at_the_first_check():
+    def stale(m):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)  # new Parameter objects
+        return opt
+
+    model, watch = run(stale)
+    update = [a for a in watch.alerts if a.part == "update"]
+    assert update and update[0].step == 0 and update[0].kind == "update", [a.message for a in watch.alerts]
+    assert "holds none of 4 of the 4 trained tensors" in update[0].message
+    assert len(update) == 1  # said once for the run (and the step moved nothing it holds: the same cause)
+    assert all(w.grad is not None for w in model.parameters())
+
+
+def test_an_adamw_without_bias_correction_is_alerted_at_the_first_check_with_its_ratio():
+    class NoBiasCorrection(torch.optim.AdamW):
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    s = self.state[p]
+                    if not s:
+                        s["step"], s["exp_avg"], s["exp_avg_sq"] = 0, torch.zeros_like(p), torch.zeros_like(p)
+                    s["step"] += 1
+                    s["exp_avg"].lerp_(p.grad, 0.1)
+                    s["exp_avg_sq"].mul_(0.999).addcmul_(p.grad, p.grad, value=0.001)
+                    p.addcdiv_(s["exp_avg"], s["exp_avg_sq"].sqrt().add_(1e-8), value=-group["lr"])
+
+    _, watch = run(lambda m: NoBiasCorrection(m.parameters(), lr=1e-2, weight_decay=0.0))
+    update = [a for a in watch.alerts if a.part == "update"]
+    assert [a.kind for a in update] == ["update"] and update[0].step == 0, [a.message for a in watch.alerts]
+    assert "departs from AdamW's algorithm" in update[0].message and "NoBiasCorrection" in update[0].message
+
+
+def test_tied_weights_untied_after_the_watch_was_built_are_alerted_and_a_tied_model_is_clean():
+    def tied():
+        m = Net()
+        m.head.weight = m.emb.weight
+        return m
+
+    _, clean = run(lambda m: torch.optim.SGD(m.parameters(), lr=0.1), model=tied())
+    assert clean.alerts == [], [a.message for a in clean.alerts]
+
+    model = tied()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch = GradWatch(model, loss_fn, optimizer=opt, every=1, log_dir=None)
+    model.head.weight = nn.Parameter(model.emb.weight.detach().clone())  # untied, as a load or to_empty leaves it
+    b = batches(1)[0]
+    opt.zero_grad()
+    loss_fn(model, b).backward()
+    watch.step(b)
+    ties = [a for a in watch.alerts if a.kind == "tie"]
+    assert ties and "emb.weight and head.weight are declared tied" in ties[0].message, [a.message for a in watch.alerts]
+
+
+def test_a_transformers_model_whose_config_ties_its_embeddings_but_that_was_untied_is_alerted():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.lm_head.weight = nn.Parameter(model.transformer.wte.weight.detach().clone())  # to_empty + a load, in effect
+    model.load_state_dict(state, strict=False)
+    assert model.lm_head.weight is not model.transformer.wte.weight and cfg.tie_word_embeddings
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    watch = GradWatch(model, lambda m, b: m(input_ids=b, labels=b).loss, optimizer=opt, every=1, log_dir=None)
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    watch.step(ids)
+    ties = [a for a in watch.alerts if a.kind == "tie"]
+    assert ties and "transformer.wte.weight and lm_head.weight" in ties[0].message, [a.message for a in watch.alerts]
+
+
+@pytest.mark.slow  # a real HF Trainer, 4 steps with its default clipping (max_grad_norm=1.0): 5-10 s
+def test_under_the_hf_trainer_its_default_clipping_and_adamw_are_clean(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from gradwatch.integrations.transformers import GradWatchCallback
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32))
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 100, (16, 12), generator=g)]
+    callback = GradWatchCallback(every=1, log_dir=None)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4,
+                                          use_cpu=True, disable_tqdm=True, report_to=[], save_strategy="no",
+                                          learning_rate=1e-2, logging_steps=100)
+    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+    watch = callback.watch
+    assert watch.update.asked == 1.0 and watch.update.last is not None and watch.update.last["algorithm"] == "AdamW"
+    assert [a for a in watch.alerts if a.part == "update"] == [], [a.message for a in watch.alerts]
+    assert all(u["verdict"] == "excellent" for u in watch.update.last["update"].values()), watch.update.last
+    assert watch.update.thresholds == [] or all(t == pytest.approx(1.0, rel=1e-4) for t in watch.update.thresholds)
+
+
+def test_through_accelerates_wrapped_optimizer_the_real_step_is_verified():
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)  # (a Trainer earlier in this process left its accumulation setting)
+    GradientState._reset_state()
+    accelerator = accelerate.Accelerator(gradient_accumulation_steps=2)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = accelerator.prepare(model, opt)
+    watch = GradWatch(model, loss_fn, optimizer=opt, every=1, log_dir=None)
+    assert watch.update.optimizer is opt.optimizer  # the torch optimizer inside accelerate's wrapper
+    for b in batches(4):
+        with accelerator.accumulate(model):
+            accelerator.backward(loss_fn(model, b))
+            if accelerator.sync_gradients:
+                watch.step(b)
+            else:
+                watch.accumulate(b)
+            opt.step()
+            opt.zero_grad()
+    assert watch.alerts == [], [a.message for a in watch.alerts]
+    assert watch.update.last["algorithm"] == "SGD" and all(u["verdict"] == "excellent"
+                                                           for u in watch.update.last["update"].values())
