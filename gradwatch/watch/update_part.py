@@ -183,7 +183,7 @@ class UpdatePart:
         missing = [n for n, p in self.model.named_parameters() if p.requires_grad and p.grad is not None
                    and id(p) not in held]
         alerts = []
-        if missing:
+        if missing and len(missing) == len(trained):  # (some only: another optimizer's, as a GAN's two are)
             alerts += self._once(step, "update", f"missing:{','.join(missing)}", "error", (
                 f"the optimizer holds none of {len(missing)} of the {len(trained)} trained tensors "
                 f"({_listed(missing)}): its step cannot change them. It was built before the parameters were "
