@@ -10,7 +10,9 @@ accumulation bug). :class:`StepObjective` is the part of the watch that finds th
    tokens of a label tensor holding ``-100``, with and without the next-token shift; masks;
    samples, :mod:`gradwatch.check.replay.items`) and, where one would weigh the step's micro-batches unequally,
    decides which one ``loss_fn`` follows by evaluating its gradient on two samples and their union
-   (:mod:`gradwatch.check.replay.item_probe`), once per run; ``"samples"`` or a callable ``items(batch) -> count`` declare it;
+   (:mod:`gradwatch.check.replay.item_probe`), once per run, on the live model with its gradient checkpointing
+   (:func:`~gradwatch.check.objective.checkpointed.grad_through_checkpoints`); ``"samples"`` or a callable
+   ``items(batch) -> count`` declare it;
    ``"micro_batches"`` weighs each micro-batch alike (the mean of micro-batch means).
 2. **Where the cut legitimately matters**: train-mode BatchNorm, or a probe that finds the samples
    of a batch coupled (an in-batch contrastive loss): the step is judged per micro-batch, each
@@ -43,6 +45,8 @@ from torch import nn
 from gradwatch.check.judging.report import TrainingCheck
 from gradwatch.check.judging.training_judge import tolerance_for
 from gradwatch.check.numerics.sketch import Sketch
+from gradwatch.check.objective.checkpointed import grad_through_checkpoints
+from gradwatch.check.objective.guards import grad_marks_kept
 from gradwatch.check.objective.rng import Reseeder
 from gradwatch.check.replay.cut import Part, describe_counts, explain_cut, explain_uncut
 from gradwatch.check.replay.item_probe import ItemDecision, coupling_modules, decide
@@ -166,7 +170,7 @@ class StepObjective:
             # Every rank probes its own batch (a rank whose batch cannot tell leaves it to another), and the
             # decisions are exchanged: the same payloads everywhere make the same exchanges everywhere.
             try:
-                mine: Any = self._probe(model, loss, params, batches, local["rules"], seed)
+                mine: Any = self._probe(model, loss, params, batches, local["rules"], seed, coord is not None)
             except Exception as exc:  # noqa: BLE001 - every rank must still reach the exchange below
                 mine = ItemDecision(evidence=f"{type(exc).__name__}: {exc}")
             made = coord.everyone(mine, "what loss_fn averages over") if coord is not None else [mine]
@@ -235,7 +239,7 @@ class StepObjective:
         return "declared" if callable(self.items) else str(self.items)
 
     def _probe(self, model: nn.Module, loss: Any, params: Mapping[str, torch.Tensor], batches: Sequence[Any],
-               rules: List[ItemRule], seed: int) -> ItemDecision:
+               rules: List[ItemRule], seed: int, distributed: bool = False) -> ItemDecision:
         """Evaluate ``loss`` on probe batches (the live model, dropout off, nothing of it changed) and decide."""
         names = list(params)
         plist = tuple(params.values())
@@ -244,16 +248,21 @@ class StepObjective:
         sketch = Sketch({n: tuple(p.shape) for n, p in params.items()}, seed=seed)
         reseed = Reseeder(seed)
         noise = max(tolerance_for(p.dtype) for p in plist)
+        # The live model keeps its gradient checkpointing (a probe batch may be a whole micro-batch): its gradients
+        # come through whatever checkpoints it holds, by backward() where autograd.grad cannot see into a reentrant
+        # one, except where a backward() would act on training (DDP's hooks, an optimizer stepping in backward).
+        owners = None if distributed or any(getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters()) \
+            else [p for p in model.parameters() if p.requires_grad]
 
         def evaluate(batch: Any) -> torch.Tensor:
             reseed()
             with torch.enable_grad():
                 value = loss(model, batch)
-                grads = torch.autograd.grad(value, plist, allow_unused=True)
+                grads = grad_through_checkpoints(value, plist, owners)
             return sketch({n: torch.zeros_like(p) if g is None else g for n, p, g in zip(names, plist, grads)})
 
         try:
-            with isolated(model):
+            with grad_marks_kept(model), isolated(model):  # a reentrant checkpoint needs an input requiring grad
                 return decide(evaluate, batches, rules, noise=noise)
         except ItemCountError as exc:
             return ItemDecision(survivors=[r.key for r in rules], evidence=str(exc))

@@ -35,7 +35,7 @@ from gradwatch.check.numerics.sampling import match_names
 from gradwatch.check.objective.checkpointed import grad_by_backward, reentrant_checkpoint_leaves
 from gradwatch.check.probes.experts import by_expert
 from gradwatch.check.replay.checkpoint_blocks import blocks_needed, checkpointing, repeated_blocks, replay_excess
-from gradwatch.check.replay.reference import Replay, Step, replay_step, scalar_grad
+from gradwatch.check.replay.reference import Replay, Step, autocast_state, replay_step, scalar_grad
 from gradwatch.check.replay.rows import RowGrads, sliceable_linears
 from gradwatch.check.replay.window import PartialWindow
 from gradwatch.plan.memory import SAFETY, gradient_bytes, mb, peak_bytes, release_freed
@@ -47,7 +47,7 @@ from gradwatch.watch.sharded import is_dtensor
 from gradwatch.watch.step_objective import StepObjective, StepPlan
 from gradwatch.watch.term_weights import Again, TermWeights
 from gradwatch.watch.trend import Alert
-from gradwatch.watch.wrappers import unwrap_model
+from gradwatch.watch.wrappers import is_compiled, unwrap_model
 from gradwatch.watch.zero import is_partitioned, loss_scale, whole_grad, zero_part
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -78,6 +78,52 @@ def same_tree(tree: List[Tuple[Dict[str, Any], Tuple[str, ...], Tuple[Any, ...]]
         if len(d) != len(keys) or not all(map(operator.is_, d.values(), values)) or not all(map(operator.is_, d, keys)):
             return False
     return True
+
+
+class InnerAutocast:
+    """The autocast state a model's forward opens inside itself, seen from its first submodule's forward.
+
+    Training's recorded forward starts outside such a region (accelerate wraps a Trainer's model's ``forward`` in
+    autocast: TRL's bf16 default), so the recorded state says plain precision while the model computes in bfloat16.
+    The replay computes the same, and where a step's micro-batches are weighed (``loss * n_i / N`` against training's
+    ``sum / N``) the last bit of the scale can round a bfloat16 value the other way: judged at float32's tolerance, a
+    correct step failed. A pre-hook on the first submodule notes the state there, so the judge takes the precision
+    the forward ran in.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(2, 2))
+        >>> model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)  # as accelerate wraps it
+        >>> inner = InnerAutocast(model)
+        >>> _ = inner.wrap(lambda m, x: m(x).float().sum())(model, torch.ones(1, 2))
+        >>> inner.seen
+        (('cpu', True, torch.bfloat16),)
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.first = next((m for m in model.modules() if m is not model), None)
+        #: The state seen inside the first forward (empty: none seen, or plain precision).
+        self.seen: Tuple[Tuple[str, bool, torch.dtype], ...] = ()
+
+    def wrap(self, total: Callable[[nn.Module, Any], Any]) -> Callable[[nn.Module, Any], Any]:
+        """``total`` with the pre-hook on while it runs."""
+        first = self.first
+        if first is None:
+            return total
+
+        def note(module: nn.Module, args: Any) -> None:
+            if not self.seen:
+                self.seen = autocast_state()
+
+        note._gradwatch_hook = True  # type: ignore[attr-defined]  # gradwatch's own: kept in the replay's isolation
+
+        def evaluate(model: nn.Module, batch: Any) -> Any:
+            handle = first.register_forward_pre_hook(note)
+            try:
+                return total(model, batch)
+            finally:
+                handle.remove()
+
+        return evaluate
 
 
 def shift_hint(model: nn.Module) -> Optional[int]:
@@ -381,6 +427,10 @@ class TrainingPart(TrendAlerting):
             total = checkpointing(root, total, blocks)
         if hooks is not None:  # the backward part's capture rides on the replay's forward
             total = capturing(total, model, hooks[0], hooks[1], faithful if faithful is not None else [])
+        # a forward that opens autocast itself (not a compiled one: a hook inside its graph would recompile it)
+        inner = InnerAutocast(root) if live and not autocast and not is_compiled(root) else None
+        if inner is not None:
+            total = inner.wrap(total)
         with rowgrads if rowgrads is not None else contextlib.nullcontext(), ctx.wrapping.fabric_backward():
             replay = replay_step(root, ctx.recorder, pending, total, grad_of, params,
                                  loss_tolerance=10 * tolerance_for(worst), context=self.replay_context,
@@ -390,6 +440,8 @@ class TrainingPart(TrendAlerting):
                                  entry=entry, prefer=self._mode)
             if replay.how and "+" not in replay.how:
                 self._mode = replay.how  # the next check's replay tries it first
+        if inner is not None and inner.seen and not replay.autocast:
+            replay.autocast = inner.seen
         replay.params = params
         replay.rows = row_plan
         replay.plan = plan

@@ -10,9 +10,11 @@ computes the analytic side that way when the graph holds such a checkpoint: into
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, List, Optional, cast
+from typing import Any, Iterable, Iterator, List, Optional, Sequence, cast
 
 import torch
+
+from gradwatch.check.objective.functional_dropout import active_record, recomputed_alike
 
 #: Names of the autograd nodes of ``torch.utils.checkpoint`` with ``use_reentrant=True``.
 REENTRANT_NODES = ("CheckpointFunctionBackward",)
@@ -81,3 +83,37 @@ def grad_by_backward(value: torch.Tensor, plist: List[torch.Tensor], leaves: Ite
     finally:
         for t, grad in saved:
             t.grad = grad
+
+
+def grad_through_checkpoints(value: torch.Tensor, plist: Sequence[torch.Tensor],
+                             owners: Optional[Iterable[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+    """Gradients of ``value`` by ``plist`` (None where unused) on a graph that may hold checkpoints, never in ``.grad``.
+
+    Both kinds of ``torch.utils.checkpoint`` recompute their forward in backward, where the torch function mode that
+    keeps dropout off (:func:`~gradwatch.check.objective.dropout_off.dropout_off`) does not reach: the dropout functions
+    are switched off for the backward as the forward had them (:func:`recomputed_alike`), or a non-reentrant
+    checkpoint refuses the recomputed values ("different metadata") and a reentrant one differentiates other values.
+    A reentrant checkpoint hides the parameters inside it from ``autograd.grad``: where the graph holds one, the
+    gradients come through ``backward()`` (:func:`grad_by_backward`), every tensor of ``owners`` and of the graph's
+    leaves with its ``.grad`` set aside and put back.
+
+    Args:
+        value: A scalar with a graph.
+        plist: The tensors differentiated by.
+        owners: Every tensor whose ``.grad`` a ``backward()`` may write (the model's trainable parameters, those inside a
+            checkpoint included); None where a ``backward()`` would act on training (DDP's hooks, an optimizer
+            stepping in backward): ``autograd.grad`` then refuses a reentrant checkpoint as torch does.
+
+    Example:
+        >>> from torch.utils.checkpoint import checkpoint
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> w.grad = torch.full((2,), 7.0)
+        >>> y = checkpoint(lambda h: (h * w).sum(), torch.ones(2, requires_grad=True), use_reentrant=True)
+        >>> grad_through_checkpoints(y, [w], [w])[0].tolist(), w.grad.tolist()
+        ([1.0, 1.0], [7.0, 7.0])
+    """
+    leaves = reentrant_checkpoint_leaves(value) if owners is not None else None
+    with recomputed_alike(active_record()):
+        if leaves is not None:
+            return grad_by_backward(value, list(plist), leaves + list(cast(Iterable[torch.Tensor], owners)), retain=False)
+        return list(torch.autograd.grad(value, list(plist), allow_unused=True))

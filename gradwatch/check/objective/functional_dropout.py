@@ -32,7 +32,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode, _get_current_function_mode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode, _get_current_function_mode_stack
 
 #: (position, keyword, default) of an argument.
 _Arg = Tuple[int, str, Any]
@@ -242,6 +242,24 @@ def _switched_off(fn: Any, spec: _Spec) -> Any:
         return fn(*_switch_off(spec, args, kw), **kw)
 
     return call
+
+
+def active_record() -> Optional[DropoutRecord]:
+    """The record of the :class:`FunctionalDropoutOff` active in this thread (None where none is): what code that runs
+    inside :func:`~gradwatch.check.objective.dropout_off.dropout_off` without its record hands :func:`recomputed_alike`.
+
+    Example:
+        >>> record = DropoutRecord()
+        >>> with FunctionalDropoutOff(record):
+        ...     active_record() is record
+        True
+        >>> active_record() is None
+        True
+    """
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, FunctionalDropoutOff):
+            return mode.record
+    return None
 
 
 @contextlib.contextmanager

@@ -123,6 +123,48 @@ def _silent_hook(hook: Any) -> bool:
     return isinstance(where, str) and (where.split(".")[0], getattr(fn, "__name__", None)) in _SILENT_HOOKS
 
 
+@contextlib.contextmanager
+def grad_marks_kept(model: nn.Module) -> Iterator[int]:
+    """The library hooks that only mark a module's outputs as requiring grad (:data:`_SILENT_HOOKS`) run for the
+    duration, even inside :func:`suspended_hooks` (enter this one first, around it); yields how many.
+
+    A reentrant checkpoint differentiates the parameters inside it only when one of its inputs requires grad: with a
+    frozen embedding (PEFT) that is what transformers' ``enable_input_require_grads`` hook gives, as in training.
+    Evaluations on the live model that differentiate through its checkpoints keep it; the float64 copy, which
+    checkpoints nothing, does not need it. Each hook runs through a wrapper marked as gradwatch's, removed after.
+
+    Example:
+        >>> emb = nn.Embedding(3, 2).requires_grad_(False)
+        >>> def make_inputs_require_grads(module, input, output):
+        ...     output.requires_grad_(True)
+        >>> make_inputs_require_grads.__module__ = "transformers.modeling_utils"  # as transformers defines it
+        >>> _ = emb.register_forward_hook(make_inputs_require_grads)
+        >>> with grad_marks_kept(emb) as kept, suspended_hooks(emb):
+        ...     kept, emb(torch.tensor([1])).requires_grad
+        (1, True)
+        >>> len(emb._forward_hooks)
+        1
+    """
+    handles = []
+    for module in model.modules():
+        for hook in list(module._forward_hooks.values()) if module._forward_hooks else ():
+            if _silent_hook(hook):
+                handles.append(module.register_forward_hook(_marking(hook)))
+    try:
+        yield len(handles)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _marking(hook: Callable[..., Any]) -> Callable[..., Any]:
+    def mark(module: nn.Module, args: Any, output: Any) -> Any:
+        return hook(module, args, output)
+
+    mark._gradwatch_hook = True  # type: ignore[attr-defined]
+    return mark
+
+
 def _hook_name(hook: Any) -> str:
     fn = _function_of(hook)
     return getattr(fn, "__name__", None) or type(fn).__name__
@@ -154,6 +196,8 @@ class HookRule:
 
     Args:
         modules: The modules whose hooks are decided (the model's, or a part of it).
+        marks: Keep the hooks that only mark outputs as requiring grad (:data:`_SILENT_HOOKS`): a replay of the live
+            model differentiates through training's reentrant checkpoints, which need them as training did.
 
     Example:
         >>> from torch.nn.utils import prune
@@ -163,8 +207,9 @@ class HookRule:
         ([True], False)
     """
 
-    def __init__(self, modules: Iterable[nn.Module]) -> None:
+    def __init__(self, modules: Iterable[nn.Module], marks: bool = False) -> None:
         self._modules = modules
+        self._marks = marks
         self._packages: Optional[Set[str]] = None
 
     def keeps(self, hook: Any) -> bool:
@@ -172,7 +217,7 @@ class HookRule:
         if getattr(hook, "_gradwatch_hook", False):  # gradwatch's own (the shadow's input casting)
             return True
         if _silent_hook(hook):
-            return False
+            return self._marks
         library = library_of(_function_of(hook))
         return library is not None and (library in _ANY_MODULE or library in self.packages())
 
@@ -360,11 +405,11 @@ class LiveIsolation:
 
     What :func:`suspended_hooks`, :func:`frozen_power_iteration` and :class:`BufferGuard` (with
     attributes) do together, plus the gradient hooks of ``params`` detached (``p.register_hook``):
-    hooks user code registered on modules (and global module hooks) do not run, the power iteration
-    of ``spectral_norm`` is off, and on exit every buffer, plain scalar attribute and hook is back as
-    it was. A replay runs on every check, right after training's backward has evicted the caches, so
-    this is one pass over ``modules`` and does nothing for what the model does not have. RNG states
-    are not its job (:func:`preserved_rng`).
+    hooks user code registered on modules (and global module hooks) do not run (those that only mark outputs as
+    requiring grad do, as in training: ``HookRule(marks=True)``), the power iteration of ``spectral_norm`` is off,
+    and on exit every buffer, plain scalar attribute and hook is back as it was. A replay runs on every check,
+    right after training's backward has evicted the caches, so this is one pass over ``modules`` and does nothing
+    for what the model does not have. RNG states are not its job (:func:`preserved_rng`).
 
     Args:
         modules: ``list(root.modules())`` (current: the caller walks the tree when it changes).
@@ -391,7 +436,7 @@ class LiveIsolation:
 
     def __enter__(self) -> "LiveIsolation":
         owners: List[Tuple[nn.Module, str, torch.Tensor]] = []
-        rule = HookRule(self.modules)
+        rule = HookRule(self.modules, marks=True)
         for m in self.modules:
             d = m.__dict__
             if _has_hooks(m):

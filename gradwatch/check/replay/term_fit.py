@@ -114,6 +114,8 @@ def _solve(columns: List[torch.Tensor], live: torch.Tensor) -> Optional[Tuple[to
     """Least squares ``live ~ B x`` over unit-scaled columns: ``(x, misfit)``, None where columns cannot be told apart."""
     basis = torch.stack(columns, 1)
     norms = torch.linalg.vector_norm(basis, dim=0)
+    if not bool(torch.isfinite(basis).all()) or bool((norms == 0).any()):  # a term with no gradient: nothing to tell
+        return None
     unit = basis / norms
     sv = torch.linalg.svdvals(unit)
     if basis.shape[0] < 2 * basis.shape[1] or float(sv[-1]) < CONDITION * float(sv[0]):
