@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradwatch.check.update.clipping import factors, judge_clipping
+from gradwatch.check.update.clipping import factors, judge_clipping, value_bound
 from gradwatch.check.update.optimizer_replay import algorithm, judge_update, replay
 
 CASES = [
@@ -121,3 +121,19 @@ def test_clipping_per_parameter_group_and_a_threshold_off_by_the_world_size_are_
     assert unasked.kind == "unasked", unasked
     moved = judge_clipping(factors(grads, halved), groups, whole, None, before=[1.0])
     assert moved.kind == "threshold" and "moves with the gradient" in moved.problem, moved
+
+
+def test_a_clipping_by_value_is_read_as_one_and_is_no_alert():
+    gen = torch.Generator().manual_seed(2)
+    grads = {n: torch.randn(16, generator=gen) for n in "ab"}
+    params = {n: torch.nn.Parameter(torch.zeros(16)) for n in grads}
+    for n, p in params.items():
+        p.grad = grads[n].clone()
+    torch.nn.utils.clip_grad_value_(params.values(), 0.5)
+    after = {n: p.grad for n, p in params.items()}
+    found = judge_clipping(factors(grads, after), {n: 0 for n in grads}, 1.0, by_value=value_bound(grads, after))
+    assert found.problem is None and found.threshold == 0.5, found
+    edited = {n: g.clone() for n, g in after.items()}
+    edited["a"][0] += 0.25  # not a bound
+    assert value_bound(grads, edited) is None
+    assert judge_clipping(factors(grads, edited), {n: 0 for n in grads}, 1.0).kind == "not_scaling"

@@ -209,6 +209,7 @@ def test_through_accelerates_wrapped_optimizer_the_real_step_is_verified():
     model, opt = accelerator.prepare(model, opt)
     watch = GradWatch(model, loss_fn, optimizer=opt, every=1, log_dir=None)
     assert watch.update.optimizer is opt.optimizer  # the torch optimizer inside accelerate's wrapper
+    hooks = opt.optimizer._optimizer_step_post_hooks
     for b in batches(4):
         with accelerator.accumulate(model):
             accelerator.backward(loss_fn(model, b))
@@ -219,5 +220,46 @@ def test_through_accelerates_wrapped_optimizer_the_real_step_is_verified():
             opt.step()
             opt.zero_grad()
     assert watch.alerts == [], [a.message for a in watch.alerts]
+    assert len(hooks) == 1  # one idle hook for the run, not one per check
+    watch.close()
+    assert len(hooks) == 0
     assert watch.update.last["algorithm"] == "SGD" and all(u["verdict"] == "excellent"
                                                            for u in watch.update.last["update"].values())
+
+
+@pytest.mark.slow  # three real Lightning Trainers, 6 steps each: 10-20 s
+@pytest.mark.parametrize("clip", [None, "norm", "value"])
+def test_under_lightning_its_clipping_by_norm_or_by_value_and_its_step_are_clean(tmp_path, clip):
+    pl = pytest.importorskip("lightning.pytorch")
+    from gradwatch.integrations.lightning import GradWatchCallback as LightningCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = Net()
+
+        def training_step(self, batch, batch_idx):
+            return loss_fn(self.net, batch)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.0)
+
+    callback = LightningCallback(every=1, log_dir=None, tensorboard=False)
+    options = {} if clip is None else {"gradient_clip_val": 0.05 if clip == "norm" else 0.002,
+                                       "gradient_clip_algorithm": clip}
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], **options)
+    ids = torch.randint(0, 20, (48, 6), generator=torch.Generator().manual_seed(1))
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, ids.roll(1, 1)), batch_size=8)
+    trainer.fit(Module(), data)
+    watch = callback.watch
+    assert watch.update.asked == {None: 0.0, "norm": 0.05, "value": None}[clip]
+    assert [a for a in watch.alerts if a.part == "update"] == [], [a.message for a in watch.alerts]
+    last = watch.update.last
+    assert last is not None and last["step"] == 5 and last["algorithm"] == "AdamW", last
+    assert all(u["verdict"] == "excellent" for u in last["update"].values()), last
+    if clip == "norm":
+        assert last["clipping"]["factor"] < 1 and last["clipping"]["threshold"] == pytest.approx(0.05, rel=1e-4)
+    if clip == "value":
+        assert last["clipping"]["factor"] is None and last["clipping"]["threshold"] == pytest.approx(0.002), last
+    assert watch.update._hooks == []  # the fit's end closed the watch: its hook is gone

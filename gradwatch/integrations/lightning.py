@@ -437,6 +437,9 @@ class GradWatchCallback(Callback):
                     "trainer has no logger); alerts go to the 'gradwatch' Python logger only. Set jsonl=True, "
                     "log_dir=..., or give the Trainer a logger."
                 )
+        algorithm = getattr(trainer, "gradient_clip_algorithm", None)  # an enum of "norm" and "value", or None
+        by_norm = str(getattr(algorithm, "value", algorithm) or "norm") == "norm"
+        watch.update.asked = float(trainer.gradient_clip_val or 0) if by_norm else None  # the clipping asked for
         # training_step runs inside the precision plugin's context (autocast under "bf16-mixed"/"16-mixed"):
         # the training part replays it there too.
         watch.replay_context = trainer.precision_plugin.train_step_context

@@ -478,7 +478,7 @@ class GradWatch:
         if not self._closed:
             self._closed = True
             self.runner.close()
-            self.update.disarm()
+            self.update.close()
             if self._recorder is not None:
                 self._recorder.close()
             self.sinks.close()

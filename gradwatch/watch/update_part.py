@@ -1,10 +1,11 @@
 """The update, verified: what training does between ``.grad`` at a check and the weights after the next step.
 
 At each check, with the optimizer known (``optimizer=``; the HF Trainer's and Lightning's own), :class:`UpdatePart`
-draws a few coordinates of every watched tensor and reads there ``.grad`` as backprop left it, and the whole
-gradient's norm in float64. One-shot hooks on the optimizer then read, at its pre-step hook, ``.grad`` as the step
-takes it (after clipping), the parameter and the optimizer's state before the step and the group's hyperparameters;
-at its post-step hook the parameter after the step. Nothing is written: training is bit for bit as unwatched.
+draws a few coordinates of every watched tensor and reads there ``.grad`` as backprop left it, the parameter and the
+optimizer's state (the step is the first to change them), and the whole gradient's norm in float64. A one-shot hook
+on the optimizer reads, right after its step, ``.grad`` as the step took it (after clipping), the group's
+hyperparameters (the learning rate the scheduler set) and the parameter. Nothing is written: training is bit for bit
+as unwatched.
 
 Three verdicts follow, each said once for the run as an alert of part ``"update"``:
 
@@ -39,7 +40,7 @@ import torch
 from torch import nn
 
 from gradwatch.check.numerics.sampling import generator, tensor_seed
-from gradwatch.check.update.clipping import factors, judge_clipping
+from gradwatch.check.update.clipping import factors, judge_clipping, value_bound
 from gradwatch.check.update.optimizer_replay import algorithm, judge_update, replay
 from gradwatch.watch.trend import WHOLE_CHECK, Alert
 
@@ -166,12 +167,18 @@ class UpdatePart:
         norm = float(torch.linalg.vector_norm(torch.stack([n.cpu() for n in norms]))) if norms else 0.0
         self._at = {"step": int(step), "drawn": drawn, "before": before, "norm": norm, "params": params}
         assert self.optimizer is not None
-        self._hooks = [self.optimizer.register_step_pre_hook(self._pre),
-                       self.optimizer.register_step_post_hook(self._post)]
+        self._starting(self.optimizer)
+        if not self._hooks:  # registered once, idle between checks (a hook never removes itself: torch iterates them)
+            self._hooks = [self.optimizer.register_step_post_hook(self._post)]
         self._deliver(step, alerts)
 
     def disarm(self) -> None:
-        """Remove the hooks (a step that never came: a skipped step, the run's end)."""
+        """Forget the step a check armed (one that never came: a skipped step); the hook stays, idle."""
+        self._at = {}
+
+    def close(self) -> None:
+        """Remove the hook (the run's end)."""
+        self._at = {}
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -202,36 +209,48 @@ class UpdatePart:
         return alerts
 
     # ------------------------------------------------------------------ around the step
-    def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _starting(self, optimizer: Any) -> None:
+        """What the step starts from, read at the check: each sampled coordinate's parameter and optimizer state (the
+        step is the first to change them; under Lightning the check runs inside it, in its closure)."""
         at = self._at
-        groups: Dict[int, Tuple[int, Dict[str, Any]]] = {}
-        for i, group in enumerate(optimizer.param_groups):
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            for p in group["params"]:
-                groups[id(p)] = (i, hyper)
-        after, start, states, hyper, group_of = {}, {}, {}, {}, {}
+        held = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        start, states, group_of = {}, {}, {}
         for name, coords in at["drawn"].items():
             p = at["params"][name]
-            if p.grad is None or id(p) not in groups:
+            if id(p) not in held:
                 continue
-            after[name] = p.grad.detach().reshape(-1)[coords].to(torch.float64)
             start[name] = p.detach().reshape(-1)[coords].clone()
             states[name] = {k: (v.detach().reshape(-1)[coords].clone() if isinstance(v, torch.Tensor) and
                                 v.shape == p.shape else (v.clone() if isinstance(v, torch.Tensor) else v))
                             for k, v in optimizer.state.get(p, {}).items()}
-            group_of[name], hyper[name] = groups[id(p)]
-        at.update(after=after, start=start, states=states, hyper=hyper, group_of=group_of)
+            group_of[name] = held[id(p)]
+        at.update(start=start, states=states, group_of=group_of)
 
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.disarm()
+        """Right after the step: ``.grad`` as it stepped with (clipped), the group's hyperparameters (the learning rate
+        the scheduler set: it steps after), and the parameters. What raises here is gradwatch's own failure: said
+        once, and the part stops; training's step is never failed by it."""
         at, self._at = self._at, {}
-        if "after" not in at:
+        if "start" not in at:
             return
+        try:
+            self._judge(optimizer, at)
+        except Exception as exc:  # noqa: BLE001 - inside training's optimizer.step(): never raise there
+            self.optimizer = None
+            self._deliver(at["step"], self._once(at["step"], "not_checked", "raised", "warning", (
+                f"step {at['step']} (update): the optimizer's step is not verified in this run: judging it raised "
+                f"{type(exc).__name__}: {exc}")))
+
+    def _judge(self, optimizer: Any, at: Dict[str, Any]) -> None:
         step = at["step"]
+        at["after"] = {n: at["params"][n].grad.detach().reshape(-1)[at["drawn"][n]].to(torch.float64)
+                       for n in at["start"] if at["params"][n].grad is not None}
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        at["hyper"] = {n: groups[i] for n, i in at["group_of"].items()}
         alerts: List[Alert] = []
         clipping = judge_clipping(factors(at["before"], at["after"]), at["group_of"], at["norm"], self.asked,
-                                  self.thresholds)
-        if clipping.threshold is not None and clipping.problem is None:
+                                  self.thresholds, value_bound(at["before"], at["after"]))
+        if clipping.factor is not None and clipping.threshold is not None and clipping.problem is None:
             self.thresholds.append(clipping.threshold)
         if clipping.problem is not None:
             alerts += self._once(step, "clipping", f"clipping:{clipping.kind}", "error",

@@ -104,7 +104,8 @@ class Clipping:
 
     Attributes:
         factor: The one factor every tensor was scaled by (None where they differ, or none could be read).
-        threshold: ``factor · ‖g‖`` where the step was clipped (``factor < 1``), else None.
+        threshold: ``factor · ‖g‖`` where the step was clipped (``factor < 1``), the bound of a clipping by value
+            (``factor`` None), else None.
         problem: The words naming what is wrong (None: nothing).
         kind: ``"groups"`` (different factors), ``"threshold"`` (another threshold than asked or than before),
             ``"unasked"`` (clipped where none was asked for), ``"not_scaling"`` (no factor explains it); None.
@@ -123,8 +124,33 @@ class Clipping:
                 "groups": [{"factor": c, "tensors": len(n), "first": n[:NAMED]} for c, n in self.groups]}
 
 
+def value_bound(before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor]) -> Optional[float]:
+    """The bound ``v`` of a clipping by value (``clip_grad_value_``) that explains every sampled coordinate: each
+    changed one is ``±v`` with the sign it had and was beyond ``v``, each unchanged one within it; None where some
+    coordinate changed otherwise, or none changed.
+
+    Example:
+        >>> value_bound({"w": torch.tensor([3.0, -0.5, -2.0])}, {"w": torch.tensor([1.0, -0.5, -1.0])})
+        1.0
+    """
+    pairs = [(b.detach().to(torch.float64).reshape(-1), after[n].detach().to(torch.float64).reshape(-1))
+             for n, b in before.items() if n in after]
+    changed = torch.cat([a[a != b] for b, a in pairs]) if pairs else torch.zeros(0)
+    if not changed.numel():
+        return None
+    v = float(changed.abs().max())
+    for b, a in pairs:
+        moved = a != b
+        if not bool(torch.isclose(a[moved].abs(), torch.full_like(a[moved], v), rtol=1e-6).all()) \
+                or not bool((torch.sign(a[moved]) == torch.sign(b[moved])).all()) \
+                or not bool((b[moved].abs() >= v * (1 - 1e-6)).all()) or not bool((b[~moved].abs() <= v * (1 + 1e-6)).all()):
+            return None
+    return v
+
+
 def judge_clipping(found: Mapping[str, Factor], param_group: Mapping[str, int], norm: float,
-                   asked: Optional[float] = None, before: Sequence[float] = ()) -> Clipping:
+                   asked: Optional[float] = None, before: Sequence[float] = (),
+                   by_value: Optional[float] = None) -> Clipping:
     """One step's clipping judged.
 
     Args:
@@ -134,6 +160,7 @@ def judge_clipping(found: Mapping[str, Factor], param_group: Mapping[str, int], 
         asked: The threshold training asked for (``max_grad_norm``, ``gradient_clip_val``; 0: none asked; None: not
             known).
         before: The thresholds of the run's earlier clipped steps.
+        by_value: The bound of a clipping by value that explains the coordinates (:func:`value_bound`), if one does.
 
     Example:
         >>> f = {"a": Factor(0.5), "b": Factor(0.25)}
@@ -141,6 +168,8 @@ def judge_clipping(found: Mapping[str, Factor], param_group: Mapping[str, int], 
         'groups'
     """
     bent = [n for n, f in found.items() if f.value is not None and f.misfit > SCALING_MISFIT]
+    if bent and by_value is not None:
+        return Clipping(None, by_value)  # clipped by value: every changed coordinate at one bound (clip_grad_value_)
     if bent:
         return Clipping(None, None, (
             f"the .grad the optimizer steps with is not a multiple of .grad at the check for {len(bent)} tensor"
@@ -193,4 +222,4 @@ def _group_words(groups: List[Tuple[float, List[str]]], param_group: Mapping[str
            f"{'; '.join(parts)}: {cause}"
 
 
-__all__ = ["Clipping", "Factor", "factors", "judge_clipping"]
+__all__ = ["Clipping", "Factor", "factors", "judge_clipping", "value_bound"]
