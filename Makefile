@@ -1,7 +1,9 @@
 # One command sets up and runs the demo, one sets up and runs the tests.
 #   make demo    create .venv, install gradwatch (torch pinned, see constraints.txt), run `gradwatch demo`
 #   make test    create .venv, install gradwatch with test extras, run the gates (ruff, mypy, lint-imports: the
-#                layers in pyproject.toml), then the test suite (3 workers; it builds the docs with --strict)
+#                layers in pyproject.toml), install Chromium for the browser test where missing (apt-get, as root;
+#                elsewhere it says why and the test is skipped), then the test suite (3 workers; it builds the docs
+#                with --strict)
 #   make docs    build the documentation site (mkdocs.yml, docs/) into site/, warnings as errors
 PYTHON ?= python3
 # mkdocs-material prints a banner about MkDocs 2 at every build; the build itself is what we read.
@@ -45,6 +47,7 @@ test: $(STAMP) $(DS_OPS)
 	$(VENV)/bin/ruff check .
 	$(PY) -m mypy gradwatch
 	$(VENV)/bin/lint-imports
+	$(PY) tests/browser.py install
 	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile $(ARGS)
 
 bench: $(STAMP)

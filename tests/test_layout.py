@@ -46,6 +46,7 @@ def test_make_test_runs_the_gates_before_the_tests():
     recipe = (ROOT / "Makefile").read_text().split("\ntest:", 1)[1].split("\n\n", 1)[0]
     lines = [line.strip() for line in recipe.splitlines()[1:]]
     assert [i for i, line in enumerate(lines) if "ruff check" in line] == [0], recipe
-    assert "mypy gradwatch" in lines[1] and "lint-imports" in lines[2] and "pytest" in lines[3], recipe
+    assert "mypy gradwatch" in lines[1] and "lint-imports" in lines[2] and "pytest" in lines[4], recipe
+    assert lines[3] == "$(PY) tests/browser.py install", recipe  # Chromium for the browser test, where missing
     hooks = (ROOT / ".pre-commit-config.yaml").read_text()
     assert "ruff" in hooks and "mypy" in hooks

@@ -110,9 +110,14 @@ def test_scalars_from_check_tags_and_values():
         "gradwatch/rel_diff/fc.bias", "gradwatch/max_rel_error/fc.bias", "gradwatch/judged_rel_diff/fc.bias",
         "gradwatch/summary/rel_diff_median", "gradwatch/summary/rel_diff_p95", "gradwatch/summary/rel_diff_max",
         "gradwatch/overhead/seconds", "gradwatch/overhead/fraction",
+        "gradwatch/log10_judged_rel_diff/fc.weight", "gradwatch/log10_judged_rel_diff/fc.bias",
     }
     assert set(scalars) == expected  # bias has no directional value: skipped
     assert scalars["gradwatch/rel_diff/fc.bias"] == 0.4
+    for name in ("fc.weight", "fc.bias"):  # log10 of the judged value, a judged 0 at the floor
+        judged = rec["tensors"][name]["judged_rel_diff"]
+        want = -16.0 if judged == 0 else math.log10(judged)
+        assert scalars[f"gradwatch/log10_judged_rel_diff/{name}"] == pytest.approx(want)
     assert scalars["gradwatch/overhead/fraction"] == 0.03
     assert all(isinstance(v, float) and math.isfinite(v) for v in scalars.values())
 
@@ -158,8 +163,10 @@ def test_custom_scalars_layout():
     assert list(layout) == ["gradwatch"]
     charts = layout["gradwatch"]
     regexes = {r for kind, tags in charts.values() for r in tags if kind == "Multiline"}
-    assert len(regexes) == len(charts) == 9
-    for tag in ("gradwatch/rel_diff/fc.weight", "gradwatch/directional_rel_diff/fc.weight",
+    assert len(charts) == 11 and len(regexes) == 12  # the two log10 charts share the band edges
+    for tag in ("gradwatch/log10_judged_rel_diff/fc.weight", "gradwatch/training/log10_judged_rel_diff/fc.weight",
+                "gradwatch/bands/log10_excellent",
+                "gradwatch/rel_diff/fc.weight", "gradwatch/directional_rel_diff/fc.weight",
                 "gradwatch/max_rel_error/fc.weight", "gradwatch/judged_rel_diff/fc.weight",
                 "gradwatch/training/rel_diff/fc.weight", "gradwatch/training/judged_rel_diff/fc.weight",
                 "gradwatch/summary/rel_diff_p95", "gradwatch/overhead/seconds", "gradwatch/alerts/count"):

@@ -1,7 +1,7 @@
 """A real TensorBoard server, started on a demo run, serves gradwatch's scalars and alert text as recorded.
 
 The server runs as a subprocess on 127.0.0.1 with ``--port 0`` (it prints
-the URL it chose on stderr) and is always stopped (terminate, then kill).
+the URL it chose on stderr; tests/browser.py's ``TensorBoardServer``) and is always stopped (terminate, then kill).
 Values are compared with ``checks.jsonl``: equal within float32 precision,
 at the same steps.
 """
@@ -12,9 +12,6 @@ import html
 import json
 import math
 import re
-import subprocess
-import sys
-import threading
 import time
 import urllib.parse
 import urllib.request
@@ -25,12 +22,13 @@ import pytest
 
 pytest.importorskip("tensorboard")
 
+from browser import TensorBoardServer  # noqa: E402
+
 from gradwatch.cli import commands as cli  # noqa: E402
 from gradwatch.io.records import ALERTS_COUNT_TAG, ALERTS_TEXT_TAG, TENSOR_METRICS  # noqa: E402
 from gradwatch.io.sinks import read_jsonl  # noqa: E402
 
 START_TIMEOUT = 60.0
-URL_RE = re.compile(r"(http://127\.0\.0\.1:\d+)/")
 
 
 @pytest.fixture(scope="module")
@@ -39,46 +37,6 @@ def demo_logdir(tmp_path_factory):
     code = cli.main(["demo", "--steps", "40", "--logdir", str(logdir)])  # weights grow at step 20
     assert code == 0
     return logdir
-
-
-class _Server:
-    """``python -m tensorboard.main`` on a free port; ``url`` once it has said where it listens."""
-
-    def __init__(self, logdir: Path) -> None:
-        self.lines: list = []
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1",
-             "--port", "0", "--load_fast=false", "--reload_interval", "1"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    def url(self, deadline: float) -> str:
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                m = URL_RE.search(line)
-                if m:
-                    return m.group(1)
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        pytest.fail("TensorBoard did not report its URL:\n" + "".join(self.lines))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
 
 
 def _get(base: str, path: str, **params):
@@ -117,7 +75,7 @@ def _plain(text: str) -> str:
 def test_tensorboard_serves_gradwatch_scalars_and_alerts(demo_logdir):
     scalars, alerts = _expected(demo_logdir)
     assert alerts, "the late-bug demo should have raised alerts"
-    server = _Server(demo_logdir)
+    server = TensorBoardServer(demo_logdir)
     try:
         deadline = time.monotonic() + START_TIMEOUT
         base = server.url(deadline)

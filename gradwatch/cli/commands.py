@@ -9,7 +9,9 @@ demo); 2 usage errors (bad flags, an invalid config, no run to report);
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import io
 import json
 import logging
 import os
@@ -157,6 +159,8 @@ def _add_report(sub: Any) -> None:
     p.add_argument("--fail-on-alerts", action="store_true",
                    help="exit 1 when a run has any alert, 2 when no check was recorded")
     p.add_argument("-v", "--verbose", action="store_true", help="print every alert's full message (default: the first one)")
+    p.add_argument("--html", metavar="FILE", default=None,
+                   help="also write a self-contained HTML page: the summary, each part's verdict map, the alerts")
     p.set_defaults(func=cmd_report)
 
 
@@ -318,8 +322,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     if not runs:
         return _fail("report", f"{places}: nothing readable (empty, or no gradwatch record in it)")
     docs = []
+    pages = []
     for i, data in enumerate(runs):
         rows = summary.summarize(data)
+        if args.html:
+            text = io.StringIO()
+            with contextlib.redirect_stdout(text):
+                _print_report(data, rows, verbose=True)
+            pages.append((data, text.getvalue()))
         if args.format == "json":
             docs.append({"run_id": data.run_id, **summary.to_json(data, rows)})
             continue
@@ -329,6 +339,14 @@ def cmd_report(args: argparse.Namespace) -> int:
         _print_report(data, rows, verbose=args.verbose)
     if args.format == "json":
         print(json.dumps(docs[0] if len(docs) == 1 else {"runs": docs}, indent=2, allow_nan=False))
+    if args.html:
+        from gradwatch.io.html_report import html_page
+
+        try:
+            Path(args.html).write_text(html_page(pages, title=f"gradwatch report: {places}"), encoding="utf-8")
+        except OSError as err:
+            return _fail("report", f"--html: cannot write {args.html}: {err.strerror or err}")
+        print(f"gradwatch report: wrote {args.html}", file=sys.stderr)
     if args.fail_on_alerts:
         if any(data.alerts for data in runs):
             return EXIT_ALERTS

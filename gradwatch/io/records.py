@@ -46,6 +46,14 @@ TRAINING_FIELDS = ("rel_diff", "max_rel_error", "judged_rel_diff", "verdict", "t
 #: Training metrics written to TensorBoard as ``gradwatch/training/<metric>/<param>``.
 TRAINING_METRICS = ("rel_diff", "judged_rel_diff")
 
+#: ``log10`` of a judged rel_diff of 0 ("agrees as well as finite differences can tell"), and the least one charted.
+LOG10_FLOOR = -16.0
+#: Per-tensor ``log10(judged_rel_diff)``: ``gradwatch/log10_judged_rel_diff/<param>`` (backward) and
+#: ``gradwatch/training/log10_judged_rel_diff/<param>``; every band reads on one linear axis.
+LOG10_METRIC = "log10_judged_rel_diff"
+#: The bands' edges as log10, one scalar each at every check, drawn beside the log10 charts.
+BAND_TAGS = ("gradwatch/bands/log10_excellent", "gradwatch/bands/log10_acceptable", "gradwatch/bands/log10_suspicious")
+
 ALERT_FIELDS = ("step", "tensor", "kind", "severity", "value", "baseline", "message", "part")
 
 ALERTS_COUNT_TAG = "gradwatch/alerts/count"
@@ -229,6 +237,7 @@ def scalars_from_check(record: Mapping[str, Any]) -> List[Tuple[str, float]]:
     Tags: ``gradwatch/{rel_diff,directional_rel_diff,max_rel_error,judged_rel_diff}/<param>`` (the backward
     part), ``gradwatch/training/{rel_diff,judged_rel_diff}/<param>`` (the training part),
     ``gradwatch/summary/rel_diff_{median,p95,max}``, ``gradwatch/summary/training_rel_diff_max``,
+    ``gradwatch/{,training/}log10_judged_rel_diff/<param>`` (:func:`log10_judged`),
     ``gradwatch/overhead/{seconds,fraction}``, ``gradwatch/coverage/{backward,training}`` (the mean share of
     the watched tensors' rows each part has probed in the run), ``gradwatch/coverage/cycle_length`` (K) and
     ``gradwatch/coverage/steps_to_full`` (K checks in training steps).
@@ -242,7 +251,7 @@ def scalars_from_check(record: Mapping[str, Any]) -> List[Tuple[str, float]]:
         ...        "summary": {"rel_diff_max": 1e-9}, "seconds": 0.5}
         >>> scalars_from_check(rec)
         [('gradwatch/rel_diff/w', 1e-09), ('gradwatch/judged_rel_diff/w', 1e-09), \
-('gradwatch/summary/rel_diff_max', 1e-09), ('gradwatch/overhead/seconds', 0.5)]
+('gradwatch/log10_judged_rel_diff/w', -9.0), ('gradwatch/summary/rel_diff_max', 1e-09), ('gradwatch/overhead/seconds', 0.5)]
     """
     out: List[Tuple[str, float]] = []
 
@@ -255,6 +264,7 @@ def scalars_from_check(record: Mapping[str, Any]) -> List[Tuple[str, float]]:
             if not unjudged(t):
                 for metric in metrics:
                     add(f"{prefix}/{metric}/{name}", t.get(metric))
+                add(f"{prefix}/{LOG10_METRIC}/{name}", log10_judged(t.get("judged_rel_diff")))
     summary = record.get("summary") or {}
     for key in ("rel_diff_median", "rel_diff_p95", "rel_diff_max", "training_rel_diff_max"):
         add(f"gradwatch/summary/{key}", summary.get(key))
@@ -265,6 +275,28 @@ def scalars_from_check(record: Mapping[str, Any]) -> List[Tuple[str, float]]:
     add("gradwatch/coverage/cycle_length", record.get("cycle_length"))
     add("gradwatch/coverage/steps_to_full", record.get("steps_to_full"))
     return out
+
+
+def log10_judged(value: Any) -> Optional[float]:
+    """``log10`` of a judged rel_diff, :data:`LOG10_FLOOR` for 0 (and below it); None when it is not a number.
+
+    Example:
+        >>> log10_judged(1e-9), log10_judged(0.0), log10_judged(None), log10_judged("nan")
+        (-9.0, -16.0, None, None)
+    """
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        return None
+    return LOG10_FLOOR if value == 0 else max(round(math.log10(value), 12), LOG10_FLOOR)
+
+
+def band_scalars(bands: Iterable[float]) -> List[Tuple[str, float]]:
+    """The bands' edges as log10 scalars (:data:`BAND_TAGS`), the reference lines of the log10 charts.
+
+    Example:
+        >>> band_scalars((1e-7, 1e-4, 1e-2))[0]
+        ('gradwatch/bands/log10_excellent', -7.0)
+    """
+    return [(tag, round(math.log10(float(b)), 12)) for tag, b in zip(BAND_TAGS, bands)]
 
 
 def coverage_means(coverage: Any) -> Dict[str, float]:
@@ -288,16 +320,24 @@ def custom_scalars_layout(param_names: Iterable[str] = ()) -> Dict[str, Dict[str
 
     Charts are ``Multiline`` over tag regexes (``gradwatch/rel_diff/.*``, ...), so a
     tensor first checked late in the run (rotating subsets) still shows up;
-    ``param_names`` is accepted for callers that know them but is not needed.
+    ``param_names`` is accepted for callers that know them but is not needed. The first two charts are
+    ``log10(judged rel_diff)`` of each part with the bands' edges beside them: every band on one linear axis
+    (a judged 0 at :data:`LOG10_FLOOR`).
 
     Example:
         >>> layout = custom_scalars_layout(["w"])
         >>> layout["gradwatch"]["rel_diff per tensor"]
         ['Multiline', ['gradwatch/rel_diff/.*']]
+        >>> list(layout["gradwatch"])[0]
+        'log10 judged rel_diff per tensor and the band edges (backward; 0 at -16)'
     """
     del param_names  # regexes cover every tensor, including ones not seen yet
     return {
         "gradwatch": {
+            f"log10 judged rel_diff per tensor and the band edges (backward; 0 at {LOG10_FLOOR:g})":
+                ["Multiline", [f"gradwatch/{LOG10_METRIC}/.*", "gradwatch/bands/.*"]],
+            f"log10 judged rel_diff per tensor and the band edges (training; 0 at {LOG10_FLOOR:g})":
+                ["Multiline", [f"gradwatch/training/{LOG10_METRIC}/.*", "gradwatch/bands/.*"]],
             "rel_diff per tensor": ["Multiline", ["gradwatch/rel_diff/.*"]],
             "directional rel_diff per tensor": ["Multiline", ["gradwatch/directional_rel_diff/.*"]],
             "max_rel_error per tensor": ["Multiline", ["gradwatch/max_rel_error/.*"]],

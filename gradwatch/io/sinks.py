@@ -15,22 +15,27 @@ import threading
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+from gradwatch.bands import DEFAULT_BANDS
 from gradwatch.errors import GradWatchError
 from gradwatch.io import not_judged
 from gradwatch.io.records import (
     ALERTS_COUNT_TAG,
     ALERTS_TEXT_TAG,
     alert_record,
+    band_scalars,
     custom_scalars_layout,
     scalars_from_check,
     to_jsonable,
 )
+from gradwatch.io.verdict_map import PARTS, MapHistory, map_png
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 JSONL_NAME = "checks.jsonl"
 #: TensorBoard text tag holding ``run_id <id>`` (written when a run starts or resumes).
 RUN_TEXT_TAG = "gradwatch/run"
+#: TensorBoard image tag of each part's verdict map (:mod:`gradwatch.io.verdict_map`): ``gradwatch/verdict_map/backward``.
+MAP_IMAGE_TAG = "gradwatch/verdict_map"
 
 _log = logging.getLogger("gradwatch")
 
@@ -194,7 +199,11 @@ def _release_writer(key: str) -> None:
 
 
 class TensorBoardSink(Sink):
-    """Writes check scalars, alert texts and one custom-scalars layout through one SummaryWriter.
+    """Writes check scalars, alert texts, one custom-scalars layout and the verdict maps through one SummaryWriter.
+
+    At each check, one image per part that judged anything so far (``gradwatch/verdict_map/<part>``): the run's
+    tensors by its checks, drawn from the history this sink keeps, after the check's alerts have come (the
+    alert count says how many) so that they are marked.
 
     Args:
         log_dir: Run directory; a ``SummaryWriter`` is created there and owned (closed by
@@ -223,8 +232,14 @@ class TensorBoardSink(Sink):
             self.owns_writer = True
         self._layout_written = False
         self._closed = False
+        self._maps = MapHistory()
+        self._bands: Tuple[float, ...] = DEFAULT_BANDS
+        self._pending: Optional[List[Any]] = None  # [step, walltime, alerts still to come] of the check not drawn
 
     def write_run(self, record: Mapping[str, Any]) -> None:
+        bands = (record.get("options") or {}).get("bands")
+        if isinstance(bands, (list, tuple)) and len(bands) == 3:
+            self._bands = tuple(float(b) for b in bands)
         if record.get("run_id"):  # lets `gradwatch report` tell runs apart in event files too
             step = record.get("resumed_at_step")
             self.writer.add_text(RUN_TEXT_TAG, f"run_id {record['run_id']}", global_step=int(step or 0),
@@ -241,13 +256,30 @@ class TensorBoardSink(Sink):
         if not self._layout_written:
             self.writer.add_custom_scalars(custom_scalars_layout(record.get("tensors") or {}))
             self._layout_written = True
-        for tag, value in scalars_from_check(record):
+        for tag, value in scalars_from_check(record) + band_scalars(self._bands):
             self.writer.add_scalar(tag, value, global_step=step, walltime=walltime)
         self.writer.add_scalar(ALERTS_COUNT_TAG, float(alert_count), global_step=step, walltime=walltime)
         items = not_judged.of_check(record)
         if items:  # what the check did not judge, and why (its metrics were left out above)
             self.writer.add_text(not_judged.TEXT_TAG, not_judged.to_text(items), global_step=step, walltime=walltime)
+        self._draw_maps()  # a check whose alerts never came is drawn as it was
+        self._maps.add_check(record)
+        self._pending = [step, walltime, int(alert_count)]
+        if alert_count <= 0:
+            self._draw_maps()
         self.writer.flush()
+
+    def _draw_maps(self) -> None:
+        """Write the pending check's verdict maps, one image per part that has tensors."""
+        if self._pending is None:
+            return
+        step, walltime, _ = self._pending
+        self._pending = None
+        for part in PARTS:
+            grid = self._maps.grid(part)
+            if grid.names:
+                png, height, width = map_png(grid, self._bands)
+                write_png(self.writer, f"{MAP_IMAGE_TAG}/{part}", png, height, width, step, walltime)
 
     def write_alert(self, record: Mapping[str, Any]) -> None:
         text = (
@@ -258,12 +290,18 @@ class TensorBoardSink(Sink):
         self.writer.add_text(
             ALERTS_TEXT_TAG, text, global_step=None if step is None else int(step), walltime=record.get("time")
         )
+        self._maps.add_alert(record)
+        if self._pending is not None:
+            self._pending[2] -= 1
+            if self._pending[2] <= 0:
+                self._draw_maps()
         self.writer.flush()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self._draw_maps()
         if self.owns_writer and self._key is not None:
             _release_writer(self._key)
         else:
@@ -271,6 +309,34 @@ class TensorBoardSink(Sink):
 
     def __repr__(self) -> str:
         return f"TensorBoardSink({self.log_dir!r})"
+
+
+def write_png(writer: Any, tag: str, png: bytes, height: int, width: int, step: int, walltime: Optional[float]) -> None:
+    """Write an encoded PNG as a TensorBoard image summary (no imaging library needed); a writer without torch's
+    ``_get_file_writer`` gets the pixels through its ``add_image`` instead.
+
+    Example:
+        >>> import tempfile
+        >>> from torch.utils.tensorboard import SummaryWriter
+        >>> from gradwatch.io.verdict_map import grid_from_history, map_png
+        >>> png, h, w = map_png(grid_from_history({"w": [{"step": 0, "verdict": "excellent"}]}, [0], []))
+        >>> writer = SummaryWriter(tempfile.mkdtemp())
+        >>> write_png(writer, "gradwatch/verdict_map/backward", png, h, w, 0, None)
+        >>> writer.close()
+    """
+    if not hasattr(writer, "_get_file_writer"):
+        import io
+
+        import numpy as np
+        from PIL import Image  # what tensorboardX and torch's add_image need anyway
+
+        writer.add_image(tag, np.asarray(Image.open(io.BytesIO(png)).convert("RGB")), global_step=step,
+                         walltime=walltime, dataformats="HWC")
+        return
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=png)
+    writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step, walltime)
 
 
 class LoggingSink(Sink):
