@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from gradwatch.check.modules.stubs import LiveReads, ModelStub, Stub
+from gradwatch.check.objective.shadow import drop_autocast_forward
 from gradwatch.trees import tensor_leaves
 
 #: Per-module hook dictionaries a shallow copy gets fresh (the check runs no hook of the live module).
@@ -64,6 +65,7 @@ def fresh_shallow(module: nn.Module) -> nn.Module:
     for key, value in module.__dict__.items():  # a method patched onto the instance (a forward) runs on the copy
         if isinstance(value, types.MethodType) and value.__self__ is module:
             new.__dict__[key] = types.MethodType(value.__func__, new)
+    drop_autocast_forward(new)  # accelerate's autocast around the forward: a float64 copy computes without it
     return new
 
 
