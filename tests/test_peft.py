@@ -104,7 +104,7 @@ def test_a_wrong_backward_in_the_frozen_base_is_named_on_the_adapters_upstream(t
     callback = GradWatchCallback(every=1, coords=4, directions=2, tensorboard=False, independence=None)
     model = train(tmp_path, lora_llama(buggy=True), [callback], max_steps=2).model
     alerts = [a for a in callback.watch.alerts if a.kind == "threshold"]
-    named = {a.tensor for a in alerts if a.part == "backward"}
+    named = {n for a in alerts if a.part == "backward" for n in a.names}  # one cause's alert names several (issue 73)
     attention = {n for n in trainable(model) if ".self_attn." in n}
     assert len(attention) == 4 and attention <= named, [a.message for a in alerts]
     assert not any(".up_proj." in n for n in named)

@@ -43,7 +43,7 @@ TOP_KEYS = {
     "type", "step", "time", "seconds", "overhead_fraction", "evaluations", "objective", "terms", "dtype",
     "seed", "ok", "nondeterministic", "nonfinite", "kinks", "notes", "tensors", "summary", "coverage",
     "training", "training_note", "training_items", "training_window", "form", "memory", "check_counts", "cycle_length",
-    "steps_to_full", "pieces", "independence",
+    "steps_to_full", "pieces", "independence", "causes",
 }
 TENSOR_KEYS = {
     "rel_diff", "directional_rel_diff", "max_rel_error", "judged_rel_diff", "verdict", "kinks",

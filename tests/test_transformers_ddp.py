@@ -90,7 +90,8 @@ WORKER = textwrap.dedent(
             "ddp": type(trainer.model_wrapped).__name__,
             "checks": watch._checks,
             "training_verdicts": sum(v["training"] > 0 for v in watch.coverage.values()),
-            "alerts": [(a.kind, a.tensor, str(a.message)[:1200]) for a in watch.alerts],
+            # each tensor an alert names (one cause's alert names several: issue 73)
+            "alerts": [(a.kind, n, str(a.message)[:1200]) for a in watch.alerts for n in a.names],
         }
     with open(os.path.join(out, f"rank{os.environ['RANK']}.json"), "w") as f:
         json.dump(results, f)

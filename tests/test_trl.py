@@ -92,7 +92,7 @@ def test_sft_trainer_at_its_defaults_both_verdicts_on_every_tensor_and_no_alert(
 def test_sft_trainer_a_planted_wrong_backward_is_named(tmp_path):
     callback = GradWatchCallback(every=1, tensorboard=False, independence=None)
     trainer, _ = sft(tmp_path, callback, tiny_llama(buggy=True), max_steps=1)
-    named = {a.tensor for a in callback.watch.alerts if a.kind == "threshold" and a.part == "backward"}
+    named = {n for a in callback.watch.alerts if a.kind == "threshold" and a.part == "backward" for n in a.names}
     assert "model.layers.0.mlp.gate_proj.weight" in named, [a.message for a in callback.watch.alerts]
     assert not [a for a in callback.watch.alerts if a.part == "training"]  # .grad is what the buggy backward gives
 
@@ -165,5 +165,5 @@ def test_grpo_trainer_its_on_policy_surrogate_is_checked_at_the_checks_point(tmp
     assert {n: t["verdict"] for n, t in c["training"].items() if t["verdict"] not in ("excellent", "acceptable")} == {}
     buggy = GradWatchCallback(every=1, coords=2, directions=1, tensorboard=False, independence=None)
     grpo(tmp_path / "buggy", buggy, tiny_llama(buggy=True), max_steps=1)
-    named = {a.tensor for a in buggy.watch.alerts if a.kind == "threshold" and a.part == "backward"}
+    named = {n for a in buggy.watch.alerts if a.kind == "threshold" and a.part == "backward" for n in a.names}
     assert "model.layers.0.mlp.gate_proj.weight" in named, [a.message for a in buggy.watch.alerts]

@@ -152,9 +152,22 @@ def unchecked_from_alerts(alerts: Sequence[Mapping[str, Any]]) -> Unchecked:
     return tally
 
 
-def plan_counts(tally: Unchecked, planned: Mapping[str, int]) -> None:
+def plan_counts(tally: Unchecked, planned: Mapping[str, int], alerts: Sequence[Mapping[str, Any]] = ()) -> None:
     """Give each unit of the module form the checks that planned it (``planned``: unit -> checks whose ``pieces``
-    held it; the root model's unit is ``""``), at least those that said it was not checked."""
+    held it; the root model's unit is ``""``), at least those that said it was not checked; and add what only a
+    ``not_checked`` alert of ``alerts`` says (a part that gave no verdict at several checks in a row: each check's
+    record says why, not that it was not checked).
+
+    Example:
+        >>> msg = ("step 2: the training verdict not checked (training part): never given at 3 checks in a row: "
+        ...        "why — check it instead: how. Said once for the run")
+        >>> tally: Unchecked = {}
+        >>> plan_counts(tally, {}, [{"kind": "not_checked", "tensor": "*", "message": msg}])
+        >>> unchecked_lines(tally, 3)
+        ['not checked: the training verdict, from step 2: never given at 3 checks in a row: why — check it instead: how']
+    """
+    for key, entry in unchecked_from_alerts(alerts).items():
+        tally.setdefault(key, entry)
     for entry in tally.values():
         if entry["part"] == "backward" and entry.get("checks") is not None:
             unit = "" if entry["what"] == "<model>" else entry["what"]

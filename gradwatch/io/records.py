@@ -90,7 +90,8 @@ def check_record(
         "notes", "tensors": {name: {...TENSOR_FIELDS}} (the backward part), "training": {name:
         {...TRAINING_FIELDS}} (the training part), "training_note", "training_items" (the step's objective of a
         cut step: what is counted and each rank's micro-batch counts), "training_window" (a partial accumulation
-        window: its micro-batches, the window each was divided by, the scale), "summary": {"rel_diff_median",
+        window: its micro-batches, the window each was divided by, the scale), "causes" (each cause that explained several
+        failing tensors: its alert's, or an update of it, :mod:`gradwatch.watch.causes`), "summary": {"rel_diff_median",
         "rel_diff_p95", "rel_diff_max", "training_rel_diff_max"}, "coverage": {...}, "check_counts": {...},
         "cycle_length", "steps_to_full", "pieces"}`` (``pieces``: the module form's units and row slices checked).
 
@@ -161,6 +162,7 @@ def check_record(
         "training_note": report.training_note,
         "training_items": to_jsonable(report.training_items),
         "training_window": to_jsonable(report.training_window),
+        "causes": to_jsonable(report.causes),
         "summary": summary,
         "coverage": {str(k): to_jsonable(v) for k, v in (coverage or {}).items()},
         "check_counts": {str(k): int(v) for k, v in (check_counts or {}).items()},

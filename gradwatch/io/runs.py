@@ -170,7 +170,7 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
             opt_bands = (rec.get("options") or {}).get("bands")
             if isinstance(opt_bands, (list, tuple)) and len(opt_bands) == 3 and all(_num(b) for b in opt_bands):
                 bands = tuple(float(b) for b in opt_bands)  # type: ignore[assignment]
-    not_judged.plan_counts(never, planned)
+    not_judged.plan_counts(never, planned, alerts)
     return RunData(history, alerts, details, "jsonl", path, notes, bands, steps, training, run_id, forms, coverage, cycle,
                    list(unchecked.values()), independence, unjudged, never, steps_to_full=full)
 
@@ -535,9 +535,9 @@ def summarize(data: RunData, part: str = "backward") -> List[Dict[str, Any]]:
         (1e-09, 0.1, 'wrong', 'wrong')
     """
     counts: Dict[str, int] = {}
-    for a in data.alerts:
-        if a.get("part", "backward") == part:
-            counts[str(a.get("tensor"))] = counts.get(str(a.get("tensor")), 0) + 1
+    for a in (a for a in data.alerts if a.get("part", "backward") == part):  # one cause's alert: each tensor's too
+        for name in dict.fromkeys([str(a.get("tensor")), *map(str, a.get("tensors") or ())]):
+            counts[name] = counts.get(name, 0) + 1
     rows = []
     for name, entries in (data.training if part == "training" else data.history).items():
         judged = [e for e in entries if e.get("verdict") is not None]

@@ -27,7 +27,7 @@ from gradwatch.check.modules import module_form
 from gradwatch.check.modules.activations import Saved
 from gradwatch.check.modules.batch_cut import batch_dims, forward_transient, positions, sub_batch
 from gradwatch.check.modules.capture import Forward, capture
-from gradwatch.check.modules.localize import name_straight_through
+from gradwatch.check.modules.localize import name_shared_module, name_straight_through
 from gradwatch.plan.memory import SAFETY, gradient_bytes, mb, objective_activations, objective_bytes, objective_samples, release_freed
 from gradwatch.watch.check_plan import CheckPlanner
 from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
@@ -54,6 +54,7 @@ class BackwardPart(TrendAlerting):
         #: Checks each report entry has been in (tensors, and ``"<module>:double_backward"`` entries).
         self.counts: Dict[str, int] = {}
         self._straight_through_named = False  # an undeclared straight-through's module is looked for once
+        self._module_named = False  # likewise the module several failing tensors share (one alert names it)
         #: What each unit's pieces took at its last check (:attr:`CheckReport.piece_seconds`): shard by shard, the
         #: ranks share the whole pieces out by it (from the merged report: the same on every rank).
         self.piece_seconds: Dict[str, Tuple[float, int]] = {}
@@ -112,6 +113,8 @@ class BackwardPart(TrendAlerting):
             model_check.judge_unseen_on_modules(report, target, ctx.objective, batch, opts, screen=True)
         if not self._straight_through_named:
             self._straight_through_named = name_straight_through(report, target, ctx.objective.loss, batch, opts)
+        if not self._module_named and alone and ctx.dist is None and not ctx.sharded:
+            self._module_named = name_shared_module(report, target, ctx.objective.loss, batch, opts)
         return report
 
     def _fitting(self, check: CheckContext, saved: Optional[Saved]) -> Tuple[Any, Optional[str]]:

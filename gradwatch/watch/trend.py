@@ -9,9 +9,10 @@ continues its trends and its alert deduplication exactly.
 from __future__ import annotations
 
 import math
+import re
 import statistics
-from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from gradwatch.bands import DEFAULT_BANDS, Verdict
 from gradwatch.check.judging.report import (
@@ -25,6 +26,7 @@ from gradwatch.check.judging.report import (
 )
 from gradwatch.errors import ConfigError, error_key
 from gradwatch.options import trend_options
+from gradwatch.watch.causes import Causes, message
 
 #: Alert kinds, in the order they are reported within one check.
 ALERT_KINDS = ("threshold", "drift", "nonfinite", "nondeterministic", "not_checked", "error")
@@ -34,6 +36,11 @@ WHOLE_CHECK = "*"
 PARTS = ("backward", "training")
 _STATE_VERSION = 1
 _ZERO_BASELINE = 1e-12
+#: Why a tensor got no verdict where another alert says it, or where it is by design (an expert no token reached).
+_SAID_ELSEWHERE = (InconclusiveKind.NONFINITE, InconclusiveKind.NONDETERMINISTIC, InconclusiveKind.NOT_REACHED)
+#: Checks in a row in which a part gave no tensor a verdict before its one ``not_checked`` alert (a cycle of K checks,
+#: whichever comes first: a cycle is at least this long where the watch cuts its work).
+NEVER_GIVEN = 3
 
 
 @dataclass
@@ -63,6 +70,10 @@ class Alert:
         part: Which verdict raised it: ``"backward"`` (the backward formulas against finite
             differences), ``"training"`` (the live ``.grad`` against the objective's gradient),
             ``"independence"``, or for a ``not_checked`` alert also ``"inner"`` (a module's double backward).
+        count: The tensors it is about: 1, or for one cause of many failing tensors (:mod:`gradwatch.watch.causes`:
+            its ``tensor`` is then the module named, or ``"*"``) how many it explains at its check (later checks that
+            find the cause again say theirs, and its last step, in their records' ``causes``: :attr:`TrendTracker.causes`).
+        tensors: The names of those tensors (one cause's; empty for an alert about one tensor or none).
 
     Example:
         >>> a = Alert(step=3, tensor="w", kind="drift", severity="warning", value=1e-5,
@@ -79,12 +90,28 @@ class Alert:
     baseline: Optional[float]
     message: str
     part: str = "backward"
+    count: int = 1
+    tensors: List[str] = field(default_factory=list)
+
+    @property
+    def names(self) -> List[str]:
+        """The tensors it is about: one cause's :attr:`tensors`, else ``[tensor]``.
+
+        Example:
+            >>> Alert(0, "fc", "threshold", "error", 0.3, None, "m", count=2, tensors=["fc.weight", "w"]).names
+            ['fc.weight', 'w']
+        """
+        return list(self.tensors) or [self.tensor]
 
     def to_dict(self) -> Dict[str, Any]:
-        """JSON-safe dict; non-finite numbers become ``"nan"``, ``"inf"``, ``"-inf"``."""
+        """JSON-safe dict; non-finite numbers become ``"nan"``, ``"inf"``, ``"-inf"``; ``count`` and ``tensors`` only
+        for one cause of several tensors."""
         d = asdict(self)
         d["value"] = json_float(self.value)
         d["baseline"] = json_float(self.baseline)
+        if not self.tensors:
+            for key in ("count", "tensors"):
+                d.pop(key)
         return d
 
 
@@ -125,7 +152,15 @@ class TrendTracker:
     - ``nonfinite``: the objective (tensor ``"*"``) or a tensor's samples are not finite.
     - ``nondeterministic``: the objective gave two values at the same point (``"*"``).
     - ``error``: the check raised (see :meth:`error`).
-    - ``not_checked``: a unit or a part the check could not check (:meth:`not_checked`), once per run.
+    - ``not_checked``: a unit or a part the check could not check (:meth:`not_checked`), once per run; and a part
+      that gave no tensor a verdict at :data:`NEVER_GIVEN` checks in a row, once per run, with why in the user's
+      terms (the training replay's call of the model unlike training's: which arguments differ) and what to do.
+
+    One cause, one alert: where one diagnosis explains several failing tensors of a part at a check (a scale of the
+    whole step, a cut, a count, a term, the same factor; or a module the check named, the tensors upstream of it
+    included), they raise one ``threshold`` alert on the module or ``"*"``, its ``count`` and ``tensors`` saying which;
+    a later check that finds the same cause updates it (its count and last step: :attr:`causes`, ``report.causes`` in
+    the check record) instead of alerting again (:mod:`gradwatch.watch.causes`). Each tensor keeps its own history.
 
     Deduplication: a (tensor, kind) alert is not repeated while the condition
     persists. It is raised again when it gets worse (a higher verdict for
@@ -179,6 +214,8 @@ class TrendTracker:
         self._checks = 0  # whole checks seen (update and error calls): the clock of "*" alerts
         self._not_checked: Set[Tuple[str, ...]] = set()  # the keys of what was said not checked (NotChecked.key)
         self._over_room_once: Set[Tuple[str, ...]] = set()  # over the room at one check so far: said at the second
+        self._causes = Causes()  # one cause of many failing tensors: said once, updated after
+        self._idle: Dict[str, int] = {}  # part -> checks in a row in which it gave no tensor a verdict
 
     # ------------------------------------------------------------------ queries
 
@@ -200,6 +237,17 @@ class TrendTracker:
         if part == "training":
             return self._training_history, self._training_baseline_samples
         return self._history, self._baseline_samples
+
+    @property
+    def causes(self) -> List[Dict[str, Any]]:
+        """Each cause alerted as one for several tensors (:mod:`gradwatch.watch.causes`), as the run stands:
+        ``{"part", "where", "words", "first_step", "last_step", "checks", "count", "tensors"}``.
+
+        Example:
+            >>> TrendTracker().causes
+            []
+        """
+        return [{k: (list(v) if isinstance(v, list) else v) for k, v in e.items()} for e in self._causes.seen.values()]
 
     def baseline(self, tensor: str, part: str = "backward") -> Optional[float]:
         """Median of the tensor's first ``baseline_checks`` finite judged values; None until complete.
@@ -260,6 +308,9 @@ class TrendTracker:
         explained += [t.name for t in report.tensors.values() if t.failed and t.name in known and t.name not in explained]
         if explained:
             alerts.extend(self._straight_through(step, report, modules, explained))
+        report.causes = []
+        explained += self._causes_of(step, report, "backward", report.tensors, explained, alerts)
+        trained = self._causes_of(step, report, "training", report.training, [], alerts)
         for t in report.tensors.values():
             self._record(step, t)
             if t.name not in explained:
@@ -274,8 +325,9 @@ class TrendTracker:
             alerts.extend(self._tensor_nonfinite(step, t, bad))
         for tc in report.training.values():
             self._record(step, tc, "training")
-            alerts.extend(self._threshold(step, tc, "training"))
-            alerts.extend(self._drift(step, tc, "training"))
+            if tc.name not in trained:
+                alerts.extend(self._threshold(step, tc, "training"))
+                alerts.extend(self._drift(step, tc, "training"))
         whole_nonfinite = report.nonfinite and (objective_nonfinite or not tensor_nonfinite)
         if whole_nonfinite:
             alerts.extend(self._fire(WHOLE_CHECK, "nonfinite", step, report.objective, None, self._nonfinite_message(step, report)))
@@ -290,7 +342,84 @@ class TrendTracker:
             alerts.extend(self._fire(WHOLE_CHECK, "nondeterministic", step, report.objective, None, msg))
         else:
             self._alerted.pop((WHOLE_CHECK, "nondeterministic"), None)
-        return alerts + self.not_checked(step, report.not_checked())
+        alerts += self.not_checked(step, report.not_checked())
+        return alerts + self._never_given(step, report)
+
+    def _causes_of(self, step: int, report: CheckReport, part: str, checks: Mapping[str, Any], explained: List[str],
+                   alerts: List[Alert]) -> List[str]:
+        """One alert for each cause that explains several of ``part``'s failing tensors at this check, and an update
+        (no alert) for a cause said before (:mod:`gradwatch.watch.causes`); each found goes in ``report.causes``.
+        Returns the tensors the causes explain (they raise no threshold or drift alert of their own)."""
+        failing = {n: t.diagnosis for n, t in checks.items() if n not in explained and t.verdict is not None
+                   and t.verdict.rank >= Verdict.SUSPICIOUS.rank}
+        if not failing:
+            return []
+        out: List[str] = []
+        for group in self._causes.group(part, failing, self._named_modules(report) if part == "backward" else ()):
+            new = self._causes.note(step, part, group)
+            report.causes.append(self._causes.record(group, new))
+            out += group.names
+            if new:
+                worst = max((checks[n] for n in group.names), key=lambda t: (t.verdict.rank, t.judged_rel_diff))
+                self._alert_counts[group.where] = self._alert_counts.get(group.where, 0) + 1
+                severity = "error" if worst.verdict.rank >= Verdict.WRONG.rank else "warning"
+                msg = message(step, part, group, worst.verdict.value, float(worst.judged_rel_diff))
+                alerts.append(Alert(step, group.where, "threshold", severity, float(worst.judged_rel_diff), None, msg,
+                                    part, len(group.names), list(group.names)))
+        return out
+
+    @staticmethod
+    def _named_modules(report: CheckReport) -> List[Tuple[str, List[str]]]:
+        """The modules a check named, in order, each with its own failing entries: a module form's unit whose input's
+        (or output's) gradient failed, and a failing module of the report's localization."""
+        named: Dict[str, List[str]] = {}
+        for c in report.localized:
+            if getattr(c, "failed", False):  # the root module's own code: "<model>", as a unit of the module form
+                named.setdefault(str(c.name) or "<model>", []).extend(n for n, t in c.tensors.items() if t.failed)
+        for t in report.tensors.values():
+            if t.failed and ":" in t.name and t.name.rsplit(":", 1)[1].split("[")[0] in ("input", "output"):
+                named.setdefault(t.name.rsplit(":", 1)[0], []).append(t.name.rsplit(":", 1)[1])
+        return list(named.items())
+
+    def _never_given(self, step: int, report: CheckReport) -> List[Alert]:
+        """A part that gave no tensor a verdict at :data:`NEVER_GIVEN` checks in a row: one ``not_checked`` alert
+        (a warning) for the run, with the reason in the check's words and what to do; none where that part's
+        ``not_checked`` alert was said already, or where another alert says why (micro-batches not handed to the
+        watch: ``unjudged``; a check before the first backward)."""
+        out: List[Alert] = []
+        note = report.training_note or ""
+        reasons = {
+            "backward": next((t.inconclusive for t in report.tensors.values() if t.inconclusive), None)
+            if report.tensors and not (report.nondeterministic or report.nonfinite) and all(
+                t.verdict is None and t.inconclusive_kind not in _SAID_ELSEWHERE for t in report.tensors.values())
+            else None,
+            "training": note if note and not any(t.verdict is not None for t in report.training.values())
+            and "a .grad yet" not in note and not note.startswith("skipped: accumulating") else None,
+        }
+        for part, why in reasons.items():
+            if why is None:
+                self._idle.pop(part, None)
+                continue
+            self._idle[part] = self._idle.get(part, 0) + 1
+            said = any(k[0] == part and k[1] == WHOLE_CHECK for k in self._not_checked)
+            if self._idle[part] < NEVER_GIVEN or said:
+                continue
+            self._not_checked.add((part, WHOLE_CHECK, "never given"))
+            self._alert_counts[WHOLE_CHECK] = self._alert_counts.get(WHOLE_CHECK, 0) + 1
+            call = re.search(r"(your loss_fn calls the model with .*?, training called it without"
+                             r"|training called the model with .*?, your loss_fn calls it without)(; training called"
+                             r" the model with .*?, your loss_fn calls it without)?", why)
+            what = "the training verdict" if part == "training" else "the backward verdict"
+            why = re.sub(r"^not judged: ", "", why.strip().rstrip("."))
+            how = ("pass loss_fn the call training makes" if call else
+                   "loss_fn(model, batch) must compute what training computes on the watched batch; each check "
+                   "record's training_note says what the replay needs" if part == "training" else
+                   "each check record's tensors say why (inconclusive); a larger coords= or dtype=torch.float64")
+            msg = (f"step {step}: {what} not checked ({part} part): never given at {self._idle[part]} checks in a row: "
+                   f"{call.group(0) if call else why} — check it instead: {how}. Said once for the run (each check "
+                   "record repeats why); not a failed verdict")
+            out.append(Alert(step, WHOLE_CHECK, "not_checked", "warning", math.nan, None, msg, part))
+        return out
 
     def not_checked(self, step: int, items: Sequence[NotChecked]) -> List[Alert]:
         """One ``not_checked`` alert (a warning) for each unit or part the check could not check, the first time in
@@ -391,6 +520,8 @@ class TrendTracker:
             "alert_counts": dict(self._alert_counts),
             "not_checked": [list(k) for k in sorted(self._not_checked)],
             "over_room_once": [list(k) for k in sorted(self._over_room_once)],
+            "causes": self._causes.state_dict(),
+            "idle": dict(self._idle),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -434,6 +565,8 @@ class TrendTracker:
         self._alert_counts = {name: int(n) for name, n in state["alert_counts"].items()}
         self._not_checked = {tuple(str(x) for x in k) for k in state.get("not_checked", [])}  # absent in older states
         self._over_room_once = {tuple(str(x) for x in k) for k in state.get("over_room_once", [])}  # likewise
+        self._causes.load_state_dict(state.get("causes", []))  # likewise
+        self._idle = {str(k): int(v) for k, v in state.get("idle", {}).items()}
 
     # ------------------------------------------------------------------ internals
 

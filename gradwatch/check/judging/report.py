@@ -227,6 +227,9 @@ class CheckReport:
             "scale": training's gradient over the step objective's}`` (every micro-batch divided by ``K`` where the step
             has ``n < K``; the training verdicts are then judged against the objective's gradient times ``n / K``,
             :mod:`gradwatch.check.replay.window`); None otherwise.
+        causes: Filled by a watch's trends: each cause that explained several failing tensors of a part at this
+            check, new or said before (:meth:`gradwatch.watch.causes.Causes.record`: its tensors here, its count and
+            last step in the run).
         independence: The independence part's :class:`gradwatch.check.independence.check.IndependenceReport` (a watch
             with ``independence=``), or None.
         surrogates: Modules whose gradient is a surrogate by design (``surrogates=``, torch's fake quantizers):
@@ -271,6 +274,7 @@ class CheckReport:
     surrogates: List[str] = field(default_factory=list)
     training_items: Optional[Dict[str, Any]] = None
     training_window: Optional[Dict[str, Any]] = None
+    causes: List[Dict[str, Any]] = field(default_factory=list)
 
     def spent(self, unit: str, seconds: float, rows: int) -> None:
         """Add ``seconds`` of checking ``unit``'s pieces, and the ``rows`` they covered, to :attr:`piece_seconds`."""

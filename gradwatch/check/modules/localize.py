@@ -604,3 +604,34 @@ def name_straight_through(report: Any, model: nn.Module, loss_fn: Any, batch: An
     except Exception as err:  # noqa: BLE001 - naming the module is a courtesy; the check stands without it
         report.notes.append(f"could not name the module of the straight-through: {type(err).__name__}: {err}")
     return True
+
+
+def name_shared_module(report: Any, model: nn.Module, loss_fn: Any, batch: Any, opts: Any) -> bool:
+    """Name the module whose backward several failing tensors share, where the objective form named none.
+
+    A wrong backward in one module fails its own tensors and every tensor upstream of it: the objective form sees
+    them all and names no module. Then the report's modules are checked one at a time (:func:`localize`, as
+    ``check_model(..., localize=True)`` does) and the failing ones go to ``report.localized``, where a watch's trends
+    list the upstream tensors under that module's one alert (:mod:`gradwatch.watch.causes`). Not where fewer than two
+    tensors fail, where a module is named already, or where one factor explains every failure (a scale of the whole
+    objective: no module has it). Returns True when it ran (a watch runs it once); what it raised becomes a note.
+
+    Example:
+        >>> from gradwatch.check.judging.report import CheckReport
+        >>> name_shared_module(CheckReport(tensors={}), nn.Linear(2, 1), None, None, None)
+        False
+    """
+    failing = report.failures
+    if len(failing) < 2 or report.localized or any(":" in t.name for t in failing) or suspects(report)[1]:
+        return False
+    if failing[0].ratio is not None and len({t.diagnosis for t in failing}) == 1:
+        return False
+    began = time.perf_counter()
+    try:
+        report.localized = localize(model, loss_fn, batch, enclosing=True, dtype=opts.dtype, seed=opts.seed)
+    except Exception as err:  # noqa: BLE001 - naming the module is a courtesy; the check stands without it
+        report.notes.append(f"could not name the module the failing tensors share: {type(err).__name__}: {err}")
+    spent = time.perf_counter() - began
+    report.seconds += spent
+    report.localize_seconds += spent
+    return True

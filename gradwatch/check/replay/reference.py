@@ -39,6 +39,7 @@ detached, so the reference is the objective's gradient, not a hooked one.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import random
 import sys
 import time
@@ -152,6 +153,48 @@ class ForwardRecord:
     inputs: List[torch.Tensor]
     #: The buffers of the quantization observers the forward updates (their state before it), or None.
     observers: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
+    #: How it was called: its positional arguments' count and its keywords that are tensors (:func:`call_difference`).
+    call: Tuple[int, Tuple[str, ...]] = (0, ())
+
+
+def _keywords(kwargs: Mapping[str, Any]) -> Tuple[str, ...]:
+    """The keywords of a call whose values are tensors (not scalars: as :func:`_tensors` compares them)."""
+    return tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim())
+
+
+def _call_names(module: nn.Module, positional: int, keywords: Sequence[str]) -> List[str]:
+    """The names of a call's arguments: the positional ones by ``module.forward``'s signature, then the keywords."""
+    try:
+        params = [p.name for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    return [params[i] if i < len(params) else f"argument {i + 1}" for i in range(positional)] + list(keywords)
+
+
+def call_difference(module: nn.Module, training: Tuple[int, Tuple[str, ...]], args: tuple,
+                    kwargs: Mapping[str, Any]) -> Optional[str]:
+    """How the replay's call of ``module`` differs from training's, in the user's terms (None where the same arguments
+    are given: their values differ, or nothing does).
+
+    Example:
+        >>> lin = nn.Linear(2, 2)
+        >>> call_difference(lin, (1, ()), (), {"input": torch.ones(2), "labels": torch.ones(2)})
+        'your loss_fn calls the model with labels=..., training called it without'
+        >>> call_difference(lin, (1, ()), (torch.ones(2),), {}) is None
+        True
+    """
+    mine = _call_names(module, len(args), _keywords(kwargs))
+    theirs = _call_names(module, *training)
+    extra, missing = [n for n in mine if n not in theirs], [n for n in theirs if n not in mine]
+    said = []
+    if extra:
+        said.append(f"your loss_fn calls the model with {', '.join(n + '=...' for n in extra)}, training called it "
+                    "without")
+    if missing:
+        said.append(f"training called the model with {', '.join(n + '=...' for n in missing)}, your loss_fn calls "
+                    "it without")
+    return "; ".join(said) or None
 
 
 def observer_buffers(root: nn.Module) -> List[torch.Tensor]:
@@ -298,7 +341,7 @@ class ForwardRecorder:
             self._observers = observer_buffers(self.root)
         observers = [(b, b.detach().clone()) for b in self._observers] if self._observers else None
         self._records.append(ForwardRecord(torch.get_rng_state(), _cuda_states(), autocast_state(), _tensors(args, kwargs),
-                                           observers))
+                                           observers, (len(args), _keywords(kwargs))))
 
     def mark(self, exact: bool = False, full: bool = True) -> None:
         """A micro-batch starts now: forget the forwards seen so far and remember every generator's state.
@@ -391,6 +434,7 @@ class _Probe:
         self.count = 0
         self.faithful = True
         self.private = False  # the replay drew from a generator held by the model or the loss
+        self.differs: Optional[str] = None  # how its first call unlike training's differs (call_difference)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         k = self.count
@@ -401,6 +445,8 @@ class _Probe:
         rec = self.records[k]
         if not same_inputs(rec.inputs, _tensors(args, kwargs)):
             self.faithful = False
+            if self.differs is None:
+                self.differs = call_difference(module, rec.call, args, kwargs)
         for buffer, before in rec.observers or ():  # observers start where training's forward found them
             with torch.no_grad():
                 if buffer.shape != before.shape:  # a per-channel observer sizes its buffers at its first forward
@@ -630,6 +676,7 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
             return Replay(None, None, None, f"training ran more than {MAX_RECORDS} forwards of the model in this step")
         done = None
         tried = []
+        differs: Optional[str] = None
         spent: List[float] = []  # each mode's replay of this micro-batch, in seconds
         modes: Tuple[str, ...] = ("forward", "start") if mb.records else ("start",)
         if lockstep:
@@ -658,6 +705,7 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
                 seconds += took
                 break
             tried.append((mode, probe.count, probe.faithful))
+            differs = differs or probe.differs
         if done is None:
             n_train = len(mb.records)
             if mb.records and all(count and n_train > count and n_train % count == 0 for _, count, _ in tried):
@@ -671,6 +719,9 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
                 if not mb.records:
                     why = ("no forward of the model was seen since the last step and the objective draws random "
                            "numbers; pass loss= to watch.step so the replay can be verified")
+                elif differs is not None:
+                    why = (f"the replay could not reproduce training's forward: {differs} (the model's inputs differ at "
+                           "its forward): pass loss_fn the call training makes")
                 else:
                     why = (f"the replay could not reproduce training's forward (training ran {n_train} forwards; the "
                            f"replays ran {', '.join(str(c) for _, c, _ in tried)}, with other inputs or another RNG "
