@@ -43,6 +43,7 @@ from gradwatch.watch.sharded import live_forward_forbidden
 from gradwatch.watch.step_objective import StepObjective
 from gradwatch.watch.training_part import TrainingPart
 from gradwatch.watch.trend import WHOLE_CHECK, Alert, TrendTracker
+from gradwatch.watch.update_part import Replicas, replica_hashes
 
 logger = logging.getLogger("gradwatch")
 
@@ -102,6 +103,8 @@ class CheckRunner:
         self.running = False
         #: Shard by shard: the replay is tried as the capture's forward (until a replay's forward was not faithful).
         self._fuse = True
+        #: DDP's replicas compared across ranks at each check (:class:`~gradwatch.watch.update_part.Replicas`).
+        self.replicas = Replicas()
 
     @property
     def memory(self) -> MemoryMeter:
@@ -298,7 +301,8 @@ class CheckRunner:
         result = RankResult(rank=coord.rank, report=check.report, seconds=seconds, waited=waited,
                             interval=self.schedule.interval(),
                             training=None if replay is None else (replay.grads is not None, replay.reason),
-                            cut=list(self.step_objective.rows) if replayed else None)
+                            cut=list(self.step_objective.rows) if replayed else None,
+                            replicas=replica_hashes(self.watch.model) if self.watch.wrapping.replicated else None)
         results = coord.gather_check(step, result, error)
         if results is None:  # once: the coordinator is broken and checks no more
             gave_up = Alert(step=int(step), tensor=WHOLE_CHECK, kind="error", severity="error", value=math.nan,
@@ -316,6 +320,7 @@ class CheckRunner:
         if merged.error is not None:
             alert = self.tracker.error(step, merged.error, where=merged.where)
             alerts.extend([alert] if alert is not None else [])
+        alerts.extend(self.replicas.alerts(step, [r.replicas for r in results]))
         return Outcome(merged.report, alerts, merged.seconds, merged=True)
 
 

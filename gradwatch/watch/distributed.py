@@ -108,6 +108,8 @@ class RankResult:
         waited: Of ``seconds``, how long it waited for the other ranks at agreement points
             (:mod:`gradwatch.watch.lockstep`).
         cut: Sketches of its replayed micro-batches' gradients (:mod:`gradwatch.watch.step_objective`), or None.
+        replicas: ``{name: 64-bit hash}`` of its replicated parameters (DDP), or None
+            (:func:`gradwatch.watch.update_part.replica_hashes`).
 
     Example:
         >>> RankResult(rank=1, error="KeyError: 'labels'").failed
@@ -123,6 +125,7 @@ class RankResult:
     training: Optional[Tuple[bool, Optional[str]]] = None
     waited: float = 0.0
     cut: Optional[List[torch.Tensor]] = None
+    replicas: Optional[Dict[str, int]] = None
 
     @property
     def failed(self) -> bool:

@@ -75,6 +75,80 @@ def torch_optimizer(optimizer: Any) -> Optional[torch.optim.Optimizer]:
     return None
 
 
+#: Entries a replica's hash reads at a time (its multipliers' memory: 8 bytes each).
+HASH_BLOCK = 1 << 20
+
+
+def tensor_hash(t: torch.Tensor) -> int:
+    """A 64-bit hash of a tensor's bits: equal for equal tensors (bit for bit), different, but for a 2^-64 chance, for
+    any other (a sum of each entry's bits times a multiplier of its position, wrapping in int64).
+
+    Example:
+        >>> a = torch.randn(5)
+        >>> b = a.clone(); b[3] = torch.nextafter(b[3], torch.tensor(9.0))
+        >>> tensor_hash(a) == tensor_hash(a.clone()), tensor_hash(a) == tensor_hash(b)
+        (True, False)
+    """
+    flat = t.detach().contiguous().reshape(-1)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    flat = flat.view(bits)
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), HASH_BLOCK):
+        block = flat[start:start + HASH_BLOCK].to(torch.int64)
+        where = torch.arange(start, start + block.numel(), dtype=torch.int64, device=flat.device)
+        total += (block * (where * 2654435761 + 40503) + (block ^ where)).sum()
+    return int(total)
+
+
+def replica_hashes(model: nn.Module) -> Dict[str, int]:
+    """``{name: tensor_hash}`` of a replicated model's parameters (plain tensors: DDP's), read at a check.
+
+    Example:
+        >>> sorted(replica_hashes(nn.Linear(2, 1)))
+        ['bias', 'weight']
+    """
+    return {n: tensor_hash(p) for n, p in model.named_parameters() if type(p.data) is torch.Tensor}
+
+
+class Replicas:
+    """Replicated parameters (DDP's) compared across ranks at each check, by their hashes: a tensor whose bits differ
+    between ranks (one rank edited its replica, or a step reduced it on some ranks only) is one alert for the run,
+    naming the tensors and the ranks that differ from the most.
+
+    Example:
+        >>> r = Replicas()
+        >>> [a.kind for a in r.alerts(4, [{"w": 1, "b": 2}, {"w": 1, "b": 3}])], r.alerts(5, [{"w": 1}, {"w": 5}])
+        (['replica'], [])
+    """
+
+    def __init__(self) -> None:
+        self.said = False
+
+    def alerts(self, step: int, by_rank: Sequence[Optional[Mapping[str, int]]]) -> List[Alert]:
+        """This check's replica alert (once for the run), from each rank's hashes (None: that rank sent none)."""
+        got = [(rank, h) for rank, h in enumerate(by_rank) if h is not None]
+        if self.said or len(got) < 2:
+            return []
+        apart: Dict[str, List[int]] = {}
+        for name in got[0][1]:
+            values = [h.get(name) for _, h in got]
+            common = max(values, key=values.count)  # (a tie: the lowest rank's, rank 0 the reference)
+            odd = [rank for (rank, _), v in zip(got, values) if v != common]
+            if odd:
+                apart[name] = odd
+        if not apart:
+            return []
+        self.said = True
+        ranks = sorted({r for odd in apart.values() for r in odd})
+        names = list(apart)
+        return [Alert(int(step), WHOLE_CHECK, "replica", "error", math.nan, None, (
+            f"step {step} (update): {len(names)} replicated tensor{'s' if len(names) > 1 else ''} ({_listed(names)}) "
+            f"differ{'s' if len(names) == 1 else ''} bit for bit on rank{'s' if len(ranks) > 1 else ''} "
+            f"{', '.join(map(str, ranks))} from the other ranks: DDP's replicas drifted apart (a rank edited its "
+            "weights outside the step, a step or a reduction ran on some ranks only, or a buffer broadcast replaced "
+            "them). Said once for the run"), "update")]
+
+
 def declared_ties(model: nn.Module) -> List[Tuple[str, ...]]:
     """Names of the parameters that are one parameter now (met twice in the module tree), and of a Hugging Face
     model's input and output embeddings where its config says ``tie_word_embeddings``.
@@ -316,4 +390,4 @@ class UpdatePart:
         self.thresholds = [float(t) for t in got.get("thresholds", [])]
 
 
-__all__ = ["COORDS", "UpdatePart", "declared_ties", "torch_optimizer"]
+__all__ = ["COORDS", "Replicas", "UpdatePart", "declared_ties", "replica_hashes", "tensor_hash", "torch_optimizer"]

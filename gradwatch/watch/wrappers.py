@@ -140,6 +140,7 @@ class Wrapping:
         root: Where the recorder of training's forwards sits.
         fabric: The Fabric module between ``entry`` and ``model``, or None.
         engine: DeepSpeed's engine around ``model``, or None.
+        replicated: DDP wraps the model: every rank holds the same parameters after each step.
 
     Example:
         See the module's example.
@@ -150,6 +151,7 @@ class Wrapping:
     root: nn.Module
     fabric: Optional[nn.Module] = None
     engine: Optional[nn.Module] = None
+    replicated: bool = False
 
     @classmethod
     def of(cls, module: nn.Module) -> "Wrapping":
@@ -161,7 +163,7 @@ class Wrapping:
         fabric = next((m for m in run if is_fabric(m)), None)
         engine = next((m for m in chain if is_engine(m)), None)
         return cls(model=chain[-1], entry=run[0], root=compiled[0] if compiled else chain[-1], fabric=fabric,
-                   engine=engine)
+                   engine=engine, replicated=any(isinstance(m, nn.parallel.DistributedDataParallel) for m in chain))
 
     def optimizer(self, optimizer: Any) -> Optional[torch.optim.Optimizer]:
         """The optimizer whose ``param_groups`` name the model's parameters: a ZeRO optimizer's (the one
