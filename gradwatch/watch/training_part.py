@@ -41,6 +41,7 @@ from gradwatch.check.replay.window import PartialWindow
 from gradwatch.plan.memory import SAFETY, gradient_bytes, mb, peak_bytes, release_freed
 from gradwatch.watch.accumulation import AccumulationWindow
 from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
+from gradwatch.watch.nonfinite_grads import NonfiniteGrads
 from gradwatch.watch.replay_capture import Hooks, capturing
 from gradwatch.watch.shard_check import backward_on_shards, is_partial, local, settled_pairs
 from gradwatch.watch.sharded import is_dtensor
@@ -179,17 +180,21 @@ class TrainingPart(TrendAlerting):
         #: A term weighted otherwise than the step's objective weighs it, named where the verdict failed
         #: (:mod:`gradwatch.watch.term_weights`); ``_again`` replays this check's step with another objective.
         self.terms = TermWeights()
+        #: The watched tensors whose ``.grad`` is NaN or inf at a check: an alert whatever the replay says.
+        self.nonfinite = NonfiniteGrads()
         self._again: Optional[Tuple[Again, nn.Module, Dict[str, torch.Tensor], int]] = None
 
     def state_dict(self) -> Dict[str, Any]:
         """``{"training": ...}``: the accumulation window learned (a resumed run names a partial window at once) and
         the term weightings said."""
         said = {"terms": self.terms.state_dict()} if self.terms.said else {}
-        return {"training": {**self.window.state_dict(), **said}}
+        nonfinite = self.nonfinite.state_dict() if self.nonfinite.found else {}
+        return {"training": {**self.window.state_dict(), **said, **nonfinite}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.window.load_state_dict(state.get("training") or {})
         self.terms.load_state_dict((state.get("training") or {}).get("terms") or {})
+        self.nonfinite.load_state_dict(state.get("training") or {})
 
     @property
     def enabled(self) -> bool:
@@ -678,10 +683,17 @@ class TrainingPart(TrendAlerting):
     def alerts(self, step: int, results: Any) -> List[Alert]:
         """The run's accumulation, said once (:meth:`~gradwatch.watch.accumulation.AccumulationWindow.alerts`): a
         partial window a check found, micro-batches the watch was not handed; and a term weighted otherwise than the
-        step's objective weighs it, once for the run (:meth:`~gradwatch.watch.term_weights.TermWeights.alerts`)."""
+        step's objective weighs it, once for the run (:meth:`~gradwatch.watch.term_weights.TermWeights.alerts`); before
+        them a ``.grad`` with NaN or inf, whatever the verdicts say (:mod:`gradwatch.watch.nonfinite_grads`)."""
         if not isinstance(results, CheckReport):
             return []
-        return self.window.alerts(step, results) + self.terms.alerts(step)
+        scaler = self.grad_scaler
+        scaled = scaler is not None and bool(scaler.is_enabled())
+        self.nonfinite.look({n: None if p.grad is None else local(p.grad) for n, p in self.params().items()}, scaled)
+        note = self.nonfinite.note()
+        if note is not None:
+            results.notes.append(note)
+        return self.nonfinite.alerts(step) + self.window.alerts(step, results) + self.terms.alerts(step)
 
     def judge_across_ranks(self, merged: CheckReport, replay: Optional[Replay],
                            statuses: List[Optional[Tuple[bool, Optional[str]]]],

@@ -200,7 +200,7 @@ def judge_training(
     dtype_name = _DTYPE_NAMES.get(dtype) or _DTYPE_NAMES.setdefault(dtype, str(dtype).replace("torch.", ""))
     if live is not None and same_bits(live, ref):
         # The same bits (a faithful replay of a correct step): nothing more to measure. (A NaN or inf the
-        # replay reproduces is training's own; the backward part reports it.) The common case: built in one call.
+        # replay reproduces is training's own: gradwatch.watch.nonfinite_grads alerts it.) The common case: one call.
         return TrainingCheck(name, tuple(param.shape), dtype_name, tol, 0.0, 0.0, 0.0, Verdict.EXCELLENT,
                              fail_at is Verdict.EXCELLENT)  # EXCELLENT fails only where fail_at is EXCELLENT
     check = TrainingCheck(name=name, shape=tuple(param.shape), dtype=dtype_name, tolerance=tol)
