@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from token_batches import accumulation_run as accumulate
 from gradwatch import GradWatch
 from gradwatch.bands import Verdict
 from gradwatch.check.judging.report import CheckReport, TensorCheck, TrainingCheck
+from gradwatch.check.probes.experts import NOT_REACHED
 from gradwatch.cli import main
 from gradwatch.watch.trend import TrendTracker
 
@@ -204,3 +206,30 @@ def test_a_wrong_activation_in_one_module_is_one_alert_naming_it_with_the_upstre
     assert alert.tensors[0] == "model.layers.1.mlp.experts.gate_up_proj[expert 1]"  # its own tensor first
     assert "of them upstream of it fail through it: model.embed_tokens.weight" in alert.message
     assert all(report.tensors[n].verdict is not None for n in failing)  # each tensor keeps its verdict
+
+
+
+def test_tensors_never_given_a_verdict_while_others_get_theirs_are_said_once():
+    """Item 1, per tensor: a tensor the check tries and leaves without a verdict at 3 checks in a row while the rest
+    get theirs is one not_checked alert for its part, naming it and why, said once; an expert no token reached is
+    no gap (not counted as checked, said elsewhere)."""
+    tracker = TrendTracker()
+
+    def report(step):
+        r = CheckReport(tensors={
+            "a": TensorCheck("a", (2,), 1e-9, 1e-9, judged_rel_diff=1e-9, verdict=Verdict.EXCELLENT),
+            "b": TensorCheck("b", (2,), math.nan, math.nan,
+                             inconclusive="the objective does not move along it at any step"),
+            "e[expert 1]": TensorCheck("e[expert 1]", (2,), math.nan, math.nan, inconclusive=NOT_REACHED),
+        })
+        r.training = {"a": TrainingCheck(name="a", shape=(2,), judged_rel_diff=0.0, verdict=Verdict.EXCELLENT),
+                      "b": TrainingCheck(name="b", shape=(2,), judged_rel_diff=0.0, verdict=Verdict.EXCELLENT)}
+        return r
+
+    said = [a for step in range(6) for a in tracker.update(step, report(step)) if a.kind == "not_checked"]
+    assert [(a.step, a.part) for a in said] == [(2, "backward")], [a.message for a in said]
+    assert "never given to 1 tensor (b) at 3 checks in a row, while the others got theirs: the objective does not " \
+           "move along it" in said[0].message, said[0].message
+    resumed = TrendTracker()
+    resumed.load_state_dict(tracker.state_dict())
+    assert [a for a in resumed.update(6, report(6)) if a.kind == "not_checked"] == []  # once for the run

@@ -24,7 +24,7 @@ from gradwatch.check.judging.report import (
     json_float,
     suspects,
 )
-from gradwatch.errors import ConfigError, error_key
+from gradwatch.errors import ConfigError, ObjectiveError, error_key
 from gradwatch.options import trend_options
 from gradwatch.watch.causes import Causes, message
 
@@ -216,6 +216,7 @@ class TrendTracker:
         self._over_room_once: Set[Tuple[str, ...]] = set()  # over the room at one check so far: said at the second
         self._causes = Causes()  # one cause of many failing tensors: said once, updated after
         self._idle: Dict[str, int] = {}  # part -> checks in a row in which it gave no tensor a verdict
+        self._missed: Dict[Tuple[str, str], int] = {}  # (part, tensor) -> checks in a row that tried it, no verdict
 
     # ------------------------------------------------------------------ queries
 
@@ -399,6 +400,7 @@ class TrendTracker:
         for part, why in reasons.items():
             if why is None:
                 self._idle.pop(part, None)
+                out += self._never_given_to_some(step, report, part)
                 continue
             self._idle[part] = self._idle.get(part, 0) + 1
             said = any(k[0] == part and k[1] == WHOLE_CHECK for k in self._not_checked)
@@ -420,6 +422,36 @@ class TrendTracker:
                    "record repeats why); not a failed verdict")
             out.append(Alert(step, WHOLE_CHECK, "not_checked", "warning", math.nan, None, msg, part))
         return out
+
+    def _never_given_to_some(self, step: int, report: CheckReport, part: str) -> List[Alert]:
+        """Tensors of ``part`` that the check tried and gave no verdict at :data:`NEVER_GIVEN` checks in a row while
+        others got theirs (a unit that cannot be checked, a tensor the replay cannot reach): one ``not_checked``
+        alert for the part and the run, naming them and why (an expert no token reached, a non-finite or
+        nondeterministic check, is said elsewhere or is no gap)."""
+        checks = report.tensors if part == "backward" else report.training
+        if report.nondeterministic or report.nonfinite:
+            return []  # said by those alerts
+        for name, t in checks.items():
+            kind = getattr(t, "inconclusive_kind", None)
+            if t.verdict is None and t.inconclusive and kind not in _SAID_ELSEWHERE and \
+                    not str(t.inconclusive).startswith("not reached"):  # an expert no token reached: no gap
+                self._missed[(part, name)] = self._missed.get((part, name), 0) + 1
+            elif t.verdict is not None:
+                self._missed.pop((part, name), None)
+        missed = [n for (p, n), k in self._missed.items() if p == part and k >= NEVER_GIVEN]
+        if not missed or any(k[0] == part and k[1] == WHOLE_CHECK for k in self._not_checked):
+            return []
+        self._not_checked.add((part, WHOLE_CHECK, "never given"))
+        self._alert_counts[WHOLE_CHECK] = self._alert_counts.get(WHOLE_CHECK, 0) + 1
+        why = re.sub(r"^not judged: ", "", str(checks[missed[0]].inconclusive).strip().rstrip(".")) \
+            if missed[0] in checks else "no verdict"
+        first = ", ".join(missed[:3]) + (f" and {len(missed) - 3} more" if len(missed) > 3 else "")
+        what = "the training verdict" if part == "training" else "the backward verdict"
+        msg = (f"step {step}: {what} was never given to {len(missed)} tensor{'s' if len(missed) > 1 else ''} "
+               f"({first}) at {NEVER_GIVEN} checks in a row, while the others got theirs: {why} — check "
+               f"{'them' if len(missed) > 1 else 'it'} instead: each check record's {part} entries say why; "
+               "check_model on the module alone, or form='objective'. Said once for the run; not a failed verdict")
+        return [Alert(step, WHOLE_CHECK, "not_checked", "warning", math.nan, None, msg, part)]
 
     def not_checked(self, step: int, items: Sequence[NotChecked]) -> List[Alert]:
         """One ``not_checked`` alert (a warning) for each unit or part the check could not check, the first time in
@@ -469,7 +501,9 @@ class TrendTracker:
         """
         self._checks += 1
         msg = f"step {step}: the gradient check raised {type(exc).__name__}: {exc}"
-        if where is None:
+        if isinstance(exc, ObjectiveError):  # gradwatch's own default objective: what of the model or batch, in words
+            msg = f"step {step}: check skipped, training continues: {exc}"
+        elif where is None:
             msg += " — the check was skipped and training continues"
         else:
             msg += f" (in {where}) — the check was skipped and training continues; make {where} work on the watched batch"
@@ -522,6 +556,7 @@ class TrendTracker:
             "over_room_once": [list(k) for k in sorted(self._over_room_once)],
             "causes": self._causes.state_dict(),
             "idle": dict(self._idle),
+            "missed": [[p, n, k] for (p, n), k in self._missed.items()],
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -567,6 +602,7 @@ class TrendTracker:
         self._over_room_once = {tuple(str(x) for x in k) for k in state.get("over_room_once", [])}  # likewise
         self._causes.load_state_dict(state.get("causes", []))  # likewise
         self._idle = {str(k): int(v) for k, v in state.get("idle", {}).items()}
+        self._missed = {(str(p), str(n)): int(k) for p, n, k in state.get("missed", [])}
 
     # ------------------------------------------------------------------ internals
 
