@@ -70,6 +70,50 @@ class GradientDriftError(GradWatchError):
         self.alerts = list(alerts or [])
 
 
+class ObjectiveError(GradWatchError, ValueError):
+    """gradwatch's own default objective (the loss a Hugging Face model returns under the Trainer, the Trainer's
+    ``compute_loss``, a ``LightningModule``'s ``training_step``) could not give the watched batch's loss.
+
+    Its message says what happened, what of the model or the batch caused it, and what to do, each on its own line;
+    the exception it caught, if any, is its ``__cause__``. It is marked as raised in ``"the default objective"``
+    (:func:`blamed`): the user wrote no ``loss_fn`` to fix.
+
+    Args:
+        what: What happened (a headline).
+        why: What of the model or the batch caused it.
+        todo: What the user can do.
+
+    Example:
+        >>> err = ObjectiveError("Bert returned no loss", "the batch has no labels", "pass loss_fn=")
+        >>> str(err).splitlines()
+        ['Bert returned no loss', 'why: the batch has no labels', 'what to do: pass loss_fn=']
+        >>> blamed(err)
+        'the default objective'
+    """
+
+    def __init__(self, what: str, why: str, todo: str) -> None:
+        super().__init__(f"{what}\nwhy: {why}\nwhat to do: {todo}")
+        self.what, self.why, self.todo = what, why, todo
+        setattr(self, WHERE_ATTR, DEFAULT_OBJECTIVE)
+
+
+#: Where an :class:`ObjectiveError` was raised (:func:`blamed`).
+DEFAULT_OBJECTIVE = "the default objective"
+
+
+def first_line(exc: BaseException, most: int = 200) -> str:
+    """The first line of ``exc``'s message (at most ``most`` characters), without its class: the words a caught
+    exception adds to a message written for the user.
+
+    Example:
+        >>> first_line(KeyError("labels")), first_line(RuntimeError("a\\nb"))
+        ("'labels'", 'a')
+    """
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else "no message"
+    return text if len(text) <= most else text[:most - 3] + "..."
+
+
 def blame(exc: BaseException, where: str) -> BaseException:
     """Mark ``exc`` as raised in the user's ``where`` (``"loss_fn"``, ``"regularizer 'l2'"``); the first mark wins.
 
@@ -92,6 +136,8 @@ def error_key(exc: BaseException) -> str:
         >>> error_key(KeyError("w"))
         "KeyError: 'w'"
     """
+    if isinstance(exc, ObjectiveError):  # said in the user's words: no class
+        return exc.what[:500]
     return f"{type(exc).__name__}: {exc}"[:500]
 
 

@@ -37,11 +37,69 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
+from gradwatch.errors import GradWatchError, ObjectiveError, first_line
+
 #: A policy-gradient trainer's per-token log-probabilities, and the batch key of an earlier policy's (TRL's GRPO).
 _LOGPS, _OLD = "_get_per_token_logps_and_entropies", "old_per_token_logps"
 #: Largest plain-data attribute (items, recursively) :func:`trainer_kept` copies; larger ones are left as they are.
 _MOST_ITEMS = 100_000
 _PLAIN = (int, float, bool, str, type(None))
+
+
+def batch_keys(batch: Any) -> Optional[List[str]]:
+    """The keys of the inputs a model was given (None: a batch without keys).
+
+    Example:
+        >>> batch_keys({"labels": 1, "input_ids": 2}), batch_keys(3)
+        (['input_ids', 'labels'], None)
+    """
+    if isinstance(batch, Mapping):
+        return sorted(map(str, batch))
+    kwargs = getattr(batch, "kwargs", None)  # the model call of positional inputs (ModelCall)
+    return sorted(map(str, kwargs)) if isinstance(kwargs, Mapping) else None
+
+
+def output_keys(out: Any) -> List[str]:
+    """The fields of a model's output (its class where it has none)."""
+    if isinstance(out, Mapping):
+        return [str(k) for k in out] or ["none"]
+    return [type(out).__name__]
+
+
+def forward_failed(what: str, model: nn.Module, batch: Any, err: BaseException) -> ObjectiveError:
+    """The error of gradwatch's default objective whose call of ``what`` (the model's forward, a Trainer's
+    ``compute_loss``) raised on the watched batch: which batch, in which copy of the model, the words it raised.
+
+    Example:
+        >>> err = forward_failed("M's forward", nn.Linear(2, 2).double(), {"x": 1}, RuntimeError("no Double kernel"))
+        >>> err.what
+        "M's forward failed on the watched batch"
+        >>> err.why
+        "called on the inputs of the step's last forward (keys: x) in the check's float64 copy, it raised: no Double kernel"
+    """
+    keys = batch_keys(batch)
+    param = next(model.parameters(), None)
+    copy = param is not None and param.dtype == torch.float64
+    where = " in the check's float64 copy" if copy else ""
+    why = (f"called on the inputs of the step's last forward (keys: {', '.join(keys or ['?'])}){where}, it raised: "
+           f"{first_line(err)}")
+    todo = ("where it fails in float64 only (a kernel or a cast of its own), GradWatchCallback(dtype=None) checks in "
+            "place; else " if copy else "") + "pass GradWatchCallback(loss_fn=(model, inputs) -> loss)"
+    return ObjectiveError(f"{what} failed on the watched batch", why, todo)
+
+
+def pops_labels(trainer: Any) -> bool:
+    """True when ``trainer`` takes the labels out of the model's inputs and computes the loss itself (the Trainer's
+    label smoothing, ``compute_loss_func``): the model, called without labels, returns no loss of its own.
+
+    Example:
+        >>> class T:
+        ...     label_smoother, compute_loss_func = None, None
+        >>> t = T()
+        >>> pops_labels(t), (setattr(t, "label_smoother", object()) or pops_labels(t))
+        (False, True)
+    """
+    return getattr(trainer, "label_smoother", None) is not None or getattr(trainer, "compute_loss_func", None) is not None
 
 
 def overrides_compute_loss(trainer: Any, base: type) -> bool:
@@ -93,7 +151,12 @@ class ComputeLoss:
             if copy and isinstance(batch, dict) and _OLD not in batch and "completion_ids" in batch \
                     and callable(getattr(self.trainer, _LOGPS, None)):
                 batch[_OLD] = self._anchor(model, batch)
-            out = self._compute(self.trainer, model, batch)
+            try:
+                out = self._compute(self.trainer, model, batch)
+            except GradWatchError:
+                raise
+            except Exception as err:  # the trainer's own loss on the check's copy: said in the model's and batch's terms
+                raise forward_failed(f"{type(self.trainer).__name__}.compute_loss", model, inputs, err) from err
         return out[0] if isinstance(out, tuple) else out
 
     def _is_copy(self, model: nn.Module) -> bool:
@@ -239,4 +302,5 @@ def capture_inputs(trainer: Any, keep: Callable[[nn.Module, Any], None]) -> Opti
     return remove
 
 
-__all__ = ["ComputeLoss", "capture_inputs", "overrides_compute_loss", "trainer_kept"]
+__all__ = ["ComputeLoss", "batch_keys", "capture_inputs", "forward_failed", "output_keys", "overrides_compute_loss",
+           "pops_labels", "trainer_kept"]

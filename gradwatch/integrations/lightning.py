@@ -42,7 +42,7 @@ except ImportError as err:  # pragma: no cover - exercised only without lightnin
     ) from err
 
 from gradwatch.config import GradWatchConfig, load_config
-from gradwatch.errors import ConfigError, GradWatchError
+from gradwatch.errors import ConfigError, GradWatchError, ObjectiveError, blame
 from gradwatch.io.records import ALERTS_COUNT_TAG, scalars_from_check
 from gradwatch.io.sinks import JsonlSink, Sink, TensorBoardSink
 from gradwatch.watch.gradwatch import GradWatch
@@ -106,17 +106,22 @@ def training_step_loss(module: LightningModule, batch: Any) -> torch.Tensor:
         >>> float(training_step_loss(M(), torch.zeros(3, 2)).detach()) >= 0
         True
     """
-    with silenced_logging(module):
-        out = module.training_step(batch, 0)
+    try:
+        with silenced_logging(module):
+            out = module.training_step(batch, 0)
+    except Exception as exc:
+        blame(exc, "training_step")  # the user's training_step, not a loss_fn they wrote
+        raise
+    todo = "return the loss from training_step, or pass GradWatchCallback(loss_fn=(module, batch) -> loss)"
     if isinstance(out, dict):
         if "loss" not in out:
-            raise ValueError(f"training_step returned a dict without 'loss' (keys: {sorted(out)}); pass loss_fn= to GradWatchCallback")
+            raise ObjectiveError("training_step returned no loss on the watched batch",
+                                 f"it returned a dict without 'loss' (keys: {', '.join(map(str, out))})", todo)
         out = out["loss"]
     if not isinstance(out, torch.Tensor):
-        raise TypeError(
-            f"training_step returned {type(out).__name__}, not a loss tensor; pass loss_fn=(module, batch) -> loss "
-            "to GradWatchCallback"
-        )
+        why = ("it returned None (Lightning skips such a batch; the check needs its loss)" if out is None else
+               f"it returned a {type(out).__name__}, not a loss tensor")
+        raise ObjectiveError("training_step returned no loss on the watched batch", why, todo)
     return out
 
 

@@ -64,8 +64,17 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
     ) from err
 
 from gradwatch.config import GradWatchConfig, load_config
-from gradwatch.errors import ConfigError
-from gradwatch.integrations.hf_loss import ComputeLoss, capture_inputs, overrides_compute_loss, trainer_kept
+from gradwatch.errors import ConfigError, GradWatchError, ObjectiveError
+from gradwatch.integrations.hf_loss import (
+    ComputeLoss,
+    batch_keys,
+    capture_inputs,
+    forward_failed,
+    output_keys,
+    overrides_compute_loss,
+    pops_labels,
+    trainer_kept,
+)
 from gradwatch.io.records import ALERTS_COUNT_TAG, scalars_from_check
 from gradwatch.io.sinks import Sink
 from gradwatch.watch.gradwatch import GradWatch
@@ -106,21 +115,29 @@ def model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
         >>> float(model_loss(M(), {"x": torch.zeros(3, 2), "labels": torch.zeros(3)}).detach()) >= 0
         True
     """
-    if isinstance(batch, ModelCall):
-        out = model(*batch.args, **batch.kwargs)
-    elif isinstance(batch, Mapping):
-        out = model(**batch)
-    else:
-        out = model(batch)
+    try:
+        if isinstance(batch, ModelCall):
+            out = model(*batch.args, **batch.kwargs)
+        elif isinstance(batch, Mapping):
+            out = model(**batch)
+        else:
+            out = model(batch)
+    except GradWatchError:
+        raise
+    except Exception as err:  # the model's own forward on the check's copy: said in the model's and batch's terms
+        raise forward_failed(f"{type(model).__name__}'s forward", model, batch, err) from err
     loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
     if loss is None and isinstance(out, (tuple, list)) and out:
         loss = out[0]
     if not isinstance(loss, torch.Tensor):
-        raise ValueError(
-            f"{type(model).__name__} returned no loss for the watched batch "
-            f"(keys: {sorted(batch) if isinstance(batch, Mapping) else '?'}); "
-            "give the batch labels, or pass GradWatchCallback(loss_fn=(model, inputs) -> loss)"
-        )
+        keys = batch_keys(batch)
+        labelled = keys is not None and any("label" in k for k in keys)
+        why = (f"its output has no loss (fields: {', '.join(output_keys(out))}) although the batch has labels"
+               if labelled else f"the batch has no labels (keys: {', '.join(keys or ['?'])}): the model computes its "
+               "loss only when it is given labels")
+        raise ObjectiveError(f"{type(model).__name__} returned no loss on the watched batch", why,
+                             "give the batch labels, or pass GradWatchCallback(loss_fn=(model, inputs) -> loss) "
+                             "computing the loss training computes")
     return loss
 
 
@@ -261,9 +278,11 @@ class GradWatchCallback(TrainerCallback):
         tensorboard = self.config.tensorboard and (writer is not None or self.config.log_dir is not None)
         self._model, self._trainer = model, trainer
         loss_fn = self.loss_fn
-        if self._default_loss and trainer is not None and overrides_compute_loss(trainer, transformers.Trainer):
-            # TRL's trainers and other subclasses computing their own loss: the check's objective is that loss, on
-            # the inputs compute_loss was given (captured there, not at the model's forward)
+        if self._default_loss and trainer is not None and (overrides_compute_loss(trainer, transformers.Trainer)
+                                                             or pops_labels(trainer)):
+            # TRL's trainers and other subclasses computing their own loss, and a Trainer that takes the labels out of
+            # the model's inputs to compute the loss itself (label smoothing, compute_loss_func): the check's objective
+            # is that loss, on the inputs compute_loss was given (captured there, not at the model's forward)
             loss_fn = ComputeLoss(trainer)
             self._uncapture = capture_inputs(trainer, self._keep_inputs)
         wrapped = getattr(trainer, "model_wrapped", None)

@@ -24,7 +24,7 @@ from gradwatch.check.judging.report import (
     json_float,
     suspects,
 )
-from gradwatch.errors import ConfigError, error_key
+from gradwatch.errors import ConfigError, ObjectiveError, error_key
 from gradwatch.options import trend_options
 from gradwatch.watch.causes import Causes, message
 
@@ -501,7 +501,9 @@ class TrendTracker:
         """
         self._checks += 1
         msg = f"step {step}: the gradient check raised {type(exc).__name__}: {exc}"
-        if where is None:
+        if isinstance(exc, ObjectiveError):  # gradwatch's own default objective: what of the model or batch, in words
+            msg = f"step {step}: check skipped, training continues: {exc}"
+        elif where is None:
             msg += " — the check was skipped and training continues"
         else:
             msg += f" (in {where}) — the check was skipped and training continues; make {where} work on the watched batch"
