@@ -88,7 +88,8 @@ def test_the_unit_that_cannot_be_checked_is_one_alert_naming_it_why_and_how(unch
     assert len(alerts) == 1, [a.message for a in watch.alerts]  # once for the run, not at each of the three checks
     alert = alerts[0]
     assert (alert.step, alert.tensor, alert.part, alert.severity) == (0, "gate", "backward", "warning")
-    assert "replaying the module alone raised RuntimeError: Gate runs only inside Net's forward" in alert.message
+    assert "its own code fails when it runs apart from the modules it calls" in alert.message  # no class named
+    assert "its code says: Gate runs only inside Net's forward" in alert.message and "RuntimeError" not in alert.message
     assert "check it instead: form='objective' checks it inside the whole objective" in alert.message
     assert "gradwatch.check_backward" in alert.message
     assert [a.kind for a in watch.alerts] == ["not_checked"]  # nothing else: the model is right
@@ -117,8 +118,9 @@ def test_gradwatch_report_lists_it_in_the_summary(unchecked, source, capsys):
     summary = out.split("\n\n")[0]  # the lines above the tables
     when = "never checked in the run (3 checks planned it)" if source == "jsonl" else "from step 0"  # events: no notes
     line = next(x for x in summary.splitlines() if x.startswith("not checked: `gate`"))
-    assert line.startswith(f"not checked: `gate` (Gate, own code) in the backward part, {when}: replaying the module "
-                           "alone raised RuntimeError: Gate runs only inside Net's forward"), line
+    assert line.startswith(f"not checked: `gate` (Gate, own code) in the backward part, {when}: its own code fails "
+                           "when it runs apart from the modules it calls"), line
+    assert "its code says: Gate runs only inside Net's forward" in line
     assert "— check it instead: form='objective'" in line
     assert "1 alert" in summary and "not_checked" in out
     assert main(["report", str(log_dir), "--source", source, "--format", "json"]) == 0
@@ -154,5 +156,6 @@ def test_a_part_that_cannot_run_is_said_once_and_raise_on_leaves_it(tmp_path):
             assert watch.step(batch) is not None
     assert [(a.kind, a.tensor, a.part) for a in watch.alerts] == [("not_checked", "*", "independence")]
     message = watch.alerts[0].message
-    assert "independence not checked (independence part): loss_fn never calls the model itself" in message
+    alert = watch.alerts[0]  # its headline, then why and what to do on their own lines (issue 73)
+    assert alert.headline.startswith("independence not checked") and alert.why == "loss_fn never calls the model itself"
     assert "check it instead: gradwatch.check_independence(model, inputs, structure=...)" in message

@@ -42,6 +42,8 @@ import torch
 from torch import nn
 
 from gradwatch.check.judging.report import TensorCheck, json_float, suspects
+from gradwatch.check.modules.own_code import OwnCode
+from gradwatch.check.modules.replay_failure import EVALUATING, why_not_alone
 from gradwatch.check.numerics.differences import machine_eps
 from gradwatch.check.numerics.sampling import generator, tensor_seed
 from gradwatch.check.objective.dropout_off import dropout_off
@@ -73,7 +75,9 @@ class ModuleCheck:
         calls: How often the module ran in the forward (its first call is checked).
         evaluations: Evaluations of the module's forward the check made.
         seconds: Wall time of this module's check.
-        inconclusive: Why the module could not be checked (no floating input or output, it raised).
+        inconclusive: Why the module could not be checked (no floating input or output, it raised), in the user's
+            terms (:func:`~gradwatch.check.modules.replay_failure.why_not_alone`).
+        error: What its forward raised when run alone (``"Type: message"``), for debugging: never the reason shown.
 
     Example:
         >>> ModuleCheck(name="act", type="Tanh").failed
@@ -88,6 +92,7 @@ class ModuleCheck:
     evaluations: int = 0
     seconds: float = 0.0
     inconclusive: Optional[str] = None
+    error: Optional[str] = None
 
     @property
     def failed(self) -> bool:
@@ -347,7 +352,8 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
         grads = [torch.zeros_like(w) if g is None else g.detach() for g, w in zip(gs, wrt)]
     except Exception as err:  # noqa: BLE001 - a module that cannot be replayed alone is reported, not fatal
         guard.restore_changed()
-        result.inconclusive = f"replaying the module alone raised {type(err).__name__}: {err}"
+        result.inconclusive = why_not_alone(err, own=isinstance(module, OwnCode))
+        result.error = f"{type(err).__name__}: {err}"
         result.seconds = time.perf_counter() - start
         return result
 
@@ -376,7 +382,8 @@ def check_module(name: str, module: nn.Module, args: Any, kwargs: Any, opts: Che
                 result.tensors[judged.key] = judged.check
             result.tensors = in_order(result.tensors, keys_all)
     except Exception as err:  # noqa: BLE001 - as above: a module whose evaluations raise is reported, not fatal
-        result.inconclusive = f"evaluating the module alone raised {type(err).__name__}: {err}"
+        result.inconclusive = why_not_alone(err, own=isinstance(module, OwnCode), evaluating=True)
+        result.error = f"{EVALUATING}{type(err).__name__}: {err}"
     finally:
         if restore:
             restore_params(params, saved)

@@ -66,6 +66,7 @@ from gradwatch.check.modules.piece_cuts import (
     rows_of,
     rows_of_one_sample,
 )
+from gradwatch.check.modules.replay_failure import stateless, uncopyable, whole_instead, whole_params, why_not_alone
 from gradwatch.check.modules.row_groups import NO_TOKEN, check_group, chunks, first_ids, groupable, grouped, param_of, positions_kept
 from gradwatch.check.modules.window_cut import WINDOWED, windowed_piece
 from gradwatch.check.objective.dropout_off import dropout_off
@@ -133,7 +134,7 @@ def float64_copy(module: nn.Module, dtype: torch.dtype = torch.float64) -> nn.Mo
         drop_autocast_forward(made)  # accelerate's autocast around the forward: a float64 copy computes without it
         return made
     except Exception as err:  # noqa: BLE001 - say which module and why
-        raise TypeError(f"cannot copy module {type(module).__name__} alone in {dtype} (copy.deepcopy failed: {err})") from err
+        raise TypeError(f"cannot copy module {type(module).__name__} alone in {dtype}: {uncopyable(err)}") from err
 
 
 def _cast_tree(obj: Any, dtype: torch.dtype, constants: Set[int], out: Set[int]) -> Any:
@@ -717,20 +718,34 @@ def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs:
             params = {k[len(prefix):]: named[k[len(prefix):]] for k in unit.params if k[len(prefix):] in named}
             probed = [(names[k], None) for k in unit.params] + [(unit.name, "code")]
     except (TypeError, RuntimeError) as err:
-        return ModuleCheck(name=unit.name, type=kind, calls=unit.calls, inconclusive=str(err)), []
+        said = str(err) if str(err).startswith("cannot copy module") else why_not_alone(err, own=unit.kind == "own")
+        return ModuleCheck(name=unit.name, type=kind, calls=unit.calls, inconclusive=said, error=repr(err)), []
+    result = _checked_copy(unit.name, local, args, kwargs, params, opts, unit.calls, dtype, constants, screen)
+    if rows is None and whole_instead(unit, result.error, children, faithful_room, dtype):
+        # its own code cannot run apart from the modules it calls: checked whole, with them, on the same inputs
+        whole = float64_copy(unit.module, dtype)
+        again = _checked_copy(unit.name, whole, args, kwargs, whole_params(whole, unit), opts, unit.calls, dtype,
+                              constants, screen) if stateless(whole, args, kwargs) else None
+        if again is not None and again.error is None:
+            result, kind = again, f"{type(unit.module).__name__}, whole: {result.inconclusive}"
+    result.type = kind
+    return result, probed
+
+
+def _checked_copy(name: str, local: nn.Module, args: Any, kwargs: Any, params: Dict[str, Any], opts: CheckOptions,
+                  calls: int, dtype: torch.dtype, constants: Optional[Set[int]], screen: bool) -> ModuleCheck:
+    """:func:`check_module` of a piece's ``dtype`` copy, with its dropout off, its hooks and power iterations held."""
     modules = list(local.modules())
     # An Embedding's padding row is a constant by torch's contract, as in the whole objective (padding_idx.py): the
     # unit's random cotangent reaches the padding positions, which the loss masks.
     with preserved_rng(), dropout_off(local), frozen_power_iteration(local, modules), suspended_hooks(local, modules), \
             padding_rows_constant(local), ShadowPrecision(dtype):
         try:
-            result = check_module(unit.name, local, args, kwargs, opts, unit.calls, params=params, restore=False,
-                                  constants=constants, screen=screen)
+            return check_module(name, local, args, kwargs, opts, calls, params=params, restore=False,
+                                constants=constants, screen=screen)
         finally:
             if isinstance(local, OwnCode):
                 local.release()
-    result.type = kind
-    return result, probed
 
 
 def _expert_piece(unit: Unit, rows: Tuple[int, int], children: Dict[str, List[Any]], dtype: torch.dtype,

@@ -43,6 +43,25 @@ MEMBERS = ("_parameters", "_buffers", "_modules")
 _MISSING = object()
 
 
+class ReplayMismatch(RuntimeError):
+    """Own code that, run again, calls a module it did not call in the live forward, or calls one more often: the
+    output that call gave is not known.
+
+    Args:
+        message: What happened.
+        module: The module's name.
+        more: True when it was called more often, False when it was not called at all.
+
+    Example:
+        >>> ReplayMismatch("called `b` twice", "b", more=True).module
+        'b'
+    """
+
+    def __init__(self, message: str, module: str, more: bool = False) -> None:
+        super().__init__(message)
+        self.module, self.more = module, more
+
+
 def constant(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A detached copy of ``t``, floating tensors in ``dtype`` (a copy even where ``t`` is of ``dtype`` already).
 
@@ -217,8 +236,8 @@ class ModuleView(_AsContainer):
         if stub is not None:  # a method of a stubbed module that calls the module
             return stub(*args, **kwargs)
         what = f"`{path}`" if path else type(self.__dict__["_stub_original"]).__name__
-        raise RuntimeError(f"the own code called {what}, which it did not call in the live forward: its output there "
-                           f"is not known")
+        raise ReplayMismatch(f"the own code called {what}, which it did not call in the live forward: its output there "
+                             f"is not known", path or type(self.__dict__["_stub_original"]).__name__)
 
     def __repr__(self) -> str:
         return f"ModuleView({type(self.__dict__['_stub_original']).__name__})"
@@ -286,8 +305,9 @@ class Stub(nn.Module, _AsContainer):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         k = self.stub_calls
         if k >= len(self.stub_templates):
-            raise RuntimeError(f"`{self.stub_name}` was called {k + 1} times, more than in the live forward "
-                               f"({len(self.stub_templates)}): the own code does not compute the same thing twice")
+            raise ReplayMismatch(f"`{self.stub_name}` was called {k + 1} times, more than in the live forward "
+                                 f"({len(self.stub_templates)}): the own code does not compute the same thing twice",
+                                 self.stub_name, more=True)
         self.stub_calls += 1
         self.given.extend(t for t in tensor_leaves((args, kwargs)) if t.is_floating_point())
         leaves = iter(self.outputs[k])
