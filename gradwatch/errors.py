@@ -101,6 +101,40 @@ class ObjectiveError(GradWatchError, ValueError):
 DEFAULT_OBJECTIVE = "the default objective"
 
 
+#: Attribute set on an exception raised inside gradwatch's own default objective: its words (:func:`say`).
+SAID_ATTR = "gradwatch_said"
+
+
+def say(exc: BaseException, words: ObjectiveError) -> BaseException:
+    """Give ``exc``, raised inside gradwatch's own default objective, the words a person reads instead of its own
+    (:func:`said`); it goes on as it is (a control-flow exception of the check passes through untouched).
+
+    Example:
+        >>> err = say(RuntimeError("no Double kernel"), ObjectiveError("M's forward failed", "float64", "dtype=None"))
+        >>> said(err).what, blamed(err)
+        ("M's forward failed", 'the default objective')
+    """
+    try:
+        setattr(exc, SAID_ATTR, words)
+    except (AttributeError, TypeError):  # an exception type that takes no attributes: said in its own words
+        return exc
+    return blame(exc, DEFAULT_OBJECTIVE)
+
+
+def said(exc: BaseException) -> Optional[ObjectiveError]:
+    """The words of an error of gradwatch's own default objective (an :class:`ObjectiveError`, or what :func:`say`
+    gave an exception); None for any other.
+
+    Example:
+        >>> said(ValueError("x")) is None, said(ObjectiveError("a", "b", "c")).todo
+        (True, 'c')
+    """
+    if isinstance(exc, ObjectiveError):
+        return exc
+    words = getattr(exc, SAID_ATTR, None)
+    return words if isinstance(words, ObjectiveError) else None
+
+
 def first_line(exc: BaseException, most: int = 200) -> str:
     """The first line of ``exc``'s message (at most ``most`` characters), without its class: the words a caught
     exception adds to a message written for the user.
@@ -136,8 +170,9 @@ def error_key(exc: BaseException) -> str:
         >>> error_key(KeyError("w"))
         "KeyError: 'w'"
     """
-    if isinstance(exc, ObjectiveError):  # said in the user's words: no class
-        return exc.what[:500]
+    words = said(exc)
+    if words is not None:  # said in the user's words: no class
+        return words.what[:500]
     return f"{type(exc).__name__}: {exc}"[:500]
 
 

@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from gradwatch.errors import GradWatchError, ObjectiveError, first_line
+from gradwatch.errors import GradWatchError, ObjectiveError, first_line, say
 
 #: A policy-gradient trainer's per-token log-probabilities, and the batch key of an earlier policy's (TRL's GRPO).
 _LOGPS, _OLD = "_get_per_token_logps_and_entropies", "old_per_token_logps"
@@ -153,10 +153,10 @@ class ComputeLoss:
                 batch[_OLD] = self._anchor(model, batch)
             try:
                 out = self._compute(self.trainer, model, batch)
-            except GradWatchError:
-                raise
             except Exception as err:  # the trainer's own loss on the check's copy: said in the model's and batch's terms
-                raise forward_failed(f"{type(self.trainer).__name__}.compute_loss", model, inputs, err) from err
+                if not isinstance(err, GradWatchError):
+                    say(err, forward_failed(f"{type(self.trainer).__name__}.compute_loss", model, inputs, err))
+                raise
         return out[0] if isinstance(out, tuple) else out
 
     def _is_copy(self, model: nn.Module) -> bool:

@@ -64,7 +64,7 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
     ) from err
 
 from gradwatch.config import GradWatchConfig, load_config
-from gradwatch.errors import ConfigError, GradWatchError, ObjectiveError
+from gradwatch.errors import ConfigError, GradWatchError, ObjectiveError, say
 from gradwatch.integrations.hf_loss import (
     ComputeLoss,
     batch_keys,
@@ -122,10 +122,10 @@ def model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
             out = model(**batch)
         else:
             out = model(batch)
-    except GradWatchError:
-        raise
     except Exception as err:  # the model's own forward on the check's copy: said in the model's and batch's terms
-        raise forward_failed(f"{type(model).__name__}'s forward", model, batch, err) from err
+        if not isinstance(err, GradWatchError):
+            say(err, forward_failed(f"{type(model).__name__}'s forward", model, batch, err))
+        raise
     loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
     if loss is None and isinstance(out, (tuple, list)) and out:
         loss = out[0]

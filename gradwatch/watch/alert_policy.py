@@ -29,7 +29,7 @@ import traceback
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from gradwatch.bands import DEFAULT_BANDS, Verdict
-from gradwatch.errors import GradientDriftError, ObjectiveError, blamed, error_key
+from gradwatch.errors import GradientDriftError, blamed, error_key, said
 from gradwatch.watch.trend import Alert
 
 logger = logging.getLogger("gradwatch")
@@ -123,8 +123,9 @@ class AlertPolicy:
             fix = ("make loss_fn(model, batch) compute the training loss of the batch without side effects (no backward, "
                    "no optimizer step)" if blamed(exc) else "none on your side if loss_fn runs alone: this may be a "
                    "gradwatch bug; please report it with the traceback below")
-            if isinstance(exc, ObjectiveError):  # gradwatch's own default objective: the fix is in its words
-                fix = exc.todo
+            words = said(exc)
+            if words is not None:  # gradwatch's own default objective: the fix is in its words
+                fix = words.todo
             logger.error(
                 "gradwatch: the check at step %d raised %s (in %s); the check is skipped and training goes on. "
                 "Fix: %s. Later failures like this one are counted, not printed.\n%s",

@@ -24,7 +24,7 @@ from gradwatch.check.judging.report import (
     json_float,
     suspects,
 )
-from gradwatch.errors import ConfigError, ObjectiveError, error_key
+from gradwatch.errors import ConfigError, error_key, said
 from gradwatch.options import trend_options
 from gradwatch.watch.causes import Causes, message
 
@@ -501,8 +501,8 @@ class TrendTracker:
         """
         self._checks += 1
         msg = f"step {step}: the gradient check raised {type(exc).__name__}: {exc}"
-        if isinstance(exc, ObjectiveError):  # gradwatch's own default objective: what of the model or batch, in words
-            msg = f"step {step}: check skipped, training continues: {exc}"
+        if said(exc) is not None:  # gradwatch's own default objective: what of the model or batch, in words
+            msg = f"step {step}: check skipped, training continues: {said(exc)}"
         elif where is None:
             msg += " — the check was skipped and training continues"
         else:
