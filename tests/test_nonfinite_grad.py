@@ -70,3 +70,22 @@ def test_a_grad_scaler_overflow_is_a_note_not_an_alert():
     grads = NonfiniteGrads()
     assert grads.look({"w": torch.tensor([float("inf")])}, scaled=True) == ["w"]
     assert grads.alerts(0) == [] and "GradScaler" in (grads.note() or "")
+
+
+def test_a_float16_autocast_step_that_overflows_is_a_note_not_an_alert():
+    """A float16 autocast step with an inf .grad: the GradScaler running it (a Trainer's, not handed to the watch)
+    skips that step and lowers its scale; said in the record, no alert."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+
+    def loss_fn(m: torch.nn.Module, batch: dict) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.float16):
+            return F.mse_loss(m(batch["x"]).squeeze(-1).float(), torch.log(batch["count"]))
+
+    watch = GradWatch(model, loss_fn, every=1, log_dir=None, form="objective", coords=2, directions=1)
+    batch = {"x": torch.rand(4, 4), "count": torch.tensor([1.0, 0.0, 2.0, 3.0])}
+    loss_fn(model, batch).backward()
+    assert not torch.isfinite(model.weight.grad).all()
+    report = watch.step(batch)
+    assert any("GradScaler" in n for n in report.notes), report.notes
+    assert not [a for a in watch.alerts if a.kind == "nonfinite" and a.part == "training"], watch.alerts

@@ -5,7 +5,8 @@ with ``log(0)`` in one micro-batch gives an infinite ``.grad`` that a faithful r
 agree, and the verdict is EXCELLENT. The backward part checks the watched batch alone, often another micro-batch.
 So the ``.grad`` itself is read here at every check: a tensor whose ``.grad`` holds NaN or inf is one ``nonfinite``
 alert of the training part, naming the tensors, when the check before found none (it is said again after a finite
-check). A float16 run with a ``GradScaler`` overflows by design and skips that step: a note, no alert.
+check). A float16 step (a ``GradScaler`` given, or training under float16 autocast, which a scaler runs: the
+Trainer's is not handed to the watch) overflows by design and the scaler skips it: a note, no alert.
 
 Example:
     >>> import torch

@@ -182,6 +182,7 @@ class TrainingPart(TrendAlerting):
         self.terms = TermWeights()
         #: The watched tensors whose ``.grad`` is NaN or inf at a check: an alert whatever the replay says.
         self.nonfinite = NonfiniteGrads()
+        self._float16 = False  # the latest replayed step ran under float16 autocast
         self._again: Optional[Tuple[Again, nn.Module, Dict[str, torch.Tensor], int]] = None
 
     def state_dict(self) -> Dict[str, Any]:
@@ -230,6 +231,8 @@ class TrainingPart(TrendAlerting):
         if before is not None:
             self._learn_overshoot(before)
         check.replay = replay
+        # a float16 autocast step overflows by design where a GradScaler runs it (the Trainer's, not handed to the watch)
+        self._float16 = replay is not None and any(on and dtype == torch.float16 for _, on, dtype in replay.autocast)
         return replay
 
     def _learn_overshoot(self, before: int) -> None:
@@ -688,7 +691,7 @@ class TrainingPart(TrendAlerting):
         if not isinstance(results, CheckReport):
             return []
         scaler = self.grad_scaler
-        scaled = scaler is not None and bool(scaler.is_enabled())
+        scaled = scaler is not None and bool(scaler.is_enabled()) or self._float16
         self.nonfinite.look({n: None if p.grad is None else local(p.grad) for n, p in self.params().items()}, scaled)
         note = self.nonfinite.note()
         if note is not None:
