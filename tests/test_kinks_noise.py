@@ -118,7 +118,7 @@ def test_kinks_are_reported_and_excluded_at_the_kink():
 def test_float32_in_place_no_false_alarms(kind, seed):
     counts, kinks, watch, reports = train_watched(kind, None, seed)
     assert counts[Verdict.SUSPICIOUS] == 0 and counts[Verdict.WRONG] == 0, counts
-    assert watch.alerts == [], [a.message for a in watch.alerts]
+    assert_only_said_never_given(watch)
     assert reports[0].dtype == "float32"
     # float32 cannot resolve every kink: those tensors say so instead of failing.
     inconclusive = [t for r in reports for t in r.tensors.values() if t.verdict is None]
@@ -160,10 +160,19 @@ def test_float32_in_place_still_catches_wrong_gradients(seed):
 
 
 @pytest.mark.slow
-def test_inconclusive_tensors_raise_no_alert(caplog):
+def assert_only_said_never_given(watch) -> None:
+    """No failed verdict: at most the one not_checked warning of issue 73 (a tensor float32 left without a verdict
+    at 3 checks in a row), saying how to check it (dtype=float64)."""
+    assert all(a.kind == "not_checked" and a.severity == "warning" for a in watch.alerts), \
+        [a.message for a in watch.alerts]
+    assert len(watch.alerts) <= 1 and all("dtype=float64" in a.message for a in watch.alerts), \
+        [a.message for a in watch.alerts]
+
+
+def test_inconclusive_tensors_raise_no_failure_only_one_warning_that_says_how_to_check_them(caplog):
     torch.manual_seed(0)
     with caplog.at_level(logging.WARNING, logger="gradwatch"):
         counts, _, watch, _ = train_watched("maxpool", None)
     assert counts[None] > 0
-    assert watch.alerts == []
+    assert_only_said_never_given(watch)
     assert "nonfinite" not in caplog.text

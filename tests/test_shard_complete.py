@@ -171,7 +171,7 @@ WORKER = textwrap.dedent(
         params = {k: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for k, p in net.named_parameters()}
         if watch is None:
             return params
-        res = {"checks": checks, "alerts": [[a.kind, a.tensor, a.message] for a in watch.alerts]}
+        res = {"checks": checks, "alerts": [[a.kind, a.tensor, a.message, a.names] for a in watch.alerts]}
         watch.close()
         return res, params
 
@@ -219,7 +219,8 @@ def ranks(tmp_path_factory):
 
 
 def _alerted(res, kind="threshold"):
-    return {a[1] for a in res["alerts"] if a[0] == kind}
+    """The tensors ``kind`` alerts named: one cause's alert names each tensor it explains (issue 73)."""
+    return {n for a in res["alerts"] if a[0] == kind for n in a[3]}
 
 
 NAMES = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]

@@ -68,6 +68,8 @@ def torch_optimizer(optimizer: Any) -> Optional[torch.optim.Optimizer]:
     """
     seen = 0
     while optimizer is not None and seen < 4:
+        if type(optimizer).__module__.startswith("deepspeed"):
+            return None  # ZeRO's: its groups hold flat partitions, not the model's tensors (not verified yet)
         if isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks"):
             return optimizer
         optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
@@ -194,6 +196,8 @@ class UpdatePart:
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], seed: int = 0,
                  asked: Optional[float] = None, emit: Optional[Callable[[int, List[Alert]], None]] = None) -> None:
         self.model, self.optimizer, self.seed, self.asked = model, torch_optimizer(optimizer), int(seed), asked
+        if any(type(p.data) is not torch.Tensor or hasattr(p, "ds_id") for p in model.parameters()):
+            self.optimizer = None  # sharded (FSDP2, tensor parallel, ZeRO-3): each rank's shards, not verified yet
         self.emit = emit
         self.ties = declared_ties(model)
         self.alerts: List[Alert] = []
@@ -233,8 +237,9 @@ class UpdatePart:
             g = p.grad
             if g is None or g.is_sparse or type(g) is not torch.Tensor or type(p.data) is not torch.Tensor:
                 continue  # (a sharded tensor's norm and coordinates are each rank's: not judged yet)
-            norms.append(torch.linalg.vector_norm(g.detach(), dtype=torch.float64))
-            if g.numel() and g.is_floating_point():
+            norms.append(torch.linalg.vector_norm(g.detach(), dtype=torch.complex128 if g.is_complex() else torch.float64)
+                         .abs())
+            if g.numel() and g.is_floating_point():  # (a complex tensor's update is not replayed yet: its norm counts)
                 gen = generator(tensor_seed(self.seed + step, name))
                 drawn[name] = torch.unique(torch.randint(0, g.numel(), (min(COORDS, g.numel()),), generator=gen)).to(g.device)
                 before[name] = g.detach().reshape(-1)[drawn[name]].to(torch.float64)
