@@ -33,6 +33,7 @@ from torch import nn
 
 from gradwatch.check.modules.stubs import ReplayMismatch
 from gradwatch.check.objective.dropout_off import dropout_off
+from gradwatch.check.objective.dtensor import CollectiveInCheck
 from gradwatch.check.objective.rng import preserved_rng
 from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY
 from gradwatch.plan.units import Unit
@@ -90,6 +91,8 @@ def _with_own_words(why: str, err: BaseException) -> str:
 
 
 def _why(err: BaseException, own: bool, evaluating: bool) -> str:
+    if isinstance(err, CollectiveInCheck):  # gradwatch's own refusal, written for the user: what and what to do
+        return str(err)
     if isinstance(err, ReplayMismatch):
         if err.more:
             return (f"its own code calls `{err.module}` more often when it runs again than in training (a forward "
