@@ -143,8 +143,7 @@ def test_sft_trainer_at_its_defaults_with_accumulation_both_verdicts_on_every_te
     from test_trl import WORDS
 
     model = llama(vocab=len(WORDS) + 3)
-    callback = GradWatchCallback(every=1, tensorboard=False, independence=None, form="objective",
-                                 log_dir=str(tmp_path / "run"))
+    callback = GradWatchCallback(every=1, tensorboard=False, log_dir=str(tmp_path / "run"))  # the watch's defaults too
     sft(tmp_path / "watched", model, [callback], steps=6, texts_count=60)
     assert model.is_gradient_checkpointing
     assert callback.watch.paused is None and callback.watch.alerts == [], [a.message[:300] for a in callback.watch.alerts]
