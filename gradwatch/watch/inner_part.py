@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from typing import Any, Dict, List, Optional, cast
 
 import torch
@@ -35,6 +36,7 @@ from gradwatch.check.higher_order.inner import capture_inner_inputs, check_inner
 from gradwatch.check.judging.report import CheckReport, TensorCheck
 from gradwatch.check.model import run_model_check
 from gradwatch.check.modules.localize import map_tensors
+from gradwatch.errors import first_line
 from gradwatch.plan.cycle import next_pass
 from gradwatch.plan.shards import rows_held
 from gradwatch.plan.units import Unit, isolated_forward
@@ -43,6 +45,8 @@ from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
 from gradwatch.watch.lockstep import Lockstep
 from gradwatch.watch.shard_check import ShardView, gather_wholes, held_by, reshard
 from gradwatch.watch.zero import is_partitioned, partition_span
+
+logger = logging.getLogger("gradwatch")
 
 
 class InnerPart(TrendAlerting):
@@ -142,7 +146,9 @@ class InnerPart(TrendAlerting):
                         entry.failed = entry.verdict is not None and entry.verdict.is_failure(report.fail_at)
                         checks[entry.name] = entry
         except Exception as exc:  # noqa: BLE001 - every rank stopped at the same point: a note, the rest stands
-            report.notes.append(f"double backward not checked: {type(exc).__name__}: {exc}")
+            logger.debug("gradwatch: the double backward check raised", exc_info=exc)
+            report.notes.append("double backward not checked: running each module's double backward alone on the "
+                                f"inputs the objective gave it failed ({first_line(exc)}); the rest of the check stands")
             return {}
         finally:
             reshard(model)
@@ -234,7 +240,9 @@ class InnerPart(TrendAlerting):
             with ctx.recorder_paused():
                 found = run_model_check(proxy, ctx.objective, check.batch, opts, names=names)
         except Exception as exc:  # noqa: BLE001 - the user's loss_fn on the held outputs: a note, the rest stands
-            report.notes.append(f"terms that read the parameters directly not checked: {type(exc).__name__}: {exc}")
+            logger.debug("gradwatch: the check of the terms reading the parameters raised", exc_info=exc)
+            report.notes.append("terms that read the parameters directly not checked: loss_fn on the model's held "
+                                f"outputs failed ({first_line(exc)}); the rest of the check stands")
             return {}
         finally:
             reshard(model)
