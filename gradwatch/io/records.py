@@ -19,7 +19,6 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 import numpy as np
 
 from gradwatch.check.judging.report import CheckReport, json_float
-from gradwatch.io.headlines import with_lines
 from gradwatch.io.not_judged import unjudged
 
 #: Per-tensor fields copied into a check record, in this order.
@@ -184,8 +183,7 @@ def alert_record(alert: Any, *, wall_time: Optional[float] = None) -> Dict[str, 
 
     Returns:
         ``{"type": "alert", "time", "step", "tensor", "kind", "severity", "value",
-        "baseline", "message", "part", "headline", "why", "todo"}`` (extra fields of ``alert.to_dict()`` are kept;
-        ``headline``, ``why`` and ``todo`` derived from the others where the alert has none: :mod:`gradwatch.io.headlines`).
+        "baseline", "message"}`` (extra fields of ``alert.to_dict()`` are kept).
 
     Example:
         >>> from types import SimpleNamespace
@@ -207,7 +205,6 @@ def alert_record(alert: Any, *, wall_time: Optional[float] = None) -> Dict[str, 
             fields[key] = getattr(alert, key, None)
     fields.pop("type", None)
     fields.pop("time", None)
-    fields = with_lines(fields)
     record: Dict[str, Any] = {"type": "alert", "time": time.time() if wall_time is None else float(wall_time)}
     record.update(to_jsonable(fields))
     if record.get("step") is not None:

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -29,6 +30,7 @@ from gradwatch.check.independence.report import merge_ranks
 from gradwatch.check.independence.structures import INDEPENDENCE_WORDS, PACKED_KEYS, packed_documents, parse_independence
 from gradwatch.check.objective.generators import HeldGenerators
 from gradwatch.check.objective.rng import preserved_rng
+from gradwatch.errors import first_line
 from gradwatch.plan.cycle import next_pass
 from gradwatch.trees import rebuild, tensor_leaves
 from gradwatch.watch.context import CheckContext
@@ -36,10 +38,7 @@ from gradwatch.watch.lockstep import Lockstep
 from gradwatch.watch.shard_check import reshard
 from gradwatch.watch.trend import Alert
 
-#: What to do about a broken structure (its alert's last line).
-_TODO = (" — look where it starts: a mask, position ids, or an op that mixes samples or positions (a normalization's "
-         "statistics over the batch, a pooling or a reshape across samples); if the model means it, do not declare "
-         "that structure")
+logger = logging.getLogger("gradwatch")
 
 #: Samples a check of structures within one sample (``causal``, ``padding``) runs on: each probe is a backward pass of
 #: the model, and a leak within a sample is the model's code, the same in every sample (TRL's first check: 18 backward
@@ -211,7 +210,9 @@ class IndependencePart:
                 report.independence, why = self.check_call(check.target, ctx.objective.loss_fn, check.batch,
                                                            check.opts.seed, ctx.held_generators())
         except Exception as exc:  # noqa: BLE001 - the user's model or inputs: say it, keep the other parts
-            why = f"independence not checked: {type(exc).__name__}: {exc}"
+            logger.debug("gradwatch: the independence check raised", exc_info=exc)
+            why = ("independence not checked: probing the model on the watched batch failed "
+                   f"({first_line(exc)}); the other parts stand")
         if why:
             report.notes.append(why)
         return report.independence
@@ -240,7 +241,7 @@ class IndependencePart:
             held.reset()
             mine = "loss_fn never calls the model itself" if call is None else call
         except Exception as exc:  # noqa: BLE001 - the user's loss_fn: said on every rank, the others still checked
-            mine = f"{type(exc).__name__}: {exc}"
+            mine = f"loss_fn failed when its model call was captured ({first_line(exc)})"
         calls = ctx.dist.everyone(mine, "the model calls of the independence check")
         found: List[Tuple[int, Optional[IndependenceReport]]] = []
         try:
@@ -254,7 +255,9 @@ class IndependencePart:
                         found.append((rank, check_independence(model, ModelCall(*call), structures, seed=seed,
                                                                generators=generators)))
         except Exception as exc:  # noqa: BLE001 - every rank stopped at the same point: a note, the rest stands
-            report.notes.append(f"independence not checked: {type(exc).__name__}: {exc}")
+            logger.debug("gradwatch: the independence check raised on the shards", exc_info=exc)
+            report.notes.append("independence not checked: probing the sharded model failed on a rank "
+                                f"({first_line(exc)}); the other parts stand")
             return None
         finally:
             reshard(model)
@@ -306,7 +309,7 @@ class IndependencePart:
             self._last[key] = self._checks
             where = "*" if v.module is None else (v.module or "(model forward)")
             out.append(Alert(step=step, tensor=where, kind="independence", severity="error", value=v.change,
-                             baseline=None, message=f"step {step}: {v.structure} independence broken: {v.describe()}{_TODO}",
+                             baseline=None, message=f"step {step}: {v.structure} independence broken: {v.describe()}",
                              part="independence"))
         return out
 
