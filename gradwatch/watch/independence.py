@@ -40,6 +40,11 @@ from gradwatch.watch.trend import Alert
 
 logger = logging.getLogger("gradwatch")
 
+#: What to do about a broken structure (its alert's last line).
+_TODO = (" — look where it starts: a mask, position ids, or an op that mixes samples or positions (a normalization's "
+         "statistics over the batch, a pooling or a reshape across samples); if the model means it, do not declare "
+         "that structure")
+
 #: Samples a check of structures within one sample (``causal``, ``padding``) runs on: each probe is a backward pass of
 #: the model, and a leak within a sample is the model's code, the same in every sample (TRL's first check: 18 backward
 #: passes of a batch of 4 took 40.8 s of its 56 s).
@@ -309,7 +314,7 @@ class IndependencePart:
             self._last[key] = self._checks
             where = "*" if v.module is None else (v.module or "(model forward)")
             out.append(Alert(step=step, tensor=where, kind="independence", severity="error", value=v.change,
-                             baseline=None, message=f"step {step}: {v.structure} independence broken: {v.describe()}",
+                             baseline=None, message=f"step {step}: {v.structure} independence broken: {v.describe()}{_TODO}",
                              part="independence"))
         return out
 
