@@ -1,4 +1,5 @@
-"""Small shared fixtures: the tutorial's sigmoid autograd Functions, a real 1-rank gloo process group."""
+"""Small shared fixtures: the tutorial's sigmoid autograd Functions, a real 1-rank gloo process group, and every
+alert a test raises checked for a headline a person reads at a glance."""
 
 from __future__ import annotations
 
@@ -24,6 +25,54 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+#: Every :class:`gradwatch.Alert` built in this process by the running test (see :func:`alert_headlines`).
+_BUILT_ALERTS: list = []
+#: Most characters of an alert's headline (issue 73: read at a glance).
+MAX_HEADLINE = 120
+
+
+def _collect_alerts() -> None:
+    """Make every Alert this process builds land in :data:`_BUILT_ALERTS` too (once per process: each xdist worker)."""
+    from gradwatch.watch.trend import Alert
+
+    if getattr(Alert.__post_init__, "collects", False):
+        return
+    built = Alert.__post_init__
+
+    def post_init(self):
+        built(self)
+        _BUILT_ALERTS.append(self)
+
+    post_init.collects = True
+    Alert.__post_init__ = post_init
+
+
+_collect_alerts()
+
+
+@pytest.fixture(autouse=True)
+def alert_headlines(request):
+    """Every alert a test raises has a headline of at most 120 characters on one line, not empty, and its message
+    is that headline, ``why: ...`` and ``what to do: ...`` (issue 73, item 3); the test fails at teardown naming the
+    alert otherwise. It sees the alerts built in this process (each pytest-xdist worker collects its own): not those
+    raised inside the subprocesses a test starts (torchrun or multiprocessing ranks, the CLI run as a command), whose
+    alert sites are the same code the in-process tests run. With GRADWATCH_HEADLINES=FILE every headline is appended
+    to FILE (length, kind, headline), to measure the longest across the suite."""
+    del _BUILT_ALERTS[:]
+    yield
+    built, _BUILT_ALERTS[:] = list(_BUILT_ALERTS), []
+    log = os.environ.get("GRADWATCH_HEADLINES")
+    if log and built:
+        with open(log, "a", encoding="utf-8") as f:
+            f.write("".join(f"{len(a.headline)}\t{a.kind}\t{request.node.nodeid}\t{a.headline}\n" for a in built))
+    bad = [a for a in built if not a.headline.strip() or len(a.headline) > MAX_HEADLINE or "\n" in a.headline
+           or a.message.split("\n")[0] != a.headline or len(a.message.split("\n")) != 3]
+    if bad:
+        pytest.fail("alert headlines must be one line of 1 to 120 characters, then why, then what to do: " + "; ".join(
+            f"{a.kind} on {a.tensor!r} at step {a.step}: {len(a.headline)} characters: {a.headline!r}" for a in bad[:5]),
+            pytrace=False)
 
 
 @pytest.fixture

@@ -142,8 +142,8 @@ def test_a_plain_loop_summing_its_models_aux_loss_over_micro_batches_is_named_on
     assert [a.kind for a in watch.alerts] == ["term_weight"], [a.message for a in watch.alerts]
     alert = watch.alerts[0]
     assert alert.part == "training" and alert.tensor == "*" and alert.severity == "error"
-    assert alert.message.startswith(
-        "step 0 (training): the model's aux_loss (times aux_loss_coef = 0.3 in the model's loss) is summed over the 2 "
+    assert alert.why.startswith(  # issue 73: why on its own line, below the headline
+        "the model's aux_loss (times aux_loss_coef = 0.3 in the model's loss) is summed over the 2 "
         "micro-batches where the data loss is averaged: it weighs 2x. The live .grad of ")
     assert "body.weight" in alert.message and "router.weight" in alert.message
     assert not [n for n, tc in report.training.items() if tc.failed]  # judged against the step with that weighting
@@ -180,8 +180,8 @@ def test_a_regularizer_added_to_each_micro_batchs_loss_is_named_once():
                 watch.accumulate(batch)
         report = watch.step(micro[-1])
     assert [a.kind for a in watch.alerts] == ["term_weight"], [a.message for a in watch.alerts]
-    assert watch.alerts[0].message.startswith(
-        "step 0 (training): the regularizer 'l2' is added whole to each of the 2 micro-batches' losses where the data "
+    assert watch.alerts[0].why.startswith(
+        "the regularizer 'l2' is added whole to each of the 2 micro-batches' losses where the data "
         "loss is averaged: it weighs 2x. The live .grad of 4 tensors (0.weight, 0.bias, 2.weight and 1 more)")
     assert all(tc.verdict.value == "excellent" for tc in report.training.values())
 
@@ -223,8 +223,8 @@ def test_under_the_trainer_at_accumulation_2_one_alert_names_the_aux_loss_and_it
     watch = trainer_run(tiny_moe("mixtral"), tmp_path)
     assert [a.kind for a in watch.alerts] == ["term_weight"], [a.message for a in watch.alerts]
     message = watch.alerts[0].message
-    assert message.startswith(
-        "step 0 (training): the router's aux loss (the output's aux_loss, times router_aux_loss_coef = 0.5 in the "
+    assert watch.alerts[0].why.startswith(
+        "the router's aux loss (the output's aux_loss, times router_aux_loss_coef = 0.5 in the "
         "model's loss) is summed over the 2 micro-batches where the data loss is averaged: it weighs 2x. The live .grad "
         "of 17 tensors (")
     assert "model.layers.1.mlp.gate.weight" in message and "transformers' Trainer" in message

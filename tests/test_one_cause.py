@@ -145,7 +145,8 @@ def test_a_resumed_run_updates_the_alert_of_a_cause_it_said_instead_of_alerting_
     tracker = TrendTracker(alert_cooldown=0)  # a repeating per-tensor alert would come back at every check
     first = tracker.update(0, training_report(words.format("2.00"), ["a", "b", "c", "d"]))
     assert [(a.tensor, a.count, a.tensors[:2]) for a in first] == [("*", 4, ["a", "b"])]
-    assert "4 tensors at step 0 (training), one cause: training's gradient is 2.00x" in first[0].message
+    assert first[0].headline == "WRONG training .grad: 4 tensors, one cause, rel_diff up to 3.0e-01 (step 0)"
+    assert first[0].why.startswith("one cause: training's gradient is 2.00x"), first[0].message
     assert "(a, b, c and 1 more)" in first[0].message
     resumed = TrendTracker(alert_cooldown=0)
     resumed.load_state_dict(json.loads(json.dumps(tracker.state_dict())))
@@ -181,7 +182,8 @@ def test_a_module_named_by_its_failing_input_lists_the_upstream_tensors_under_it
     (alert,) = alerts  # was one per failing tensor
     assert (alert.tensor, alert.kind, alert.severity, alert.count) == ("blocks.1.act", "threshold", "error", 3)
     assert alert.tensors == ["blocks.1.act:input", "emb.weight", "blocks.0.fc.weight"]
-    assert alert.message.startswith("blocks.1.act at step 0: one cause of 3 failing tensors (blocks.1.act:input, ")
+    assert alert.headline.startswith("WRONG backward gradient: blocks.1.act, one cause of 3 tensors")
+    assert alert.why.startswith("one cause of 3 failing tensors (blocks.1.act:input, "), alert.message
     assert "2 of them upstream of it fail through it: emb.weight, blocks.0.fc.weight" in alert.message
     # the objective form at a later check, where no module is named: the same cause, no new alert
     later = CheckReport(tensors={t.name: t for t in checks[:2]})

@@ -133,9 +133,12 @@ def test_scalars_skip_nonfinite():
 def test_alert_record():
     alert = Alert(7, "fc.bias", "band", "error", float("inf"), None, "fc.bias: WRONG")
     rec = alert_record(alert, wall_time=1.0)
-    assert rec == {
+    lines = {"headline": "band (backward): fc.bias, value inf (step 7)", "why": "fc.bias: WRONG",
+             "todo": "look at the tensors and the step it names: gradwatch report <run> lists each check's verdicts"}
+    assert rec == {  # the message is the three lines, each a field of its own too (issue 73)
         "type": "alert", "time": 1.0, "step": 7, "tensor": "fc.bias", "kind": "band", "severity": "error",
-        "value": "inf", "baseline": None, "message": "fc.bias: WRONG", "part": "backward",
+        "value": "inf", "baseline": None, "part": "backward", **lines,
+        "message": "{headline}\nwhy: {why}\nwhat to do: {todo}".format(**lines),
     }
     assert list(rec)[:2] == ["type", "time"]
     json.dumps(rec, allow_nan=False)
@@ -147,6 +150,8 @@ def test_alert_record_duck_typed_without_to_dict():
 
     rec = alert_record(Plain())
     assert rec["kind"] == "drift" and rec["baseline"] == 0.01 and isinstance(rec["time"], float)
+    assert rec["message"] == "m" and rec["why"] == "m"  # its own message kept; the three lines derived (issue 73)
+    assert rec["headline"] == "backward gradient drifting: w, rel_diff 1.0e-01 vs baseline 1.0e-02 (step 2)"
 
 
 def test_run_record_makes_options_jsonable():

@@ -255,8 +255,8 @@ def test_logging_sink_levels(caplog):
     with caplog.at_level(logging.INFO, logger="gradwatch"):
         sinks.write_check(check_record(5, bad_report(), seconds=0.1, overhead_fraction=0.02), alerts)
     by_msg = {r.getMessage(): r.levelno for r in caplog.records}
-    assert by_msg["w: WRONG"] == logging.ERROR
-    assert by_msg["b drifted"] == logging.WARNING
+    assert by_msg[alerts[0].message] == logging.ERROR  # its headline, why and what to do (issue 73)
+    assert by_msg[alerts[1].message] == logging.WARNING and "why: b drifted" in alerts[1].message
     [line] = [m for m in by_msg if m.startswith("gradwatch step 5")]
     assert by_msg[line] == logging.INFO and "FAILED" in line and "2 alerts" in line
 
@@ -270,7 +270,8 @@ def test_real_trend_alert_if_available(tmp_path):
     sinks.write_check(check_record(4, bad_report(), seconds=0.1, overhead_fraction=None), [alert])
     sinks.close()
     records, _ = read_jsonl(tmp_path)
-    assert records[-1]["type"] == "alert" and records[-1]["message"] == "m" and records[-1]["step"] == 4
+    assert records[-1]["type"] == "alert" and records[-1]["message"] == alert.message and records[-1]["step"] == 4
+    assert (records[-1]["headline"], records[-1]["why"]) == (alert.headline, "m")  # the three lines kept (issue 73)
 
 
 def test_records_survive_sigkill(tmp_path):

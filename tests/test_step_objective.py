@@ -42,7 +42,7 @@ def sum_over_step(model, micro, i):
 
 
 def first_alert(watch):
-    training = [a for a in watch.alerts if "(training)" in a.message]
+    training = [a for a in watch.alerts if a.part == "training"]
     assert training, f"no training alert; alerts: {[a.message[:120] for a in watch.alerts]}"
     return training[0]
 

@@ -103,7 +103,7 @@ def test_missing_l2_and_tripled_grad_raise_training_alerts_with_diagnosis(tmp_pa
     # the missing L2 term is one cause of three tensors: one alert (issue 73; it was one per tensor)
     assert [(a.tensor, a.tensors) for a in training_alerts] == [("*", ["0.bias", "2.weight", "2.bias"]), ("0.weight", [])]
     assert all(a.kind == "threshold" and a.severity == "error" and a.step == 0 for a in training_alerts)
-    assert any("(training)" in a.message and "3.00x" in a.message for a in training_alerts if a.tensor == "0.weight")
+    assert any(a.part == "training" and "3.00x" in a.message for a in training_alerts if a.tensor == "0.weight")
     # the same in checks.jsonl: a training map per check, alerts with part=training
     records, _ = read_jsonl(tmp_path)
     checks = [r for r in records if r["type"] == "check"]
@@ -586,7 +586,7 @@ def test_trend_follows_the_training_verdict_and_survives_a_state_round_trip():
     tracker = TrendTracker()
     alerts = [a for s, v in enumerate([0.0, 0.0, 0.0, 5e-6, 5e-6]) for a in tracker.update(s, report(v))]
     assert [(a.kind, a.part, a.tensor) for a in alerts] == [("drift", "training", "w")]
-    assert "(training)" in alerts[0].message and tracker.history == {}  # the backward history is apart
+    assert alerts[0].headline.startswith("training .grad drifting: w") and tracker.history == {}  # the backward's apart
     resumed = TrendTracker()
     resumed.load_state_dict(json.loads(json.dumps(tracker.state_dict())))
     assert resumed.training_history == tracker.training_history and resumed.baseline("w", "training") == 0.0

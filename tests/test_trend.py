@@ -62,7 +62,9 @@ def test_drift_two_decades_while_still_acceptable():
     alert = alerts[0]
     assert Verdict.from_value(alert.value) is Verdict.ACCEPTABLE
     assert alert.value == pytest.approx(3e-7) and alert.baseline == pytest.approx(1e-9)
-    assert "fc1.weight at step 5" in alert.message and "baseline 1.0e-09" in alert.message
+    # issue 73: the headline says what, where and how bad; the why and what to do on their own lines
+    assert alert.headline == "backward gradient drifting: fc1.weight, rel_diff 3.0e-07 vs baseline 1.0e-09 (step 5)"
+    assert alert.message.split("\n")[0] == alert.headline and "baseline 1.0e-09" in alert.why
     assert "ACCEPTABLE" in alert.message and "2.5 decades" in alert.message
 
 
@@ -87,8 +89,9 @@ def test_threshold_on_wrong_with_diagnosis():
     assert len(threshold) == 1
     a = threshold[0]
     assert (a.tensor, a.severity, a.step, a.value) == ("fc1.weight", "error", 430, 3.1e-2)
-    assert "fc1.weight at step 430: judged rel_diff 3.1e-02 (WRONG" in a.message
-    assert diag in a.message and "check the backward" in a.message
+    assert a.headline == "WRONG backward gradient: fc1.weight, rel_diff 3.1e-02 (step 430)"
+    assert a.why.startswith("judged rel_diff 3.1e-02 (WRONG") and diag in a.why
+    assert a.todo.startswith("check the backward") and a.message == f"{a.headline}\nwhy: {a.why}\nwhat to do: {a.todo}"
 
 
 def test_suspicious_is_a_warning():
@@ -178,7 +181,8 @@ def test_nonfinite_gradient_names_the_tensor():
     alerts = tracker.update(3, report(tc("a", 1e-9), tc("b", math.nan, inconclusive="analytic gradient has non-finite "
                                                        "values (NaN or inf)"), nonfinite=True))
     assert [(a.tensor, a.kind, a.severity) for a in alerts] == [("b", "nonfinite", "error")]
-    assert alerts[0].message.startswith("b at step 3: analytic gradient has non-finite values")
+    assert alerts[0].headline == "non-finite check: b, no verdict (step 3)"
+    assert alerts[0].why.startswith("analytic gradient has non-finite values")
 
 
 def test_nondeterministic_whole_check():
@@ -224,8 +228,11 @@ def test_summary_and_history_shape():
 def test_alert_to_dict_is_json_safe():
     a = Alert(step=1, tensor="*", kind="error", severity="error", value=math.nan, baseline=None, message="m")
     d = a.to_dict()
+    lines = {"headline": "the check failed (step 1)", "why": "m",
+             "todo": "look at the exception above; the check was skipped and training continues"}
     assert d == {"step": 1, "tensor": "*", "kind": "error", "severity": "error", "value": "nan", "baseline": None,
-                 "message": "m", "part": "backward"}
+                 "message": "the check failed (step 1)\nwhy: m\nwhat to do: look at the exception above; the check "
+                 "was skipped and training continues", "part": "backward", **lines}
     json.loads(json.dumps(d, allow_nan=False))
 
 
@@ -307,18 +314,20 @@ def test_trend_module_is_pure():
     import ast
     import pathlib
 
+    import gradwatch.io.headlines as headlines
     import gradwatch.watch.causes as causes
     import gradwatch.watch.trend as trend
 
     imported = set()
-    for module in (trend, causes):  # the trends and their causes (one alert for many tensors): pure, both
+    for module in (trend, causes, headlines):  # the trends, their causes and the alerts' lines: pure, all three
         for node in ast.walk(ast.parse(pathlib.Path(module.__file__).read_text())):
             if isinstance(node, ast.Import):
                 imported |= {n.name.split(".")[0] for n in node.names}
             elif isinstance(node, ast.ImportFrom):
                 imported.add(("." * node.level) + (node.module or ""))
-    assert imported <= {"__future__", "math", "re", "statistics", "dataclasses", "typing", "gradwatch.errors",
-                        "gradwatch.bands", "gradwatch.options", "gradwatch.check.judging.report", "gradwatch.watch.causes"}
+    assert imported <= {"__future__", "math", "re", "statistics", "dataclasses", "typing", "textwrap", "gradwatch.errors",
+                        "gradwatch.bands", "gradwatch.options", "gradwatch.check.judging.report", "gradwatch.watch.causes",
+                        "gradwatch.io.headlines"}
 
 
 def test_a_piece_over_the_room_once_is_said_at_its_second_time_across_a_resume():

@@ -39,7 +39,8 @@ def run(make_opt, clip=None, watched=True, model=None, steps=4, **options):
     """A plain loop of ``steps`` steps with a check at each; ``clip(model, opt)`` between the check and the step."""
     model = model or Net()
     opt = make_opt(model)
-    watch = GradWatch(model, loss_fn, optimizer=opt, every=1, log_dir=None, **options) if watched else None
+    options.setdefault("log_dir", None)
+    watch = GradWatch(model, loss_fn, optimizer=opt, every=1, **options) if watched else None
     for b in batches(steps):
         opt.zero_grad()
         loss_fn(model, b).backward()
@@ -263,3 +264,23 @@ def test_under_lightning_its_clipping_by_norm_or_by_value_and_its_step_are_clean
     if clip == "value":
         assert last["clipping"]["factor"] is None and last["clipping"]["threshold"] == pytest.approx(0.002), last
     assert watch.update._hooks == []  # the fit's end closed the watch: its hook is gone
+
+
+def test_each_steps_verdicts_are_in_the_jsonl_records_and_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from gradwatch.io.sinks import read_jsonl
+
+    _, watch = run(OPTIMIZERS["adamw_foreach"], clip_all, log_dir=str(tmp_path))
+    watch.close()
+    records, _ = read_jsonl(tmp_path / "checks.jsonl")
+    updates = [r for r in records if r["type"] == "update"]
+    assert [r["step"] for r in updates] == [0, 1, 2, 3], [r["type"] for r in records]
+    assert all(r["algorithm"] == "AdamW" and r["clipping"]["factor"] < 1 for r in updates), updates[-1]
+    assert set(updates[-1]["tensors"]) == {"emb.weight", "body.weight", "body.bias", "head.weight"}
+    assert all(t["verdict"] == "excellent" for r in updates for t in r["tensors"].values())
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert "gradwatch/update/clipping_factor" in tags and "gradwatch/update/log10_judged_rel_diff/head.weight" in tags
+    assert [e.step for e in acc.Scalars("gradwatch/update/clipping_factor")] == [0, 1, 2, 3]

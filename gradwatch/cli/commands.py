@@ -158,7 +158,8 @@ def _add_report(sub: Any) -> None:
                    help="read checks.jsonl or the event files; auto prefers checks.jsonl (default: auto)")
     p.add_argument("--fail-on-alerts", action="store_true",
                    help="exit 1 when a run has any alert, 2 when no check was recorded")
-    p.add_argument("-v", "--verbose", action="store_true", help="print every alert's full message (default: the first one)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print every alert's headline with its why and what to do "
+                   "indented below it (default: the first alert's)")
     p.add_argument("--html", metavar="FILE", default=None,
                    help="also write a self-contained HTML page: the summary, each part's verdict map, the alerts")
     p.set_defaults(func=cmd_report)
@@ -406,10 +407,9 @@ def _print_alerts(alerts: List[Dict[str, Any]], bands: Any, details: Dict[Any, A
         print("  " + summary.format_alert(a, bands=bands, detail=detail, name_width=width))
     shown = alerts if verbose else alerts[:1]
     print()
-    print("Full message" + ("s:" if verbose else " of the first alert (-v for all):" if len(alerts) > 1 else ":"))
-    for a in shown:
-        print(f"  step {a.get('step')}, {a.get('tensor')}, {a.get('kind')} ({a.get('severity')}):")
-        for line in summary.wrap_message(str(a.get("message")), indent="    "):
+    print("Why and what to do" + (":" if verbose or len(alerts) == 1 else ", for the first alert (-v for all):"))
+    for a in shown:  # its headline, then why and what to do indented below it
+        for line in summary.wrap_message(a, indent="  "):
             print(line)
 
 

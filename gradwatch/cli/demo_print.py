@@ -143,7 +143,7 @@ class DemoPrinter:
         if alerts:
             tensors = list(dict.fromkeys(str(a["tensor"]) for a in alerts))
             p(f"{plural(len(alerts), 'alert')} on {', '.join(tensors)}; first at step {alerts[0]['step']}:")
-            for line in runs.wrap_message(alerts[0]["message"], indent="  "):
+            for line in runs.wrap_message(alerts[0], indent="  "):
                 p(line)
             if self.settings.bug == "late":
                 p("  Here: fc1 feeds the custom SiLU, whose backward drops a term once |x| >= 3.")

@@ -120,6 +120,8 @@ def _alerts_table(alerts: Sequence[Mapping[str, Any]]) -> List[str]:
     for a in alerts:
         message = str(a.get("message") or "")
         head, _, rest = message.partition("\n")
+        if a.get("headline") and not rest.strip():  # a record written before alerts had three lines: derived
+            head, rest = str(a["headline"]), f"why: {a.get('why')}\nwhat to do: {a.get('todo')}"
         cells: Dict[str, Any] = {k: a.get(k) for k in ("step", "part", "tensor", "kind", "severity")}
         text = f"<details><summary>{html.escape(head)}</summary><pre>{html.escape(rest)}</pre></details>" if rest.strip() \
             else html.escape(head)

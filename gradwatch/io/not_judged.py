@@ -145,7 +145,8 @@ def unchecked_from_alerts(alerts: Sequence[Mapping[str, Any]]) -> Unchecked:
     """
     tally: Unchecked = {}
     for a in alerts:
-        found = _ALERT.match(str(a.get("message") or "")) if a.get("kind") == "not_checked" else None
+        text = f"step {a.get('step')}: {a['why']} — {a.get('todo')}" if a.get("why") else str(a.get("message") or "")
+        found = _ALERT.match(text) if a.get("kind") == "not_checked" else None  # three lines (issue 73), or one
         if found is not None:
             item = NotChecked(found["part"], str(a.get("tensor")), found["why"], found["how"], found["label"])
             tally.setdefault(item.key, {**item.to_dict(), "checks": None, "step": int(found["step"]), "planned": None})

@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 import numpy as np
 
 from gradwatch.check.judging.report import CheckReport, json_float
+from gradwatch.io.headlines import with_lines
 from gradwatch.io.not_judged import unjudged
 
 #: Per-tensor fields copied into a check record, in this order.
@@ -183,7 +184,8 @@ def alert_record(alert: Any, *, wall_time: Optional[float] = None) -> Dict[str, 
 
     Returns:
         ``{"type": "alert", "time", "step", "tensor", "kind", "severity", "value",
-        "baseline", "message"}`` (extra fields of ``alert.to_dict()`` are kept).
+        "baseline", "message", "part", "headline", "why", "todo"}`` (extra fields of ``alert.to_dict()`` are kept;
+        ``headline``, ``why`` and ``todo`` derived from the others where the alert has none: :mod:`gradwatch.io.headlines`).
 
     Example:
         >>> from types import SimpleNamespace
@@ -205,6 +207,7 @@ def alert_record(alert: Any, *, wall_time: Optional[float] = None) -> Dict[str, 
             fields[key] = getattr(alert, key, None)
     fields.pop("type", None)
     fields.pop("time", None)
+    fields = with_lines(fields)
     record: Dict[str, Any] = {"type": "alert", "time": time.time() if wall_time is None else float(wall_time)}
     record.update(to_jsonable(fields))
     if record.get("step") is not None:
@@ -276,6 +279,44 @@ def scalars_from_check(record: Mapping[str, Any]) -> List[Tuple[str, float]]:
         add(f"gradwatch/coverage/{part}", value)
     add("gradwatch/coverage/cycle_length", record.get("cycle_length"))
     add("gradwatch/coverage/steps_to_full", record.get("steps_to_full"))
+    return out
+
+
+def update_record(last: Mapping[str, Any], *, wall_time: Optional[float] = None) -> Dict[str, Any]:
+    """The JSONL record of the optimizer step after a check (:attr:`gradwatch.watch.update_part.UpdatePart.last`).
+
+    ``{"type": "update", "time", "step", "algorithm", "clipping": {"factor", "threshold", "problem", "kind",
+    "groups"}, "tensors": {name: {"verdict", "rel_diff", "judged_rel_diff", "ratio", "moved"}}}``: the clipping of
+    the step, and each sampled tensor's update against its optimizer's algorithm replayed in float64 (none where the
+    optimizer's algorithm is not one gradwatch replays).
+
+    Example:
+        >>> rec = update_record({"step": 3, "algorithm": "SGD", "clipping": {"factor": 1.0},
+        ...                      "update": {"w": {"verdict": "excellent", "rel_diff": 1e-9, "judged_rel_diff": 0.0,
+        ...                                       "ratio": None, "moved": True}}}, wall_time=0.0)
+        >>> rec["type"], rec["tensors"]["w"]["verdict"]
+        ('update', 'excellent')
+    """
+    tensors = {str(n): {k: json_float(v) if isinstance(v, float) else v for k, v in u.items()}
+               for n, u in (last.get("update") or {}).items()}
+    clipping = {k: json_float(v) if isinstance(v, float) else v for k, v in (last.get("clipping") or {}).items()}
+    return {"type": "update", "time": time.time() if wall_time is None else float(wall_time), "step": int(last["step"]),
+            "algorithm": last.get("algorithm"), "clipping": clipping, "tensors": tensors}
+
+
+def scalars_from_update(record: Mapping[str, Any]) -> List[Tuple[str, float]]:
+    """TensorBoard scalars of an update record: ``gradwatch/update/log10_judged_rel_diff/<param>`` (each tensor's
+    update against the replayed algorithm's, :func:`log10_judged`) and ``gradwatch/update/clipping_factor``.
+
+    Example:
+        >>> scalars_from_update({"clipping": {"factor": 0.5}, "tensors": {"w": {"judged_rel_diff": 0.0}}})
+        [('gradwatch/update/log10_judged_rel_diff/w', -16.0), ('gradwatch/update/clipping_factor', 0.5)]
+    """
+    out = [(f"gradwatch/update/log10_judged_rel_diff/{n}", v) for n, u in (record.get("tensors") or {}).items()
+           if (v := log10_judged(u.get("judged_rel_diff"))) is not None]
+    factor = (record.get("clipping") or {}).get("factor")
+    if isinstance(factor, (int, float)) and not isinstance(factor, bool) and math.isfinite(factor):
+        out.append(("gradwatch/update/clipping_factor", float(factor)))
     return out
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, cast
@@ -32,6 +31,7 @@ from gradwatch.bands import DEFAULT_BANDS, Verdict
 from gradwatch.check.judging.report import not_checked_in
 from gradwatch.errors import GradWatchError
 from gradwatch.io import not_judged
+from gradwatch.io.headlines import with_lines, wrapped
 from gradwatch.io.not_judged import Unchecked
 from gradwatch.io.records import ALERTS_TEXT_TAG, to_jsonable
 from gradwatch.io.sinks import JSONL_NAME, RUN_TEXT_TAG, read_jsonl
@@ -57,7 +57,7 @@ class RunData:
 
     Attributes:
         history: Per tensor, one entry per check (see :data:`History`), in step order.
-        alerts: Alert records (``step, tensor, kind, severity, value, baseline, message``).
+        alerts: Alert records (``step, tensor, kind, severity, value, baseline, message, headline, why, todo``).
         details: ``(step, tensor) -> {"verdict", "diagnosis"}`` of the check records, when known.
         source: ``"jsonl"``, ``"events"`` or ``"memory"``.
         path: The file or directory read.
@@ -231,7 +231,7 @@ def _add_record(rec: Mapping[str, Any], history: History, alerts: List[Dict[str,
             history.setdefault(name, []).append(entry)
             details[(step, name)] = detail
     elif kind == "alert":
-        alert = dict(rec)
+        alert = with_lines(rec)  # a record written before alerts had a headline, why and todo: derived
         alert["step"] = None if alert.get("step") is None else int(alert["step"])
         alerts.append(alert)
     return 0
@@ -308,7 +308,7 @@ def from_event_files(path: os.PathLike, bands: Tuple[float, float, float] = DEFA
             continue
         for e in acc.Tensors(tag):
             for raw in e.tensor_proto.string_val:
-                alerts.append(_alert_from_text(int(e.step), raw.decode("utf-8", "replace")))
+                alerts.append(with_lines(_alert_from_text(int(e.step), raw.decode("utf-8", "replace"))))
     alerts.sort(key=lambda a: a["step"])
     for entries in history.values():
         entries.sort(key=lambda e: int(cast(float, e["step"])))
@@ -730,7 +730,7 @@ def format_alert(alert: Mapping[str, Any], *, bands: Sequence[float] = DEFAULT_B
         verdict = (detail or {}).get("verdict")
         what = f"verdict {verdict_text(verdict)}" if verdict else str(alert.get("severity"))
     else:
-        what = _first_clause(str(alert.get("message") or kind))
+        what = _first_clause(str(alert.get("headline") or alert.get("message") or kind))
     diag = short_diagnosis((detail or {}).get("diagnosis"))
     if diag and kind in ("threshold", "drift"):
         what += f"; {diag}"
@@ -741,14 +741,13 @@ def format_alert(alert: Mapping[str, Any], *, bands: Sequence[float] = DEFAULT_B
 
 
 def _first_clause(message: str) -> str:
-    message = re.sub(r"^step \d+: ", "", message)
+    message = re.sub(r"^step \d+: | \(step \d+\)$", "", message.split("\n")[0])
     return message.split(" — ")[0].split("; ")[0]
 
 
-def wrap_message(message: str, indent: str = "    ", width: int = 100) -> List[str]:
-    """An alert's full message, wrapped for a terminal."""
-    return textwrap.wrap(str(message), width=width, initial_indent=indent, subsequent_indent=indent,
-                         break_long_words=False, break_on_hyphens=False) or [indent]
+def wrap_message(alert: Any, indent: str = "    ", width: int = 100) -> List[str]:
+    """An alert (a record, or its message) for a terminal: its headline, then why and what to do indented below it."""
+    return wrapped(alert if isinstance(alert, Mapping) else {"message": str(alert)}, indent, width)
 
 
 def coverage_line(coverage: Mapping[str, Mapping[str, float]], cycle_length: Optional[int], checks: int,

@@ -25,7 +25,9 @@ from gradwatch.io.records import (
     band_scalars,
     custom_scalars_layout,
     scalars_from_check,
+    scalars_from_update,
     to_jsonable,
+    update_record,
 )
 from gradwatch.io.verdict_map import PARTS, MapHistory, map_png
 
@@ -64,6 +66,9 @@ class Sink:
 
     def write_alert(self, record: Mapping[str, Any]) -> None:
         """Write one ``"alert"`` record."""
+
+    def write_update(self, record: Mapping[str, Any]) -> None:
+        """Write one ``"update"`` record (the optimizer step after a check, :func:`~gradwatch.io.records.update_record`)."""
 
     def close(self) -> None:
         """Release files and writers."""
@@ -154,6 +159,9 @@ class JsonlSink(Sink):
         self.write(record)
 
     def write_alert(self, record: Mapping[str, Any]) -> None:
+        self.write(record)
+
+    def write_update(self, record: Mapping[str, Any]) -> None:
         self.write(record)
 
     def close(self) -> None:
@@ -267,6 +275,12 @@ class TensorBoardSink(Sink):
         self._pending = [step, walltime, int(alert_count)]
         if alert_count <= 0:
             self._draw_maps()
+        self.writer.flush()
+
+    def write_update(self, record: Mapping[str, Any]) -> None:
+        step, walltime = int(record["step"]), record.get("time")
+        for tag, value in scalars_from_update(record):
+            self.writer.add_scalar(tag, value, global_step=step, walltime=walltime)
         self.writer.flush()
 
     def _draw_maps(self) -> None:
@@ -446,6 +460,13 @@ class SinkSet:
             for a in alert_records:
                 self._call(sink, "write_alert", a)
         return alert_records
+
+    def write_update(self, last: Mapping[str, Any]) -> Dict[str, Any]:
+        """Write the record of the optimizer step after a check (``UpdatePart.last``); returns it."""
+        record = dict(self._stamp(update_record(last)))
+        for sink in self.sinks:
+            self._call(sink, "write_update", record)
+        return record
 
     def write_alerts(self, alerts: Sequence[Any], wall_time: Optional[float] = None) -> List[Dict[str, Any]]:
         """Write alerts raised outside a completed check (e.g. ``loss_fn`` raised)."""

@@ -123,7 +123,7 @@ class AccumulationWindow:
         if kept is not None:
             found = PartialWindow(int(kept["micro_batches"]), int(kept["window"]), float(kept["scale"]))
             message = (f"step {step} (training): a partial accumulation window: {found.text()}. The step's tensors "
-                       f"are judged against its objective's gradient times {found.micro_batches}/{found.window}. To "
+                       f"are judged against its objective's gradient times {found.micro_batches}/{found.window} — to "
                        f"fix it, {found.fix()}")
             out.append(Alert(int(step), WHOLE_CHECK, "partial_window", "warning", found.scale, None, message,
                              "training"))
@@ -133,7 +133,7 @@ class AccumulationWindow:
             message = (
                 f"step {step} (training): the training verdict is off: training ran {trained} forwards of the model "
                 f"since the last watch.step where one replay of the step's batch makes {per}, so its .grad holds "
-                f"{trained // max(per, 1)} micro-batches and the watch was handed one. Call "
+                f"{trained // max(per, 1)} micro-batches and the watch was handed one — call "
                 "watch.accumulate(micro_batch) after each micro-batch's backward and watch.step once per optimizer "
                 f"step (under accelerate's accumulate(): {ACCELERATE_CALLS}). The backward verdict goes on; each "
                 "check's training_note says why the training part was skipped; said once for the run")

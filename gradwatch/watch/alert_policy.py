@@ -95,7 +95,7 @@ class AlertPolicy:
         if raising:
             raise GradientDriftError(
                 f"gradwatch: raise_on={self.raise_on!r} matched at step {step}:\n"
-                + "\n".join(f"  - {a.message}" for a in raising),
+                + "\n".join("  - " + a.message.replace("\n", "\n    ") for a in raising),  # why, what to do below
                 alerts=raising,
             )
 
@@ -138,7 +138,7 @@ class AlertPolicy:
     @staticmethod
     def paused_alert(step: int, reason: str) -> Alert:
         """The one ``paused`` alert (a warning) of :meth:`GradWatch.pause`."""
-        message = (f"step {step}: gradwatch paused its checks: {reason}. Training goes on unchecked; "
+        message = (f"step {step}: {reason}. Training goes on unchecked — "
                    "fix the cause and call watch.resume() (or restart the run) to check again")
         return Alert(step=step, tensor="*", kind="paused", severity="warning", value=math.nan, baseline=None,
                      message=message)

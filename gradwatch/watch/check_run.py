@@ -28,6 +28,7 @@ from typing import Any, List, Optional, Tuple
 
 from gradwatch.check.judging.report import CheckReport
 from gradwatch.check.objective.rng import preserved_rng
+from gradwatch.io.headlines import line
 from gradwatch.plan.memory import MemoryMeter, model_device, release_freed
 from gradwatch.watch.backward_part import BackwardPart
 from gradwatch.watch.check_plan import CheckPlanner
@@ -306,7 +307,8 @@ class CheckRunner:
         results = coord.gather_check(step, result, error)
         if results is None:  # once: the coordinator is broken and checks no more
             gave_up = Alert(step=int(step), tensor=WHOLE_CHECK, kind="error", severity="error", value=math.nan,
-                            baseline=None, message=f"step {step}: {coord.broken}; training continues")
+                            baseline=None, message=f"step {step}: {coord.broken}; training continues",
+                            headline=line("distributed checks stopped", "", "the ranks no longer meet", step))
             return Outcome(None, [gave_up], seconds, merged=True)
         merged = merge_results(results, check.chosen, check.opts)
         if merged.error is not None:

@@ -193,6 +193,7 @@ class GradWatch:
         self.runner = CheckRunner(self.context, self.check_plan, self.backward, self.training, self.inner,
                                   self.independence, self.schedule, self.tracker, self.step_objective, self.notes)
         self.update = UpdatePart(model, optimizer, self._check_options.seed, emit=lambda s, a: self._emit(s, None, a, 0.0))
+        self.update.write = self.sinks.write_update  # the step after each check, in the records
         #: The monitor's seconds against the run's wall time.
         self.clock = OverheadClock(timed=self.runner.say_steps_to_full)
         #: Why the checks are paused (None while they run); see :meth:`pause` and :meth:`resume`.
@@ -208,14 +209,8 @@ class GradWatch:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_config(
-        cls,
-        path: Union[str, Path],
-        *,
-        model: nn.Module,
-        loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-        **overrides: Any,
-    ) -> "GradWatch":
+    def from_config(cls, path: Union[str, Path], *, model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+                    **overrides: Any) -> "GradWatch":
         """Build from a YAML file; keyword ``overrides`` win over the file.
 
         Example:

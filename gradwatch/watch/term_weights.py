@@ -261,7 +261,7 @@ class TermWeights:
         message = (f"step {step} (training): {found.fit.text}. The live .grad of {n} tensor{'s' if n > 1 else ''} "
                    f"({first}) is the step objective's gradient with that weighting (fitted to within "
                    f"{found.fit.misfit:.1e} on {found.fit.coordinates} sketched coordinates; against the objective "
-                   f"itself up to {verdict} {worst.judged_rel_diff:.1e}, at {worst.name}); they are judged against it. "
+                   f"itself up to {verdict} {worst.judged_rel_diff:.1e}, at {worst.name}); they are judged against it — "
                    f"{found.hint} Said once for the run")
         severity = "error" if worst.verdict is Verdict.WRONG else "warning"
         return [Alert(int(step), WHOLE_CHECK, "term_weight", severity, float(worst.judged_rel_diff), None, message,

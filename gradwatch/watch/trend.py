@@ -25,6 +25,7 @@ from gradwatch.check.judging.report import (
     suspects,
 )
 from gradwatch.errors import ConfigError, error_key, said
+from gradwatch.io.headlines import alert_lines, joined
 from gradwatch.options import trend_options
 from gradwatch.watch.causes import Causes, message
 
@@ -66,7 +67,8 @@ class Alert:
         value: The value that triggered it (judged rel_diff, rolling median for drift,
             the objective for whole-check alerts, the scale for a partial window; ``nan`` when there is none).
         baseline: The tensor's baseline judged rel_diff, when established.
-        message: What happened and what to check next.
+        message: Its three lines: :attr:`headline`, ``why: ...`` and ``what to do: ...`` (composed when it is built
+            from the words given here: a one-line message's `` — `` sets what to do apart).
         part: Which verdict raised it: ``"backward"`` (the backward formulas against finite
             differences), ``"training"`` (the live ``.grad`` against the objective's gradient),
             ``"independence"``, or for a ``not_checked`` alert also ``"inner"`` (a module's double backward).
@@ -74,12 +76,16 @@ class Alert:
             its ``tensor`` is then the module named, or ``"*"``) how many it explains at its check (later checks that
             find the cause again say theirs, and its last step, in their records' ``causes``: :attr:`TrendTracker.causes`).
         tensors: The names of those tensors (one cause's; empty for an alert about one tensor or none).
+        headline: What, where and how bad, at most 120 characters (a long tensor name shortened in its middle);
+            ``why`` and ``todo``: why, and what to do (:mod:`gradwatch.io.headlines`; derived when not given).
 
     Example:
         >>> a = Alert(step=3, tensor="w", kind="drift", severity="warning", value=1e-5,
         ...           baseline=1e-9, message="w drifted")
         >>> a.to_dict()["value"], a.to_dict()["baseline"], a.part
         (1e-05, 1e-09, 'backward')
+        >>> a.message.splitlines()[0]
+        'backward gradient drifting: w, rel_diff 1.0e-05 vs baseline 1.0e-09 (step 3)'
     """
 
     step: int
@@ -92,6 +98,13 @@ class Alert:
     part: str = "backward"
     count: int = 1
     tensors: List[str] = field(default_factory=list)
+    headline: str = ""
+    why: str = ""
+    todo: str = ""
+
+    def __post_init__(self) -> None:
+        self.headline, self.why, self.todo = alert_lines(asdict(self))
+        self.message = joined(self.headline, self.why, self.todo)
 
     @property
     def names(self) -> List[str]:
@@ -660,9 +673,9 @@ class TrendTracker:
         name_it = "" if modules else (
             " (name it: one check with form='module', or check_model(..., localize=True))")
         msg = (
-            f"{where} at step {step}: a straight-through or surrogate gradient, undeclared — its backward passes "
+            f"{where} at step {step}: a straight-through or surrogate gradient, undeclared: its backward passes "
             f"a gradient its forward does not have (numeric zero where analytic is not) to {', '.join(explained)}"
-            f"{name_it}. If by design (a quantizer, a spike), declare it: surrogates={declare} (YAML surrogates:, "
+            f"{name_it} — if by design (a quantizer, a spike), declare it: surrogates={declare} (YAML surrogates:, "
             "CLI --surrogates), and the check cuts the objective there and checks the rest around it. If not, it "
             "is a wrong backward. Said once for the run: these tensors raise no further alert for it"
         )

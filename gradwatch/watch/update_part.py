@@ -42,6 +42,7 @@ from torch import nn
 from gradwatch.check.numerics.sampling import generator, tensor_seed
 from gradwatch.check.update.clipping import factors, judge_clipping, value_bound
 from gradwatch.check.update.optimizer_replay import algorithm, judge_update, replay
+from gradwatch.io.headlines import line
 from gradwatch.watch.trend import WHOLE_CHECK, Alert
 
 #: Coordinates drawn from each tensor at a check.
@@ -146,9 +147,30 @@ class Replicas:
         return [Alert(int(step), WHOLE_CHECK, "replica", "error", math.nan, None, (
             f"step {step} (update): {len(names)} replicated tensor{'s' if len(names) > 1 else ''} ({_listed(names)}) "
             f"differ{'s' if len(names) == 1 else ''} bit for bit on rank{'s' if len(ranks) > 1 else ''} "
-            f"{', '.join(map(str, ranks))} from the other ranks: DDP's replicas drifted apart (a rank edited its "
-            "weights outside the step, a step or a reduction ran on some ranks only, or a buffer broadcast replaced "
-            "them). Said once for the run"), "update")]
+            f"{', '.join(map(str, ranks))} from the other ranks: DDP's replicas drifted apart — look for what changes "
+            "weights on some ranks only: an edit outside the step, a step or a reduction run on some ranks only, a "
+            "buffer broadcast that replaced them. Said once for the run"), "update",
+            headline=line("DDP replicas differ between ranks", f"{len(names)} tensor{'s' if len(names) > 1 else ''}",
+                          f"on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}", step))]
+
+
+#: What to do about a clipping that is not what training asked for.
+_CLIPPING_TODO = ("look at the clipping between backward and optimizer.step(): one clip_grad_norm_ over all the model's "
+                  "parameters with the threshold asked (max_grad_norm, gradient_clip_val), no hook or edit of .grad")
+#: What to do when watching the step raised: gradwatch's own failure.
+_OWN_FAILURE = "nothing in training: it goes on, the step unverified; please report it with this message"
+
+
+def _clipping_headline(clipping: Any, step: int) -> str:
+    """What is wrong with a step's clipping, in a headline."""
+    if clipping.kind == "groups":
+        return line("clipping", f"{len(clipping.groups)} parameter groups scaled differently", "", step)
+    if clipping.kind == "not_scaling":
+        return line("clipping", ".grad changed between the check and the step, not by one factor", "", step)
+    if clipping.kind == "unasked":
+        return line("clipping where none was asked", "", f".grad scaled by {clipping.factor:.4g}", step)
+    return line("clipping not as asked", "", "" if clipping.factor is None else f".grad scaled by {clipping.factor:.4g}",
+                step)
 
 
 def declared_ties(model: nn.Module) -> List[Tuple[str, ...]]:
@@ -199,6 +221,8 @@ class UpdatePart:
         if any(type(p.data) is not torch.Tensor or hasattr(p, "ds_id") for p in model.parameters()):
             self.optimizer = None  # sharded (FSDP2, tensor parallel, ZeRO-3): each rank's shards, not verified yet
         self.emit = emit
+        #: ``write(last)``: where each step's verdicts are recorded (the watch's sinks); None: kept in :attr:`last` only.
+        self.write: Optional[Callable[[Dict[str, Any]], Any]] = None
         self.ties = declared_ties(model)
         self.alerts: List[Alert] = []
         self.last: Optional[Dict[str, Any]] = None
@@ -225,7 +249,8 @@ class UpdatePart:
             self.optimizer = None
             self._deliver(step, self._once(step, "not_checked", "raised", "warning", (
                 f"step {step} (update): the optimizer's step is not verified in this run: watching it raised "
-                f"{type(exc).__name__}: {exc}")))
+                f"{type(exc).__name__}: {exc} — {_OWN_FAILURE}"), line("optimizer step not verified", "",
+                                                                        f"watching it raised {type(exc).__name__}", step)))
 
     def _arm(self, step: int) -> None:
         alerts = self._structure(step)
@@ -273,8 +298,9 @@ class UpdatePart:
             alerts += self._once(step, "update", f"missing:{','.join(missing)}", "error", (
                 f"the optimizer holds none of {len(missing)} of the {len(trained)} trained tensors "
                 f"({_listed(missing)}): its step cannot change them. It was built before the parameters were "
-                "replaced (load_state_dict(assign=True), to_empty, fully_shard after the optimizer): build the "
-                "optimizer after the model's final parameters exist"))
+                "replaced (load_state_dict(assign=True), to_empty, fully_shard after the optimizer) — build the "
+                "optimizer after the model's final parameters exist"),
+                line("optimizer holds none of the trained tensors", "", f"{len(missing)} tensors", step))
         now = {n: p for n, p in self.model.named_parameters(remove_duplicate=False)}
         for tie in self.ties:
             tensors = [now.get(n) for n in tie]
@@ -283,8 +309,8 @@ class UpdatePart:
             alerts += self._once(step, "tie", f"tie:{','.join(tie)}", "error", (
                 f"{' and '.join(tie)} are declared tied (one parameter when the watch was built, or the config's "
                 "tie_word_embeddings) but are now separate tensors: each gets only its own part of the gradient and "
-                "they drift apart. They were untied by to_empty, a load or a copy: tie them again "
-                "(model.tie_weights()) after it"))
+                "they drift apart. They were untied by to_empty, a load or a copy — tie them again "
+                "(model.tie_weights()) after it"), line("tied weights now separate tensors", " and ".join(tie), "", step))
         return alerts
 
     # ------------------------------------------------------------------ around the step
@@ -318,7 +344,8 @@ class UpdatePart:
             self.optimizer = None
             self._deliver(at["step"], self._once(at["step"], "not_checked", "raised", "warning", (
                 f"step {at['step']} (update): the optimizer's step is not verified in this run: judging it raised "
-                f"{type(exc).__name__}: {exc}")))
+                f"{type(exc).__name__}: {exc} — {_OWN_FAILURE}"), line("optimizer step not verified", "",
+                                                                        f"judging it raised {type(exc).__name__}", at["step"])))
 
     def _judge(self, optimizer: Any, at: Dict[str, Any]) -> None:
         step = at["step"]
@@ -333,7 +360,8 @@ class UpdatePart:
             self.thresholds.append(clipping.threshold)
         if clipping.problem is not None:
             alerts += self._once(step, "clipping", f"clipping:{clipping.kind}", "error",
-                                 f"step {step} (update): {clipping.problem}")
+                                 f"step {step} (update): {clipping.problem} — {_CLIPPING_TODO}",
+                                 _clipping_headline(clipping, step))
         name_of_algorithm = algorithm(optimizer)
         updates: Dict[str, Any] = {}
         moved, pushed = False, False
@@ -356,7 +384,9 @@ class UpdatePart:
             alerts += self._once(step, "update", "unmoved", "error", (
                 f"step {step} (update): optimizer.step() changed none of the sampled coordinates of any tensor, whose "
                 "gradients were not zero: the optimizer steps other tensors than the model's (built before the "
-                "parameters were replaced), or its step does nothing"))
+                "parameters were replaced), or its step does nothing — build the optimizer after the model's final "
+                "parameters exist, and look at what its step() does"),
+                line("optimizer step moved no sampled coordinate", "", "the gradients were not zero", step))
         wrong = [n for n, u in updates.items() if u["check"].verdict.is_failure(u["check"].verdict.SUSPICIOUS)]
         if wrong and moved:
             worst = max((updates[n]["check"] for n in wrong), key=lambda c: c.judged_rel_diff)
@@ -365,19 +395,24 @@ class UpdatePart:
                 f"step {step} (update): the update of {len(wrong)} tensor{'s' if len(wrong) > 1 else ''} "
                 f"({_listed(wrong)}) departs from {name_of_algorithm}'s algorithm replayed in float64 on the sampled "
                 f"coordinates (rel_diff up to {worst.rel_diff:.1e}{ratio}): the optimizer's step ({type(optimizer).__name__}) "
-                f"is not {name_of_algorithm}'s, or its state or hyperparameters were changed outside it"))
+                f"is not {name_of_algorithm}'s, or its state or hyperparameters were changed outside it — look at the "
+                "optimizer's class and at what changes its state or its param_groups between steps"),
+                line("WRONG optimizer update", f"{len(wrong)} tensor{'s' if len(wrong) > 1 else ''}",
+                     f"not {name_of_algorithm}'s, rel_diff up to {worst.rel_diff:.1e}", step))
         for u in updates.values():
             u.pop("check")
         self.last = {"step": step, "clipping": clipping.record(), "algorithm": name_of_algorithm, "update": updates}
+        if self.write is not None:
+            self.write(self.last)  # the records: JSONL, TensorBoard (gradwatch.io.records.update_record)
         self._deliver(step, alerts)
 
     # ------------------------------------------------------------------ alerts
-    def _once(self, step: int, kind: str, key: str, severity: str, message: str) -> List[Alert]:
+    def _once(self, step: int, kind: str, key: str, severity: str, message: str, headline: str) -> List[Alert]:
         if key in self._said:
             return []
         self._said.add(key)
         return [Alert(int(step), WHOLE_CHECK, kind, severity, math.nan, None, message + ". Said once for the run",
-                      "update")]
+                      "update", headline=headline)]
 
     def _deliver(self, step: int, alerts: List[Alert]) -> None:
         if not alerts:
