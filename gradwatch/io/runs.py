@@ -731,7 +731,8 @@ def format_alert(alert: Mapping[str, Any], *, bands: Sequence[float] = DEFAULT_B
         what = f"verdict {verdict_text(verdict)}" if verdict else str(alert.get("severity"))
     else:
         what = _first_clause(str(alert.get("headline") or alert.get("message") or kind))
-    diag = short_diagnosis((detail or {}).get("diagnosis"))
+    diag = short_diagnosis((detail or {}).get("diagnosis")) or (  # one cause's alert: how many, and the first
+        f"{alert.get('count')} tensors, one cause: {', '.join(map(str, alert['tensors'][:3]))}" if alert.get("tensors") else None)
     if diag and kind in ("threshold", "drift"):
         what += f"; {diag}"
     step = alert.get("step")
