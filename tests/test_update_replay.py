@@ -137,3 +137,13 @@ def test_a_clipping_by_value_is_read_as_one_and_is_no_alert():
     edited["a"][0] += 0.25  # not a bound
     assert value_bound(grads, edited) is None
     assert judge_clipping(factors(grads, edited), {n: 0 for n in grads}, 1.0).kind == "not_scaling"
+
+
+def test_a_threshold_off_by_the_precision_of_a_float32_norm_is_the_asked_one():
+    """TRL's SFTTrainer (a Llama with a 32,000-token vocabulary) clipped to a norm the watch's float64 norm reads as
+    1.000126 where 1 was asked: training's float32 norm over millions of entries. No alert; a factor of 2 still is."""
+    grads = {"w": torch.tensor([3.0, 4.0])}
+    clipped = {"w": grads["w"] * (1.000126 / 5.000001)}
+    assert judge_clipping(factors(grads, clipped), {"w": 0}, 5.0, asked=1.0).problem is None
+    halved = {"w": grads["w"] * (0.5 / 5.000001)}
+    assert judge_clipping(factors(grads, halved), {"w": 0}, 5.0, asked=1.0).kind == "threshold"

@@ -35,6 +35,10 @@ FACTOR_TOLERANCE = 1e-5
 #: A fit whose misfit (relative) is over this is no scaling at all: the tensor's clipped values are not a multiple
 #: of its unclipped ones (an elementwise clip by value, an edit of .grad).
 SCALING_MISFIT = 1e-4
+#: Thresholds within this (relative) of each other are one: training takes the norm in its gradients' precision (a
+#: float32 sum over millions of entries; TRL's Llama with a 32,000-token vocabulary: 1.3e-4 from the watch's float64
+#: norm), where a threshold scaled by a world size or taken over a shard is off by a factor.
+THRESHOLD_TOLERANCE = 1e-3
 #: Tensors named in words, at most.
 NAMED = 3
 
@@ -192,14 +196,14 @@ def judge_clipping(found: Mapping[str, Factor], param_group: Mapping[str, int], 
     if asked is not None and asked <= 0:
         return Clipping(c, threshold, (f"every tensor's .grad was scaled by {c:.4g} (clipped to a norm of "
                                        f"{threshold:.4g}) where no clipping was asked for"), "unasked")
-    if asked is not None and not _same(threshold, asked, 1e-4):
+    if asked is not None and not _same(threshold, asked, THRESHOLD_TOLERANCE):
         ratio = asked / threshold
         hint = f" (x{ratio:.3g}: the threshold divided by {round(ratio)}, the world size?)" \
             if ratio > 1.5 and abs(ratio - round(ratio)) < 1e-3 else ""
         return Clipping(c, threshold, (f"the gradient was clipped to a norm of {threshold:.4g} where {asked:.4g} was "
                                        f"asked for{hint}: the norm was taken over a part of the gradient, or the "
                                        "threshold scaled"), "threshold")
-    moved = [t for t in before if not _same(t, threshold, 1e-4)]
+    moved = [t for t in before if not _same(t, threshold, THRESHOLD_TOLERANCE)]
     if asked is None and moved:
         return Clipping(c, threshold, (f"the clipping threshold moves with the gradient: {threshold:.4g} at this step, "
                                        f"{moved[-1]:.4g} at an earlier one (c·‖g‖ with ‖g‖ the whole gradient's "
