@@ -61,6 +61,7 @@ from gradwatch.check.replay.items import (
     proportional,
     step_weights,
 )
+from gradwatch.errors import first_line
 from gradwatch.plan.units import isolated
 
 #: The rule of ``items="micro_batches"``: one per micro-batch, each weighing ``1 / k`` on its rank.
@@ -155,7 +156,7 @@ class StepObjective:
         try:
             local = self._local(batches, model, probe and model is not None, coord is not None)
         except Exception as exc:  # noqa: BLE001 - the user's items= or batch: said in the report, training goes on
-            local = {"error": f"{type(exc).__name__}: {exc}"}
+            local = {"error": f"counting the step's items failed ({first_line(exc)})"}
         payloads = coord.everyone(local, "the step's item counts") if coord is not None else [local]
         rules = {r.key: r for p in payloads for r in p.get("rules", ())}
         self._known.update((k, r) for k, r in rules.items() if r.kind in ("tokens", "mask"))
@@ -172,7 +173,7 @@ class StepObjective:
             try:
                 mine: Any = self._probe(model, loss, params, batches, local["rules"], seed, coord is not None)
             except Exception as exc:  # noqa: BLE001 - every rank must still reach the exchange below
-                mine = ItemDecision(evidence=f"{type(exc).__name__}: {exc}")
+                mine = ItemDecision(evidence=f"the probe of what loss_fn averages over failed ({first_line(exc)})")
             made = coord.everyone(mine, "what loss_fn averages over") if coord is not None else [mine]
             for p, decision in zip(payloads, made):
                 p["decision"] = decision
@@ -268,7 +269,7 @@ class StepObjective:
             return ItemDecision(survivors=[r.key for r in rules], evidence=str(exc))
         except Exception as exc:  # noqa: BLE001 - loss_fn refused a probe batch: no decision, said in the report
             return ItemDecision(survivors=[r.key for r in rules],
-                                evidence=f"a probe batch raised {type(exc).__name__}: {exc}")
+                                evidence=f"loss_fn refused a probe batch ({first_line(exc)})")
 
     def _agreed(self, payloads: List[Dict[str, Any]], rank: int, probe: bool, shift_hint: Optional[int]) -> StepPlan:
         """Every rank's payload to the same plan on every rank (the same payloads give the same plan everywhere; the

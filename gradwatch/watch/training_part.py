@@ -38,6 +38,7 @@ from gradwatch.check.replay.checkpoint_blocks import blocks_needed, checkpointin
 from gradwatch.check.replay.reference import Replay, Step, autocast_state, replay_step, scalar_grad
 from gradwatch.check.replay.rows import RowGrads, sliceable_linears
 from gradwatch.check.replay.window import PartialWindow
+from gradwatch.errors import first_line
 from gradwatch.plan.memory import SAFETY, gradient_bytes, mb, peak_bytes, release_freed
 from gradwatch.watch.accumulation import AccumulationWindow
 from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
@@ -724,7 +725,7 @@ class TrainingPart(TrendAlerting):
             averaged = coord.average(replay.grads, in_place=self.watch.grad_fn is None)  # grad_fn's may be .grad itself
         except Exception as exc:  # noqa: BLE001 - a collective that fails must not stop training
             merged.training_note = (f"not judged: averaging the replayed gradients over the ranks failed "
-                                    f"({type(exc).__name__}: {exc})")
+                                    f"({first_line(exc)})")
             return
         try:
             every = [row for rank in rows or () for row in rank or ()]
@@ -733,7 +734,7 @@ class TrainingPart(TrendAlerting):
                 f"the reference is averaged over {coord.world_size} ranks, as DDP and FSDP average .grad")
         except Exception as exc:  # noqa: BLE001 - the broadcast below must still happen on every rank
             merged.training, merged.training_window = {}, None
-            merged.training_note = f"not judged on rank {coord.rank}: {type(exc).__name__}: {exc}"
+            merged.training_note = f"not judged on rank {coord.rank}: judging it failed ({first_line(exc)})"
         # A gradient DDP did not synchronize differs from rank to rank: every rank takes rank 0's judgement,
         # so trends and alerts stay identical everywhere.
         try:
@@ -741,7 +742,7 @@ class TrainingPart(TrendAlerting):
                 (merged.training, merged.training_note, merged.training_window))
         except Exception as exc:  # noqa: BLE001
             merged.training, merged.training_window = {}, None
-            merged.training_note = f"not judged: sharing rank 0's training verdicts failed ({type(exc).__name__}: {exc})"
+            merged.training_note = f"not judged: sharing rank 0's training verdicts failed ({first_line(exc)})"
 
 
 __all__ = ["TrainingPart", "dense", "same_tree", "shift_hint"]
