@@ -75,7 +75,7 @@ from gradwatch.check.objective.guards import frozen_power_iteration, suspended_h
 from gradwatch.check.objective.padding_idx import padding_rows_constant
 from gradwatch.check.objective.precision import ShadowPrecision
 from gradwatch.check.objective.rng import preserved_rng
-from gradwatch.check.objective.shadow import drop_autocast_forward, param_signature
+from gradwatch.check.objective.shadow import param_signature
 from gradwatch.check.objective.surrogate import find_surrogates, inside, surrogate_note
 from gradwatch.check.probes.experts import expert_count, reached_rows
 from gradwatch.options import CheckOptions
@@ -130,9 +130,7 @@ def float64_copy(module: nn.Module, dtype: torch.dtype = torch.float64) -> nn.Mo
         if id(b) not in memo:
             memo[id(b)] = b.detach().to(dtype) if b.is_floating_point() else b.detach().clone()
     try:
-        made = copy.deepcopy(module, memo)
-        drop_autocast_forward(made)  # accelerate's autocast around the forward: a float64 copy computes without it
-        return made
+        return copy.deepcopy(module, memo)
     except Exception as err:  # noqa: BLE001 - say which module and why
         raise TypeError(f"cannot copy module {type(module).__name__} alone in {dtype}: {uncopyable(err)}") from err
 
