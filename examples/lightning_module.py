@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     print(f"coverage: {watch.coverage}")
     print(f"{len(watch.alerts)} alerts")
     for alert in watch.alerts:
-        print(f"  [{alert.kind}] step {alert.step} {alert.tensor}: {alert.message[:120]}")
+        print(f"  [{alert.kind}] step {alert.step} {', '.join(alert.names)}: {alert.headline}")
     return 0
 
 

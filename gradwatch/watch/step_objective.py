@@ -156,7 +156,7 @@ class StepObjective:
         try:
             local = self._local(batches, model, probe and model is not None, coord is not None)
         except Exception as exc:  # noqa: BLE001 - the user's items= or batch: said in the report, training goes on
-            local = {"error": f"counting the step's items failed ({first_line(exc)})"}
+            local = {"error": first_line(exc)}  # (the note says "counting the step's items failed: ...")
         payloads = coord.everyone(local, "the step's item counts") if coord is not None else [local]
         rules = {r.key: r for p in payloads for r in p.get("rules", ())}
         self._known.update((k, r) for k, r in rules.items() if r.kind in ("tokens", "mask"))
