@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_update_replay import NoBiasCorrection
 from torch import nn
 from torch.nn import functional as F
 
@@ -117,19 +118,6 @@ def test_an_optimizer_built_before_the_parameters_were_replaced_is_alerted_at_th
 
 
 def test_an_adamw_without_bias_correction_is_alerted_at_the_first_check_with_its_ratio():
-    class NoBiasCorrection(torch.optim.AdamW):
-        @torch.no_grad()
-        def step(self, closure=None):
-            for group in self.param_groups:
-                for p in group["params"]:
-                    s = self.state[p]
-                    if not s:
-                        s["step"], s["exp_avg"], s["exp_avg_sq"] = 0, torch.zeros_like(p), torch.zeros_like(p)
-                    s["step"] += 1
-                    s["exp_avg"].lerp_(p.grad, 0.1)
-                    s["exp_avg_sq"].mul_(0.999).addcmul_(p.grad, p.grad, value=0.001)
-                    p.addcdiv_(s["exp_avg"], s["exp_avg_sq"].sqrt().add_(1e-8), value=-group["lr"])
-
     _, watch = run(lambda m: NoBiasCorrection(m.parameters(), lr=1e-2, weight_decay=0.0))
     update = [a for a in watch.alerts if a.part == "update"]
     assert [a.kind for a in update] == ["update"] and update[0].step == 0, [a.message for a in watch.alerts]

@@ -656,8 +656,7 @@ def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs:
             local, params, probed = _expert_piece(unit, rows, children, dtype, names)
             kind += f"{', own code' if unit.kind == 'own' else ''}, experts {rows[0]}:{rows[1]} (in place)"
         elif unit.kind == "own":
-            inner, stubs, params = own_code_copy(unit.module, unit.name, [relative(unit, c) or c for c in unit.stubbed],
-                                                 children, unit.params, dtype)
+            inner, stubs, params = _unit_copy(unit, children, dtype)
             local = OwnCode(inner, stubs)
             kind += ", own code"
             probed = [(names[k], None) for k in unit.params] + [(unit.name, "code")]
@@ -711,9 +710,7 @@ def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs:
             kind += f" rows {rows[0]}:{rows[1]}"
             probed = [(names.get(prefix + k, prefix + k), rows) for k in params]
         else:
-            local = float64_copy(unit.module, dtype)
-            named = dict(local.named_parameters())
-            params = {k[len(prefix):]: named[k[len(prefix):]] for k in unit.params if k[len(prefix):] in named}
+            local, _, params = _unit_copy(unit, children, dtype)
             probed = [(names[k], None) for k in unit.params] + [(unit.name, "code")]
     except (TypeError, RuntimeError) as err:
         said = str(err) if str(err).startswith("cannot copy module") else why_not_alone(err, own=unit.kind == "own")
@@ -746,20 +743,25 @@ def _checked_copy(name: str, local: nn.Module, args: Any, kwargs: Any, params: D
                 local.release()
 
 
+def _unit_copy(unit: Unit, children: Dict[str, List[Any]], dtype: torch.dtype
+               ) -> Tuple[nn.Module, List[Any], Dict[str, Any]]:
+    """A unit's ``dtype`` copy as a piece checks it: ``(copy, its stubs, the leaves it checks by their name in the
+    copy)``; a composite's own code with the modules it calls stubbed (:func:`own_code_copy`), any other whole."""
+    if unit.kind == "own":
+        inner, stubs, params = own_code_copy(unit.module, unit.name, [relative(unit, c) or c for c in unit.stubbed],
+                                             children, unit.params, dtype)
+        return inner, list(stubs), dict(params)
+    whole = float64_copy(unit.module, dtype)
+    return whole, [], dict(whole_params(whole, unit))
+
+
 def _expert_piece(unit: Unit, rows: Tuple[int, int], children: Dict[str, List[Any]], dtype: torch.dtype,
                   names: Mapping[str, str]) -> Tuple[nn.Module, Dict[str, Any], List[Tuple[str, Any]]]:
     """A block of a unit's experts (:mod:`gradwatch.check.modules.expert_blocks`): ``(the copy, the leaves it checks,
     what it probes)``; the unit's other parameters and its own code with the first block."""
     prefix = f"{unit.name}." if unit.name else ""
     fused = [k for k, p in unit.params.items() if expert_count(k, tuple(p.shape))]
-    stubs: List[Any] = []
-    if unit.kind == "own":
-        inner, stubs, params = own_code_copy(unit.module, unit.name, [relative(unit, c) or c for c in unit.stubbed],
-                                             children, unit.params, dtype)
-    else:
-        inner = float64_copy(unit.module, dtype)
-        named = dict(inner.named_parameters())
-        params = {k[len(prefix):]: named[k[len(prefix):]] for k in unit.params if k[len(prefix):] in named}
+    inner, stubs, params = _unit_copy(unit, children, dtype)
     block, params = expert_block(inner, params, [k[len(prefix):] for k in fused], rows)
     probed: List[Tuple[str, Any]] = [(names[k], rows) for k in fused]
     if not rows[0]:
