@@ -3,13 +3,15 @@ next checks (K grows, up to 8), every tensor still judged within K and a planted
 
 from __future__ import annotations
 
+import math
+
 import torch
 from helpers import WrongTanh
 from torch import nn
 from torch.nn import functional as F
 
 from gradwatch import GradWatch
-from gradwatch.plan.cycle import CHECKS_PER_PASS
+from gradwatch.plan.cycle import CHECKS_PER_PASS, PACE_SHARE
 
 
 class _Tanh(nn.Module):
@@ -67,3 +69,50 @@ def test_a_bug_in_the_last_unit_is_caught_within_k_checks_of_a_paced_cycle():
     assert watch.alerts, "not caught"
     assert len(reports) <= CHECKS_PER_PASS + 1
     assert any(a.tensor.startswith("79") for a in watch.alerts), [(a.tensor, a.message[:80]) for a in watch.alerts]
+
+
+def _sliced_planner():
+    """A planner of 16 small units, ``loss_fn`` and a head of 4,096 rows (16 slices of 256): a pass of 33 pieces,
+    K = 8."""
+    from gradwatch.plan.planner import Planner
+
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(16)], nn.Linear(4, 4096))
+    planner = Planner()
+    names = [n for n, _ in model.named_parameters()]
+
+    def plan():
+        return planner.module_pieces(model, lambda m, b: m(b).sum(), torch.randn(2, 4), names, key=("k",),
+                                     room=1 << 30)[1]
+    return planner, plan
+
+
+def test_a_sliced_cycle_whose_check_held_half_its_turn_gets_a_longer_k_and_every_piece_still_comes():
+    planner, plan = _sliced_planner()
+    pieces = plan()
+    units = [str(p) for p in pieces]
+    assert planner.cycle_length == CHECKS_PER_PASS and any("[" in u for u in units), units
+    # the pace is set: a step of 0.5 s, half the check's 1 s already spent on its planning
+    assert planner.pace_seconds(0.5, spent=0.5) == 0.5
+    assert len(units) == 5  # 3 whole units and 2 slices: a K-th of the pass
+    line = planner.pace(units[2:])  # the pieces held 2 of them in half the pace
+    assert line is not None and "within K = 11 checks" in line, line
+    k = planner.cycle_length
+    # 2 pieces in half the pace: 4 a check with the whole pace, 3 of them planned (PACE_SHARE): 33 / 3 -> K = 11
+    assert k == math.ceil(33 / math.floor(PACE_SHARE * 4)) == 11
+    first_next = [str(p) for p in plan()]
+    assert first_next[:len(units) - 2] == units[2:], "the pieces left are not owed first"
+    # within the new K checks (after the owed ones), every slice of the head and every small unit is handed once
+    seen = set(first_next)
+    for _ in range(k):
+        seen |= {str(p) for p in plan()}
+    head = [p for p in seen if p.startswith("16[")]
+    assert len(head) == 16 and {str(i) for i in range(16)} <= seen, sorted(seen)
+
+
+def test_a_sliced_cycle_keeps_its_k_while_less_than_half_a_turn_is_owed():
+    planner, plan = _sliced_planner()
+    units = [str(p) for p in plan()]
+    planner.pace_seconds(0.5)
+    assert planner.pace(units[-1:]) is None  # one piece of 5 late: owed, K kept
+    assert planner.cycle_length == CHECKS_PER_PASS
+    assert [str(p) for p in plan()][0] == units[-1]

@@ -43,6 +43,9 @@ PACED_SECONDS = 0.1
 #: ratio of two times the load moves alike; an absolute floor of 0.25 s paced a model checked in 0.12 s alone, under
 #: a test suite's workers).
 PACED_STEP_SECONDS = 0.02
+#: A paced cycle with row slices: the share of what its check held that each check is planned to hold (the rest of
+#: its time takes the pieces owed by the checks before).
+PACE_SHARE = 0.75
 
 
 def fewest_whole(units: int) -> int:
@@ -110,16 +113,22 @@ class Cycle:
             spread evenly over the checks a pass of the slices takes).
         seed: The watch's seed (the slices' order in each pass follows it).
         per_slice: Unit name -> rows of one of its slices, where fewer than :data:`ROWS_PER_SLICE` fit the room.
+        checks: Where units are sliced, K is at least this many checks (a paced cycle whose check could not hold a
+            pass's :data:`CHECKS_PER_PASS`-th: its slices and whole units are spread over more checks).
+
+    Example:
+        >>> Cycle({"a": None, "head": 1000}, checks=8).length, Cycle({"a": None, "head": 1000}, checks=8).take
+        (8, {'head': 1})
     """
 
     def __init__(self, units: Mapping[str, Optional[int]], per_check: int = 0, seed: int = 0,
-                 per_slice: Optional[Mapping[str, int]] = None) -> None:
+                 per_slice: Optional[Mapping[str, int]] = None, checks: int = 0) -> None:
         size = {n: max(1, min(ROWS_PER_SLICE, (per_slice or {}).get(n, ROWS_PER_SLICE))) for n in units}
         self.whole = [n for n, rows in units.items() if rows is None or rows <= size[n]]
         self.slices: Dict[str, List[Tuple[int, int]]] = {
             n: row_slices(rows, size[n]) for n, rows in units.items() if rows is not None and rows > size[n]}
         most = max((len(s) for s in self.slices.values()), default=0)
-        passes = min(CHECKS_PER_PASS, most)
+        passes = max(min(CHECKS_PER_PASS, most), checks if most else 0)
         if per_check <= 0 and passes > 1:
             # The slices take K checks anyway: the whole units are spread over the same K, each checked once a
             # pass, instead of all of them at every check (a check then costs about a K-th of a pass).
@@ -129,6 +138,16 @@ class Cycle:
         whole_checks = math.ceil(len(self.whole) / self.per_check) if self.whole else 1
         self.length = max(whole_checks, passes) if most else whole_checks
         self.take = {n: math.ceil(len(s) / self.length) for n, s in self.slices.items()}
+
+    @property
+    def pass_size(self) -> int:
+        """Pieces in one pass: every whole unit and every slice.
+
+        Example:
+            >>> Cycle({"a": None, "head": 1000}).pass_size
+            5
+        """
+        return len(self.whole) + sum(len(s) for s in self.slices.values())
 
     def pieces(self, i: int) -> List[Piece]:
         """The pieces of check ``i`` (0, 1, ...): whole units first, then slices, in model order of units."""

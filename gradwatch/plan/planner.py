@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
 from torch import nn
@@ -34,7 +35,7 @@ from gradwatch.check.judging.report import CheckReport
 from gradwatch.check.objective.surrogate import find_surrogates, inside
 from gradwatch.check.probes.experts import NOT_REACHED, expert_of
 from gradwatch.plan.coverage import Coverage
-from gradwatch.plan.cycle import PACED_SECONDS, PACED_STEP_SECONDS, PIECE_STEPS, ROWS_PER_SLICE, Cycle, Piece, fewest_whole
+from gradwatch.plan.cycle import PACE_SHARE, PACED_SECONDS, PACED_STEP_SECONDS, PIECE_STEPS, ROWS_PER_SLICE, Cycle, Piece, fewest_whole
 from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY, SAFETY, mb, objective_bytes
 from gradwatch.plan.units import Unit, expert_bytes, expert_rows, plan_units, sliceable_rows
 from gradwatch.trees import whole_shape
@@ -179,6 +180,8 @@ class Planner:
         self._seconds: Dict[str, float] = {}  # the last check's seconds in each form (what the form's choice weighs)
         self._done: Dict[str, int] = {}  # whole unit -> the last module-form check that checked it (a paced cycle's order)
         self._recorded = 0  # module-form checks recorded
+        self._pace_scale = 1.0  # a check's whole pace over what its pieces were given of it (the rest: its planning)
+        self._held: Deque[float] = deque(maxlen=4)  # pieces the last paced checks held (as if given the whole pace)
 
     # ------------------------------------------------------------------ the form
     def choose_form(self, model: nn.Module, names: Sequence[str], room: Optional[int], dtype: Optional[torch.dtype],
@@ -299,24 +302,29 @@ class Planner:
         names = set(unfit)
         self._owed = [p for p in self._handed if str(p) in names]
 
-    def pace_seconds(self, step_seconds: Optional[float]) -> Optional[float]:
+    def pace_seconds(self, step_seconds: Optional[float], spent: float = 0.0) -> Optional[float]:
         """Seconds this check's pieces may take (one process, the module form): :data:`PIECE_STEPS` training steps of
-        ``step_seconds``, at least :data:`PACED_SECONDS`; None (no bound) where the step is not known or shorter than
-        :data:`PACED_STEP_SECONDS`, where the cycle
-        has row slices (its whole units are spread over the checks those take), or where it already spreads its
-        whole units over :data:`~gradwatch.plan.cycle.CHECKS_PER_PASS` checks.
+        ``step_seconds`` less the ``spent`` seconds the check's planning took (finding the units, counting the
+        activations: a first check's forwards), at least :data:`PACED_SECONDS`; None (no bound) where the step is not known or shorter than
+        :data:`PACED_STEP_SECONDS`, or where a cycle without row slices already spreads its whole units over
+        :data:`~gradwatch.plan.cycle.CHECKS_PER_PASS` checks (a cycle with slices is paced by making K longer:
+        :meth:`pace`).
 
         Example:
             >>> p = Planner()
             >>> p.pace_seconds(0.5) is None  # before a plan
             True
+
+        :meth:`pace` weighs what the pieces held in the time given them as if they had had the whole pace.
         """
         cycle = self._cycle
         if step_seconds is None or step_seconds < PACED_STEP_SECONDS or cycle is None or self.tensors_per_check > 0 or \
-                cycle.slices or \
-                cycle.per_check <= fewest_whole(len(cycle.whole)):
-            return None  # (a cycle with row slices spreads its whole units over the checks they take already)
-        return max(PACED_SECONDS, PIECE_STEPS * step_seconds)
+                (not cycle.slices and cycle.per_check <= fewest_whole(len(cycle.whole))):
+            return None
+        whole = max(PACED_SECONDS, PIECE_STEPS * step_seconds)
+        given = max(PACED_SECONDS, whole - max(0.0, spent))
+        self._pace_scale = whole / given
+        return given
 
     def pace(self, later: Sequence[str]) -> Optional[str]:
         """The pieces a check's :meth:`pace_seconds` could not hold (``str`` of each): the cycle is planned again with
@@ -344,25 +352,52 @@ class Planner:
         if cycle is None or not later:
             return None
         names = set(later)
+        if cycle.slices:
+            return self._pace_slices(names)
         left = [n for n in cycle.whole if n in names]
         self._owed = [p for p in self._handed if str(p) in names and p.rows is not None] + self._owed
         handed = [p.unit for p in self._handed if p.rows is None and p.unit in cycle.whole]
         done = len(handed) - len(left) - sum(1 for p in self._owed if p.rows is None)
-        per = max(done, fewest_whole(len(cycle.whole)))
+        per = max(math.floor(done * self._pace_scale), fewest_whole(len(cycle.whole)))
         if not left or per >= cycle.per_check:
             self._owed += [p for p in self._handed if str(p) in names and p.rows is None]
             return None
         order = left + [n for n in cycle.whole if n not in names]
-        # least recently checked first (never checked before all): a check whose pieces took its pace replans the
-        # cycle again, and the units the last plan had not reached yet would otherwise wait behind those it had
-        # checked (the UNet's 117 units: every tensor judged in 9 checks of a K of 8, replanned after checks 1 and 2)
-        order.sort(key=lambda n: self._done.get(n, -1))
-        rows = {n: self._rows[n] for n in order}
-        rows.update((n, r) for n, r in self._rows.items() if n not in rows)
-        self._cycle = Cycle(rows, per, self.seed, self._per_slice)
+        self._cycle = Cycle(self._order(order), per, self.seed, self._per_slice)
         self._checks = 0
         return (f"the pieces of a check took its pace: {per} whole unit{'s' if per != 1 else ''} a check now, within "
                 f"K = {self._cycle.length} checks")
+
+    def _order(self, first: Sequence[str]) -> Dict[str, Optional[int]]:
+        """The units to plan a paced cycle again with (name -> rows): the whole units of ``first`` ordered least
+        recently checked first (never checked before all), then the rest."""
+        # a check whose pieces took its pace replans the cycle again, and the units the last plan had not reached yet
+        # would otherwise wait behind those it had checked (the UNet's 117 units: every tensor judged in 9 checks of a
+        # K of 8, replanned after checks 1 and 2)
+        order = sorted(first, key=lambda n: self._done.get(n, -1))
+        rows = {n: self._rows[n] for n in order}
+        rows.update((n, r) for n, r in self._rows.items() if n not in rows)
+        return rows
+
+    def _pace_slices(self, names: Set[str]) -> Optional[str]:
+        """:meth:`pace` for a cycle with row slices: every piece left is owed to the next check, and where half a
+        check's turn (a K-th of a pass) is owed, K is made long enough that a turn is :data:`PACE_SHARE` of what the
+        paced checks held on average (the rest of their time drains what is owed), counted as if the pieces had had
+        the whole pace (not what the check's planning left them). K only grows; a pass then starts again."""
+        cycle = cast(Cycle, self._cycle)
+        left = [p for p in self._handed if str(p) in names]
+        self._owed = left + [p for p in self._owed if p not in left]
+        self._held.append(self._pace_scale * (len(self._handed) - len(left)))
+        if len(self._owed) < cycle.pass_size / cycle.length / 2:
+            return None  # less than half a check's turn owed: the checks that follow drain it
+        per = max(1, math.floor(PACE_SHARE * sum(self._held) / len(self._held)))
+        checks = min(cycle.pass_size, math.ceil(cycle.pass_size / per))
+        if checks <= cycle.length:
+            return None
+        self._cycle = Cycle(self._order(cycle.whole), 0, self.seed, self._per_slice, checks=checks)
+        self._checks = 0
+        return (f"the pieces of a check took its pace: about {per} piece{'s' if per != 1 else ''} a check now, "
+                f"within K = {self._cycle.length} checks")
 
     @property
     def cycle_length(self) -> Optional[int]:

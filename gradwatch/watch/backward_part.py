@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import time
 from typing import Any, Dict, Mapping, Optional, Tuple, cast
 
 from gradwatch.check import model as model_check
@@ -75,12 +76,13 @@ class BackwardPart(TrendAlerting):
         if not check.names:
             return None
         estimate: Optional[int] = None
+        began = time.perf_counter()  # the module form's pace holds the planning too
         with self.watch.recorder_paused():
             form, estimate, why = self.planner.form_for(check)
             if form == "objective":
                 report = self._objective(check)
             else:
-                report = self._modules(check, fused, captures)
+                report = self._modules(check, fused, captures, began)
                 estimate = report.memory.get("estimate_bytes")
             if why:
                 report.notes.append(why)
@@ -142,9 +144,10 @@ class BackwardPart(TrendAlerting):
             f"{need}, over the room memory_budget={ctx.memory.budget} leaves, {mb(room)}); the training verdict "
             "judges the whole batch")
 
-    def _modules(self, check: CheckContext, fused: Optional[Forward] = None, captures: Optional[int] = None
-                 ) -> CheckReport:
-        """Unit by unit: this check's pieces (this rank's share under DDP; shard by shard under FSDP2)."""
+    def _modules(self, check: CheckContext, fused: Optional[Forward] = None, captures: Optional[int] = None,
+                 began: Optional[float] = None) -> CheckReport:
+        """Unit by unit: this check's pieces (this rank's share under DDP; shard by shard under FSDP2); their pace
+        counts what the check's planning took since ``began``."""
         ctx, target, batch, opts, room = self.watch, check.target, check.batch, check.opts, check.room
         self.planner.drop_shadow()
         replay = check.replay
@@ -174,12 +177,13 @@ class BackwardPart(TrendAlerting):
             view = ShardView(target, gathered, offsets, ctx.lockstep.point if ctx.lockstep is not None else None)
         elif ctx.dist is not None:
             pieces = ctx.dist.share(pieces)  # DDP: the ranks split the plan
+        spent = 0.0 if began is None else time.perf_counter() - began
         try:
             # through the module: a spy on module_form.run_module_check sees every check
             report = module_form.run_module_check(
                 target, ctx.objective, batch, opts, units=units, pieces=pieces, room=piece_room, view=view,
                 screen=True, early=early, everyone=everyone, replay=fused,
-                replay_budget=captures if fused is not None else None, seconds=self.planner.pace_seconds(check),
+                replay_budget=captures if fused is not None else None, seconds=self.planner.pace_seconds(check, spent),
                 forward_bytes=forward_transient(self.output_per_position, batch) if view is not None else 0)
         except BaseException:
             # (a replay run as the capture may have raised inside the model's backward: FSDP2's state is reset where

@@ -164,12 +164,12 @@ class CheckPlanner:
                                           key=units_signature(target), seed=opts.seed, room=room,
                                           surrogates=opts.surrogates)
 
-    def pace_seconds(self, check: CheckContext) -> Optional[float]:
-        """Seconds this module-form check's pieces may take (one process only: ranks keep one plan;
-        :meth:`gradwatch.plan.planner.Planner.pace_seconds`)."""
+    def pace_seconds(self, check: CheckContext, spent: float = 0.0) -> Optional[float]:
+        """Seconds this module-form check's pieces may take, ``spent`` seconds of planning taken already (one process
+        only: ranks keep one plan; :meth:`gradwatch.plan.planner.Planner.pace_seconds`)."""
         if self.watch.dist is not None or self.watch.by_shard:
             return None
-        return self.planner.pace_seconds(check.step_seconds)
+        return self.planner.pace_seconds(check.step_seconds, spent)
 
     def for_ranks(self, room: Optional[int], training: Any) -> Tuple[Form, Optional[List[str]]]:
         """Rank 0's plan under DDP: the form, and the training part's tensors when a room bounds them (``training``:

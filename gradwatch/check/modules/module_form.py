@@ -358,7 +358,7 @@ def run_module_check(
         del got
     if report.later:
         report.notes.append(f"module form: {len(report.later)} piece(s) left to the next checks, this check's pieces "
-                            f"having taken the {seconds:.2f} s its pace gives them: {', '.join(report.later[:4])}"
+                            f"having taken the {seconds:.2f} s its pace gives them: {', '.join(p or '<model>' for p in report.later[:4])}"
                             f"{', ...' if len(report.later) > 4 else ''}")
     if unused:
         report.notes.append(f"module form: {unused} embedding slice(s) held no token of this batch (their rows count "
