@@ -18,8 +18,11 @@ Three verdicts follow, each said once for the run as an alert of part ``"update"
   ``load_state_dict(assign=True)``, ``to_empty``), and tied parameters (a Hugging Face config's
   ``tie_word_embeddings``, or one parameter met twice when the watch was built) that no longer share one tensor.
 
-Not yet: sharded models (FSDP2, tensor parallel, ZeRO: each rank's shards), replicas compared across ranks, and
-records, TensorBoard and ``gradwatch report`` for these verdicts (the alerts and :attr:`UpdatePart.last` hold them).
+Sharded parameters (FSDP2, tensor and sequence parallel, 2-D meshes: DTensors) are read on each rank's shard, the
+whole gradient's norm and the clipping factors made with the ranks together, and an optimizer with no elementwise
+form compared with its own class stepped on the gathered tensor (:mod:`gradwatch.watch.update_shards`). DDP's
+replicas are compared across ranks by their hashes (:class:`Replicas`). Not yet: ZeRO (DeepSpeed's optimizer holds
+flat partitions) and pipeline stages.
 
 Example:
     >>> model = nn.Linear(3, 2)
@@ -44,11 +47,16 @@ from gradwatch.check.update.clipping import factors, judge_clipping, value_bound
 from gradwatch.check.update.optimizer_replay import algorithm, judge_update, replay
 from gradwatch.io.headlines import line
 from gradwatch.watch.trend import WHOLE_CHECK, Alert
+from gradwatch.watch.update_shards import Layout, aligned, gathered_factors, is_dtensor, local, pending, refusal, world_norm
 
 #: Coordinates drawn from each tensor at a check.
 COORDS = 16
 #: Tensors named in words, at most.
 NAMED = 3
+#: Sharded, an optimizer with no elementwise form: its update departs from its class's on the gathered tensor when
+#: their relative difference is over this (the same float32 arithmetic in another order: 1e-6 to 1e-5; a step run per
+#: shard where the algorithm needs the whole matrix: tens of percent).
+LAYOUT_TOLERANCE = 1e-3
 
 
 def _listed(names: Sequence[str]) -> str:
@@ -218,8 +226,14 @@ class UpdatePart:
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], seed: int = 0,
                  asked: Optional[float] = None, emit: Optional[Callable[[int, List[Alert]], None]] = None) -> None:
         self.model, self.optimizer, self.seed, self.asked = model, torch_optimizer(optimizer), int(seed), asked
-        if any(type(p.data) is not torch.Tensor or hasattr(p, "ds_id") for p in model.parameters()):
-            self.optimizer = None  # sharded (FSDP2, tensor parallel, ZeRO-3): each rank's shards, not verified yet
+        if any(hasattr(p, "ds_id") for p in model.parameters()):
+            self.optimizer = None  # ZeRO-3: DeepSpeed's partitions, not verified yet
+        #: Why this sharded model's update is not verified (said once at the first check), None where it is.
+        self.refused: Optional[str] = None  # (known at the first check: the ranks compared then)
+        self.sharded = self.optimizer is not None and any(is_dtensor(p) for p in model.parameters())
+        self._compared = not self.sharded
+        self.layout = Layout()
+        self._checks = 0
         self.emit = emit
         #: ``write(last)``: where each step's verdicts are recorded (the watch's sinks); None: kept in :attr:`last` only.
         self.write: Optional[Callable[[Dict[str, Any]], Any]] = None
@@ -239,6 +253,13 @@ class UpdatePart:
     def arm(self, step: int) -> None:
         """At a check (``.grad`` as backprop left it): the structure judged now, the next step watched. What raises
         here (gradwatch's own failure) is said once, as this part's ``not_checked``, and the part stops."""
+        if not self._compared:  # once, on every rank (a collective): the ranks hold the same parameters
+            self._compared, self.refused = True, refusal(self.model)
+        if self.refused is not None and self.optimizer is not None:
+            self.optimizer = None
+            self._deliver(step, self._once(step, "not_checked", "refused", "warning", (
+                f"step {step} (update): the optimizer's step is not verified in this run: {self.refused}"),
+                line("optimizer step not verified", "", "ranks hold other parameters", step)))
         if not self.enabled:
             return
         self.disarm()
@@ -257,24 +278,44 @@ class UpdatePart:
         params = dict(self.model.named_parameters())
         drawn: Dict[str, torch.Tensor] = {}
         before: Dict[str, torch.Tensor] = {}
-        norms: List[torch.Tensor] = []
+        grads: Dict[str, torch.Tensor] = {}
+        rank = torch.distributed.get_rank() if self.sharded else 0
         for name, p in params.items():
             g = p.grad
-            if g is None or g.is_sparse or type(g) is not torch.Tensor or type(p.data) is not torch.Tensor:
-                continue  # (a sharded tensor's norm and coordinates are each rank's: not judged yet)
-            norms.append(torch.linalg.vector_norm(g.detach(), dtype=torch.complex128 if g.is_complex() else torch.float64)
-                         .abs())
+            if g is None or g.is_sparse or (type(g) is not torch.Tensor and not is_dtensor(g)):
+                continue
+            grads[name] = g
+            g = aligned(p, g)  # (a pending sum reduced: a collective, every rank alike)
             if g.numel() and g.is_floating_point():  # (a complex tensor's update is not replayed yet: its norm counts)
-                gen = generator(tensor_seed(self.seed + step, name))
+                gen = generator(tensor_seed(self.seed + step + 7919 * rank, name))  # each rank's own coordinates
                 drawn[name] = torch.unique(torch.randint(0, g.numel(), (min(COORDS, g.numel()),), generator=gen)).to(g.device)
                 before[name] = g.detach().reshape(-1)[drawn[name]].to(torch.float64)
-        norm = float(torch.linalg.vector_norm(torch.stack([n.cpu() for n in norms]))) if norms else 0.0
-        self._at = {"step": int(step), "drawn": drawn, "before": before, "norm": norm, "params": params}
+        # sharded: collectives, the same on every rank (every rank's check armed the step alike)
+        norm = world_norm(grads)
+        self._at = {"step": int(step), "drawn": drawn, "before": before, "norm": norm, "params": params,
+                    "pending": [n for n, g in grads.items() if pending(g)]}
         assert self.optimizer is not None
         self._starting(self.optimizer)
+        self._layout(step, grads)
         if not self._hooks:  # registered once, idle between checks (a hook never removes itself: torch iterates them)
             self._hooks = [self.optimizer.register_step_post_hook(self._post)]
         self._deliver(step, alerts)
+
+    def _layout(self, step: int, grads: Mapping[str, torch.Tensor]) -> None:
+        """Sharded, an optimizer with no elementwise form: one tensor a check (in turn, matrices first, the same on
+        every rank) taken whole for :class:`~gradwatch.watch.update_shards.Layout` (collectives: its bytes gathered
+        twice a check, on every rank)."""
+        if not self.sharded or algorithm(self.optimizer) is not None:
+            return  # (a built-in optimizer is replayed elementwise on each rank's coordinates: exact there)
+        held = {id(p) for group in self.optimizer.param_groups for p in group["params"]}  # type: ignore[union-attr]
+        # matrices first: an update that needs the whole tensor (an orthogonalization, a preconditioner) is a matrix's
+        names = sorted((n for n, g in grads.items() if is_dtensor(g) and id(self._at["params"][n]) in held),
+                       key=lambda n: (grads[n].dim() < 2, n))
+        if names:
+            name = names[self._checks % len(names)]
+            self._checks += 1
+            self.layout.take(name, self._at["params"][name], self.optimizer)
+            self._at["layout"] = name
 
     def disarm(self) -> None:
         """Forget the step a check armed (one that never came: a skipped step); the hook stays, idle."""
@@ -324,9 +365,9 @@ class UpdatePart:
             p = at["params"][name]
             if id(p) not in held:
                 continue
-            start[name] = p.detach().reshape(-1)[coords].clone()
-            states[name] = {k: (v.detach().reshape(-1)[coords].clone() if isinstance(v, torch.Tensor) and
-                                v.shape == p.shape else (v.clone() if isinstance(v, torch.Tensor) else v))
+            start[name] = local(p.detach()).reshape(-1)[coords].clone()
+            states[name] = {k: (local(v.detach()).reshape(-1)[coords].clone() if isinstance(v, torch.Tensor) and
+                                v.shape == p.shape else (local(v).clone() if isinstance(v, torch.Tensor) else v))
                             for k, v in optimizer.state.get(p, {}).items()}
             group_of[name] = held[id(p)]
         at.update(start=start, states=states, group_of=group_of)
@@ -349,13 +390,17 @@ class UpdatePart:
 
     def _judge(self, optimizer: Any, at: Dict[str, Any]) -> None:
         step = at["step"]
-        at["after"] = {n: at["params"][n].grad.detach().reshape(-1)[at["drawn"][n]].to(torch.float64)
-                       for n in at["start"] if at["params"][n].grad is not None}
+        params = at["params"]
+        reduced = {n: aligned(params[n], params[n].grad.detach()) for n in at["pending"]}  # (collectives, alike)
+        at["after"] = {n: reduced.get(n, local(params[n].grad.detach())).reshape(-1)[at["drawn"][n]].to(torch.float64)
+                       for n in at["start"] if params[n].grad is not None}
         groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         at["hyper"] = {n: groups[i] for n, i in at["group_of"].items()}
         alerts: List[Alert] = []
-        clipping = judge_clipping(factors(at["before"], at["after"]), at["group_of"], at["norm"], self.asked,
-                                  self.thresholds, value_bound(at["before"], at["after"]))
+        # sharded: every rank's factors, named with their ranks (a collective, on every rank)
+        found, group_of, rank_of = gathered_factors(factors(at["before"], at["after"]), at["group_of"])
+        clipping = judge_clipping(found, group_of, at["norm"], self.asked, self.thresholds,
+                                  value_bound(at["before"], at["after"]), rank_of)
         if clipping.factor is not None and clipping.threshold is not None and clipping.problem is None:
             self.thresholds.append(clipping.threshold)
         if clipping.problem is not None:
@@ -369,7 +414,7 @@ class UpdatePart:
             if name not in at["after"]:
                 continue
             p = at["params"][name]
-            end = p.detach().reshape(-1)[coords]
+            end = local(p.detach()).reshape(-1)[coords]
             moved |= bool((end != at["start"][name]).any())
             lr = at["hyper"][name].get("lr", 0.0)
             pushed |= bool(at["after"][name].any()) and float(lr) != 0.0
@@ -380,6 +425,12 @@ class UpdatePart:
                 check = judge_update(name, at["start"][name], end, expected, p.dtype)
                 updates[name] = check.record()
                 updates[name]["check"] = check
+        if self.sharded:  # any rank's coordinates moved: the step happened (a rank's shard may be empty or unmoved)
+            flags = torch.tensor([float(moved), float(pushed)], dtype=torch.float64)
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+            moved, pushed = bool(flags[0]), bool(flags[1])
+        if "layout" in at:
+            alerts += self._layout_alert(step, optimizer, at, updates)
         if pushed and not moved:
             alerts += self._once(step, "update", "unmoved", "error", (
                 f"step {step} (update): optimizer.step() changed none of the sampled coordinates of any tensor, whose "
@@ -387,7 +438,7 @@ class UpdatePart:
                 "parameters were replaced), or its step does nothing — build the optimizer after the model's final "
                 "parameters exist, and look at what its step() does"),
                 line("optimizer step moved no sampled coordinate", "", "the gradients were not zero", step))
-        wrong = [n for n, u in updates.items() if u["check"].verdict.is_failure(u["check"].verdict.SUSPICIOUS)]
+        wrong = [n for n, u in updates.items() if "check" in u and u["check"].verdict.is_failure(u["check"].verdict.SUSPICIOUS)]
         if wrong and moved:
             worst = max((updates[n]["check"] for n in wrong), key=lambda c: c.judged_rel_diff)
             ratio = f"; training's update is {worst.ratio:.3g}x the algorithm's" if worst.ratio else ""
@@ -400,11 +451,32 @@ class UpdatePart:
                 line("WRONG optimizer update", f"{len(wrong)} tensor{'s' if len(wrong) > 1 else ''}",
                      f"not {name_of_algorithm}'s, rel_diff up to {worst.rel_diff:.1e}", step))
         for u in updates.values():
-            u.pop("check")
+            u.pop("check", None)
         self.last = {"step": step, "clipping": clipping.record(), "algorithm": name_of_algorithm, "update": updates}
         if self.write is not None:
             self.write(self.last)  # the records: JSONL, TensorBoard (gradwatch.io.records.update_record)
         self._deliver(step, alerts)
+
+    def _layout_alert(self, step: int, optimizer: Any, at: Dict[str, Any], updates: Dict[str, Any]) -> List[Alert]:
+        """The sampled tensor's update against its optimizer class's on the gathered tensor (collectives)."""
+        name = at["layout"]
+        rel = self.layout.judge(optimizer, at["hyper"].get(name, optimizer.param_groups[0]))
+        if rel is None:
+            if self.layout.why is None:
+                return []
+            return self._once(step, "not_checked", "layout", "warning", (
+                f"step {step} (update): the sharded update is not verified against the gathered one: "
+                f"{self.layout.why}"), line("sharded update not verified", name, "", step))
+        updates.setdefault(name, {})["layout_rel_diff"] = rel
+        if rel <= LAYOUT_TOLERANCE:
+            return []
+        cls = type(optimizer).__name__
+        return self._once(step, "update", "layout", "error", (
+            f"step {step} (update): the update of {name} departs from the one {cls} computes on the gathered tensor in "
+            f"one process (rel_diff {rel:.2e}): the step runs on each rank's shard where the algorithm needs the "
+            "whole tensor (an orthogonalization, a preconditioner, a factored second moment) — gather the gradient "
+            "before the step (full_tensor) or use the optimizer's distributed form"),
+            line("WRONG sharded update", name, f"not {cls}'s on the whole tensor, rel_diff {rel:.1e}", step))
 
     # ------------------------------------------------------------------ alerts
     def _once(self, step: int, kind: str, key: str, severity: str, message: str, headline: str) -> List[Alert]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -154,7 +154,7 @@ def value_bound(before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Te
 
 def judge_clipping(found: Mapping[str, Factor], param_group: Mapping[str, int], norm: float,
                    asked: Optional[float] = None, before: Sequence[float] = (),
-                   by_value: Optional[float] = None) -> Clipping:
+                   by_value: Optional[float] = None, rank_of: Optional[Mapping[str, int]] = None) -> Clipping:
     """One step's clipping judged.
 
     Args:
@@ -165,6 +165,8 @@ def judge_clipping(found: Mapping[str, Factor], param_group: Mapping[str, int], 
             known).
         before: The thresholds of the run's earlier clipped steps.
         by_value: The bound of a clipping by value that explains the coordinates (:func:`value_bound`), if one does.
+        rank_of: Sharded: the rank whose shard each entry of ``found`` was read on (to name the ranks where the
+            factors differ by rank: each rank's norm taken over its own shards).
 
     Example:
         >>> f = {"a": Factor(0.5), "b": Factor(0.25)}
@@ -185,7 +187,7 @@ def judge_clipping(found: Mapping[str, Factor], param_group: Mapping[str, int], 
         return Clipping(None)
     groups = _groups(values)
     if len(groups) > 1:
-        return Clipping(None, None, _group_words(groups, param_group), "groups", groups)
+        return Clipping(None, None, _group_words(groups, param_group, rank_of or {}), "groups", groups)
     c = groups[0][0]
     if _same(c, 1.0) or c > 1.0:
         if c > 1.0 and not _same(c, 1.0):
@@ -211,16 +213,30 @@ def judge_clipping(found: Mapping[str, Factor], param_group: Mapping[str, int], 
     return Clipping(c, threshold)
 
 
-def _group_words(groups: List[Tuple[float, List[str]]], param_group: Mapping[str, int]) -> str:
-    """Words for tensors scaled by different factors: by parameter group where the groups are the optimizer's."""
-    owners = [{param_group.get(n) for n in names} for _, names in groups]
-    by_group = all(len(o) == 1 for o in owners) and len({next(iter(o)) for o in owners}) == len(owners)
+def _matches(groups: List[Tuple[float, List[str]]], owner_of: Mapping[str, int]) -> Optional[List[int]]:
+    """The owner (a parameter group, a rank) of each group of tensors, where every group has one and no two share
+    it; else None."""
+    owners = [{owner_of.get(n) for n in names} for _, names in groups]
+    if all(len(o) == 1 and None not in o for o in owners) and len({next(iter(o)) for o in owners}) == len(owners):
+        return [int(cast(int, next(iter(o)))) for o in owners]
+    return None
+
+
+def _group_words(groups: List[Tuple[float, List[str]]], param_group: Mapping[str, int],
+                 rank_of: Mapping[str, int]) -> str:
+    """Words for tensors scaled by different factors: by rank where the groups are the ranks' shards, by parameter
+    group where they are the optimizer's."""
+    ranks = _matches(groups, rank_of) if rank_of else None
+    owners = ranks or _matches(groups, param_group)
     parts = []
-    for (c, names), owner in zip(groups, owners):
+    for i, (c, names) in enumerate(groups):
         count = f"{len(names)} tensor{'s' if len(names) > 1 else ''}"
-        where = f"parameter group {next(iter(owner))} ({count})" if by_group else _listed(names)
+        where = _listed(names) if owners is None else \
+            f"{'rank' if ranks else 'parameter group'} {owners[i]} ({'shards of ' if ranks else ''}{count})"
         parts.append(f"{where} x{c:.4g}")
-    cause = ("each parameter group clipped by its own norm, not the whole gradient's" if by_group else
+    cause = ("each rank clipped by the norm of its own shards, not the whole gradient's (sum the squared norms "
+             "over the ranks before the clip: torch's clip_grad_norm_ on the DTensors does)" if ranks else
+             "each parameter group clipped by its own norm, not the whole gradient's" if owners else
              "the norm was taken over a part of the gradient (a rank's shard, one group, one stage)")
     return f"the tensors were scaled by {len(groups)} different factors between the check and the step: " \
            f"{'; '.join(parts)}: {cause}"

@@ -1,0 +1,239 @@
+"""The update part on sharded parameters (FSDP2, tensor and sequence parallel, 2-D meshes): what each rank holds.
+
+A DTensor parameter, its ``.grad`` and its optimizer state hold this rank's shard (``to_local``): the coordinates a
+check samples, the factor its clipping applied and the update its step made are read there (:func:`local`). What
+needs the whole gradient is made with the ranks together, at the check and right after the step, every rank making
+the same collectives in the same order:
+
+- :func:`world_norm`: the whole gradient's norm in float64, each shard counted once (a tensor replicated over a mesh
+  dimension is counted once, not once per rank; one with a pending sum is gathered first);
+- :func:`gathered_factors`: every rank's clipping factors, each named with its rank, to compare across ranks;
+- :class:`Layout`: for an optimizer with no elementwise form (Muon, Shampoo, Adafactor: one matrix's update depends on
+  all of it), the update training applied to one sampled tensor against the one the same optimizer class computes on
+  the gathered tensor in one process: a step run per shard, where the algorithm needs the whole matrix, departs.
+
+Example:
+    >>> local(torch.ones(2)).tolist(), sharded_params(nn.Linear(2, 1))
+    ([1.0, 1.0], False)
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Dict, List, Mapping, Optional, Tuple, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradwatch.check.update.clipping import Factor
+
+try:  # torch >= 2.4
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+except ImportError:  # pragma: no cover - older torch: no DTensor parameters to meet
+    DTensor = Partial = Replicate = None  # type: ignore[assignment,misc]
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (a sharded parameter, its gradient or its state)."""
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``t`` (``t`` itself where it is a plain tensor)."""
+    return cast(Any, t).to_local() if is_dtensor(t) else t
+
+
+def sharded_params(model: nn.Module) -> bool:
+    """Whether some parameter of ``model`` is a DTensor (FSDP2, tensor or sequence parallel).
+
+    Example:
+        >>> sharded_params(nn.Linear(2, 1))
+        False
+    """
+    return any(is_dtensor(p) for p in model.parameters())
+
+
+def refusal(model: nn.Module) -> Optional[str]:
+    """Why the update of this sharded model is not verified (None: it is, or the model is not sharded): DTensors
+    without a process group, or ranks that hold different parameters (pipeline stages: the whole gradient is not the
+    sum of what each rank holds alike). A collective where the model is sharded: every rank calls it once.
+
+    A tensor on a mesh of some ranks only (FSDP2 over the data-parallel dimension of a 2-D mesh) is held alike by the
+    ranks of the other dimensions: its norm is counted once over them (:func:`world_norm`).
+
+    Example:
+        >>> refusal(nn.Linear(2, 1)) is None
+        True
+    """
+    if not sharded_params(model):
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return "DTensor parameters without an initialized process group"
+    names = sorted(n for n, _ in model.named_parameters())
+    every: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, names)
+    odd = [rank for rank, got in enumerate(every) if got != every[0]]
+    if odd:
+        return (f"rank{'s' if len(odd) > 1 else ''} {', '.join(map(str, odd))} hold other parameters than rank 0 "
+                "(pipeline stages are not verified yet)")
+    return None
+
+
+def _replicas(t: Any) -> int:
+    """Ranks that hold each entry of a DTensor alike: the sizes of its mesh's replicated dimensions, times the ranks
+    outside its mesh (a mesh of some ranks only: the other dimensions of a 2-D mesh hold it alike); 1 for a shard on a
+    mesh of every rank."""
+    mesh = t.device_mesh
+    outside = max(1, dist.get_world_size() // max(1, mesh.size()))
+    return outside * math.prod(mesh.size(i) for i, placement in enumerate(t.placements)
+                               if isinstance(placement, Replicate))
+
+
+def pending(g: Any) -> bool:
+    """Whether a DTensor gradient holds a pending sum (``Partial``: each rank's part, reduced by the step's ops)."""
+    return is_dtensor(g) and any(isinstance(p, Partial) for p in g.placements)
+
+
+def aligned(param: Any, grad: Any) -> torch.Tensor:
+    """This rank's values of ``grad`` where ``param``'s shard lies: a pending sum reduced to the parameter's
+    placements first (a collective: every rank calls it for the same tensors, in the same order); else the local
+    shard.
+
+    Example:
+        >>> aligned(nn.Parameter(torch.ones(2)), torch.full((2,), 3.0)).tolist()
+        [3.0, 3.0]
+    """
+    if pending(grad) and is_dtensor(param):
+        return cast(Any, grad).redistribute(device_mesh=param.device_mesh, placements=param.placements).to_local()
+    return local(grad)
+
+
+def world_norm(grads: Mapping[str, torch.Tensor]) -> float:
+    """The norm of the whole gradient made of ``grads`` (name -> ``.grad``), in float64, summed over the ranks where
+    any is a DTensor: each shard's squared norm once, a replicated tensor's once (divided by its replicas), a plain
+    tensor's once (divided by the world: every rank holds it), a gradient with a pending sum (``Partial``) gathered
+    first. Every rank must call it with the same names (a collective per pending sum, one all-reduce in all).
+
+    Example:
+        >>> round(world_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}), 6)
+        5.0
+    """
+    sharded = any(is_dtensor(g) for g in grads.values()) and dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if sharded else 1
+    total = torch.zeros((), dtype=torch.float64)
+    for name in sorted(grads):
+        g = grads[name].detach()
+        if pending(g):
+            whole = _whole(g)  # (a collective: every rank, in this order)
+            total += float(torch.linalg.vector_norm(whole, dtype=torch.float64)) ** 2 / world
+            continue
+        share = _replicas(g) if is_dtensor(g) else world
+        kind = torch.complex128 if g.is_complex() else torch.float64
+        total += float(torch.linalg.vector_norm(local(g), dtype=kind).abs()) ** 2 / share
+    if sharded:
+        dist.all_reduce(total)
+    return float(total.sqrt())
+
+
+def gathered_factors(found: Mapping[str, Factor], group_of: Mapping[str, int]
+                     ) -> Tuple[Dict[str, Factor], Dict[str, int], Dict[str, int]]:
+    """Every rank's factors, each tensor named with its rank (``"w (rank 1)"``), its parameter group and its rank:
+    ``(factors, group_of, rank_of)``. A collective: every rank calls it once after each verified step.
+
+    Example:
+        >>> gathered_factors({"w": Factor(0.5)}, {"w": 0})[2]  # one process: as it is, no rank
+        {}
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return dict(found), dict(group_of), {}
+    mine = {n: (f.value, f.misfit, group_of.get(n, 0)) for n, f in found.items()}
+    every: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    factors, groups, ranks = {}, {}, {}
+    for rank, got in enumerate(every):
+        for n, (value, misfit, group) in (got or {}).items():
+            key = f"{n} (rank {rank})"
+            factors[key], groups[key], ranks[key] = Factor(value, misfit), group, rank
+    return factors, groups, ranks
+
+
+def _hyperparameters(cls: type, group: Mapping[str, Any]) -> Dict[str, Any]:
+    """The group's values that ``cls``'s constructor takes by name."""
+    try:
+        names = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in names.values()):
+        return {k: v for k, v in group.items() if k != "params"}
+    return {k: v for k, v in group.items() if k in names and k != "params"}
+
+
+class Layout:
+    """One sampled tensor's update against the same optimizer class's on the gathered tensor (layout invariance).
+
+    At the check, :meth:`take` gathers the chosen parameter and its optimizer state (every rank, the same tensor: the
+    choice follows the step, not the rank); after the step, :meth:`judge` gathers its gradient and the parameter
+    again, builds a new instance of the optimizer's class with the group's hyperparameters on a plain copy, loads the
+    gathered state, steps it, and returns the relative difference of the two updates (None where it could not be
+    made, with :attr:`why`).
+
+    Example:
+        >>> lay = Layout()
+        >>> p = nn.Parameter(torch.ones(2, 2)); opt = torch.optim.SGD([p], lr=0.1)
+        >>> lay.take("w", p, opt); p.grad = torch.ones(2, 2); opt.step()
+        >>> lay.judge(opt, {"lr": 0.1, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False,
+        ...                 "maximize": False, "foreach": None, "differentiable": False, "fused": None})
+        0.0
+    """
+
+    def __init__(self) -> None:
+        self.name: Optional[str] = None
+        self.why: Optional[str] = None
+        self._param: Optional[nn.Parameter] = None
+        self._before: Optional[torch.Tensor] = None
+        self._state: Dict[str, Any] = {}
+
+    def take(self, name: str, param: nn.Parameter, optimizer: Any) -> None:
+        """At the check: the parameter and its optimizer state, gathered (collectives)."""
+        self.name, self._param, self.why = name, param, None
+        self._before = _whole(param.detach()).clone()
+        self._state = {k: (_whole(v.detach()).clone() if isinstance(v, torch.Tensor) else v)
+                       for k, v in optimizer.state.get(param, {}).items()}
+
+    def judge(self, optimizer: Any, group: Mapping[str, Any]) -> Optional[float]:
+        """After the step: ``‖training's update - the reference's‖ / ‖the reference's‖`` over the whole tensor
+        (collectives: the gradient and the parameter gathered); None where no reference could be made."""
+        param, before = self._param, self._before
+        self._param, self._before = None, None
+        if param is None or before is None or param.grad is None:
+            return None
+        grad, after = _whole(param.grad.detach()), _whole(param.detach())
+        copy = nn.Parameter(before.clone())
+        copy.grad = grad.clone()
+        cls = type(optimizer)
+        try:
+            reference = cls([copy], **_hyperparameters(cls, group))
+            if self._state:
+                reference.state[copy] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                         for k, v in self._state.items()}
+            reference.step()
+        except Exception as exc:  # noqa: BLE001 - a class that cannot be built on one tensor: said, not judged
+            self.why = f"{cls.__name__} could not be built and stepped on the gathered tensor alone ({exc})"
+            return None
+        theirs = (after - before).to(torch.float64)
+        ours = (copy.detach() - before).to(torch.float64)
+        scale = float(torch.linalg.vector_norm(ours))
+        if scale == 0.0:
+            return 0.0 if float(torch.linalg.vector_norm(theirs)) == 0.0 else math.inf
+        return float(torch.linalg.vector_norm(theirs - ours)) / scale
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor gathered on every rank (a collective), a plain tensor as it is."""
+    return cast(Any, t).full_tensor() if is_dtensor(t) else t
+
+
+__all__ = ["Layout", "aligned", "gathered_factors", "is_dtensor", "local", "pending", "refusal", "sharded_params",
+           "world_norm"]
