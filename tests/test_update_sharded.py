@@ -9,7 +9,9 @@ steps at ``every=1``:
   shards: one clipping alert at the first check, naming the ranks;
 - ``after``: the optimizer built before ``fully_shard`` replaced the parameters: alerted at the first check;
 - ``muon`` and ``muon_shards``: a Muon-style optimizer (momentum, then a Newton-Schulz orthogonalization of each
-  matrix) under tensor parallel, on the gathered matrix (clean) or on each rank's shard (alerted, the tensor named).
+  matrix) under tensor parallel, on the gathered matrix (clean) or on each rank's shard (alerted, the tensor named);
+- ``tp_edit``: rank 1 edits its replica of the row-parallel layer's bias (a ``Replicate`` DTensor) after the second
+  step: one replica alert at the next check, naming the tensor and the rank.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")]
 pytest.importorskip("torch.distributed.tensor.parallel")
 
-SCENARIOS = ("fsdp", "tp", "fsdp_shards", "tp_shards", "after", "muon", "muon_shards")
+SCENARIOS = ("fsdp", "tp", "fsdp_shards", "tp_shards", "after", "muon", "muon_shards", "tp_edit")
 
 WORKER = textwrap.dedent(
     r'''
@@ -128,6 +130,9 @@ WORKER = textwrap.dedent(
             elif not scenario.startswith("muon"):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), THRESHOLD)
             opt.step()
+            if scenario == "tp_edit" and rank == 1 and step == 1:
+                with torch.no_grad():
+                    model[2].bias.to_local().add_(1e-3)  # one rank's replica edited after the step
         alerts = [] if watch is None else [(a.kind, a.step, a.part, a.message) for a in watch.alerts]
         last = None if watch is None else watch.update.last
         if watch is not None:
@@ -189,3 +194,10 @@ def test_a_muon_step_run_on_each_shard_is_alerted_naming_its_tensor(ranks):
         assert len(update) == 1 and update[0][1] == 0, r["muon_shards"]["alerts"]
         assert "departs from the one Muon computes on the gathered tensor" in update[0][3], update[0][3]
         assert update[0][3].split("the update of ")[1].split(" ")[0] in ("0.weight", "2.weight"), update[0][3]
+
+
+def test_a_rank_that_edits_its_replica_of_a_replicated_dtensor_is_named_at_the_next_check(ranks):
+    for r in ranks:
+        replica = [a for a in r["tp_edit"]["alerts"] if a[0] == "replica"]
+        assert len(replica) == 1 and replica[0][1] == 2, r["tp_edit"]["alerts"]
+        assert "(2.bias) differs bit for bit on rank 1 from the other ranks" in replica[0][3], replica[0][3]

@@ -186,6 +186,38 @@ def test_under_the_hf_trainer_its_default_clipping_and_adamw_are_clean(tmp_path)
     assert watch.update.thresholds == [] or all(t == pytest.approx(1.0, rel=1e-4) for t in watch.update.thresholds)
 
 
+@pytest.mark.slow  # a real HF Trainer, 4 steps: 5-10 s
+def test_under_the_hf_trainer_a_threshold_divided_by_the_world_size_is_alerted_at_the_first_clipped_check(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from gradwatch.integrations.transformers import GradWatchCallback
+
+    class WorldSizeClip(transformers.TrainerCallback):
+        """The bug: the clip's threshold divided by a world size of 2 (each rank's share of a sharded norm)."""
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            accelerator = self.trainer.accelerator
+            plain = accelerator.clip_grad_norm_
+            accelerator.clip_grad_norm_ = lambda params, max_norm, norm_type=2: plain(params, max_norm / 2, norm_type)
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32))
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 100, (16, 12), generator=g)]
+    callback, bug = GradWatchCallback(every=1, log_dir=None), WorldSizeClip()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4,
+                                          use_cpu=True, disable_tqdm=True, report_to=[], save_strategy="no",
+                                          learning_rate=1e-2, logging_steps=100, max_grad_norm=0.05)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback, bug])
+    bug.trainer = trainer
+    trainer.train()
+    clipping = [a for a in callback.watch.alerts if a.kind == "clipping"]
+    assert len(clipping) == 1 and clipping[0].step == 0, [a.message for a in callback.watch.alerts]
+    assert "where 0.05 was asked for (x2: the threshold divided by 2, the world size?)" in clipping[0].message, \
+        clipping[0].message
+
+
 def test_through_accelerates_wrapped_optimizer_the_real_step_is_verified():
     accelerate = pytest.importorskip("accelerate")
     from accelerate.state import AcceleratorState, GradientState

@@ -104,7 +104,8 @@ class CheckRunner:
         self.running = False
         #: Shard by shard: the replay is tried as the capture's forward (until a replay's forward was not faithful).
         self._fuse = True
-        #: DDP's replicas compared across ranks at each check (:class:`~gradwatch.watch.update_part.Replicas`).
+        #: Replicas (DDP's, DTensors' replicated shards) compared across ranks at each check
+        #: (:class:`~gradwatch.watch.update_part.Replicas`).
         self.replicas = Replicas()
 
     @property
@@ -303,7 +304,8 @@ class CheckRunner:
                             interval=self.schedule.interval(),
                             training=None if replay is None else (replay.grads is not None, replay.reason),
                             cut=list(self.step_objective.rows) if replayed else None,
-                            replicas=replica_hashes(self.watch.model) if self.watch.wrapping.replicated else None)
+                            replicas=replica_hashes(self.watch.model)
+                            if self.watch.wrapping.replicated or self.watch.sharded else None)
         results = coord.gather_check(step, result, error)
         if results is None:  # once: the coordinator is broken and checks no more
             gave_up = Alert(step=int(step), tensor=WHOLE_CHECK, kind="error", severity="error", value=math.nan,

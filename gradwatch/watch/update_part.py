@@ -47,7 +47,7 @@ from gradwatch.check.update.clipping import factors, judge_clipping, value_bound
 from gradwatch.check.update.optimizer_replay import algorithm, judge_update, replay
 from gradwatch.io.headlines import line
 from gradwatch.watch.trend import WHOLE_CHECK, Alert
-from gradwatch.watch.update_shards import Layout, aligned, gathered_factors, is_dtensor, local, pending, refusal, world_norm
+from gradwatch.watch.update_shards import Layout, aligned, gathered_factors, is_dtensor, local, pending, refusal, replica_key, world_norm
 
 #: Coordinates drawn from each tensor at a check.
 COORDS = 16
@@ -112,19 +112,34 @@ def tensor_hash(t: torch.Tensor) -> int:
 
 
 def replica_hashes(model: nn.Module) -> Dict[str, int]:
-    """``{name: tensor_hash}`` of a replicated model's parameters (plain tensors: DDP's), read at a check.
+    """``{key: tensor_hash}`` of the parameters this rank holds as a replica, read at a check: plain tensors (DDP's,
+    or a tensor parallel model's modules left whole) by name; DTensors replicated over a mesh dimension (``Replicate``
+    placements, FSDP2's replicas on a 2-D mesh) or on a mesh of some ranks only (held alike by the ranks of the other
+    dimensions) by name and the shard they hold (``"w [shard 1]"``: compared among the ranks that hold that shard).
 
     Example:
         >>> sorted(replica_hashes(nn.Linear(2, 1)))
         ['bias', 'weight']
     """
-    return {n: tensor_hash(p) for n, p in model.named_parameters() if type(p.data) is torch.Tensor}
+    out: Dict[str, int] = {}
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    for name, p in model.named_parameters():
+        if not is_dtensor(p):
+            if type(p.data) is torch.Tensor:
+                out[name] = tensor_hash(p)
+            continue
+        shard = replica_key(p, world)
+        if shard is not None:
+            out[name + shard] = tensor_hash(local(p.detach()))
+    return out
 
 
 class Replicas:
     """Replicated parameters (DDP's) compared across ranks at each check, by their hashes: a tensor whose bits differ
     between ranks (one rank edited its replica, or a step reduced it on some ranks only) is one alert for the run,
     naming the tensors and the ranks that differ from the most.
+
+    Each key is compared among the ranks that sent it (a DTensor's shard: the ranks that hold that shard).
 
     Example:
         >>> r = Replicas()
@@ -141,11 +156,12 @@ class Replicas:
         if self.said or len(got) < 2:
             return []
         apart: Dict[str, List[int]] = {}
-        for name in got[0][1]:
-            values = [h.get(name) for _, h in got]
+        for name in dict.fromkeys(k for _, h in got for k in h):
+            holders = [(rank, h[name]) for rank, h in got if name in h]
+            values = [v for _, v in holders]
             common = max(values, key=values.count)  # (a tie: the lowest rank's, rank 0 the reference)
-            odd = [rank for (rank, _), v in zip(got, values) if v != common]
-            if odd:
+            odd = [rank for rank, v in holders if v != common]
+            if odd and len(holders) > 1:
                 apart[name] = odd
         if not apart:
             return []
@@ -155,10 +171,10 @@ class Replicas:
         return [Alert(int(step), WHOLE_CHECK, "replica", "error", math.nan, None, (
             f"step {step} (update): {len(names)} replicated tensor{'s' if len(names) > 1 else ''} ({_listed(names)}) "
             f"differ{'s' if len(names) == 1 else ''} bit for bit on rank{'s' if len(ranks) > 1 else ''} "
-            f"{', '.join(map(str, ranks))} from the other ranks: DDP's replicas drifted apart — look for what changes "
+            f"{', '.join(map(str, ranks))} from the other ranks: the replicas drifted apart — look for what changes "
             "weights on some ranks only: an edit outside the step, a step or a reduction run on some ranks only, a "
             "buffer broadcast that replaced them. Said once for the run"), "update",
-            headline=line("DDP replicas differ between ranks", f"{len(names)} tensor{'s' if len(names) > 1 else ''}",
+            headline=line("replicas differ between ranks", f"{len(names)} tensor{'s' if len(names) > 1 else ''}",
                           f"on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}", step))]
 
 

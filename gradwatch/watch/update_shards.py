@@ -91,6 +91,18 @@ def _replicas(t: Any) -> int:
                                if isinstance(placement, Replicate))
 
 
+def replica_key(p: Any, world: int) -> Optional[str]:
+    """For a DTensor this rank holds as a replica (a ``Replicate`` placement, or a mesh of some of the ``world`` ranks
+    only), what to add to its name so that only the ranks holding the same shard compare it (``""`` where it is not
+    sharded, ``" [shard 1]"``); None where no other rank holds the same entries."""
+    placements, mesh = p.placements, p.device_mesh
+    if not any(isinstance(pl, Replicate) for pl in placements) and mesh.size() >= world:
+        return None
+    coordinate = mesh.get_coordinate() or []
+    shard = [str(c) for c, pl in zip(coordinate, placements) if not isinstance(pl, Replicate)]
+    return f" [shard {','.join(shard)}]" if shard else ""
+
+
 def pending(g: Any) -> bool:
     """Whether a DTensor gradient holds a pending sum (``Partial``: each rank's part, reduced by the step's ops)."""
     return is_dtensor(g) and any(isinstance(p, Partial) for p in g.placements)
@@ -235,5 +247,5 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return cast(Any, t).full_tensor() if is_dtensor(t) else t
 
 
-__all__ = ["Layout", "aligned", "gathered_factors", "is_dtensor", "local", "pending", "refusal", "sharded_params",
-           "world_norm"]
+__all__ = ["Layout", "aligned", "gathered_factors", "is_dtensor", "local", "pending", "refusal", "replica_key",
+           "sharded_params", "world_norm"]
