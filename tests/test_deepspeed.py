@@ -50,7 +50,7 @@ pytest.importorskip("deepspeed")
 
 RUN_TIMEOUT = 240.0
 STAGES = (1, 2, 3)
-SCENARIOS = ("zero1", "zero2", "zero3", "planted1", "planted2", "planted3", "accumulate", "fault", "trainer", "embedding3",
+SCENARIOS = ("zero1", "zero2", "zero3", "hot2", "planted1", "planted2", "planted3", "accumulate", "fault", "trainer", "embedding3",
              "objective3", "gpt3", "gpt3mean", "trainer2")
 NAMES = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
 
@@ -111,12 +111,22 @@ WORKER = textwrap.dedent(
             return self.out(torch.tanh(self.emb(ids).mean(1)))
 
 
-    def engine_for(stage, wrong=False, accumulation=1, embedding=False):
+    class HotAdam(torch.optim.Adam):  # a subclass whose step departs from Adam's: its learning rate 1.3x, restored
+        def step(self, closure=None):
+            for group in self.param_groups:
+                group["lr"] *= 1.3
+            out = super().step(closure)
+            for group in self.param_groups:
+                group["lr"] /= 1.3
+            return out
+
+
+    def engine_for(stage, wrong=False, accumulation=1, embedding=False, hot=False):
         net = Bag() if embedding else mlp(wrong)
-        opt = torch.optim.Adam(net.parameters(), lr=0.01, weight_decay=1e-3)
+        opt = (HotAdam if hot else torch.optim.Adam)(net.parameters(), lr=0.01, weight_decay=1e-3)
         config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accumulation,
                   "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-                  "steps_per_print": 10 ** 9}
+                  "steps_per_print": 10 ** 9, "zero_allow_untested_optimizer": hot}
         engine, optimizer, _, _ = deepspeed.initialize(model=net, optimizer=opt, config=config)
         return engine, optimizer
 
@@ -138,8 +148,8 @@ WORKER = textwrap.dedent(
 
 
     def train(stage, steps, watch_options=None, wrong=False, accumulation=1, misuse=False, given="engine",
-              embedding=False):
-        engine, optimizer = engine_for(stage, wrong, accumulation, embedding)
+              embedding=False, hot=False):
+        engine, optimizer = engine_for(stage, wrong, accumulation, embedding, hot)
         state["engine"] = engine
         watched = engine if given == "engine" else engine.module  # the module: the engine is found around it
         watch = (GradWatch(watched, loss_fn, optimizer=optimizer, **watch_options)
@@ -183,7 +193,8 @@ WORKER = textwrap.dedent(
             res.update(checks=checks, seconds=seconds, alerts=[a.to_dict() for a in watch.alerts], gathers=gathers,
                        replica=watch.context.replica is not None,
                        coverage=watch.coverage, weight_decay=watch.objective.weight_decay,
-                       live_hooks=sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in engine.module.modules()))
+                       live_hooks=sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in engine.module.modules()),
+                       update=watch.update.last)
             watch.close()
         return res
 
@@ -291,6 +302,8 @@ WORKER = textwrap.dedent(
                 plain = gpt_run(False, per_rank_mean=scenario == "gpt3mean")
                 res = gpt_run(True, per_rank_mean=scenario == "gpt3mean")
                 res["identical"] = {"losses": plain["losses"] == res["losses"], "params": plain["params"] == res["params"]}
+            elif scenario == "hot2":
+                res = train(2, 2, dict(every=1, log_dir=None), hot=True)
             elif scenario == "objective3":
                 res = train(3, 2, dict(every=1, log_dir=None, form="objective"))
             elif scenario.startswith("planted"):
@@ -362,6 +375,13 @@ def test_zero_correct_model_no_alert_both_verdicts_everywhere_training_bit_ident
         assert res["identical"] == {"losses": True, "params": True}
         assert all(res["partitioned"]) is (stage == 3)  # stage 3: every live parameter an empty placeholder
         assert res["live_hooks"] > 0  # ZeRO's hooks are still on the live model after the checks
+        if stage < 3:  # the update: Adam replayed on each rank's partition of the float32 master weights
+            update = res["update"]
+            assert update["step"] == 3 and update["algorithm"] == "Adam", update
+            assert update["update"] and all(u["verdict"] == "excellent" for u in update["update"].values()), update
+    if stage < 3:  # the ranks' partitions hold every tensor between them
+        assert set(ranks[0]["zero%d" % stage]["update"]["update"]) | set(ranks[1]["zero%d" % stage]["update"]["update"]) \
+            == set(NAMES)
         if stage == 3 and usable():  # after the first check (the points' shared memory opens there), ZeRO-3's
             assert res["gathers"][1:] == [0] * 3, res["gathers"]  # gathers go through it: no gloo all-gather
     assert ranks[0][f"zero{stage}"]["checks"] == ranks[1][f"zero{stage}"]["checks"]
@@ -466,3 +486,11 @@ def test_zero3_gpt2_trained_on_each_ranks_own_mean_is_named_by_the_training_verd
         assert res["identical"] == {"losses": True, "params": True}
         wrong = [v for c in res["checks"] for v in c["training"].values() if v[0] == "wrong"]
         assert wrong and all("per-rank means averaged" in v[1] for v in wrong), res["checks"][0]["training"]
+
+
+def test_zero2_an_adam_subclass_whose_step_departs_is_alerted_at_the_first_check(ranks):
+    for r in ranks:  # each rank judges its own partition: every rank says it
+        update = [a for a in r["hot2"]["alerts"] if a["kind"] == "update"]
+        assert len(update) == 1 and update[0]["step"] == 0, (r["hot2"]["alerts"], r["hot2"]["update"])
+        assert len(update) == 1 and update[0]["step"] == 0, r["hot2"]["alerts"]
+        assert "departs from Adam's algorithm" in update[0]["message"] and "1.3x" in update[0]["message"], update[0]

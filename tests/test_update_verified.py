@@ -124,6 +124,26 @@ def test_an_adamw_without_bias_correction_is_alerted_at_the_first_check_with_its
     assert "departs from AdamW's algorithm" in update[0].message and "NoBiasCorrection" in update[0].message
 
 
+class HotAdam(torch.optim.Adam):
+    """Steps with 1.3x the group's learning rate, restored after its base's step (whose hooks run inside its own)."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["lr"] *= 1.3
+        out = super().step(closure)
+        for group in self.param_groups:
+            group["lr"] /= 1.3
+        return out
+
+
+def test_a_subclass_whose_step_wraps_its_bases_is_judged_at_its_own_end_and_its_ratio_named():
+    torch.optim.Adam(Net().parameters())  # (an Adam built before: the base's step is hooked too, and runs inside)
+    _, watch = run(lambda m: HotAdam(m.parameters(), lr=1e-2))
+    update = [a for a in watch.alerts if a.part == "update"]
+    assert [a.kind for a in update] == ["update"] and update[0].step == 0, [a.message for a in watch.alerts]
+    assert "departs from Adam's algorithm" in update[0].message and "1.3x the algorithm's" in update[0].message
+
+
 def test_tied_weights_untied_after_the_watch_was_built_are_alerted_and_a_tied_model_is_clean():
     def tied():
         m = Net()

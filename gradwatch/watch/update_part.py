@@ -48,6 +48,7 @@ from gradwatch.check.update.optimizer_replay import algorithm, judge_update, rep
 from gradwatch.io.headlines import line
 from gradwatch.watch.trend import WHOLE_CHECK, Alert
 from gradwatch.watch.update_shards import Layout, aligned, gathered_factors, is_dtensor, local, pending, refusal, replica_key, world_norm
+from gradwatch.watch.update_zero import draw, inner, zero_of
 
 #: Coordinates drawn from each tensor at a check.
 COORDS = 16
@@ -242,8 +243,12 @@ class UpdatePart:
     def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], seed: int = 0,
                  asked: Optional[float] = None, emit: Optional[Callable[[int, List[Alert]], None]] = None) -> None:
         self.model, self.optimizer, self.seed, self.asked = model, torch_optimizer(optimizer), int(seed), asked
+        #: DeepSpeed ZeRO stage 1 or 2: its optimizer (the torch optimizer inside it steps its flat partitions).
+        self.zero = zero_of(optimizer)
+        if self.zero is not None:
+            self.optimizer = inner(self.zero)
         if any(hasattr(p, "ds_id") for p in model.parameters()):
-            self.optimizer = None  # ZeRO-3: DeepSpeed's partitions, not verified yet
+            self.optimizer = None  # ZeRO-3: DeepSpeed's partitions of the parameters, not verified yet
         #: Why this sharded model's update is not verified (said once at the first check), None where it is.
         self.refused: Optional[str] = None  # (known at the first check: the ranks compared then)
         self.sharded = self.optimizer is not None and any(is_dtensor(p) for p in model.parameters())
@@ -259,6 +264,7 @@ class UpdatePart:
         self.thresholds: List[float] = []
         self._said: Set[str] = set()
         self._hooks: List[Any] = []
+        self._depth = 0  # steps begun and not ended (a subclass's step around its base's)
         self._at: Dict[str, Any] = {}
 
     @property
@@ -291,6 +297,9 @@ class UpdatePart:
 
     def _arm(self, step: int) -> None:
         alerts = self._structure(step)
+        if self.zero is not None:
+            self._arm_zero(step, alerts)
+            return
         params = dict(self.model.named_parameters())
         drawn: Dict[str, torch.Tensor] = {}
         before: Dict[str, torch.Tensor] = {}
@@ -313,9 +322,32 @@ class UpdatePart:
         assert self.optimizer is not None
         self._starting(self.optimizer)
         self._layout(step, grads)
-        if not self._hooks:  # registered once, idle between checks (a hook never removes itself: torch iterates them)
-            self._hooks = [self.optimizer.register_step_post_hook(self._post)]
+        self._hook()
         self._deliver(step, alerts)
+
+    def _arm_zero(self, step: int, alerts: List[Alert]) -> None:
+        """ZeRO stages 1 and 2: coordinates of each rank's partition of the float32 master weights (DeepSpeed clips
+        with its own norm: not judged)."""
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        drawn, partitions = draw(self.zero, self.model, self.seed, step, rank)
+        self._at = {"step": int(step), "drawn": drawn, "before": {}, "norm": 0.0, "params": partitions, "pending": []}
+        assert self.optimizer is not None
+        self._starting(self.optimizer)
+        self._hook()
+        self._deliver(step, alerts)
+
+    def _hook(self) -> None:
+        """The post-step hook, registered once, idle between checks (a hook never removes itself: torch iterates
+        them)."""
+        if not self._hooks:
+            assert self.optimizer is not None
+            self._hooks = [self.optimizer.register_step_pre_hook(self._pre),
+                           self.optimizer.register_step_post_hook(self._post)]
+
+    def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """A step begins: counted, so that only the outermost step is judged (a subclass whose ``step`` calls its
+        base's runs the hooks twice, the base's inside: the update is judged as the subclass's step left it)."""
+        self._depth += 1
 
     def _layout(self, step: int, grads: Mapping[str, torch.Tensor]) -> None:
         """Sharded, an optimizer with no elementwise form: one tensor a check (in turn, matrices first, the same on
@@ -349,7 +381,7 @@ class UpdatePart:
         held = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
         trained = [n for n, p in self.model.named_parameters() if p.requires_grad and p.grad is not None]
         missing = [n for n, p in self.model.named_parameters() if p.requires_grad and p.grad is not None
-                   and id(p) not in held]
+                   and id(p) not in held] if self.zero is None else []  # (ZeRO's optimizer holds flat partitions)
         alerts = []
         if missing and len(missing) == len(trained):  # (some only: another optimizer's, as a GAN's two are)
             alerts += self._once(step, "update", f"missing:{','.join(missing)}", "error", (
@@ -392,10 +424,17 @@ class UpdatePart:
         """Right after the step: ``.grad`` as it stepped with (clipped), the group's hyperparameters (the learning rate
         the scheduler set: it steps after), and the parameters. What raises here is gradwatch's own failure: said
         once, and the part stops; training's step is never failed by it."""
+        self._depth = max(0, self._depth - 1)
+        if self._depth:
+            return  # a base class's step inside the subclass's: the outermost step's end is judged
         at, self._at = self._at, {}
         if "start" not in at:
             return
         try:
+            self._read(optimizer, at)
+            if self.zero is not None and len(at["read"]) < len(at["start"]):
+                self._at = at  # ZeRO steps one parameter group at a time: the others' calls come next
+                return
             self._judge(optimizer, at)
         except Exception as exc:  # noqa: BLE001 - inside training's optimizer.step(): never raise there
             self.optimizer = None
@@ -404,17 +443,33 @@ class UpdatePart:
                 f"{type(exc).__name__}: {exc} — {_OWN_FAILURE}"), line("optimizer step not verified", "",
                                                                         f"judging it raised {type(exc).__name__}", at["step"])))
 
+    def _read(self, optimizer: Any, at: Dict[str, Any]) -> None:
+        """Right after the step, for the sampled tensors of the groups it stepped: the gradient it took, the group's
+        hyperparameters and the parameter's new values (ZeRO steps one group a call: each call reads its own)."""
+        params = at["params"]
+        stepped = {id(p): {k: v for k, v in group.items() if k != "params"}
+                   for group in optimizer.param_groups for p in group["params"]}
+        reduced = {n: aligned(params[n], params[n].grad.detach()) for n in at["pending"]}  # (collectives, alike)
+        read = at.setdefault("read", set())
+        for n in at["start"]:
+            p = params[n]
+            if n in read or id(p) not in stepped:
+                continue
+            read.add(n)
+            at.setdefault("hyper", {})[n] = stepped[id(p)]
+            at.setdefault("end", {})[n] = local(p.detach()).reshape(-1)[at["drawn"][n]].clone()
+            if p.grad is not None:
+                at.setdefault("after", {})[n] = reduced.get(n, local(p.grad.detach())).reshape(-1)[at["drawn"][n]] \
+                    .to(torch.float64)
+
     def _judge(self, optimizer: Any, at: Dict[str, Any]) -> None:
         step = at["step"]
-        params = at["params"]
-        reduced = {n: aligned(params[n], params[n].grad.detach()) for n in at["pending"]}  # (collectives, alike)
-        at["after"] = {n: reduced.get(n, local(params[n].grad.detach())).reshape(-1)[at["drawn"][n]].to(torch.float64)
-                       for n in at["start"] if params[n].grad is not None}
-        groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-        at["hyper"] = {n: groups[i] for n, i in at["group_of"].items()}
+        at.setdefault("after", {})
+        at.setdefault("hyper", {})
         alerts: List[Alert] = []
         # sharded: every rank's factors, named with their ranks (a collective, on every rank)
-        found, group_of, rank_of = gathered_factors(factors(at["before"], at["after"]), at["group_of"])
+        found, group_of, rank_of = gathered_factors(factors(at["before"], at["after"]), at["group_of"]) \
+            if self.sharded else (factors(at["before"], at["after"]), at["group_of"], {})
         clipping = judge_clipping(found, group_of, at["norm"], self.asked, self.thresholds,
                                   value_bound(at["before"], at["after"]), rank_of)
         if clipping.factor is not None and clipping.threshold is not None and clipping.problem is None:
@@ -426,11 +481,11 @@ class UpdatePart:
         name_of_algorithm = algorithm(optimizer)
         updates: Dict[str, Any] = {}
         moved, pushed = False, False
-        for name, coords in at["drawn"].items():
+        for name in at["drawn"]:
             if name not in at["after"]:
                 continue
             p = at["params"][name]
-            end = local(p.detach()).reshape(-1)[coords]
+            end = at["end"][name]
             moved |= bool((end != at["start"][name]).any())
             lr = at["hyper"][name].get("lr", 0.0)
             pushed |= bool(at["after"][name].any()) and float(lr) != 0.0
