@@ -279,7 +279,8 @@ WORKER = textwrap.dedent(
         if callback is not None:
             watch = callback.watch
             res.update(alerts=[a.to_dict() for a in watch.alerts], coverage=watch.coverage,
-                       checks=watch.context.checks, engine_step_restored="step" not in vars(trainer.model_wrapped))
+                       checks=watch.context.checks, engine_step_restored="step" not in vars(trainer.model_wrapped),
+                       update=watch.update.last)
         return res
 
 
@@ -451,6 +452,11 @@ def test_hf_trainer_with_a_deepspeed_config_is_checked_between_backward_and_step
         assert sorted(res["coverage"]) == sorted(f"net.{n}" for n in NAMES)
         assert res["identical"] == {"losses": True, "params": True}
         assert res["engine_step_restored"]
+        if scenario == "trainer2":  # the Trainer's AdamW inside ZeRO-2's optimizer, replayed on each rank's partition
+            assert res["update"]["algorithm"] == "AdamW" and res["update"]["update"], res["update"]
+            assert all(u["verdict"] == "excellent" for u in res["update"]["update"].values()), res["update"]
+        else:  # ZeRO-3: not verified yet
+            assert res["update"] is None
 
 
 def test_zero3_form_objective_checks_the_whole_objective_on_a_gathered_replica(ranks):

@@ -40,7 +40,7 @@ def zero_of(optimizer: Any) -> Optional[Any]:
     while optimizer is not None and seen < 4:
         if hasattr(optimizer, "single_partition_of_fp32_groups") and hasattr(optimizer, "bit16_groups"):
             return optimizer
-        optimizer = getattr(optimizer, "optimizer", None) if not isinstance(optimizer, torch.optim.Optimizer) else None
+        optimizer = getattr(optimizer, "optimizer", None)  # (accelerate's wrapper is an Optimizer around ZeRO's)
         seen += 1
     return None
 
