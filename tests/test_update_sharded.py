@@ -11,7 +11,9 @@ steps at ``every=1``:
 - ``muon`` and ``muon_shards``: a Muon-style optimizer (momentum, then a Newton-Schulz orthogonalization of each
   matrix) under tensor parallel, on the gathered matrix (clean) or on each rank's shard (alerted, the tensor named);
 - ``tp_edit``: rank 1 edits its replica of the row-parallel layer's bias (a ``Replicate`` DTensor) after the second
-  step: one replica alert at the next check, naming the tensor and the rank.
+  step: one replica alert at the next check, naming the tensor and the rank;
+- ``hsdp`` and ``hsdp_edit``: FSDP2 on a 2x1 mesh (replicated over 2 ranks, sharded over 1: HSDP), clean and
+  bit-identical; then rank 1 edits its replica of a weight after the second step: one replica alert naming it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")]
 pytest.importorskip("torch.distributed.tensor.parallel")
 
-SCENARIOS = ("fsdp", "tp", "fsdp_shards", "tp_shards", "after", "muon", "muon_shards", "tp_edit")
+SCENARIOS = ("fsdp", "tp", "fsdp_shards", "tp_shards", "after", "muon", "muon_shards", "tp_edit", "hsdp", "hsdp_edit")
 
 WORKER = textwrap.dedent(
     r'''
@@ -92,10 +94,11 @@ WORKER = textwrap.dedent(
         opt = None
         if before:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        if kind == "fsdp":
+        if kind in ("fsdp", "hsdp"):
+            on = mesh if kind == "fsdp" else init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
             for layer in (model[0], model[2]):
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+                fully_shard(layer, mesh=on)
+            fully_shard(model, mesh=on)
         else:
             parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
         return model, opt
@@ -110,7 +113,7 @@ WORKER = textwrap.dedent(
 
 
     def run(scenario, watched):
-        kind = "fsdp" if scenario in ("fsdp", "fsdp_shards", "after") else "tp"
+        kind = "fsdp" if scenario in ("fsdp", "fsdp_shards", "after") else "hsdp" if scenario.startswith("hsdp") else "tp"
         model, opt = build(kind, before=scenario == "after")
         if opt is None and scenario.startswith("muon"):
             opt = Muon(model.parameters(), lr=0.02, per_shard=scenario == "muon_shards")
@@ -130,9 +133,9 @@ WORKER = textwrap.dedent(
             elif not scenario.startswith("muon"):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), THRESHOLD)
             opt.step()
-            if scenario == "tp_edit" and rank == 1 and step == 1:
+            if scenario in ("tp_edit", "hsdp_edit") and rank == 1 and step == 1:
                 with torch.no_grad():
-                    model[2].bias.to_local().add_(1e-3)  # one rank's replica edited after the step
+                    (model[2].bias if scenario == "tp_edit" else model[2].weight).to_local().add_(1e-3)  # one replica
         alerts = [] if watch is None else [(a.kind, a.step, a.part, a.message) for a in watch.alerts]
         last = None if watch is None else watch.update.last
         if watch is not None:
@@ -146,7 +149,7 @@ WORKER = textwrap.dedent(
     results = {}
     for scenario in scenarios:
         results[scenario] = run(scenario, True)
-        if scenario in ("fsdp", "tp", "muon"):
+        if scenario in ("fsdp", "tp", "muon", "hsdp"):
             results[scenario]["unwatched"] = run(scenario, False)["weights"]
     save_rank_results(out, rank, results)
     dist.destroy_process_group()
@@ -159,7 +162,7 @@ def ranks(tmp_path_factory):
     return two_rank_results(WORKER, tmp_path_factory.mktemp("update_sharded"), SCENARIOS, 240.0, "sharded update")
 
 
-@pytest.mark.parametrize("scenario", ["fsdp", "tp", "muon"])
+@pytest.mark.parametrize("scenario", ["fsdp", "tp", "muon", "hsdp"])
 def test_correct_clipping_and_steps_on_shards_are_clean_and_training_bit_identical(ranks, scenario):
     for r in ranks:
         got = r[scenario]
@@ -201,3 +204,10 @@ def test_a_rank_that_edits_its_replica_of_a_replicated_dtensor_is_named_at_the_n
         replica = [a for a in r["tp_edit"]["alerts"] if a[0] == "replica"]
         assert len(replica) == 1 and replica[0][1] == 2, r["tp_edit"]["alerts"]
         assert "(2.bias) differs bit for bit on rank 1 from the other ranks" in replica[0][3], replica[0][3]
+
+
+def test_a_rank_that_edits_its_hsdp_replica_is_named_at_the_next_check(ranks):
+    for r in ranks:
+        replica = [a for a in r["hsdp_edit"]["alerts"] if a[0] == "replica"]
+        assert len(replica) == 1 and replica[0][1] == 2, r["hsdp_edit"]["alerts"]
+        assert "(2.weight [shard 0]) differs bit for bit on rank 1" in replica[0][3], replica[0][3]
