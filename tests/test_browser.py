@@ -87,7 +87,7 @@ def test_tensorboard_and_the_html_report_in_chromium(chrome, demo_run, tmp_path,
             maps = browser.wait_for("""(() => { const m = Array.from(document.querySelectorAll('img.verdict-map'));
                 return m.length && m.every(i => i.complete && i.naturalWidth > 0) &&
                        m.map(i => [i.id, i.naturalWidth, +i.getAttribute('width')]); })()""", timeout=10)
-            assert [m[0] for m in maps] == ["verdict-map-backward", "verdict-map-training"]
+            assert [m[0] for m in maps] == ["verdict-map-backward", "verdict-map-training", "verdict-map-update"]
             assert all(natural == declared for _, natural, declared in maps)
             text = browser.evaluate("document.body.innerText")
             assert "4 checks, steps 0-30, 8 tensors" in text and "Alerts (" in text and "fc1.weight" in text

@@ -562,7 +562,7 @@ def test_demo_missing_l2_story_and_report_show_the_training_verdict(tmp_path, ca
     report = capsys.readouterr().out
     backward, training = report.split("training (the live .grad against the objective's gradient):")
     assert "backward (backprop against finite differences" in backward and "WRONG" not in backward
-    table = training.split("values:")[0]  # the legend and the alerts follow the table
+    table = training.split("values:")[0].split("update (")[0]  # the update's table, the legend and the alerts follow
     rows = [line.split() for line in table.splitlines() if line.strip().startswith(("fc1.", "fc2.", "out.", "bn."))]
     assert len(rows) == 8 and all("WRONG" in row for row in rows)
     assert main(["report", str(log_dir), "--format", "json"]) == 0

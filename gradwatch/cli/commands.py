@@ -377,6 +377,8 @@ def _print_report(data: Any, rows: List[Dict[str, Any]], verbose: bool) -> None:
                                     getattr(data, "steps_to_full", None)))
     if getattr(data, "independence", None):
         print(summary.independence_line(data.independence))
+    for line in data.update.lines(len(steps), data.alerts, data.source):  # the optimizer's step after each check
+        print(line)
     for line in not_judged.unchecked_lines(getattr(data, "not_checked", None) or {}, len(steps)):
         print(line)
     for note in getattr(data, "unchecked", None) or ():

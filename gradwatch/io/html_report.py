@@ -1,8 +1,9 @@
 """``gradwatch report --html``: one self-contained page per report (inline CSS, the maps as inline PNGs, no URL).
 
 Per run: the summary the text report prints, the verdict map of each part (:mod:`gradwatch.io.verdict_map`,
-the same image TensorBoard shows), the tensors the maps flag by name (alerted, or suspicious and worse), and
-every alert with its whole message.
+the same image TensorBoard shows; and the optimizer's update, one column per step verified, where the run has
+``update`` records), the tensors the maps flag by name (alerted, or suspicious and worse), and every alert with
+its whole message.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import html
 from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 from gradwatch.io.runs import RunData
-from gradwatch.io.verdict_map import PARTS, SUSPICIOUS, VerdictGrid, grid_from_history, map_png
+from gradwatch.io.verdict_map import SUSPICIOUS, VerdictGrid, grid_from_history, map_png
 
 _CSS = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222; max-width: 1400px; }
@@ -64,11 +65,12 @@ def _run_section(data: RunData, text: str, suffix: str) -> List[str]:
     out = [f"<p class=\"headline\">{len(steps)} checks{span}, {len(data.history)} tensors, {len(data.alerts)} alerts "
            f"({html.escape(str(data.path))}). The maps first, then the summary <code>gradwatch report</code> prints, "
            "then every alert.</p>"]
-    for part in PARTS:
-        history = data.history if part == "backward" else data.training
+    maps = [("backward", data.history, steps), ("training", data.training, steps),
+            ("update", data.update.history, data.update.steps)]  # the update: a column per step verified
+    for part, history, columns in maps:
         if not history:
             continue
-        grid = grid_from_history(history, steps, data.alerts, part)
+        grid = grid_from_history(history, columns, data.alerts, part)
         out += _map_figure(grid, data.bands, part, suffix)
         out += _flagged_table(grid)
     out.append(f"<h3>Summary</h3>\n<pre class=\"summary\" id=\"summary{suffix}\">{html.escape(text)}</pre>")
@@ -79,7 +81,8 @@ def _run_section(data: RunData, text: str, suffix: str) -> List[str]:
 def _map_figure(grid: VerdictGrid, bands: Sequence[float], part: str, suffix: str) -> List[str]:
     png, height, width = map_png(grid, bands)
     uri = "data:image/png;base64," + base64.b64encode(png).decode("ascii")
-    alt = (f"verdict map of the {part} part: {len(grid.names)} tensors by {len(grid.steps)} checks, "
+    columns = "steps verified after a check" if part == "update" else "checks"
+    alt = (f"verdict map of the {part} part: {len(grid.names)} tensors by {len(grid.steps)} {columns}, "
            "coloured by band (green excellent to red wrong, grey no verdict), a dot for an alert")
     return [
         f"<h3>Verdict map: {part}</h3>",

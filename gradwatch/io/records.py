@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import re
 import time
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
@@ -213,6 +214,50 @@ def alert_record(alert: Any, *, wall_time: Optional[float] = None) -> Dict[str, 
     if record.get("step") is not None:
         record["step"] = int(record["step"])
     return record
+
+
+_ALERT_TEXT = re.compile(r"^\*\*(?P<severity>[^*]*)\*\* `(?P<kind>[^`]*)` on `(?P<tensor>[^`]*)`: (?P<message>.*)$", re.S)
+_NUMBER = r"([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf))"
+_VALUE_RES = {
+    "threshold": re.compile(r"judged rel_diff " + _NUMBER + r" \("),
+    "drift": re.compile(r"drifted to " + _NUMBER + r" \("),
+}
+_BASELINE_RE = re.compile(r"baseline " + _NUMBER)
+
+
+def alert_text(record: Mapping[str, Any]) -> str:
+    """An alert as TensorBoard's text plugin shows it (tag :data:`ALERTS_TEXT_TAG`); :func:`alert_from_text` reads it back.
+
+    Example:
+        >>> alert_text({"severity": "error", "kind": "threshold", "tensor": "w", "message": "w is wrong"})
+        '**ERROR** `threshold` on `w`: w is wrong'
+    """
+    return (f"**{str(record.get('severity', '')).upper()}** `{record.get('kind')}` on "
+            f"`{record.get('tensor')}`: {record.get('message')}")
+
+
+def alert_from_text(step: int, text: str) -> Dict[str, Any]:
+    """An alert record from its :func:`alert_text` (a threshold's value and a drift's baseline read from the message).
+
+    Example:
+        >>> text = alert_text({"severity": "error", "kind": "threshold", "tensor": "w",
+        ...                    "message": "w: judged rel_diff 0.2 (wrong)"})
+        >>> rec = alert_from_text(4, text)
+        >>> rec["step"], rec["kind"], rec["severity"], rec["value"]
+        (4, 'threshold', 'error', 0.2)
+    """
+    m = _ALERT_TEXT.match(text.strip())
+    if m is None:
+        return {"step": step, "tensor": "?", "kind": "?", "severity": "?", "value": None, "baseline": None, "message": text}
+    message, kind = m["message"], m["kind"]
+    value = baseline = None
+    if kind in _VALUE_RES:
+        found = _VALUE_RES[kind].search(message)
+        value = float(found.group(1)) if found else None
+        found = _BASELINE_RE.search(message)
+        baseline = float(found.group(1)) if found else None
+    return {"step": step, "tensor": m["tensor"], "kind": kind, "severity": m["severity"].lower(),
+            "value": value, "baseline": baseline, "message": message}
 
 
 def run_record(options: Mapping[str, Any], version: str, *, wall_time: Optional[float] = None) -> Dict[str, Any]:

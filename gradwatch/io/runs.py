@@ -15,7 +15,8 @@ event-file view splits them the same way).
 
 :func:`summarize` turns it into one row per tensor (first / last / worst
 judged rel_diff, last verdict, alert count, a verdict strip), and the
-``format_*`` helpers print rows and alerts the same way for every command.
+``format_*`` helpers print rows and alerts the same way for every command. The optimizer's step verified after
+each check (the ``update`` records) is read by :mod:`gradwatch.io.update_summary`.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from gradwatch.errors import GradWatchError
 from gradwatch.io import not_judged
 from gradwatch.io.headlines import with_lines, wrapped
 from gradwatch.io.not_judged import Unchecked
-from gradwatch.io.records import ALERTS_TEXT_TAG, to_jsonable
+from gradwatch.io.records import ALERTS_TEXT_TAG, alert_from_text, to_jsonable
 from gradwatch.io.sinks import JSONL_NAME, RUN_TEXT_TAG, read_jsonl
+from gradwatch.io.update_summary import UpdateSummary
 
 #: ``{tensor: [{"step", "judged_rel_diff", "rel_diff", "verdict"}, ...]}`` (the TrendTracker's history shape).
 History = Dict[str, List[Dict[str, Any]]]
@@ -44,7 +46,6 @@ _RANK = {v.value: v.rank for v in Verdict}
 _MARKS_UNICODE = {"excellent": "\u2581", "acceptable": "\u2583", "suspicious": "\u2585", "wrong": "\u2588", None: "?"}
 _MARKS_ASCII = {"excellent": ".", "acceptable": ":", "suspicious": "+", "wrong": "#", None: "?"}
 _EVENT_PREFIX = "events.out.tfevents"
-_TEXT_RE = re.compile(r"^\*\*(?P<severity>[^*]*)\*\* `(?P<kind>[^`]*)` on `(?P<tensor>[^`]*)`: (?P<message>.*)$", re.S)
 
 
 class RunNotFound(GradWatchError):
@@ -96,6 +97,8 @@ class RunData:
     #: What the checks could not check, why, how to check it instead (:data:`gradwatch.io.not_judged.Unchecked`).
     not_checked: Unchecked = field(default_factory=dict)
     steps_to_full: Optional[int] = None
+    #: The optimizer's step verified after each check (its ``update`` records, :mod:`gradwatch.io.update_summary`).
+    update: UpdateSummary = field(default_factory=UpdateSummary)
 
 
 # --------------------------------------------------------------------- reading
@@ -112,7 +115,7 @@ def _num(value: Any) -> Optional[float]:
 
 def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = None,
                  warnings: Sequence[str] = ()) -> RunData:
-    """Build a :class:`RunData` from ``checks.jsonl`` records (``run``, ``check``, ``alert``).
+    """Build a :class:`RunData` from ``checks.jsonl`` records (``run``, ``check``, ``alert``, ``update``).
 
     Example:
         >>> recs = [{"type": "check", "step": 0, "tensors": {"w": {"judged_rel_diff": 1e-9,
@@ -140,10 +143,12 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
     unjudged: not_judged.Tally = {}
     never: not_judged.Unchecked = {}
     planned: Dict[str, int] = {}  # unit -> checks whose pieces held it (the module form)
+    update = UpdateSummary()
     for number, rec in enumerate(records, start=1):
         run_id = run_id or rec.get("run_id")
         try:
             _add_record(rec, history, alerts, details, steps)
+            update.add(rec)
             if rec.get("type") == "check":
                 _add_training(rec, training, details)
                 form = str(rec.get("form") or "objective")
@@ -172,7 +177,7 @@ def from_records(records: Iterable[Mapping[str, Any]], *, path: Optional[str] = 
                 bands = tuple(float(b) for b in opt_bands)  # type: ignore[assignment]
     not_judged.plan_counts(never, planned, alerts)
     return RunData(history, alerts, details, "jsonl", path, notes, bands, steps, training, run_id, forms, coverage, cycle,
-                   list(unchecked.values()), independence, unjudged, never, steps_to_full=full)
+                   list(unchecked.values()), independence, unjudged, never, steps_to_full=full, update=update)
 
 
 def _add_independence(found: Any, independence: Dict[str, List[Any]]) -> None:
@@ -308,36 +313,12 @@ def from_event_files(path: os.PathLike, bands: Tuple[float, float, float] = DEFA
             continue
         for e in acc.Tensors(tag):
             for raw in e.tensor_proto.string_val:
-                alerts.append(with_lines(_alert_from_text(int(e.step), raw.decode("utf-8", "replace"))))
+                alerts.append(with_lines(alert_from_text(int(e.step), raw.decode("utf-8", "replace"))))
     alerts.sort(key=lambda a: a["step"])
     for entries in history.values():
         entries.sort(key=lambda e: int(cast(float, e["step"])))
     return RunData(history, alerts, {}, "events", os.fspath(path), [], bands, sorted(all_steps), run_id=run_id,
                    not_judged=unjudged, not_checked=not_judged.unchecked_from_alerts(alerts))
-
-
-_NUMBER = r"([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf))"
-_VALUE_RES = {
-    "threshold": re.compile(r"judged rel_diff " + _NUMBER + r" \("),
-    "drift": re.compile(r"drifted to " + _NUMBER + r" \("),
-}
-_BASELINE_RE = re.compile(r"baseline " + _NUMBER)
-
-
-def _alert_from_text(step: int, text: str) -> Dict[str, Any]:
-    """An alert record from the text TensorBoardSink wrote (value and baseline read back from the message)."""
-    m = _TEXT_RE.match(text.strip())
-    if m is None:
-        return {"step": step, "tensor": "?", "kind": "?", "severity": "?", "value": None, "baseline": None, "message": text}
-    message, kind = m["message"], m["kind"]
-    value = baseline = None
-    if kind in _VALUE_RES:
-        found = _VALUE_RES[kind].search(message)
-        value = float(found.group(1)) if found else None
-        found = _BASELINE_RE.search(message)
-        baseline = float(found.group(1)) if found else None
-    return {"step": step, "tensor": m["tensor"], "kind": kind, "severity": m["severity"].lower(),
-            "value": value, "baseline": baseline, "message": message}
 
 
 def _natural(path: Path) -> List[Any]:
@@ -381,7 +362,7 @@ def find_runs(logdirs: Sequence[os.PathLike], source: str = "auto") -> List[Tupl
     return found
 
 
-_KNOWN_TYPES = ("run", "check", "alert")
+_KNOWN_TYPES = ("run", "check", "alert", "update")
 
 
 def split_runs(records: Sequence[Mapping[str, Any]], path: str) -> List[Tuple[str, List[Mapping[str, Any]]]]:
@@ -452,7 +433,8 @@ def merge_runs(parts: Sequence[RunData]) -> RunData:
     return RunData(history, alerts, details, sources.pop() if len(sources) == 1 else "mixed", ", ".join(paths),
                    warnings, parts[0].bands, sorted(steps), training, parts[0].run_id, forms,
                    parts[-1].coverage, parts[-1].cycle_length, list(dict.fromkeys(n for p in parts for n in p.unchecked)),
-                   not_judged=unjudged, not_checked=never, steps_to_full=parts[-1].steps_to_full)
+                   not_judged=unjudged, not_checked=never, steps_to_full=parts[-1].steps_to_full,
+                   update=UpdateSummary.merged([p.update for p in parts]))
 
 
 def read_runs(found: Sequence[Tuple[str, Path]]) -> Tuple[List[RunData], List[str]]:
@@ -525,7 +507,8 @@ def summarize(data: RunData, part: str = "backward") -> List[Dict[str, Any]]:
     whole-check alerts exist.
 
     ``part="backward"`` (the default) summarizes ``data.history`` and the backward part's alerts;
-    ``part="training"`` summarizes ``data.training`` and the training part's alerts.
+    ``part="training"`` summarizes ``data.training`` and the training part's alerts; ``part="update"``
+    each tensor's update against the optimizer's algorithm replayed (``data.update.history``) and the update's alerts.
 
     Example:
         >>> data = RunData({"w": [{"step": 0, "judged_rel_diff": 1e-9, "rel_diff": 1e-9, "verdict": "excellent"},
@@ -539,7 +522,7 @@ def summarize(data: RunData, part: str = "backward") -> List[Dict[str, Any]]:
         for name in dict.fromkeys([str(a.get("tensor")), *map(str, a.get("tensors") or ())]):
             counts[name] = counts.get(name, 0) + 1
     rows = []
-    for name, entries in (data.training if part == "training" else data.history).items():
+    for name, entries in {"training": data.training, "update": data.update.history}.get(part, data.history).items():
         judged = [e for e in entries if e.get("verdict") is not None]
         jv = [e["judged_rel_diff"] for e in judged]
         rv = [e["rel_diff"] for e in judged]
@@ -630,7 +613,7 @@ def legend(bands: Sequence[float], unicode: bool = True) -> List[str]:
 
 def verdict_tables(data: RunData, bands: Sequence[float], unicode: bool = True, heading_indent: str = "",
                    rows: Optional[List[Dict[str, Any]]] = None) -> List[str]:
-    """A run's per-tensor tables as lines: backward, then training (when judged), then the :func:`legend`.
+    """A run's per-tensor tables as lines: backward, then training and the update (when judged), then the :func:`legend`.
 
     What ``gradwatch report`` and the demo's summary print. ``rows``: :func:`summarize` of the
     backward part when the caller has it already.
@@ -646,6 +629,9 @@ def verdict_tables(data: RunData, bands: Sequence[float], unicode: bool = True, 
     if training:
         out.append(heading_indent + "training (the live .grad against the objective's gradient):")
         out += ["  " + line for line in format_table(training, unicode=unicode)]
+    if data.update.history:
+        out.append(heading_indent + data.update.heading())
+        out += ["  " + line for line in format_table(summarize(data, "update"), unicode=unicode)]
     out += ["  " + line for line in legend(bands, unicode=unicode)]
     return out
 
@@ -795,6 +781,7 @@ def to_json(data: RunData, rows: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
         "not_checked": [dict(entry) for entry in data.not_checked.values()],
         "tensors": [{**{k: v for k, v in r.items()}, "history": data.history.get(str(r["tensor"]), [])} for r in rows],
         "training": [{**r, "history": data.training.get(str(r["tensor"]), [])} for r in summarize(data, "training")],
+        "update": data.update.to_json(summarize(data, "update")),
         "alerts": data.alerts,
         "warnings": data.warnings,
     })

@@ -22,6 +22,7 @@ from gradwatch.io.records import (
     ALERTS_COUNT_TAG,
     ALERTS_TEXT_TAG,
     alert_record,
+    alert_text,
     band_scalars,
     custom_scalars_layout,
     scalars_from_check,
@@ -296,13 +297,9 @@ class TensorBoardSink(Sink):
                 write_png(self.writer, f"{MAP_IMAGE_TAG}/{part}", png, height, width, step, walltime)
 
     def write_alert(self, record: Mapping[str, Any]) -> None:
-        text = (
-            f"**{str(record.get('severity', '')).upper()}** `{record.get('kind')}` on "
-            f"`{record.get('tensor')}`: {record.get('message')}"
-        )
         step = record.get("step")
         self.writer.add_text(
-            ALERTS_TEXT_TAG, text, global_step=None if step is None else int(step), walltime=record.get("time")
+            ALERTS_TEXT_TAG, alert_text(record), global_step=None if step is None else int(step), walltime=record.get("time")
         )
         self._maps.add_alert(record)
         if self._pending is not None:

@@ -81,8 +81,9 @@ class VerdictGrid:
 def grid_from_history(history: Mapping[str, Sequence[Mapping[str, Any]]], steps: Sequence[int],
                       alerts: Iterable[Mapping[str, Any]], part: str = "backward") -> VerdictGrid:
     """The grid of a run read back: ``history`` is ``{tensor: [{"step", "verdict"}, ...]}`` (a
-    :class:`gradwatch.io.runs.RunData`'s ``history`` or ``training``), ``steps`` its checks' steps, ``alerts`` its
-    alert records (those of ``part`` mark cells; those of no tensor of the map mark their column).
+    :class:`gradwatch.io.runs.RunData`'s ``history``, ``training`` or ``update.history``), ``steps`` its checks'
+    steps, ``alerts`` its alert records (those of ``part`` mark cells; those of no tensor of the map mark their
+    column).
 
     Example:
         >>> grid = grid_from_history({"w": [{"step": 0, "verdict": "excellent"}, {"step": 5, "verdict": None}]},
@@ -90,7 +91,7 @@ def grid_from_history(history: Mapping[str, Sequence[Mapping[str, Any]]], steps:
         >>> grid.codes.tolist(), grid.alerts.tolist()
         ([[2, 1]], [[False, True]])
     """
-    state = MapHistory()
+    state = MapHistory(tuple(dict.fromkeys((*PARTS, part))))  # (the update part's map: only the report draws it)
     by_step: Dict[int, Dict[str, Optional[str]]] = {int(s): {} for s in steps}
     for name, entries in history.items():
         for entry in entries:
