@@ -180,6 +180,7 @@ def test_clipping_by_each_ranks_own_shards_is_alerted_at_the_first_check_naming_
         clipping = [a for a in r[scenario]["alerts"] if a[0] == "clipping"]
         assert len(clipping) == 1 and clipping[0][1] == 0, r[scenario]["alerts"]
         message = clipping[0][3]
+        assert message.startswith("clipping: 2 ranks scaled differently (step 0)"), message
         assert "rank 0 (shards of" in message and "rank 1 (shards of" in message, message
         assert "each rank clipped by the norm of its own shards" in message, message
 

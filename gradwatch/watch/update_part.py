@@ -189,7 +189,8 @@ _OWN_FAILURE = "nothing in training: it goes on, the step unverified; please rep
 def _clipping_headline(clipping: Any, step: int) -> str:
     """What is wrong with a step's clipping, in a headline."""
     if clipping.kind == "groups":
-        return line("clipping", f"{len(clipping.groups)} parameter groups scaled differently", "", step)
+        what = f"{clipping.by}s" if clipping.by else "sets of tensors"
+        return line("clipping", f"{len(clipping.groups)} {what} scaled differently", "", step)
     if clipping.kind == "not_scaling":
         return line("clipping", ".grad changed between the check and the step, not by one factor", "", step)
     if clipping.kind == "unasked":

@@ -121,6 +121,8 @@ class Clipping:
     problem: Optional[str] = None
     kind: Optional[str] = None
     groups: List[Tuple[float, List[str]]] = field(default_factory=list)
+    #: What the groups of different factors are: ``"rank"`` (each rank's shards), ``"parameter group"``, or ``""``.
+    by: str = ""
 
     def record(self) -> Dict[str, object]:
         """Plain data for a check record."""
@@ -187,7 +189,8 @@ def judge_clipping(found: Mapping[str, Factor], param_group: Mapping[str, int], 
         return Clipping(None)
     groups = _groups(values)
     if len(groups) > 1:
-        return Clipping(None, None, _group_words(groups, param_group, rank_of or {}), "groups", groups)
+        by = "rank" if rank_of and _matches(groups, rank_of) else "parameter group" if _matches(groups, param_group) else ""
+        return Clipping(None, None, _group_words(groups, param_group, rank_of or {}), "groups", groups, by)
     c = groups[0][0]
     if _same(c, 1.0) or c > 1.0:
         if c > 1.0 and not _same(c, 1.0):
