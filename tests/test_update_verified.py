@@ -289,6 +289,7 @@ def test_under_lightning_its_clipping_by_norm_or_by_value_and_its_step_are_clean
     options = {} if clip is None else {"gradient_clip_val": 0.05 if clip == "norm" else 0.002,
                                        "gradient_clip_algorithm": clip}
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
+                         default_root_dir=str(tmp_path),
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], **options)
     ids = torch.randint(0, 20, (48, 6), generator=torch.Generator().manual_seed(1))
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, ids.roll(1, 1)), batch_size=8)

@@ -305,10 +305,10 @@ class Planner:
     def pace_seconds(self, step_seconds: Optional[float], spent: float = 0.0) -> Optional[float]:
         """Seconds this check's pieces may take (one process, the module form): :data:`PIECE_STEPS` training steps of
         ``step_seconds`` less the ``spent`` seconds the check's planning took (finding the units, counting the
-        activations: a first check's forwards), at least :data:`PACED_SECONDS`; None (no bound) where the step is not known or shorter than
-        :data:`PACED_STEP_SECONDS`, or where a cycle without row slices already spreads its whole units over
-        :data:`~gradwatch.plan.cycle.CHECKS_PER_PASS` checks (a cycle with slices is paced by making K longer:
-        :meth:`pace`).
+        activations: a first check's forwards), at least half of it and :data:`PACED_SECONDS`; None (no bound)
+        where the step is not known or shorter than :data:`PACED_STEP_SECONDS`, or where a cycle without row slices
+        already spreads its whole units over :data:`~gradwatch.plan.cycle.CHECKS_PER_PASS` checks (a cycle with
+        slices is paced by making K longer: :meth:`pace`).
 
         Example:
             >>> p = Planner()
@@ -322,7 +322,7 @@ class Planner:
                 (not cycle.slices and cycle.per_check <= fewest_whole(len(cycle.whole))):
             return None
         whole = max(PACED_SECONDS, PIECE_STEPS * step_seconds)
-        given = max(PACED_SECONDS, whole - max(0.0, spent))
+        given = max(PACED_SECONDS, whole - max(0.0, spent), whole / 2)  # (the pieces keep half of it at least)
         self._pace_scale = whole / given
         return given
 

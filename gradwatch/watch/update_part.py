@@ -47,7 +47,7 @@ from gradwatch.check.update.clipping import factors, judge_clipping, value_bound
 from gradwatch.check.update.optimizer_replay import algorithm, judge_update, replay
 from gradwatch.io.headlines import line
 from gradwatch.watch.trend import WHOLE_CHECK, Alert
-from gradwatch.watch.update_shards import Layout, aligned, gathered_factors, is_dtensor, local, pending, refusal, replica_key, world_norm
+from gradwatch.watch.update_shards import Layout, aligned, gathered_factors, is_dtensor, local, misplaced, refusal, replica_key, world_norm
 from gradwatch.watch.update_zero import draw, inner, zero_of
 
 #: Coordinates drawn from each tensor at a check.
@@ -311,7 +311,7 @@ class UpdatePart:
             if g is None or g.is_sparse or (type(g) is not torch.Tensor and not is_dtensor(g)):
                 continue
             grads[name] = g
-            g = aligned(p, g)  # (a pending sum reduced: a collective, every rank alike)
+            g = aligned(p, g)  # (laid out otherwise, redistributed: a collective, every rank alike)
             if g.numel() and g.is_floating_point():  # (a complex tensor's update is not replayed yet: its norm counts)
                 gen = generator(tensor_seed(self.seed + step + 7919 * rank, name))  # each rank's own coordinates
                 drawn[name] = torch.unique(torch.randint(0, g.numel(), (min(COORDS, g.numel()),), generator=gen)).to(g.device)
@@ -319,7 +319,7 @@ class UpdatePart:
         # sharded: collectives, the same on every rank (every rank's check armed the step alike)
         norm = world_norm(grads)
         self._at = {"step": int(step), "drawn": drawn, "before": before, "norm": norm, "params": params,
-                    "pending": [n for n, g in grads.items() if pending(g)]}
+                    "pending": [n for n, g in grads.items() if misplaced(params[n], g)]}
         assert self.optimizer is not None
         self._starting(self.optimizer)
         self._layout(step, grads)

@@ -27,17 +27,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradwatch.check.objective.dtensor import is_dtensor
 from gradwatch.check.update.clipping import Factor
 
-try:  # torch >= 2.4
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-except ImportError:  # pragma: no cover - older torch: no DTensor parameters to meet
-    DTensor = Partial = Replicate = None  # type: ignore[assignment,misc]
 
+def _placement(t: Any, kind: str) -> List[bool]:
+    """For each of a DTensor's placements, whether it is a ``kind`` (``"Replicate"``, ``"Partial"``; the package is
+    imported only where a DTensor exists: a plain model's check imports no distributed package)."""
+    from torch.distributed.tensor import Partial, Replicate
 
-def is_dtensor(t: Any) -> bool:
-    """Whether ``t`` is a DTensor (a sharded parameter, its gradient or its state)."""
-    return DTensor is not None and isinstance(t, DTensor)
+    cls = {"Replicate": Replicate, "Partial": Partial}[kind]
+    return [isinstance(p, cls) for p in t.placements]
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -87,37 +87,44 @@ def _replicas(t: Any) -> int:
     mesh of every rank."""
     mesh = t.device_mesh
     outside = max(1, dist.get_world_size() // max(1, mesh.size()))
-    return outside * math.prod(mesh.size(i) for i, placement in enumerate(t.placements)
-                               if isinstance(placement, Replicate))
+    return outside * math.prod(mesh.size(i) for i, replicated in enumerate(_placement(t, "Replicate")) if replicated)
 
 
 def replica_key(p: Any, world: int) -> Optional[str]:
     """For a DTensor this rank holds as a replica (a ``Replicate`` placement, or a mesh of some of the ``world`` ranks
     only), what to add to its name so that only the ranks holding the same shard compare it (``""`` where it is not
     sharded, ``" [shard 1]"``); None where no other rank holds the same entries."""
-    placements, mesh = p.placements, p.device_mesh
-    if not any(isinstance(pl, Replicate) for pl in placements) and mesh.size() >= world:
+    replicated, mesh = _placement(p, "Replicate"), p.device_mesh
+    if not any(replicated) and mesh.size() >= world:
         return None
     coordinate = mesh.get_coordinate() or []
-    shard = [str(c) for c, pl in zip(coordinate, placements) if not isinstance(pl, Replicate)]
+    shard = [str(c) for c, r in zip(coordinate, replicated) if not r]
     return f" [shard {','.join(shard)}]" if shard else ""
 
 
 def pending(g: Any) -> bool:
     """Whether a DTensor gradient holds a pending sum (``Partial``: each rank's part, reduced by the step's ops)."""
-    return is_dtensor(g) and any(isinstance(p, Partial) for p in g.placements)
+    return is_dtensor(g) and any(_placement(g, "Partial"))
+
+
+def misplaced(param: Any, grad: Any) -> bool:
+    """Whether a DTensor gradient is laid out otherwise than its parameter: a pending sum (``Partial``), or other
+    placements (a row-parallel embedding's gradient left whole): its values are redistributed to the parameter's
+    before this rank's coordinates are read there (:func:`aligned`)."""
+    return is_dtensor(grad) and is_dtensor(param) and (
+        pending(grad) or tuple(grad.placements) != tuple(param.placements))
 
 
 def aligned(param: Any, grad: Any) -> torch.Tensor:
-    """This rank's values of ``grad`` where ``param``'s shard lies: a pending sum reduced to the parameter's
-    placements first (a collective: every rank calls it for the same tensors, in the same order); else the local
-    shard.
+    """This rank's values of ``grad`` where ``param``'s shard lies: a gradient laid out otherwise (:func:`misplaced`)
+    redistributed to the parameter's placements first (a collective: every rank calls it for the same tensors, in the
+    same order); else the local shard.
 
     Example:
         >>> aligned(nn.Parameter(torch.ones(2)), torch.full((2,), 3.0)).tolist()
         [3.0, 3.0]
     """
-    if pending(grad) and is_dtensor(param):
+    if misplaced(param, grad):
         return cast(Any, grad).redistribute(device_mesh=param.device_mesh, placements=param.placements).to_local()
     return local(grad)
 
@@ -247,5 +254,5 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return cast(Any, t).full_tensor() if is_dtensor(t) else t
 
 
-__all__ = ["Layout", "aligned", "gathered_factors", "is_dtensor", "local", "pending", "refusal", "replica_key",
+__all__ = ["Layout", "aligned", "gathered_factors", "is_dtensor", "local", "misplaced", "pending", "refusal", "replica_key",
            "sharded_params", "world_norm"]

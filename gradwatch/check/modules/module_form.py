@@ -265,6 +265,7 @@ def run_module_check(
     # a window of the batch's samples (said once its capture ran)
     windowing = view is None and budget is not None
     window: Optional[str] = None
+    ran = 0  # groups of pieces run (the pace never leaves a check without one)
     while remaining or once:
         once = False
         if began and limit is not None and in_use_bytes(device) > limit - (budget or 0):
@@ -308,9 +309,10 @@ def run_module_check(
             unit = by_name.get(item[0].unit)
             if unit is None or (unit.name not in got.inputs and unit.name not in got.big):
                 continue
-            if _late(start, seconds):
+            if ran and _late(start, seconds):  # (a check runs one piece at least: never all overhead)
                 report.later.extend(str(p) for p in item)
                 continue
+            ran += 1
             left = None if room is None else max(0, room - held)
             if limit is not None and left is not None:
                 left = _measured(left, limit, device)
@@ -331,7 +333,7 @@ def run_module_check(
             windowing = False
             part, window = capture_window(batch, held, live_bytes(got.inputs), got.deferred_bytes, budget, opts.seed,
                                           list(later.values()), room - budget)
-        if remaining and _late(start, seconds):  # not captured: their pieces wait for the next checks
+        if remaining and ran and _late(start, seconds):  # not captured: their pieces wait for the next checks
             names = {u.name for u in remaining}
             report.later.extend(str(p) for p in pieces if p.unit in names)
             remaining = []
@@ -342,9 +344,10 @@ def run_module_check(
             once = agree(0 if remaining else 1) == 0  # another forward on every rank while any rank needs one
     for piece, on in solo:  # each alone: its own captures only beside its check
         unit = by_name[piece.unit]
-        if _late(start, seconds):
+        if ran and _late(start, seconds):
             report.later.append(str(piece))
             continue
+        ran += 1
         if limit is not None:
             release_freed()  # what the pieces before freed, before this capture's forward
         got = capture(model, objective.loss, on, [unit], opts.seed, budget=None if room is None else room // 3,
