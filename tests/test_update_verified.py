@@ -238,6 +238,23 @@ def test_under_the_hf_trainer_a_threshold_divided_by_the_world_size_is_alerted_a
         clipping[0].message
 
 
+def test_through_fabrics_wrapped_optimizer_the_real_step_is_verified():
+    fabric_module = pytest.importorskip("lightning.fabric")
+    fabric = fabric_module.Fabric(accelerator="cpu", devices=1)
+    model = Net()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    watch = GradWatch(model, loss_fn, optimizer=opt, every=1, log_dir=None)
+    for b in batches(2):
+        opt.zero_grad()
+        fabric.backward(loss_fn(model, b))
+        watch.step(b)
+        fabric.clip_gradients(model, opt, max_norm=0.05)
+        opt.step()
+    assert watch.update.last["algorithm"] == "AdamW" and watch.update.last["clipping"]["factor"] < 1.0
+    assert all(u["verdict"] == "excellent" for u in watch.update.last["update"].values()), watch.update.last
+    assert [a for a in watch.alerts if a.part == "update"] == [], [a.message for a in watch.alerts]
+
+
 def test_through_accelerates_wrapped_optimizer_the_real_step_is_verified():
     accelerate = pytest.importorskip("accelerate")
     from accelerate.state import AcceleratorState, GradientState

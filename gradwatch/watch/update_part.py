@@ -47,7 +47,18 @@ from gradwatch.check.update.clipping import factors, judge_clipping, value_bound
 from gradwatch.check.update.optimizer_replay import algorithm, judge_update, replay
 from gradwatch.io.headlines import line
 from gradwatch.watch.trend import WHOLE_CHECK, Alert
-from gradwatch.watch.update_shards import Layout, aligned, gathered_factors, is_dtensor, local, misplaced, refusal, replica_key, world_norm
+from gradwatch.watch.update_shards import (
+    Layout,
+    aligned,
+    all_reduce_cpu,
+    gathered_factors,
+    is_dtensor,
+    local,
+    misplaced,
+    refusal,
+    replica_key,
+    world_norm,
+)
 from gradwatch.watch.update_zero import draw, inner, zero_of
 
 #: Coordinates drawn from each tensor at a check.
@@ -498,8 +509,8 @@ class UpdatePart:
                 updates[name] = check.record()
                 updates[name]["check"] = check
         if self.sharded:  # any rank's coordinates moved: the step happened (a rank's shard may be empty or unmoved)
-            flags = torch.tensor([float(moved), float(pushed)], dtype=torch.float64)
-            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+            flags = all_reduce_cpu(torch.tensor([float(moved), float(pushed)], dtype=torch.float64),
+                                   torch.distributed.ReduceOp.MAX)
             moved, pushed = bool(flags[0]), bool(flags[1])
         if "layout" in at:
             alerts += self._layout_alert(step, optimizer, at, updates)

@@ -141,19 +141,42 @@ def world_norm(grads: Mapping[str, torch.Tensor]) -> float:
     """
     sharded = any(is_dtensor(g) for g in grads.values()) and dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if sharded else 1
-    total = torch.zeros((), dtype=torch.float64)
+    by_device: Dict[torch.device, List[torch.Tensor]] = {}  # squared norms summed where they are: one sync a device
     for name in sorted(grads):
         g = grads[name].detach()
         if pending(g):
             whole = _whole(g)  # (a collective: every rank, in this order)
-            total += float(torch.linalg.vector_norm(whole, dtype=torch.float64)) ** 2 / world
-            continue
-        share = _replicas(g) if is_dtensor(g) else world
-        kind = torch.complex128 if g.is_complex() else torch.float64
-        total += float(torch.linalg.vector_norm(local(g), dtype=kind).abs()) ** 2 / share
+            square, share = torch.linalg.vector_norm(whole, dtype=torch.float64) ** 2, world
+        else:
+            share = _replicas(g) if is_dtensor(g) else world
+            kind = torch.complex128 if g.is_complex() else torch.float64
+            square = torch.linalg.vector_norm(local(g), dtype=kind).abs() ** 2
+        by_device.setdefault(square.device, []).append(square / share)
+    total = torch.zeros((), dtype=torch.float64)
+    for squares in by_device.values():
+        total += torch.stack(squares).sum().cpu()
     if sharded:
-        dist.all_reduce(total)
+        total = all_reduce_cpu(total)
     return float(total.sqrt())
+
+
+def all_reduce_cpu(t: torch.Tensor, op: Any = None) -> torch.Tensor:
+    """``t`` (a small CPU tensor) reduced over every rank (a sum, or ``op``): through the current CUDA device where
+    the process group is NCCL's, which reduces no CPU tensor.
+
+    Example:
+        >>> all_reduce_cpu(torch.ones(2)).tolist()  # one process: as it is
+        [1.0, 1.0]
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return t
+    op = dist.ReduceOp.SUM if op is None else op
+    if dist.get_backend() == "nccl":
+        on = t.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(on, op=op)
+        return on.cpu()
+    dist.all_reduce(t, op=op)
+    return t
 
 
 def gathered_factors(found: Mapping[str, Factor], group_of: Mapping[str, int]
@@ -254,5 +277,5 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return cast(Any, t).full_tensor() if is_dtensor(t) else t
 
 
-__all__ = ["Layout", "aligned", "gathered_factors", "is_dtensor", "local", "misplaced", "pending", "refusal", "replica_key",
-           "sharded_params", "world_norm"]
+__all__ = ["Layout", "aligned", "all_reduce_cpu", "gathered_factors", "is_dtensor", "local", "misplaced", "pending",
+           "refusal", "replica_key", "sharded_params", "world_norm"]
