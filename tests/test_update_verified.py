@@ -169,9 +169,11 @@ def test_a_transformers_model_whose_config_ties_its_embeddings_but_that_was_unti
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16)
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(cfg)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    model.lm_head.weight = nn.Parameter(model.transformer.wte.weight.detach().clone())  # to_empty + a load, in effect
+    state = {k: v.clone() for k, v in transformers.GPT2LMHeadModel(cfg).state_dict().items()}
+    with torch.device("meta"):  # built on the meta device, then materialized and loaded (verl's, lingua's way)
+        model = transformers.GPT2LMHeadModel(cfg)
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied on the meta device
+    model.to_empty(device="cpu")  # a new tensor for each module's entry: the tie is gone
     model.load_state_dict(state, strict=False)
     assert model.lm_head.weight is not model.transformer.wte.weight and cfg.tie_word_embeddings
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
