@@ -30,10 +30,11 @@ def test_gpt2_with_its_real_vocabulary_a_softmax_bug_in_attention_is_caught_and_
 
 def test_lora_gpt2_a_softmax_bug_in_the_frozen_attention_is_caught_through_the_adapters():
     # only the adapters train: the frozen attention code between them and the loss is checked for what it passes back
-    # caught at the first check; every tensor has had both verdicts within K (a paced cycle, where the machine's load
-    # made the first check's pieces take more than their pace, spreads them over the next checks)
+    # caught within K (at the first check on a quiet machine; under a test suite's load the first check's pieces
+    # hold their pace, half of it at least, and reach the first block's attention at the second check or the third);
+    # every tensor has had both verdicts within K (a paced cycle spreads the pieces over the next checks)
     row = real_size._spawn("gpt2lora", "softmax", 8, threads=1, covered=True)
-    assert row["caught_at_check"] == 0, row
+    assert row["caught_at_check"] is not None and row["caught_at_check"] < row["cycle_length"], row
     assert row["steps"] <= row["cycle_length"], row
     assert row["named"] == ["base_model.model.transformer.h.0.attn.c_attn:output"], row
     assert row["alerts_on_other_modules"] == [] and row["not_checked"] == [], row
