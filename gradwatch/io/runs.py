@@ -758,7 +758,8 @@ def coverage_line(coverage: Mapping[str, Mapping[str, float]], cycle_length: Opt
         missing = [n for n, v in coverage.items() if not float(v.get(part) or 0.0)]
         if missing:
             never.append(f"{part}: {', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''}")
-    k = f" (K = {cycle_length}{f', about {steps_to_full} steps' if steps_to_full else ''})" if cycle_length else ""
+    about = f", about {steps_to_full} step{'s' if steps_to_full != 1 else ''}" if steps_to_full else ""
+    k = f" (K = {cycle_length}{about})" if cycle_length else ""
     tail = f"; never checked: {'; '.join(never)}" if never else ""
     return f"coverage after {checks} check{'s' if checks != 1 else ''}{k}: {', '.join(parts)}{tail}"
 
