@@ -226,3 +226,16 @@ class WrongSilu(nn.Module):
 
     def forward(self, x):
         return WrongSiluFunction.apply(x)
+
+
+class HotAdam(torch.optim.Adam):
+    """An Adam whose step departs from Adam's: 1.3x the group's learning rate, restored after its base's step (whose
+    hooks run inside its own)."""
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["lr"] *= 1.3
+        out = super().step(closure)
+        for group in self.param_groups:
+            group["lr"] /= 1.3
+        return out

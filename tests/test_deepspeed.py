@@ -59,7 +59,7 @@ WORKER = textwrap.dedent(
     import datetime, logging, os, sys, time
     os.environ["DS_ACCELERATOR"] = "cpu"
     import torch, torch.nn as nn, torch.nn.functional as F
-    from helpers import save_rank_results  # tests/helpers.py: where two_rank_results reads this rank's results
+    from helpers import HotAdam, save_rank_results  # tests/helpers.py: where two_rank_results reads this rank's results
 
     torch.set_num_threads(1)
     rank, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -109,16 +109,6 @@ WORKER = textwrap.dedent(
 
         def forward(self, ids):
             return self.out(torch.tanh(self.emb(ids).mean(1)))
-
-
-    class HotAdam(torch.optim.Adam):  # a subclass whose step departs from Adam's: its learning rate 1.3x, restored
-        def step(self, closure=None):
-            for group in self.param_groups:
-                group["lr"] *= 1.3
-            out = super().step(closure)
-            for group in self.param_groups:
-                group["lr"] /= 1.3
-            return out
 
 
     def engine_for(stage, wrong=False, accumulation=1, embedding=False, hot=False):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import HotAdam
 from test_update_replay import NoBiasCorrection
 from torch import nn
 from torch.nn import functional as F
@@ -124,18 +125,6 @@ def test_an_adamw_without_bias_correction_is_alerted_at_the_first_check_with_its
     assert "departs from AdamW's algorithm" in update[0].message and "NoBiasCorrection" in update[0].message
 
 
-class HotAdam(torch.optim.Adam):
-    """Steps with 1.3x the group's learning rate, restored after its base's step (whose hooks run inside its own)."""
-
-    def step(self, closure=None):
-        for group in self.param_groups:
-            group["lr"] *= 1.3
-        out = super().step(closure)
-        for group in self.param_groups:
-            group["lr"] /= 1.3
-        return out
-
-
 def test_a_subclass_whose_step_wraps_its_bases_is_judged_at_its_own_end_and_its_ratio_named():
     torch.optim.Adam(Net().parameters())  # (an Adam built before: the base's step is hooked too, and runs inside)
     _, watch = run(lambda m: HotAdam(m.parameters(), lr=1e-2))
@@ -185,22 +174,28 @@ def test_a_transformers_model_whose_config_ties_its_embeddings_but_that_was_unti
     assert ties and "transformer.wte.weight and lm_head.weight" in ties[0].message, [a.message for a in watch.alerts]
 
 
-@pytest.mark.slow  # a real HF Trainer, 4 steps with its default clipping (max_grad_norm=1.0): 5-10 s
-def test_under_the_hf_trainer_its_default_clipping_and_adamw_are_clean(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    from gradwatch.integrations.transformers import GradWatchCallback
-
+def llama_trainer(transformers, tmp_path, callbacks, **args):
+    """A real HF Trainer of 4 steps on a tiny Llama (vocabulary 100, 2 layers), batches of 4 of 12 tokens;
+    ``args``: more TrainingArguments (``max_grad_norm``)."""
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=32))
     g = torch.Generator().manual_seed(0)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 100, (16, 12), generator=g)]
+    training = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4,
+                                              use_cpu=True, disable_tqdm=True, report_to=[], save_strategy="no",
+                                              learning_rate=1e-2, logging_steps=100, **args)
+    return transformers.Trainer(model=model, args=training, train_dataset=data, callbacks=callbacks)
+
+
+@pytest.mark.slow  # a real HF Trainer, 4 steps with its default clipping (max_grad_norm=1.0): 5-10 s
+def test_under_the_hf_trainer_its_default_clipping_and_adamw_are_clean(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from gradwatch.integrations.transformers import GradWatchCallback
+
     callback = GradWatchCallback(every=1, log_dir=None)
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4,
-                                          use_cpu=True, disable_tqdm=True, report_to=[], save_strategy="no",
-                                          learning_rate=1e-2, logging_steps=100)
-    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback]).train()
+    llama_trainer(transformers, tmp_path, [callback]).train()
     watch = callback.watch
     assert watch.update.asked == 1.0 and watch.update.last is not None and watch.update.last["algorithm"] == "AdamW"
     assert [a for a in watch.alerts if a.part == "update"] == [], [a.message for a in watch.alerts]
@@ -221,17 +216,8 @@ def test_under_the_hf_trainer_a_threshold_divided_by_the_world_size_is_alerted_a
             plain = accelerator.clip_grad_norm_
             accelerator.clip_grad_norm_ = lambda params, max_norm, norm_type=2: plain(params, max_norm / 2, norm_type)
 
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32))
-    g = torch.Generator().manual_seed(0)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 100, (16, 12), generator=g)]
     callback, bug = GradWatchCallback(every=1, log_dir=None), WorldSizeClip()
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4,
-                                          use_cpu=True, disable_tqdm=True, report_to=[], save_strategy="no",
-                                          learning_rate=1e-2, logging_steps=100, max_grad_norm=0.05)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback, bug])
+    trainer = llama_trainer(transformers, tmp_path, [callback, bug], max_grad_norm=0.05)
     bug.trainer = trainer
     trainer.train()
     clipping = [a for a in callback.watch.alerts if a.kind == "clipping"]
