@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradwatch.check.objective.dtensor import is_dtensor
+from gradwatch.check.objective.dtensor import is_dtensor, whole
 from gradwatch.check.update.clipping import Factor
 
 
@@ -145,8 +145,8 @@ def world_norm(grads: Mapping[str, torch.Tensor]) -> float:
     for name in sorted(grads):
         g = grads[name].detach()
         if pending(g):
-            whole = _whole(g)  # (a collective: every rank, in this order)
-            square, share = torch.linalg.vector_norm(whole, dtype=torch.float64) ** 2, world
+            summed = whole(g)  # (a collective: every rank, in this order)
+            square, share = torch.linalg.vector_norm(summed, dtype=torch.float64) ** 2, world
         else:
             share = _replicas(g) if is_dtensor(g) else world
             kind = torch.complex128 if g.is_complex() else torch.float64
@@ -240,8 +240,8 @@ class Layout:
     def take(self, name: str, param: nn.Parameter, optimizer: Any) -> None:
         """At the check: the parameter and its optimizer state, gathered (collectives)."""
         self.name, self._param, self.why = name, param, None
-        self._before = _whole(param.detach()).clone()
-        self._state = {k: (_whole(v.detach()).clone() if isinstance(v, torch.Tensor) else v)
+        self._before = whole(param.detach()).clone()
+        self._state = {k: (whole(v.detach()).clone() if isinstance(v, torch.Tensor) else v)
                        for k, v in optimizer.state.get(param, {}).items()}
 
     def judge(self, optimizer: Any, group: Mapping[str, Any]) -> Optional[float]:
@@ -251,7 +251,7 @@ class Layout:
         self._param, self._before = None, None
         if param is None or before is None or param.grad is None:
             return None
-        grad, after = _whole(param.grad.detach()), _whole(param.detach())
+        grad, after = whole(param.grad.detach()), whole(param.detach())
         copy = nn.Parameter(before.clone())
         copy.grad = grad.clone()
         cls = type(optimizer)
@@ -270,11 +270,6 @@ class Layout:
         if scale == 0.0:
             return 0.0 if float(torch.linalg.vector_norm(theirs)) == 0.0 else math.inf
         return float(torch.linalg.vector_norm(theirs - ours)) / scale
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor: a DTensor gathered on every rank (a collective), a plain tensor as it is."""
-    return cast(Any, t).full_tensor() if is_dtensor(t) else t
 
 
 __all__ = ["Layout", "aligned", "all_reduce_cpu", "gathered_factors", "is_dtensor", "local", "misplaced", "pending",
