@@ -37,7 +37,7 @@ from gradwatch.check.probes.experts import NOT_REACHED, expert_of
 from gradwatch.plan.coverage import Coverage
 from gradwatch.plan.cycle import PACE_SHARE, PACED_SECONDS, PACED_STEP_SECONDS, PIECE_STEPS, ROWS_PER_SLICE, Cycle, Piece, fewest_whole
 from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY, SAFETY, mb, objective_bytes
-from gradwatch.plan.units import Unit, expert_bytes, expert_rows, plan_units, sliceable_rows
+from gradwatch.plan.units import Unit, block_bytes, block_rows, expert_rows, in_place_param, numel_of, plan_units, sliceable_rows
 from gradwatch.trees import whole_shape
 
 #: The module form, measured cheaper than the whole objective, is left only where a pass of it takes this many times a
@@ -63,9 +63,12 @@ def slice_rows(module: nn.Module, room: Optional[int]) -> int:
     return max(1, (room // 2) // per_row)
 
 
-def slice_experts(unit: Unit, room: int) -> int:
-    """Experts of a unit holding fused expert tensors whose block's check fits in half of ``room`` with the whole unit's
-    float64 copy (:func:`~gradwatch.plan.units.expert_bytes`); at least one.
+def slice_blocks(unit: Unit, room: int) -> int:
+    """Experts (or rows) of a block checked in place (:func:`~gradwatch.plan.units.block_rows`), at least one: of a
+    unit holding fused expert tensors, as many as fit in half of ``room`` with the whole unit's float64 copy
+    (:func:`~gradwatch.plan.units.expert_bytes`); of an own code's big parameter
+    (:func:`~gradwatch.plan.units.in_place_param`), whose whole copy may itself take over half the room, half of what
+    that copy leaves.
 
     Example:
         >>> class Experts(nn.Module):
@@ -73,11 +76,26 @@ def slice_experts(unit: Unit, room: int) -> int:
         ...         super().__init__()
         ...         self.w = nn.Parameter(torch.zeros(8, 256, 256))
         >>> m = Experts()
-        >>> slice_experts(Unit("experts", m, {"experts.w": m.w}), 40 * 2**20)
+        >>> slice_blocks(Unit("experts", m, {"experts.w": m.w}), 40 * 2**20)
         5
     """
-    fixed, per_expert = expert_bytes(unit)
-    return max(1, (room // 2 - fixed) // max(per_expert, 1))
+    fixed, per_row = block_bytes(unit)
+    return max(1, ((room // 2 - fixed) if expert_rows(unit) else (room - fixed) // 2) // max(per_row, 1))
+
+
+def own_rows(unit: Unit, room: Optional[int]) -> Optional[int]:
+    """Rows an own code's check is cut by in place (:func:`~gradwatch.plan.units.in_place_param`) where, whole, it
+    would hold over half of ``room``; None where it fits, or holds no such parameter, or the room is unbounded.
+
+    Example:
+        >>> m = nn.Linear(100, 5000)
+        >>> unit = Unit("", m, {"weight": m.weight}, kind="own")
+        >>> own_rows(unit, 10 * 2**20), own_rows(unit, 100 * 2**20), own_rows(unit, None)
+        (5000, None, None)
+    """
+    if room is None or in_place_param(unit) is None or numel_of(unit.params.values()) * MODULE_BYTES_PER_ENTRY <= room // 2:
+        return None
+    return block_rows(unit)
 
 
 def frozen_only(model: nn.Module, watched: Any) -> bool:
@@ -283,8 +301,9 @@ class Planner:
                 units = [u for u in units if any(names.get(id(p)) in chosen for p in u.params.values())
                          or (adapters and (between(u) or u.name in bases))]
             self._units, self._key = units, key
-            rows = {u.name: (sliceable_rows(u.module) if u.kind == "module" else None) or expert_rows(u) for u in units}
-            per_slice = {u.name: slice_experts(u, room) if expert_rows(u) else slice_rows(u.module, room)
+            rows = {u.name: (sliceable_rows(u.module) if u.kind == "module" else None) or expert_rows(u) or own_rows(u, room)
+                    for u in units}
+            per_slice = {u.name: slice_blocks(u, room) if u.kind == "own" or expert_rows(u) else slice_rows(u.module, room)
                          for u in units if rows[u.name] and room is not None}
             self._rows, self._per_slice = rows, per_slice
             self._cycle = Cycle(rows, self.tensors_per_check, self.seed, per_slice)

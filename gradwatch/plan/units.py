@@ -308,6 +308,73 @@ def expert_bytes(unit: Unit) -> Tuple[int, int]:
     return fused * 8 + other * MODULE_BYTES_PER_ENTRY, fused * MODULE_BYTES_PER_ENTRY // count
 
 
+def in_place_param(unit: Unit) -> Optional[str]:
+    """The parameter a unit's own code is cut by when it is too big to check whole: its largest plain tensor of two or
+    more dimensions (a head's weight the code reads itself, as TRL's fused LM head reads ``lm_head.weight``), checked
+    a block of its rows at a time inside a copy of the whole unit (:mod:`gradwatch.check.modules.expert_blocks`);
+    None for any unit but own code, and for own code holding fused experts (cut by experts) or no such tensor.
+
+    Example:
+        >>> class Head(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.body, self.out = nn.Linear(2, 4), nn.Linear(4, 50)
+        ...     def forward(self, x):
+        ...         return torch.nn.functional.linear(self.body(x), self.out.weight)
+        >>> m = Head()
+        >>> in_place_param(Unit("", m, {"out.weight": m.out.weight}, kind="own"))
+        'out.weight'
+    """
+    if unit.kind != "own" or expert_rows(unit):
+        return None
+    big = [(int(p.numel()), n) for n, p in unit.params.items()
+           if type(p) in (torch.Tensor, nn.Parameter) and p.dim() >= 2 and int(p.shape[0]) >= 2]
+    return max(big)[1] if big else None
+
+
+def in_place_bytes(unit: Unit) -> Tuple[int, int]:
+    """``(fixed bytes, bytes per row)`` a block of the rows of a unit's :func:`in_place_param` holds for its parameters
+    whatever the batch: that tensor whole in float64 twice (the copy the code reads, and the whole gradient the code's
+    backward makes of it before the block's is taken out), the unit's other parameters checked
+    (:data:`~gradwatch.plan.memory.MODULE_BYTES_PER_ENTRY` an entry); per row its slice of the tensor checked (the same).
+
+    Example:
+        >>> m = nn.Linear(4, 50)
+        >>> in_place_bytes(Unit("", m, {"weight": m.weight, "bias": m.bias}, kind="own"))
+        (5600, 192)
+    """
+    name = in_place_param(unit)
+    if name is None:
+        return numel_of(unit.params.values()) * MODULE_BYTES_PER_ENTRY, 0
+    big = unit.params[name]
+    other = numel_of(p for n, p in unit.params.items() if n != name)
+    return int(big.numel()) * 16 + other * MODULE_BYTES_PER_ENTRY, int(big.numel()) // int(big.shape[0]) * MODULE_BYTES_PER_ENTRY
+
+
+def block_rows(unit: Unit) -> Optional[int]:
+    """Rows a unit's blocks are checked in place by: its experts (:func:`expert_rows`), or the rows of its own code's
+    :func:`in_place_param`; None for a unit that has neither.
+
+    Example:
+        >>> m = nn.Linear(4, 50)
+        >>> block_rows(Unit("", m, {"weight": m.weight}, kind="own")), block_rows(Unit("fc", m, {"weight": m.weight}))
+        (50, None)
+    """
+    name = in_place_param(unit)
+    return expert_rows(unit) or (int(unit.params[name].shape[0]) if name is not None else None)
+
+
+def block_bytes(unit: Unit) -> Tuple[int, int]:
+    """``(fixed bytes, bytes per row)`` of a block checked in place (:func:`block_rows`): :func:`expert_bytes` for
+    experts, :func:`in_place_bytes` for the rows of an own code's big parameter."""
+    return expert_bytes(unit) if expert_rows(unit) else in_place_bytes(unit)
+
+
+def numel_of(tensors: Any) -> int:
+    """Entries of ``tensors`` together."""
+    return sum(int(t.numel()) for t in tensors)
+
+
 def faithful_rows(module: nn.Module) -> bool:
     """Whether a block of a module's rows, sliced out, computes what the module computes: an ``nn.Linear`` or
     ``nn.Embedding`` whose forward is the library's own (a subclass that only adds attributes too). A subclass

@@ -23,7 +23,7 @@ import collections
 import contextlib
 import functools
 import operator
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, cast
 
 import torch
 from torch import nn
@@ -167,6 +167,9 @@ class TrainingPart(TrendAlerting):
         self.counts: Dict[str, int] = {}
         #: The next row of each weight judged by rows.
         self.row_cursor: Dict[str, int] = {}
+        #: Weights read outside their own module (their module never ran in a replay while training gave their rows a
+        #: gradient, as TRL's fused head reads ``lm_head.weight``): judged whole, never by rows.
+        self.read_directly: Set[str] = set()
         self._params_cache: Optional[Any] = None
         self._watched_cache: Optional[Any] = None  # (trainable names, the watched ones among them)
         self._modules_cache: List[nn.Module] = []
@@ -306,7 +309,8 @@ class TrainingPart(TrendAlerting):
             return params, {}
         names = list(params)
         order = sorted(range(len(names)), key=lambda i: (self.counts.get(names[i], 0), i))
-        linears = sliceable_linears(self.watch.model) if rows else {}
+        linears = {n: m for n, m in sliceable_linears(self.watch.model).items() if n not in self.read_directly} \
+            if rows else {}
         big = {n for n in names if n in linears and params[n].dim() == 2 and params[n].shape[0] > 1
                and gradient_bytes([params[n]]) > free / 4}
         share = free / (2 * max(1, len(big)))
@@ -449,6 +453,7 @@ class TrainingPart(TrendAlerting):
                                  entry=entry, prefer=self._mode)
             if replay.how and "+" not in replay.how:
                 self._mode = replay.how  # the next check's replay tries it first
+            replay.unran = rowgrads.unran() if rowgrads is not None else []
         if inner is not None and inner.seen and not replay.autocast:
             replay.autocast = inner.seen
         replay.params = params
@@ -520,10 +525,11 @@ class TrainingPart(TrendAlerting):
         exchange of counts when distributed); probes evaluate the live model in one process and under DDP."""
         ctx = self.watch
         probe = not ctx.sharded and ctx.grad_fn is None
+        # (the hint is read only where there is something to weigh: several micro-batches, or ranks)
+        hint = shift_hint(unwrap_model(model)) if ctx.dist is not None or len(pending.micro) != 1 else None
         with ctx.recorder_paused():
             return self.step_objective.plan([mb.batch for mb in pending.micro], model if probe else None,
-                                            ctx.objective.loss, params, ctx.dist, seed, probe=probe,
-                                            shift_hint=shift_hint(unwrap_model(model)))
+                                            ctx.objective.loss, params, ctx.dist, seed, probe=probe, shift_hint=hint)
 
     def _replay_grads(self, model: nn.Module, total: torch.Tensor, plist: Tuple[torch.Tensor, ...],
                       leaves: Sequence[torch.Tensor]) -> Sequence[Optional[torch.Tensor]]:
@@ -580,6 +586,7 @@ class TrainingPart(TrendAlerting):
         dtypes: Dict[torch.dtype, torch.dtype] = {}  # parameter dtype -> compute dtype, once per dtype
         sliced = getattr(replay, "rows", None) or {}
         lives: Dict[str, Optional[torch.Tensor]] = {}
+        notes_before: List[str] = []
         judged: Dict[str, Tuple[torch.Tensor, torch.dtype]] = {}  # what each tensor was judged on (a window judges again)
         partial = [n for n, p in params.items() if is_partial(p.grad)]
         zero = self.watch.by_shard and self.watch.zero
@@ -590,10 +597,11 @@ class TrainingPart(TrendAlerting):
         zero_scale = loss_scale(self.watch.engine) if self.watch.zero else 1.0
         # ZeRO 1 and 2: the step's whole gradient of each tensor, read on every rank in the same order (collectives)
         wholes = {n: whole_grad(p, grads[n], zero_scale) for n, p in params.items()
-                  if zero and not is_partitioned(p)}
+                  if not is_partitioned(p)} if zero else {}
         # sequence parallel's norms: .grad is a Partial(sum) until the optimizer reduces it (the live and the replayed
-        # reduced together)
-        reduced = dict(zip(partial, settled_pairs([(cast(torch.Tensor, params[n].grad), grads[n]) for n in partial])))
+        # reduced together; the same tensors on every rank, so none reduces where none is partial)
+        reduced = dict(zip(partial, settled_pairs([(cast(torch.Tensor, params[n].grad), grads[n]) for n in partial]))) \
+            if partial else {}
         for n in partial:
             grads[n] = reduced[n][1]
         for n, p in params.items():
@@ -609,12 +617,15 @@ class TrainingPart(TrendAlerting):
             if n in sliced:  # judged by a block of rows: the live .grad's rows against the replayed rows
                 first, end = sliced[n]
                 p, live = p[first:end], None if live is None else live[first:end]
+                if n in replay.unran and live is not None and bool(live.ne(0).any()):
+                    self._read_directly(n, notes_before)
+                    continue
             lives[n], judged[n] = live, (p, dtype)
             report.training[n] = judge_training(n, live, grads[n], p, dtype, bands, fail_at, scale=scale)
-        report.training_rows = dict(sliced)
+        report.training_rows = {n: rows for n, rows in sliced.items() if n in report.training}
         first = dict(report.training)  # a fused expert tensor's whole verdict, judged again expert by expert below
         plan: Optional[StepPlan] = getattr(replay, "plan", None)
-        notes = [f"replayed from the {replay.how} RNG state" if replay.how else ""]
+        notes = [f"replayed from the {replay.how} RNG state" if replay.how else ""] + notes_before
         if zero and self.watch.dist is not None:
             whose = "each rank judged its partition of ZeRO's gradient" if self.watch.zero3 \
                 else "ZeRO's gradient read one tensor at a time"
@@ -642,6 +653,15 @@ class TrainingPart(TrendAlerting):
                 f"(by {given - replayed:+.3g}): the training loss has a term the objective lacks, or the reverse"
             )
         report.training_note = "; ".join(n for n in notes if n) or None
+
+    def _read_directly(self, name: str, notes: List[str]) -> None:
+        """``name``'s module never ran in the replay, yet training gave its rows a gradient: other code reads the weight
+        itself, so its rows' gradient cannot be taken at its module. Not judged at this check; whole from now on."""
+        self.read_directly.add(name)
+        self.counts[name] = max(0, self.counts.get(name, 0) - 1)  # its turn comes again
+        notes.append(f"{name} not judged at this check: its module never ran in the replay while training gave it a "
+                     f"gradient, so other code reads the weight itself (as a fused LM head does); judged whole from now "
+                     f"on, at a check with room for its gradient")
 
     def _term_weights(self, report: CheckReport, plan: StepPlan, lives: Dict[str, Optional[torch.Tensor]],
                       grads: Dict[str, torch.Tensor], judged: Dict[str, Tuple[torch.Tensor, torch.dtype]],

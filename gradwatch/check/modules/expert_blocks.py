@@ -35,6 +35,25 @@ from torch import nn
 from gradwatch.check.probes.experts import expert_key
 
 
+def take_out(inner: nn.Module, name: str) -> Tuple[nn.Module, str, torch.Tensor]:
+    """Parameter ``name`` of a unit's copy taken out of it and left as a plain constant in its place: ``(the module
+    that held it, its attribute, the constant)``, into which a block's leaves are written in place at each call.
+
+    Example:
+        >>> lin = nn.Linear(2, 3)
+        >>> owner, attr, base = take_out(lin, "weight")
+        >>> attr, "weight" in lin._parameters, lin.weight is base
+        ('weight', False, True)
+    """
+    owner_name, _, attr = name.rpartition(".")
+    owner = inner.get_submodule(owner_name) if owner_name else inner
+    taken = owner._parameters.pop(attr)
+    assert taken is not None
+    base = taken.detach()
+    owner.__dict__[attr] = base
+    return owner, attr, base
+
+
 class ExpertsInPlace(nn.Module):
     """Runs a copy of a unit whose fused expert tensors are rebuilt at each call from the block's leaves.
 
@@ -58,15 +77,10 @@ class ExpertsInPlace(nn.Module):
         self.leaves: Dict[str, torch.Tensor] = {}
         self._fused: List[Tuple[nn.Module, str, torch.Tensor, List[torch.Tensor]]] = []
         for name in fused:
-            owner_name, _, attr = name.rpartition(".")
-            owner = inner.get_submodule(owner_name) if owner_name else inner
-            taken = owner._parameters.pop(attr)
-            assert taken is not None
-            base = taken.detach()
+            owner, attr, base = take_out(inner, name)
             block: List[torch.Tensor] = [nn.Parameter(base[i].clone(), requires_grad=True) for i in range(first, end)]
             self.leaves.update({expert_key(name, i): leaf for i, leaf in zip(range(first, end), block)})
             self._fused.append((owner, attr, base, block))
-            owner.__dict__[attr] = base
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         for owner, attr, base, block in self._fused:
@@ -86,4 +100,4 @@ def expert_block(inner: nn.Module, params: Mapping[str, Optional[torch.Tensor]],
     return block, out
 
 
-__all__ = ["ExpertsInPlace", "expert_block"]
+__all__ = ["ExpertsInPlace", "expert_block", "take_out"]

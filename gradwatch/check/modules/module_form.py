@@ -57,9 +57,11 @@ from gradwatch.check.modules.capture import Captured, Forward, capture, live_byt
 from gradwatch.check.modules.expert_blocks import expert_block
 from gradwatch.check.modules.localize import ModuleCheck, check_module
 from gradwatch.check.modules.own_code import LossCode, ModelStub, OwnCode, RowsInPlace, embedding_rows_copy, own_code_copy, rows_copy
+from gradwatch.check.modules.own_rows import own_group, own_rows_cost, row_blocks
 from gradwatch.check.modules.piece_cuts import (
     cut_samples,
-    numel,
+    float_entries,
+    in_place_weight_bytes,
     piece_params_bytes,
     row_block,
     rows_cost,
@@ -94,8 +96,8 @@ from gradwatch.plan.memory import (
     module_bytes,
     release_freed,
 )
-from gradwatch.plan.units import LOSS_FN, Unit, expert_rows, faithful_rows, plan_units, relative
-from gradwatch.trees import rebuild, tensor_leaves
+from gradwatch.plan.units import LOSS_FN, Unit, block_rows, expert_rows, faithful_rows, in_place_param, plan_units, relative
+from gradwatch.trees import rebuild
 
 #: ``view(unit, rows)``: a context giving ``(unit with plain parameters, offset of its rows)`` (sharded models).
 PieceView = Callable[[Unit, Optional[Tuple[int, int]]], ContextManager[Tuple[Unit, int]]]
@@ -318,7 +320,7 @@ def run_module_check(
                 left = _measured(left, limit, device)
             # shard by shard, a rank's one block of a unit too (it holds fewer rows: often one block a check), on the
             # group's positions, as the blocks of a group are
-            if (len(item) > 1 or (view is not None and groupable(item[0], unit))) and unit.name in got.inputs:
+            if (len(item) > 1 or ((view is not None or unit.kind == "own") and groupable(item[0], unit))) and unit.name in got.inputs:
                 estimate, unused, item = _run_group(opts, unit, [p.rows for p in item if p.rows], got, dtype, canonical,
                                                     left, report, estimate, unused, screen, view)
             for piece in item:
@@ -383,17 +385,18 @@ def _late(start: float, seconds: Optional[float]) -> bool:
 def _run_group(opts: CheckOptions, unit: Unit, blocks: List[Tuple[int, int]], got: Captured, dtype: torch.dtype,
                canonical: Dict[int, str], room: Optional[int], report: CheckReport, estimate: int, unused: int,
                screen: bool, view: Optional[PieceView] = None) -> Tuple[int, int, List[Piece]]:
-    """The row blocks of a plain Linear or Embedding in one piece each run of them that fits the room; returns the
-    largest estimate, the count of blocks with no token and the blocks alone in their run (checked as any piece).
-    With a ``view`` (sharded), the blocks are this rank's rows, checked on its shard (one offset for them all)."""
-    constants: Set[int] = set()
-    args, kwargs = _cast_tree(got.inputs[unit.name], dtype, got.constants, constants)
-    fixed, per_row = rows_cost(unit, (args, kwargs), got.output_bytes.get(unit.name, 0),
-                                positions_kept(unit.module, args, kwargs))
-    capacity = (rows_of(unit) or 1) if room is None else int(max(0, room - fixed) // max(per_row, 1.0))
+    """The row blocks of a plain Linear or Embedding, or of an own code's big parameter (in place: own_rows.py), in one
+    piece each run of them that fits the room; returns the largest estimate, the count of blocks with no token and the
+    blocks alone in their run (checked as any piece). With a ``view`` (sharded), the blocks are this rank's rows,
+    checked on its shard (one offset for them all)."""
+    own = unit.kind == "own"
+    (args, kwargs), children, _, _, constants = _cast_capture(got, unit, None, dtype)
+    fixed, per_row = own_rows_cost(unit, (args, kwargs), children) if own else rows_cost(
+        unit, (args, kwargs), got.output_bytes.get(unit.name, 0), positions_kept(unit.module, args, kwargs))
+    capacity = (rows_of(unit) or block_rows(unit) or 1) if room is None else int(max(0, room - fixed) // max(per_row, 1.0))
     single: List[Piece] = []
     for run in chunks(sorted(blocks), capacity):
-        if len(run) == 1 and (view is None or run[0][1] - run[0][0] > capacity):  # over the room: cut as a piece
+        if len(run) == 1 and (view is None and not own or run[0][1] - run[0][0] > capacity):  # over the room: a piece
             single.append(Piece(unit.name, run[0]))
             continue
         covered = sum(b - a for a, b in run)
@@ -402,8 +405,14 @@ def _run_group(opts: CheckOptions, unit: Unit, blocks: List[Tuple[int, int]], go
         began = time.perf_counter()
         with view(unit, run[0]) if view is not None else contextlib.nullcontext((unit, 0)) as (local_unit, offset), \
                 _one_rank(view, local_unit):  # one rank alone
-            result, probed, empty = check_group(local_unit, run, args, kwargs, opts, dtype, canonical, constants,
-                                                screen, offset)
+            if own:
+                local, (a, k), leaves, kept, probed, kind = own_group(unit, run, (args, kwargs), children, set(constants),
+                                                                      dtype, canonical, _unit_copy)
+                result, empty = _checked_copy(unit.name, local, a, k, leaves, opts, unit.calls, dtype, kept, screen), 0
+                result.type = kind
+            else:
+                result, probed, empty = check_group(local_unit, run, args, kwargs, opts, dtype, canonical, constants,
+                                                    screen, offset)
         report.spent(unit.name, time.perf_counter() - began, covered)
         report.pieces.extend(str(Piece(unit.name, b)) for b in run)
         unused += max(empty, _file(report, unit, result, probed))
@@ -612,10 +621,9 @@ def _cast_capture(got: Captured, unit: Unit, rows: Optional[Tuple[int, int]], dt
     children = {rel: [_cast_tree(o, dtype, got.constants, constants) for o in outs]
                 for rel, outs in got.children.get(unit.name, {}).items()}
     out_bytes = got.output_bytes.get(unit.name, 0)
-    if rows is None or expert_rows(unit):
-        stub = [t for outs in children.values() for o in outs for t in tensor_leaves(o) if t.is_floating_point()]
+    if rows is None or block_rows(unit):
         need = module_bytes(unit.params.values() if rows is None else (), inputs, out_bytes) \
-            + (piece_params_bytes(unit, rows) if rows is not None else 0) + numel(stub) * _per_stub_entry(unit) \
+            + (piece_params_bytes(unit, rows) if rows is not None else 0) + float_entries(children) * _per_stub_entry(unit) \
             + (conv_workspace_bytes(unit.module, out_bytes) if unit.kind == "module" else 0) \
             + int(MODULE_SAVED_COPIES * unit.saved_ratio * float_bytes(inputs))
     else:
@@ -655,15 +663,15 @@ def _check_piece(unit: Unit, rows: Optional[Tuple[int, int]], args: Any, kwargs:
                       for k, leaves in enumerate(stub.outputs) for i, leaf in enumerate(leaves)}
             kind = "loss_fn"
             probed = [(LOSS_FN, "code")]
-        elif rows is not None and expert_rows(unit):
-            local, params, probed = _expert_piece(unit, rows, children, dtype, names)
-            kind += f"{', own code' if unit.kind == 'own' else ''}, experts {rows[0]}:{rows[1]} (in place)"
+        elif rows is not None and block_rows(unit):
+            local, params, probed, what = _block_piece(unit, rows, children, dtype, names)
+            kind += f"{', own code' if unit.kind == 'own' else ''}, {what} {rows[0]}:{rows[1]} (in place)"
         elif unit.kind == "own":
             inner, stubs, params = _unit_copy(unit, children, dtype)
             local = OwnCode(inner, stubs)
             kind += ", own code"
             probed = [(names[k], None) for k in unit.params] + [(unit.name, "code")]
-        elif rows is not None and not faithful_rows(unit.module) and (full := _in_place_bytes(unit.module, dtype)) > faithful_room:
+        elif rows is not None and not faithful_rows(unit.module) and (full := in_place_weight_bytes(unit.module, dtype)) > faithful_room:
             return ModuleCheck(name=unit.name, type=f"{kind} rows {rows[0]}:{rows[1]}", calls=unit.calls, inconclusive=(
                 f"its own forward is checked at its full size (a slice of its rows would run another computation), "
                 f"which needs about {mb(full)}, {OVER_ROOM}")), []
@@ -758,18 +766,20 @@ def _unit_copy(unit: Unit, children: Dict[str, List[Any]], dtype: torch.dtype
     return whole, [], dict(whole_params(whole, unit))
 
 
-def _expert_piece(unit: Unit, rows: Tuple[int, int], children: Dict[str, List[Any]], dtype: torch.dtype,
-                  names: Mapping[str, str]) -> Tuple[nn.Module, Dict[str, Any], List[Tuple[str, Any]]]:
-    """A block of a unit's experts (:mod:`gradwatch.check.modules.expert_blocks`): ``(the copy, the leaves it checks,
-    what it probes)``; the unit's other parameters and its own code with the first block."""
+def _block_piece(unit: Unit, rows: Tuple[int, int], children: Dict[str, List[Any]], dtype: torch.dtype,
+                 names: Mapping[str, str]) -> Tuple[nn.Module, Dict[str, Any], List[Tuple[str, Any]], str]:
+    """A block of a unit's experts, or of the rows of its own code's big parameter, checked in place: ``(the copy, the
+    leaves it checks, what it probes, what the block is of)``; the unit's other parameters and own code with the first."""
     prefix = f"{unit.name}." if unit.name else ""
-    fused = [k for k, p in unit.params.items() if expert_count(k, tuple(p.shape))]
+    split = bool(expert_rows(unit))
+    fused = [k for k, p in unit.params.items() if expert_count(k, tuple(p.shape))] if split else [str(in_place_param(unit))]
     inner, stubs, params = _unit_copy(unit, children, dtype)
-    block, params = expert_block(inner, params, [k[len(prefix):] for k in fused], rows)
+    block, params = expert_block(inner, params, [k[len(prefix):] for k in fused], rows) if split else \
+        row_blocks(inner, params, fused[0][len(prefix):], [rows])
     probed: List[Tuple[str, Any]] = [(names[k], rows) for k in fused]
     if not rows[0]:
         probed += [(names[k], None) for k in unit.params if k not in fused] + [(unit.name, "code")]
-    return (OwnCode(block, stubs) if unit.kind == "own" else block), params, probed
+    return (OwnCode(block, stubs) if unit.kind == "own" else block), params, probed, "experts" if split else f"{fused[0]} rows"
 
 
 def _alone(unit: Unit, rows: Optional[Tuple[int, int]], need: int, dtype: torch.dtype, room: int, alone: int) -> bool:
@@ -779,14 +789,8 @@ def _alone(unit: Unit, rows: Optional[Tuple[int, int]], need: int, dtype: torch.
     if rows is not None:
         if not isinstance(unit.module, (nn.Linear, nn.Embedding)) or faithful_rows(unit.module):
             return False
-        need += _in_place_bytes(unit.module, dtype)
+        need += in_place_weight_bytes(unit.module, dtype)
     return room < need <= alone
-
-
-def _in_place_bytes(module: nn.Module, dtype: torch.dtype) -> int:
-    """What checking a block of a Linear or Embedding subclass in place adds: a ``dtype`` copy of its whole weight
-    (:class:`~gradwatch.check.modules.own_code.RowsInPlace`)."""
-    return numel([module.weight]) * dtype.itemsize
 
 
 def units_signature(model: nn.Module) -> Tuple:

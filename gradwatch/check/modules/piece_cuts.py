@@ -14,14 +14,16 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
-import torch  # noqa: F401 - the examples' namespace
+import torch
 from torch import nn
 
 from gradwatch.check.modules.batch_cut import batch_dims, cuts_to_try, first_of_capture
 from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY, float_bytes
-from gradwatch.plan.units import Unit, expert_bytes, expert_rows, faithful_rows, sliceable_rows
+from gradwatch.plan.units import Unit, block_bytes, block_rows, faithful_rows, sliceable_rows
+from gradwatch.plan.units import numel_of as numel
+from gradwatch.trees import tensor_leaves
 
 
 def rows_cost(unit: Unit, inputs: Any, out_bytes: int, positions: float = 1.0) -> Tuple[int, float]:
@@ -35,8 +37,25 @@ def rows_cost(unit: Unit, inputs: Any, out_bytes: int, positions: float = 1.0) -
 #: Where torch's own modules live: their ``forward`` on plain tensors makes no collective.
 
 
-def numel(tensors: Any) -> int:
-    return sum(int(t.numel()) for t in tensors)
+def in_place_weight_bytes(module: nn.Module, dtype: torch.dtype) -> int:
+    """What checking a block of a Linear or Embedding subclass in place adds: a ``dtype`` copy of its whole weight
+    (:class:`~gradwatch.check.modules.own_code.RowsInPlace`).
+
+    Example:
+        >>> in_place_weight_bytes(nn.Linear(3, 10), torch.float64)
+        240
+    """
+    return numel([module.weight]) * dtype.itemsize
+
+
+def float_entries(children: Mapping[str, List[Any]]) -> int:
+    """Floating entries of what the modules an own code calls gave it (the stubs' outputs, by module, call by call).
+
+    Example:
+        >>> float_entries({"fc": [torch.zeros(2, 3), (torch.zeros(4), torch.zeros(5, dtype=torch.long))]})
+        10
+    """
+    return numel(t for outs in children.values() for o in outs for t in tensor_leaves(o) if t.is_floating_point())
 
 
 def rows_of(unit: Unit) -> Optional[int]:
@@ -67,7 +86,7 @@ def row_block(unit: Unit, inputs: Any, output_bytes: int, room: int, seed: int,
 
 def piece_params_bytes(unit: Unit, rows: Optional[Tuple[int, int]]) -> int:
     """What a piece's check holds for its parameters whatever the batch: :data:`MODULE_BYTES_PER_ENTRY` per entry of
-    the unit's parameters, or of ``rows`` of them (a block of experts: :func:`~gradwatch.plan.units.expert_bytes`).
+    the unit's parameters, or of ``rows`` of them (a block checked in place: :func:`~gradwatch.plan.units.block_bytes`).
 
     Example:
         >>> from gradwatch.plan.units import Unit
@@ -76,9 +95,9 @@ def piece_params_bytes(unit: Unit, rows: Optional[Tuple[int, int]]) -> int:
         ...     piece_params_bytes(Unit("", lin, dict(lin.named_parameters())), (0, 5))
         (2400, 1200)
     """
-    if rows is not None and expert_rows(unit):  # a block of experts, in place in the whole unit's copy
-        fixed, per_expert = expert_bytes(unit)
-        return fixed + per_expert * (rows[1] - rows[0])
+    if rows is not None and block_rows(unit):  # a block of experts, or rows, in place in the whole unit's copy
+        fixed, per_row = block_bytes(unit)
+        return fixed + per_row * (rows[1] - rows[0])
     whole = numel(unit.params.values()) * MODULE_BYTES_PER_ENTRY
     total = rows_of(unit)
     return whole * (rows[1] - rows[0]) // total if rows is not None and total else whole
@@ -142,4 +161,5 @@ def cut_samples(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str, List[An
     return cut_inputs, cut_children, fixed + variable * keep * (length or seq) // (size * seq), what, kept
 
 
-__all__ = ["cut_samples", "numel", "piece_params_bytes", "row_block", "rows_cost", "rows_of", "rows_of_one_sample"]
+__all__ = ["cut_samples", "float_entries", "in_place_weight_bytes", "numel", "piece_params_bytes", "row_block", "rows_cost",
+           "rows_of", "rows_of_one_sample"]

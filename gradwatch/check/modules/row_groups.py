@@ -32,7 +32,7 @@ from gradwatch.check.objective.rng import preserved_rng
 from gradwatch.check.probes.experts import expert_of
 from gradwatch.options import CheckOptions
 from gradwatch.plan.cycle import Piece
-from gradwatch.plan.units import Unit, faithful_rows
+from gradwatch.plan.units import Unit, faithful_rows, in_place_param
 from gradwatch.trees import tensor_leaves
 
 Block = Tuple[int, int]
@@ -230,13 +230,15 @@ def chunks(blocks: Sequence[Block], capacity: int) -> List[List[Block]]:
 
 
 def groupable(piece: Piece, unit: Unit) -> bool:
-    """Whether ``piece`` is a row block of a plain Linear or Embedding (``unit``), checked in a group of its blocks.
+    """Whether ``piece`` is a row block of a plain Linear or Embedding (``unit``), or of an own code's big parameter
+    (:mod:`~gradwatch.check.modules.own_rows`), checked in a group of its blocks.
 
     Example:
         >>> groupable(Piece("head", (0, 200)), Unit("head", nn.Linear(2, 600))), groupable(Piece("act"), Unit("act", nn.Tanh()))
         (True, False)
     """
-    return piece.rows is not None and unit.kind == "module" and faithful_rows(unit.module)
+    return piece.rows is not None and (unit.kind == "module" and faithful_rows(unit.module)
+                                       or unit.kind == "own" and in_place_param(unit) is not None)
 
 
 def grouped(pieces: Sequence[Piece], by_name: Dict[str, Unit]) -> List[List[Piece]]:

@@ -418,6 +418,7 @@ class Replay:
     autocast: Tuple[Tuple[str, bool, torch.dtype], ...] = ()  # the autocast state training's forward ran in
     params: Optional[Dict[str, torch.Tensor]] = None  # the live parameters the gradients are of
     rows: Dict[str, Tuple[int, int]] = field(default_factory=dict)  # weights whose gradients are of these rows only
+    unran: List[str] = field(default_factory=list)  # of those, the weights whose module never ran in the replay
     plan: Any = None  # the step's objective the replay weighed its micro-batches by (gradwatch.watch.step_objective)
     accumulating: int = 0  # skipped: the micro-batches training's forwards tell of, where the watch was handed one
     seconds: float = 0.0  # what the replays that reproduced the step took (not those tried in vain): about a step

@@ -15,7 +15,9 @@ to the output's columns ``rows``, where ``S`` is a copy of those rows only. The 
 so the forward (and the loss) are bit for bit training's; its gradient reaches ``S`` alone, and is
 the gradient of those rows of the weight (``x.detach()``: nothing else receives it twice). Only
 exact ``nn.Linear`` modules whose weight no other module uses are sliced this way (a subclass may
-compute its weight's gradient differently).
+compute its weight's gradient differently). A weight whose module never ran in the replay (:meth:`RowGrads.unran`)
+may still have been read by other code (TRL's fused LM head multiplies by ``lm_head.weight`` itself): its rows'
+zero gradient then says nothing, and the training part judges it whole instead.
 
 Example:
     >>> lin = nn.Linear(3, 4)
@@ -30,7 +32,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, cast
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +75,7 @@ class RowGrads:
         self._pending: List[Tuple[str, torch.Tensor]] = []
         self._handles: List[Any] = []
         self._flags: List[Tuple[torch.Tensor, bool]] = []
+        self._ran: Set[str] = set()
 
     def __enter__(self) -> "RowGrads":
         for name, (module, weight, rows) in self.plan.items():
@@ -88,12 +91,18 @@ class RowGrads:
             weight.requires_grad_(flag)
         self._handles, self._flags, self._pending = [], [], []
 
+    def unran(self) -> List[str]:
+        """The planned weights whose module no forward called since the context opened (read there: before it
+        closes)."""
+        return [n for n in self.plan if n not in self._ran]
+
     def _hook(self, name: str, rows: Tuple[int, int]) -> Any:
         first, end = rows
 
         def hook(module: nn.Module, args: tuple, out: Any) -> Any:
             if not torch.is_grad_enabled() or not args or not isinstance(out, torch.Tensor):
                 return None
+            self._ran.add(name)
             x = args[0].detach()
             part = cast(torch.Tensor, module.weight).detach()[first:end].clone().requires_grad_(True)
             self._pending.append((name, part))
