@@ -327,7 +327,8 @@ def run_model_check(
     if surrogates:  # their own parameters' gradient is the surrogate's: not compared
         by_design = set(surrogate_parameters(surrogates))
         chosen = [n for n in chosen if n not in by_design]
-    leaves = {n: p for n, p in target.named_parameters() if n in set(chosen)}
+    wanted = set(chosen)
+    leaves = {n: p for n, p in target.named_parameters() if n in wanted}
     params = {n: _real(p) for n, p in leaves.items()}  # what the engine perturbs: complex ones as (re, im) pairs
     batched = batched and cut is None and all(p is leaves[n] for n, p in params.items())
     eval_seed = opts.seed

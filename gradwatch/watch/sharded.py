@@ -321,6 +321,8 @@ def refuse_unsupported(model: nn.Module) -> None:
     Example:
         >>> refuse_unsupported(nn.Linear(2, 1))  # a plain model: fine
     """
+    if "torch.distributed.fsdp" not in sys.modules:
+        return  # no FSDP1 wrapper exists before its package is imported (importing it takes a second)
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover

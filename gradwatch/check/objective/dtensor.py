@@ -17,13 +17,20 @@ def is_dtensor(t: Any) -> bool:
         >>> is_dtensor(torch.zeros(2))
         False
     """
-    if "torch.distributed.tensor" not in sys.modules:
-        return False  # no DTensor exists before its package is imported (importing it takes a second)
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return isinstance(t, DTensor)
+    kind = _DTENSOR[0]
+    if kind is None:
+        if "torch.distributed.tensor" not in sys.modules:
+            return False  # no DTensor exists before its package is imported (importing it takes a second)
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # pragma: no cover - torch built without distributed
+            return False
+        kind = _DTENSOR[0] = DTensor  # (an import statement costs more than the test, which runs per tensor)
+    return isinstance(t, kind)
+
+
+#: ``torch.distributed.tensor.DTensor`` once its package is imported (None before).
+_DTENSOR: List[Any] = [None]
 
 
 def is_sharded(model: nn.Module) -> bool:

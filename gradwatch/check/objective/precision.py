@@ -371,6 +371,12 @@ class ShadowPrecision(TorchFunctionMode):
         return tree_map(lambda t: t.to(self.dtype) if isinstance(t, torch.Tensor) and t.dtype == low else t, out)
 
     def _record_islands(self, func: Any, out: Any) -> None:
+        if type(out) is torch.Tensor:  # nearly every op: one plain tensor, read without the modes (below)
+            with torch._C.DisableTorchFunction():
+                low = out.requires_grad and self._low(out.dtype)
+            if low:
+                self.islands.setdefault(self._where(func), out.dtype)
+            return
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad and self._low(t.dtype):
                 self.islands.setdefault(self._where(func), t.dtype)

@@ -69,9 +69,14 @@ def _needs_cast(obj: Any, dtype: torch.dtype) -> bool:
 
 def _cast_inputs_hook(dtype: torch.dtype, needed: Optional[set] = None):
     def hook(module: nn.Module, args: tuple, kwargs: dict):
-        # Fast path (runs for every module on every evaluation): tensor arguments already in dtype.
-        if not kwargs and all(type(a) is torch.Tensor and (a.dtype == dtype or not a.is_floating_point()) for a in args):
-            return None
+        # Fast path (runs for every module on every evaluation): tensor arguments already in dtype. (Plain tensors'
+        # properties read without the torch function modes of the check's first forward: each read would go through
+        # every mode's __torch_function__, for the same answer.)
+        if not kwargs:
+            with torch._C.DisableTorchFunction():
+                plain = all(type(a) is torch.Tensor and (a.dtype == dtype or not a.is_floating_point()) for a in args)
+            if plain:
+                return None
         if not (_needs_cast(args, dtype) or _needs_cast(kwargs, dtype)):
             return None
         if needed is not None:
@@ -195,15 +200,17 @@ class Shadow:
 
     @torch.no_grad()
     def refresh(self, model: nn.Module) -> None:
-        """Copy live parameters, buffers and train/eval flags into the shadow, in place."""
-        for (_, dst), (_, src) in zip(self.module.named_parameters(), model.named_parameters()):
+        """Copy live parameters, buffers and train/eval flags into the shadow, in place (a flag set only where it
+        differs: most checks find every one as it was)."""
+        for dst, src in zip(self.module.parameters(), model.parameters()):
             dst.copy_(src.detach())
-            dst.requires_grad_(src.requires_grad)
-        for (_, dbuf), (_, sbuf) in zip(self.module.named_buffers(), model.named_buffers()):
-            if dbuf is not None and sbuf is not None:
-                dbuf.copy_(sbuf.detach())
+            if dst.requires_grad != src.requires_grad:
+                dst.requires_grad_(src.requires_grad)
+        for dbuf, sbuf in zip(self.module.buffers(), model.buffers()):  # (None buffers are not listed)
+            dbuf.copy_(sbuf.detach())
         for dmod, smod in zip(self.module.modules(), model.modules()):
-            dmod.training = smod.training
+            if dmod.training is not smod.training:
+                dmod.training = smod.training
         self.restore_cast_hooks()
 
 

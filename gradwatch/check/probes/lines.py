@@ -492,15 +492,24 @@ def base_probes(name: str, p: torch.Tensor, saved: torch.Tensor, grads: Dict[str
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """True when no entry is NaN or infinite: one min/max pass (NaN propagates), 5x cheaper than ``isfinite``.
+    """True when no entry is NaN or infinite.
+
+    A finite sum says it at once (a NaN or an infinite entry makes the sum NaN or infinite): one reduction, several
+    times cheaper on a small tensor than the min/max pass, which decides where the sum is not finite (an overflow of
+    finite entries included).
 
     Example:
         >>> all_finite(torch.tensor([1.0, 2.0])), all_finite(torch.tensor([1.0, float("nan")]))
         (True, False)
+        >>> all_finite(torch.tensor([3e38, 3e38])), all_finite(torch.tensor([float("inf"), -float("inf")]))
+        (True, False)
     """
     if t.numel() == 0 or not t.is_floating_point():
         return True
-    return bool(torch.isfinite(torch.stack(torch.aminmax(t.detach().reshape(-1)))).all())
+    flat = t.detach()
+    if math.isfinite(float(flat.sum())):
+        return True
+    return bool(torch.isfinite(torch.stack(torch.aminmax(flat.reshape(-1)))).all())
 
 
 #: One tensor to check: its key, its name in the report, the tensor (perturbed in place), its gradient per term.
