@@ -29,6 +29,7 @@ from typing import Any, Dict, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
+from gradwatch.plan.malloc_thresholds import glibc, hold_thresholds
 from gradwatch.trees import whole_numel
 
 #: Share of the room an estimate may fill (estimates leave out allocator overhead and small temporaries).
@@ -88,19 +89,6 @@ def _rss_now_bytes() -> Optional[int]:
         return None
 
 
-def _load_malloc_trim() -> Any:
-    try:
-        import ctypes
-        import ctypes.util
-
-        return ctypes.CDLL(ctypes.util.find_library("c") or None).malloc_trim
-    except (OSError, AttributeError, TypeError):  # not glibc
-        return None
-
-
-_MALLOC_TRIM = _load_malloc_trim() if sys.platform.startswith("linux") else None
-
-
 #: The least a measured limit allows the pieces of a check above what the process held when they began: a process's
 #: first float64 evaluations take memory once that no piece holds (the pages of torch's float64 kernels, the autograd
 #: engine's threads: 8.7 MB and 9.0 MB at a fresh process's first piece, a cross-entropy on 2 samples, then 0). Below
@@ -118,9 +106,10 @@ def release_freed() -> None:
     Freed blocks below glibc's mmap threshold stay in the process's heap and count in its RSS:
     training's next forward would then peak above its own peak by what the check left there.
     """
-    if _MALLOC_TRIM is not None:
+    libc = glibc()
+    if libc is not None:
         try:
-            _MALLOC_TRIM(0)
+            libc.malloc_trim(0)
         except Exception:  # noqa: BLE001 - an optimization only
             pass
 
@@ -191,6 +180,7 @@ class MemoryMeter:
         if peak > self._after_check:  # training peaked on top of what the checks left held
             self.training_peak = max(self.training_peak, peak - self._residue)
         if self.device.type != "cuda":
+            hold_thresholds()  # before the check's first frees can move it: where training's step left it
             release_freed()
         self._before_check = in_use_bytes(self.device)
         # What the process gave back since the last check ended was the checks' left-overs (training held the same
