@@ -146,11 +146,10 @@ def world_norm(grads: Mapping[str, torch.Tensor]) -> float:
         g = grads[name].detach()
         if pending(g):
             summed = whole(g)  # (a collective: every rank, in this order)
-            square, share = torch.linalg.vector_norm(summed, dtype=torch.float64) ** 2, world
+            square, share = square_sum64(summed), world
         else:
             share = _replicas(g) if is_dtensor(g) else world
-            kind = torch.complex128 if g.is_complex() else torch.float64
-            square = torch.linalg.vector_norm(local(g), dtype=kind).abs() ** 2
+            square = square_sum64(local(g))
         by_device.setdefault(square.device, []).append(square / share)
     total = torch.zeros((), dtype=torch.float64)
     for squares in by_device.values():
@@ -158,6 +157,28 @@ def world_norm(grads: Mapping[str, torch.Tensor]) -> float:
     if sharded:
         total = all_reduce_cpu(total)
     return float(total.sqrt())
+
+
+#: Elements a float64 sum of squares casts at a time (8 MB): ``vector_norm(g, dtype=float64)`` casts the whole
+#: tensor first, a float64 copy twice a float32 gradient's bytes, and a float32 norm is not precise enough (the
+#: figures: docs/costs.md, "Stop 83").
+SQUARE_CHUNK = 1 << 20
+
+
+def square_sum64(t: torch.Tensor) -> torch.Tensor:
+    """``sum(|t|**2)`` in float64, a 0-d tensor where ``t`` is, cast :data:`SQUARE_CHUNK` elements at a time.
+
+    Example:
+        >>> float(square_sum64(torch.tensor([3.0, 4.0])))
+        25.0
+    """
+    flat = t.detach().reshape(-1)
+    is_complex = flat.is_complex()
+    total = torch.zeros((), dtype=torch.float64, device=flat.device)
+    for part in flat.split(SQUARE_CHUNK):
+        total += torch.linalg.vector_norm(part, dtype=torch.complex128) ** 2 if is_complex \
+            else part.to(torch.float64).pow(2).sum()
+    return total
 
 
 def all_reduce_cpu(t: torch.Tensor, op: Any = None) -> torch.Tensor:
