@@ -191,7 +191,9 @@ def test_a_lora_base_layer_with_a_wrong_input_gradient_is_caught_on_its_own_unit
     model, loss_fn, ids = _lora_gpt2(True)
     # the module form, its captures cut to the samples that fit: the base layer has no trainable parameter, and
     # the adapters' wrapper stands a stub for it, so only its own unit sees its backward (before: 0 alerts)
-    watch, reports, caught = _train(model, loss_fn, ids, 6, form="module", memory_budget=0.002)
+    # (up to 12 checks: alone K is 1 and the first check catches it; under a loaded suite a step takes over
+    # PACED_STEP_SECONDS, the pace spreads the units over K = 8, and 6 checks did not reach the base layer's unit)
+    watch, reports, caught = _train(model, loss_fn, ids, 12, form="module", memory_budget=0.002)
     assert 0 < caught <= watch.cycle_length, (caught, watch.cycle_length)
     assert f"{BASE}:input" in {n for a in watch.alerts for n in a.names}, [(a.tensor, a.message[:80]) for a in watch.alerts]
     assert _both_verdicts(watch, model) == []
