@@ -26,9 +26,12 @@ trl_sft        TRL's ``SFTTrainer`` at its defaults (bf16 autocast, gradient che
                ``GradWatchCallback(every=1)``
 ============== =========================================================================================
 
+Peaks of the same code move from run to run (the unwatched process alone by up to 8% on ``moe8``): ``--repeats N``
+runs N pairs a shape, alternated, and prints the medians after them.
+
 Example::
 
-    python benchmarks/shapes.py --shapes cnn64 lora_gpt2 --steps 6
+    python benchmarks/shapes.py --shapes cnn64 lora_gpt2 --steps 6 --repeats 3
 """
 
 from __future__ import annotations
@@ -346,12 +349,32 @@ def row(plain: Dict[str, Any], watched: Dict[str, Any]) -> Dict[str, Any]:
             "alerts": watched["alerts"], "notes": watched["notes"]}
 
 
+def medians(pairs: Sequence[Dict[str, Any]]) -> str:
+    """The line after a shape's pairs: the medians of its unwatched and watched peaks and their ratio, each pair's
+    ratio, and the median of the checks' first and median steps.
+
+    Example:
+        >>> medians([{"plain_mb": 100.0, "watched_mb": 104.0, "peak_ratio": 1.04, "first_steps": 4.0, "median_steps": 3.0},
+        ...          {"plain_mb": 110.0, "watched_mb": 112.0, "peak_ratio": 112 / 110, "first_steps": 5.0, "median_steps": 2.0}])
+        '  median of 2: 105 MB, watched 108 MB, 1.03x (pairs 1.04, 1.02); steps a check, first 4.5, median 2.5'
+    """
+    plain = statistics.median(r["plain_mb"] for r in pairs)
+    watched = statistics.median(r["watched_mb"] for r in pairs)
+    ratios = ", ".join(f"{r['peak_ratio']:.2f}" for r in pairs)
+    return (f"  median of {len(pairs)}: {plain:.0f} MB, watched {watched:.0f} MB, {watched / plain:.2f}x (pairs {ratios}); "
+            f"steps a check, first {statistics.median(r['first_steps'] for r in pairs):.1f}, "
+            f"median {statistics.median(r['median_steps'] for r in pairs):.1f}")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python benchmarks/shapes.py", description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=SHAPES)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--worker", choices=SHAPES)
     parser.add_argument("--watch", action="store_true")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="side-by-side pairs a shape (each a fresh unwatched and a fresh watched process); with 2 or "
+                             "more, a line of medians follows each shape's pairs")
     parser.add_argument("--out", help="write the rows as JSON here too")
     args = parser.parse_args(argv)
     if args.worker:
@@ -362,16 +385,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"{'shape':13} {'plain MB':>9} {'watched MB':>10} {'peak':>6} {'step s':>7} {'first':>6} {'median':>7} "
           f"{'max':>6}  forms")
     for shape in args.shapes:
-        r = row(spawn(shape, False, args.steps), spawn(shape, True, args.steps))
-        rows.append(r)
-        if "error" in r:
-            print(f"{shape:13} error: {r['error']}")
-            continue
-        print(f"{shape:13} {r['plain_mb']:9.0f} {r['watched_mb']:10.0f} {r['peak_ratio']:6.2f} {r['step_s']:7.3f} "
-              f"{r['first_steps']:6.1f} {r['median_steps']:7.1f} {r['max_steps']:6.1f}  {','.join(r['forms'])}",
-              flush=True)
-        for a in r["alerts"]:
-            print(f"{'':13} alert: {a}")
+        pairs = []
+        for _ in range(max(1, args.repeats)):
+            r = row(spawn(shape, False, args.steps), spawn(shape, True, args.steps))
+            rows.append(r)
+            if "error" in r:
+                print(f"{shape:13} error: {r['error']}")
+                continue
+            pairs.append(r)
+            print(f"{shape:13} {r['plain_mb']:9.0f} {r['watched_mb']:10.0f} {r['peak_ratio']:6.2f} {r['step_s']:7.3f} "
+                  f"{r['first_steps']:6.1f} {r['median_steps']:7.1f} {r['max_steps']:6.1f}  {','.join(r['forms'])}",
+                  flush=True)
+            for a in r["alerts"]:
+                print(f"{'':13} alert: {a}")
+        if len(pairs) > 1:
+            print(medians(pairs), flush=True)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(rows, fh, indent=1)
