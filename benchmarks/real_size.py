@@ -349,20 +349,23 @@ def _setup(case: str, bug: str) -> Tuple[Any, Any, Any]:
     return model, (lambda m, b: F.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten())), batch
 
 
-def worker(case: str, bug: str, checks: int, watch: bool = True, threads: int = 2, covered: bool = False) -> Dict[str, Any]:
+def worker(case: str, bug: str, checks: int, watch: bool = True, threads: int = 2, covered: bool = False,
+           options: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """One configuration in this process (see the module docstring); returns its figures. It stops at the check that
     catches the planted bug, or with ``covered``, at the first check after it where every watched tensor has had both
-    verdicts once (a paced cycle spreads the units of a slow check over the next ones), ``checks`` at most."""
+    verdicts once (a paced cycle spreads the units of a slow check over the next ones), ``checks`` at most.
+    ``options``: GradWatch options over the case's own (``{"pace": None}``: a test's K that the load cannot move)."""
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model, loss_fn, make_batch = _setup(case, bug)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     planted = CASES[case][1].get(bug)
+    options = {**OPTIONS.get(bug, {}), **(options or {})}
     gw = None
     if watch:
         from gradwatch import GradWatch
 
-        gw = GradWatch(model, loss_fn, optimizer=opt, every=1, log_dir=None, **OPTIONS.get(bug, {}))
+        gw = GradWatch(model, loss_fn, optimizer=opt, every=1, log_dir=None, **options)
     steps, caught_at, named, forms, check_seconds, unchecked = [], None, [], [], [], []
     backward_seconds: List[float] = []
     for i in range(checks):
@@ -391,7 +394,7 @@ def worker(case: str, bug: str, checks: int, watch: bool = True, threads: int = 
             if caught_at is not None and (not covered or all(v["backward"] and v["training"]
                                                                  for v in gw.coverage.values())):
                 break
-    out: Dict[str, Any] = {"case": case, "bug": bug, "watch": watch, "steps": len(steps), "options": OPTIONS.get(bug, {}),
+    out: Dict[str, Any] = {"case": case, "bug": bug, "watch": watch, "steps": len(steps), "options": options,
                            "n_params": sum(p.numel() for p in model.parameters()),
                            "peak_bytes": _peak_bytes(), "median_step_seconds": statistics.median(steps)}
     if gw is not None:
@@ -414,14 +417,16 @@ def worker(case: str, bug: str, checks: int, watch: bool = True, threads: int = 
     return out
 
 
-def _spawn(case: str, bug: str, checks: int, watch: bool = True, threads: int = 2, covered: bool = False) -> Dict[str, Any]:
+def _spawn(case: str, bug: str, checks: int, watch: bool = True, threads: int = 2, covered: bool = False,
+           options: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """One configuration in a subprocess of its own (its peak memory is its own), on ``threads`` torch threads
-    (``covered``: :func:`worker`'s)."""
+    (``covered``, ``options``: :func:`worker`'s)."""
     here = os.path.abspath(__file__)
     root = os.path.dirname(os.path.dirname(here))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, here, "--worker", case, "--bug", bug, "--checks", str(checks), "--threads", str(threads)] \
-        + ([] if watch else ["--unwatched"]) + (["--covered"] if covered else [])
+        + ([] if watch else ["--unwatched"]) + (["--covered"] if covered else []) \
+        + (["--options", json.dumps(options)] if options else [])
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         return {"case": case, "bug": bug, "error": (done.stderr.strip().splitlines() or ["?"])[-1][:300]}
@@ -465,10 +470,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="with --worker: torch threads (default 2)")
     parser.add_argument("--covered", action="store_true",
                         help="with --worker: after the catch, go on until every tensor has had both verdicts")
+    parser.add_argument("--options", type=json.loads, default=None,
+                        help='with --worker: GradWatch options as JSON over the case\'s own (e.g. \'{"pace": null}\')')
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args.worker, args.bug, args.checks or CASES[args.worker][2], watch=not args.unwatched,
-                                threads=args.threads, covered=args.covered)))
+                                threads=args.threads, covered=args.covered, options=args.options)))
         return 0
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in cases if c not in CASES]

@@ -27,6 +27,7 @@ from gradwatch.check.objective.terms import parse_regularizers
 from gradwatch.check.replay.items import ITEMS_MODES
 from gradwatch.errors import ConfigError
 from gradwatch.options import CheckOptions, document_options, option, option_help, trend_options
+from gradwatch.plan.cycle import PIECE_STEPS
 
 #: Options that belong to :class:`gradwatch.options.CheckOptions`.
 CHECK_OPTION_NAMES: Tuple[str, ...] = tuple(CheckOptions.names())
@@ -83,6 +84,9 @@ class GradWatchConfig(CheckOptions):
     tensors_per_check: int = option(
         0, "parameter tensors checked per check, rotating through all; 0 checks all (module form: whole units per check; "
            "0: all, or spread over the K checks the row blocks take where some unit is sliced)")
+    pace: Optional[float] = option(
+        PIECE_STEPS, "module form: training steps a check's pieces may take (those left wait for the next checks: the cycle K "
+             "grows); > 0, null: no pace (each check takes its whole turn of the cycle)")
     memory_budget: Optional[float] = option(
         0.1, "memory a check may add above training's own peak (CPU RSS, CUDA allocated), as a fraction; > 0, null: unbounded")
     form: str = option(
@@ -142,6 +146,12 @@ class GradWatchConfig(CheckOptions):
         tpc = self.tensors_per_check
         if isinstance(tpc, bool) or not isinstance(tpc, int) or tpc < 0:
             raise ConfigError(f"tensors_per_check: got {tpc!r}, expected an integer >= 0 (0 = all tensors)")
+        pace = self.pace
+        if isinstance(pace, str) and pace.lower() in ("none", "null"):
+            pace = None
+        if pace is not None and (not _is_number(pace) or not 0 < pace < float("inf")):
+            raise ConfigError(f"pace: got {self.pace!r}, expected a number of training steps > 0 (2.0) or null (no pace)")
+        self.pace = None if pace is None else float(pace)
         mem = self.memory_budget
         if isinstance(mem, str) and mem.lower() in ("none", "null"):
             mem = None

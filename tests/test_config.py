@@ -154,6 +154,8 @@ def test_empty_file_means_defaults(tmp_path):
         ("dtype: float16\n", r"bad\.yaml: dtype: got 'float16', expected 'float64', 'float32'"),
         ("fail_at: excellent\n", r"bad\.yaml: fail_at: got 'excellent'"),
         ("tensors_per_check: -1\n", r"bad\.yaml: tensors_per_check: got -1"),
+        ("pace: 0\n", r"bad\.yaml: pace: got 0, expected a number of training steps > 0 \(2\.0\) or null \(no pace\)"),
+        ("pace: fast\n", r"bad\.yaml: pace: got 'fast'"),
         ("baseline_checks: 0\n", r"bad\.yaml: baseline_checks: got 0, expected an integer >= 1"),
         ("drift_window: 0\n", r"bad\.yaml: drift_window: got 0"),
         ("drift_decades: -1\n", r"bad\.yaml: drift_decades: got -1"),

@@ -33,13 +33,14 @@ def _deep(bug: bool) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(128, 2))
 
 
-def _run(bug: bool, checks: int):
+def _run(bug: bool, checks: int, **options):
     model = _deep(bug)
     gen = torch.Generator().manual_seed(1)
     batch = (torch.randn(256, 128, generator=gen), torch.randint(0, 2, (256,), generator=gen))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     reports = []
-    with GradWatch(model, lambda m, b: F.cross_entropy(m(b[0]), b[1]), every=1, log_dir=None, form="module") as watch:
+    with GradWatch(model, lambda m, b: F.cross_entropy(m(b[0]), b[1]), every=1, log_dir=None, form="module",
+                   **options) as watch:
         for _ in range(checks):
             opt.zero_grad()
             loss = F.cross_entropy(model(batch[0]), batch[1])
@@ -71,13 +72,13 @@ def test_a_bug_in_the_last_unit_is_caught_within_k_checks_of_a_paced_cycle():
     assert any(a.tensor.startswith("79") for a in watch.alerts), [(a.tensor, a.message[:80]) for a in watch.alerts]
 
 
-def _sliced_planner():
+def _sliced_planner(**options):
     """A planner of 16 small units, ``loss_fn`` and a head of 4,096 rows (16 slices of 256): a pass of 33 pieces,
     K = 8."""
     from gradwatch.plan.planner import Planner
 
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(16)], nn.Linear(4, 4096))
-    planner = Planner()
+    planner = Planner(**options)
     names = [n for n, _ in model.named_parameters()]
 
     def plan():
@@ -116,3 +117,18 @@ def test_a_sliced_cycle_keeps_its_k_while_less_than_half_a_turn_is_owed():
     assert planner.pace(units[-1:]) is None  # one piece of 5 late: owed, K kept
     assert planner.cycle_length == CHECKS_PER_PASS
     assert [str(p) for p in plan()][0] == units[-1]
+
+
+def test_the_pace_option_is_the_steps_a_checks_pieces_may_take_and_null_is_no_pace():
+    for pace, seconds in ((2.0, 1.0), (4.0, 2.0), (None, None)):
+        planner, plan = _sliced_planner(pace=pace)
+        plan()
+        assert planner.pace_seconds(0.5) == seconds, (pace, planner.pace_seconds(0.5))
+
+
+def test_with_no_pace_a_check_slower_than_two_steps_holds_every_unit_of_its_turn():
+    watch, reports = _run(False, 1, pace=None)
+    first = reports[0]
+    assert not first.later and not any("left to the next checks" in n for n in first.notes), first.notes
+    assert watch.cycle_length == 1
+    assert all(v["backward"] > 0 for v in watch.coverage.values()), watch.coverage

@@ -43,7 +43,9 @@ def test_lora_gpt2_a_softmax_bug_in_the_frozen_attention_is_caught_through_the_a
 
 @pytest.mark.parametrize("bug", ["none", "softmax"])
 def test_nanogpt_with_a_50304_vocabulary(bug):
-    row = real_size._spawn("nanogpt", bug, 8, threads=1)  # K = 8 checks: every unit and row block once
+    # K = 8 checks: every unit and row block once (no pace: a loaded machine's slower step would pace the checks and
+    # make K longer; the pace has its own tests)
+    row = real_size._spawn("nanogpt", bug, 8, threads=1, options={"pace": None})
     assert row["forms"] == ["module"], row
     if bug == "none":
         assert row["alerts"] == 0 and row["caught_at_check"] is None, row

@@ -33,8 +33,8 @@ ROWS_PER_SLICE = 256
 #: Checks in one pass over the slices of the largest sliced unit (fewer when no unit has that many); a paced cycle
 #: spreads its whole units over this many checks at most.
 CHECKS_PER_PASS = 8
-#: A paced cycle (one process): training steps a check's pieces may take; the whole units a check holds are then as
-#: many as fitted that time (a small UNet's 117 units took 2.5 s to 3 s a check, about 10 steps of 0.3 s, in one).
+#: A paced cycle (one process): training steps a check's pieces may take (the ``pace`` option's default); the whole
+#: units a check holds are then as many as fitted that time.
 PIECE_STEPS = 2.0
 #: ... and never fewer seconds than this ...
 PACED_SECONDS = 0.1

@@ -175,11 +175,13 @@ class Planner:
         tensors_per_check: Tensors (objective form) or whole units (module form) per check; 0: all.
         seed: The watch's seed (the order of slices in each pass follows it).
         memory_budget: For messages only (the room is measured by the watch).
+        pace: Training steps a module-form check's pieces may take (the ``pace`` option; None: no pace).
     """
 
     def __init__(self, form: str = "auto", tensors_per_check: int = 0, seed: int = 0,
-                 memory_budget: Optional[float] = None) -> None:
+                 memory_budget: Optional[float] = None, pace: Optional[float] = PIECE_STEPS) -> None:
         self.form = form
+        self.pace_steps = pace
         self.tensors_per_check = tensors_per_check
         self.seed = seed
         self.memory_budget = memory_budget
@@ -322,12 +324,13 @@ class Planner:
         self._owed = [p for p in self._handed if str(p) in names]
 
     def pace_seconds(self, step_seconds: Optional[float], spent: float = 0.0) -> Optional[float]:
-        """Seconds this check's pieces may take (one process, the module form): :data:`PIECE_STEPS` training steps of
+        """Seconds this check's pieces may take (one process, the module form): the ``pace`` option's training steps of
         ``step_seconds`` less the ``spent`` seconds the check's planning took (finding the units, counting the
         activations: a first check's forwards), at least half of it and :data:`PACED_SECONDS`; None (no bound)
-        where the step is not known or shorter than :data:`PACED_STEP_SECONDS`, or where a cycle without row slices
-        already spreads its whole units over :data:`~gradwatch.plan.cycle.CHECKS_PER_PASS` checks (a cycle with
-        slices is paced by making K longer: :meth:`pace`).
+        where the ``pace`` option is None, where the step is not known or shorter than :data:`PACED_STEP_SECONDS`,
+        or where a cycle without row slices already spreads its whole units over
+        :data:`~gradwatch.plan.cycle.CHECKS_PER_PASS` checks (a cycle with slices is paced by making K longer:
+        :meth:`pace`).
 
         Example:
             >>> p = Planner()
@@ -337,10 +340,10 @@ class Planner:
         :meth:`pace` weighs what the pieces held in the time given them as if they had had the whole pace.
         """
         cycle = self._cycle
-        if step_seconds is None or step_seconds < PACED_STEP_SECONDS or cycle is None or self.tensors_per_check > 0 or \
-                (not cycle.slices and cycle.per_check <= fewest_whole(len(cycle.whole))):
+        if self.pace_steps is None or step_seconds is None or step_seconds < PACED_STEP_SECONDS or cycle is None or \
+                self.tensors_per_check > 0 or (not cycle.slices and cycle.per_check <= fewest_whole(len(cycle.whole))):
             return None
-        whole = max(PACED_SECONDS, PIECE_STEPS * step_seconds)
+        whole = max(PACED_SECONDS, self.pace_steps * step_seconds)
         given = max(PACED_SECONDS, whole - max(0.0, spent), whole / 2)  # (the pieces keep half of it at least)
         self._pace_scale = whole / given
         return given

@@ -168,7 +168,8 @@ class GradWatch:
         #: Training's own peak memory and the room a check has under ``memory_budget`` (:mod:`gradwatch.plan.memory`).
         self.memory = MemoryMeter(self.config.memory_budget, model_device(model))
         #: What each check covers (form, units, the cycle of K checks) and what the run has covered.
-        self.planner = Planner(self.config.form, self.config.tensors_per_check, self._check_options.seed, self.config.memory_budget)
+        self.planner = Planner(self.config.form, self.config.tensors_per_check, self._check_options.seed, self.config.memory_budget,
+                               self.config.pace)
         # Training part: a forward pre-hook records what each training forward started from.
         self._recorder: Optional[ForwardRecorder] = ForwardRecorder(wrapping.root) if self.config.training else None
         #: What every part reads (:mod:`gradwatch.watch.context`).
