@@ -149,6 +149,13 @@ def test_the_moe_grouped_mm_runs_in_float64_and_is_named_once():
         "model.layers.0.mlp.experts: torch._grouped_mm": "no float64 kernel; evaluated by an exact per-group matmul loop"
     }
     assert sum("without a float64 kernel" in n for n in report.notes) == 1
+    # learnt once per process: a later check goes to the loop without raising first, and still says so
+    from gradwatch.check.objective.precision import _NO_KERNEL
+
+    assert (torch._grouped_mm, torch.float64, "cpu") in _NO_KERNEL
+    again = gradwatch.check_model(build("mixtral", 0), hf_loss, make_batch("lm", 0))
+    assert again.ok and again.precision["fallbacks"] == report.precision["fallbacks"]
+    assert [t.rel_diff for t in again.tensors.values()] == [t.rel_diff for t in report.tensors.values()]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, cast
 
 import torch
 from torch import nn
@@ -100,6 +100,9 @@ _POSITIONAL_CASTS = {torch.Tensor.to, torch.Tensor.type}
 #: Ops whose ``dtype`` argument reinterprets bits instead of converting values: never touched.
 _BIT_VIEWS = {torch.Tensor.view}
 _GROUPED_MM = tuple(f for f in (getattr(torch, "_grouped_mm", None), getattr(nn.functional, "grouped_mm", None)) if f)
+#: ``(grouped_mm function, dtype, device type)`` found to have no kernel in this process (every operand in that
+#: dtype): their later calls go to the per-group loop at once, not through an error raised and caught at each call.
+_NO_KERNEL: Set[Tuple[Any, torch.dtype, str]] = set()
 #: How many islands / casts a report names at most.
 SHOWN = 4
 
@@ -239,10 +242,14 @@ class ShadowPrecision(TorchFunctionMode):
         changed = self._keep_dtype(func, args, kwargs) if kwargs or func in _POSITIONAL_CASTS else None
         if changed is not None:
             args, kwargs = changed
-        try:
-            out = func(*args, **kwargs)
-        except (RuntimeError, NotImplementedError, TypeError) as err:
-            out = self._fallback(func, args, kwargs, err)
+        if func in _GROUPED_MM and _grouped_shapes(args, kwargs) and (func, self.dtype, _device(args, kwargs)) in _NO_KERNEL \
+                and self._all_high(args, kwargs):
+            out = self._grouped(func, args, kwargs)  # known to have no kernel: not raised and caught at every call
+        else:
+            try:
+                out = func(*args, **kwargs)
+            except (RuntimeError, NotImplementedError, TypeError) as err:
+                out = self._fallback(func, args, kwargs, err)
         if self._trace and torch.is_grad_enabled():
             self._record_islands(func, out)
         return out
@@ -309,6 +316,17 @@ class ShadowPrecision(TorchFunctionMode):
             return out
         return self._no_kernel(func, args, kwargs, err, err)
 
+    def _grouped(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``grouped_mm`` in the shadow dtype, which has no kernel for it: an exact per-group matmul loop."""
+        self.fallbacks.setdefault(self._where(func), f"no {_name(self.dtype)} kernel; evaluated by an exact per-group "
+                                                     "matmul loop")
+        return _grouped_mm(*args, **kwargs)
+
+    def _all_high(self, args: tuple, kwargs: dict) -> bool:
+        """Every floating tensor operand is in the shadow dtype (none another call would cast first)."""
+        floats = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        return bool(floats) and all(t.dtype == self.dtype for t in floats)
+
     def _one_dtype(self, func: Any, args: tuple, kwargs: dict, flat: List[Any]) -> Optional[Tuple[tuple, dict, str]]:
         """``(args, kwargs, how)`` with every floating operand in one dtype, for a call that mixes shadow-dtype tensors
         with lower-precision ones; None when it does not.
@@ -350,9 +368,9 @@ class ShadowPrecision(TorchFunctionMode):
             raise original
         where = self._where(func)
         if func in _GROUPED_MM and _grouped_shapes(args, kwargs):
-            out = _grouped_mm(*args, **kwargs)
-            self.fallbacks.setdefault(where, f"no {_name(self.dtype)} kernel; evaluated by an exact per-group matmul loop")
-            return out
+            if self._all_high(args, kwargs):
+                _NO_KERNEL.add((func, self.dtype, _device(args, kwargs)))
+            return self._grouped(func, args, kwargs)
         low = torch.float32
 
         def down(t: Any) -> Any:
@@ -402,6 +420,11 @@ def _listed(found: Dict[str, Any]) -> str:
     keys = list(found)
     shown = ", ".join(keys[:SHOWN])
     return shown + (f" and {len(keys) - SHOWN} more" if len(keys) > SHOWN else "")
+
+
+def _device(args: tuple, kwargs: dict) -> str:
+    """The device type of ``grouped_mm``'s first operand (:func:`_grouped_shapes` found it a tensor)."""
+    return (args[0] if args else kwargs["mat_a"]).device.type
 
 
 def _grouped_shapes(args: tuple, kwargs: dict) -> bool:
