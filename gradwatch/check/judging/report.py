@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -157,7 +157,7 @@ class TrainingCheck:
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON-serializable dict (non-finite numbers as ``"nan"``/``"inf"`` strings)."""
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in _TRAINING_FIELDS}  # plain values: no asdict's deep copies
         d["shape"] = list(self.shape)
         d["verdict"] = self.verdict.value if self.verdict is not None else None
         for key in ("tolerance", "rel_diff", "max_rel_error", "judged_rel_diff", "ratio", "param_coef"):
@@ -171,6 +171,10 @@ class TrainingCheck:
                 f"objective's gradient, {self.dtype} tolerance {self.tolerance:.0e})")
         extra = self.diagnosis or self.inconclusive
         return f"{text}; {extra}" if extra else text
+
+
+#: :class:`TrainingCheck`'s fields, read once (its ``to_dict`` runs for every judged tensor of every check).
+_TRAINING_FIELDS = fields(TrainingCheck)
 
 
 @dataclass
