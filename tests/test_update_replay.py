@@ -3,6 +3,8 @@ the gradients before and after it. Real torch optimizers in all their forms, ste
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -150,3 +152,18 @@ def test_a_threshold_off_by_the_precision_of_a_float32_norm_is_the_asked_one():
     assert judge_clipping(factors(grads, clipped), {"w": 0}, 5.0, asked=1.0).problem is None
     halved = {"w": grads["w"] * (0.5 / 5.000001)}
     assert judge_clipping(factors(grads, halved), {"w": 0}, 5.0, asked=1.0).kind == "threshold"
+
+
+def test_the_whole_gradients_norm_is_float64_exact_to_1e_6_from_float32_chunks_even_under_or_over_their_range():
+    from gradwatch.watch.update_shards import SQUARE_CHUNK, world_norm
+
+    gen = torch.Generator().manual_seed(0)
+    big = torch.randn(3 * SQUARE_CHUNK + 17, generator=gen) * 1e-3
+    big[:100] *= 1e4  # a few large entries among many small ones
+    grads = {"big": big, "tiny": torch.full((1000,), 1e-25), "zero": torch.zeros(SQUARE_CHUNK),
+             "half": torch.randn(5000, generator=gen).to(torch.bfloat16), "double": torch.randn(10, dtype=torch.float64)}
+    exact = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
+    assert abs(world_norm(grads) - exact) <= 1e-6 * exact
+    only_tiny = {"tiny": torch.full((1000,), 1e-25)}  # its float32 squares underflow to 0: taken again in float64
+    assert world_norm(only_tiny) == pytest.approx(math.sqrt(1000) * float(torch.tensor(1e-25).double()), rel=1e-12)
+    assert world_norm({"huge": torch.full((4,), 1e30)}) == pytest.approx(2 * float(torch.tensor(1e30).double()), rel=1e-12)

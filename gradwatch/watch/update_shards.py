@@ -159,26 +159,43 @@ def world_norm(grads: Mapping[str, torch.Tensor]) -> float:
     return float(total.sqrt())
 
 
-#: Elements a float64 sum of squares casts at a time (8 MB): ``vector_norm(g, dtype=float64)`` casts the whole
-#: tensor first, a float64 copy twice a float32 gradient's bytes, and a float32 norm is not precise enough (the
-#: figures: docs/costs.md, "Stop 83").
+#: Elements summed at a time (4 MB of float32): ``vector_norm(g, dtype=float64)`` casts the whole tensor first, a
+#: float64 copy twice a float32 gradient's bytes, and a float32 norm of a whole tensor is not precise enough (the
+#: figures: docs/costs.md, "Stop 83" and "Stop 84").
 SQUARE_CHUNK = 1 << 20
+#: A chunk's float32 sum of squares below this (or not finite) is taken again in float64: its squares may have
+#: underflowed (entries under about 1e-19) or overflowed (over about 1e19).
+SQUARE_TINY = 2.0 ** -100
 
 
 def square_sum64(t: torch.Tensor) -> torch.Tensor:
-    """``sum(|t|**2)`` in float64, a 0-d tensor where ``t`` is, cast :data:`SQUARE_CHUNK` elements at a time.
+    """``sum(|t|**2)``, a float64 0-d tensor where ``t`` is: each :data:`SQUARE_CHUNK` elements' squares summed in
+    float32 (torch's cascade sum: about 1e-7 relative, where the clipping threshold is judged to 1e-3), added in
+    float64; a chunk whose float32 sum may have underflowed or overflowed (:data:`SQUARE_TINY`) in float64; float64
+    and complex tensors in float64 throughout.
 
     Example:
         >>> float(square_sum64(torch.tensor([3.0, 4.0])))
         25.0
+        >>> tiny, huge = torch.tensor([1e-25, 1e-25]), torch.tensor([1e30])  # squares under and over float32's range
+        >>> float(square_sum64(tiny)) == 2 * float(tiny[0].double()) ** 2, float(square_sum64(huge)) == float(huge.double()) ** 2
+        (True, True)
     """
     flat = t.detach().reshape(-1)
-    is_complex = flat.is_complex()
-    total = torch.zeros((), dtype=torch.float64, device=flat.device)
-    for part in flat.split(SQUARE_CHUNK):
-        total += torch.linalg.vector_norm(part, dtype=torch.complex128) ** 2 if is_complex \
-            else part.to(torch.float64).pow(2).sum()
-    return total
+    if flat.is_complex() or flat.dtype == torch.float64:
+        total = torch.zeros((), dtype=torch.float64, device=flat.device)
+        for part in flat.split(SQUARE_CHUNK):
+            total += (torch.linalg.vector_norm(part, dtype=torch.complex128) ** 2).real if flat.is_complex() \
+                else part.to(torch.float64).pow(2).sum()
+        return total
+    parts = flat.split(SQUARE_CHUNK)
+    if not parts:
+        return torch.zeros((), dtype=torch.float64, device=flat.device)
+    sums = torch.stack([part.float().pow(2).sum() for part in parts]).to(torch.float64)
+    for i, value in enumerate(sums.tolist()):  # (one sync for the tensor)
+        if not math.isfinite(value) or (value < SQUARE_TINY and bool(parts[i].any())):
+            sums[i] = parts[i].to(torch.float64).pow(2).sum()
+    return sums.sum()
 
 
 def all_reduce_cpu(t: torch.Tensor, op: Any = None) -> torch.Tensor:
