@@ -367,6 +367,7 @@ def worker(case: str, bug: str, checks: int, watch: bool = True, threads: int = 
 
         gw = GradWatch(model, loss_fn, optimizer=opt, every=1, log_dir=None, **options)
     steps, caught_at, named, forms, check_seconds, unchecked = [], None, [], [], [], []
+    training: List[float] = []  # each step's own seconds, its check left out (the update part's judging in opt.step stays)
     backward_seconds: List[float] = []
     for i in range(checks):
         b = make_batch(i)
@@ -378,6 +379,7 @@ def worker(case: str, bug: str, checks: int, watch: bool = True, threads: int = 
         watched = time.perf_counter() - at  # the whole check: backward, training and independence parts, planning
         opt.step()
         steps.append(time.perf_counter() - start)
+        training.append(steps[-1] - watched)
         if report is not None:
             print(f"{case}/{bug}: check {i} took {watched:.2f} s (backward part {report.seconds:.2f} s), "
                   f"{len(report.pieces)} pieces, {len(gw.alerts) if gw is not None else 0} alerts so far",
@@ -396,7 +398,8 @@ def worker(case: str, bug: str, checks: int, watch: bool = True, threads: int = 
                 break
     out: Dict[str, Any] = {"case": case, "bug": bug, "watch": watch, "steps": len(steps), "options": options,
                            "n_params": sum(p.numel() for p in model.parameters()),
-                           "peak_bytes": _peak_bytes(), "median_step_seconds": statistics.median(steps)}
+                           "peak_bytes": _peak_bytes(), "median_step_seconds": statistics.median(steps),
+                           "median_training_seconds": statistics.median(training)}
     if gw is not None:
         coverage = gw.coverage
         out.update({
@@ -451,7 +454,11 @@ def run(cases: Sequence[str], checks: Optional[int]) -> List[Dict[str, Any]]:
         # A check in training steps: each run's median check against the unwatched loop's median step, same run.
         ratios: Dict[str, Any] = {"case": case, "unwatched_step_seconds": plain["median_step_seconds"],
                                   "check_in_steps": {r["bug"]: r["median_check_seconds"] / plain["median_step_seconds"]
-                                                     for r in watched if r.get("median_check_seconds")}}
+                                                     for r in watched if r.get("median_check_seconds")},
+                                  # the same, against the watched run's own steps (its check left out): the two runs'
+                                  # machine speeds do not enter it
+                                  "check_in_own_steps": {r["bug"]: r["median_check_seconds"] / r["median_training_seconds"]
+                                                         for r in watched if r.get("median_check_seconds")}}
         if case in MEASURED:
             ratios["peak_ratio"] = watched[0]["peak_bytes"] / plain["peak_bytes"]
         print(json.dumps(ratios), flush=True)
