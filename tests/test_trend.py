@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -341,3 +342,34 @@ def test_a_piece_over_the_room_once_is_said_at_its_second_time_across_a_resume()
     resumed = TrendTracker()
     resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
     assert [a.kind for a in resumed.not_checked(1, [room])] == ["not_checked"]
+
+
+def test_units_over_the_room_at_one_check_are_one_alert_of_one_cause_naming_them():
+    # a Mixtral's three layers of fused experts over the room at the defaults: one cause, the room (not three alerts)
+    from gradwatch.io.not_judged import unchecked_from_alerts, unchecked_lines
+    from gradwatch.watch.trend import NotChecked
+
+    def item(i: int, need: str) -> NotChecked:
+        return NotChecked("backward", f"model.layers.{i}.mlp.experts", f"rows 3:6 needs about {need} MB with 8.3 MB left "
+                          "to it, over the room memory_budget leaves (28.0 MB)", "form='objective' checks it",
+                          f"own code of `model.layers.{i}.mlp.experts` (MixtralExperts)")
+
+    items = [item(i, need) for i, need in enumerate(("19.9", "19.9", "21.0", "19.9"))]
+    gate = NotChecked("backward", "gate", "its own code fails when it runs apart", "form='objective' checks it")
+    tracker = TrendTracker()
+    assert tracker.not_checked(0, items) == []  # the first time over the room: the next check takes them first
+    alerts = tracker.not_checked(1, items + [gate])
+    assert [(a.kind, a.tensor) for a in alerts] == [("not_checked", "gate"), ("not_checked", "model.layers.0.mlp.experts")]
+    room = alerts[1]
+    assert "4 units (`model.layers.0.mlp.experts`, `model.layers.1.mlp.experts`, `model.layers.2.mlp.experts` and 1 " \
+           "more) not checked (backward part): one cause, the room memory_budget leaves (28.0 MB) at this check: " \
+           "`model.layers.0.mlp.experts` rows 3:6 needs about 19.9 MB" in room.message, room.message
+    assert room.why.endswith("`model.layers.2.mlp.experts` rows 3:6 needs about 21.0 MB with 8.3 MB left to it"), room.why
+    assert room.headline.startswith("not checked (backward): 4 units"), room.headline
+    assert tracker.not_checked(2, items) == []  # said once for the run, every unit
+    # read back from the event files (no notes there): one line, every unit named
+    lines = unchecked_lines(unchecked_from_alerts([dataclasses.asdict(room)]), 2)
+    assert len(lines) == 1 and lines[0].startswith("not checked: 4 units (`model.layers.0.mlp.experts`"), lines
+    one = TrendTracker()  # one unit over the room is said as before
+    one.not_checked(0, items[:1])
+    assert one.not_checked(1, items[:1])[0].why.startswith("own code of `model.layers.0.mlp.experts` (MixtralExperts) not")

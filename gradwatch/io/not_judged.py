@@ -167,7 +167,10 @@ def plan_counts(tally: Unchecked, planned: Mapping[str, int], alerts: Sequence[M
         >>> unchecked_lines(tally, 3)
         ['not checked: the training verdict, from step 2: never given at 3 checks in a row: why — check it instead: how']
     """
+    units = {entry["what"] for entry in tally.values() if entry["part"] == "backward"}
     for key, entry in unchecked_from_alerts(alerts).items():
+        if entry["part"] == "backward" and entry["what"] in units:
+            continue  # the records' notes said it, unit by unit (one alert of one cause names several)
         tally.setdefault(key, entry)
     for entry in tally.values():
         if entry["part"] == "backward" and entry.get("checks") is not None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, cast
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, cast
 
 #: The words of a diagnosis that name no cause (a disagreement of unknown origin): such tensors alert one by one.
 _NO_CAUSE = re.compile(r"not by a constant factor|neither by a constant factor|small disagreement spread|"
@@ -33,6 +33,26 @@ _FIGURES = re.compile(r"\d+(?:\.\d+)?(?:e[-+]?\d+)?")
 _RATIO = re.compile(r"-?\d+\.\d+x")
 #: How many names an alert gives.
 FIRST = 3
+#: The room in a unit's reason for being over it (said once for all of them).
+_ROOM = re.compile(r",? over the room memory_budget leaves \(([^)]*)\)")
+
+
+def over_the_room(units: Sequence[Tuple[str, str]]) -> Tuple[str, str]:
+    """``(label, why)`` of the one alert of units (``(name, why)`` each) said over the room at one check: they are one
+    cause, the room, said once; the first :data:`FIRST` named with what each needed.
+
+    Example:
+        >>> over_the_room([("a", "needs 9 MB, over the room memory_budget leaves (4 MB)"),
+        ...                ("b", "needs 7 MB, over the room memory_budget leaves (4 MB)")])
+        ('2 units (`a`, `b`)', 'one cause, the room memory_budget leaves (4 MB) at this check: `a` needs 9 MB; `b` needs 7 MB')
+    """
+    first = units[:FIRST]
+    names = ", ".join(f"`{name or '<model>'}`" for name, _ in first) + \
+        (f" and {len(units) - FIRST} more" if len(units) > FIRST else "")
+    room = _ROOM.search(units[0][1])
+    whys = "; ".join(f"`{name or '<model>'}` {_ROOM.sub('', why)}" for name, why in first)
+    return (f"{len(units)} units ({names})",
+            f"one cause, the room memory_budget leaves{' (' + room.group(1) + ')' if room else ''} at this check: {whys}")
 
 
 def cause_words(diagnosis: Optional[str]) -> Optional[str]:
@@ -235,4 +255,4 @@ class Causes:
                                      "tensors": [str(n) for n in s["tensors"]]} for s in state}
 
 
-__all__ = ["FIRST", "Causes", "Group", "cause_key", "cause_words", "message", "names_text"]
+__all__ = ["FIRST", "Causes", "Group", "cause_key", "cause_words", "message", "names_text", "over_the_room"]

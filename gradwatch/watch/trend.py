@@ -27,7 +27,7 @@ from gradwatch.check.judging.report import (
 from gradwatch.errors import ConfigError, error_key, said
 from gradwatch.io.headlines import alert_lines, joined
 from gradwatch.options import trend_options
-from gradwatch.watch.causes import Causes, message
+from gradwatch.watch.causes import Causes, message, over_the_room
 
 #: Alert kinds, in the order they are reported within one check.
 ALERT_KINDS = ("threshold", "drift", "nonfinite", "nondeterministic", "not_checked", "error")
@@ -471,7 +471,8 @@ class TrendTracker:
         the run it is not checked for that reason (:attr:`NotChecked.key`): what, why, and how to check it instead.
         A piece over the room :data:`OVER_ROOM` is said the second time: the room changes from check to check, and
         the next check takes such a piece first (a piece checked there was only delayed; the record's notes say
-        each check's gaps either way).
+        each check's gaps either way). The units of one part said over the room at one check are one cause, the
+        room: one alert names them all (:func:`~gradwatch.watch.causes.over_the_room`).
 
         Example:
             >>> item = NotChecked("independence", "*", "loss_fn never calls the model itself", "check_independence")
@@ -483,6 +484,7 @@ class TrendTracker:
             (0, 1)
         """
         out = []
+        over: Dict[str, List[NotChecked]] = {}  # part -> its units over the room at this check: one cause
         for item in items:
             if item.key in self._not_checked:
                 continue
@@ -490,11 +492,24 @@ class TrendTracker:
                 self._over_room_once.add(item.key)
                 continue
             self._not_checked.add(item.key)
-            self._alert_counts[item.what] = self._alert_counts.get(item.what, 0) + 1
-            msg = (f"step {step}: {item.label} not checked ({item.part} part): {item.why} — check it instead: "
-                   f"{item.how}. Said once for the run (each check record's notes repeat it); not a failed verdict")
-            out.append(Alert(int(step), item.what, "not_checked", "warning", math.nan, None, msg, item.part))
+            if OVER_ROOM in item.why:
+                over.setdefault(item.part, []).append(item)
+                continue
+            out.append(self._not_checked_alert(step, item.what, item.label, item.part, item.why, item.how))
+        for part, same in over.items():
+            if len(same) == 1:
+                item = same[0]
+                out.append(self._not_checked_alert(step, item.what, item.label, item.part, item.why, item.how))
+                continue
+            label, why = over_the_room([(i.what, i.why) for i in same])
+            out.append(self._not_checked_alert(step, same[0].what, label, part, why, same[0].how))
         return out
+
+    def _not_checked_alert(self, step: int, what: str, label: str, part: str, why: str, how: str) -> Alert:
+        self._alert_counts[what] = self._alert_counts.get(what, 0) + 1
+        msg = (f"step {step}: {label} not checked ({part} part): {why} — check it instead: {how}. Said once for the "
+               "run (each check record's notes repeat it); not a failed verdict")
+        return Alert(int(step), what, "not_checked", "warning", math.nan, None, msg, part)
 
     def error(self, step: int, exc: BaseException, where: Optional[str] = "loss_fn") -> Optional[Alert]:
         """Record a check that raised; return its alert, or None while it is deduplicated.
