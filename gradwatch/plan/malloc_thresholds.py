@@ -36,10 +36,6 @@ HIGHEST = 32 * 1024 * 1024
 #: The probe's step: each block this much bigger than the last (the threshold is found within it).
 STEP = 1.05
 
-_held: Optional[int] = None
-_tried = False
-
-
 @functools.lru_cache(maxsize=1)
 def glibc() -> Any:
     """glibc, loaded once per process, with ``malloc``, ``free``, ``mallopt`` and, where it has one (2.33 and later),
@@ -97,6 +93,7 @@ def mmap_threshold(libc: Any = None) -> Optional[int]:
     return HIGHEST
 
 
+@functools.lru_cache(maxsize=1)
 def hold_thresholds() -> Optional[int]:
     """Hold glibc's mmap threshold at its value now, the trim threshold at twice it (see the module docstring), once
     per process; the threshold held (None where nothing was held: not glibc, or a probe that failed).
@@ -106,10 +103,6 @@ def hold_thresholds() -> Optional[int]:
         >>> held is None or hold_thresholds() == held  # once per process: a second call changes nothing
         True
     """
-    global _held, _tried
-    if _tried:
-        return _held
-    _tried = True
     libc = glibc()
     threshold = mmap_threshold(libc) if libc is not None else None
     if threshold is None:
@@ -117,7 +110,7 @@ def hold_thresholds() -> Optional[int]:
     try:
         if libc.mallopt(M_MMAP_THRESHOLD, threshold) == 1:
             libc.mallopt(M_TRIM_THRESHOLD, 2 * threshold)
-            _held = threshold
+            return threshold
     except Exception:  # noqa: BLE001 - an allocator setting only
-        return None
-    return _held
+        pass
+    return None

@@ -5,10 +5,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import functools
 import random
 import sys
 import threading
-from typing import Any, Callable, ContextManager, Iterator, List, Optional, Tuple
+from typing import Any, Callable, ContextManager, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
@@ -133,11 +134,6 @@ class Reseeder:
             self._used_np = raw != self._np_raw if raw is not None else not _same_np_state(np.random.get_state(), self._np)
 
 
-#: Reads the key and position of the MT19937 generator behind numpy's global ``RandomState`` (``[reader]`` once found
-#: to read what ``get_state`` says, ``[None]`` where it does not or cannot; empty until first asked).
-_NP_READER: List[Optional[Callable[[], bytes]]] = []
-
-
 def _np_raw() -> Optional[bytes]:
     """The key and position of numpy's global generator as raw bytes, through its bit generator's ctypes interface
     (``state_address``): a microsecond, where ``np.random.get_state()`` copies the key entry by entry (about 40 us).
@@ -151,13 +147,14 @@ def _np_raw() -> Optional[bytes]:
         >>> a is None or (a != b and a == _np_raw())
         True
     """
-    if not _NP_READER:
-        _NP_READER.append(_np_reader())
-    reader = _NP_READER[0]
+    reader = _np_reader()
     return reader() if reader is not None else None
 
 
+@functools.lru_cache(maxsize=1)
 def _np_reader() -> Optional[Callable[[], bytes]]:
+    """Reads the key and position of the MT19937 generator behind numpy's global ``RandomState``, found once per
+    process to read what ``get_state`` says (None where it does not or cannot)."""
     try:
         bits = np.random.mtrand._rand._bit_generator
         if type(bits) is not np.random.MT19937:
