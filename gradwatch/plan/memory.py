@@ -246,7 +246,13 @@ class MemoryMeter:
                 "device": str(self.device)}
 
 
-def _numel(tensors: Iterable[torch.Tensor]) -> int:
+def numel_of(tensors: Iterable[torch.Tensor]) -> int:
+    """Entries of ``tensors`` together.
+
+    Example:
+        >>> numel_of([torch.zeros(2, 3), torch.zeros(4)])
+        10
+    """
     return sum(int(t.numel()) for t in tensors)
 
 
@@ -284,7 +290,7 @@ def objective_bytes(model: nn.Module, checked: Sequence[str], dtype: Optional[to
         return sum(params[n].numel() * params[n].element_size() * 4 for n in checked if n in params) + activations
     size = torch.empty((), dtype=dtype).element_size()
     live = max((p.element_size() for p in params.values()), default=4)
-    copy = (_numel(params.values()) + _numel(b for b in model.buffers() if b.is_floating_point())) * size
+    copy = (numel_of(params.values()) + numel_of(b for b in model.buffers() if b.is_floating_point())) * size
     engine = sum(params[n].numel() for n in checked if n in params) * CHECKED_BYTES_PER_ENTRY * size // 8
     return copy + engine + activations * size // live
 
@@ -330,7 +336,7 @@ def module_bytes(params: Iterable[torch.Tensor], inputs: Any, outputs: int = 0) 
         >>> module_bytes(nn.Linear(10, 10).parameters(), torch.ones(4, 10), outputs=320)
         7520
     """
-    return _numel(params) * MODULE_BYTES_PER_ENTRY + 3 * float_bytes(inputs) + 4 * int(outputs)
+    return numel_of(params) * MODULE_BYTES_PER_ENTRY + 3 * float_bytes(inputs) + 4 * int(outputs)
 
 
 #: Copies of a convolution's unfolded input (im2col) its float64 check holds at once: torch's float64 convolutions

@@ -36,8 +36,8 @@ from gradwatch.check.objective.surrogate import find_surrogates, inside
 from gradwatch.check.probes.experts import NOT_REACHED, expert_of
 from gradwatch.plan.coverage import Coverage
 from gradwatch.plan.cycle import PACE_SHARE, PACED_SECONDS, PACED_STEP_SECONDS, PIECE_STEPS, ROWS_PER_SLICE, Cycle, Piece, fewest_whole
-from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY, SAFETY, mb, objective_bytes
-from gradwatch.plan.units import Unit, block_bytes, block_rows, expert_rows, in_place_param, numel_of, plan_units, sliceable_rows
+from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY, SAFETY, mb, numel_of, objective_bytes
+from gradwatch.plan.units import Unit, block_bytes, block_rows, expert_rows, in_place_param, plan_units, sliceable_rows
 from gradwatch.trees import whole_shape
 
 #: The module form, measured cheaper than the whole objective, is left only where a pass of it takes this many times a

@@ -37,7 +37,7 @@ from gradwatch.check.objective.guards import BufferGuard, frozen_batchnorm_stats
 from gradwatch.check.objective.padding_idx import padding_rows_constant
 from gradwatch.check.objective.rng import Reseeder, preserved_rng
 from gradwatch.check.probes.experts import expert_count
-from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY
+from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY, numel_of
 from gradwatch.trees import tensor_leaves
 
 #: Module classes whose own code is torch's plain calling of children (no op of their own to check).
@@ -368,11 +368,6 @@ def block_bytes(unit: Unit) -> Tuple[int, int]:
     """``(fixed bytes, bytes per row)`` of a block checked in place (:func:`block_rows`): :func:`expert_bytes` for
     experts, :func:`in_place_bytes` for the rows of an own code's big parameter."""
     return expert_bytes(unit) if expert_rows(unit) else in_place_bytes(unit)
-
-
-def numel_of(tensors: Any) -> int:
-    """Entries of ``tensors`` together."""
-    return sum(int(t.numel()) for t in tensors)
 
 
 def faithful_rows(module: nn.Module) -> bool:

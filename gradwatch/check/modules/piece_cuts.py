@@ -14,15 +14,14 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple, cast
 
 import torch
 from torch import nn
 
 from gradwatch.check.modules.batch_cut import batch_dims, cuts_to_try, first_of_capture
-from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY, float_bytes
+from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY, float_bytes, numel_of
 from gradwatch.plan.units import Unit, block_bytes, block_rows, faithful_rows, sliceable_rows
-from gradwatch.plan.units import numel_of as numel
 from gradwatch.trees import tensor_leaves
 
 
@@ -30,7 +29,7 @@ def rows_cost(unit: Unit, inputs: Any, out_bytes: int, positions: float = 1.0) -
     """``(fixed bytes, bytes per row)`` of checking blocks of a unit's rows: its inputs three times (captured, working,
     fresh per call), and per row its share of the parameters' entries and four times its share of the output (of the
     ``positions`` share of the input a group is checked on)."""
-    per_row = (numel(unit.params.values()) * MODULE_BYTES_PER_ENTRY + 4 * out_bytes * positions) / max(1, rows_of(unit) or 1)
+    per_row = (numel_of(unit.params.values()) * MODULE_BYTES_PER_ENTRY + 4 * out_bytes * positions) / max(1, rows_of(unit) or 1)
     return 3 * float_bytes(inputs), per_row
 
 
@@ -45,7 +44,7 @@ def in_place_weight_bytes(module: nn.Module, dtype: torch.dtype) -> int:
         >>> in_place_weight_bytes(nn.Linear(3, 10), torch.float64)
         240
     """
-    return numel([module.weight]) * dtype.itemsize
+    return numel_of([cast(torch.Tensor, module.weight)]) * dtype.itemsize
 
 
 def float_entries(children: Mapping[str, List[Any]]) -> int:
@@ -55,7 +54,7 @@ def float_entries(children: Mapping[str, List[Any]]) -> int:
         >>> float_entries({"fc": [torch.zeros(2, 3), (torch.zeros(4), torch.zeros(5, dtype=torch.long))]})
         10
     """
-    return numel(t for outs in children.values() for o in outs for t in tensor_leaves(o) if t.is_floating_point())
+    return numel_of(t for outs in children.values() for o in outs for t in tensor_leaves(o) if t.is_floating_point())
 
 
 def rows_of(unit: Unit) -> Optional[int]:
@@ -98,7 +97,7 @@ def piece_params_bytes(unit: Unit, rows: Optional[Tuple[int, int]]) -> int:
     if rows is not None and block_rows(unit):  # a block of experts, or rows, in place in the whole unit's copy
         fixed, per_row = block_bytes(unit)
         return fixed + per_row * (rows[1] - rows[0])
-    whole = numel(unit.params.values()) * MODULE_BYTES_PER_ENTRY
+    whole = numel_of(unit.params.values()) * MODULE_BYTES_PER_ENTRY
     total = rows_of(unit)
     return whole * (rows[1] - rows[0]) // total if rows is not None and total else whole
 
@@ -161,5 +160,5 @@ def cut_samples(unit: Unit, inputs: Tuple[Any, Any], children: Dict[str, List[An
     return cut_inputs, cut_children, fixed + variable * keep * (length or seq) // (size * seq), what, kept
 
 
-__all__ = ["cut_samples", "float_entries", "in_place_weight_bytes", "numel", "piece_params_bytes", "row_block", "rows_cost",
+__all__ = ["cut_samples", "float_entries", "in_place_weight_bytes", "piece_params_bytes", "row_block", "rows_cost",
            "rows_of", "rows_of_one_sample"]
