@@ -161,8 +161,9 @@ def test_the_whole_gradients_norm_is_float64_exact_to_1e_6_from_float32_chunks_e
     big = torch.randn(3 * SQUARE_CHUNK + 17, generator=gen) * 1e-3
     big[:100] *= 1e4  # a few large entries among many small ones
     grads = {"big": big, "tiny": torch.full((1000,), 1e-25), "zero": torch.zeros(SQUARE_CHUNK),
-             "half": torch.randn(5000, generator=gen).to(torch.bfloat16), "double": torch.randn(10, dtype=torch.float64)}
-    exact = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads.values()))
+             "half": torch.randn(5000, generator=gen).to(torch.bfloat16), "double": torch.randn(10, dtype=torch.float64),
+             "complex": torch.randn(100, dtype=torch.complex64, generator=gen)}
+    exact = math.sqrt(sum(float(g.abs().double().pow(2).sum()) for g in grads.values()))
     assert abs(world_norm(grads) - exact) <= 1e-6 * exact
     only_tiny = {"tiny": torch.full((1000,), 1e-25)}  # its float32 squares underflow to 0: taken again in float64
     assert world_norm(only_tiny) == pytest.approx(math.sqrt(1000) * float(torch.tensor(1e-25).double()), rel=1e-12)

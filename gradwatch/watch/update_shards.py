@@ -171,8 +171,8 @@ SQUARE_TINY = 2.0 ** -100
 def square_sum64(t: torch.Tensor) -> torch.Tensor:
     """``sum(|t|**2)``, a float64 0-d tensor where ``t`` is: each :data:`SQUARE_CHUNK` elements' squares summed in
     float32 (torch's cascade sum: about 1e-7 relative, where the clipping threshold is judged to 1e-3), added in
-    float64; a chunk whose float32 sum may have underflowed or overflowed (:data:`SQUARE_TINY`) in float64; float64
-    and complex tensors in float64 throughout.
+    float64; a chunk whose float32 sum may have underflowed or overflowed (:data:`SQUARE_TINY`) in float64; a float64
+    tensor in float64 throughout; a complex one as its real and imaginary parts.
 
     Example:
         >>> float(square_sum64(torch.tensor([3.0, 4.0])))
@@ -182,15 +182,13 @@ def square_sum64(t: torch.Tensor) -> torch.Tensor:
         (True, True)
     """
     flat = t.detach().reshape(-1)
-    if flat.is_complex() or flat.dtype == torch.float64:
-        total = torch.zeros((), dtype=torch.float64, device=flat.device)
-        for part in flat.split(SQUARE_CHUNK):
-            total += (torch.linalg.vector_norm(part, dtype=torch.complex128) ** 2).real if flat.is_complex() \
-                else part.to(torch.float64).pow(2).sum()
-        return total
+    if flat.is_complex():  # |z|**2 = re**2 + im**2: its real and imaginary parts as entries of their own
+        flat = torch.view_as_real(flat.resolve_conj()).reshape(-1)
     parts = flat.split(SQUARE_CHUNK)
     if not parts:
         return torch.zeros((), dtype=torch.float64, device=flat.device)
+    if flat.dtype == torch.float64:
+        return torch.stack([part.pow(2).sum() for part in parts]).sum()
     sums = torch.stack([part.float().pow(2).sum() for part in parts]).to(torch.float64)
     for i, value in enumerate(sums.tolist()):  # (one sync for the tensor)
         if not math.isfinite(value) or (value < SQUARE_TINY and bool(parts[i].any())):
