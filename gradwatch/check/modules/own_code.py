@@ -121,9 +121,11 @@ class OwnCode(nn.Module):
         return [t for t, k in zip(results, self.keep) if k]
 
     def release(self) -> None:
-        """Drop what the copy holds (its stubs' outputs and inputs, its parameters' and buffers' copies) once its check
-        is done: a library's module may hold itself in a cycle (a PEFT model's shallow copy does), which would keep them
-        (float64 logits of a window, a frozen embedding's copy) until Python's full collection came round.
+        """Drop what the copy holds (its stubs' outputs and inputs, its parameters' and buffers' copies, the tensors
+        its modules hold as attributes) once its check is done: a library's module may hold itself in a cycle (a PEFT
+        model's shallow copy does, a Hugging Face model's too), which would keep them (float64 logits of a window, a
+        frozen embedding's copy, a fused head's weight taken out for its rows) until Python's full collection came
+        round.
 
         Example:
             >>> code = OwnCode(nn.Linear(2, 2), [])
@@ -135,6 +137,11 @@ class OwnCode(nn.Module):
             s._parameters = {}
         for m in self.inner.modules():
             m._parameters, m._buffers = {}, {}
+            for k, v in list(vars(m).items()):  # tensors held as attributes: a parameter taken out (take_out), its rows
+                if isinstance(v, torch.Tensor):
+                    del m.__dict__[k]
+                elif isinstance(v, dict) and any(isinstance(t, torch.Tensor) for t in v.values()):
+                    m.__dict__[k] = {}
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
