@@ -92,20 +92,23 @@ def check_steps(path):
 
 
 class SeesGrad(GradWatchCallback):
-    """Records the gradient norm the check saw and the one the optimizer steps with (the clipped one)."""
+    """Records the gradient norm the check saw and the one the optimizer steps with (the clipped one), and whether the
+    check read it in the tensors the optimizer steps with (the pre-clip copies folded into them: no second gradient)."""
 
     seen: list = []
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         model = kwargs["model"]
         stepped = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters() if p.grad is not None))
+        tensors = [p.grad for p in model.parameters()]
         original = self.watch.step
 
         def step(batch, global_step=None):
             norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters() if p.grad is not None))
+            same = all(p.grad is t for p, t in zip(model.parameters(), tensors))
             report = original(batch, global_step=global_step)
             if report is not None:
-                self.seen.append((global_step, float(norm), float(stepped)))
+                self.seen.append((global_step, float(norm), float(stepped), same))
             return report
 
         self.watch.step = step
@@ -131,8 +134,9 @@ def test_checks_every_n_steps_before_clipping_bit_identical_and_through_tensorbo
     assert all(len(c["training"]) == n_params and "accumulating" not in (c["training_note"] or "") for c in checks)
     assert sorted({r["step"] for h in watch.history.values() for r in h}) == [0, 5, 10, 15]
     # the check read .grad as backprop left it; the optimizer stepped with the clipped gradients
-    assert [s for s, _, _ in callback.seen] == [0, 5, 10, 15]
-    assert all(seen > 0.05 and stepped == pytest.approx(0.01, rel=1e-3) for _, seen, stepped in callback.seen)
+    assert [s for s, _, _, _ in callback.seen] == [0, 5, 10, 15]
+    assert all(seen > 0.05 and stepped == pytest.approx(0.01, rel=1e-3) for _, seen, stepped, _ in callback.seen)
+    assert all(same for *_, same in callback.seen), "the pre-clip values folded into the tensors the optimizer steps with"
 
     [jsonl] = list((tmp_path / "watched").rglob("checks.jsonl"))
     assert check_steps(jsonl) == [0, 5, 10, 15]

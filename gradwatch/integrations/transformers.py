@@ -75,6 +75,7 @@ from gradwatch.integrations.hf_loss import (
     pops_labels,
     trainer_kept,
 )
+from gradwatch.integrations.pre_clip import PreClip
 from gradwatch.io.records import ALERTS_COUNT_TAG, scalars_from_check
 from gradwatch.io.sinks import Sink
 from gradwatch.watch.gradwatch import GradWatch
@@ -395,9 +396,12 @@ class GradWatchCallback(TrainerCallback):
             return
         self._context = (args, state, control)
         swapped = [(p, p.grad) for p, _ in self._pre_clip or ()]
+        held = PreClip(self._pre_clip or ())
+        self._pre_clip = None
         self._checking = True
         try:
-            for p, grad in self._pre_clip or ():
+            held.fold()  # the copies written into the clipped tensors where one factor gives their bits back after
+            for p, grad in held.pairs:
                 p.grad = grad  # the check reads .grad as backprop left it, before the Trainer clipped it
             batch = self._batch
             if self._accumulated:  # every micro-batch of the step given to the watch, this last one too
@@ -410,7 +414,7 @@ class GradWatchCallback(TrainerCallback):
         finally:
             for p, clipped in swapped:
                 p.grad = clipped  # the very tensors the optimizer would have stepped with
-            self._pre_clip = None
+            held.restore()  # and their clipped bits
             self._checking = False
             self._accumulated = False
 
