@@ -152,3 +152,25 @@ def test_float32_module_check_of_a_dropped_rare_row_is_inconclusive_and_float64_
         verdicts[dtype] = (t.verdict, t.inconclusive_kind)
     assert verdicts[torch.float32] == (None, InconclusiveKind.BELOW_RESOLUTION), verdicts
     assert verdicts[torch.float64] == (Verdict.WRONG, None), verdicts
+
+
+@pytest.mark.parametrize("kind", ["ratio", "l2", "scattered", "zero"])
+def test_a_diagnosis_read_a_chunk_at_a_time_says_what_the_whole_tensor_says(monkeypatch, kind):
+    """A failing tensor's diagnosis reads its gradients in float64 a chunk at a time (no float64 copy of a big
+    embedding's): across chunk boundaries it finds the same ratio, coefficient, count and worst entry."""
+    from gradwatch.check.judging import training_judge
+
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(1000, generator=g)
+    param = torch.randn(1000, generator=g)
+    live = {"ratio": ref * 3, "l2": ref + 0.1 * param, "zero": torch.zeros(1000),
+            "scattered": ref + torch.where(torch.arange(1000) % 97 == 5, 2.0, 0.0)}[kind]
+    whole = training_judge.judge_training("w", live, ref, param, torch.float32)
+    monkeypatch.setattr(training_judge, "CHUNK", 7)
+    cut = training_judge.judge_training("w", live, ref, param, torch.float32)
+    assert cut.failed and whole.failed
+    assert cut.diagnosis == whole.diagnosis, (cut.diagnosis, whole.diagnosis)
+    assert cut.ratio == pytest.approx(whole.ratio, rel=1e-12, abs=0) if whole.ratio is not None else cut.ratio is None
+    assert (cut.param_coef is None) == (whole.param_coef is None)
+    if kind == "scattered":
+        assert "at 11 of 1000 entries" in cut.diagnosis, cut.diagnosis

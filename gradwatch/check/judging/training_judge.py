@@ -16,7 +16,7 @@ differently, DDP's averaging, a float16 GradScaler the watch was not given).
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterator, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -38,6 +38,8 @@ TOLERANCE = {
 }
 #: Misfit of a least-squares explanation (ratio, or ratio plus a multiple of the parameter) that still counts as exact.
 FIT_TOLERANCE = 1e-2
+#: Entries a diagnosis reads at a time in float64.
+CHUNK = 1 << 20
 
 
 def tolerance_for(dtype: torch.dtype) -> float:
@@ -247,8 +249,8 @@ def judge_training(
     check.judged_rel_diff = check.rel_diff if nd > allowed else 0.0
     _verdict(check, bands, fail_at)
     if check.judged_rel_diff > 0.0:
-        p = param.detach().reshape(-1).to(device=r.device, dtype=torch.float64)
-        check.ratio, check.param_coef, check.diagnosis = diagnose_training(g.double(), r.double(), p, tol)
+        p = param.detach().reshape(-1).to(device=r.device)
+        check.ratio, check.param_coef, check.diagnosis = diagnose_training(g, r, p, tol)
     return check
 
 
@@ -275,10 +277,25 @@ def _verdict(check: TrainingCheck, bands: Sequence[float], fail_at: Verdict) -> 
     return check
 
 
+def _float64_chunks(*tensors: torch.Tensor) -> Iterator[Tuple[torch.Tensor, ...]]:
+    """The flat ``tensors``' entries :data:`CHUNK` at a time, in float64 (the only copies a diagnosis makes)."""
+    for i in range(0, tensors[0].numel(), CHUNK):
+        yield tuple(t[i:i + CHUNK].to(torch.float64) for t in tensors)
+
+
+def _residual(g: torch.Tensor, r: torch.Tensor, p: torch.Tensor, a: float, b: float) -> float:
+    """``||g - a*r - b*p||``, a chunk at a time in float64."""
+    return math.sqrt(sum(float(torch.linalg.vector_norm(gc - a * rc - b * pc)) ** 2
+                         for gc, rc, pc in _float64_chunks(g, r, p)))
+
+
 def _fit(g: torch.Tensor, r: torch.Tensor, p: torch.Tensor) -> Tuple[float, float, float, float, float]:
-    """Least squares ``g ~ a*r`` and ``g ~ a2*r + b*p``: ``(a, misfit, a2, b, misfit2)`` (misfits relative to ||g||)."""
-    gg, rr, pp = _dot(g, g), _dot(r, r), _dot(p, p)
-    rg, pg, rp = _dot(r, g), _dot(p, g), _dot(r, p)
+    """Least squares ``g ~ a*r`` and ``g ~ a2*r + b*p``: ``(a, misfit, a2, b, misfit2)`` (misfits relative to ||g||),
+    from the six products summed a chunk at a time in float64."""
+    gg = rr = pp = rg = pg = rp = 0.0
+    for gc, rc, pc in _float64_chunks(g, r, p):
+        gg, rr, pp = gg + _dot(gc, gc), rr + _dot(rc, rc), pp + _dot(pc, pc)
+        rg, pg, rp = rg + _dot(rc, gc), pg + _dot(pc, gc), rp + _dot(rc, pc)
     ng = math.sqrt(gg) if gg > 0 else 1e-300
     a = rg / rr if rr > 0 else 0.0
     mis = math.sqrt(max(gg - 2 * a * rg + a * a * rr, 0.0)) / ng
@@ -292,9 +309,9 @@ def _fit(g: torch.Tensor, r: torch.Tensor, p: torch.Tensor) -> Tuple[float, floa
         a2, b, mis2 = a, 0.0, mis
     # Cancellation in the expanded residuals: recompute the chosen one directly when it looks small.
     if mis < 1e-3:
-        mis = float(torch.linalg.vector_norm(g - a * r)) / ng
+        mis = _residual(g, r, p, a, 0.0) / ng
     if mis2 < 1e-3:
-        mis2 = float(torch.linalg.vector_norm(g - a2 * r - b * p)) / ng
+        mis2 = _residual(g, r, p, a2, b) / ng
     return a, mis, a2, b, mis2
 
 
@@ -340,10 +357,13 @@ def diagnose_training(g: torch.Tensor, r: torch.Tensor, p: torch.Tensor, tol: fl
     """Explain a training mismatch: ``(ratio, coefficient of p, words)``.
 
     Args:
-        g: Training's gradient (flat, float64).
-        r: The objective's gradient (flat, float64).
-        p: The parameter (flat, float64).
+        g: Training's gradient (flat).
+        r: The objective's gradient (flat).
+        p: The parameter (flat).
         tol: The dtype's tolerance (fits within it count as exact).
+
+    Each is read in float64 a chunk at a time (:data:`CHUNK` entries): a diagnosis of a big embedding holds no
+    float64 copy of the whole tensor.
 
     Example:
         >>> r = torch.tensor([0.5, 0.1, -0.3], dtype=torch.float64)
@@ -353,8 +373,8 @@ def diagnose_training(g: torch.Tensor, r: torch.Tensor, p: torch.Tensor, tol: fl
     """
     fit_tol = max(FIT_TOLERANCE, 10 * tol)
     n = g.numel()
-    zero_g = float(torch.linalg.vector_norm(g)) == 0.0
-    zero_r = float(torch.linalg.vector_norm(r)) == 0.0
+    zero_g = not bool(g.ne(0).any())
+    zero_r = not bool(r.ne(0).any())
     if zero_g and not zero_r:
         return 0.0, None, (
             "training's gradient is zero where the objective's is not: a detach (.detach(), .data, torch.no_grad) or "
@@ -389,13 +409,16 @@ def diagnose_training(g: torch.Tensor, r: torch.Tensor, p: torch.Tensor, tol: fl
         return a2, b, (f"training's gradient is {ratio_text(a2)}x the objective's plus {b:.3g} * p: a factor of {ratio_text(a2)} "
                        "(a scaled loss, a .grad edit or a gradient hook) and an L2 term of about "
                        f"{coef / a2:.3g} * ||p||^2 that the objective lacks")
-    d = (g - r).abs()
-    bad = d > fit_tol * (g.abs() + r.abs())
-    k = int(bad.sum())
-    i = int(torch.argmax(d))
+    k, worst, at = 0, -1.0, (0.0, 0.0)
+    for gc, rc in _float64_chunks(g, r):
+        d = (gc - rc).abs()
+        k += int((d > fit_tol * (gc.abs() + rc.abs())).sum())
+        i = int(torch.argmax(d))
+        if float(d[i]) > worst:
+            worst, at = float(d[i]), (float(gc[i]), float(rc[i]))
     return None, None, (
         f"training's gradient differs from the objective's at {k} of {n} entries, neither by a constant factor nor "
-        f"by a multiple of the parameter (worst: training {float(g[i]):.6g} vs objective {float(r[i]):.6g}): a .grad "
+        f"by a multiple of the parameter (worst: training {at[0]:.6g} vs objective {at[1]:.6g}): a .grad "
         "edit or gradient hook, a term only the training loss has, or a training forward that differs from "
         "loss_fn (.detach()/.data, another kernel or compiled graph)"
     )
