@@ -24,14 +24,21 @@ moe8           transformers' Mixtral, 8 experts (top 2), 4 layers of 256, a 32,0
 trl_sft        TRL's ``SFTTrainer`` at its defaults (bf16 autocast, gradient checkpointing, its loss) on a Llama of
                4 layers of 256 and a 32,000-token vocabulary, batches of 4 padded texts of 48 to 128 words,
                ``GradWatchCallback(every=1)``
+hf_gpt2        transformers' ``Trainer`` at its defaults (AdamW, clipping at 1.0), a full fine-tune of a GPT-2 of
+               4 blocks of 192 on the 50,257-token vocabulary, batch 4 x 96, ``GradWatchCallback(every=1)``
 ============== =========================================================================================
 
-Peaks of the same code move from run to run (the unwatched process alone by up to 8% on ``moe8``): ``--repeats N``
-runs N pairs a shape, alternated, and prints the medians after them.
+Peaks of the same code move from run to run (the unwatched process alone by up to 10%: ``mlp_batch`` 423 MB to
+521 MB in nine runs, with the same hash seed or without address randomization alike): glibc serves a block from its
+heap or from a mapping by a threshold that moves as blocks are freed. ``--repeats N`` runs N pairs a shape,
+alternated, and prints the medians after them; ``--mmap-threshold 131072`` fixes the threshold in both processes, and
+the peaks then repeat from run to run (the watch's own bytes, without the allocator's moves; training's steps run
+slower so).
 
 Example::
 
     python benchmarks/shapes.py --shapes cnn64 lora_gpt2 --steps 6 --repeats 3
+    python benchmarks/shapes.py --mmap-threshold 131072
 """
 
 from __future__ import annotations
@@ -46,7 +53,9 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 SHAPES = ("lora_gpt2", "gpt2_ckpt", "gpt2_frozen", "encoder_long", "mlp_batch", "cnn64", "cnn128", "unet", "moe8",
-          "trl_sft")
+          "trl_sft", "hf_gpt2")
+#: The shapes trained by a Hugging Face ``Trainer`` (:func:`trainer_worker`).
+TRAINERS = ("trl_sft", "hf_gpt2")
 
 
 def _gpt2(kind: str) -> Tuple[Any, Callable, Any, Dict[str, Any]]:
@@ -246,34 +255,19 @@ def worker(shape: str, watch: bool, steps: int) -> Dict[str, Any]:
     return out
 
 
-def trl_worker(watch: bool, steps: int) -> Dict[str, Any]:
-    """TRL's ``SFTTrainer`` at its defaults (``trl_sft``): its steps' seconds and the checks' (each ``watch.step``)."""
+def trainer_worker(shape: str, watch: bool, steps: int) -> Dict[str, Any]:
+    """A Hugging Face ``Trainer`` shape (``trl_sft``, ``hf_gpt2``): its steps' seconds and the checks' (each
+    ``watch.step``), under ``GradWatchCallback(every=1)`` where watched."""
     import logging
     import tempfile
 
     import torch
-    from datasets import Dataset
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
-    from trl import SFTConfig, SFTTrainer
+    from transformers import TrainerCallback
 
     from gradwatch.plan.memory import peak_bytes
 
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
-    words = [f"w{i}" for i in range(2000)]
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(words)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(48, 129, (4 * steps,), generator=g).tolist()
-    data = Dataset.from_dict({"text": [" ".join(words[j] for j in torch.randint(0, len(words), (k,), generator=g).tolist())
-                                       for k in lengths]})
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                         pad_token_id=0, eos_token_id=1, bos_token_id=None))
     times: List[float] = []
     check_s: List[float] = []
     forms: List[str] = []
@@ -307,15 +301,12 @@ def trl_worker(watch: bool, steps: int) -> Dict[str, Any]:
         GradWatch.step = timed_step  # type: ignore[method-assign]
         callbacks.append(GradWatchCallback(every=1, tensorboard=False, jsonl=False))
     with tempfile.TemporaryDirectory() as out:
-        args = SFTConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=4, use_cpu=True, report_to=[],
-                         disable_tqdm=True, logging_steps=10_000, save_strategy="no", seed=0, max_length=256)
-        trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer,
-                             callbacks=[Clock()] + callbacks)
+        trainer = (_sft_trainer if shape == "trl_sft" else _gpt2_trainer)(out, steps, [Clock()] + callbacks)
         trainer.train()
     step_s = [t - (check_s[i] if i < len(check_s) else 0.0) for i, t in enumerate(times)]
-    result: Dict[str, Any] = {"shape": "trl_sft", "watch": watch, "peak_bytes": peak_bytes(torch.device("cpu")),
+    result: Dict[str, Any] = {"shape": shape, "watch": watch, "peak_bytes": peak_bytes(torch.device("cpu")),
                               "step_seconds": step_s, "check_seconds": check_s,
-                              "params": sum(p.numel() for p in model.parameters())}
+                              "params": sum(p.numel() for p in trainer.model.parameters())}
     if watch:
         w = callbacks[0].watch
         result.update(forms=forms, backward=backward, training=training, notes=[], cycle=None,
@@ -323,11 +314,56 @@ def trl_worker(watch: bool, steps: int) -> Dict[str, Any]:
     return result
 
 
-def spawn(shape: str, watch: bool, steps: int) -> Dict[str, Any]:
-    """:func:`worker` in a fresh interpreter (its own peak RSS)."""
+def _sft_trainer(out: str, steps: int, callbacks: List[Any]) -> Any:
+    """``trl_sft``: TRL's ``SFTTrainer`` at its defaults on a Llama of 4 layers of 256 and 32,000 tokens."""
+    import torch
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    words = [f"w{i}" for i in range(2000)]
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(48, 129, (4 * steps,), generator=g).tolist()
+    data = Dataset.from_dict({"text": [" ".join(words[j] for j in torch.randint(0, len(words), (k,), generator=g).tolist())
+                                       for k in lengths]})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                         pad_token_id=0, eos_token_id=1, bos_token_id=None))
+    args = SFTConfig(output_dir=out, max_steps=steps, per_device_train_batch_size=4, use_cpu=True, report_to=[],
+                     disable_tqdm=True, logging_steps=10_000, save_strategy="no", seed=0, max_length=256)
+    return SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=callbacks)
+
+
+def _gpt2_trainer(out: str, steps: int, callbacks: List[Any]) -> Any:
+    """``hf_gpt2``: transformers' ``Trainer`` at its defaults (AdamW, clipping at 1.0), a full fine-tune of a GPT-2 of
+    4 blocks of 192 on the 50,257-token vocabulary, batches of 4 x 96 tokens."""
+    import torch
+    from datasets import Dataset
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=192, n_head=4, n_positions=128, vocab_size=50257))
+    ids = torch.randint(0, 50257, (4 * steps, 96), generator=torch.Generator().manual_seed(0)).tolist()
+    data = Dataset.from_dict({"input_ids": ids, "labels": ids})
+    args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=4, use_cpu=True, report_to=[],
+                             disable_tqdm=True, logging_steps=10_000, save_strategy="no", seed=0)
+    return Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+
+
+def spawn(shape: str, watch: bool, steps: int, mmap_threshold: Optional[int] = None) -> Dict[str, Any]:
+    """:func:`worker` in a fresh interpreter (its own peak RSS); with ``mmap_threshold``, glibc's mmap threshold fixed
+    there (``MALLOC_MMAP_THRESHOLD_``)."""
     here = os.path.abspath(__file__)
     root = os.path.dirname(os.path.dirname(here))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    if mmap_threshold is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
     cmd = [sys.executable, here, "--worker", shape, "--steps", str(steps)] + (["--watch"] if watch else [])
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
@@ -375,10 +411,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="side-by-side pairs a shape (each a fresh unwatched and a fresh watched process); with 2 or "
                              "more, a line of medians follows each shape's pairs")
+    parser.add_argument("--mmap-threshold", type=int, metavar="BYTES",
+                        help="glibc's mmap threshold fixed at BYTES in both processes (MALLOC_MMAP_THRESHOLD_; 131072: "
+                             "every block of 128 KiB or more mapped and unmapped): peaks then repeat from run to run, "
+                             "where glibc's moving threshold makes the unwatched process's alone vary by up to 10%%")
     parser.add_argument("--out", help="write the rows as JSON here too")
     args = parser.parse_args(argv)
     if args.worker:
-        run = trl_worker(args.watch, args.steps) if args.worker == "trl_sft" else worker(args.worker, args.watch, args.steps)
+        run = trainer_worker(args.worker, args.watch, args.steps) if args.worker in TRAINERS \
+            else worker(args.worker, args.watch, args.steps)
         print(json.dumps(run))
         return 0
     rows = []
@@ -387,7 +428,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for shape in args.shapes:
         pairs = []
         for _ in range(max(1, args.repeats)):
-            r = row(spawn(shape, False, args.steps), spawn(shape, True, args.steps))
+            r = row(spawn(shape, False, args.steps, args.mmap_threshold), spawn(shape, True, args.steps, args.mmap_threshold))
             rows.append(r)
             if "error" in r:
                 print(f"{shape:13} error: {r['error']}")
