@@ -64,6 +64,22 @@ def test_the_correction_is_the_weighting_its_words_name_exactly_not_as_fitted_on
     assert found.delta == {"loss": [0.0, 0.0], "aux_loss": [c * (1 - 0.4), c * (1 - 0.6)]}
 
 
+def test_micro_batches_of_nearly_equal_items_snap_to_the_nearest_pattern():
+    """Micro-batches weighing 0.497 and 0.503 of the step: an aux loss summed (1 each) is within the tolerance of twice
+    the objective's weights too (0.995, 1.005). The correction is the nearer pattern, 1 each: with the other, a
+    Qwen2-MoE's routers under the Trainer at accumulation 2 kept a residual of 3e-4 to 8e-4 and were judged WRONG."""
+    loss, aux, _ = _rows(k=2, m=256)
+    u, c = [0.4972677595628415, 0.5027322404371585], 0.001
+    live = sum(ui * li for ui, li in zip(u, loss)) + sum(c * (1 - ui) * ai for ui, ai in zip(u, aux))
+    found = fit_terms(TermRows(loss, {"aux_loss": aux}), live, u, {"aux_loss": ("router_aux_loss_coef", c)})
+    assert found is not None
+    assert found.delta["aux_loss"] == pytest.approx([c * (1 - u[0]), c * (1 - u[1])], rel=1e-12, abs=0)
+    doubled = sum(ui * li for ui, li in zip(u, loss)) + sum(c * ui * ai for ui, ai in zip(u, aux))  # truly 2x u_i
+    found = fit_terms(TermRows(loss, {"aux_loss": aux}), doubled, u, {"aux_loss": ("router_aux_loss_coef", c)})
+    assert found is not None
+    assert found.delta["aux_loss"] == pytest.approx([c * u[0], c * u[1]], rel=1e-12, abs=0)
+
+
 def test_fit_says_nothing_of_a_right_step_a_scaled_loss_or_a_gradient_no_term_explains():
     loss, aux, reg = _rows()
     u, coef = [0.4, 0.6], {"aux_loss": ("aux_loss_coef", 0.1)}
