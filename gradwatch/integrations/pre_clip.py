@@ -6,10 +6,11 @@ the check beside the clipped tensors, those copies are a second whole gradient, 
 vocabulary dwarfs its blocks that copy alone is more than the room a check has above training's peak.
 
 One clip scales every tensor by one factor (``clip_grad_norm_``'s ``g.mul_(coef)``). Where multiplying each
-copy by one factor gives the clipped tensor bit for bit (checked, a chunk at a time), :class:`PreClip` writes the copy
-into the clipped tensor itself and lets the copy go; after the check the same multiplication gives back the clipped
-bits in the very tensor the optimizer steps with. A tensor the factor does not reproduce (no clipping by one factor,
-a non-finite gradient, a DTensor) keeps its copy, as before.
+copy by one factor gives the clipped tensor bit for bit (checked, a chunk at a time), :class:`PreClip` puts the copy's
+values in the clipped tensor itself (its storage taken where both own theirs whole, else copied) and lets the copy
+go; after the check the same multiplication gives back the clipped bits in the very tensor the optimizer steps with.
+A tensor the factor does not reproduce (no clipping by one factor, a non-finite gradient, a DTensor) keeps its copy,
+as before.
 
 Example:
     >>> w = torch.nn.Parameter(torch.ones(3))
@@ -61,7 +62,12 @@ def reproduces(pre: torch.Tensor, clipped: torch.Tensor, factor: torch.Tensor) -
         return False
     bits = _BITS[pre.element_size()]
     f = factor.to(pre.device)
-    return all(torch.equal(a.mul(f).view(bits), b.view(bits)) for a, b in zip(_chunks(pre), _chunks(clipped)))
+    buffer = torch.empty(min(CHUNK, pre.numel()), dtype=pre.dtype, device=pre.device)  # one product, reused
+    for a, b in zip(_chunks(pre), _chunks(clipped)):
+        product = torch.mul(a, f, out=buffer[:a.numel()])
+        if not torch.equal(product.view(bits), b.view(bits)):
+            return False
+    return True
 
 
 def candidates(pre: torch.Tensor, clipped: torch.Tensor) -> List[torch.Tensor]:
@@ -91,6 +97,25 @@ def candidates(pre: torch.Tensor, clipped: torch.Tensor) -> List[torch.Tensor]:
             down = torch.nextafter(down, torch.tensor(-math.inf, dtype=dtype))
             found += [up, down]
     return sorted(found, key=lambda c: abs(float(c) - ratio))
+
+
+def _whole(t: torch.Tensor) -> bool:
+    """Whether ``t`` owns its storage whole, contiguous (not a view into a bucket or a flat buffer)."""
+    return (t._base is None and t.storage_offset() == 0 and t.is_contiguous()
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
+def _take(grad: torch.Tensor, copy: torch.Tensor) -> None:
+    """``copy``'s values into ``grad``, the same tensor object: its storage taken where both own theirs whole (no pass
+    over the values), else copied (a view into DDP's bucket keeps its storage)."""
+    with torch.no_grad():
+        if _whole(grad) and _whole(copy):
+            try:
+                grad.set_(copy.untyped_storage(), 0, copy.shape, copy.stride())
+                return
+            except RuntimeError:  # a tensor made by .detach() or .data refuses set_
+                pass
+        grad.copy_(copy)
 
 
 class PreClip:
@@ -126,15 +151,15 @@ class PreClip:
         if not live:
             return 0
         pre, now = max(live, key=lambda t: t[0].numel())
-        self.factor = next((c for c in candidates(pre, now) if reproduces(pre, now, c)), None)
+        head = (pre.detach().reshape(-1)[:CHUNK], now.detach().reshape(-1)[:CHUNK])  # a first chunk sifts the candidates
+        self.factor = next((c for c in candidates(pre, now) if reproduces(*head, c) and reproduces(pre, now, c)), None)
         if self.factor is None:
             return 0
         pairs = []
         for p, copy in self.pairs:
             grad = clipped[id(p)]
-            if grad is not None and reproduces(copy, grad, self.factor):
-                with torch.no_grad():
-                    grad.copy_(copy)
+            if grad is not None and (grad is now or reproduces(copy, grad, self.factor)):  # (now: reproduced above)
+                _take(grad, copy)
                 self._folded.append(grad)
                 copy = grad
             pairs.append((p, copy))
