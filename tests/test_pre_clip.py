@@ -87,3 +87,24 @@ def test_a_parameter_without_grad_and_an_empty_list():
     w = nn.Parameter(torch.ones(3))
     held = PreClip([(w, torch.ones(3))])  # .grad None now (set to None by the Trainer? never: kept as given)
     assert held.fold() == 0 and held.pairs[0][1].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_gradients_viewing_one_bucket_stay_views_of_it():
+    """DDP's ``gradient_as_bucket_view``: each ``.grad`` a view into one flat bucket. Folded by a copy into the view, not
+    by taking another storage: after the check the bucket still holds the clipped gradients the optimizer steps with."""
+    model = model_with_grads(torch.float32)
+    params = list(model.parameters())
+    bucket = torch.cat([p.grad.reshape(-1) for p in params])
+    at = 0
+    for p in params:
+        p.grad = bucket[at:at + p.numel()].view(p.shape)
+        at += p.numel()
+    pre = [(p, p.grad.detach().clone()) for p in params]
+    torch.nn.utils.clip_grad_norm_(params, max_norm=0.5)
+    clipped = bits(bucket)
+    held = PreClip(pre)
+    assert held.fold() == len(params)
+    assert torch.equal(bucket, torch.cat([c.reshape(-1) for _, c in pre])), "the bucket holds the backward's values"
+    held.restore()
+    assert torch.equal(bits(bucket), clipped)
+    assert all(p.grad.untyped_storage().data_ptr() == bucket.untyped_storage().data_ptr() for p in params)
