@@ -86,18 +86,19 @@ class _Terms:
         return loss + sum(self.objective.regularizer_terms(model).values(), torch.zeros((), dtype=loss.dtype))
 
     def grad_of(self, total: torch.Tensor, batch: Any) -> Dict[str, torch.Tensor]:
-        out = {"": self._sketched(total)}
-        for name, value in self._outputs.items():
-            out[name] = self._sketched(value)
-        return out
+        # The outputs' losses first, keeping the graph (an MoE's aux loss reaches no logits: a small backward), the
+        # objective last, freeing its activations as it goes, as training's backward does: kept through it, the
+        # logits of a big vocabulary and their gradient raised the check's peak over training's.
+        out = {name: self._sketched(value, retain=True) for name, value in self._outputs.items()}
+        return {"": self._sketched(total, retain=False), **out}
 
     def each(self, i: int, grads: Dict[str, torch.Tensor], weight: float) -> None:
         self.rows[i] = {n: g.clone() for n, g in grads.items()}
         self.values[i] = self._loss
 
-    def _sketched(self, value: torch.Tensor) -> torch.Tensor:
+    def _sketched(self, value: torch.Tensor, retain: bool) -> torch.Tensor:
         plist = tuple(self.params.values())
-        gs = torch.autograd.grad(value, plist, retain_graph=True, allow_unused=True) if value.requires_grad \
+        gs = torch.autograd.grad(value, plist, retain_graph=retain, allow_unused=True) if value.requires_grad \
             else (None,) * len(plist)
         return self.sketch({n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(self.params.items(), gs)})
 
@@ -223,11 +224,13 @@ class TermWeights:
             hook.output = None
             loss = objective.loss(m, batch)
             total = loss + sum(objective.regularizer_terms(m).values(), torch.zeros((), dtype=loss.dtype))
-            out = total * fit.delta["loss"][i]
+            # A term weighted as the objective weighs it (0 here) is left out: its backward (the logits', for the data
+            # loss) would only add zeros, at training's peak and beyond.
+            terms = [total * fit.delta["loss"][i]] if fit.delta["loss"][i] else []
             for name, value in output_losses(hook.output).items():
-                if name in fit.delta:
-                    out = out + value * fit.delta[name][i]
-            return out
+                if name in fit.delta and fit.delta[name][i]:
+                    terms.append(value * fit.delta[name][i])
+            return sum(terms[1:], terms[0]) if terms else total * 0.0
 
         def grad_of(total: torch.Tensor, batch: Any) -> Dict[str, torch.Tensor]:
             gs = torch.autograd.grad(total, plist, allow_unused=True) if total.requires_grad else (None,) * len(plist)
