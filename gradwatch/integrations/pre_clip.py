@@ -34,17 +34,14 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from gradwatch.check.judging.training_judge import same_bits
+
 #: Elements compared at a time (the product's temporary is at most this many).
 CHUNK = 1 << 20
 #: The candidate factors tried: the ratio at the largest element, and this many neighbours each side.
 NEIGHBOURS = 3
 #: Integer views of the floating dtypes by element size (bit-for-bit comparison: -0.0 is not 0.0).
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _chunks(t: torch.Tensor) -> Sequence[torch.Tensor]:
-    flat = t.detach().reshape(-1)
-    return [flat[i:i + CHUNK] for i in range(0, flat.numel(), CHUNK)]
 
 
 def reproduces(pre: torch.Tensor, clipped: torch.Tensor, factor: torch.Tensor) -> bool:
@@ -63,9 +60,9 @@ def reproduces(pre: torch.Tensor, clipped: torch.Tensor, factor: torch.Tensor) -
     bits = _BITS[pre.element_size()]
     f = factor.to(pre.device)
     buffer = torch.empty(min(CHUNK, pre.numel()), dtype=pre.dtype, device=pre.device)  # one product, reused
-    for a, b in zip(_chunks(pre), _chunks(clipped)):
+    for a, b in zip(pre.detach().reshape(-1).split(CHUNK), clipped.detach().reshape(-1).split(CHUNK)):
         product = torch.mul(a, f, out=buffer[:a.numel()])
-        if not torch.equal(product.view(bits), b.view(bits)):
+        if not same_bits(product.view(bits), b.view(bits)):  # (integer views: strict on every device)
             return False
     return True
 

@@ -279,8 +279,8 @@ def _verdict(check: TrainingCheck, bands: Sequence[float], fail_at: Verdict) -> 
 
 def _float64_chunks(*tensors: torch.Tensor) -> Iterator[Tuple[torch.Tensor, ...]]:
     """The flat ``tensors``' entries :data:`CHUNK` at a time, in float64 (the only copies a diagnosis makes)."""
-    for i in range(0, tensors[0].numel(), CHUNK):
-        yield tuple(t[i:i + CHUNK].to(torch.float64) for t in tensors)
+    for chunks in zip(*(t.split(CHUNK) for t in tensors)):
+        yield tuple(c.to(torch.float64) for c in chunks)
 
 
 def _residual(g: torch.Tensor, r: torch.Tensor, p: torch.Tensor, a: float, b: float) -> float:
