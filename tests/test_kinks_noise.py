@@ -176,3 +176,46 @@ def test_inconclusive_tensors_raise_no_failure_only_one_warning_that_says_how_to
     assert counts[None] > 0
     assert_only_said_never_given(watch)
     assert "nonfinite" not in caplog.text
+
+
+class _NudgedSigmoid(torch.autograd.Function):
+    """A sigmoid whose backward is ``factor`` times the right one."""
+
+    @staticmethod
+    def forward(ctx, z, factor):
+        ctx.save_for_backward(z)
+        ctx.factor = factor
+        return torch.sigmoid(z)
+
+    @staticmethod
+    def backward(ctx, g):
+        (z,) = ctx.saved_tensors
+        s = torch.sigmoid(z)
+        return g * s * (1 - s) * ctx.factor, None
+
+
+class Steep(nn.Module):
+    """``sigmoid(k * (x W^T + b))`` at pre-activations near 0, where its third derivative is ``k^3 / 8``: a router's
+    softmax at extreme logits in small."""
+
+    def __init__(self, k: float, factor: float = 1.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 5)
+        nn.init.zeros_(self.lin.bias)
+        self.k, self.factor = k, factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.k * self.lin(x)
+        return _NudgedSigmoid.apply(z, self.factor) if self.factor != 1.0 else torch.sigmoid(z)
+
+
+def test_a_steep_smooth_objective_is_excellent_and_a_small_error_in_it_still_shows():
+    # At k = 3000 the bias's central differences carried 6e-6 of curvature (ACCEPTABLE, a drift from a zero
+    # baseline for the trend); half the step takes it out (Richardson), and keeps a wrong backward's 1e-5.
+    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(1)) * 1e-3
+    steep = check_model(Steep(3000.0), lambda m, b: m(b).sum(), x)
+    assert {n: t.verdict for n, t in steep.tensors.items()} == {"lin.weight": Verdict.EXCELLENT, "lin.bias": Verdict.EXCELLENT}
+    nudged = check_model(Steep(3000.0, factor=1 + 1e-5), lambda m, b: m(b).sum(), x)
+    assert nudged.tensors["lin.bias"].verdict == Verdict.ACCEPTABLE
+    assert 3e-6 < nudged.tensors["lin.bias"].judged_rel_diff < 1e-5

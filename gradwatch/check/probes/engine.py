@@ -55,8 +55,10 @@ from gradwatch.check.probes.reexamine import (
     base_step,
     below_resolution,
     classify_kink,
+    curved,
     fails_alone,
     flat_at_widest,
+    halved,
     judge_sample,
     pinpoint,
     resolve_low_precision,
@@ -108,6 +110,8 @@ def detect(name: str, p: torch.Tensor, grads: Dict[str, torch.Tensor], evaluate:
                 or central_probe(p, saved, grads, first, first.step, evaluate)
             out, settled = screen(p, saved, grads, first, base, j0, evaluate, settings,
                                   batch=(name, probe_batch) if probe_batch is not None else None)
+            if not settled and curved(out, settings):
+                out = halved(p, saved, grads, first, out, evaluate, settings) or out
             found = Detection(first, out, settled=settled)
             needs = not settled and _needs_reexamination(out, settings)
             shorter = kink_free(p, saved, grads, first, out, evaluate, settings) if needs else None
@@ -364,9 +368,14 @@ def _probe_all(p, saved, grads, samples: List[Sample], bases, outcomes: List[Out
     """
     wide = _wide_in_batches(p, saved, grads, samples, bases, settings, batch) if batch is not None and bases is not None else {}
     genuine_streak = genuine
+    straight = 0  # curved samples whose gap did not shrink at half the step: after two, the rest are taken as they are
     for i, sample in enumerate(samples):
         base = bases[i] if bases is not None and bases[i] is not None else central_probe(p, saved, grads, sample, sample.step, evaluate)
         out = judge_sample(p, saved, grads, sample, base, j0, evaluate, settings, wide=wide.get(i))
+        if straight < 2 and curved(out, settings):
+            refined = halved(p, saved, grads, sample, out, evaluate, settings)
+            straight = straight + 1 if refined is None else straight
+            out = out if refined is None else refined
         if genuine_streak < 3 and _needs_reexamination(out, settings):
             kink = _reexamine(p, saved, grads, sample, base, out, j0, evaluate, settings)
             if kink is not None:

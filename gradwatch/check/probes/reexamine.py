@@ -284,6 +284,69 @@ def smooth_sides(sample: Sample, base: Tuple[Terms, Terms, Terms, Terms], out: O
     return abs(right - left) + 4.0 * out.floor <= SMOOTH_SIDES * abs(a - n)
 
 
+#: A float64 sample beyond the EXCELLENT band whose gap to the analytic slope shrinks to this fraction or less at
+#: half the step carries curvature (a central difference's error is the third derivative times ``t^2 / 6``: a quarter
+#: of it at half the step; a wrong gradient's share of the gap stays), see :func:`richardson`.
+CURVATURE_SHRINK = 0.8
+
+
+def curved(out: Outcome, settings: EngineSettings) -> bool:
+    """True when a sample of a float64 evaluation agrees only to the ACCEPTABLE band: too close for the kinks'
+    re-examination (:func:`disagrees`), too far for a smooth function's central difference at the base step,
+    unless the function is strongly curved there (a softmax at extreme logits: a router scaled up). :func:`halved`
+    takes it again at half the step.
+
+    Example:
+        >>> settings = EngineSettings(coords=8, directions=4, eps=None, bands=(1e-7, 1e-4, 1e-2),
+        ...                           fail_at=Verdict.SUSPICIOUS, detect_kinks=True, eval_eps=2.2e-16, magnitude=1.0)
+        >>> curved(Outcome({"total": 0.13046807}, {"total": 0.13046817}, floor=7e-9), settings)
+        True
+        >>> curved(Outcome({"total": 0.13046807}, {"total": 0.130468071}, floor=7e-9), settings)
+        False
+    """
+    if settings.eval_eps > LOW_PRECISION_EPS or out.widened or out.kink:
+        return False
+    a, n = out.analytic["total"], out.numeric["total"]
+    if not (math.isfinite(a) and math.isfinite(n)):
+        return False
+    return not agrees(a, n, out.floor, settings.bands[0]) and agrees(a, n, out.floor, settings.bands[1])
+
+
+def richardson(out: Outcome, half: Tuple[Terms, Terms], floor: float) -> Optional[Outcome]:
+    """The sample's slopes from its probes at the base step (``out``) and at half of it (``half``: analytic and
+    numeric slopes, noise ``floor``), where the numeric slope's gap to the analytic one shrank as curvature's does
+    (to ``CURVATURE_SHRINK`` of it or less, beyond the noise, on the same side): the Richardson value
+    ``(4 n(t/2) - n(t)) / 3``, its truncation error of order ``t^4``. None where the gap stays (a wrong gradient).
+
+    Example:
+        >>> base = Outcome({"total": 1.0}, {"total": 1.0 + 4e-7}, floor=1e-12)
+        >>> round(richardson(base, ({"total": 1.0}, {"total": 1.0 + 1e-7}), 2e-12).numeric["total"], 12)
+        1.0
+        >>> round(richardson(base, ({"total": 1.0}, {"total": 1.0 + 2.5e-7}), 2e-12).numeric["total"] - 1.0, 12)
+        2e-07
+        >>> richardson(base, ({"total": 1.0}, {"total": 1.0 + 3.9e-7}), 2e-12) is None
+        True
+    """
+    a1, n1 = out.analytic["total"], out.numeric["total"]
+    a2, n2 = half[0]["total"], half[1]["total"]
+    if not (math.isfinite(a2) and math.isfinite(n2)):
+        return None
+    gap1, gap2 = n1 - a1, n2 - a2
+    if abs(gap2) > CURVATURE_SHRINK * abs(gap1) + 2.0 * floor or (gap1 * gap2 < 0.0 and abs(gap2) > 2.0 * floor):
+        return None
+    numeric = {k: (4.0 * half[1][k] - out.numeric.get(k, 0.0)) / 3.0 for k in half[1]}
+    return Outcome(half[0], numeric, (4.0 * floor + out.floor) / 3.0)
+
+
+def halved(p, saved, grads, sample: Sample, out: Outcome, evaluate: Evaluator, settings: EngineSettings
+           ) -> Optional[Outcome]:
+    """A :func:`curved` sample taken again at half its step; its Richardson outcome (:func:`richardson`) where the gap
+    was curvature's, else None (the base outcome stands)."""
+    t = (out.step or sample.step) / 2.0
+    probe = central_probe(p, saved, grads, sample, t, evaluate)
+    return richardson(out, slopes_of(*probe, t), floor_at(settings, t))
+
+
 def base_step(settings: EngineSettings) -> float:
     """The relative step of every probe: ``eps``, or the cube root of the evaluation's machine epsilon."""
     return settings.eps if settings.eps is not None else settings.eval_eps ** (1.0 / 3.0)
