@@ -8,13 +8,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradwatch import check_model
+from gradwatch.check import model as model_module
 from gradwatch.check.probes import prefix as prefix_module
 
 
 @pytest.fixture
 def caches(monkeypatch):
-    """Every PrefixCache a check makes; ``off[0] = True`` makes them stay off."""
+    """Every PrefixCache a check makes; ``off[0] = True`` makes them stay off. The models here are tiny: their
+    forwards replay however quick they are (``REPLAY_MIN_SECONDS`` 0)."""
     made, off = [], [False]
+    monkeypatch.setattr(model_module, "REPLAY_MIN_SECONDS", 0.0)
     original = prefix_module.PrefixCache.__init__
 
     def init(self, *args, **kwargs):
@@ -48,6 +51,26 @@ def test_replayed_prefixes_give_the_same_slopes_bit_for_bit(caches):
     for name, t in with_replay.tensors.items():
         u = without.tensors[name]
         assert t.numeric == u.numeric and t.dir_numeric == u.dir_numeric, name
+
+
+def test_a_forward_too_quick_to_gain_is_neither_captured_nor_replayed_and_gives_the_same_slopes(caches, monkeypatch):
+    made, _ = caches
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+    check_model(model, mse, data(), seed=1)  # (the first call keeps its detection directions for the next ones)
+    replayed = check_model(model, mse, data(), seed=1)
+    assert made[-1].verified and made[-1].replayed > 0
+    monkeypatch.setattr(model_module, "REPLAY_MIN_SECONDS", float("inf"))  # every forward is quicker
+    declined = check_model(model, mse, data(), seed=1)
+    cache = made[-1]
+    assert (cache.phase, cache.enabled, cache.replayed, cache.first) == ("declined", False, 0, {})
+    assert all("forward" not in m.__dict__ for m in model.modules())  # unwrapped before the first evaluation
+    assert declined.evaluations < replayed.evaluations  # none to verify a replay
+    assert replayed.ok and declined.ok
+    for name, t in replayed.tensors.items():  # (a captured forward runs op by op under a dispatch mode: last bits)
+        u = declined.tensors[name]
+        assert t.verdict == u.verdict and len(t.numeric) == len(u.numeric) and len(t.dir_numeric) == len(u.dir_numeric)
+        assert t.numeric + t.dir_numeric == pytest.approx(u.numeric + u.dir_numeric, rel=1e-7, abs=1e-12), name
 
 
 def test_a_detached_activation_is_still_a_wrong_gradient(caches):

@@ -33,7 +33,7 @@ from gradwatch.check.probes.batched import compiled_modules
 from gradwatch.check.probes.engine import check_tensors
 from gradwatch.check.probes.experts import in_order, tensor_of
 from gradwatch.check.probes.lines import EngineSettings, Evaluator, total
-from gradwatch.check.probes.prefix import KEEP_BYTES, PrefixCache
+from gradwatch.check.probes.prefix import KEEP_BYTES, REPLAY_MIN_SECONDS, PrefixCache
 from gradwatch.errors import blame
 from gradwatch.options import CheckOptions
 from gradwatch.plan.memory import release_freed
@@ -353,10 +353,13 @@ def run_model_check(
         # On a shadow it also measures the precision the objective really computes in (gradwatch.check.objective.precision).
         precision = ShadowPrecision(dtype) if dtype is not None else None
         seed_everything(eval_seed)
+        forward_at = time.perf_counter()
         with torch.enable_grad(), (precision.tracing(target) if precision is not None else contextlib.nullcontext()), \
                 (cut.capturing() if cut is not None else contextlib.nullcontext()):
             terms_t = objective.terms(target, batch)
             total_t = cast(torch.Tensor, sum(terms_t[k] for k in sorted(terms_t)))
+        if prefix is not None and time.perf_counter() - forward_at < REPLAY_MIN_SECONDS:
+            prefix.decline()  # a forward of tens of microseconds: capturing and replaying it costs more than it saves
         if cut is not None:
             cut.take_gradients(total_t)
         values = {k: float(v.detach()) for k, v in terms_t.items()}

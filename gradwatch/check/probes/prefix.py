@@ -44,6 +44,11 @@ from gradwatch.trees import tensor_leaves
 #: Most bytes of leaf outputs kept.
 KEEP_BYTES = 256 * 2**20
 
+#: A model whose forward (with grad: the check's analytic one) is quicker than this (seconds) replays nothing
+#: (:meth:`PrefixCache.decline`): where a forward takes tens of microseconds, capturing the first evaluation (op by
+#: op), verifying the replay and the wrapped calls cost more than the calls replayed save.
+REPLAY_MIN_SECONDS = 6e-4
+
 Key = Tuple[int, int]  # (leaf module index, its call number within one evaluation)
 
 
@@ -145,17 +150,21 @@ class PrefixCache:
         try:
             yield self
         finally:
-            for m, own in self._saved:
-                if own is None:
-                    m.__dict__.pop("forward", None)
-                else:
-                    m.forward = own
-            self._saved = []
+            self._unwrap()
             self.values.clear()
             self.inputs.clear()
             if isinstance(self._reads, _FirstReads):
                 self._reads.__exit__(None, None, None)
             self._reads = None
+
+    def _unwrap(self) -> None:
+        """Every leaf module's own ``forward`` back."""
+        for m, own in self._saved:
+            if own is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = own
+        self._saved = []
 
     def begin(self) -> None:
         """A new evaluation starts: calls are counted from zero again (the first one is captured, its reads
@@ -179,6 +188,12 @@ class PrefixCache:
         if _versions((args, tuple(kwargs.values()))) != self.input_versions[(index, 0)]:
             return None  # written to since (an in-place op after the call): not what the module got
         return args, kwargs
+
+    def decline(self) -> None:
+        """Before the first evaluation: capture nothing, replay nothing, every leaf's own ``forward`` back (a forward
+        quicker than :data:`REPLAY_MIN_SECONDS`)."""
+        self.phase, self.enabled = "declined", False
+        self._unwrap()
 
     def captured(self) -> None:
         """The first evaluation at the unperturbed point is over: replay from now on (after :meth:`verify`)."""
