@@ -152,15 +152,21 @@ def test_a_failing_verdict_survives_a_raise_during_its_diagnosis():
     assert got[1].check.failed and got[1].check.verdict.value == "wrong" and len(got[1].check.dir_analytic) == 1
 
 
-def test_check_model_reports_the_time_to_its_verdict():
+def test_check_model_reports_the_time_to_its_verdict(monkeypatch):
+    from gradwatch.check import model as model_module
+
     model, batch = _model()
     model[2].idx, model[2].factor = (slice(None), slice(None)), 1.2
+    monkeypatch.setattr(model_module, "REPLAY_MIN_SECONDS", 0.0)  # the prefix replayed, whatever the forward's time
     report = check_model(model, _ce, batch)
     assert list(report.tensors) == [n for n, _ in model.named_parameters()]  # model order, failing ones included
     assert 0 < report.verdict_seconds < report.seconds and report.localize_seconds > 0
     assert report.to_dict()["verdict_seconds"] == report.verdict_seconds
-    # the analytic pass, two at the base point, one probe per tensor: what a correct model's verdict costs
+    # the analytic pass, two at the base point (the first, captured, and the one verifying the prefix replay), one
+    # probe per tensor: what a correct model's verdict costs
     assert report.verdict_evaluations == 1 + 2 + 2 * len(report.tensors) < report.evaluations
+    monkeypatch.setattr(model_module, "REPLAY_MIN_SECONDS", float("inf"))  # declined: no replay to verify
+    assert check_model(model, _ce, batch).verdict_evaluations == 1 + 1 + 2 * len(report.tensors)
     model[2].idx = None
     correct = check_model(model, _ce, batch)
     assert correct.ok and correct.localize_seconds == 0 and 0 < correct.verdict_seconds <= correct.seconds
