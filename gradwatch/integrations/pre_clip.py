@@ -40,7 +40,8 @@ from gradwatch.check.judging.training_judge import same_bits
 CHUNK = 1 << 20
 #: The candidate factors tried: the ratio at the largest element, and this many neighbours each side.
 NEIGHBOURS = 3
-#: Integer views of the floating dtypes by element size (bit-for-bit comparison: -0.0 is not 0.0).
+#: Integer views of the floating dtypes by element size (bit-for-bit comparison: -0.0 is not 0.0); none of 1 byte:
+#: a float8 product has no CPU kernel (``training_judge``'s map, which compares only, has one).
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

@@ -374,8 +374,10 @@ def _probe_all(p, saved, grads, samples: List[Sample], bases, outcomes: List[Out
         out = judge_sample(p, saved, grads, sample, base, j0, evaluate, settings, wide=wide.get(i))
         if straight < 2 and curved(out, settings):
             refined = halved(p, saved, grads, sample, out, evaluate, settings)
-            straight = straight + 1 if refined is None else straight
-            out = out if refined is None else refined
+            if refined is None:
+                straight += 1
+            else:
+                out = refined
         if genuine_streak < 3 and _needs_reexamination(out, settings):
             kink = _reexamine(p, saved, grads, sample, base, out, j0, evaluate, settings)
             if kink is not None:
