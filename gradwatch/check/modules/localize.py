@@ -460,11 +460,46 @@ def copy_opaque(obj: Any) -> Any:
     """
     if not _opaque(obj):
         return obj
-    memo = {id(t): t for _, t in _leaves(obj)}  # deepcopy keeps these tensors
+    memo: Dict[int, Any] = {id(t): t for _, t in _leaves(obj)}  # deepcopy keeps these tensors
+    for t in _recorded(obj):  # (deepcopy refuses a tensor a graph recorded: its values are copied, detached)
+        memo.setdefault(id(t), t.detach().clone())
     try:
         return copy.deepcopy(obj, memo)
     except Exception:  # noqa: BLE001 - an object that refuses copying: passed as captured
         return obj
+
+
+def _recorded(obj: Any, depth: int = 8) -> Iterator[torch.Tensor]:
+    """The tensors with a ``grad_fn`` held inside ``obj`` (its attributes, slots and containers, ``depth`` levels
+    down, modules left out): a transformers ``Cache`` a forward with grad filled holds its keys and values so.
+
+    Example:
+        >>> class Held:
+        ...     def __init__(self, t):
+        ...         self.layers = [{"keys": t}]
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> [t.shape for t in _recorded(Held(w * 2))], list(_recorded(Held(w)))
+        ([torch.Size([2])], [])
+    """
+    seen: Set[int] = set()
+    todo: List[Tuple[Any, int]] = [(obj, depth)]
+    while todo:
+        item, left = todo.pop()
+        if id(item) in seen or left < 0 or isinstance(item, (nn.Module, str, bytes, int, float, type)):
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            if item.grad_fn is not None:
+                yield item
+            continue
+        if isinstance(item, dict):
+            values: Sequence[Any] = list(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            values = list(item)
+        else:
+            values = list(getattr(item, "__dict__", {}).values())
+            values += [getattr(item, s) for s in getattr(type(item), "__slots__", ()) if isinstance(s, str) and hasattr(item, s)]
+        todo.extend((v, left - 1) for v in values)
 
 
 def _input_keys(paths: List[str]) -> List[str]:
