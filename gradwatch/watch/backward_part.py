@@ -71,8 +71,8 @@ class BackwardPart(TrendAlerting):
             ) -> Optional[CheckReport]:
         """The check's report on ``check.names`` (None when this rank has none); the training part's verdicts
         are added to it by the caller. Its memory summary is set where this process decided the plan. With
-        ``fused`` (shard by shard, :mod:`gradwatch.watch.replay_capture`), the training part's replay is the
-        first capture's forward, its captures holding at most ``captures`` bytes through it."""
+        ``fused`` (:mod:`gradwatch.watch.replay_capture`), the training part's replay is the module form's first
+        capture's forward, its captures holding at most ``captures`` bytes through it."""
         if not check.names:
             return None
         estimate: Optional[int] = None

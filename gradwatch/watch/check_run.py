@@ -102,7 +102,7 @@ class CheckRunner:
         self.notes = notes
         #: A check is running (a step() from inside it, the objective stepping an optimizer, is ignored).
         self.running = False
-        #: Shard by shard: the replay is tried as the capture's forward (until a replay's forward was not faithful).
+        #: The replay is tried as the capture's forward (until a replay's forward was not faithful).
         self._fuse = True
         #: Replicas (DDP's, DTensors' replicated shards) compared across ranks at each check
         #: (:class:`~gradwatch.watch.update_part.Replicas`).
@@ -217,8 +217,8 @@ class CheckRunner:
     def _run_parts(self, check: CheckContext) -> None:
         """The training part's replay (judged first in one process, its replayed gradients freed before the
         backward part allocates; else kept in ``check.replay`` for the ranks to average), then the backward part.
-        Shard by shard through DTensors, where the replay's forward computes the capture's, the replay is the backward
-        part's capture forward (:mod:`gradwatch.watch.replay_capture`; agreed by every rank)."""
+        In one process, and shard by shard through DTensors, where the replay's forward computes the capture's, the
+        replay is the backward part's capture forward (:mod:`gradwatch.watch.replay_capture`; agreed by every rank)."""
         ctx = self.watch
         judged: Optional[CheckReport] = None
         objective: Optional[float] = None
@@ -250,6 +250,8 @@ class CheckRunner:
             lockstep = ctx.lockstep
             if lockstep.point(1 if self._fuse and fusable(ctx, check) else 0) == 1:  # every rank's check can
                 fused = ReplayCapture(replay, lockstep.point)
+        elif ctx.dist is None and not ctx.sharded and self._fuse and fusable(ctx, check):
+            fused = ReplayCapture(replay, lambda value: value)  # one process: no other rank to agree with
         if fused is None:
             replay()
         check.step_seconds = self.schedule.step_seconds() or replayed
@@ -260,7 +262,9 @@ class CheckRunner:
             if ctx.lockstep is not None:
                 check.room = ctx.lockstep.point(check.room)
         report = check.report = self.backward.run(check, fused, held)
-        if fused is not None and not fused.usable:
+        if fused is not None and not fused.ran:  # (one process: no piece captured, or the whole objective's form)
+            replay()
+        if fused is not None and fused.ran and not fused.usable:
             self._fuse = False  # its forward drew random numbers or ran autocast (alike on every rank): not again
         if report is not None and report.objective != report.objective and objective is not None:
             # the module form's capture stopped before the loss (one process): the replay's is the step's objective

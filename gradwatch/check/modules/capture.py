@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, cast
 
@@ -53,6 +54,8 @@ class Captured:
         loss: The loss of that forward (None where it stopped once every unit was captured).
         model_bytes: Bytes of the model's output (the root module's first call; 0 where the forward stopped before
             it): what a forward that runs to the loss holds is sized from it.
+        stale: The replay's forward (``forward``) changed a tensor its captures share in place after they took it:
+            nothing was kept, and the caller captures again with a forward of its own.
     """
 
     inputs: Dict[str, Tuple[Any, Any]] = field(default_factory=dict)
@@ -60,6 +63,7 @@ class Captured:
     children: Dict[str, Dict[str, List[Any]]] = field(default_factory=dict)
     constants: Set[int] = field(default_factory=set)
     masks: List[torch.Tensor] = field(default_factory=list)
+    stale: bool = False
     deferred: List[str] = field(default_factory=list)
     deferred_bytes: int = 0
     big: Dict[str, int] = field(default_factory=dict)
@@ -131,8 +135,19 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
     inputs_of: Dict[str, int] = {}  # bytes of a captured unit's inputs (its children's outputs not counted)
     stack: List[List[Any]] = []  # [module, is this the first call of a wanted unit being captured]
 
+    # One process, the replay's forward (``forward``, no ranks): the captures share the tensors the forward made (most
+    # are saved for its backward anyway: copies would add to the replay's peak), their versions taken; a tensor
+    # changed in place later in that forward makes its captures stale, and they are taken again by another forward.
+    # (set as that forward begins: ``loss_fn``'s batch, captured before it, is copied)
+    referenced: Optional[List[Tuple["weakref.ref[torch.Tensor]", int]]] = None
+
     def keep(t: torch.Tensor) -> torch.Tensor:
-        copy_ = whole_of.get(id(t), t).detach().clone()
+        source = whole_of.get(id(t), t)
+        if referenced is not None and source is t:
+            copy_ = t.detach()  # (its version counter is t's; a capture dropped for the budget is not kept alive)
+            referenced.append((weakref.ref(copy_), copy_._version))
+        else:
+            copy_ = source.detach().clone()
         # one reduction: the largest magnitude is NaN or inf where any entry is, and MASK or more in an additive mask
         if t.is_floating_point() and t.numel() and not float(copy_.abs().max()) < MASK:
             got.constants.add(id(copy_))  # an additive mask (-inf, or the dtype's lowest): no step can move it
@@ -287,6 +302,12 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
 
     pre = {n: gathering(n, enter(n) if n in hooked else None, True) for n in named if n in hooked | gather_in}
     post = {n: gathering(n, leave(n) if n in hooked else None, False) for n in named if n in hooked | gather_out | {""}}
+    if forward is not None and agree is None:
+        referenced = []
     got.loss = isolated_forward(model, loss_fn, batch, seed, pre=pre, post=post) if forward is None \
         else forward(pre, post)
+    if referenced and any(t is not None and t._version != v for t, v in ((r(), v) for r, v in referenced)):
+        got.stale = True  # (the caller captures again with a forward of its own)
+        got.inputs.clear()
+        got.children.clear()
     return got

@@ -287,7 +287,7 @@ def run_module_check(
                                 "window each check): on the whole batch their inputs are over the captures' share of "
                                 f"the room ({mb(budget)}), which would take a forward of the model per share")
             window = None
-        if first is not None and not getattr(first, "usable", False):  # the replay's forward was not the isolated one's
+        if first is not None and (got.stale or not getattr(first, "usable", False)):  # not the isolated forward's values
             got = capture(model, objective.loss, part, remaining, opts.seed, budget=budget,
                           everyone=shared, agree=agree, alone=view is not None, early=early)
         ready = getattr(view, "ready", None)
