@@ -1,9 +1,11 @@
 """The training part's replay run as the backward part's capture in one process (``gradwatch.watch.replay_capture``).
 
 From the second check on (the first learns whether ``loss_fn`` differentiates inside), a module-form check whose
-replay draws no random number and runs without autocast captures the units' inputs in the replay's own forward: one
-forward of the model a check fewer. A replay that draws (dropout) leaves the capture its own forward, for the rest of
-the run; a check of the whole objective's form, or one with no piece to capture, runs the replay on its own after it.
+replay runs without autocast captures the units' inputs in the replay's own forward: one forward of the model a check
+fewer. Where the first check's isolated forward met no randomness but dropout, the replay captures with training's
+dropout masks too; a replay that draws other random numbers leaves the capture its own forward, for the rest of the
+run. A check of the whole objective's form, or one with no piece to capture, runs the replay on its own after it. The
+captures share the replay's tensors; one changed in place later in its forward is taken again.
 
 The captured inputs of a Hugging Face attention layer hold the model's ``DynamicCache``. In the replay's forward, with
 grad, its keys and values carry a ``grad_fn``, which ``copy.deepcopy`` refuses; kept by reference, the forward went on
@@ -79,18 +81,33 @@ def test_the_replay_is_the_capture_from_the_second_check_and_a_kv_cache_in_its_i
 
 
 class Dropped(nn.Module):
-    def __init__(self) -> None:
+    """Dropout as a module and as a function (``noise``: a draw that is not dropout besides)."""
+
+    def __init__(self, noise: bool = False) -> None:
         super().__init__()
         self.a, self.drop, self.b = nn.Linear(6, 16), nn.Dropout(0.3), nn.Linear(16, 2)
+        self.noise = noise
 
     def forward(self, x):
-        return self.b(self.drop(torch.tanh(self.a(x))))
+        h = self.drop(torch.tanh(self.a(x)))
+        if self.noise and self.training:
+            h = h + 0.01 * torch.randn_like(h)
+        return self.b(nn.functional.dropout(h, 0.2, self.training))
 
 
-def test_a_replay_that_draws_random_numbers_leaves_the_capture_its_own_forward(replays):
+def test_a_replay_with_dropout_is_the_capture_where_dropout_is_all_the_model_draws(replays):
     torch.manual_seed(0)
-    batches = [torch.randn(8, 6) for _ in range(4)]
-    watch, reports = loop(Dropped(), lambda m, b: m(b).pow(2).mean(), batches, form="module")
+    watch, reports = loop(Dropped(), lambda m, b: m(b).pow(2).mean(), [torch.randn(8, 6) for _ in range(4)],
+                          form="module")
+    assert [usable for _, usable in replays] == [True, True, True]
+    assert watch.alerts == [], [a.message for a in watch.alerts]
+    assert all(r.training and all(tc.verdict is not None for tc in r.tensors.values()) for r in reports)
+
+
+def test_a_replay_that_draws_other_random_numbers_leaves_the_capture_its_own_forward(replays):
+    torch.manual_seed(0)
+    watch, reports = loop(Dropped(noise=True), lambda m, b: m(b).pow(2).mean(), [torch.randn(8, 6) for _ in range(4)],
+                          form="module")
     assert [usable for _, usable in replays] == [False]  # tried once (the second check), then not again
     assert watch.alerts == [] and all(r.training and r.tensors for r in reports)
     assert all(tc.verdict is not None for r in reports[1:] for tc in r.tensors.values())

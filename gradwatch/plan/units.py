@@ -105,10 +105,11 @@ class Calls:
 
 
 @contextlib.contextmanager
-def isolated(model: nn.Module, modules: Optional[List[nn.Module]] = None) -> Iterator[None]:
+def isolated(model: nn.Module, modules: Optional[List[nn.Module]] = None) -> Iterator[Any]:
     """The live model as the backward part evaluates it: dropout off, BatchNorm's running stats, the power
     iteration of ``spectral_norm``, ``padding_idx`` rows and hooks your code registered untouched; every
-    generator, buffer and plain attribute put back after.
+    generator, buffer and plain attribute put back after. Yields what was switched off and what randomness stays
+    on (:class:`~gradwatch.check.objective.functional_dropout.DropoutRecord`).
 
     Example:
         >>> m = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Dropout(0.5))
@@ -118,11 +119,11 @@ def isolated(model: nn.Module, modules: Optional[List[nn.Module]] = None) -> Ite
         0
     """
     modules = list(model.modules()) if modules is None else modules
-    with preserved_rng(), dropout_off(model), frozen_batchnorm_stats(model), frozen_power_iteration(model, modules), \
-            padding_rows_constant(model), suspended_hooks(model, modules):
+    with preserved_rng(), dropout_off(model) as record, frozen_batchnorm_stats(model), \
+            frozen_power_iteration(model, modules), padding_rows_constant(model), suspended_hooks(model, modules):
         guard = BufferGuard(model, attributes=True, modules=modules)
         try:
-            yield
+            yield record
         finally:
             guard.restore_changed()
 
@@ -132,14 +133,16 @@ class Enough(Exception):
 
 
 def isolated_forward(model: nn.Module, loss_fn: Any, batch: Any, seed: int,
-                     pre: Optional[Dict[str, Callable]] = None, post: Optional[Dict[str, Callable]] = None
-                     ) -> Optional[float]:
+                     pre: Optional[Dict[str, Callable]] = None, post: Optional[Dict[str, Callable]] = None,
+                     randomness: Optional[List[Any]] = None) -> Optional[float]:
     """One forward of the live model without grad, as the backward part evaluates it (:func:`isolated`), with
     forward pre-hooks ``pre`` and forward hooks ``post`` (module name -> hook) attached; returns the loss (None
-    where a hook stopped the forward with :class:`Enough`)."""
+    where a hook stopped the forward with :class:`Enough`). ``randomness`` gets :func:`isolated`'s record."""
     named = dict(model.named_modules())
     handles = []
-    with isolated(model, list(named.values())):
+    with isolated(model, list(named.values())) as record:
+        if randomness is not None:
+            randomness.append(record)
         try:
             for name, hook in (pre or {}).items():
                 handles.append(named[name].register_forward_pre_hook(hook, with_kwargs=True))

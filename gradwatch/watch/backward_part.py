@@ -156,6 +156,7 @@ class BackwardPart(TrendAlerting):
         if ctx.objective.differentiates is None:  # once: does loss_fn differentiate inside (a penalty)?
             got = capture(target, ctx.objective.loss, batch, [], opts.seed)  # no unit: the forward, its output's size
             self.output_per_position = got.model_bytes / positions(batch)
+            ctx.dropout_only = got.dropout_only
         units, pieces = self.planner.module_pieces(check, piece_room)
         saved = self.planner.activations(target, batch) if room is not None else None
         for unit in units:  # what each unit's own ops save for backward, as counted on this batch

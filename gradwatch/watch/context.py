@@ -136,6 +136,10 @@ class WatchContext:
         #: Shard by shard, during a check: its agreement points (:mod:`gradwatch.watch.lockstep`).
         self.lockstep: Optional[Lockstep] = None
         self._generator_cache: Optional[Tuple[int, List[Any]]] = None
+        #: One process: all the randomness an isolated forward of the objective met was dropout (None: not known),
+        #: so the training part's replay, dropout on, can be the module form's capture
+        #: (:mod:`gradwatch.watch.replay_capture`).
+        self.dropout_only: Optional[bool] = None
 
     def close_micro_batch(self, batch: Any, loss: Any = None) -> None:
         """A micro-batch's backward is done (:meth:`GradWatch.accumulate`): recorded, or kept as the last one."""

@@ -16,14 +16,19 @@ as training did (its dropout masks, its autocast), the capture an isolated forwa
 autocast). Both suspend the hooks your code registered and hold ``spectral_norm``'s power iteration. So the replay's
 forward is used when, from the model's call on, it drew no random number (torch's generators as the replay set them
 there) and ran with autocast off, on every rank (an agreement point); otherwise the capture runs its own forward, as
-before, and the watch stops trying (a model that draws once draws at every step). Only the first call of ``loss_fn``
-runs the hooks, and only where the step is one micro-batch, the check's batch, with no regularizer and no
-``grad_fn``. The capture's copies are held through the replay's backward: under a room they hold at most
-:func:`held_budget` (the units over it are captured by another forward after the replay), and shard by shard
-the replay checkpoints its blocks for that much less room. In one process they are not copies but the forward's own tensors
-(most of them saved for its backward anyway), their versions checked after it: one changed in place later in the
-forward has the capture taken again by a forward of its own (:func:`gradwatch.check.modules.capture.capture`). A
-1,024-token encoder's check then peaked 8 MB above one without the fusion, against 14 MB to 23 MB with copies.
+before, and the watch stops trying (a model that draws once draws at every step). In one process, where the first
+check's isolated forward met no randomness but dropout (no layerdrop, noise or other draw:
+``WatchContext.dropout_only``), the replay with training's dropout masks captures too: each unit is checked at the
+inputs training's own forward gave it (an own-code unit with its children's outputs as training had them), with its
+own dropout off as always; a backward's derivative is checked at any point, and the units' calls are the same with and
+without the masks (layerdrop, which changes them, keeps the isolated capture). Only the first call of ``loss_fn`` runs
+the hooks, and only where the step is one micro-batch, the check's batch, with no regularizer and no ``grad_fn``. The
+capture's copies are held through the replay's backward: under a room they hold at most :func:`held_budget` (the units
+over it are captured by another forward after the replay), and shard by shard the replay checkpoints its blocks for
+that much less room. In one process they are not copies but the forward's own tensors (most of them saved for its
+backward anyway), their versions checked after it: one changed in place later in the forward has the capture taken
+again by a forward of its own (:func:`gradwatch.check.modules.capture.capture`). A 1,024-token encoder's check then
+peaked 8 MB above one without the fusion, against 14 MB to 23 MB with copies.
 
 Example:
     >>> import torch
@@ -60,12 +65,14 @@ def _same(a: StartState, b: StartState) -> bool:
 
 
 def capturing(total: Callable[[nn.Module, Any], Any], model: nn.Module, pre: Dict[str, Callable[..., Any]],
-              post: Dict[str, Callable[..., Any]], faithful: List[bool]) -> Callable[[nn.Module, Any], Any]:
+              post: Dict[str, Callable[..., Any]], faithful: List[bool], dropout: bool = False
+              ) -> Callable[[nn.Module, Any], Any]:
     """``total`` with the capture's hooks on ``model``'s modules during its first call only (a checkpointed block's
     recomputation in the backward, a second micro-batch, run without them); ``faithful`` gets one entry for that
     call: whether it called ``model``, drew no random number from torch's generators from that call on (the replay
     sets training's states as the model's forward begins, and checks the model's inputs are training's) and ran with
-    autocast off: its values the isolated forward's."""
+    autocast off: its values the isolated forward's. With ``dropout`` (the model's randomness is known to be dropout
+    only) its draws are allowed: see the module docstring."""
 
     def run(module: nn.Module, batch: Any) -> Any:
         if faithful:
@@ -89,7 +96,7 @@ def capturing(total: Callable[[nn.Module, Any], Any], model: nn.Module, pre: Dic
         finally:
             for h in handles:
                 h.remove()
-            faithful.append(still and bool(before) and _same(before[0], StartState.now(full=False)))
+            faithful.append(still and bool(before) and (dropout or _same(before[0], StartState.now(full=False))))
         return out
 
     return run

@@ -439,7 +439,8 @@ class TrainingPart(TrendAlerting):
         if blocks:
             total = checkpointing(root, total, blocks)
         if hooks is not None:  # the backward part's capture rides on the replay's forward
-            total = capturing(total, model, hooks[0], hooks[1], faithful if faithful is not None else [])
+            total = capturing(total, model, hooks[0], hooks[1], faithful if faithful is not None else [],
+                              dropout=bool(ctx.dropout_only) and ctx.dist is None and not ctx.sharded)
         # a forward that opens autocast itself (not a compiled one: a hook inside its graph would recompile it)
         inner = InnerAutocast(root) if live and not autocast and not is_compiled(root) else None
         if inner is not None:

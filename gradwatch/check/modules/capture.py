@@ -56,6 +56,8 @@ class Captured:
             it): what a forward that runs to the loss holds is sized from it.
         stale: The replay's forward (``forward``) changed a tensor its captures share in place after they took it:
             nothing was kept, and the caller captures again with a forward of its own.
+        dropout_only: After an isolated forward that ran to its end (None otherwise): whether all the randomness it
+            met was dropout (switched off), no layerdrop, noise or other draw.
     """
 
     inputs: Dict[str, Tuple[Any, Any]] = field(default_factory=dict)
@@ -64,6 +66,7 @@ class Captured:
     constants: Set[int] = field(default_factory=set)
     masks: List[torch.Tensor] = field(default_factory=list)
     stale: bool = False
+    dropout_only: Optional[bool] = None
     deferred: List[str] = field(default_factory=list)
     deferred_bytes: int = 0
     big: Dict[str, int] = field(default_factory=dict)
@@ -304,8 +307,11 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
     post = {n: gathering(n, leave(n) if n in hooked else None, False) for n in named if n in hooked | gather_out | {""}}
     if forward is not None and agree is None:
         referenced = []
-    got.loss = isolated_forward(model, loss_fn, batch, seed, pre=pre, post=post) if forward is None \
-        else forward(pre, post)
+    records: List[Any] = []
+    got.loss = isolated_forward(model, loss_fn, batch, seed, pre=pre, post=post, randomness=records) \
+        if forward is None else forward(pre, post)
+    if records and got.loss is not None:
+        got.dropout_only = not records[0].stays_on and not records[0].random_draws
     if referenced and any(t is not None and t._version != v for t, v in ((r(), v) for r, v in referenced)):
         got.stale = True  # (the caller captures again with a forward of its own)
         got.inputs.clear()
