@@ -138,15 +138,17 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
     inputs_of: Dict[str, int] = {}  # bytes of a captured unit's inputs (its children's outputs not counted)
     stack: List[List[Any]] = []  # [module, is this the first call of a wanted unit being captured]
 
-    # One process, the replay's forward (``forward``, no ranks): the captures share the tensors the forward made (most
-    # are saved for its backward anyway: copies would add to the replay's peak), their versions taken; a tensor
-    # changed in place later in that forward makes its captures stale, and they are taken again by another forward.
+    # One process, the replay's forward (``forward``, no ranks): the captures share the tensors the forward made, those
+    # with a ``grad_fn`` (most are saved for its backward anyway: copies would add to the replay's peak), their
+    # versions taken; a tensor changed in place later in that forward makes its captures stale, and they are taken
+    # again by another forward.
     # (set as that forward begins: ``loss_fn``'s batch, captured before it, is copied)
     referenced: Optional[List[Tuple["weakref.ref[torch.Tensor]", int]]] = None
 
     def keep(t: torch.Tensor) -> torch.Tensor:
         source = whole_of.get(id(t), t)
-        if referenced is not None and source is t:
+        if referenced is not None and source is t and t.grad_fn is not None:  # (not the batch, a parameter or a
+            # buffer: what the forward made, freed with its graph but for the capture, whose bytes it counts)
             copy_ = t.detach()  # (its version counter is t's; a capture dropped for the budget is not kept alive)
             referenced.append((weakref.ref(copy_), copy_._version))
         else:
