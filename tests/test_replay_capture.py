@@ -44,10 +44,11 @@ def replays(monkeypatch) -> list:
 
 
 def loop(model: nn.Module, loss_fn, batches, **options):
-    """A plain loop with a check at every step: the watch and its reports."""
+    """A plain loop with a check at every step (no pace: a loaded machine's would spread the cycle wider): the watch
+    and its reports."""
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    watch = gradwatch.GradWatch(model, loss_fn, every=1, tensorboard=False, jsonl=False, **options)
+    watch = gradwatch.GradWatch(model, loss_fn, every=1, tensorboard=False, jsonl=False, pace=None, **options)
     reports = []
     for batch in batches:
         opt.zero_grad()
