@@ -25,10 +25,11 @@ without the masks (layerdrop, which changes them, keeps the isolated capture). O
 the hooks, and only where the step is one micro-batch, the check's batch, with no regularizer and no ``grad_fn``. The
 capture's copies are held through the replay's backward: under a room they hold at most :func:`held_budget` (the units
 over it are captured by another forward after the replay), and shard by shard the replay checkpoints its blocks for
-that much less room. In one process they are not copies but the forward's own tensors (most of them saved for its
-backward anyway), their versions checked after it: one changed in place later in the forward has the capture taken
-again by a forward of its own (:func:`gradwatch.check.modules.capture.capture`). A 1,024-token encoder's check then
-peaked 8 MB above one without the fusion, against 14 MB to 23 MB with copies.
+that much less room. In one process they are not copies but the tensors the forward made with a graph (most of them
+saved for its backward anyway; the batch, parameters and buffers are copied), their versions checked after it: one
+changed in place later in the forward has the capture taken again by a forward of its own
+(:func:`gradwatch.check.modules.capture.capture`). A 1,024-token encoder's check then peaked 8 MB above one without
+the fusion, against 14 MB to 23 MB with copies.
 
 Example:
     >>> import torch
