@@ -1,4 +1,4 @@
-"""Shared by test modules: a 3-4-1 MLP with an MSE loss, a tanh with a planted backward bug, a tanh with a
+"""Shared by test modules: a watched plain loop, a 3-4-1 MLP with an MSE loss, a tanh with a planted backward bug, a tanh with a
 planted double-backward bug, two gloo ranks."""
 
 from __future__ import annotations
@@ -16,6 +16,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def watch_run(loss_fn, model: nn.Module, data, **options):
+    """A plain loop (SGD) with ``GradWatch(every=1)`` over the batches of ``data``: the watch and its reports."""
+    from gradwatch import GradWatch
+
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    watch = GradWatch(model, loss_fn, optimizer=opt, every=1, log_dir=None, **options)
+    reports = []
+    for b in data:
+        opt.zero_grad()
+        loss_fn(model, b).backward()
+        reports.append(watch.step(b))
+        opt.step()
+    return watch, reports
 
 
 def mlp() -> nn.Module:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_tanh
+from helpers import make_tanh, watch_run
 from torch import nn
 
 from gradwatch import GradWatch, check_model
@@ -64,18 +64,6 @@ OBJECTIVES = {"wgan_gp": (wgan_gp, 8), "r1": (r1, 8), "heat": (heat_residual, 2)
 def batches(d_in: int, dtype: torch.dtype, n: int):
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(16, d_in, generator=g).to(dtype), torch.randn(16, d_in, generator=g).to(dtype)) for _ in range(n)]
-
-
-def watch_run(loss_fn, model, data, **options):
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    watch = GradWatch(model, loss_fn, optimizer=opt, every=1, log_dir=None, **options)
-    reports = []
-    for b in data:
-        opt.zero_grad()
-        loss_fn(model, b).backward()
-        reports.append(watch.step(b))
-        opt.step()
-    return watch, reports
 
 
 @pytest.mark.parametrize("form", ["objective", "module"])

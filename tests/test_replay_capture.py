@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import watch_run
 from torch import nn
 
-import gradwatch
 from gradwatch.check.modules import module_form
 from gradwatch.check.modules.localize import copy_opaque
 from gradwatch.watch import replay_capture
@@ -44,18 +44,8 @@ def replays(monkeypatch) -> list:
 
 
 def loop(model: nn.Module, loss_fn, batches, **options):
-    """A plain loop with a check at every step (no pace: a loaded machine's would spread the cycle wider): the watch
-    and its reports."""
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    watch = gradwatch.GradWatch(model, loss_fn, every=1, tensorboard=False, jsonl=False, pace=None, **options)
-    reports = []
-    for batch in batches:
-        opt.zero_grad()
-        loss_fn(model, batch).backward()
-        reports.append(watch.step(batch))
-        opt.step()
-    return watch, reports
+    """:func:`helpers.watch_run` without pace (a loaded machine's would spread the cycle wider)."""
+    return watch_run(loss_fn, model, batches, pace=None, **options)
 
 
 def test_a_cache_filled_with_grad_is_copied_not_shared():
