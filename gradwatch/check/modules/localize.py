@@ -460,22 +460,13 @@ def copy_opaque(obj: Any) -> Any:
     """
     if not _opaque(obj):
         return obj
-    try:
-        return copy.deepcopy(obj, _kept(obj))
-    except Exception:  # noqa: BLE001 - refused: below, once more with a graph's tensors copied detached
-        pass
-    memo = _kept(obj)  # deepcopy refuses a tensor a graph recorded: its values are copied, detached
-    for t in _recorded(obj):
+    memo: Dict[int, Any] = {id(t): t for _, t in _leaves(obj)}  # deepcopy keeps these tensors
+    for t in _recorded(obj):  # (deepcopy refuses a tensor a graph recorded: its values are copied, detached)
         memo.setdefault(id(t), t.detach().clone())
     try:
         return copy.deepcopy(obj, memo)
     except Exception:  # noqa: BLE001 - an object that refuses copying: passed as captured
         return obj
-
-
-def _kept(obj: Any) -> Dict[int, Any]:
-    """A deepcopy memo that keeps the tensors of ``obj``'s standard containers as they are."""
-    return {id(t): t for _, t in _leaves(obj)}
 
 
 def _recorded(obj: Any, depth: int = 8) -> Iterator[torch.Tensor]:
