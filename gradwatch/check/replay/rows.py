@@ -55,7 +55,9 @@ def sliceable_linears(model: nn.Module) -> Dict[str, nn.Module]:
         uses[id(p)] = uses.get(id(p), 0) + 1
     out: Dict[str, nn.Module] = {}
     for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
+        if type(module) is not nn.Linear and type(module) is not nn.Embedding:
+            continue  # (before reading ``weight``: a parametrized module's computes it, spectral_norm's iterating)
+        weight = module._parameters.get("weight")
         plain_embedding = (type(module) is nn.Embedding and module.max_norm is None  # max_norm rewrites the weight
                            and not module.scale_grad_by_freq and not module.sparse)
         if ((type(module) is nn.Linear or plain_embedding) and isinstance(weight, nn.Parameter)
@@ -115,7 +117,9 @@ class RowGrads:
                 return out + (y - y.detach()).to(out.dtype)
             y = F.linear(x, part)  # in the forward's own autocast region, as the module computed its output
             zero = y - y.detach()
-            return out + F.pad(zero, (first, out.shape[-1] - end)).to(out.dtype)
+            # One copy of the output, not two (a padded zero and the sum: an LM head's logits twice over), and none in
+            # the backward (index_add's gradient of ``out`` is the output's own)
+            return out.index_add(-1, torch.arange(first, end, device=out.device), zero.to(out.dtype))
         hook._gradwatch_hook = True  # type: ignore[attr-defined]  # gradwatch's own: a replay keeps it on the model
         return hook
 
