@@ -64,17 +64,16 @@ def test_non_scalar_loss_names_the_shape(caplog):
 
 
 def test_loss_fn_that_raises_is_an_error_alert_and_training_continues():
-    calls = []
+    batches = [batch(), batch()]
 
-    def flaky(model, b):
-        calls.append(1)
-        if len(calls) == 1:
+    def flaky(model, b):  # the first batch lacks what loss_fn looks for: every evaluation of it raises
+        if b is batches[0]:
             raise KeyError("'labels' not in batch")
         return mse(model, b)
 
     model = mlp()
     watch = GradWatch(model, flaky, every=1, log_dir=None, coords=2)
-    reports = train(model, watch, mse, [batch(), batch()])
+    reports = train(model, watch, mse, batches)
     assert reports[0] is None and reports[1] is not None and reports[1].ok
     (alert,) = watch.alerts
     assert alert.kind == "error" and alert.tensor == "*"

@@ -223,9 +223,11 @@ class CheckRunner:
         judged: Optional[CheckReport] = None
         objective: Optional[float] = None
         held = held_budget(ctx, check.room)  # what the captures may hold through a replay that is their forward
+        if check.room is not None and check.judge and ctx.dist is None and not ctx.sharded and ctx.recorder is not None:
+            check.saved = self.check_plan.activations(check.target, check.batch)  # (counted once a batch shape)
         replayed: Optional[float] = None  # the replay's seconds: the step's forwards and backwards again, about a step
 
-        def replay(hooks: Optional[Hooks] = None) -> Tuple[Optional[float], bool]:
+        def replay(hooks: Optional[Hooks] = None) -> Tuple[Optional[float], Optional[bool]]:
             nonlocal judged, objective, replayed
             faithful: List[bool] = []
             ran = self.training.run(check, hooks, faithful, held)  # its replay is in check.replay only: dropped below,
@@ -243,7 +245,7 @@ class CheckRunner:
                     # whole objective's batches are sized to training's activations: what the process holds now is
                     # taken off)
                     release_freed()
-            return objective, bool(faithful) and faithful[0]
+            return objective, faithful[0] if faithful else None  # (None: its forward ran without the hooks)
 
         fused: Optional[ReplayCapture] = None
         if ctx.lockstep is not None and ctx.by_shard and not ctx.zero:  # a point on every rank, whatever each says
@@ -264,7 +266,7 @@ class CheckRunner:
         report = check.report = self.backward.run(check, fused, held)
         if fused is not None and not fused.ran:  # (one process: no piece captured, or the whole objective's form)
             replay()
-        if fused is not None and fused.ran and not fused.usable:
+        if fused is not None and fused.ran and not fused.usable and not fused.declined:
             self._fuse = False  # its forward drew random numbers or ran autocast (alike on every rank): not again
         if report is not None and report.objective != report.objective and objective is not None:
             # the module form's capture stopped before the loss (one process): the replay's is the step's objective

@@ -238,6 +238,9 @@ class CheckContext:
         step_seconds: A training step's seconds, as the schedule timed them (their median), or before it had one, as
             the training part's replay of the step took them (None: not known); a paced module form's pieces take a
             few of them (:meth:`gradwatch.plan.planner.Planner.pace_seconds`).
+        saved: What one forward of the checked batch saves for its backward, counted
+            (:class:`~gradwatch.check.modules.activations.Saved`; one process, under a room; None: not counted): the
+            training part's replay checkpoints its blocks by their counted shares.
 
     Example:
         >>> CheckContext(None, 3, None, None, None).names
@@ -258,6 +261,7 @@ class CheckContext:
     replay: Optional[Replay] = None
     report: Optional[CheckReport] = None
     step_seconds: Optional[float] = None
+    saved: Any = None
 
 
 @runtime_checkable

@@ -109,7 +109,8 @@ class ReplayCapture:
 
     Args:
         replay: Runs the training part's replay (and judges it) with the hooks given, or without hooks for None;
-            returns the step's objective (None where the replay did not run) and whether its forward was faithful.
+            returns the step's objective (None where the replay did not run) and whether its forward was faithful
+            (None where it ran without the hooks: no room for what they hold beside it, or no forward).
         agree: An agreement point taking a value and returning the ranks' smallest
             (:meth:`gradwatch.watch.lockstep.Lockstep.point`).
 
@@ -117,6 +118,7 @@ class ReplayCapture:
         usable: After the call: every rank's replay forward computed the isolated forward's values.
         ran: Whether it was called (in one process, a check whose backward part captured nothing, or took the whole
             objective's form, runs the replay on its own after it).
+        declined: The replay ran without the hooks (not usable, this check only: the next one tries again).
 
     Example:
         >>> fused = ReplayCapture(lambda hooks: (1.5, True), lambda value: value)
@@ -124,16 +126,18 @@ class ReplayCapture:
         (1.5, True)
     """
 
-    def __init__(self, replay: Callable[[Optional[Hooks]], Tuple[Optional[float], bool]],
+    def __init__(self, replay: Callable[[Optional[Hooks]], Tuple[Optional[float], Optional[bool]]],
                  agree: Callable[[int], Any]) -> None:
         self.replay = replay
         self.agree = agree
         self.usable = False
         self.ran = False
+        self.declined = False
 
     def __call__(self, pre: Dict[str, Callable[..., Any]], post: Dict[str, Callable[..., Any]]) -> Optional[float]:
         self.ran = True
         objective, faithful = self.replay((pre, post))
+        self.declined = faithful is None
         self.usable = self.agree(1 if faithful else 0) == 1
         return objective
 

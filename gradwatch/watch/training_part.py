@@ -34,12 +34,14 @@ from gradwatch.check.model import validate_grads
 from gradwatch.check.numerics.sampling import match_names
 from gradwatch.check.objective.checkpointed import grad_by_backward, reentrant_checkpoint_leaves
 from gradwatch.check.probes.experts import by_expert
+from gradwatch.check.replay import checkpoint_blocks as blocks_of
 from gradwatch.check.replay.checkpoint_blocks import blocks_needed, checkpointing, repeated_blocks, replay_excess
 from gradwatch.check.replay.reference import Replay, Step, autocast_state, replay_step, scalar_grad
 from gradwatch.check.replay.rows import RowGrads, sliceable_linears
+from gradwatch.check.replay.subset import replay_subset
 from gradwatch.check.replay.window import PartialWindow
 from gradwatch.errors import first_line
-from gradwatch.plan.memory import SAFETY, gradient_bytes, mb, peak_bytes, release_freed
+from gradwatch.plan.memory import gradient_bytes, mb, peak_bytes, release_freed
 from gradwatch.watch.accumulation import AccumulationWindow
 from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
 from gradwatch.watch.nonfinite_grads import NonfiniteGrads
@@ -231,7 +233,8 @@ class TrainingPart(TrendAlerting):
             sizing = max(0, sizing - held)  # the capture's copies, held beside it
         before = None if sizing is None else peak_bytes(ctx.memory.device)
         replay = self.replay(check.pending, check.target, room, only=None if check.plan is None else check.plan[1],
-                             seed=check.opts.seed, checkpoint_room=sizing, hooks=hooks, faithful=faithful)
+                             seed=check.opts.seed, checkpoint_room=sizing, hooks=hooks, faithful=faithful,
+                             saved=check.saved, held=held)
         if before is not None:
             self._learn_overshoot(before)
         check.replay = replay
@@ -240,13 +243,10 @@ class TrainingPart(TrendAlerting):
         return replay
 
     def _learn_overshoot(self, before: int) -> None:
-        """Shard by shard: where the replay just raised the process's peak (``before``: the peak as it began) above
-        the check's ceiling (:meth:`~gradwatch.plan.memory.MemoryMeter.ceiling`), the next replays size their
-        checkpointed blocks for that much less room (:attr:`overshoot`). The blocks' estimate counts training's
-        activations, ``.grad`` and the replayed gradients, not what the sharded backward adds (its collectives'
-        buffers, FSDP2's gathered parameters); the peak that replay reached tells it (19 MB to 33 MB learned under
-        tensor parallel at the 20.8M parameters of ``benchmarks/parallel.py``, 0 to 9 MB on its 1x2 mesh). A peak
-        that did not rise says nothing (it stays as it was); nor does one under the ceiling."""
+        """Shard by shard: where the replay raised the process's peak (``before``: as it began) above the check's
+        ceiling (:meth:`~gradwatch.plan.memory.MemoryMeter.ceiling`), the next replays checkpoint for that much less
+        room (:attr:`overshoot`): what the sharded backward adds (collectives' buffers, FSDP2's gathered parameters;
+        19 MB to 33 MB under tensor parallel at 20.8M, ``benchmarks/parallel.py``, 0 to 9 MB on its 1x2 mesh)."""
         meter = self.watch.memory
         ceiling = meter.ceiling()
         after = peak_bytes(meter.device)
@@ -258,10 +258,9 @@ class TrainingPart(TrendAlerting):
         """The watched live parameters of ``model`` (default: the model; a sharded one's replica has the
         same names); the patterns are matched again only when the trainable set changes.
 
-        The last walk's result is reused while the module tree is the same: every module still holds
-        the same submodules and parameters (compared by identity, with nothing added or removed) and
-        each still has its ``requires_grad``. A replaced layer, a frozen, unfrozen or new parameter makes the next
-        check walk again. Checking that costs a few microseconds; a walk costs 30-50 us on a small model.
+        The last walk's result is reused while the module tree is the same (the same submodules and parameters by
+        identity, each with its ``requires_grad``): a replaced layer, a frozen, unfrozen or new parameter makes the next
+        check walk again (a few microseconds to tell; a walk costs 30-50 us on a small model).
         """
         model = self.watch.model if model is None else model
         cached = self._params_cache
@@ -290,53 +289,15 @@ class TrainingPart(TrendAlerting):
         self._params_cache = (params, tree, (flags, list(map(_REQUIRES_GRAD, flags))), model)
         return params
 
-    def subset(self, params: Dict[str, torch.Tensor], room: int, count: bool = True, rows: bool = True
-               ) -> Tuple[Dict[str, torch.Tensor], Dict[str, Tuple[int, int]]]:
-        """The watched tensors whose replayed gradients fit in ``room`` beside the replay's activations (all when they
-        fit; else least-judged first, in model order among equals), and with ``rows`` the weights judged by a block
-        of rows (:mod:`gradwatch.check.replay.rows`; the next block at the next turn). ``count``: count them as
-        judged (and move the row blocks on).
-
-        Only a weight bigger than a quarter of the free share is judged by rows, at its turn, in an equal part of
-        half the share (the other half for the whole tensors): a smaller weight waits for a turn with room for it
-        whole (a few fit each check), and the big weights never starve the rest.
-        """
-        transient = self.watch.memory.transient(self.watch.model)
-        # The safe share beside the replay's activations; at least a quarter of what the room leaves beside them
-        # (a transient near half the room would otherwise leave nothing, and one tensor a check).
-        free = max(SAFETY * room - transient, SAFETY * SAFETY * (room - transient))
-        if gradient_bytes(params.values()) <= free:
-            return params, {}
-        names = list(params)
-        order = sorted(range(len(names)), key=lambda i: (self.counts.get(names[i], 0), i))
+    def subset(self, params: Dict[str, torch.Tensor], room: int, count: bool = True, rows: bool = True,
+               cap: Optional[Tuple[int, Set[str]]] = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, Tuple[int, int]]]:
+        """The watched tensors whose replayed gradients fit in ``room`` (:func:`~gradwatch.check.replay.subset.
+        replay_subset`), with ``rows`` some judged by a block of rows; ``count``: count them as judged (and move the
+        row blocks on). ``cap``: the most those outside the checkpointed blocks take (:meth:`_counted`)."""
         linears = {n: m for n, m in sliceable_linears(self.watch.model).items() if n not in self.read_directly} \
             if rows else {}
-        big = {n for n in names if n in linears and params[n].dim() == 2 and params[n].shape[0] > 1
-               and gradient_bytes([params[n]]) > free / 4}
-        share = free / (2 * max(1, len(big)))
-        least = min(self.counts.get(n, 0) for n in names)
-        chosen = []
-        sliced: Dict[str, Tuple[int, int]] = {}
-        for i in order:  # the big weights' blocks first (an equal part each), then whole tensors in what is left
-            n, p = names[i], params[names[i]]
-            if n not in big or self.counts.get(n, 0) != least:
-                continue
-            per_row = 2 * p.shape[1] * p.element_size()  # the rows' copy and their gradient
-            k = min(int(share // per_row), p.shape[0] - 1)
-            if k >= 1:
-                first = self.row_cursor.get(n, 0) % p.shape[0]
-                end = min(first + k, p.shape[0])
-                sliced[n] = (first, end)
-                chosen.append(i)
-                free -= (end - first) * per_row
-        for i in order:
-            need = gradient_bytes([params[names[i]]])
-            if names[i] not in big and need <= free:
-                chosen.append(i)
-                free -= need
-        if not chosen and order and gradient_bytes([params[names[order[0]]]]) <= room:
-            chosen.append(order[0])  # a tensor bigger than the safe share still gets its turn, alone, within the room
-        out = {names[i]: params[names[i]] for i in sorted(chosen)}
+        out, sliced = replay_subset(params, self.counts, self.row_cursor, room,
+                                    self.watch.memory.transient(self.watch.model), linears, cap)
         for n in out if count else ():
             self.counts[n] = self.counts.get(n, 0) + 1
             if n in sliced:
@@ -356,7 +317,8 @@ class TrainingPart(TrendAlerting):
     def replay(self, pending: Optional[Step], model: Optional[nn.Module] = None,
                room: Optional[int] = None, only: Optional[Sequence[str]] = None, seed: int = 0,
                checkpoint_room: Optional[int] = None, hooks: Optional[Hooks] = None,
-               faithful: Optional[List[bool]] = None) -> Optional[Replay]:
+               faithful: Optional[List[bool]] = None, saved: Any = None, held: Optional[int] = None
+               ) -> Optional[Replay]:
         """The objective's gradient recomputed as training computed it (None when the part is off).
 
         ``model`` is the module the replay runs (default: the model; a sharded model's gathered replica,
@@ -366,6 +328,7 @@ class TrainingPart(TrendAlerting):
         watched tensor; with ``only`` (names, under DDP: rank 0's choice), of those. An exception of
         ``loss_fn`` in the replay propagates: the check is skipped with an error alert. Each micro-batch weighs its
         share of the step's items (:mod:`gradwatch.watch.step_objective`, agreed with the other ranks first).
+        ``saved`` (one process: a forward's saved bytes, counted) sizes its checkpointed blocks; ``held``: the capture's.
         """
         ctx = self.watch
         if ctx.recorder is None or pending is None:
@@ -385,11 +348,12 @@ class TrainingPart(TrendAlerting):
             return Replay(None, None, None, "not judged: no watched parameter has a .grad yet (watch.step or check "
                                             "before the first backward)")
         row_plan: Dict[str, Tuple[int, int]] = {}
+        savings, cap = self._counted(model, saved, room) if live and room is not None and only is None else (None, None)
         if only is not None or (room is not None and self.form != "objective"):
             if only is not None:
                 params = {n: params[n] for n in only if n in params}
             else:
-                params, row_plan = self.subset(params, cast(int, room), rows=ctx.grad_fn is None and not ctx.zero)
+                params, row_plan = self.subset(params, cast(int, room), rows=ctx.grad_fn is None and not ctx.zero, cap=cap)
             if not params:
                 return Replay(None, None, None, f"not judged: the replayed gradient of the smallest watched tensor does "
                                                 f"not fit in the room memory_budget leaves ({mb(room)})")
@@ -435,7 +399,11 @@ class TrainingPart(TrendAlerting):
         worst = compute_dtype(max(dtypes, key=tolerance_for, default=torch.float32), autocast)
         total: Callable[[nn.Module, Any], Any] = ctx.objective.training_total
         sizing = room if room is not None else checkpoint_room
-        blocks = self._blocks_to_checkpoint(model, params, sizing, len(pending.micro)) if live and sizing is not None else 0
+        blocks, capture = self._blocks_to_checkpoint(model, params, sizing, len(pending.micro), savings,
+                                                     held if hooks is not None else None) \
+            if live and sizing is not None else (0, True)
+        if not capture:  # even every block checkpointed, the capture's tensors would not fit: it takes its own forward
+            hooks = None
         if blocks:
             total = checkpointing(root, total, blocks)
         if hooks is not None:  # the backward part's capture rides on the replay's forward
@@ -487,13 +455,16 @@ class TrainingPart(TrendAlerting):
 
         return again
 
-    def _blocks_to_checkpoint(self, model: nn.Module, params: Dict[str, torch.Tensor], room: int, micro: int = 1) -> int:
+    def _blocks_to_checkpoint(self, model: nn.Module, params: Dict[str, torch.Tensor], room: int, micro: int = 1,
+                              savings: Optional[List[int]] = None, captures: Optional[int] = None) -> Tuple[int, bool]:
         """How many of the model's repeated blocks the replay checkpoints (:mod:`gradwatch.check.replay.checkpoint_blocks`;
-        the first ones, whose activations live longest): in one process, as many as keep training's ``.grad`` held
-        now and the replayed gradients within what the room leaves above training's activations (the replay's
-        forward runs beside ``.grad``, training's ran with none), each block counted at its share of those
-        activations, with half as many again for what lives outside the blocks (the logits); none where they fit,
-        or where the model checkpoints already (its own checkpoints are left as they are).
+        the first ones, whose activations live longest), and whether a capture may ride on it: as many as keep
+        training's ``.grad`` held now and the replayed gradients within what the room leaves above training's
+        activations (training's forward ran with no ``.grad``); none where they fit, or where the model checkpoints
+        already. Each block saves its counted share of those activations (``savings``: :meth:`_counted`; where none
+        was counted, its share of them and of ``.grad``, and half as many again for what lives outside the blocks). A
+        capture holds up to ``captures`` bytes through it, some inside the checkpointed blocks: counted too, and where
+        every block checkpointed does not save them, the capture takes a forward of its own (False).
 
         FSDP2, tensor and sequence parallel (shard by shard: ``checkpoint_room``), each rank counts its own shards and
         the ranks take the largest count (an agreement point: the recomputed forwards' collectives must be the same on
@@ -507,19 +478,38 @@ class TrainingPart(TrendAlerting):
         sharded = ctx.by_shard and ctx.lockstep is not None
         if ((ctx.dist is not None or ctx.by_shard) and not sharded) or ctx.grad_fn is not None or self._reentrant \
                 or ctx.zero:  # ZeRO-3's hooks gather in a recomputed forward too: not tried, so never
-            return 0
+            return 0, True
         modules = self._modules_cache or list(model.modules())
         if any(getattr(m, "gradient_checkpointing", False) is True for m in modules):
-            return 0
+            return 0, True
         held = gradient_bytes(local(p.grad) for p in model.parameters() if p.grad is not None)
         replayed = gradient_bytes(local(p) for p in params.values() if not (sharded and micro == 1 and is_dtensor(p)))
         activations = ctx.memory.transient()
+        excess = replay_excess(held, replayed, room, activations)
+        if savings is not None:
+            if captures and excess + captures > 0:
+                if sum(savings) >= excess + captures:
+                    return blocks_of.blocks_for(excess + captures, savings), True
+                return blocks_of.blocks_for(excess, savings), False
+            return blocks_of.blocks_for(excess, savings), True
         count = 0  # it fits: no walk of the module tree for its blocks, at every check
-        if replay_excess(held, replayed, room, activations) > 0:
+        if excess > 0:
             count = blocks_needed(held, replayed, room, activations, len(repeated_blocks(model)))
         if sharded:
             count = -cast(int, cast(Any, ctx.lockstep).point(-count))  # the largest count of the ranks
-        return count
+        return count, True
+
+    def _counted(self, model: nn.Module, saved: Any, room: int) -> Tuple[Optional[List[int]], Optional[Tuple[int, Set[str]]]]:
+        """One process, from ``saved`` (:class:`~gradwatch.check.modules.activations.Saved`): what checkpointing each
+        block saves the replay, and the replayed gradients' cap outside the blocks (``outside_cap``; names)."""
+        ctx = self.watch
+        if saved is None or not saved.own or ctx.dist is not None or ctx.sharded or ctx.grad_fn is not None or ctx.zero:
+            return None, None
+        activations = ctx.memory.transient()
+        savings = blocks_of.block_savings(model, saved.own, saved.total, activations)
+        held = gradient_bytes(p.grad for p in model.parameters() if p.grad is not None)
+        cap = blocks_of.outside_cap(model, savings, held, room, activations)
+        return savings, None if cap is None else (cap[0], {n for n, p in self.params(model).items() if id(p) in cap[1]})
 
     def _plan_step(self, pending: Step, model: nn.Module, params: Dict[str, torch.Tensor], seed: int) -> StepPlan:
         """The step's objective (:class:`~gradwatch.watch.step_objective.StepObjective`): on every rank alike (an

@@ -475,15 +475,15 @@ def _run_piece(model: nn.Module, objective: Any, batch: Any, opts: CheckOptions,
         children = {}
         out_bytes = 0
         need = got.big[unit.name] * 2 * _per_stub_entry(unit) // 8  # float32 to float64, then its copies
-    if room is not None and solo is not None and full_room is not None and \
-            _alone(unit, rows, need, dtype, room, full_room - live_bytes(got.inputs.get(unit.name))
-                   - live_bytes(got.children.get(unit.name))):
+    if room is not None and solo is not None and full_room is not None and (args is None or _alone(
+            unit, rows, need, dtype, room, full_room - live_bytes(got.inputs.get(unit.name))
+            - live_bytes(got.children.get(unit.name)))):  # (not captured: a forward of its own captures it)
         if later is not None and rows is None:
             later[unit.name] = need
         else:
             solo.append((piece, batch))
         return estimate, unused
-    if room is not None and need > room:
+    if room is not None and (need > room or args is None):  # (not captured: cut, or said, never checked on nothing)
         block = None if args is None else row_block(unit, (args, kwargs), out_bytes, room // 2, opts.seed, rows)
         samples = ""  # the samples a row block is checked on, where not the whole batch
         if block is None and later is not None and rows is None:
