@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from gradwatch.plan.malloc_thresholds import glibc, hold_thresholds
+from gradwatch.plan.mkl_buffers import free_mkl_buffers
 from gradwatch.trees import whole_numel
 
 #: Share of the room an estimate may fill (estimates leave out allocator overhead and small temporaries).
@@ -100,12 +101,16 @@ MEASURE_FLOOR = 16 << 20
 TRIM_BYTES = 32 << 20
 
 
-def release_freed() -> None:
-    """Give memory the check freed back to the system (glibc's ``malloc_trim``; elsewhere nothing).
+def release_freed(mkl: bool = False) -> None:
+    """Give memory the check freed back to the system (glibc's ``malloc_trim``; elsewhere nothing). With ``mkl`` (once
+    a check, as it ends), the buffers MKL's allocator holds unused too (:mod:`gradwatch.plan.mkl_buffers`: between a
+    check's pieces its products would only take them again).
 
     Freed blocks below glibc's mmap threshold stay in the process's heap and count in its RSS:
     training's next forward would then peak above its own peak by what the check left there.
     """
+    if mkl:
+        free_mkl_buffers()
     libc = glibc()
     if libc is not None:
         try:

@@ -201,7 +201,7 @@ class CheckRunner:
                 raise
             finally:
                 if check.room is not None:
-                    release_freed()  # what the check freed, before training's next forward allocates
+                    release_freed(mkl=True)  # what the check freed, before training's next forward allocates
             # every rank: each part says what it does there (every rank's batch); where another rank's check raised
             # (seen at the region's last agreement point) none does, as on the rank that raised
             if check.report is not None and not (ctx.lockstep is not None and ctx.lockstep.failed):
