@@ -77,17 +77,24 @@ def loss_fn(m, b):
     return F.cross_entropy(m(b[0]), b[1])
 
 
-def _train(watch: bool, steps: int = 3, budget=0.001):
+def _net_batch(gen):
+    return torch.randn(64, 16, generator=gen), torch.randint(0, 5, (64,), generator=gen)
+
+
+def _train(watch: bool, steps: int = 3, budget=0.001, make=lambda: Net(d=768), loss=loss_fn, batch=_net_batch,
+           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3)):
+    """``steps`` of training (by default a Net of 768 wide: 9 MB of gradient held, well over what a budget of 0.001
+    leaves, whatever the process holds), watched at every step where ``watch``; the blocks' recomputes per check."""
     torch.manual_seed(0)
-    model = Net(d=768)  # 9 MB of gradient held: well over what a budget of 0.001 leaves, whatever the process holds
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gw = GradWatch(model, loss_fn, optimizer=opt, every=1, log_dir=None, memory_budget=budget) if watch else None
+    model = make()
+    opt = optimizer(model.parameters())
+    gw = GradWatch(model, loss, optimizer=opt, every=1, log_dir=None, memory_budget=budget) if watch else None
     gen = torch.Generator().manual_seed(2)
     reports, calls = [], []
     for _ in range(steps):
-        b = (torch.randn(64, 16, generator=gen), torch.randint(0, 5, (64,), generator=gen))
+        b = batch(gen)
         opt.zero_grad()
-        loss_fn(model, b).backward()
+        loss(model, b).backward()
         before = Block.calls
         if gw is not None:
             reports.append(gw.step(b))
@@ -186,22 +193,8 @@ def test_each_block_saves_its_counted_share_little_where_the_logits_dominate_and
 
 
 def _train_lm(watch: bool, steps: int = 8):
-    torch.manual_seed(0)
-    model = LM()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    gw = GradWatch(model, lm_loss, optimizer=opt, every=1, log_dir=None, memory_budget=0.001) if watch else None
-    gen = torch.Generator().manual_seed(2)
-    reports, calls = [], []
-    for _ in range(steps):
-        ids = torch.randint(0, 32000, (8, 33), generator=gen)
-        opt.zero_grad()
-        lm_loss(model, ids).backward()
-        before = Block.calls
-        if gw is not None:
-            reports.append(gw.step(ids))
-            calls.append(Block.calls - before)
-        opt.step()
-    return model, gw, reports, calls
+    return _train(watch, steps, make=LM, loss=lm_loss, batch=lambda gen: torch.randint(0, 32000, (8, 33), generator=gen),
+                  optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
 
 
 def test_where_every_block_checkpointed_is_not_enough_the_head_is_judged_by_the_rows_that_fit_and_every_tensor_in_turn():
