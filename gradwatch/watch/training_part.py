@@ -35,7 +35,7 @@ from gradwatch.check.numerics.sampling import match_names
 from gradwatch.check.objective.checkpointed import grad_by_backward, reentrant_checkpoint_leaves
 from gradwatch.check.probes.experts import by_expert
 from gradwatch.check.replay import checkpoint_blocks as blocks_of
-from gradwatch.check.replay.checkpoint_blocks import blocks_needed, checkpointing, repeated_blocks, replay_excess
+from gradwatch.check.replay.checkpoint_blocks import blocks_needed, checkpointing, repeated_blocks
 from gradwatch.check.replay.reference import Replay, Step, autocast_state, replay_step, scalar_grad
 from gradwatch.check.replay.rows import RowGrads, sliceable_linears
 from gradwatch.check.replay.subset import replay_subset
@@ -400,7 +400,8 @@ class TrainingPart(TrendAlerting):
         total: Callable[[nn.Module, Any], Any] = ctx.objective.training_total
         sizing = room if room is not None else checkpoint_room
         blocks, capture = self._blocks_to_checkpoint(model, params, sizing, len(pending.micro), savings,
-                                                     held if hooks is not None else None) \
+                                                     held if hooks is not None else None,
+                                                     saved.total if savings is not None else None) \
             if live and sizing is not None else (0, True)
         if not capture:  # even every block checkpointed, the capture's tensors would not fit: it takes its own forward
             hooks = None
@@ -456,13 +457,14 @@ class TrainingPart(TrendAlerting):
         return again
 
     def _blocks_to_checkpoint(self, model: nn.Module, params: Dict[str, torch.Tensor], room: int, micro: int = 1,
-                              savings: Optional[List[int]] = None, captures: Optional[int] = None) -> Tuple[int, bool]:
+                              savings: Optional[List[int]] = None, captures: Optional[int] = None,
+                              counted: Optional[int] = None) -> Tuple[int, bool]:
         """How many of the model's repeated blocks the replay checkpoints (:mod:`gradwatch.check.replay.checkpoint_blocks`;
         the first ones, whose activations live longest), and whether a capture may ride on it: as many as keep
         training's ``.grad`` held now and the replayed gradients within what the room leaves above training's
         activations (training's forward ran with no ``.grad``); none where they fit, or where the model checkpoints
-        already. Each block saves its counted share of those activations (``savings``: :meth:`_counted`; where none
-        was counted, its share of them and of ``.grad``, and half as many again for what lives outside the blocks). A
+        already. Each block saves its counted share of those activations (``savings``: :meth:`_counted`, the excess
+        bounded by ``counted``; where none was counted, its share of them and of ``.grad``, and half again). A
         capture holds up to ``captures`` bytes through it, some inside the checkpointed blocks: counted too, and where
         every block checkpointed does not save them, the capture takes a forward of its own (False).
 
@@ -485,7 +487,7 @@ class TrainingPart(TrendAlerting):
         held = gradient_bytes(local(p.grad) for p in model.parameters() if p.grad is not None)
         replayed = gradient_bytes(local(p) for p in params.values() if not (sharded and micro == 1 and is_dtensor(p)))
         activations = ctx.memory.transient()
-        excess = replay_excess(held, replayed, room, activations)
+        excess = blocks_of.counted_excess(held, replayed, room, activations, counted)
         if savings is not None:
             if captures and excess + captures > 0:
                 if sum(savings) >= excess + captures:
@@ -508,7 +510,7 @@ class TrainingPart(TrendAlerting):
         activations = ctx.memory.transient()
         savings = blocks_of.block_savings(model, saved.own, saved.total, activations)
         held = gradient_bytes(p.grad for p in model.parameters() if p.grad is not None)
-        cap = blocks_of.outside_cap(model, savings, held, room, activations)
+        cap = blocks_of.outside_cap(model, savings, held, room, activations, saved.total)
         return savings, None if cap is None else (cap[0], {n for n, p in self.params(model).items() if id(p) in cap[1]})
 
     def _plan_step(self, pending: Step, model: nn.Module, params: Dict[str, torch.Tensor], seed: int) -> StepPlan:

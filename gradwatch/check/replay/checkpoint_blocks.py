@@ -150,6 +150,26 @@ def blocks_needed(held: int, replayed: int, room: int, activations: int, count: 
     return min(count, math.ceil(1.5 * excess * count / max(activations + held, 1)))
 
 
+#: What a replay's forward and backward hold at most beside what the process holds now, per byte a counted forward
+#: saved (:class:`~gradwatch.check.modules.activations.Saved`): those bytes, as many again for the gradients its
+#: backward makes of them, and as many again for what a count does not see (dropout's masks, temporaries).
+COUNTED_FACTOR = 3
+
+
+def counted_excess(held: int, replayed: int, room: int, activations: int, counted: Optional[int] = None) -> int:
+    """:func:`replay_excess`, bounded where a forward's saved bytes were ``counted``: the replay then holds at most
+    :data:`COUNTED_FACTOR` times them and its ``replayed`` gradients beside what the process holds now. Training's
+    peak is not always its backward's: on a 134M transformer at a batch of 2 x 64 it is its optimizer's step (Adam's
+    temporaries), and training's peak above what is held counted 10 times the replay's activations.
+
+    Example:
+        >>> counted_excess(100, 10, 100, 80), counted_excess(100, 10, 100, 80, counted=20)
+        (90, -30)
+    """
+    excess = replay_excess(held, replayed, room, activations)
+    return excess if counted is None else min(excess, COUNTED_FACTOR * counted + replayed - room)
+
+
 def block_savings(root: nn.Module, own: Mapping[str, int], total: int, activations: int) -> List[int]:
     """What checkpointing each of ``root``'s repeated blocks saves a replay, in the blocks' order: the block's share of
     what a counted forward saved for its backward (``own``: the bytes by module of
@@ -192,13 +212,14 @@ def blocks_for(excess: int, savings: Sequence[int]) -> int:
     return len(savings)
 
 
-def outside_cap(root: nn.Module, savings: Sequence[int], held: int, room: int, activations: int
-                ) -> Optional[Tuple[int, Set[int]]]:
+def outside_cap(root: nn.Module, savings: Sequence[int], held: int, room: int, activations: int,
+                counted: Optional[int] = None) -> Optional[Tuple[int, Set[int]]]:
     """Where even every block checkpointed (each saving its ``savings``) leaves training's ``held`` gradient over what
     the ``room`` leaves above its ``activations`` (an MoE model's logits on a big vocabulary dwarf its blocks'
     activations): ``(bytes, ids)``, the most the replayed gradients of the parameters outside the blocks (``ids``) may
     take together, what the blocks leave; else None. Those of the head come at the start of the replay's backward,
     beside the logits' own gradients; a block's come as its recomputed backward runs, after the head's are freed.
+    ``counted``: a forward's saved bytes (:func:`counted_excess`).
 
     Example:
         >>> model = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), nn.Linear(2, 2))
@@ -208,7 +229,7 @@ def outside_cap(root: nn.Module, savings: Sequence[int], held: int, room: int, a
         >>> outside_cap(model, [10, 10], 50, 100, 60)[0], outside_cap(model, [10, 10], 5, 200, 10) is None
         (10, True)
     """
-    left = sum(savings) - replay_excess(held, 0, room, activations)
+    left = sum(savings) - counted_excess(held, 0, room, activations, counted)
     if left >= room:
         return None
     inside = {id(p) for block in repeated_blocks(root) for p in block.parameters()}

@@ -39,9 +39,9 @@ def replay_subset(params: Mapping[str, torch.Tensor], counts: Mapping[str, int],
     fit each check), and the big weights never starve the rest. ``cap``: ``(bytes, names)``, the most the replayed
     gradients of ``names`` take together (those outside the checkpointed blocks, where every block checkpointed still
     leaves the replay over the room: :func:`~gradwatch.check.replay.checkpoint_blocks.outside_cap`); a weight among
-    them over the cap is judged by the rows that fit it. One of them that
-    the cap keeps out has its turn alone, within the room, once every tensor it does not cap was judged twice as often
-    (every third turn): every tensor is judged, however tight the room.
+    them over the cap is judged by the rows that fit it. One of them that the cap keeps out has its turn alone, within
+    the room, once the most judged tensor was judged twice as often (where all the others fit, every third turn):
+    every tensor is judged within a few checks, however tight the room.
 
     Example:
         >>> params = {"head": torch.zeros(8, 4), "b": torch.zeros(4)}
@@ -83,7 +83,7 @@ def replay_subset(params: Mapping[str, torch.Tensor], counts: Mapping[str, int],
             chosen.append(i)
             free, left = free - need, left - need * (names[i] in capped)
     out = order[0] if order and order[0] not in chosen and names[order[0]] in capped else None
-    others = min((counts.get(n, 0) for n in names if n not in capped), default=max(counts.get(n, 0) for n in names))
+    others = max(counts.get(n, 0) for n in names)
     if out is not None and others >= 2 * (counts.get(names[out], 0) + 1) and gradient_bytes([params[names[out]]]) <= room:
         chosen, sliced = [out], {}  # kept out by the cap while the others had twice its turns: its turn, alone
     alone = next((i for i in order if names[i] not in capped), None)
