@@ -1,5 +1,5 @@
-"""Shared by test modules: a watched plain loop, a 3-4-1 MLP with an MSE loss, a tanh with a planted backward bug, a tanh with a
-planted double-backward bug, two gloo ranks."""
+"""Shared by test modules: a plain training loop and a watched one, a 3-4-1 MLP with an MSE loss, a tanh with a
+planted backward bug, a tanh with a planted double-backward bug, two gloo ranks."""
 
 from __future__ import annotations
 
@@ -18,19 +18,25 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def sgd_loop(model: nn.Module, watch, loss_fn, batches, opt: torch.optim.Optimizer) -> list:
+    """A plain training loop: ``loss_fn(model, b)`` backward, ``watch.step(b)``, ``opt`` steps; what ``watch.step``
+    returned at each step."""
+    reports = []
+    for b in batches:
+        opt.zero_grad()
+        loss_fn(model, b).backward()
+        reports.append(watch.step(b))
+        opt.step()
+    return reports
+
+
 def watch_run(loss_fn, model: nn.Module, data, **options):
     """A plain loop (SGD) with ``GradWatch(every=1)`` over the batches of ``data``: the watch and its reports."""
     from gradwatch import GradWatch
 
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     watch = GradWatch(model, loss_fn, optimizer=opt, every=1, log_dir=None, **options)
-    reports = []
-    for b in data:
-        opt.zero_grad()
-        loss_fn(model, b).backward()
-        reports.append(watch.step(b))
-        opt.step()
-    return watch, reports
+    return watch, sgd_loop(model, watch, loss_fn, data, opt)
 
 
 def mlp() -> nn.Module:

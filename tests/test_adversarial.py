@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import batch, mlp, mse
+from helpers import batch, mlp, mse, sgd_loop
 from torch import nn
 from torch.nn.utils import prune
 from torch.utils.checkpoint import checkpoint
@@ -27,14 +27,7 @@ from gradwatch.io.sinks import read_jsonl
 
 def train(model, watch, loss_fn, batches, lr: float = 0.01):
     """A plain SGD loop; returns what ``watch.step`` returned at each step."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    reports = []
-    for b in batches:
-        opt.zero_grad()
-        loss_fn(model, b).backward()
-        reports.append(watch.step(b))
-        opt.step()
-    return reports
+    return sgd_loop(model, watch, loss_fn, batches, torch.optim.SGD(model.parameters(), lr=lr))
 
 
 SMALL = dict(every=1, log_dir=None, coords=3, directions=1)

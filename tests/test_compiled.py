@@ -13,6 +13,7 @@ import json
 
 import pytest
 import torch
+from helpers import sgd_loop
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
@@ -60,14 +61,7 @@ def batches(n, seed=1):
 
 
 def train(compiled, model, watch, data):
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    reports = []
-    for batch in data:
-        opt.zero_grad()
-        loss_fn(compiled, batch).backward()
-        reports.append(watch.step(batch))
-        opt.step()
-    return reports
+    return sgd_loop(compiled, watch, loss_fn, data, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 @pytest.fixture(autouse=True)
