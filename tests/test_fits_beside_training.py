@@ -19,7 +19,7 @@ from gradwatch.check.modules.activations import WHOLE, saved_bytes
 from gradwatch.check.modules.module_form import run_module_check
 from gradwatch.check.objective.terms import Objective
 from gradwatch.options import CheckOptions
-from gradwatch.plan.memory import conv_workspace_bytes, objective_samples
+from gradwatch.plan.memory import conv_workspace_bytes, objective_samples, release_freed
 
 
 def _mlp() -> nn.Module:
@@ -173,6 +173,35 @@ def test_objective_samples_keep_what_fits_and_none_where_the_copy_alone_does_not
     assert objective_samples(fixed=0, per_sample=10, samples=100, room=3000) == 100
     assert objective_samples(fixed=100, per_sample=10, samples=1000, room=3000) == 93
     assert objective_samples(fixed=2000, per_sample=10, samples=1000, room=3000) == 0
+
+
+def _peak_mb() -> int:
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) >> 10 for line in fh if line.startswith("VmHWM"))
+
+
+def test_a_differentiated_input_is_costed_as_its_check_holds_it_and_the_pieces_keep_to_the_room():
+    # The pooling's input (8 x 32 x 64 x 64, 8 MB in float64) is differentiated: its check holds its gradient, |grad|
+    # and signs as a parameter's (about 64 MB in all). Costed at its three copies (24 MB) it was checked whole in a
+    # 40 MB room and the check rose 110 MB.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+                          nn.Linear(128, 3))
+    batch = (torch.randn(8, 3, 64, 64), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1]))
+    run_module_check(model, Objective(_ce, {}, 0.0), (batch[0][:1, :, :8, :8], batch[1][:1]), CheckOptions())
+    release_freed(mkl=True)  # what the tests this worker ran before left in the heap, then the peak from here on
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the process's peak")
+    before = _peak_mb()
+    room = 40 << 20
+    report = run_module_check(model, Objective(_ce, {}, 0.0), batch, CheckOptions(seed=0), room=room)
+    assert report.ok, str(report)
+    assert "2:input" in report.tensors, sorted(report.tensors)
+    # the room, and what the check's planning and its first forward hold before the pieces take their limit
+    assert _peak_mb() - before < 1.5 * (room >> 20), (_peak_mb() - before, report.notes)
 
 
 def test_the_conv_workspace_is_counted_from_its_unfolded_input():

@@ -44,6 +44,11 @@ AIM = 0.5
 #: engine's saved copy and the transient ``|grad|`` of the coordinate choice (8 each), int8 signs, and what the
 #: allocator keeps of freed temporaries (measured: about 40 bytes per entry on a 1.6M-entry block of a Linear).
 MODULE_BYTES_PER_ENTRY = 48
+#: Bytes per float64 entry of a differentiated input (a module's floating input that required grad in training) a
+#: module-form check holds beyond the three copies :func:`module_bytes` counts: its gradient, the transient ``|grad|``
+#: of the coordinate choice, its signs and the allocator's share, a parameter's entry less its copy (measured: the
+#: check of an ``AdaptiveAvgPool2d`` on a 1M-entry float64 input rose 56 bytes an entry above the held input).
+INPUT_LEAF_BYTES_PER_ENTRY = MODULE_BYTES_PER_ENTRY - 8
 #: Bytes per float64 entry of the model's output a check of ``loss_fn``'s own code holds at once: those of
 #: :data:`MODULE_BYTES_PER_ENTRY` (the output is what its check perturbs), and as many again for the loss code's own
 #: intermediates, which have the output's size (a log-softmax over the vocabulary and its gradient). Measured: the
@@ -332,16 +337,21 @@ def objective_samples(fixed: int, per_sample: int, samples: int, room: int) -> i
     return int(min(samples, free // per))
 
 
-def module_bytes(params: Iterable[torch.Tensor], inputs: Any, outputs: int = 0) -> int:
+def module_bytes(params: Iterable[torch.Tensor], inputs: Any, outputs: int = 0, leaf_entries: int = 0) -> int:
     """What the module form holds for one module: its float64 copy, gradient and engine copies
     (:data:`MODULE_BYTES_PER_ENTRY` per parameter entry), its inputs three times (captured, working,
-    fresh per call) and its output ``outputs`` bytes four times (output, cotangent, gradient, re-run).
+    fresh per call), the ``leaf_entries`` of them it differentiates as a parameter's
+    (:data:`INPUT_LEAF_BYTES_PER_ENTRY` more each), and its output ``outputs`` bytes four times (output, cotangent,
+    gradient, re-run).
 
     Example:
         >>> module_bytes(nn.Linear(10, 10).parameters(), torch.ones(4, 10), outputs=320)
         7520
+        >>> module_bytes(nn.Linear(10, 10).parameters(), torch.ones(4, 10), outputs=320, leaf_entries=40)
+        9120
     """
-    return numel_of(params) * MODULE_BYTES_PER_ENTRY + 3 * float_bytes(inputs) + 4 * int(outputs)
+    return numel_of(params) * MODULE_BYTES_PER_ENTRY + 3 * float_bytes(inputs) + 4 * int(outputs) \
+        + INPUT_LEAF_BYTES_PER_ENTRY * int(leaf_entries)
 
 
 #: Copies of a convolution's unfolded input (im2col) its float64 check holds at once: torch's float64 convolutions

@@ -94,10 +94,11 @@ from gradwatch.plan.memory import (
     mb,
     model_device,
     module_bytes,
+    numel_of,
     release_freed,
 )
 from gradwatch.plan.units import LOSS_FN, Unit, block_rows, expert_rows, faithful_rows, in_place_param, plan_units, relative
-from gradwatch.trees import rebuild
+from gradwatch.trees import rebuild, tensor_leaves
 
 #: ``view(unit, rows)``: a context giving ``(unit with plain parameters, offset of its rows)`` (sharded models).
 PieceView = Callable[[Unit, Optional[Tuple[int, int]]], ContextManager[Tuple[Unit, int]]]
@@ -614,15 +615,15 @@ def _fewer_samples(model: nn.Module, loss_fn: Any, batch: Any, unit: Unit, need:
 def _cast_capture(got: Captured, unit: Unit, rows: Optional[Tuple[int, int]], dtype: torch.dtype
                   ) -> Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, int, Set[int]]:
     """A unit's captured inputs and stubs' outputs in ``dtype``, as ``((args, kwargs), children, output bytes, what
-    checking the piece (the unit, or its ``rows``) on them needs, ids of the constants)`` (the stubs' outputs at
-    :func:`_per_stub_entry`)."""
+    checking the piece (the unit, or its ``rows``) on them needs, ids of the constants)``."""
     constants: Set[int] = set()
     inputs = _cast_tree(got.inputs[unit.name], dtype, got.constants, constants)
     children = {rel: [_cast_tree(o, dtype, got.constants, constants) for o in outs]
                 for rel, outs in got.children.get(unit.name, {}).items()}
     out_bytes = got.output_bytes.get(unit.name, 0)
     if rows is None or block_rows(unit):
-        need = module_bytes(unit.params.values() if rows is None else (), inputs, out_bytes) \
+        leaf_entries = numel_of(t for t in tensor_leaves(inputs) if t.is_floating_point() and id(t) not in constants)
+        need = module_bytes(unit.params.values() if rows is None else (), inputs, out_bytes, leaf_entries) \
             + (piece_params_bytes(unit, rows) if rows is not None else 0) + float_entries(children) * _per_stub_entry(unit) \
             + (conv_workspace_bytes(unit.module, out_bytes) if unit.kind == "module" else 0) \
             + int(MODULE_SAVED_COPIES * unit.saved_ratio * float_bytes(inputs))
@@ -634,8 +635,7 @@ def _cast_capture(got: Captured, unit: Unit, rows: Optional[Tuple[int, int]], dt
 
 def _per_stub_entry(unit: Unit) -> int:
     """Bytes a piece's check holds per float64 entry of what it is given: the model's output under ``loss_fn``'s own
-    code at :data:`~gradwatch.plan.memory.LOSS_CODE_BYTES_PER_ENTRY` (its intermediates have that size), any other
-    at :data:`~gradwatch.plan.memory.MODULE_BYTES_PER_ENTRY`."""
+    code at ``LOSS_CODE_BYTES_PER_ENTRY`` (its intermediates have that size), any other at ``MODULE_BYTES_PER_ENTRY``."""
     return LOSS_CODE_BYTES_PER_ENTRY if unit.kind == "loss_fn" else MODULE_BYTES_PER_ENTRY
 
 
