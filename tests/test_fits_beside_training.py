@@ -307,6 +307,51 @@ def test_a_border_row_bug_in_a_convolution_backward_is_caught_on_its_window():
     assert "2:input" in {f.name for f in report.failures}, str(report)
 
 
+class _Silu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bug):
+        ctx.save_for_backward(x)
+        ctx.bug = bug
+        return F.silu(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(x)
+        grad = s * (1 + x * (1 - s))
+        return g * (grad * 1.1 if ctx.bug else grad), None
+
+
+class _Block(nn.Module):  # a UNet's resnet block: its own code (the activations, the sum) between the modules it calls
+    def __init__(self, c: int, bug: bool) -> None:
+        super().__init__()
+        self.bug = bug
+        self.n1, self.c1, self.n2, self.c2 = nn.GroupNorm(4, c), nn.Conv2d(c, c, 3, padding=1), nn.GroupNorm(4, c), \
+            nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x):
+        return x + self.c2(_Silu.apply(self.n2(self.c1(F.silu(self.n1(x)))), self.bug))
+
+
+def _block_check(bug: bool, seed: int):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), _Block(8, bug), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(8, 3))
+    batch = (torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1]))
+    # a room under one sample's check of the block's own code (its input and four stubs' outputs: about 8 MB)
+    return run_module_check(model, Objective(_ce, {}, 0.0), batch, CheckOptions(seed=seed), room=3_000_000)
+
+
+def test_a_blocks_own_code_over_the_room_on_one_sample_is_checked_on_a_window_and_its_bug_caught():
+    ok, bad = _block_check(False, 0), _block_check(True, 0)
+    windows = [n for n in ok.notes if n.startswith("module form: own code of `1` (_Block) checked on 1 of the ")
+               and "window" in n]
+    assert windows, ok.notes
+    assert ok.ok and "1:input" in ok.tensors, str(ok)
+    assert not bad.ok, str(bad)
+    assert {f.name for f in bad.failures} == {"1.n2:output"}, str(bad)  # the input of the SiLU whose backward is wrong
+
+
 _THRESHOLD = """
 import json, sys, torch
 from torch import nn

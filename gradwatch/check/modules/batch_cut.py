@@ -20,11 +20,14 @@ from gradwatch.trees import rebuild, tensor_leaves
 
 def batch_dims(batch: Any) -> Tuple[int, int]:
     """The batch size and sequence length of ``batch``: the first two dimensions of the first tensor in it with a
-    dimension (the length 1 where it has one; ``(1, 1)`` where there is none).
+    dimension (the length 1 where it has one, and where it has four or more: an image's second is its channels;
+    ``(1, 1)`` where there is none).
 
     Example:
         >>> batch_dims({"input_ids": torch.zeros(4, 6)}), batch_dims(torch.zeros(3)), batch_dims(2.0)
         ((4, 6), (3, 1), (1, 1))
+        >>> batch_dims((torch.zeros(2, 3, 64, 64), torch.zeros(2)))
+        (2, 1)
     """
     return _dims(_first(batch))
 
@@ -37,7 +40,7 @@ def _first(batch: Any) -> Optional[torch.Tensor]:
 def _dims(first: Optional[torch.Tensor]) -> Tuple[int, int]:
     if first is None:
         return 1, 1
-    return int(first.shape[0]), int(first.shape[1]) if first.dim() > 1 else 1
+    return int(first.shape[0]), int(first.shape[1]) if 1 < first.dim() <= 3 else 1
 
 
 def sub_batch(batch: Any, keep: int, length: Optional[int] = None, start: int = 0) -> Tuple[Any, int, int]:

@@ -585,8 +585,8 @@ def _fewer_samples(model: nn.Module, loss_fn: Any, batch: Any, unit: Unit, need:
         return None  # no cut of the batch fits: the parameters' copies alone fill the room
     size, seq = batch_dims(batch)
     cuts = cuts_to_try(size, seq, max(1, need - fixed), room - fixed)
-    if isinstance(unit.module, WINDOWED) and unit.kind == "module" and (1, None) not in cuts:
-        cuts = [c for c in cuts if c[1] is None] + [(1, None)]  # one sample, to window its positions
+    if (isinstance(unit.module, WINDOWED) and unit.kind == "module" or unit.kind == "own" and seq == 1) and (1, None) not in cuts:
+        cuts = [c for c in cuts if c[1] is None] + [(1, None)]  # one sample, to window its positions (own code: images)
     retried = False
     one: Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, Set[int]]] = None  # one sample's capture
     while cuts:
@@ -594,8 +594,8 @@ def _fewer_samples(model: nn.Module, loss_fn: Any, batch: Any, unit: Unit, need:
         part, _, _ = sub_batch(batch, kept, length)
         try:
             got = capture(model, loss_fn, part, [unit], seed, budget=room // 3)
-        except Exception:  # noqa: BLE001 - a model that refuses the cut batch: the unit is named as not checked
-            break
+        except Exception:  # noqa: BLE001 - a model that refuses this cut (of positions): the next; none, named
+            continue
         if unit.name not in got.inputs:
             continue
         inputs, children, _, cost, constants = _cast_capture(got, unit, rows, dtype)  # costed as on the whole batch

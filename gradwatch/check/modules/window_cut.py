@@ -6,7 +6,9 @@ computes on, and its backward is checked there as on the whole image (the window
 module pads, exercise the border rows at every check). Each check draws another window, so over a run the draws
 cover the image. Only modules whose input is ``(N, C, *spatial)`` and whose computation is local in the spatial
 dimensions (or over all of them alike) are windowed: convolutions, norms over channels, pools, elementwise
-activations.
+activations. So is a composite's own code (a UNet's resnet block: its sum, its activations and scaling between the
+modules it calls) where every image among its inputs and its stubs' outputs has the first input's positions: each is
+cut to the same window. Its check is of the own code's function on those tensors, whatever it computes from them.
 
 Example:
     >>> conv = nn.Conv2d(3, 4, 3, padding=1)
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from gradwatch.plan.units import Unit
+from gradwatch.trees import rebuild, tensor_leaves
 
 #: Leaf modules computed over an ``(N, C, *spatial)`` input locally in space (or alike over all of it): a window of
 #: the input is an input they compute on.
@@ -63,17 +66,60 @@ def window(args: Tuple[Any, ...], kwargs: Dict[str, Any], share: float, seed: in
         >>> args[0].shape[2:], what.split(" at ")[0]
         (torch.Size([7, 28]), 'a 7x28 window')
     """
-    x = args[0]
-    spatial = tuple(int(s) for s in x.shape[2:])
+    index, what = _draw(tuple(int(s) for s in args[0].shape[2:]), share, seed, smallest)
+    return ((args[0][index].contiguous(),), dict(kwargs)), what
+
+
+def _draw(spatial: Tuple[int, ...], share: float, seed: int, smallest: int = 4) -> Tuple[Tuple[slice, ...], str]:
+    """The index of a window of about ``share`` of ``spatial`` positions at an offset drawn from ``seed``, said."""
     scale = max(0.0, min(1.0, share)) ** (1.0 / len(spatial))
     sides = [max(min(s, smallest), min(s, int(math.floor(s * scale)))) for s in spatial]
     rng = random.Random(seed)
     starts = [rng.randint(0, s - w) for s, w in zip(spatial, sides)]
     index = (slice(None), slice(None)) + tuple(slice(a, a + w) for a, w in zip(starts, sides))
-    cut = x[index].contiguous()
-    what = (f"a {'x'.join(map(str, sides))} window at ({', '.join(map(str, starts))}) of its "
-            f"{'x'.join(map(str, spatial))} positions, drawn anew at each check")
-    return ((cut,), dict(kwargs)), what
+    return index, (f"a {'x'.join(map(str, sides))} window at ({', '.join(map(str, starts))}) of its "
+                   f"{'x'.join(map(str, spatial))} positions, drawn anew at each check")
+
+
+def shared_positions(tree: Any) -> Optional[Tuple[int, ...]]:
+    """The positions every image in ``tree`` (a floating ``(N, C, *spatial)`` tensor, ``spatial`` of two dimensions or
+    more) has: the first one's; None where one has others (a strided convolution's output, an upsampling's), where a
+    floating tensor of three dimensions is among them (an attention's ``(N, positions, C)``), or where there is none.
+
+    Example:
+        >>> x, temb = torch.zeros(1, 8, 16, 16), torch.zeros(1, 32)
+        >>> shared_positions(((x, temb), {"h": [torch.zeros(1, 4, 16, 16)]})), shared_positions((x, torch.zeros(1, 4, 8, 8)))
+        ((16, 16), None)
+    """
+    floats = [t for t in tensor_leaves(tree) if t.is_floating_point() and t.dim() >= 3]
+    if not floats or floats[0].dim() < 4:
+        return None
+    spatial = tuple(int(s) for s in floats[0].shape[2:])
+    return spatial if all(tuple(int(s) for s in t.shape[2:]) == spatial and t.dim() == len(spatial) + 2
+                          for t in floats) else None
+
+
+def window_all(tree: Any, spatial: Tuple[int, ...], share: float, seed: int, constants: Set[int]
+               ) -> Tuple[Any, Set[int], str]:
+    """``tree`` with every image of ``spatial`` positions cut to one window of about ``share`` of them
+    (:func:`shared_positions`), the ids of the constants among its tensors after the cut, and where, said.
+
+    Example:
+        >>> x, temb = torch.zeros(1, 8, 16, 16), torch.zeros(1, 32)
+        >>> (a, t), kept, what = window_all((x, temb), (16, 16), 0.25, 0, {id(temb)})
+        >>> a.shape[2:], t is temb, kept == {id(temb)}
+        (torch.Size([8, 8]), True, True)
+    """
+    index, what = _draw(spatial, share, seed)
+    kept: Set[int] = set()
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        c = t[index].contiguous() if t.dim() == len(spatial) + 2 and tuple(t.shape[2:]) == spatial else t
+        if id(t) in constants:
+            kept.add(id(c))
+        return c
+
+    return rebuild(tree, cut), kept, what
 
 
 def positions_share(fixed: int, cost: int, room: int) -> Optional[float]:
@@ -92,19 +138,22 @@ def positions_share(fixed: int, cost: int, room: int) -> Optional[float]:
 def windowed_piece(unit: Unit, one: Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, Set[int]]], fixed: int,
                    room: int, seed: int, size: int
                    ) -> Optional[Tuple[Tuple[Any, Any], Dict[str, List[Any]], int, str, Set[int]]]:
-    """A convolution (a norm, a pooling, an activation) whose check does not fit on one sample (``one``: its capture,
-    its stubs' outputs, its cost and constants): on a window of that sample's positions, as the module form's cuts
-    give it, ``(inputs, children, bytes, what, constants)``; None where it cannot be windowed or its parameters alone
-    fill the room."""
-    if one is None or unit.kind != "module" or one[1]:
+    """A convolution (a norm, a pooling, an activation), or a composite's own code among images, whose check does not
+    fit on one sample (``one``: its capture, its stubs' outputs, its cost and constants): on a window of that sample's
+    positions, as the module form's cuts give it, ``(inputs, children, bytes, what, constants)``; None where it cannot
+    be windowed or its parameters alone fill the room."""
+    if one is None or unit.kind not in ("module", "own"):
         return None
-    (args, kwargs), _, cost, constants = one
+    (args, kwargs), children, cost, constants = one
     share = positions_share(fixed, cost, room)
-    if share is None or not windowable(unit.module, args, kwargs):
+    spatial = shared_positions(((args, kwargs), children)) if unit.kind == "own" else None
+    if share is None or (spatial is None if unit.kind == "own" else children or not windowable(unit.module, args, kwargs)):
         return None
-    inputs, where = window(args, kwargs, share, seed)
-    kept = inputs[0][0].numel() / max(1, args[0].numel())
-    return inputs, {}, fixed + int((cost - fixed) * kept), f"1 of the batch's {size} samples, {where}", constants
+    first = next(t for t in tensor_leaves((args, kwargs)) if t.is_floating_point() and t.dim() >= 3)
+    spatial = spatial or tuple(int(s) for s in first.shape[2:])
+    (inputs, children), kept_constants, where = window_all(((args, kwargs), children), spatial, share, seed, constants)
+    kept = next(t for t in tensor_leaves(inputs) if t.is_floating_point() and t.dim() >= 3).numel() / max(1, first.numel())
+    return inputs, children, fixed + int((cost - fixed) * kept), f"1 of the batch's {size} samples, {where}", kept_constants
 
 
-__all__ = ["WINDOWED", "positions_share", "window", "windowable", "windowed_piece"]
+__all__ = ["WINDOWED", "positions_share", "shared_positions", "window", "window_all", "windowable", "windowed_piece"]
