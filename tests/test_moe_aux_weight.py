@@ -24,6 +24,7 @@ from torch.nn import functional as F
 import gradwatch
 from gradwatch.check.objective.output_terms import loss_coefficient, output_losses
 from gradwatch.check.replay.term_fit import TermRows, fit_terms
+from gradwatch.plan.memory import release_freed
 
 pytest.importorskip("transformers")
 from test_moe_hooks import AUX, Ids, tiny_moe  # noqa: E402
@@ -172,6 +173,42 @@ def test_a_plain_loop_summing_its_models_aux_loss_over_micro_batches_is_named_on
     state = json.loads(json.dumps(watch.state_dict()))  # as a checkpoint holds it: a resumed run does not say it again
     resumed, _ = plain_run(aux_summed=True, steps=1, state=state)
     assert resumed.alerts == watch.alerts  # the one kept from before the resume, nothing new
+
+
+class EmbedAuxNet(AuxNet):
+    """AuxNet on token ids: its body an embedding of 1.5M rows (a 48 MB gradient), judged by rows in a small room."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Embedding(1_500_000, 8)
+
+
+def test_a_weight_judged_by_rows_is_judged_against_the_weighting_too_one_alert():
+    # An embedding judged by rows (its whole gradient over the room) that the aux loss reaches: its rows were judged
+    # against the objective alone, WRONG 7.5e-2, a threshold alert beside the term_weight alert of the same cause.
+    release_freed(mkl=True)
+    try:  # the room from this process's peak from here on, not from what the worker's earlier tests reached
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the process's peak")
+    model = EmbedAuxNet()
+    watch = gradwatch.GradWatch(model, own_loss, every=1, items="samples", tensorboard=False, jsonl=False,
+                                memory_budget=0.02)
+    g = torch.Generator().manual_seed(1)
+    micro = [(torch.randint(0, 5000, (n,), generator=g), torch.randint(0, 2, (n,), generator=g)) for n in (3, 5)]
+    for i, batch in enumerate(micro):
+        out = model(*batch)
+        (out["data"] * len(batch[1]) / 8 + model.aux_loss_coef * out["aux_loss"]).backward()  # the aux loss summed
+        if i < len(micro) - 1:
+            watch.accumulate(batch)
+    report = watch.step(micro[-1])
+    assert report.training_rows.get("body.weight", (1, 1))[0] == 0, report.training_rows  # the rows the ids reach
+    assert [a.kind for a in watch.alerts] == ["term_weight"], [a.message for a in watch.alerts]
+    assert "body.weight" in watch.alerts[0].message
+    body = report.training["body.weight"]
+    assert not body.failed and "the model's aux_loss" in (body.diagnosis or ""), (body.verdict, body.diagnosis)
 
 
 def test_a_plain_loop_weighing_its_aux_loss_like_the_data_loss_has_no_alert():

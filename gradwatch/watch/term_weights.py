@@ -37,6 +37,9 @@ from gradwatch.watch.trend import WHOLE_CHECK, Alert
 
 #: ``again(evaluate, grad_of, weights, each)``: the step replayed as the training part replays it, another objective.
 Again = Callable[[Evaluate, GradOf, Sequence[float], Optional[Each]], Replay]
+#: ``grads(value, retain)``: ``{name: value's gradient}`` of the judged tensors (a weight's rows where it was judged by
+#: rows: :class:`~gradwatch.check.replay.rows.Differentiated`); without ``retain``, the graph freed.
+Grads = Callable[[torch.Tensor, bool], Dict[str, torch.Tensor]]
 #: Failing tensors named in the alert, at most.
 NAMED = 3
 
@@ -70,8 +73,8 @@ class Found:
 class _Terms:
     """One replay's sketches of each micro-batch's terms (its ``evaluate``, ``grad_of`` and ``each``)."""
 
-    def __init__(self, objective: Objective, hook: _Outputs, sketch: Sketch, params: Dict[str, torch.Tensor]) -> None:
-        self.objective, self.hook, self.sketch, self.params = objective, hook, sketch, params
+    def __init__(self, objective: Objective, hook: _Outputs, sketch: Sketch, grads: Grads) -> None:
+        self.objective, self.hook, self.sketch, self.grads = objective, hook, sketch, grads
         self.rows: Dict[int, Dict[str, torch.Tensor]] = {}
         self.values: Dict[int, Tuple[float, Optional[float]]] = {}  # loss_fn's value and the output's loss
         self._outputs: Dict[str, torch.Tensor] = {}
@@ -97,10 +100,7 @@ class _Terms:
         self.values[i] = self._loss
 
     def _sketched(self, value: torch.Tensor, retain: bool) -> torch.Tensor:
-        plist = tuple(self.params.values())
-        gs = torch.autograd.grad(value, plist, retain_graph=retain, allow_unused=True) if value.requires_grad \
-            else (None,) * len(plist)
-        return self.sketch({n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(self.params.items(), gs)})
+        return self.sketch(self.grads(value, retain))
 
 
 class TermWeights:
@@ -125,7 +125,7 @@ class TermWeights:
     def diagnose(self, again: Again, model: nn.Module, objective: Objective, params: Dict[str, torch.Tensor],
                  weights: Sequence[float], training: Dict[str, TrainingCheck], lives: Mapping[str, Optional[torch.Tensor]],
                  refs: Mapping[str, torch.Tensor], rejudge: Callable[[str, torch.Tensor], TrainingCheck],
-                 seed: int = 0) -> Optional[str]:
+                 seed: int = 0, grads: Optional[Grads] = None) -> Optional[str]:
         """Fit training's gradient on the step's terms; where a term weighted otherwise explains most failing tensors,
         judge them again against the step's gradient with that weighting (in ``training``) and return the words.
 
@@ -133,20 +133,22 @@ class TermWeights:
             again: The step replayed with another objective (:data:`Again`).
             model: The module the objective is evaluated on (its output's losses are read by a forward hook).
             objective: The check's objective (``loss_fn`` and the regularizers).
-            params: The watched tensors judged whole (their gradients are fitted and corrected).
+            params: The watched tensors judged (their gradients are fitted and corrected): whole, or the rows judged.
             weights: The step objective's weight of each micro-batch.
             training: The training verdicts; the failing ones it explains are replaced.
             lives: ``{name: training's gradient}``; ``refs``: ``{name: the step objective's gradient}``.
             rejudge: ``rejudge(name, reference)``: the tensor judged against another reference gradient.
             seed: Draws the sketch's coordinates.
+            grads: ``params``' gradients of a value (default: of each tensor, whole).
         """
         failing = [n for n, tc in training.items() if tc.failed and n in params]
         if not failing or not params:
             return None
-        fit = self._fit(again, model, objective, params, weights, lives, seed)
+        grads = grads or _whole(params)
+        fit = self._fit(again, model, objective, params, weights, lives, seed, grads)
         if fit is None:
             return None
-        delta = self._correction(again, model, objective, params, fit)
+        delta = self._correction(again, model, objective, params, fit, grads)
         if delta is None:
             return None
         judged = {n: rejudge(n, refs[n] + delta[n].to(refs[n].dtype)) for n in failing}
@@ -170,12 +172,13 @@ class TermWeights:
         return text
 
     def _fit(self, again: Again, model: nn.Module, objective: Objective, params: Dict[str, torch.Tensor],
-             weights: Sequence[float], lives: Mapping[str, Optional[torch.Tensor]], seed: int) -> Optional[TermFit]:
+             weights: Sequence[float], lives: Mapping[str, Optional[torch.Tensor]], seed: int, grads: Grads
+             ) -> Optional[TermFit]:
         """The step's terms sketched (a replay: each micro-batch's objective and output losses; the regularizers on the
         parameters), and the fit of training's sketched gradient on them."""
         sketch = Sketch({n: tuple(p.shape) for n, p in params.items()}, seed=seed)
         hook = _Outputs()
-        terms = _Terms(objective, hook, sketch, params)
+        terms = _Terms(objective, hook, sketch, grads)
         handle = model.register_forward_hook(hook)
         try:
             replay = again(terms.evaluate, terms.grad_of, [1.0] * len(weights), terms.each)
@@ -210,12 +213,11 @@ class TermWeights:
         return out
 
     def _correction(self, again: Again, model: nn.Module, objective: Objective, params: Dict[str, torch.Tensor],
-                    fit: TermFit) -> Optional[Dict[str, torch.Tensor]]:
+                    fit: TermFit, grads: Grads) -> Optional[Dict[str, torch.Tensor]]:
         """Training's gradient minus the objective's as the fit reads it, in full: a replay of each micro-batch's
         ``(x_i - u_i) L_i + sum_a y_ia a_i``, and each regularizer's gradient times ``z_r``."""
         hook = _Outputs()
         index: Dict[int, int] = {}
-        plist = tuple(params.values())
         state = {"i": 0}
 
         def evaluate(m: nn.Module, batch: Any) -> torch.Tensor:
@@ -233,8 +235,7 @@ class TermWeights:
             return sum(terms[1:], terms[0]) if terms else total * 0.0
 
         def grad_of(total: torch.Tensor, batch: Any) -> Dict[str, torch.Tensor]:
-            gs = torch.autograd.grad(total, plist, allow_unused=True) if total.requires_grad else (None,) * len(plist)
-            return {n: torch.zeros_like(p) if g is None else g.detach() for (n, p), g in zip(params.items(), gs)}
+            return {n: g.detach() for n, g in grads(total, False).items()}
 
         handle = model.register_forward_hook(hook)
         try:
@@ -271,6 +272,16 @@ class TermWeights:
                       "training")]
 
 
+def _whole(params: Dict[str, torch.Tensor]) -> Grads:
+    """Each tensor's whole gradient of a value."""
+    def grads(value: torch.Tensor, retain: bool) -> Dict[str, torch.Tensor]:
+        plist = tuple(params.values())
+        gs = torch.autograd.grad(value, plist, retain_graph=retain, allow_unused=True) if value.requires_grad \
+            else (None,) * len(plist)
+        return {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(params.items(), gs)}
+    return grads
+
+
 def _or_zeros(grad: Optional[torch.Tensor], param: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(param) if grad is None else grad
 
@@ -293,4 +304,4 @@ def _hint(model: nn.Module, fit: TermFit) -> str:
             "items), or, if training means this weighting, give loss_fn the same.")
 
 
-__all__ = ["Again", "Found", "TermWeights"]
+__all__ = ["Again", "Found", "Grads", "TermWeights"]

@@ -37,7 +37,7 @@ from gradwatch.check.probes.experts import by_expert
 from gradwatch.check.replay import checkpoint_blocks as blocks_of
 from gradwatch.check.replay.checkpoint_blocks import blocks_needed, checkpointing, repeated_blocks
 from gradwatch.check.replay.reference import Replay, Step, autocast_state, replay_step, scalar_grad
-from gradwatch.check.replay.rows import RowGrads, sliceable_linears
+from gradwatch.check.replay.rows import Differentiated, RowGrads, sliceable_linears
 from gradwatch.check.replay.subset import replay_subset
 from gradwatch.check.replay.window import PartialWindow
 from gradwatch.errors import first_line
@@ -189,7 +189,7 @@ class TrainingPart(TrendAlerting):
         #: The watched tensors whose ``.grad`` is NaN or inf at a check: an alert whatever the replay says.
         self.nonfinite = NonfiniteGrads()
         self._float16 = False  # the latest replayed step ran under float16 autocast
-        self._again: Optional[Tuple[Again, nn.Module, Dict[str, torch.Tensor], int]] = None
+        self._again: Optional[Tuple[Again, nn.Module, Differentiated, int]] = None
 
     def state_dict(self) -> Dict[str, Any]:
         """``{"training": ...}``: the accumulation window learned (a resumed run names a partial window at once) and
@@ -433,20 +433,24 @@ class TrainingPart(TrendAlerting):
         self._again = None
         if live and replay.grads is not None and ctx.grad_fn is None and not (ctx.dist is not None or ctx.sharded
                                                                                or ctx.zero or scaler):
-            self._again = (self._replays(root, entry, pending, dict(whole)), entry or root, dict(whole), seed)
+            # the rows judged too, where no regularizer reads their whole weight
+            judged = Differentiated(dict(whole), rowgrads.plan if rowgrads is not None and not ctx.objective.regularizers
+                                    else None)
+            self._again = (self._replays(root, entry, pending, judged), entry or root, judged, seed)
         return replay
 
-    def _replays(self, root: nn.Module, entry: Optional[nn.Module], pending: Step, params: Dict[str, torch.Tensor]
-                 ) -> Again:
+    def _replays(self, root: nn.Module, entry: Optional[nn.Module], pending: Step, judged: Differentiated) -> Again:
         """This check's step replayed with another objective (the term-weight diagnosis's, only where the verdict
-        fails), as :meth:`replay` replays it; the recorder left paused or not as it was."""
+        fails), as :meth:`replay` replays it, the rows judged by rows differentiated again; the recorder left paused or
+        not as it was."""
         ctx = self.watch
         recorder = cast(Any, ctx.recorder)
+        params = judged.whole
 
         def again(evaluate: Any, grad_of: Any, weights: Sequence[float], each: Any) -> Replay:
             paused = recorder.paused
             try:
-                with ctx.wrapping.fabric_backward():
+                with ctx.wrapping.fabric_backward(), judged.opened():
                     return replay_step(root, recorder, pending, evaluate, grad_of, params, loss_tolerance=1.0,
                                        context=self.replay_context, generators=ctx.held_generators(),
                                        modules=self._modules_cache, weights=list(weights), each=each, entry=entry,
@@ -666,15 +670,15 @@ class TrainingPart(TrendAlerting):
         explained = all(tc.ratio is not None for tc in failing) and not (plan.cut and self.watch.objective.regularizers)
         if again is None or plan.weights is None or not failing or explained:
             return None  # nothing failed, or the judge's words explain each (a factor; an L2 term, on a step not cut)
-        replays, model, whole, seed = again
+        replays, model, judged_again, seed = again
         options = self.watch.options
 
         def rejudge(n: str, reference: torch.Tensor) -> TrainingCheck:
             p, dtype = judged[n]
             return judge_training(n, lives[n], reference, p, dtype, options.bands, options.fail_verdict, scale=scale)
 
-        return self.terms.diagnose(replays, model, self.watch.objective, whole, plan.weights, report.training, lives,
-                                   grads, rejudge, seed)
+        return self.terms.diagnose(replays, model, self.watch.objective, judged_again.tensors(), plan.weights,
+                                   report.training, lives, grads, rejudge, seed, judged_again)
 
     def _partial_window(self, report: CheckReport, plan: Optional[StepPlan], lives: Dict[str, Optional[torch.Tensor]],
                         grads: Dict[str, torch.Tensor], judged: Dict[str, Tuple[torch.Tensor, torch.dtype]],

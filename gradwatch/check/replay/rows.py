@@ -32,7 +32,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, cast
+import contextlib
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -129,6 +130,13 @@ class RowGrads:
 
     def split(self, grads: Sequence[Optional[torch.Tensor]]) -> Dict[str, torch.Tensor]:
         """The gradients of :meth:`leaves` summed per weight (zeros where unused); forgets the leaves."""
+        out = self.summed(grads)
+        self._pending = []
+        return out
+
+    def summed(self, grads: Sequence[Optional[torch.Tensor]]) -> Dict[str, torch.Tensor]:
+        """The gradients of :meth:`leaves` summed per weight (zeros where unused); the leaves kept (another value of
+        the same forwards may be differentiated)."""
         out: Dict[str, torch.Tensor] = {}
         for (name, part), g in zip(self._pending, grads):
             g = torch.zeros_like(part) if g is None else g
@@ -136,7 +144,6 @@ class RowGrads:
         for name, (_, weight, (first, end)) in self.plan.items():
             if name not in out:
                 out[name] = torch.zeros_like(weight[first:end])
-        self._pending = []
         return out
 
     def grads(self, total: torch.Tensor) -> Dict[str, torch.Tensor]:
@@ -144,3 +151,52 @@ class RowGrads:
         leaves = self.leaves()
         got = torch.autograd.grad(total, leaves, allow_unused=True) if leaves else ()
         return self.split(list(got))
+
+
+class Differentiated:
+    """``{name: gradient}`` of a value for some whole tensors and, inside :meth:`opened` (around a replay), for some
+    weights' rows (a :class:`RowGrads` of ``plan``): the tensors a training verdict judged, differentiated alike again.
+
+    Example:
+        >>> lin, bias = nn.Linear(3, 4), torch.zeros(4, requires_grad=True)
+        >>> judged = Differentiated({"bias": bias}, {"weight": (lin, lin.weight, (1, 3))})
+        >>> with judged.opened():
+        ...     got = judged((lin(torch.ones(2, 3)) + bias).sum(), retain=False)
+        >>> {n: tuple(g.shape) for n, g in got.items()}, {n: tuple(t.shape) for n, t in judged.tensors().items()}
+        ({'bias': (4,), 'weight': (2, 3)}, {'bias': (4,), 'weight': (2, 3)})
+    """
+
+    def __init__(self, whole: Mapping[str, torch.Tensor], plan: Optional[RowPlan] = None) -> None:
+        self.whole = dict(whole)
+        self.plan = dict(plan or {})
+        self.rows: Optional[RowGrads] = None
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        """Each judged tensor: whole, or the weight's judged rows (detached)."""
+        return {**self.whole, **{n: w.detach()[first:end] for n, (_, w, (first, end)) in self.plan.items()}}
+
+    @contextlib.contextmanager
+    def opened(self) -> Iterator[None]:
+        """The rows' copies made at each forward of the module (their gradients are the rows')."""
+        if not self.plan:
+            yield
+            return
+        with RowGrads(self.plan) as rows:
+            self.rows = rows
+            try:
+                yield
+            finally:
+                self.rows = None
+
+    def __call__(self, value: torch.Tensor, retain: bool) -> Dict[str, torch.Tensor]:
+        """The gradients of ``value``; without ``retain``, its graph freed and the rows' copies forgotten."""
+        plist = tuple(self.whole.values())
+        leaves = self.rows.leaves() if self.rows is not None else ()
+        gs: Sequence[Optional[torch.Tensor]] = torch.autograd.grad(
+            value, plist + leaves, retain_graph=retain, allow_unused=True) if value.requires_grad \
+            else (None,) * (len(plist) + len(leaves))
+        out = {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(self.whole.items(), gs)}
+        if self.rows is not None:
+            rest = list(gs[len(plist):])
+            out.update(self.rows.summed(rest) if retain else self.rows.split(rest))
+        return out
