@@ -177,13 +177,13 @@ def lm_loss(m, b):
 
 def test_each_block_saves_its_counted_share_little_where_the_logits_dominate_and_nothing_where_frozen():
     from gradwatch.check.modules.activations import saved_bytes
-    from gradwatch.check.replay.checkpoint_blocks import block_savings, blocks_for
+    from gradwatch.check.replay.checkpoint_blocks import block_counts, block_savings, blocks_for
 
     torch.manual_seed(0)
     lm = LM()
     ids = torch.randint(0, 32000, (8, 33), generator=torch.Generator().manual_seed(1))
     counted = saved_bytes(lm, lm_loss, ids)
-    savings = block_savings(lm, counted.own, counted.total, 1000)
+    savings = block_savings(block_counts(lm, counted.own), counted.total, 1000)
     assert len(savings) == 3 and sum(savings) < 50, savings  # the log-softmax of 8 x 32 x 32,000 logits is the rest
     # a share of the activations and the held gradient (the estimate without a count) had given the blocks far more
     assert blocks_for(500, savings) == 3  # every block, and still short: the caller caps the replayed gradients
@@ -191,13 +191,13 @@ def test_each_block_saves_its_counted_share_little_where_the_logits_dominate_and
     net = Net(d=384)
     x = torch.randn(64, 16)
     counted = saved_bytes(net, lambda m, b: m(b).pow(2).mean(), x)
-    savings = block_savings(net, counted.own, counted.total, 1000)
+    savings = block_savings(block_counts(net, counted.own), counted.total, 1000)
     assert sum(savings) > 700 and min(savings) > 150, savings  # the wide blocks hold nearly all of it
     assert blocks_for(300, savings) == 2
     for p in list(net.inp.parameters()) + list(net.blocks[0].parameters()):
         p.requires_grad_(False)
     counted = saved_bytes(net, lambda m, b: m(b).pow(2).mean(), x)
-    assert block_savings(net, counted.own, counted.total, 1000)[0] == 0  # a frozen base's first block: no gradient
+    assert block_savings(block_counts(net, counted.own), counted.total, 1000)[0] == 0  # a frozen base's first block: no gradient
 
 
 def _train_lm(watch: bool, steps: int = 8):

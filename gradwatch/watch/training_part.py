@@ -173,6 +173,9 @@ class TrainingPart(TrendAlerting):
         #: gradient, as TRL's fused head reads ``lm_head.weight``): judged whole, never by rows.
         self.read_directly: Set[str] = set()
         self._params_cache: Optional[Any] = None
+        #: (the counted forward, the params cache it was walked against, bytes counted in each block, the watched tensors
+        #: outside the blocks): :meth:`_counted`'s walk of the module tree.
+        self._blocks_cache: Optional[Tuple[Any, Any, List[int], Set[str]]] = None
         self._watched_cache: Optional[Any] = None  # (trainable names, the watched ones among them)
         self._modules_cache: List[nn.Module] = []
         #: Whether the replay's graph holds a reentrant checkpoint: None until a replay looked (:meth:`_replay_grads`).
@@ -505,17 +508,24 @@ class TrainingPart(TrendAlerting):
             count = -cast(int, cast(Any, ctx.lockstep).point(-count))  # the largest count of the ranks
         return count, True
 
-    def _counted(self, model: nn.Module, saved: Any, room: int) -> Tuple[Optional[List[int]], Optional[Tuple[int, Set[str]]]]:
+    def _counted(self, model: nn.Module, saved: Any, room: int
+                 ) -> Tuple[Optional[List[int]], Optional[Tuple[int, Set[str]]]]:
         """One process, from ``saved`` (:class:`~gradwatch.check.modules.activations.Saved`): what checkpointing each
-        block saves the replay, and the replayed gradients' cap outside the blocks (``outside_cap``; names)."""
+        block saves the replay, and the replayed gradients' cap outside the blocks (``outside_cap``, and the watched
+        tensors it caps). The module tree is walked once a counted batch shape and tree, not at every check."""
         ctx = self.watch
         if saved is None or not saved.own or ctx.dist is not None or ctx.sharded or ctx.grad_fn is not None or ctx.zero:
             return None, None
+        params = self.params(model)  # (first: a changed tree replaces the cache the walk is kept against)
+        if self._blocks_cache is None or self._blocks_cache[0] is not saved or self._blocks_cache[1] is not self._params_cache:
+            inside = {id(p) for block in repeated_blocks(model) for p in block.parameters()}
+            self._blocks_cache = (saved, self._params_cache, blocks_of.block_counts(model, saved.own),
+                                  {n for n, p in params.items() if id(p) not in inside})
         activations = ctx.memory.transient()
-        savings = blocks_of.block_savings(model, saved.own, saved.total, activations)
+        savings = blocks_of.block_savings(self._blocks_cache[2], saved.total, activations)
         held = gradient_bytes(p.grad for p in model.parameters() if p.grad is not None)
-        cap = blocks_of.outside_cap(model, savings, held, room, activations, saved.total)
-        return savings, None if cap is None else (cap[0], {n for n, p in self.params(model).items() if id(p) in cap[1]})
+        cap = blocks_of.outside_cap(savings, held, room, activations, saved.total)
+        return savings, None if cap is None else (cap, self._blocks_cache[3])
 
     def _plan_step(self, pending: Step, model: nn.Module, params: Dict[str, torch.Tensor], seed: int) -> StepPlan:
         """The step's objective (:class:`~gradwatch.watch.step_objective.StepObjective`): on every rank alike (an

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -170,28 +170,38 @@ def counted_excess(held: int, replayed: int, room: int, activations: int, counte
     return excess if counted is None else min(excess, COUNTED_FACTOR * counted + replayed - room)
 
 
-def block_savings(root: nn.Module, own: Mapping[str, int], total: int, activations: int) -> List[int]:
-    """What checkpointing each of ``root``'s repeated blocks saves a replay, in the blocks' order: the block's share of
-    what a counted forward saved for its backward (``own``: the bytes by module of
-    :class:`~gradwatch.check.modules.activations.Saved`, of ``total``), times training's measured ``activations``.
-    The share is counted, the size measured: the counted forward runs without dropout's masks, and training's peak
-    holds temporaries a count of saved tensors does not see. A frozen block saves nothing (no gradient goes through
-    it), and where the logits dominate (a big vocabulary on a small model) the blocks save little: an MoE model of 4
-    layers of 256 on 32,000 tokens saves 12 MB a block of 114 MB counted, where a share of the activations and the
-    held gradient had counted 38 MB.
+def block_counts(root: nn.Module, own: Mapping[str, int]) -> List[int]:
+    """The bytes a counted forward saved inside each of ``root``'s repeated blocks, in the blocks' order (``own``: the
+    bytes by module of :class:`~gradwatch.check.modules.activations.Saved`): one walk of the module tree, the same
+    for every check of a batch shape.
 
     Example:
         >>> model = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), nn.Linear(2, 2))
-        >>> block_savings(model, {"0.0": 10, "0.1": 30, "1": 60}, 100, 1000)
-        [100, 300]
+        >>> block_counts(model, {"0.0": 10, "0.1": 30, "1": 60})
+        [10, 30]
     """
     names = {id(m): n for n, m in root.named_modules()}
     out = []
     for block in repeated_blocks(root):
         name = names.get(id(block))
-        inside = 0 if name is None else sum(b for n, b in own.items() if n == name or n.startswith(name + "."))
-        out.append(activations * inside // max(total, 1))
+        out.append(0 if name is None else sum(b for n, b in own.items() if n == name or n.startswith(name + ".")))
     return out
+
+
+def block_savings(counts: Sequence[int], total: int, activations: int) -> List[int]:
+    """What checkpointing each repeated block saves a replay: its share of what a counted forward saved for its
+    backward (``counts``: :func:`block_counts`, of ``total``), times training's measured ``activations``. The share is
+    counted, the size measured: the counted forward runs without dropout's masks, and training's peak holds
+    temporaries a count of saved tensors does not see. A frozen block saves nothing (no gradient goes through it),
+    and where the logits dominate (a big vocabulary on a small model) the blocks save little: an MoE model of 4 layers
+    of 256 on 32,000 tokens saves 12 MB a block of 114 MB counted, where a share of the activations and the held
+    gradient had counted 38 MB.
+
+    Example:
+        >>> block_savings([10, 30], 100, 1000)
+        [100, 300]
+    """
+    return [activations * inside // max(total, 1) for inside in counts]
 
 
 def blocks_for(excess: int, savings: Sequence[int]) -> int:
@@ -212,25 +222,20 @@ def blocks_for(excess: int, savings: Sequence[int]) -> int:
     return len(savings)
 
 
-def outside_cap(root: nn.Module, savings: Sequence[int], held: int, room: int, activations: int,
-                counted: Optional[int] = None) -> Optional[Tuple[int, Set[int]]]:
+def outside_cap(savings: Sequence[int], held: int, room: int, activations: int, counted: Optional[int] = None
+                ) -> Optional[int]:
     """Where even every block checkpointed (each saving its ``savings``) leaves training's ``held`` gradient over what
     the ``room`` leaves above its ``activations`` (an MoE model's logits on a big vocabulary dwarf its blocks'
-    activations): ``(bytes, ids)``, the most the replayed gradients of the parameters outside the blocks (``ids``) may
-    take together, what the blocks leave; else None. Those of the head come at the start of the replay's backward,
-    beside the logits' own gradients; a block's come as its recomputed backward runs, after the head's are freed.
-    ``counted``: a forward's saved bytes (:func:`counted_excess`).
+    activations): the most the replayed gradients of the parameters outside the blocks may take together, what the
+    blocks leave; else None. Those of the head come at the start of the replay's backward, beside the logits' own
+    gradients; a block's come as its recomputed backward runs, after the head's are freed. ``counted``: a forward's
+    saved bytes (:func:`counted_excess`).
 
     Example:
-        >>> model = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), nn.Linear(2, 2))
-        >>> bytes_, ids = outside_cap(model, [10, 10], 50, 100, 80)  # 50 held over the 20 left: the blocks save 20
-        >>> bytes_, ids == {id(model[1].weight), id(model[1].bias)}
-        (0, True)
-        >>> outside_cap(model, [10, 10], 50, 100, 60)[0], outside_cap(model, [10, 10], 5, 200, 10) is None
+        >>> outside_cap([10, 10], 50, 100, 80)  # 50 held over the 20 left: the blocks save 20
+        0
+        >>> outside_cap([10, 10], 50, 100, 60), outside_cap([10, 10], 5, 200, 10) is None
         (10, True)
     """
     left = sum(savings) - counted_excess(held, 0, room, activations, counted)
-    if left >= room:
-        return None
-    inside = {id(p) for block in repeated_blocks(root) for p in block.parameters()}
-    return max(0, left), {id(p) for p in root.parameters() if id(p) not in inside}
+    return None if left >= room else max(0, left)
