@@ -115,7 +115,7 @@ class BackwardPart(TrendAlerting):
             model_check.judge_unseen_on_modules(report, target, ctx.objective, batch, opts, screen=True)
         if not self._straight_through_named:
             self._straight_through_named = name_straight_through(report, target, ctx.objective.loss, batch, opts)
-        if not self._module_named and alone and ctx.dist is None and not ctx.sharded:
+        if not self._module_named and alone and ctx.one_process:
             self._module_named = name_shared_module(report, target, ctx.objective.loss, batch, opts)
         return report
 

@@ -121,7 +121,7 @@ class CheckPlanner:
         (:func:`~gradwatch.check.modules.activations.saved_bytes`), counted once per shape of batch; None where it is
         not counted: ranks (a DDP forward with grad expects its backward), compiled modules (grad mode is one of their
         guards: a new graph), or ``loss_fn`` raised on it (the check itself then says so)."""
-        if self.watch.dist is not None or self.watch.sharded or model is not self.watch.model \
+        if not self.watch.one_process or model is not self.watch.model \
                 or compiled_modules(model):
             return None
         key = tuple(tuple(t.shape) for t in tensor_leaves(batch))

@@ -116,7 +116,7 @@ class CheckRunner:
         """One check of ``batch`` at ``step`` (None when the ranks' coordinator is broken: no more checks); in one
         process with the model on the CPU, in the check's own thread (:mod:`gradwatch.watch.check_thread`)."""
         ctx = self.watch
-        if ctx.dist is None and not ctx.sharded and model_device(ctx.model).type == "cpu":
+        if ctx.one_process and model_device(ctx.model).type == "cpu":
             return self.thread.run(lambda: self._run(step, batch, scheduled, pending))
         return self._run(step, batch, scheduled, pending)
 
@@ -223,7 +223,7 @@ class CheckRunner:
         judged: Optional[CheckReport] = None
         objective: Optional[float] = None
         held = held_budget(ctx, check.room)  # what the captures may hold through a replay that is their forward
-        if check.room is not None and check.judge and ctx.dist is None and not ctx.sharded and ctx.recorder is not None:
+        if check.room is not None and check.judge and ctx.one_process and ctx.recorder is not None:
             check.saved = self.check_plan.activations(check.target, check.batch)  # (counted once a batch shape)
         replayed: Optional[float] = None  # the replay's seconds: the step's forwards and backwards again, about a step
 
@@ -252,7 +252,7 @@ class CheckRunner:
             lockstep = ctx.lockstep
             if lockstep.point(1 if self._fuse and fusable(ctx, check) else 0) == 1:  # every rank's check can
                 fused = ReplayCapture(replay, lockstep.point)
-        elif ctx.dist is None and not ctx.sharded and self._fuse and fusable(ctx, check):
+        elif ctx.one_process and self._fuse and fusable(ctx, check):
             fused = ReplayCapture(replay, lambda value: value)  # one process: no other rank to agree with
         if fused is None:
             replay()

@@ -141,6 +141,11 @@ class WatchContext:
         #: (:mod:`gradwatch.watch.replay_capture`).
         self.dropout_only: Optional[bool] = None
 
+    @property
+    def one_process(self) -> bool:
+        """No other rank to agree with: not distributed (DDP) and not sharded (FSDP2, ZeRO)."""
+        return self.dist is None and not self.sharded
+
     def close_micro_batch(self, batch: Any, loss: Any = None) -> None:
         """A micro-batch's backward is done (:meth:`GradWatch.accumulate`): recorded, or kept as the last one."""
         if self.recorder is not None:

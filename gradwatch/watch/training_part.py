@@ -412,7 +412,7 @@ class TrainingPart(TrendAlerting):
             total = checkpointing(root, total, blocks)
         if hooks is not None:  # the backward part's capture rides on the replay's forward
             total = capturing(total, model, hooks[0], hooks[1], faithful if faithful is not None else [],
-                              dropout=bool(ctx.dropout_only) and ctx.dist is None and not ctx.sharded)
+                              dropout=bool(ctx.dropout_only) and ctx.one_process)
         # a forward that opens autocast itself (not a compiled one: a hook inside its graph would recompile it)
         inner = InnerAutocast(root) if live and not autocast and not is_compiled(root) else None
         if inner is not None:
@@ -434,8 +434,7 @@ class TrainingPart(TrendAlerting):
         replay.plan = plan
         self.window.replayed(replay.accumulating, replay.forwards)
         self._again = None
-        if live and replay.grads is not None and ctx.grad_fn is None and not (ctx.dist is not None or ctx.sharded
-                                                                               or ctx.zero or scaler):
+        if live and replay.grads is not None and ctx.grad_fn is None and ctx.one_process and not (ctx.zero or scaler):
             # the rows judged too, where no regularizer reads their whole weight
             judged = Differentiated(dict(whole), rowgrads.plan if rowgrads is not None and not ctx.objective.regularizers
                                     else None)
@@ -514,7 +513,7 @@ class TrainingPart(TrendAlerting):
         block saves the replay, and the replayed gradients' cap outside the blocks (``outside_cap``, and the watched
         tensors it caps). The module tree is walked once a counted batch shape and tree, not at every check."""
         ctx = self.watch
-        if saved is None or not saved.own or ctx.dist is not None or ctx.sharded or ctx.grad_fn is not None or ctx.zero:
+        if saved is None or not saved.own or not ctx.one_process or ctx.grad_fn is not None or ctx.zero:
             return None, None
         params = self.params(model)  # (first: a changed tree replaces the cache the walk is kept against)
         if self._blocks_cache is None or self._blocks_cache[0] is not saved or self._blocks_cache[1] is not self._params_cache:
