@@ -18,7 +18,10 @@ encoder_long   ``nn.TransformerEncoder`` (2 layers of 128, 4 heads) on 1,024-tok
 mlp_batch      an MLP 64 -> 256 -> 256 -> 10 on a batch of 16,384, ``form="objective"``
 cnn64          two 3x3 convolutions of 32 channels, BatchNorm, a linear head; batch 8, 64x64
 cnn128         the same CNN at batch 32, 128x128
+cnn_wide       a CNN of 64 channels, BatchNorm, ReLU, max-pooling, dropout, a 100-class head; batch 16, 64x64
+resnetish      residual blocks of their own code (GroupNorm, SiLU, a sum), a strided convolution; batch 4, 96x96
 unet           diffusers' ``UNet2DModel`` (channels 16 and 32, attention blocks), 32x32, batch 8, the DDPM loss
+unet64         diffusers' ``UNet2DModel`` (channels 32, 64, 64, an attention block), 64x64, batch 4, the DDPM loss
 moe8           transformers' Mixtral, 8 experts (top 2), 4 layers of 256, a 32,000-token vocabulary (29.6M
                parameters), batch 4 x 128, the model's own loss with its router aux loss
 trl_sft        TRL's ``SFTTrainer`` at its defaults (bf16 autocast, gradient checkpointing, its loss) on a Llama of
@@ -52,8 +55,8 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-SHAPES = ("lora_gpt2", "gpt2_ckpt", "gpt2_frozen", "encoder_long", "mlp_batch", "cnn64", "cnn128", "unet", "moe8",
-          "trl_sft", "hf_gpt2")
+SHAPES = ("lora_gpt2", "gpt2_ckpt", "gpt2_frozen", "encoder_long", "mlp_batch", "cnn64", "cnn128", "cnn_wide",
+          "resnetish", "unet", "unet64", "moe8", "trl_sft", "hf_gpt2")
 #: The shapes trained by a Hugging Face ``Trainer`` (:func:`trainer_worker`).
 TRAINERS = ("trl_sft", "hf_gpt2")
 
@@ -146,18 +149,68 @@ def _cnn(size: int, batch: int) -> Tuple[Any, Callable, Any, Dict[str, Any]]:
     return model, loss_fn, data, {}
 
 
-def _unet() -> Tuple[Any, Callable, Any, Dict[str, Any]]:
+def _cnn_wide() -> Tuple[Any, Callable, Any, Dict[str, Any]]:
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Conv2d(64, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.Dropout(0.1),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 100))
+    gen = torch.Generator().manual_seed(1)
+    data = (torch.randn(16, 3, 64, 64, generator=gen), torch.randint(0, 100, (16,), generator=gen))
+
+    def loss_fn(m: Any, b: Any) -> Any:
+        return F.cross_entropy(m(b[0]), b[1])
+
+    return model, loss_fn, data, {}
+
+
+def _resnetish() -> Tuple[Any, Callable, Any, Dict[str, Any]]:
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    class Block(nn.Module):  # its own code: the activations and the sum between the modules it calls
+        def __init__(self, c: int) -> None:
+            super().__init__()
+            self.n1, self.c1 = nn.GroupNorm(8, c), nn.Conv2d(c, c, 3, padding=1)
+            self.n2, self.c2 = nn.GroupNorm(8, c), nn.Conv2d(c, c, 3, padding=1)
+
+        def forward(self, x: Any) -> Any:
+            return x + self.c2(F.silu(self.n2(self.c1(F.silu(self.n1(x))))))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), Block(32), nn.Conv2d(32, 48, 3, stride=2, padding=1),
+                          Block(48), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(48, 10))
+    gen = torch.Generator().manual_seed(1)
+    data = (torch.randn(4, 3, 96, 96, generator=gen), torch.randint(0, 10, (4,), generator=gen))
+
+    def loss_fn(m: Any, b: Any) -> Any:
+        return F.cross_entropy(m(b[0]), b[1])
+
+    return model, loss_fn, data, {}
+
+
+def _unet(size: int = 32) -> Tuple[Any, Callable, Any, Dict[str, Any]]:
     import torch
     from diffusers import UNet2DModel
     from torch.nn import functional as F
 
     torch.manual_seed(0)
-    model = UNet2DModel(sample_size=32, in_channels=3, out_channels=3, layers_per_block=1,
-                        block_out_channels=(16, 32), norm_num_groups=8,
-                        down_block_types=("DownBlock2D", "AttnDownBlock2D"),
-                        up_block_types=("AttnUpBlock2D", "UpBlock2D"))
+    if size == 32:
+        model = UNet2DModel(sample_size=32, in_channels=3, out_channels=3, layers_per_block=1,
+                            block_out_channels=(16, 32), norm_num_groups=8,
+                            down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                            up_block_types=("AttnUpBlock2D", "UpBlock2D"))
+    else:
+        model = UNet2DModel(sample_size=size, in_channels=3, out_channels=3, layers_per_block=1,
+                            block_out_channels=(32, 64, 64),
+                            down_block_types=("DownBlock2D", "AttnDownBlock2D", "DownBlock2D"),
+                            up_block_types=("UpBlock2D", "AttnUpBlock2D", "UpBlock2D"))
     gen = torch.Generator().manual_seed(1)
-    images = torch.randn(8, 3, 32, 32, generator=gen)
+    images = torch.randn(8 if size == 32 else 4, 3, size, size, generator=gen)
 
     def loss_fn(m: Any, x: Any) -> Any:  # the DDPM loss: it draws its own noise and timesteps
         noise = torch.randn_like(x)
@@ -199,8 +252,14 @@ def build(shape: str) -> Tuple[Any, Callable, Any, Dict[str, Any]]:
         return _cnn(64, 8)
     if shape == "cnn128":
         return _cnn(128, 32)
+    if shape == "cnn_wide":
+        return _cnn_wide()
+    if shape == "resnetish":
+        return _resnetish()
     if shape == "unet":
         return _unet()
+    if shape == "unet64":
+        return _unet(64)
     if shape == "moe8":
         return _moe()
     raise ValueError(f"shape {shape!r}: one of {', '.join(SHAPES)}")
