@@ -54,6 +54,7 @@ from gradwatch.check.objective.generators import HeldGenerators
 from gradwatch.check.objective.guards import LiveIsolation
 from gradwatch.check.objective.precision import AUTOCAST_DEVICES, any_autocast
 from gradwatch.check.objective.rng import preserved_rng
+from gradwatch.plan.memory import release_freed
 
 #: Forwards recorded per micro-batch at most; beyond, the replay cannot be verified.
 MAX_RECORDS = 64
@@ -707,6 +708,9 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
                 break
             tried.append((mode, probe.count, probe.faithful))
             differs = differs or probe.differs
+            if mode != modes[-1]:  # what this mode's replay freed, given back before the next one's forward (kept
+                del grads, probe  # in the heap, the next forward's activations went on top of it)
+                release_freed()
         if done is None:
             n_train = len(mb.records)
             if mb.records and all(count and n_train > count and n_train % count == 0 for _, count, _ in tried):
