@@ -149,10 +149,11 @@ def windowed_piece(unit: Unit, one: Optional[Tuple[Tuple[Any, Any], Dict[str, Li
     spatial = shared_positions(((args, kwargs), children)) if unit.kind == "own" else None
     if share is None or (spatial is None if unit.kind == "own" else children or not windowable(unit.module, args, kwargs)):
         return None
-    first = next(t for t in tensor_leaves((args, kwargs)) if t.is_floating_point() and t.dim() >= 3)
+    first = next(t for t in tensor_leaves(((args, kwargs), children)) if t.is_floating_point() and t.dim() >= 3)
     spatial = spatial or tuple(int(s) for s in first.shape[2:])
     (inputs, children), kept_constants, where = window_all(((args, kwargs), children), spatial, share, seed, constants)
-    kept = next(t for t in tensor_leaves(inputs) if t.is_floating_point() and t.dim() >= 3).numel() / max(1, first.numel())
+    cut = next(t for t in tensor_leaves((inputs, children)) if t.is_floating_point() and t.dim() >= 3)
+    kept = cut.numel() / max(1, first.numel())
     return inputs, children, fixed + int((cost - fixed) * kept), f"1 of the batch's {size} samples, {where}", kept_constants
 
 
