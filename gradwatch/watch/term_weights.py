@@ -32,6 +32,7 @@ from gradwatch.check.numerics.sketch import Sketch
 from gradwatch.check.objective.output_terms import loss_coefficient, output_loss, output_losses
 from gradwatch.check.objective.terms import Objective
 from gradwatch.check.replay.reference import Each, Evaluate, GradOf, Replay
+from gradwatch.check.replay.rows import Differentiated
 from gradwatch.check.replay.term_fit import TermFit, TermRows, fit_terms
 from gradwatch.watch.trend import WHOLE_CHECK, Alert
 
@@ -144,7 +145,7 @@ class TermWeights:
         failing = [n for n, tc in training.items() if tc.failed and n in params]
         if not failing or not params:
             return None
-        grads = grads or _whole(params)
+        grads = grads or Differentiated(params)
         fit = self._fit(again, model, objective, params, weights, lives, seed, grads)
         if fit is None:
             return None
@@ -270,16 +271,6 @@ class TermWeights:
         severity = "error" if worst.verdict is Verdict.WRONG else "warning"
         return [Alert(int(step), WHOLE_CHECK, "term_weight", severity, float(worst.judged_rel_diff), None, message,
                       "training")]
-
-
-def _whole(params: Dict[str, torch.Tensor]) -> Grads:
-    """Each tensor's whole gradient of a value."""
-    def grads(value: torch.Tensor, retain: bool) -> Dict[str, torch.Tensor]:
-        plist = tuple(params.values())
-        gs = torch.autograd.grad(value, plist, retain_graph=retain, allow_unused=True) if value.requires_grad \
-            else (None,) * len(plist)
-        return {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(params.items(), gs)}
-    return grads
 
 
 def _or_zeros(grad: Optional[torch.Tensor], param: torch.Tensor) -> torch.Tensor:

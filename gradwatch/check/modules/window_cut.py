@@ -11,9 +11,8 @@ modules it calls) where every image among its inputs and its stubs' outputs has 
 cut to the same window. Its check is of the own code's function on those tensors, whatever it computes from them.
 
 Example:
-    >>> conv = nn.Conv2d(3, 4, 3, padding=1)
     >>> x = torch.zeros(1, 3, 64, 64)
-    >>> (args, kwargs), what = window((x,), {}, 0.25, seed=0)
+    >>> ((args, kwargs), children), _, what = window_all((((x,), {}), {}), (64, 64), 0.25, seed=0, constants=set())
     >>> args[0].shape, what.startswith("a 32x32 window at")
     (torch.Size([1, 3, 32, 32]), True)
 """
@@ -56,31 +55,6 @@ def windowable(module: nn.Module, args: Any, kwargs: Any) -> bool:
     return not any(isinstance(v, torch.Tensor) for v in (kwargs or {}).values())
 
 
-def window(args: Tuple[Any, ...], kwargs: Dict[str, Any], share: float, seed: int, smallest: int = 4
-           ) -> Tuple[Tuple[Tuple[Any, ...], Dict[str, Any]], str]:
-    """``((args, kwargs), what)``: ``args[0]`` cut to a window of about ``share`` of its spatial positions (each side
-    scaled alike, at least ``smallest`` positions), at an offset drawn from ``seed``; ``what`` says where.
-
-    Example:
-        >>> (args, _), what = window((torch.zeros(1, 2, 10, 40),), {}, 0.5, seed=3)
-        >>> args[0].shape[2:], what.split(" at ")[0]
-        (torch.Size([7, 28]), 'a 7x28 window')
-    """
-    index, what = _draw(tuple(int(s) for s in args[0].shape[2:]), share, seed, smallest)
-    return ((args[0][index].contiguous(),), dict(kwargs)), what
-
-
-def _draw(spatial: Tuple[int, ...], share: float, seed: int, smallest: int = 4) -> Tuple[Tuple[slice, ...], str]:
-    """The index of a window of about ``share`` of ``spatial`` positions at an offset drawn from ``seed``, said."""
-    scale = max(0.0, min(1.0, share)) ** (1.0 / len(spatial))
-    sides = [max(min(s, smallest), min(s, int(math.floor(s * scale)))) for s in spatial]
-    rng = random.Random(seed)
-    starts = [rng.randint(0, s - w) for s, w in zip(spatial, sides)]
-    index = (slice(None), slice(None)) + tuple(slice(a, a + w) for a, w in zip(starts, sides))
-    return index, (f"a {'x'.join(map(str, sides))} window at ({', '.join(map(str, starts))}) of its "
-                   f"{'x'.join(map(str, spatial))} positions, drawn anew at each check")
-
-
 def shared_positions(tree: Any) -> Optional[Tuple[int, ...]]:
     """The positions every image in ``tree`` (a floating ``(N, C, *spatial)`` tensor, ``spatial`` of two dimensions or
     more) has: the first one's; None where one has others (a strided convolution's output, an upsampling's), where a
@@ -99,18 +73,27 @@ def shared_positions(tree: Any) -> Optional[Tuple[int, ...]]:
                           for t in floats) else None
 
 
-def window_all(tree: Any, spatial: Tuple[int, ...], share: float, seed: int, constants: Set[int]
+def window_all(tree: Any, spatial: Tuple[int, ...], share: float, seed: int, constants: Set[int], smallest: int = 4
                ) -> Tuple[Any, Set[int], str]:
-    """``tree`` with every image of ``spatial`` positions cut to one window of about ``share`` of them
-    (:func:`shared_positions`), the ids of the constants among its tensors after the cut, and where, said.
+    """``tree`` with every image of ``spatial`` positions cut to one window of about ``share`` of them (each side
+    scaled alike, at least ``smallest`` positions; :func:`shared_positions`) at an offset drawn from ``seed``, the ids
+    of the constants among its tensors after the cut, and where, said.
 
     Example:
         >>> x, temb = torch.zeros(1, 8, 16, 16), torch.zeros(1, 32)
         >>> (a, t), kept, what = window_all((x, temb), (16, 16), 0.25, 0, {id(temb)})
         >>> a.shape[2:], t is temb, kept == {id(temb)}
         (torch.Size([8, 8]), True, True)
+        >>> window_all(torch.zeros(1, 2, 10, 40), (10, 40), 0.5, 3, set())[2].split(" at ")[0]
+        'a 7x28 window'
     """
-    index, what = _draw(spatial, share, seed)
+    scale = max(0.0, min(1.0, share)) ** (1.0 / len(spatial))
+    sides = [max(min(n, smallest), min(n, int(math.floor(n * scale)))) for n in spatial]
+    rng = random.Random(seed)
+    starts = [rng.randint(0, n - w) for n, w in zip(spatial, sides)]
+    index = (slice(None), slice(None)) + tuple(slice(a, a + w) for a, w in zip(starts, sides))
+    what = (f"a {'x'.join(map(str, sides))} window at ({', '.join(map(str, starts))}) of its "
+            f"{'x'.join(map(str, spatial))} positions, drawn anew at each check")
     kept: Set[int] = set()
 
     def cut(t: torch.Tensor) -> torch.Tensor:
@@ -142,19 +125,22 @@ def windowed_piece(unit: Unit, one: Optional[Tuple[Tuple[Any, Any], Dict[str, Li
     fit on one sample (``one``: its capture, its stubs' outputs, its cost and constants): on a window of that sample's
     positions, as the module form's cuts give it, ``(inputs, children, bytes, what, constants)``; None where it cannot
     be windowed or its parameters alone fill the room."""
-    if one is None or unit.kind not in ("module", "own"):
+    if one is None:
         return None
     (args, kwargs), children, cost, constants = one
+    spatial: Optional[Tuple[int, ...]] = None
+    if unit.kind == "own":
+        spatial = shared_positions(((args, kwargs), children))
+    elif unit.kind == "module" and not children and windowable(unit.module, args, kwargs):
+        spatial = tuple(int(n) for n in args[0].shape[2:])
     share = positions_share(fixed, cost, room)
-    spatial = shared_positions(((args, kwargs), children)) if unit.kind == "own" else None
-    if share is None or (spatial is None if unit.kind == "own" else children or not windowable(unit.module, args, kwargs)):
+    if spatial is None or share is None:
         return None
-    first = next(t for t in tensor_leaves(((args, kwargs), children)) if t.is_floating_point() and t.dim() >= 3)
-    spatial = spatial or tuple(int(s) for s in first.shape[2:])
-    (inputs, children), kept_constants, where = window_all(((args, kwargs), children), spatial, share, seed, constants)
-    cut = next(t for t in tensor_leaves((inputs, children)) if t.is_floating_point() and t.dim() >= 3)
-    kept = cut.numel() / max(1, first.numel())
-    return inputs, children, fixed + int((cost - fixed) * kept), f"1 of the batch's {size} samples, {where}", kept_constants
+    (inputs, cut), kept_constants, where = window_all(((args, kwargs), children), spatial, share, seed, constants)
+    first, windowed = (next(t for t in tensor_leaves(tree) if t.is_floating_point() and t.dim() >= 3)
+                       for tree in (((args, kwargs), children), (inputs, cut)))
+    kept = windowed.numel() / max(1, first.numel())
+    return inputs, cut, fixed + int((cost - fixed) * kept), f"1 of the batch's {size} samples, {where}", kept_constants
 
 
-__all__ = ["WINDOWED", "positions_share", "shared_positions", "window", "window_all", "windowable", "windowed_piece"]
+__all__ = ["WINDOWED", "positions_share", "shared_positions", "window_all", "windowable", "windowed_piece"]
