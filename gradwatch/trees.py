@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Any, Callable, Iterator, Mapping, Tuple
+from typing import Any, Callable, Dict, Iterator, Mapping, Tuple
 
 import torch
 
@@ -93,3 +93,38 @@ def whole_numel(p: torch.Tensor) -> int:
     """
     shape = getattr(p, "ds_shape", None)
     return math.prod(shape) if shape is not None else int(p.numel())
+
+
+def param_names(model: torch.nn.Module, remove_duplicate: bool = True) -> Dict[int, str]:
+    """``{id(parameter): name}`` for a model's parameters (a tied parameter under its first name, or its last name
+    where ``remove_duplicate`` is False, as ``named_parameters`` walks them).
+
+    Example:
+        >>> lin = torch.nn.Linear(2, 1)
+        >>> sorted(param_names(lin).values())
+        ['bias', 'weight']
+    """
+    return {id(p): n for n, p in model.named_parameters(remove_duplicate=remove_duplicate)}
+
+
+def dense(g: torch.Tensor) -> torch.Tensor:
+    """A gradient as a strided tensor, detached (``Embedding(sparse=True)`` and ``grad_fn`` may give sparse ones).
+
+    Example:
+        >>> dense(torch.ones(2).to_sparse()).layout
+        torch.strided
+    """
+    if g.layout != torch.strided:
+        return g.detach().to_dense()
+    return g.detach() if g.requires_grad else g  # autograd.grad's results need no detach (one less view)
+
+
+def real_view(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real view ``(..., 2)`` (real, imaginary); others as they are. Perturbed in place, the
+    view perturbs ``t``.
+
+    Example:
+        >>> real_view(torch.tensor([1 + 2j])).tolist()
+        [[1.0, 2.0]]
+    """
+    return torch.view_as_real(t) if t.is_complex() else t

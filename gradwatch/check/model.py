@@ -37,7 +37,7 @@ from gradwatch.check.probes.prefix import KEEP_BYTES, REPLAY_MIN_SECONDS, Prefix
 from gradwatch.errors import blame
 from gradwatch.options import CheckOptions
 from gradwatch.plan.memory import release_freed
-from gradwatch.trees import tensor_leaves
+from gradwatch.trees import dense, real_view, tensor_leaves
 
 GradFn = Callable[[nn.Module, Any], Mapping[str, torch.Tensor]]
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -46,11 +46,6 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 def trainable_names(model: nn.Module) -> List[str]:
     """Names of floating (or complex) parameters that require grad, in model order (tied parameters once)."""
     return [n for n, p in model.named_parameters() if p.requires_grad and (p.is_floating_point() or p.is_complex())]
-
-
-def _real(t: torch.Tensor) -> torch.Tensor:
-    """A complex tensor as its real view ``(..., 2)`` (real, imaginary): perturbed in place, it perturbs ``t``."""
-    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def check_model(
@@ -232,7 +227,7 @@ def validate_grads(grads: Any, params: Mapping[str, torch.Tensor], source: str) 
         g = torch.as_tensor(np.asarray(g)) if not isinstance(g, torch.Tensor) else g
         if tuple(g.shape) != tuple(p.shape):
             raise ValueError(f"{source}: gradient for {n!r} has shape {tuple(g.shape)}, but the parameter has shape {tuple(p.shape)}")
-        out[n] = _dense(g.detach().to(p.device))
+        out[n] = dense(g.to(p.device))
     return out
 
 
@@ -329,7 +324,7 @@ def run_model_check(
         chosen = [n for n in chosen if n not in by_design]
     wanted = set(chosen)
     leaves = {n: p for n, p in target.named_parameters() if n in wanted}
-    params = {n: _real(p) for n, p in leaves.items()}  # what the engine perturbs: complex ones as (re, im) pairs
+    params = {n: real_view(p) for n, p in leaves.items()}  # what the engine perturbs: complex ones as (re, im) pairs
     batched = batched and cut is None and all(p is leaves[n] for n, p in params.items())
     eval_seed = opts.seed
     report = CheckReport(tensors={}, fail_at=opts.fail_verdict, seed=opts.seed)
@@ -377,9 +372,9 @@ def run_model_check(
         with recomputed_alike(dropout):  # a checkpoint recomputing in backward drops what the forward dropped
             grads = _analytic(objective, terms_t, total_t, leaves, target, batch, grad_fn, opts.per_term, graph_leaves)
         # torch's gradient of a real loss by a complex z = x + iy is dJ/dx + i dJ/dy: as a real view, (dJ/dx, dJ/dy).
-        grads = {n: {k: _real(g) for k, g in by_term.items()} for n, by_term in grads.items()}
+        grads = {n: {k: real_view(g) for k, g in by_term.items()} for n, by_term in grads.items()}
         for name, (output, g) in (cut.outputs.items() if cut is not None else ()):  # checked like a parameter
-            params[name], grads[name] = _real(output), {"total": _real(g)}
+            params[name], grads[name] = real_view(output), {"total": real_view(g)}
         del terms_t, total_t
         if activations >= RELEASE_BYTES:  # the forward's and backward's activations, freed and given back: what
             release_freed()  # glibc keeps of them would sit under the probes' evaluations in the process's peak
@@ -613,12 +608,7 @@ def _grad(value: torch.Tensor, plist: List[torch.Tensor], retain: bool,
         gs = grad_by_backward(value, plist, leaves, retain)
     else:
         gs = torch.autograd.grad(value, plist, retain_graph=retain, allow_unused=True)
-    return [torch.zeros_like(p) if g is None else _dense(g.detach()) for g, p in zip(gs, plist)]
-
-
-def _dense(g: torch.Tensor) -> torch.Tensor:
-    """A gradient in strided layout: ``Embedding(sparse=True)`` and ``grad_fn`` may give sparse ones."""
-    return g if g.layout == torch.strided else g.to_dense()
+    return [torch.zeros_like(p) if g is None else dense(g) for g, p in zip(gs, plist)]
 
 
 def _judge_all(report: CheckReport, params: Dict[str, torch.Tensor], grads, evaluator: Evaluator, opts: CheckOptions,

@@ -38,7 +38,7 @@ from gradwatch.plan.coverage import Coverage
 from gradwatch.plan.cycle import PACE_SHARE, PACED_SECONDS, PACED_STEP_SECONDS, PIECE_STEPS, ROWS_PER_SLICE, Cycle, Piece, fewest_whole
 from gradwatch.plan.memory import MODULE_BYTES_PER_ENTRY, SAFETY, mb, numel_of, objective_bytes
 from gradwatch.plan.units import Unit, block_bytes, block_rows, expert_rows, in_place_param, plan_units, sliceable_rows
-from gradwatch.trees import whole_shape
+from gradwatch.trees import param_names, whole_shape
 
 #: The module form, measured cheaper than the whole objective, is left only where a pass of it takes this many times a
 #: pass of the whole objective: the two are timed at different checks (the whole objective once), and a loaded machine
@@ -296,7 +296,7 @@ class Planner:
             found = find_surrogates(model, surrogates)
             units = [u for u in plan_units(model, loss_fn, batch, seed) if not inside(u.name, found)]
             chosen = set(watched)
-            names = {id(p): n for n, p in model.named_parameters()}
+            names = param_names(model)
             if len(chosen) < len(names):  # a narrower watch: the units that hold a watched tensor
                 adapters = frozen_only(model, chosen)  # and, over a frozen base, the code between them and the loss
                 bases = adapter_bases(units, {i for i, n in names.items() if n in chosen}) if adapters else set()
@@ -489,10 +489,6 @@ class Planner:
                 self._said.add(key)
                 out.append(note)
         return out
-
-    def never_checked(self, names: Sequence[str]) -> Dict[str, List[str]]:
-        """Per part, the watched tensors with no row probed yet."""
-        return self.coverage.never(names)
 
     def state_dict(self) -> Dict[str, Any]:
         """The coverage and the position in the cycle."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -426,11 +426,6 @@ def output_shape(unit: Unit, args: Any, kwargs: Any) -> Optional[Tuple[int, ...]
     return None
 
 
-def canonical_names(model: nn.Module) -> Dict[int, str]:
-    """``id(parameter)`` -> the name ``named_parameters`` gives it (a tied weight's first name)."""
-    return {id(p): n for n, p in model.named_parameters()}
-
-
 def relative(unit: Unit, name: str) -> Optional[str]:
     """``name`` relative to ``unit``'s module, or None when it is not one of its submodules."""
     if not unit.name or unit.kind == "loss_fn":
@@ -438,6 +433,3 @@ def relative(unit: Unit, name: str) -> Optional[str]:
     return name[len(unit.name) + 1:] if name.startswith(unit.name + ".") else None
 
 
-def used_params(units: Sequence[Unit]) -> Set[int]:
-    """``id`` of every parameter some unit checks."""
-    return {id(p) for u in units for p in u.params.values()}

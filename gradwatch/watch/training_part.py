@@ -42,6 +42,7 @@ from gradwatch.check.replay.subset import replay_subset
 from gradwatch.check.replay.window import PartialWindow
 from gradwatch.errors import first_line
 from gradwatch.plan.memory import gradient_bytes, mb, peak_bytes, release_freed
+from gradwatch.trees import dense
 from gradwatch.watch.accumulation import AccumulationWindow
 from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
 from gradwatch.watch.nonfinite_grads import NonfiniteGrads
@@ -55,18 +56,6 @@ from gradwatch.watch.wrappers import is_compiled, unwrap_model
 from gradwatch.watch.zero import is_partitioned, loss_scale, whole_grad, zero_part
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
-
-
-def dense(g: torch.Tensor) -> torch.Tensor:
-    """A gradient as a strided tensor (``Embedding(sparse=True)`` gives sparse ones).
-
-    Example:
-        >>> dense(torch.ones(2).to_sparse()).layout
-        torch.strided
-    """
-    if g.layout != torch.strided:
-        return g.detach().to_dense()
-    return g.detach() if g.requires_grad else g  # autograd.grad's results need no detach (one less view)
 
 
 def same_tree(tree: List[Tuple[Dict[str, Any], Tuple[str, ...], Tuple[Any, ...]]]) -> bool:

@@ -46,6 +46,7 @@ from gradwatch.check.numerics.sampling import generator, tensor_seed
 from gradwatch.check.update.clipping import factors, judge_clipping, value_bound
 from gradwatch.check.update.optimizer_replay import algorithm, judge_update, replay
 from gradwatch.io.headlines import line
+from gradwatch.trees import param_names
 from gradwatch.watch.trend import WHOLE_CHECK, Alert
 from gradwatch.watch.update_shards import (
     Layout,
@@ -230,7 +231,7 @@ def declared_ties(model: nn.Module) -> List[Tuple[str, ...]]:
             inp, out = hf.get_input_embeddings(), hf.get_output_embeddings()
         except Exception:  # noqa: BLE001 - a model without the accessors: nothing declared this way
             return ties
-        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        names = param_names(model, remove_duplicate=False)
         pair = tuple(names.get(id(getattr(m, "weight", None)), "") for m in (inp, out))
         if all(pair) and pair[0] != pair[1] and not any(set(pair) <= set(t) for t in ties):
             ties.append(pair)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from gradwatch.check.numerics.sampling import generator, tensor_seed
+from gradwatch.trees import param_names
 
 #: Coordinates drawn from each tensor's fragment at a check.
 COORDS = 16
@@ -57,7 +58,7 @@ def draw(zero: Any, model: nn.Module, seed: int, step: int, rank: int
     """``(drawn, partitions)``: for each model tensor with a fragment in this rank's partition, up to :data:`COORDS`
     indices into the group's flat float32 partition (``drawn[name]``), and that partition (``partitions[name]``).
     Model tensors are named as ``model.named_parameters()`` names them."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = param_names(model)
     drawn: Dict[str, torch.Tensor] = {}
     partitions: Dict[str, torch.Tensor] = {}
     for group_no, lps in enumerate(zero.bit16_groups):

@@ -110,16 +110,6 @@ def agrees(analytic: float, numeric: float, floor: float, rel: float) -> bool:
     return abs(analytic - numeric) - floor <= rel * (abs(analytic) + abs(numeric))
 
 
-def within_tolerance(analytic: float, numeric: float, atol: float, rtol: float, noise: float = 0.0) -> bool:
-    """Chainer's test of one line: ``|numeric - analytic| <= atol + rtol * |analytic|`` (plus ``noise``).
-
-    Example:
-        >>> within_tolerance(1.0, 1.00001, atol=1e-5, rtol=1e-4), within_tolerance(1.0, 1.1, atol=1e-5, rtol=1e-4)
-        (True, False)
-    """
-    return abs(numeric - analytic) <= atol + rtol * abs(analytic) + noise
-
-
 def judged_rel_diff(analytic: Sequence[float], numeric: Sequence[float], floors: Sequence[float]) -> float:
     """Relative difference after discounting each line's noise floor (0 when every gap is within it).
 

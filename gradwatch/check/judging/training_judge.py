@@ -23,6 +23,7 @@ import torch
 
 from gradwatch.bands import DEFAULT_BANDS, Verdict
 from gradwatch.check.judging.report import TrainingCheck
+from gradwatch.trees import dense, real_view
 
 #: Relative difference ``||live - ref|| / (||live|| + ||ref||)`` that rounding alone can cause, per compute dtype.
 #: A faithful replay of the same ops gives the same bits (measured: 0 on an MLP, a CNN with BatchNorm and a
@@ -113,14 +114,6 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a, b))
 
 
-def _real(t: torch.Tensor) -> torch.Tensor:
-    """Complex tensors as (real, imaginary) pairs, the way the backward part checks them; others as they are."""
-    t = t.detach()
-    if t.layout != torch.strided:
-        t = t.to_dense()
-    return torch.view_as_real(t) if t.is_complex() else t
-
-
 def gradient_scale(grads: Sequence[torch.Tensor]) -> float:
     """Root-mean-square entry over several gradients (the ``scale`` of :func:`judge_training`).
 
@@ -128,7 +121,7 @@ def gradient_scale(grads: Sequence[torch.Tensor]) -> float:
         >>> round(gradient_scale([torch.ones(3), torch.zeros(1)]), 6)
         0.866025
     """
-    grads = [_real(g) for g in grads]
+    grads = [real_view(dense(g)) for g in grads]
     n = sum(g.numel() for g in grads)
     if n == 0:
         return 0.0
@@ -148,7 +141,7 @@ def fitted_scale(lives: Mapping[str, Optional[torch.Tensor]], refs: Mapping[str,
     for name, ref in refs.items():
         live = lives.get(name)
         if live is not None:
-            g, r = _real(live).reshape(-1).double(), _real(ref).reshape(-1).double().to(live.device)
+            g, r = real_view(dense(live)).reshape(-1).double(), real_view(dense(ref)).reshape(-1).double().to(live.device)
             gr += float(g @ r)
             rr += float(r @ r)
     return gr / rr if rr > 0.0 else float("nan")
@@ -206,8 +199,8 @@ def judge_training(
         return TrainingCheck(name, tuple(param.shape), dtype_name, tol, 0.0, 0.0, 0.0, Verdict.EXCELLENT,
                              fail_at is Verdict.EXCELLENT)  # EXCELLENT fails only where fail_at is EXCELLENT
     check = TrainingCheck(name=name, shape=tuple(param.shape), dtype=dtype_name, tolerance=tol)
-    ref, param = _real(ref), _real(param)
-    live = _real(live) if live is not None else None
+    ref, param = real_view(dense(ref)), real_view(dense(param))
+    live = real_view(dense(live)) if live is not None else None
     r = ref.detach().reshape(-1).to(torch.float64)
     if live is None:
         check.live_grad = False

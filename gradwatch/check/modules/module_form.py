@@ -98,7 +98,7 @@ from gradwatch.plan.memory import (
     release_freed,
 )
 from gradwatch.plan.units import LOSS_FN, Unit, block_rows, expert_rows, faithful_rows, in_place_param, plan_units, relative
-from gradwatch.trees import rebuild, tensor_leaves
+from gradwatch.trees import param_names, rebuild, tensor_leaves
 
 #: ``view(unit, rows)``: a context giving ``(unit with plain parameters, offset of its rows)`` (sharded models).
 PieceView = Callable[[Unit, Optional[Tuple[int, int]]], ContextManager[Tuple[Unit, int]]]
@@ -233,7 +233,7 @@ def run_module_check(
         pieces = [p for p in pieces if p.unit != LOSS_FN]
     chosen = list({p.unit: by_name[p.unit] for p in pieces if p.unit in by_name}.values())
     dtype = opts.torch_dtype or torch.float64
-    canonical = {id(p): n for n, p in model.named_parameters()}
+    canonical = param_names(model)
     skipped: List[str] = []
     estimate = 0
     unused = 0

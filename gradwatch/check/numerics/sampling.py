@@ -131,17 +131,6 @@ def rademacher_signs(numel: int, count: int, gen: torch.Generator, dtype: torch.
     return rows.reshape(count, -1)[:, :numel].contiguous()
 
 
-def rademacher(numel: int, count: int, gen: torch.Generator, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """``count`` random unit directions with entries ``±1/sqrt(numel)``, shape ``(count, numel)``.
-
-    Example:
-        >>> d = rademacher(4, 2, generator(0))
-        >>> d.shape, float(d[0].norm())
-        (torch.Size([2, 4]), 1.0)
-    """
-    return rademacher_signs(numel, count, gen).to(dtype) / (numel**0.5)
-
-
 def match_names(names: Sequence[str], patterns: Optional[Iterable[str]], strict: bool = True) -> List[str]:
     """Names matching any glob pattern (``None`` keeps all).
 

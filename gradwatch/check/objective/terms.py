@@ -13,6 +13,7 @@ from torch import nn
 
 from gradwatch.check.objective.dtensor import is_dtensor
 from gradwatch.errors import blame
+from gradwatch.trees import param_names
 
 Regularizer = Callable[[nn.Module], torch.Tensor]
 RegularizerSpec = Union[None, Mapping[str, Union[float, Regularizer]], Sequence[Regularizer]]
@@ -106,7 +107,7 @@ def coupled_weight_decay(model: nn.Module, optimizer: Optional[torch.optim.Optim
         return {}, []
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = param_names(model)
     decoupled_cls = isinstance(optimizer, torch.optim.AdamW)
     out: Dict[str, float] = {}
     notes: List[str] = []
