@@ -13,7 +13,7 @@ step ``--at``:
 - ``raise-loss``: ``loss_fn`` raises after the model's forward (its all-gathers done), in the replay;
 - ``raise-forward``: a block raises in the middle of the model's forward, in the replay;
 - ``raise-capture``: ``loss_fn`` raises at its second call of the check: the units' capture forward where it runs
-  one; where the replay's forward is the capture's (FSDP2, tensor parallel: ``gradwatch/watch/replay_capture.py``),
+  one; where the replay's forward is the capture's (FSDP2, tensor parallel: ``gradwatch/watch/parts/replay_capture.py``),
   the next call (the forward that looks for terms reading the parameters, or a piece of ``loss_fn``'s own code);
 - ``nan``: that rank's logits are NaN at that step (in training and in the check);
 - ``stall``: ``loss_fn`` sleeps 3 s in the replay (less than ``distributed_timeout``);

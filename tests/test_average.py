@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradwatch.watch import distributed
-from gradwatch.watch.distributed import DistributedCoordinator
+from gradwatch.parallel import coordinator as distributed
+from gradwatch.parallel.coordinator import DistributedCoordinator
 
 
 @pytest.fixture

@@ -113,7 +113,7 @@ def test_a_sharded_linear_too_big_both_ways_is_checked_on_rows_of_one_sample():
     """On a sharded model no other forward may run: a Linear's row block whose inputs alone fill half the room, and
     whose rows' share of the parameters alone fills the room, is checked on a block of rows of one captured sample
     (it was left unchecked: a ``not_checked`` alert on a correct model, in a tight room)."""
-    from gradwatch.watch.shard_check import ShardView
+    from gradwatch.parallel.shard_check import ShardView
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 3))

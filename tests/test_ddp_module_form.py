@@ -40,7 +40,7 @@ WORKER = textwrap.dedent(
     def spy(*args, **kw):
         pieces.append([str(p) for p in kw["pieces"]])
         return real(*args, **kw)
-    modular.run_module_check = spy  # the backward part calls it through the module (gradwatch.watch.backward_part)
+    modular.run_module_check = spy  # the backward part calls it through the module (gradwatch.watch.parts.backward)
 
     results = {}
     for name in ("correct", "bug"):

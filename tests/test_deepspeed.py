@@ -4,7 +4,7 @@ One pair of worker processes runs every scenario in turn (each with its own engi
 timeout (the parent kills the workers), so a hang fails the test instead of blocking the suite. Each
 rank writes what it saw to a JSON file that the tests then read. The watch is given what
 ``deepspeed.initialize`` returns, the engine and the ZeRO optimizer, and ``watch.step(batch)`` runs
-between ``engine.backward(loss)`` and ``engine.step()`` (:mod:`gradwatch.watch.zero`):
+between ``engine.backward(loss)`` and ``engine.step()`` (:mod:`gradwatch.parallel.zero`):
 
 - ``zero1``, ``zero2``, ``zero3`` (stage 3 with ``stage3_param_persistence_threshold: 0``: every parameter
   an empty placeholder): a correct Linear-Tanh MLP, 4 checks at ``every=1``: no alert, every parameter
@@ -42,7 +42,7 @@ import pytest
 import torch.distributed as dist
 from helpers import two_rank_results
 
-from gradwatch.watch.host_points import usable
+from gradwatch.parallel.host_points import usable
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")]

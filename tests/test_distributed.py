@@ -339,7 +339,7 @@ def test_unwrap_and_modes(tmp_path):
     from torch import nn
 
     from gradwatch import GradWatch
-    from gradwatch.watch.distributed import DistributedCoordinator, unwrap_model
+    from gradwatch.parallel.coordinator import DistributedCoordinator, unwrap_model
 
     lin = nn.Linear(2, 1)
     assert unwrap_model(nn.DataParallel(nn.DataParallel(lin))) is lin
@@ -363,7 +363,7 @@ def test_unwrap_and_modes(tmp_path):
 
 def test_merge_reports_orders_tensors_and_keeps_nonfinite():
     from gradwatch import CheckReport, TensorCheck
-    from gradwatch.watch.distributed import merge_reports
+    from gradwatch.parallel.coordinator import merge_reports
 
     def report(names, objective, evaluations):
         return CheckReport(tensors={n: TensorCheck(n, (1,), 0.0, 0.0) for n in names}, objective=objective,
@@ -383,7 +383,7 @@ def test_merge_reports_keeps_a_ranks_failing_verdict_whatever_rank_comes_after()
     # report keeps the failing one, not the last rank's
     from gradwatch import CheckReport, TensorCheck
     from gradwatch.bands import Verdict
-    from gradwatch.watch.distributed import merge_reports
+    from gradwatch.parallel.coordinator import merge_reports
 
     bad = TensorCheck("w", (4, 2), 0.06, 0.2, judged_rel_diff=0.06, verdict=Verdict.WRONG, failed=True)
     ok = TensorCheck("w", (4, 2), 0.0, 0.0, verdict=Verdict.EXCELLENT)
@@ -398,8 +398,8 @@ def test_coordinator_shares_gathers_and_merges_only():
     import ast
     import inspect
 
-    import gradwatch.watch.distributed as coordinator
-    from gradwatch.watch.distributed import DistributedCoordinator
+    import gradwatch.parallel.coordinator as coordinator
+    from gradwatch.parallel.coordinator import DistributedCoordinator
 
     source = inspect.getsource(coordinator)
     imported = [(node.level, node.module, [a.name for a in node.names])

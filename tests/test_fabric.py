@@ -20,7 +20,7 @@ from lightning.fabric import Fabric  # noqa: E402
 from lightning.fabric import wrappers as fabric_wrappers  # noqa: E402
 
 from gradwatch import GradWatch  # noqa: E402
-from gradwatch.watch.wrappers import Wrapping  # noqa: E402
+from gradwatch.parallel.wrappers import Wrapping  # noqa: E402
 
 #: Every precision Fabric runs on the CPU ("16-mixed" falls back to "bf16-mixed" there), with the dtype the
 #: training part must say training computed in.

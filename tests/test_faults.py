@@ -51,7 +51,7 @@ def test_nan_logits_on_one_rank_are_a_nonfinite_record():
 
 
 def test_a_custom_backward_raising_in_the_replay_that_is_the_capture_leaves_training_bit_identical():
-    """FSDP2's replay is the capture's forward (gradwatch/watch/replay_capture.py): a backward that raised midway left
+    """FSDP2's replay is the capture's forward (gradwatch/watch/parts/replay_capture.py): a backward that raised midway left
     gradients on unsharded parameters, which the check's region clears where it ends; resharding before that (as
     after a capture that raised) lost them to training's next reduce-scatter, and training's next steps differed."""
     out = faults.run("raise-backward", 0, at=2, timeout=4.0, pg_timeout=20.0)

@@ -5,7 +5,7 @@ watch), under a hard timeout (the parent kills the workers), so a hang fails the
 instead of blocking the suite and an abort inside gloo shows as an exit code. Each rank
 writes what it saw to a JSON file that the tests then read.
 
-Shard by shard (the default, :mod:`gradwatch.watch.shard_check`):
+Shard by shard (the default, :mod:`gradwatch.parallel.shard_check`):
 
 - ``correct``: default check options on a correct model with dropout: no error, no alert,
   every parameter checked by the ranks that hold its rows, the training part judged on the
@@ -23,7 +23,7 @@ Shard by shard (the default, :mod:`gradwatch.watch.shard_check`):
 - ``nan``: rank 1's batch holds a NaN at step 2: no hang, the same ``nonfinite`` record on both
   ranks, checks go on, and the parameters are bit for bit those of a run without the watch.
 
-On a gathered replica (``form="objective"``, :mod:`gradwatch.watch.sharded`):
+On a gathered replica (``form="objective"``, :mod:`gradwatch.parallel.sharded`):
 
 - ``replica``: the planted bug caught and diagnosed, each rank checking its own tensors;
 - ``inplace``: ``dtype=None`` (before this, one rank aborted inside gloo): checks run;
@@ -484,7 +484,7 @@ def test_replica_is_plain_full_and_keeps_ties_and_user_hooks(one_rank):
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import DTensor
 
-    from gradwatch.watch.sharded import (
+    from gradwatch.parallel.sharded import (
         LiveForwardInCheck,
         Replica,
         is_sharded,
@@ -529,7 +529,7 @@ def test_tied_parameters_stay_tied_in_the_replica(one_rank):
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
-    from gradwatch.watch.sharded import Replica
+    from gradwatch.parallel.sharded import Replica
 
     emb = nn.Embedding(6, 4)
     head = nn.Linear(4, 6, bias=False)
@@ -585,8 +585,8 @@ def test_fsdp_over_one_rank_makes_no_agreement_point(one_rank):
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
-    from gradwatch.watch.lockstep import Lockstep
-    from gradwatch.watch.sharded import fsdp_communicates
+    from gradwatch.parallel.lockstep import Lockstep
+    from gradwatch.parallel.sharded import fsdp_communicates
 
     class Agreeing:
         calls = 0

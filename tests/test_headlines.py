@@ -15,7 +15,7 @@ from gradwatch.bands import Verdict
 from gradwatch.check.judging.report import CheckReport, NotChecked, TensorCheck, TrainingCheck
 from gradwatch.cli import main
 from gradwatch.io.headlines import ELLIPSIS, MAX_HEADLINE, line, shorten
-from gradwatch.watch.alert_policy import alert_from_dict
+from gradwatch.watch.alerts import alert_from_dict
 from gradwatch.watch.trend import Alert, TrendTracker
 
 EXPERT = "model.layers.17.mlp.experts.gate_up_proj[expert 103]"

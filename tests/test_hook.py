@@ -502,7 +502,7 @@ def test_step_leaves_training_untouched():
 def test_a_state_from_a_newer_gradwatch_is_refused_with_its_version():
     from gradwatch.errors import GradWatchError
     from gradwatch.io.runs import RunNotFound
-    from gradwatch.watch.distributed import DistributedCheckError
+    from gradwatch.parallel.coordinator import DistributedCheckError
 
     model = nn.Linear(3, 1)
     watch = GradWatch(model, lambda m, b: m(b).sum(), log_dir=None, every=1)

@@ -1,6 +1,6 @@
-"""A check's collectives through shared memory (:mod:`gradwatch.watch.host_collectives`): 2 real processes.
+"""A check's collectives through shared memory (:mod:`gradwatch.parallel.host_collectives`): 2 real processes.
 
-Inside a real :class:`~gradwatch.watch.lockstep.Lockstep` region over a real coordinator (gloo, one host), torch's
+Inside a real :class:`~gradwatch.parallel.lockstep.Lockstep` region over a real coordinator (gloo, one host), torch's
 functional collectives and the ``torch.distributed`` functions FSDP2 calls give the same bits as gloo's outside it,
 with no gloo collective made (read back from torch's profiler) and one agreement point a slot's worth (a tensor over
 a slot takes two), an autograd collective's too. Outside the region, the functions are torch's again. The
@@ -15,7 +15,7 @@ import json
 import pytest
 from helpers import run_two_ranks
 
-from gradwatch.watch.host_points import usable
+from gradwatch.parallel.host_points import usable
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not usable(), reason="shared-memory points: Linux on x86-64 with /dev/shm only")]
@@ -26,9 +26,9 @@ import torch, torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
-from gradwatch.watch.distributed import DistributedCoordinator
-from gradwatch.watch.host_points import DATA
-from gradwatch.watch.lockstep import Lockstep
+from gradwatch.parallel.coordinator import DistributedCoordinator
+from gradwatch.parallel.host_points import DATA
+from gradwatch.parallel.lockstep import Lockstep
 
 rank, port = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -1,4 +1,4 @@
-"""Agreement points through shared memory (:mod:`gradwatch.watch.host_points`): 2 real processes on one host.
+"""Agreement points through shared memory (:mod:`gradwatch.parallel.host_points`): 2 real processes on one host.
 
 Each rank opens the points over a real gloo group (``all_gather_object``), then makes points in step: every rank
 gets the smallest value, a rank one point ahead does not overwrite what a slow rank reads, a rank that never arrives
@@ -13,7 +13,7 @@ import json
 import pytest
 from helpers import run_two_ranks
 
-from gradwatch.watch.host_points import usable
+from gradwatch.parallel.host_points import usable
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not usable(), reason="shared-memory points: Linux on x86-64 with /dev/shm only")]
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow,
 SCRIPT = r'''
 import json, os, sys, time
 import torch.distributed as dist
-from gradwatch.watch.host_points import HostPoints
+from gradwatch.parallel.host_points import HostPoints
 
 rank, port, case = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

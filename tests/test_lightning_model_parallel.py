@@ -1,6 +1,6 @@
 """GradWatchCallback under Lightning's ``ModelParallelStrategy``: FSDP2 through ``configure_model``, 2 CPU ranks.
 
-The model is checked shard by shard (:mod:`gradwatch.watch.shard_check`): each rank checks the rows
+The model is checked shard by shard (:mod:`gradwatch.parallel.shard_check`): each rank checks the rows
 it holds and judges its shard of ``.grad``. A correct model gives checks on both verdicts and no
 alert; a wrong backward planted in one layer is named by its module.
 """

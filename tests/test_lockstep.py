@@ -1,4 +1,4 @@
-"""The agreement points of a check whose collectives run inside the user's code (:mod:`gradwatch.watch.lockstep`).
+"""The agreement points of a check whose collectives run inside the user's code (:mod:`gradwatch.parallel.lockstep`).
 
 One process, a coordinator whose ranks always agree: where the points fall (before each functional collective,
 none elsewhere) and that a region leaves nothing alive once it ends.
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from gradwatch.check.objective.dtensor import functional_collectives
-from gradwatch.watch.lockstep import Lockstep
+from gradwatch.parallel.lockstep import Lockstep
 
 
 class Agreeing:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from gradwatch import GradWatch, Verdict
-from gradwatch.watch.nonfinite_grads import NonfiniteGrads
+from gradwatch.watch.parts._nonfinite_grads import NonfiniteGrads
 
 transformers = pytest.importorskip("transformers")
 

@@ -65,11 +65,11 @@ def test_the_first_checks_piece_times_are_not_kept():
 
 
 def test_what_the_captures_hold_through_the_replay_is_bounded_by_the_budgets_aim():
-    """Shard by shard, the captures ride on the replay's forward (:mod:`gradwatch.watch.replay_capture`) and are held
+    """Shard by shard, the captures ride on the replay's forward (:mod:`gradwatch.watch.parts.replay_capture`) and are held
     through its backward, which peaks about as training did or above: they hold the captures' third of the room at
     most, and never more than half what the budget aims at above training's peak (a quarter of ``memory_budget``)."""
     from gradwatch.plan.memory import AIM
-    from gradwatch.watch.replay_capture import held_budget
+    from gradwatch.watch.parts.replay_capture import held_budget
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))

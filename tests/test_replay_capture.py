@@ -1,4 +1,4 @@
-"""The training part's replay run as the backward part's capture in one process (``gradwatch.watch.replay_capture``).
+"""The training part's replay run as the backward part's capture in one process (``gradwatch.watch.parts.replay_capture``).
 
 From the second check on (the first learns whether ``loss_fn`` differentiates inside), a module-form check whose
 replay runs without autocast captures the units' inputs in the replay's own forward: one forward of the model a check
@@ -22,7 +22,7 @@ from torch import nn
 
 from gradwatch.check.modules import module_form
 from gradwatch.check.modules.localize import copy_opaque
-from gradwatch.watch import replay_capture
+from gradwatch.watch.parts import replay_capture
 
 transformers = pytest.importorskip("transformers")
 from test_moe_hooks import model_loss, padded_batch, tiny_moe  # noqa: E402
@@ -30,7 +30,7 @@ from test_moe_hooks import model_loss, padded_batch, tiny_moe  # noqa: E402
 
 @pytest.fixture
 def replays(monkeypatch) -> list:
-    """Each call of a :class:`~gradwatch.watch.replay_capture.ReplayCapture`: (hooks given, forward usable)."""
+    """Each call of a :class:`~gradwatch.watch.parts.replay_capture.ReplayCapture`: (hooks given, forward usable)."""
     calls: list = []
     call = replay_capture.ReplayCapture.__call__
 

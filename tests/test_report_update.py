@@ -163,7 +163,7 @@ def test_the_html_page_has_the_update_map_and_lines(capsys, tmp_path):
 
 
 def test_a_step_the_watch_could_not_verify_is_said_with_why(capsys, tmp_path, monkeypatch):
-    from gradwatch.watch.update_part import UpdatePart
+    from gradwatch.watch.parts.update import UpdatePart
 
     judge, calls = UpdatePart._judge, []
 

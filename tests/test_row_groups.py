@@ -134,11 +134,11 @@ def test_shard_by_shard_a_ranks_one_block_is_checked_as_a_group_on_the_groups_po
     """A rank holds fewer rows, so a check often gives it one block of a Linear: it goes the group's way, on 32 of
     its input's positions, as blocks of a group do (before: the whole input; on the 20.8M tensor parallel model of
     ``benchmarks/parallel.py``, ``fc1``'s blocks took 0.061 s to 0.072 s per 256 rows on a rank, 0.027 s since).
-    One process holds the view here: :class:`~gradwatch.watch.shard_check.ShardView` on a plain model."""
+    One process holds the view here: :class:`~gradwatch.parallel.shard_check.ShardView` on a plain model."""
     from gradwatch.check.modules.module_form import run_module_check
     from gradwatch.check.objective.terms import Objective
     from gradwatch.options import CheckOptions
-    from gradwatch.watch.shard_check import ShardView
+    from gradwatch.parallel.shard_check import ShardView
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 3))

@@ -1,4 +1,4 @@
-"""How a DTensor parameter's rows are held (:func:`gradwatch.watch.shard_check.held_by`), on a real 1-rank gloo mesh.
+"""How a DTensor parameter's rows are held (:func:`gradwatch.parallel.shard_check.held_by`), on a real 1-rank gloo mesh.
 
 The answer is kept per parameter with the layout it was read from: asked again, the same parameter gives the same
 answer without reading its shard; a parameter whose layout differs from the one kept is read again, and so is a new
@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from gradwatch.watch import shard_check
-from gradwatch.watch.shard_check import held_by
+from gradwatch.parallel import shard_check
+from gradwatch.parallel.shard_check import held_by
 
 
 @pytest.fixture

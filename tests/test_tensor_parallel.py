@@ -63,7 +63,7 @@ WORKER = textwrap.dedent(
     from gradwatch.plan.cycle import Piece
     from gradwatch.plan.shards import assign
     from gradwatch.plan.units import plan_units
-    from gradwatch.watch.shard_check import held_rows, replicas, reshard, settled, settled_pairs
+    from gradwatch.parallel.shard_check import held_rows, replicas, reshard, settled, settled_pairs
     from helpers import WrongSoftmax, save_rank_results  # tests/helpers.py: softmax whose backward is 10% too large
 
     faults = {"checking": False, "calls": 0, "step": -1, "at": {}}  # (rank, step) -> (call of loss_fn, what)

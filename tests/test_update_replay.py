@@ -155,7 +155,7 @@ def test_a_threshold_off_by_the_precision_of_a_float32_norm_is_the_asked_one():
 
 
 def test_the_whole_gradients_norm_is_float64_exact_to_1e_6_from_float32_chunks_even_under_or_over_their_range():
-    from gradwatch.watch.update_shards import SQUARE_CHUNK, world_norm
+    from gradwatch.parallel.update_shards import SQUARE_CHUNK, world_norm
 
     gen = torch.Generator().manual_seed(0)
     big = torch.randn(3 * SQUARE_CHUNK + 17, generator=gen) * 1e-3

@@ -5,7 +5,7 @@ Trainers built on the Hugging Face ``Trainer`` (TRL's ``SFTTrainer``, ``DPOTrain
 head; DPO compares two forwards of the policy with a reference model). :class:`ComputeLoss` is the check's
 objective there: the trainer's own ``compute_loss`` on the inputs it was given, for that micro-batch alone
 (``num_items_in_batch`` left out, so a trainer dividing by it divides by the micro-batch's own count; the step's
-objective then weighs the micro-batches by their items, :mod:`gradwatch.watch.step_objective`).
+objective then weighs the micro-batches by their items, :mod:`gradwatch.parallel.step_objective`).
 
 ``compute_loss`` has effects beyond its value: TRL appends metrics and counts tokens at every call, and gathers
 them across ranks. A check calls it hundreds of times, so :func:`trainer_kept` puts the trainer's plain-data

@@ -9,7 +9,7 @@ What the Trainer does not hand a callback, the callback finds itself:
   ``loss_fn(model, inputs)``. A Trainer subclass that overrides ``compute_loss`` (TRL's trainers) is
   checked on that ``compute_loss``, on the inputs it was given (:mod:`gradwatch.integrations.hf_loss`);
   the training verdict weighs the step's micro-batches and ranks by their share of its items
-  (:mod:`gradwatch.watch.step_objective`), so the Trainer's own scaling is judged, not copied.
+  (:mod:`gradwatch.parallel.step_objective`), so the Trainer's own scaling is judged, not copied.
 - **Once per optimizer step.** The check runs in ``on_pre_optimizer_step`` at
   ``state.global_step``, after all micro-batches of the step.
 - **Clipping.** The Trainer clips ``.grad`` (``max_grad_norm``, on by default) right after
@@ -27,10 +27,10 @@ What the Trainer does not hand a callback, the callback finds itself:
   ``checkpoint-N`` folder and read back on ``train(resume_from_checkpoint=...)``: the
   schedule, trends, coverage and run id go on, so ``gradwatch report OUTPUT_DIR`` reads
   one run.
-- **Ranks.** Every rank checks (see :mod:`gradwatch.watch.distributed`); files, reporting and the
+- **Ranks.** Every rank checks (see :mod:`gradwatch.parallel.coordinator`); files, reporting and the
   state file are written on the world's process zero only.
 - **DeepSpeed.** With ``TrainingArguments(deepspeed=...)`` the watch is given the engine (ZeRO's partitions are
-  read through :mod:`gradwatch.watch.zero`). Accelerate runs ``engine.backward`` and ``engine.step`` in one call,
+  read through :mod:`gradwatch.parallel.zero`). Accelerate runs ``engine.backward`` and ``engine.step`` in one call,
   before any callback, and DeepSpeed clips inside ``engine.step``: the check runs at the start of the engine's
   ``step`` at the accumulation boundary (a wrapper set on the engine for the run), where ZeRO's gradients are the
   step's, unclipped; ``on_pre_optimizer_step`` then does nothing.
@@ -78,8 +78,8 @@ from gradwatch.integrations.hf_loss import (
 from gradwatch.integrations.pre_clip import PreClip
 from gradwatch.io.records import ALERTS_COUNT_TAG, scalars_from_check
 from gradwatch.io.sinks import Sink
+from gradwatch.parallel.zero import is_engine
 from gradwatch.watch.gradwatch import GradWatch
-from gradwatch.watch.zero import is_engine
 
 logger = logging.getLogger("gradwatch")
 
@@ -175,7 +175,7 @@ class TrainerLoss:
     The callback captures the model's inputs without the Trainer's ``num_items_in_batch`` (its forward
     pre-hook leaves it out), so a model that takes it computes the mean over the micro-batch's own items
     here; the step's objective then weighs each micro-batch (and rank) by its share of the step's items
-    (:mod:`gradwatch.watch.step_objective`): how the Trainer scales each micro-batch is what is judged,
+    (:mod:`gradwatch.parallel.step_objective`): how the Trainer scales each micro-batch is what is judged,
     not reproduced.
 
     Example:
@@ -335,7 +335,7 @@ class GradWatchCallback(TrainerCallback):
                 return  # the batch is compute_loss's inputs (_keep_inputs)
             if module is self._model and module.training and torch.is_grad_enabled() and not self._checking:
                 # Without the Trainer's num_items_in_batch: a loss_fn gets its batch's own loss, and the step's
-                # objective weighs the micro-batches by their items (gradwatch.watch.step_objective).
+                # objective weighs the micro-batches by their items (gradwatch.parallel.step_objective).
                 inputs = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
                 self._batch = ModelCall(tuple(args), inputs) if args else inputs
 

@@ -1,11 +1,11 @@
 """GradWatch: the training-loop monitor, a façade over the parts that check.
 
 Data flow of :meth:`GradWatch.step`: schedule says no -> return at once; schedule says yes -> the plan
-(:mod:`gradwatch.watch.check_plan`: tensors, form, room; under DDP rank 0's, agreed by
-:mod:`gradwatch.watch.distributed`) -> the parts (:mod:`gradwatch.watch.training_part`,
-:mod:`gradwatch.watch.backward_part`, :mod:`gradwatch.watch.inner_part`, :mod:`gradwatch.watch.independence`;
+(:mod:`gradwatch.watch.parts.planning`: tensors, form, room; under DDP rank 0's, agreed by
+:mod:`gradwatch.parallel.coordinator`) -> the parts (:mod:`gradwatch.watch.parts.training`,
+:mod:`gradwatch.watch.parts.backward`, :mod:`gradwatch.watch.parts.inner`, :mod:`gradwatch.watch.parts.independence`;
 float64 shadow, deterministic, side-effect free) -> trend tracker (alerts) -> sinks (logging,
-TensorBoard, JSONL) -> alert policy (:mod:`gradwatch.watch.alert_policy`: ``on_alert``, ``raise_on``).
+TensorBoard, JSONL) -> alert policy (:mod:`gradwatch.watch.alerts`: ``on_alert``, ``raise_on``).
 """
 
 from __future__ import annotations
@@ -30,25 +30,25 @@ from gradwatch.config import GradWatchConfig, load_config
 from gradwatch.errors import GradWatchError, blamed
 from gradwatch.io.records import check_record, run_record
 from gradwatch.io.sinks import SinkSet, build_sinks
+from gradwatch.parallel.coordinator import DEFAULT_TIMEOUT, DistributedCoordinator
+from gradwatch.parallel.shard_check import SHARD_NOTE
+from gradwatch.parallel.sharded import refuse_unsupported
+from gradwatch.parallel.step_objective import StepObjective
+from gradwatch.parallel.wrappers import Wrapping
 from gradwatch.plan.memory import MemoryMeter, model_device
 from gradwatch.plan.planner import Planner
-from gradwatch.watch.alert_policy import MAX_CONSECUTIVE_FAILURES, AlertPolicy
-from gradwatch.watch.backward_part import BackwardPart
-from gradwatch.watch.check_plan import CheckPlanner
-from gradwatch.watch.check_run import CheckRunner
+from gradwatch.watch.alerts import MAX_CONSECUTIVE_FAILURES, AlertPolicy
 from gradwatch.watch.clock import OverheadClock
-from gradwatch.watch.context import WatchContext, check_arguments
-from gradwatch.watch.distributed import DEFAULT_TIMEOUT, DistributedCoordinator
-from gradwatch.watch.independence import IndependencePart
-from gradwatch.watch.inner_part import InnerPart
+from gradwatch.watch.parts.backward import BackwardPart
+from gradwatch.watch.parts.context import WatchContext, check_arguments
+from gradwatch.watch.parts.independence import IndependencePart
+from gradwatch.watch.parts.inner import InnerPart
+from gradwatch.watch.parts.planning import CheckPlanner
+from gradwatch.watch.parts.training import TrainingPart
+from gradwatch.watch.parts.update import UpdatePart
+from gradwatch.watch.runner import CheckRunner
 from gradwatch.watch.schedule import Schedule
-from gradwatch.watch.shard_check import SHARD_NOTE
-from gradwatch.watch.sharded import refuse_unsupported
-from gradwatch.watch.step_objective import StepObjective
-from gradwatch.watch.training_part import TrainingPart
 from gradwatch.watch.trend import Alert, TrendTracker
-from gradwatch.watch.update_part import UpdatePart
-from gradwatch.watch.wrappers import Wrapping
 
 logger = logging.getLogger("gradwatch")
 
@@ -83,15 +83,15 @@ class GradWatch:
     as it would have been: parameters, ``.grad``, buffers and RNG streams are not touched.
 
     Args:
-        model: The model being trained (DDP, ``torch.compile``, Fabric, DeepSpeed looked through: :mod:`gradwatch.watch.wrappers`).
+        model: The model being trained (DDP, ``torch.compile``, Fabric, DeepSpeed looked through: :mod:`gradwatch.parallel.wrappers`).
         loss_fn: ``loss_fn(model, batch) -> scalar tensor`` (the training loss).
         optimizer: Optional; its coupled ``weight_decay`` joins the objective, and the step after each check is
-            verified (clipping, the update, ties: :mod:`gradwatch.watch.update_part`).
+            verified (clipping, the update, ties: :mod:`gradwatch.watch.parts.update`).
         grad_fn: Optional hand-written backprop ``grad_fn(model, batch) -> {name: grad}``.
         on_alert: Optional callback ``on_alert(alert)``; if it raises, the error is logged and training goes on.
         writer: Optional existing ``SummaryWriter`` to log through (e.g. Lightning's).
         distributed: ``"auto"`` (default): coordinate the ranks when ``torch.distributed`` is initialized with 2+
-            ranks (see :mod:`gradwatch.watch.distributed`); ``False``: act as a single process.
+            ranks (see :mod:`gradwatch.parallel.coordinator`); ``False``: act as a single process.
         distributed_timeout: Seconds gradwatch's own collectives wait for a missing rank.
         grad_scaler: Optional ``torch.amp.GradScaler`` of a float16 AMP loop. The training part then replays
             ``scaler.scale(loss).backward()`` and the unscaling as training ran them (the same bits), so call
@@ -143,7 +143,7 @@ class GradWatch:
         if options:
             self.config = self.config.replace(**options)
         model = (wrapping := Wrapping.of(model)).model  # the user's module; no collective (DDP) fires in a check
-        refuse_unsupported(model)  # FSDP1; FSDP2 is checked on a gathered replica (see gradwatch.watch.sharded)
+        refuse_unsupported(model)  # FSDP1; FSDP2 is checked on a gathered replica (see gradwatch.parallel.sharded)
         self.model = model
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -172,25 +172,25 @@ class GradWatch:
                                self.config.pace)
         # Training part: a forward pre-hook records what each training forward started from.
         self._recorder: Optional[ForwardRecorder] = ForwardRecorder(wrapping.root) if self.config.training else None
-        #: What every part reads (:mod:`gradwatch.watch.context`).
+        #: What every part reads (:mod:`gradwatch.watch.parts.context`).
         self.context = WatchContext(model, self.objective, grad_fn, self._check_options, self.memory, self.dist,
                                     self._recorder, self.config.form, wrapping)
         if self.context.sharded:
             self.notes.append(self.context.sharding_note(SHARD_NOTE))
-        #: The plan of each check: tensors, form, shadow, inner modules (:mod:`gradwatch.watch.check_plan`).
+        #: The plan of each check: tensors, form, shadow, inner modules (:mod:`gradwatch.watch.parts.planning`).
         self.check_plan = CheckPlanner(self.context, self.planner, self.config)
         #: The step's objective of the training part: the weights of a step's micro-batches and ranks (``items=``,
-        #: :mod:`gradwatch.watch.step_objective`).
+        #: :mod:`gradwatch.parallel.step_objective`).
         self.step_objective = StepObjective(self.config.items)
-        #: The parts (:class:`~gradwatch.watch.context.Part`).
+        #: The parts (:class:`~gradwatch.watch.parts.context.Part`).
         self.backward = BackwardPart(self.context, self.check_plan)
         self.training = TrainingPart(self.context, self.step_objective, self.config.form, grad_scaler)
         self.inner = InnerPart(self.context, self.check_plan)
-        #: Independence checks on the checked batch (``independence=``, :mod:`gradwatch.watch.independence`).
+        #: Independence checks on the checked batch (``independence=``, :mod:`gradwatch.watch.parts.independence`).
         self.independence = IndependencePart(self.config.independence, self.config.alert_cooldown)
         #: What follows an alert: ``on_alert``, ``raise_on``, and the count of failed checks.
         self.policy = AlertPolicy(self.config.raise_on, self._check_options.bands, on_alert)
-        #: Runs one check: the plan, the parts, the ranks' results merged (:mod:`gradwatch.watch.check_run`).
+        #: Runs one check: the plan, the parts, the ranks' results merged (:mod:`gradwatch.watch.runner`).
         self.runner = CheckRunner(self.context, self.check_plan, self.backward, self.training, self.inner,
                                   self.independence, self.schedule, self.tracker, self.step_objective, self.notes)
         self.update = UpdatePart(model, optimizer, self._check_options.seed, emit=lambda s, a: self._emit(s, None, a, 0.0))
@@ -325,7 +325,7 @@ class GradWatch:
 
         The training part then compares ``.grad`` with the gradient of the step's objective: the
         objective over every micro-batch of the step, each weighing its share of the step's items
-        (``items=``; :mod:`gradwatch.watch.step_objective`), as one batch would. Without these
+        (``items=``; :mod:`gradwatch.parallel.step_objective`), as one batch would. Without these
         calls, a step whose ``.grad`` holds several micro-batches is recorded as
         "skipped: accumulating", never as wrong (one ``unjudged`` warning says so, once for the run).
 
@@ -358,7 +358,7 @@ class GradWatch:
         return self.schedule.due(step) if self.dist is None else self.dist.due(step, self.schedule)
 
     def _run(self, step: int, batch: Any, scheduled: bool = True, pending: Optional[Step] = None) -> Optional[CheckReport]:
-        """One check (:class:`~gradwatch.watch.check_run.CheckRunner`), then its records and alerts."""
+        """One check (:class:`~gradwatch.watch.runner.CheckRunner`), then its records and alerts."""
         try:
             if self._closed:
                 raise RuntimeError("GradWatch is closed; create a new one to keep monitoring")

@@ -55,11 +55,11 @@ class Alert:
         kind: ``"threshold"``, ``"drift"``, ``"nonfinite"``, ``"nondeterministic"``, ``"error"``, ``"paused"``,
             ``"surrogate"`` (an undeclared straight-through; the tensor is its module, once per run),
             ``"independence"`` (an output depends on an input it must not; the tensor is the module where
-            it starts, see :mod:`gradwatch.watch.independence`), and of the training part ``"partial_window"`` (a
+            it starts, see :mod:`gradwatch.watch.parts.independence`), and of the training part ``"partial_window"`` (a
             step of a partial accumulation window, its ``.grad`` the step's objective's times ``n / K``) or
             ``"unjudged"`` (its micro-batches were not handed to the watch; once for the run), both on ``"*"``
-            (see :mod:`gradwatch.watch.accumulation`), ``"term_weight"`` (a term of the loss weighted otherwise than
-            the step's objective weighs it, on ``"*"``, once for the run; :mod:`gradwatch.watch.term_weights`), and
+            (see :mod:`gradwatch.watch.parts._accumulation`), ``"term_weight"`` (a term of the loss weighted otherwise than
+            the step's objective weighs it, on ``"*"``, once for the run; :mod:`gradwatch.watch.parts._term_weights`), and
             ``"not_checked"`` (a unit or a part a check could not check, once per run for each thing and reason; the
             tensor is the unit, or ``"*"`` for a whole part: a warning, never a failed verdict, see
             :meth:`TrendTracker.not_checked`).

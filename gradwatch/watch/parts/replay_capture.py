@@ -50,7 +50,7 @@ from torch import nn
 
 from gradwatch.check.objective.precision import any_autocast
 from gradwatch.check.replay.reference import StartState
-from gradwatch.watch.context import CheckContext, WatchContext
+from gradwatch.watch.parts.context import CheckContext, WatchContext
 
 #: The capture's hooks: forward pre-hooks (with kwargs) and forward hooks, by module name.
 Hooks = Tuple[Dict[str, Callable[..., Any]], Dict[str, Callable[..., Any]]]
@@ -112,7 +112,7 @@ class ReplayCapture:
             returns the step's objective (None where the replay did not run) and whether its forward was faithful
             (None where it ran without the hooks: no room for what they hold beside it, or no forward).
         agree: An agreement point taking a value and returning the ranks' smallest
-            (:meth:`gradwatch.watch.lockstep.Lockstep.point`).
+            (:meth:`gradwatch.parallel.lockstep.Lockstep.point`).
 
     Attributes:
         usable: After the call: every rank's replay forward computed the isolated forward's values.

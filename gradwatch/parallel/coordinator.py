@@ -9,7 +9,7 @@ the same on every rank:
    interval, which travels with the gathered results of each check.
 2. **Agree on a sharded model's layout** (:meth:`~DistributedCoordinator.same_everywhere`),
    FSDP2 only: every rank then gathers the same parameters in the same order
-   into its replica (:mod:`gradwatch.watch.sharded`), the only collectives of the
+   into its replica (:mod:`gradwatch.parallel.sharded`), the only collectives of the
    model's own group a check makes.
 3. **Share the tensors** (:meth:`~DistributedCoordinator.share`). The rotating
    subset is chosen alike on every rank (:meth:`~DistributedCoordinator.tensors_per_check`
@@ -59,9 +59,9 @@ from torch import nn
 from gradwatch.check.independence.report import merge_ranks
 from gradwatch.check.judging.report import CheckReport, TensorCheck, worse
 from gradwatch.errors import GradWatchError, blamed
-from gradwatch.watch.host_collectives import combine, gather_objects
-from gradwatch.watch.host_points import HostPoints
-from gradwatch.watch.wrappers import unwrap_model  # noqa: F401  (its home was here: old imports still work)
+from gradwatch.parallel.host_collectives import combine, gather_objects
+from gradwatch.parallel.host_points import HostPoints
+from gradwatch.parallel.wrappers import unwrap_model  # noqa: F401  (its home was here: old imports still work)
 
 _T = TypeVar("_T")
 
@@ -106,10 +106,10 @@ class RankResult:
         interval: Its schedule's next interval (rank 0's is the one every rank follows).
         training: ``(replayed, reason)`` of its training part; None when that part did not run.
         waited: Of ``seconds``, how long it waited for the other ranks at agreement points
-            (:mod:`gradwatch.watch.lockstep`).
-        cut: Sketches of its replayed micro-batches' gradients (:mod:`gradwatch.watch.step_objective`), or None.
+            (:mod:`gradwatch.parallel.lockstep`).
+        cut: Sketches of its replayed micro-batches' gradients (:mod:`gradwatch.parallel.step_objective`), or None.
         replicas: ``{name: 64-bit hash}`` of its replicated parameters (DDP), or None
-            (:func:`gradwatch.watch.update_part.replica_hashes`).
+            (:func:`gradwatch.watch.parts.update.replica_hashes`).
 
     Example:
         >>> RankResult(rank=1, error="KeyError: 'labels'").failed
@@ -157,7 +157,7 @@ class DistributedCoordinator:
 
     Build it with :meth:`create`, on every rank at the same point of the program
     (it creates a process group, itself a collective). It holds no reference to the
-    watch: GradWatch calls it at the points listed in :mod:`gradwatch.watch.distributed`.
+    watch: GradWatch calls it at the points listed in :mod:`gradwatch.parallel.coordinator`.
 
     Args:
         timeout: Seconds gradwatch's collectives wait for the other ranks.
@@ -180,7 +180,7 @@ class DistributedCoordinator:
         #: Why this coordinator gave up (a rank missing at a gather); None while it works.
         self.broken: Optional[str] = None
         #: Where the agreement points meet (:meth:`agree`): shared memory when every rank is on one host
-        #: (:class:`~gradwatch.watch.host_points.HostPoints`), else None (gloo); opened at the first point.
+        #: (:class:`~gradwatch.parallel.host_points.HostPoints`), else None (gloo); opened at the first point.
         self._host: Any = _UNOPENED
 
     @classmethod
@@ -199,7 +199,7 @@ class DistributedCoordinator:
                 "torch.distributed.init_process_group() first (or leave distributed='auto')"
             )
         if mode is False and active and dist.get_world_size() > 1:
-            from gradwatch.watch.sharded import is_sharded
+            from gradwatch.parallel.sharded import is_sharded
 
             if is_sharded(model):
                 raise ValueError(
@@ -285,7 +285,7 @@ class DistributedCoordinator:
         return self._host if isinstance(self._host, HostPoints) else None
 
     def agree(self, ok: bool, value: Optional[int] = None) -> Tuple[bool, Optional[int]]:
-        """One agreement point inside a check (:mod:`gradwatch.watch.lockstep`): whether every rank says ``ok``,
+        """One agreement point inside a check (:mod:`gradwatch.parallel.lockstep`): whether every rank says ``ok``,
         and the smallest of the ranks' ``value`` (a byte count; None when no rank gives one).
 
         Raises:
@@ -404,7 +404,7 @@ class DistributedCoordinator:
 
     def _sum(self, tensor: torch.Tensor) -> None:
         """``tensor`` summed over the ranks, in place: through the points' shared memory where every rank is on one
-        host (:mod:`gradwatch.watch.host_collectives`; 4 MB took 21 ms over gloo), else gloo's all-reduce."""
+        host (:mod:`gradwatch.parallel.host_collectives`; 4 MB took 21 ms over gloo), else gloo's all-reduce."""
         host = self.host()
         if host is not None and host.data and tensor.device.type == "cpu" and tensor.is_contiguous():
             combine(host, "all_reduce", tensor, "sum", point=lambda: host.smallest(0), out=tensor)
@@ -430,7 +430,7 @@ class DistributedCoordinator:
 
     def _gather(self, payload: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
         """``all_gather_object`` behind a monitored barrier; None (and ``broken`` set) when a rank is missing. Where
-        the points meet in shared memory, through it (:func:`~gradwatch.watch.host_collectives.gather_objects`: its
+        the points meet in shared memory, through it (:func:`~gradwatch.parallel.host_collectives.gather_objects`: its
         points wait ``distributed_timeout`` and name a missing rank, as the barrier does; 12 ms a check over gloo on
         ``benchmarks/parallel.py``'s 4.2M tensor parallel model)."""
         try:

@@ -31,11 +31,11 @@ from gradwatch.check.independence.structures import INDEPENDENCE_WORDS, PACKED_K
 from gradwatch.check.objective.generators import HeldGenerators
 from gradwatch.check.objective.rng import preserved_rng
 from gradwatch.errors import first_line
+from gradwatch.parallel.lockstep import Lockstep
+from gradwatch.parallel.shard_check import reshard
 from gradwatch.plan.cycle import next_pass
 from gradwatch.trees import rebuild, tensor_leaves
-from gradwatch.watch.context import CheckContext
-from gradwatch.watch.lockstep import Lockstep
-from gradwatch.watch.shard_check import reshard
+from gradwatch.watch.parts.context import CheckContext
 from gradwatch.watch.trend import Alert
 
 logger = logging.getLogger("gradwatch")
@@ -133,7 +133,7 @@ def packed_batch(batch: Any) -> bool:
 
 
 class IndependencePart:
-    """What the watch checks for independence, and the alerts it raises (a part: see :class:`~gradwatch.watch.context.Part`).
+    """What the watch checks for independence, and the alerts it raises (a part: see :class:`~gradwatch.watch.parts.context.Part`).
 
     Args:
         option: The ``independence`` option (see :func:`parse_independence`).
@@ -228,7 +228,7 @@ class IndependencePart:
         The live model's forwards all-gather, and a check's passes depend on its batch (the leaks it confirms): so
         the ranks exchange the model calls of their batches (captured before the model runs: no collective),
         then each call is checked by every rank alike, one after the other (the same passes, so the same
-        collectives, in the same order), between agreement points (:class:`~gradwatch.watch.lockstep.Lockstep`).
+        collectives, in the same order), between agreement points (:class:`~gradwatch.parallel.lockstep.Lockstep`).
         A rank that raises there stops the others at their next point: the part is a note on every rank, the
         other parts' verdicts stand. The merged report is rank 0's to send (the ranks hold the same).
         """

@@ -20,7 +20,7 @@ Three verdicts follow, each said once for the run as an alert of part ``"update"
 
 Sharded parameters (FSDP2, tensor and sequence parallel, 2-D meshes: DTensors) are read on each rank's shard, the
 whole gradient's norm and the clipping factors made with the ranks together, and an optimizer with no elementwise
-form compared with its own class stepped on the gathered tensor (:mod:`gradwatch.watch.update_shards`). DDP's
+form compared with its own class stepped on the gathered tensor (:mod:`gradwatch.parallel.update_shards`). DDP's
 replicas are compared across ranks by their hashes (:class:`Replicas`). Not yet: ZeRO (DeepSpeed's optimizer holds
 flat partitions) and pipeline stages.
 
@@ -46,9 +46,7 @@ from gradwatch.check.numerics.sampling import generator, tensor_seed
 from gradwatch.check.update.clipping import factors, judge_clipping, value_bound
 from gradwatch.check.update.optimizer_replay import algorithm, judge_update, replay
 from gradwatch.io.headlines import line
-from gradwatch.trees import param_names
-from gradwatch.watch.trend import WHOLE_CHECK, Alert
-from gradwatch.watch.update_shards import (
+from gradwatch.parallel.update_shards import (
     Layout,
     aligned,
     all_reduce_cpu,
@@ -60,7 +58,9 @@ from gradwatch.watch.update_shards import (
     replica_key,
     world_norm,
 )
-from gradwatch.watch.update_zero import draw, inner, zero_of
+from gradwatch.parallel.update_zero import draw, inner, zero_of
+from gradwatch.trees import param_names
+from gradwatch.watch.trend import WHOLE_CHECK, Alert
 
 #: Coordinates drawn from each tensor at a check.
 COORDS = 16
@@ -364,7 +364,7 @@ class UpdatePart:
 
     def _layout(self, step: int, grads: Mapping[str, torch.Tensor]) -> None:
         """Sharded, an optimizer with no elementwise form: one tensor a check (in turn, matrices first, the same on
-        every rank) taken whole for :class:`~gradwatch.watch.update_shards.Layout` (collectives: its bytes gathered
+        every rank) taken whole for :class:`~gradwatch.parallel.update_shards.Layout` (collectives: its bytes gathered
         twice a check, on every rank)."""
         if not self.sharded or algorithm(self.optimizer) is not None:
             return  # (a built-in optimizer is replayed elementwise on each rank's coordinates: exact there)

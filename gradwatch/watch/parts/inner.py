@@ -2,7 +2,7 @@
 
 An objective that differentiates through the model (a gradient penalty) trains on the model's double
 backward. At each check a few leaf modules (least-checked first, only those whose float64 copy fits
-``memory_budget``, chosen by :meth:`~gradwatch.watch.check_plan.CheckPlanner.inner_modules`) get their
+``memory_budget``, chosen by :meth:`~gradwatch.watch.parts.planning.CheckPlanner.inner_modules`) get their
 double backward checked (:mod:`gradwatch.check.higher_order.inner`), as report entries
 ``"<module>:double_backward"``.
 
@@ -37,14 +37,14 @@ from gradwatch.check.judging.report import CheckReport, TensorCheck
 from gradwatch.check.model import run_model_check
 from gradwatch.check.modules.localize import map_tensors
 from gradwatch.errors import first_line
+from gradwatch.parallel.lockstep import Lockstep
+from gradwatch.parallel.shard_check import ShardView, gather_wholes, held_by, reshard
+from gradwatch.parallel.zero import is_partitioned, partition_span
 from gradwatch.plan.cycle import next_pass
 from gradwatch.plan.shards import rows_held
 from gradwatch.plan.units import Unit, isolated_forward
-from gradwatch.watch.check_plan import CheckPlanner
-from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
-from gradwatch.watch.lockstep import Lockstep
-from gradwatch.watch.shard_check import ShardView, gather_wholes, held_by, reshard
-from gradwatch.watch.zero import is_partitioned, partition_span
+from gradwatch.watch.parts.context import CheckContext, TrendAlerting, WatchContext
+from gradwatch.watch.parts.planning import CheckPlanner
 
 logger = logging.getLogger("gradwatch")
 

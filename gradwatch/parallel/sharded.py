@@ -111,7 +111,7 @@ def layout(model: nn.Module) -> List[Tuple[str, Tuple[int, ...], str, bool]]:
     """``(name, global shape, dtype, has .grad)`` of every parameter, in the order the gather follows.
 
     Every rank must gather the same tensors in the same order; comparing the ranks' layouts before
-    a gather (:meth:`gradwatch.watch.distributed.DistributedCoordinator.same_everywhere`) makes sure of it.
+    a gather (:meth:`gradwatch.parallel.coordinator.DistributedCoordinator.same_everywhere`) makes sure of it.
 
     Example:
         >>> layout(nn.Linear(2, 1))
@@ -349,7 +349,7 @@ def live_forward_refused(what: str, instead: str, given: str = "a gathered repli
         >>> hook = live_forward_refused("FSDP-sharded", "one from its closure")
         >>> hook(nn.Linear(2, 1), ())  # doctest: +ELLIPSIS
         Traceback (most recent call last):
-        gradwatch.watch.sharded.LiveForwardInCheck: loss_fn ran the live FSDP-sharded Linear inside a gradwatch check; ...
+        gradwatch.parallel.sharded.LiveForwardInCheck: loss_fn ran the live FSDP-sharded Linear inside a gradwatch check; ...
     """
 
     def refuse(module: nn.Module, args: tuple) -> None:

@@ -1,11 +1,11 @@
 """The backward part of a watch: are the backward formulas right?
 
 Each check compares a few parameter tensors' gradients with two-sided numerical gradients of the
-objective, in the form the :class:`~gradwatch.watch.check_plan.CheckPlanner` chose:
+objective, in the form the :class:`~gradwatch.watch.parts.planning.CheckPlanner` chose:
 
 - ``"objective"``: the whole objective on a float64 shadow copy (:func:`gradwatch.check.model.run_model_check`);
 - ``"module"``: unit by unit, the cycle's pieces (:func:`gradwatch.check.modules.module_form.run_module_check`),
-  shard by shard for an FSDP2 model (:mod:`gradwatch.watch.shard_check`), split between DDP ranks.
+  shard by shard for an FSDP2 model (:mod:`gradwatch.parallel.shard_check`), split between DDP ranks.
 
 Example:
     >>> import torch
@@ -29,11 +29,11 @@ from gradwatch.check.modules.activations import Saved
 from gradwatch.check.modules.batch_cut import batch_dims, forward_transient, positions, sub_batch
 from gradwatch.check.modules.capture import Forward, capture
 from gradwatch.check.modules.localize import name_shared_module, name_straight_through
+from gradwatch.parallel.shard_check import ShardView, plan_shards, reshard
+from gradwatch.parallel.sharded import is_fsdp
 from gradwatch.plan.memory import SAFETY, gradient_bytes, mb, objective_activations, objective_bytes, objective_samples, release_freed
-from gradwatch.watch.check_plan import CheckPlanner
-from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
-from gradwatch.watch.shard_check import ShardView, plan_shards, reshard
-from gradwatch.watch.sharded import is_fsdp
+from gradwatch.watch.parts.context import CheckContext, TrendAlerting, WatchContext
+from gradwatch.watch.parts.planning import CheckPlanner
 
 
 class BackwardPart(TrendAlerting):
@@ -71,7 +71,7 @@ class BackwardPart(TrendAlerting):
             ) -> Optional[CheckReport]:
         """The check's report on ``check.names`` (None when this rank has none); the training part's verdicts
         are added to it by the caller. Its memory summary is set where this process decided the plan. With
-        ``fused`` (:mod:`gradwatch.watch.replay_capture`), the training part's replay is the module form's first
+        ``fused`` (:mod:`gradwatch.watch.parts.replay_capture`), the training part's replay is the module form's first
         capture's forward, its captures holding at most ``captures`` bytes through it."""
         if not check.names:
             return None

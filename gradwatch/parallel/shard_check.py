@@ -1,6 +1,6 @@
 """A sharded (FSDP2, tensor parallel, DeepSpeed ZeRO) model checked shard by shard: no copy of the model, no gather
 of it. (ZeRO: its pieces' parameters gathered through ``GatheredParameters``, its training part in
-:mod:`gradwatch.watch.zero`.)
+:mod:`gradwatch.parallel.zero`.)
 
 Both parts of a check run on the live sharded model, the same collectives on every rank in the same
 order:
@@ -40,11 +40,11 @@ from torch import nn
 from gradwatch.check.judging.training_judge import same_bits
 from gradwatch.check.modules.own_code import HOOK_DICTS
 from gradwatch.check.objective.dtensor import is_dtensor
+from gradwatch.parallel.sharded import FSDP_KEYS, fsdp_loaded, full_tensor, is_fsdp, plain_class
+from gradwatch.parallel.zero import gathered, is_partitioned
 from gradwatch.plan.cycle import Piece
 from gradwatch.plan.shards import Costs, Holding, assign, rows_held
 from gradwatch.plan.units import Unit, faithful_rows, sliceable_rows
-from gradwatch.watch.sharded import FSDP_KEYS, fsdp_loaded, full_tensor, is_fsdp, plain_class
-from gradwatch.watch.zero import gathered, is_partitioned
 
 __all__ = ["SHARD_NOTE", "ShardView", "backward_on_shards", "gather_wholes", "held_by", "held_rows", "is_partial",
            "plan_shards", "replicas", "reshard", "settled", "settled_pairs"]
@@ -254,7 +254,7 @@ class ShardView:
         gathered: ``id(live parameter)`` -> its gathered whole (:func:`plan_shards`), or what gathers them when
             :meth:`ready` is called.
         offsets: Unit name -> the first of the rows this rank holds of it.
-        agree: An agreement point (:meth:`gradwatch.watch.lockstep.Lockstep.point`), made before the capture
+        agree: An agreement point (:meth:`gradwatch.parallel.lockstep.Lockstep.point`), made before the capture
             gathers a DTensor input (tensor and sequence parallel).
     """
 
@@ -336,7 +336,7 @@ def backward_on_shards(model: nn.Module, total: torch.Tensor, params: Sequence[t
     only one that differs is copied. A parameter that is not a DTensor (tensor parallel's replicated embedding
     and head) is taken the same way as its gradient is accumulated: the head's (16 MB at the 20.8M parameters of
     ``benchmarks/parallel.py``), accumulated first, no longer lives beside the rest of the backward's activations.
-    ``before`` (an agreement point, :mod:`gradwatch.watch.lockstep`) is called first, before any collective.
+    ``before`` (an agreement point, :mod:`gradwatch.parallel.lockstep`) is called first, before any collective.
     """
     if before is not None:
         before()

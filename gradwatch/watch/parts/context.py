@@ -1,8 +1,8 @@
 """What the parts of a watch share: its setting, one check's context, and the interface of a part.
 
 A :class:`~gradwatch.GradWatch` is a façade over parts (backward, training, inner derivatives,
-independence; :mod:`gradwatch.watch.backward_part`, :mod:`gradwatch.watch.training_part`,
-:mod:`gradwatch.watch.inner_part`, :mod:`gradwatch.watch.independence`). The parts never import each
+independence; :mod:`gradwatch.watch.parts.backward`, :mod:`gradwatch.watch.parts.training`,
+:mod:`gradwatch.watch.parts.inner`, :mod:`gradwatch.watch.parts.independence`). The parts never import each
 other: what they all read lives here, below them.
 
 - :class:`WatchContext`: the watch's setting for the whole run (the model, the objective, the watched
@@ -38,13 +38,13 @@ from gradwatch.check.objective.generators import find_generators
 from gradwatch.check.objective.terms import Objective
 from gradwatch.check.replay.reference import ForwardRecorder, MicroBatch, Replay, StartState, Step
 from gradwatch.options import CheckOptions
+from gradwatch.parallel.coordinator import DistributedCoordinator
+from gradwatch.parallel.lockstep import Lockstep
+from gradwatch.parallel.sharded import REPLICA_NOTE, Replica, is_sharded, layout, mixed_precision
+from gradwatch.parallel.wrappers import Wrapping
+from gradwatch.parallel.zero import ZeroReplica, at_boundary, engine_of, zero3, zero_layout, zero_params
 from gradwatch.plan.memory import MemoryMeter
-from gradwatch.watch.distributed import DistributedCoordinator
-from gradwatch.watch.lockstep import Lockstep
-from gradwatch.watch.sharded import REPLICA_NOTE, Replica, is_sharded, layout, mixed_precision
 from gradwatch.watch.trend import Alert
-from gradwatch.watch.wrappers import Wrapping
-from gradwatch.watch.zero import ZeroReplica, at_boundary, engine_of, zero3, zero_layout, zero_params
 
 #: The note every report of a model trained with DeepSpeed ZeRO checked with ``form="objective"`` carries.
 ZERO_NOTE = ("the model is trained with DeepSpeed ZeRO: the check ran on a replica gathered through ZeRO's own "
@@ -93,7 +93,7 @@ class WatchContext:
         dist: The coordinator of the ranks (None in one process).
         recorder: The recorder of training's forwards (None when the training part is off).
         form: The ``form`` option (``"objective"`` makes a sharded model be checked on a gathered replica).
-        wrapping: The wrappers training calls the model through (:mod:`gradwatch.watch.wrappers`: the module the
+        wrapping: The wrappers training calls the model through (:mod:`gradwatch.parallel.wrappers`: the module the
             training part's replay hands ``loss_fn``, where the recorder sits); default: none.
 
     Example:
@@ -107,7 +107,7 @@ class WatchContext:
                  memory: MemoryMeter, dist: Optional[DistributedCoordinator], recorder: Optional[ForwardRecorder],
                  form: str, wrapping: Optional[Wrapping] = None) -> None:
         self.model = model
-        #: The wrappers around the model (:class:`~gradwatch.watch.wrappers.Wrapping`; ``model`` is its ``model``).
+        #: The wrappers around the model (:class:`~gradwatch.parallel.wrappers.Wrapping`; ``model`` is its ``model``).
         self.wrapping = wrapping if wrapping is not None else Wrapping(model, model, model)
         self.objective = objective
         self.grad_fn = grad_fn
@@ -119,7 +119,7 @@ class WatchContext:
         self.checks = 0
         fsdp = is_sharded(model)
         #: DeepSpeed ZeRO (the engine, or parameters that are ZeRO's): checked on the live model, or with
-        #: ``form="objective"`` on a gathered replica (:mod:`gradwatch.watch.zero`).
+        #: ``form="objective"`` on a gathered replica (:mod:`gradwatch.parallel.zero`).
         self.zero = self.wrapping.engine is not None or zero_params(model)
         #: DeepSpeed's engine (given, or around ``model`` when the watch was given ``engine.module``).
         self.engine = self.wrapping.engine if self.wrapping.engine is not None else engine_of(model) if self.zero else None
@@ -128,17 +128,17 @@ class WatchContext:
         self.mixed: Optional[str] = mixed_precision(model) if fsdp else None
         #: ZeRO-3: the parameters are placeholders, partitioned over the ranks (fixed when the engine is built).
         self.zero3 = self.zero and zero3(model)
-        #: FSDP2 and ZeRO: by default shard by shard (:mod:`gradwatch.watch.shard_check`), the module form on every
+        #: FSDP2 and ZeRO: by default shard by shard (:mod:`gradwatch.parallel.shard_check`), the module form on every
         #: rank's share of the pieces (a failure is named by its module); ``form="objective"`` gathers a replica.
         self.by_shard = (fsdp or self.zero) and form != "objective"
         self.replica: Optional[Replica] = None  # built at the first check
         self.last_micro: Any = None  # training part off: the last batch given to GradWatch.accumulate()
-        #: Shard by shard, during a check: its agreement points (:mod:`gradwatch.watch.lockstep`).
+        #: Shard by shard, during a check: its agreement points (:mod:`gradwatch.parallel.lockstep`).
         self.lockstep: Optional[Lockstep] = None
         self._generator_cache: Optional[Tuple[int, List[Any]]] = None
         #: One process: all the randomness an isolated forward of the objective met was dropout (None: not known),
         #: so the training part's replay, dropout on, can be the module form's capture
-        #: (:mod:`gradwatch.watch.replay_capture`).
+        #: (:mod:`gradwatch.watch.parts.replay_capture`).
         self.dropout_only: Optional[bool] = None
 
     @property
@@ -204,7 +204,7 @@ class WatchContext:
             self.dist.same_everywhere(zero_layout(self.model) if self.zero else layout(self.model),
                                       "the parameters to gather (name, shape, dtype, has .grad)")
         if self.by_shard:
-            return self.model  # checked shard by shard (gradwatch.watch.shard_check)
+            return self.model  # checked shard by shard (gradwatch.parallel.shard_check)
         if self.replica is None or not self.replica.matches(self.model):
             self.replica = None  # the old copy goes before the new one is made
             self.replica = ZeroReplica(self.model, self.engine) if self.zero else Replica(self.model)
@@ -279,7 +279,7 @@ class Part(Protocol):
     checkpoint keeps of the part.
 
     Example:
-        >>> from gradwatch.watch.independence import IndependencePart
+        >>> from gradwatch.watch.parts.independence import IndependencePart
         >>> isinstance(IndependencePart(None), Part)
         True
     """

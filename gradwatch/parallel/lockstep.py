@@ -5,10 +5,10 @@ backward reduce-scatters, on the model's own process group, inside ``loss_fn``. 
 ``loss_fn`` raised there would leave the others in the next collective until that group's timeout
 (with gloo, mismatched collectives can abort them). :class:`Lockstep` puts an agreement point before
 each of those collectives: a one-element all-reduce on gradwatch's own group, bounded by
-``distributed_timeout`` (:meth:`~gradwatch.watch.distributed.DistributedCoordinator.agree`), or where every rank
-is on one host the same through shared memory (:mod:`gradwatch.watch.host_points`: 0.8 us a point, not 0.31 ms).
+``distributed_timeout`` (:meth:`~gradwatch.parallel.coordinator.DistributedCoordinator.agree`), or where every rank
+is on one host the same through shared memory (:mod:`gradwatch.parallel.host_points`: 0.8 us a point, not 0.31 ms).
 There, a check's collectives of CPU tensors over every rank are made with their point, through the same shared
-memory (:mod:`gradwatch.watch.host_collectives`): DTensor's functional collectives, the ``torch.distributed``
+memory (:mod:`gradwatch.parallel.host_collectives`): DTensor's functional collectives, the ``torch.distributed``
 functions FSDP2 calls (``all_gather_single``, ``reduce_scatter_single``) and DeepSpeed's all-gather (ZeRO-3's
 gathers), wrapped for the region only.
 
@@ -31,7 +31,7 @@ gathers), wrapped for the region only.
 A rank whose check raised joins the next point saying so; every other rank stops at that same point
 (:class:`PeerFailed`) before any further collective, so every rank has made the same collectives.
 FSDP2's per-iteration state is then reset (``reset_iter_state``), what ZeRO-3 holds gathered is released
-(:func:`~gradwatch.watch.zero.reset_zero`), and training goes on. A rank that
+(:func:`~gradwatch.parallel.zero.reset_zero`), and training goes on. A rank that
 stalls past ``distributed_timeout`` at a point breaks the coordinator on every rank (the check is an
 error record and checks stop), with the same collectives made everywhere. What a point cannot cover:
 a rank that fails *inside* a collective (out of memory in FSDP2's own buffers) leaves the others in
@@ -61,13 +61,13 @@ from torch import nn
 from torch.autograd import Variable
 
 from gradwatch.check.objective.dtensor import checked_alone, functional_collectives, is_dtensor
+from gradwatch.parallel.coordinator import DistributedCheckError, PeerFailed
+from gradwatch.parallel.host_collectives import FUNCTIONS, function_through_host, through_host
+from gradwatch.parallel.host_points import HostPoints
+from gradwatch.parallel.shard_check import reshard
+from gradwatch.parallel.sharded import fsdp_communicates, fsdp_loaded, is_fsdp, live_forward_refused
+from gradwatch.parallel.zero import engine_of, release_leftovers, reset_zero, zero3
 from gradwatch.trees import tensor_leaves
-from gradwatch.watch.distributed import DistributedCheckError, PeerFailed
-from gradwatch.watch.host_collectives import FUNCTIONS, function_through_host, through_host
-from gradwatch.watch.host_points import HostPoints
-from gradwatch.watch.shard_check import reshard
-from gradwatch.watch.sharded import fsdp_communicates, fsdp_loaded, is_fsdp, live_forward_refused
-from gradwatch.watch.zero import engine_of, release_leftovers, reset_zero, zero3
 
 __all__ = ["Lockstep", "PeerFailed", "reset_fsdp"]
 
@@ -140,7 +140,7 @@ def _functions() -> List[Tuple[Any, str, str]]:
 class _Sharing:
     """A ``torch.distributed`` collective function (FSDP2's ``all_gather_single``, ...) while a region is open: where
     every rank is on one host, made through shared memory with a point per round
-    (:func:`~gradwatch.watch.host_collectives.function_through_host`); otherwise the function itself (FSDP2's
+    (:func:`~gradwatch.parallel.host_collectives.function_through_host`); otherwise the function itself (FSDP2's
     points are its modules' hooks)."""
 
     __slots__ = ("function", "name", "signature")
@@ -237,7 +237,7 @@ class Lockstep:
     point; leaving it by an exception of this rank tells the others at their next point.
 
     Args:
-        coord: The :class:`~gradwatch.watch.distributed.DistributedCoordinator` (its ``agree``).
+        coord: The :class:`~gradwatch.parallel.coordinator.DistributedCoordinator` (its ``agree``).
         model: The live sharded model.
 
     Attributes:

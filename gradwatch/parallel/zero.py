@@ -10,10 +10,10 @@ module) and a ZeRO optimizer. What a check needs is not where a plain model keep
   holding a partition; the forward gathers them through hooks ZeRO registers on every module (and
   ``torch.nn.functional.linear`` is ZeRO's own ``autograd.Function`` from then on).
 
-**Stage 3, piece by piece** (the default; shard by shard, :mod:`gradwatch.watch.shard_check`): no copy of the
+**Stage 3, piece by piece** (the default; shard by shard, :mod:`gradwatch.parallel.shard_check`): no copy of the
 model. The checks' forwards run ``engine.module`` itself, ZeRO's hooks gathering each module's parameters and
 releasing them after it, as in training; a rank reaches an agreement point before each of them
-(:mod:`gradwatch.watch.lockstep`). The training part's replay takes ``torch.autograd.grad`` of the step's
+(:mod:`gradwatch.parallel.lockstep`). The training part's replay takes ``torch.autograd.grad`` of the step's
 objective by a room-bounded set of parameters the ranks agree on (whole-shape gradients; ZeRO's
 reduce-scatter hooks run on accumulation only, so never), averages them over the ranks, and each rank
 judges its partition against ZeRO's own (:func:`zero_part`, through DeepSpeed's ``safe_get_local_grad``).
@@ -33,7 +33,7 @@ same module classes, ZeRO's hooks and attributes left out), refreshed at each ch
 DeepSpeed's own ``deepspeed.utils.safe_get_full_grad`` (an all-reduce or all-gather of the partitions),
 divided by the loss scale under fp16. These are the only collectives of the model's groups in a check, the
 same on every rank; both parts of the check then run on the replica with no collective, as on an FSDP2
-model's replica (:mod:`gradwatch.watch.sharded`). ZeRO's state (its partitions, its loss scaler, its
+model's replica (:mod:`gradwatch.parallel.sharded`). ZeRO's state (its partitions, its loss scaler, its
 micro-step counters) is only read.
 
 ZeRO's gradients are the step's: ``engine.backward`` divides each micro-batch's loss by
@@ -63,8 +63,8 @@ from typing import Any, Dict, List, Optional, Tuple, cast
 import torch
 from torch import nn
 
+from gradwatch.parallel.sharded import Replica, kept_hooks, live_forward_refused
 from gradwatch.trees import whole_numel, whole_shape
-from gradwatch.watch.sharded import Replica, kept_hooks, live_forward_refused
 
 #: Attributes ZeRO-3 puts on every module (its bookkeeping and the functions its hooks apply): left out of a replica.
 ZERO_MODULE_KEYS = ("_external_params", "_original_parameters", "pre_bwd_fn", "post_bwd_fn", "all_parameters",

@@ -3,7 +3,7 @@
 Training often calls a wrapper, not the module the user wrote: DDP and ``DataParallel`` (``.module``),
 ``torch.compile``'s ``OptimizedModule`` (``._orig_mod``), Lightning Fabric's ``_FabricModule``
 (``._forward_module``, which converts the inputs and runs the forward in its precision's context), and
-DeepSpeed's engine (``.module``; its ZeRO partitions are read through :mod:`gradwatch.watch.zero`), and
+DeepSpeed's engine (``.module``; its ZeRO partitions are read through :mod:`gradwatch.parallel.zero`), and
 any nesting of them (Fabric sets up a compiled model as ``_FabricModule(OptimizedModule(model))``).
 Accelerate's ``prepare`` gives one of these, or the model itself with a patched ``forward``.
 A :class:`Wrapping` takes three modules from the chain:
@@ -48,7 +48,7 @@ from typing import Any, Callable, ContextManager, Iterator, List, Optional
 import torch
 from torch import nn
 
-from gradwatch.watch.zero import ZeroLossScale, ZeroOptimizerGroups, is_engine
+from gradwatch.parallel.zero import ZeroLossScale, ZeroOptimizerGroups, is_engine
 
 #: Wrappers whose forward and backward are collectives: the watch never runs them (nor DeepSpeed's engine).
 COLLECTIVE = (nn.parallel.DistributedDataParallel, nn.DataParallel)
@@ -168,7 +168,7 @@ class Wrapping:
     def optimizer(self, optimizer: Any) -> Optional[torch.optim.Optimizer]:
         """The optimizer whose ``param_groups`` name the model's parameters: a ZeRO optimizer's (the one
         ``deepspeed.initialize`` returned, or the torch optimizer handed to it, whose groups ZeRO turned into flat
-        partitions) as :class:`~gradwatch.watch.zero.ZeroOptimizerGroups`; any other as it is."""
+        partitions) as :class:`~gradwatch.parallel.zero.ZeroOptimizerGroups`; any other as it is."""
         zero = getattr(self.engine, "optimizer", None)
         if zero is not None and optimizer is getattr(zero, "optimizer", None):
             optimizer = zero  # the torch optimizer the user built and handed to deepspeed.initialize
@@ -199,7 +199,7 @@ class Wrapping:
 
     def grad_scaler(self) -> Any:
         """The ``GradScaler`` of Fabric's precision ("16-mixed" on a GPU), DeepSpeed fp16's loss scale
-        (:class:`~gradwatch.watch.zero.ZeroLossScale`), or None."""
+        (:class:`~gradwatch.parallel.zero.ZeroLossScale`), or None."""
         engine: Any = self.engine
         if engine is not None:
             return ZeroLossScale(engine) if engine.fp16_enabled() else None

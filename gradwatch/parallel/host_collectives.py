@@ -1,14 +1,14 @@
 """A check's collectives through shared memory, for ranks that share one host.
 
 Inside a check, tensor and sequence parallel models make their collectives through torch's functional collective
-operators (``torch.ops._c10d_functional.all_reduce``, ...), which :mod:`gradwatch.watch.lockstep` wraps to make an
+operators (``torch.ops._c10d_functional.all_reduce``, ...), which :mod:`gradwatch.parallel.lockstep` wraps to make an
 agreement point before each; FSDP2 and DeepSpeed call ``torch.distributed`` functions, which a check's region wraps
-too. Where the points meet in shared memory (:mod:`gradwatch.watch.host_points`), a collective of CPU tensors over
+too. Where the points meet in shared memory (:mod:`gradwatch.parallel.host_points`), a collective of CPU tensors over
 every rank is made there: each rank copies its input into its data slot, makes the point, and reads the others'
 inputs, a slot at a time (a bigger tensor in rounds, a point each). Over gloo, an all-reduce of a 256 KB activation
 took 1.5 ms between 2 ranks on one host, and a check of ``benchmarks/parallel.py``'s 4-block tensor parallel model
 makes about 50 of them; through the slots it is a copy in and a sum. The coordinator's own averages and gathers of
-objects (:mod:`gradwatch.watch.distributed`) use the same slots.
+objects (:mod:`gradwatch.parallel.coordinator`) use the same slots.
 
 What it makes is what the process group would: an all-reduce's sum taken in rank order, on every rank alike (with 2
 ranks, the same bits as gloo's, addition being commutative), an all-gather's inputs put end to end, a
@@ -21,7 +21,7 @@ same. Training's own collectives are never touched: the operators are wrapped on
 
 Example:
     >>> import torch
-    >>> from gradwatch.watch.host_points import HostPoints
+    >>> from gradwatch.parallel.host_points import HostPoints
     >>> points = HostPoints.open(lambda mine: [mine], rank=0, world=1, timeout=5.0)  # alone: every rank one host
     >>> combine(points, "all_gather_into_tensor", torch.arange(4.0).view(2, 2), None, point=lambda: points.smallest(0))
     tensor([[0., 1.],
@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from gradwatch.watch.host_points import HostPoints
+from gradwatch.parallel.host_points import HostPoints
 
 __all__ = ["combine", "function_through_host", "gather_objects", "through_host"]
 

@@ -1,7 +1,7 @@
 """The training part's diagnosis of a term weighted wrong: found where the verdict failed, said once for the run.
 
 Where training's ``.grad`` departs from the step's objective and neither a cut of the step
-(:mod:`gradwatch.check.replay.cut`) nor a partial window (:mod:`gradwatch.watch.accumulation`) explains it,
+(:mod:`gradwatch.check.replay.cut`) nor a partial window (:mod:`gradwatch.watch.parts._accumulation`) explains it,
 :class:`TermWeights` replays the step again term by term (each micro-batch's objective, each loss the model's output
 reports beside ``loss``, each regularizer; sketched, :mod:`gradwatch.check.numerics.sketch`) and fits training's
 gradient on them (:func:`gradwatch.check.replay.term_fit.fit_terms`). Where one term is weighted otherwise (an MoE

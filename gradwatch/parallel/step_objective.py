@@ -145,7 +145,7 @@ class StepObjective:
             model: The live model (probes evaluate it; None: no probe).
             loss: ``loss(model, batch) -> scalar``: ``loss_fn`` as the check evaluates it (no regularizer).
             params: The parameters a probe differentiates (their gradients sketched).
-            coord: The :class:`~gradwatch.watch.distributed.DistributedCoordinator`, or None in one process.
+            coord: The :class:`~gradwatch.parallel.coordinator.DistributedCoordinator`, or None in one process.
             seed: The check's seed (probes reseed with it; sketches draw their coordinates from it).
             probe: Whether a probe may evaluate the model (not on a sharded model: its forwards are collectives).
             shift_hint: Where no probe can decide: 1 for a model known to shift its labels (a causal LM).

@@ -1,10 +1,10 @@
 """One check, from its plan to its report and alerts: the parts called in order, and the ranks' results merged.
 
 :class:`CheckRunner` runs a check for the façade (:class:`~gradwatch.GradWatch`): the plan
-(:class:`~gradwatch.watch.check_plan.CheckPlanner`; under DDP rank 0's, taken by every rank), then the
+(:class:`~gradwatch.watch.parts.planning.CheckPlanner`; under DDP rank 0's, taken by every rank), then the
 training part's replay, the backward part, and on the reporting rank the inner-derivatives and
 independence parts; distributed, every rank's result is gathered and merged alike
-(:mod:`gradwatch.watch.distributed`). It writes nothing and raises nothing of the user's code: the
+(:mod:`gradwatch.parallel.coordinator`). It writes nothing and raises nothing of the user's code: the
 façade gets an :class:`Outcome` to record and to alert on.
 
 Example:
@@ -29,22 +29,22 @@ from typing import Any, List, Optional, Tuple
 from gradwatch.check.judging.report import CheckReport
 from gradwatch.check.objective.rng import preserved_rng
 from gradwatch.io.headlines import line
+from gradwatch.parallel.coordinator import RankResult, merge_results
+from gradwatch.parallel.lockstep import Lockstep
+from gradwatch.parallel.sharded import live_forward_forbidden
+from gradwatch.parallel.step_objective import StepObjective
 from gradwatch.plan.memory import MemoryMeter, model_device, release_freed
-from gradwatch.watch.backward_part import BackwardPart
-from gradwatch.watch.check_plan import CheckPlanner
 from gradwatch.watch.check_thread import CheckThread
-from gradwatch.watch.context import CheckContext, WatchContext
-from gradwatch.watch.distributed import RankResult, merge_results
-from gradwatch.watch.independence import IndependencePart
-from gradwatch.watch.inner_part import InnerPart
-from gradwatch.watch.lockstep import Lockstep
-from gradwatch.watch.replay_capture import Hooks, ReplayCapture, fusable, held_budget
+from gradwatch.watch.parts.backward import BackwardPart
+from gradwatch.watch.parts.context import CheckContext, WatchContext
+from gradwatch.watch.parts.independence import IndependencePart
+from gradwatch.watch.parts.inner import InnerPart
+from gradwatch.watch.parts.planning import CheckPlanner
+from gradwatch.watch.parts.replay_capture import Hooks, ReplayCapture, fusable, held_budget
+from gradwatch.watch.parts.training import TrainingPart
+from gradwatch.watch.parts.update import Replicas, replica_hashes
 from gradwatch.watch.schedule import Schedule
-from gradwatch.watch.sharded import live_forward_forbidden
-from gradwatch.watch.step_objective import StepObjective
-from gradwatch.watch.training_part import TrainingPart
 from gradwatch.watch.trend import WHOLE_CHECK, Alert, TrendTracker
-from gradwatch.watch.update_part import Replicas, replica_hashes
 
 logger = logging.getLogger("gradwatch")
 
@@ -105,7 +105,7 @@ class CheckRunner:
         #: The replay is tried as the capture's forward (until a replay's forward was not faithful).
         self._fuse = True
         #: Replicas (DDP's, DTensors' replicated shards) compared across ranks at each check
-        #: (:class:`~gradwatch.watch.update_part.Replicas`).
+        #: (:class:`~gradwatch.watch.parts.update.Replicas`).
         self.replicas = Replicas()
 
     @property
@@ -218,7 +218,7 @@ class CheckRunner:
         """The training part's replay (judged first in one process, its replayed gradients freed before the
         backward part allocates; else kept in ``check.replay`` for the ranks to average), then the backward part.
         In one process, and shard by shard through DTensors, where the replay's forward computes the capture's, the
-        replay is the backward part's capture forward (:mod:`gradwatch.watch.replay_capture`; agreed by every rank)."""
+        replay is the backward part's capture forward (:mod:`gradwatch.watch.parts.replay_capture`; agreed by every rank)."""
         ctx = self.watch
         judged: Optional[CheckReport] = None
         objective: Optional[float] = None

@@ -3,7 +3,7 @@
 Every watched tensor's live ``.grad`` is judged against the objective's gradient recomputed the way
 training computed it (:func:`gradwatch.check.replay.reference.replay_step`: the live model and dtype,
 the same dropout masks and autocast state, ``GradScaler``'s scaling, each micro-batch weighed by its
-share of the step's items, :mod:`gradwatch.watch.step_objective`). Under a ``memory_budget`` only the
+share of the step's items, :mod:`gradwatch.parallel.step_objective`). Under a ``memory_budget`` only the
 tensors whose replayed gradient fits are judged, least-judged first, the big weights by blocks of rows.
 Distributed, the replays are averaged over the ranks and rank 0's verdicts taken everywhere.
 
@@ -41,19 +41,19 @@ from gradwatch.check.replay.rows import Differentiated, RowGrads, sliceable_line
 from gradwatch.check.replay.subset import replay_subset
 from gradwatch.check.replay.window import PartialWindow
 from gradwatch.errors import first_line
+from gradwatch.parallel.shard_check import backward_on_shards, is_partial, local, settled_pairs
+from gradwatch.parallel.sharded import is_dtensor
+from gradwatch.parallel.step_objective import StepObjective, StepPlan
+from gradwatch.parallel.wrappers import is_compiled, unwrap_model
+from gradwatch.parallel.zero import is_partitioned, loss_scale, whole_grad, zero_part
 from gradwatch.plan.memory import gradient_bytes, mb, peak_bytes, release_freed
 from gradwatch.trees import dense
-from gradwatch.watch.accumulation import AccumulationWindow
-from gradwatch.watch.context import CheckContext, TrendAlerting, WatchContext
-from gradwatch.watch.nonfinite_grads import NonfiniteGrads
-from gradwatch.watch.replay_capture import Hooks, capturing
-from gradwatch.watch.shard_check import backward_on_shards, is_partial, local, settled_pairs
-from gradwatch.watch.sharded import is_dtensor
-from gradwatch.watch.step_objective import StepObjective, StepPlan
-from gradwatch.watch.term_weights import Again, TermWeights
+from gradwatch.watch.parts._accumulation import AccumulationWindow
+from gradwatch.watch.parts._nonfinite_grads import NonfiniteGrads
+from gradwatch.watch.parts._term_weights import Again, TermWeights
+from gradwatch.watch.parts.context import CheckContext, TrendAlerting, WatchContext
+from gradwatch.watch.parts.replay_capture import Hooks, capturing
 from gradwatch.watch.trend import Alert
-from gradwatch.watch.wrappers import is_compiled, unwrap_model
-from gradwatch.watch.zero import is_partitioned, loss_scale, whole_grad, zero_part
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
@@ -149,7 +149,7 @@ class TrainingPart(TrendAlerting):
         self.watch = watch
         self.step_objective = step_objective
         self.form = form
-        #: A float16 AMP loop's ``GradScaler`` (by default a Fabric module's: :mod:`gradwatch.watch.wrappers`).
+        #: A float16 AMP loop's ``GradScaler`` (by default a Fabric module's: :mod:`gradwatch.parallel.wrappers`).
         self.grad_scaler = grad_scaler if grad_scaler is not None else watch.wrapping.grad_scaler()
         #: For integrations: ``() -> context manager`` that training's loss runs in; the replay runs in it too (under
         #: Fabric none: its module opens its precision's context around the forward itself).
@@ -170,13 +170,13 @@ class TrainingPart(TrendAlerting):
         #: Whether the replay's graph holds a reentrant checkpoint: None until a replay looked (:meth:`_replay_grads`).
         self._reentrant: Optional[bool] = None
         self._mode: Optional[str] = None  # the replay mode that reproduced the last step ("forward", "start")
-        #: The run's accumulation window: a partial one found and said once (:mod:`gradwatch.watch.accumulation`).
+        #: The run's accumulation window: a partial one found and said once (:mod:`gradwatch.watch.parts._accumulation`).
         self.window = AccumulationWindow()
         #: Shard by shard: bytes by which earlier replays rose above the check's ceiling (:meth:`_learn_overshoot`);
         #: the next replays checkpoint their blocks for that much less room.
         self.overshoot = 0
         #: A term weighted otherwise than the step's objective weighs it, named where the verdict failed
-        #: (:mod:`gradwatch.watch.term_weights`); ``_again`` replays this check's step with another objective.
+        #: (:mod:`gradwatch.watch.parts._term_weights`); ``_again`` replays this check's step with another objective.
         self.terms = TermWeights()
         #: The watched tensors whose ``.grad`` is NaN or inf at a check: an alert whatever the replay says.
         self.nonfinite = NonfiniteGrads()
@@ -203,7 +203,7 @@ class TrainingPart(TrendAlerting):
             held: Optional[int] = None) -> Optional[Replay]:
         """The check's replay (None when the part is off); judged into a new report with ``check.judge``,
         else kept in ``check.replay`` for the ranks to average. With ``hooks`` (the backward part's capture,
-        :mod:`gradwatch.watch.replay_capture`), its forward runs them, ``faithful`` gets whether that forward
+        :mod:`gradwatch.watch.parts.replay_capture`), its forward runs them, ``faithful`` gets whether that forward
         computed the isolated forward's values, and its blocks are checkpointed for ``held`` bytes less room (what
         the captures may hold through it)."""
         ctx = self.watch
@@ -319,7 +319,7 @@ class TrainingPart(TrendAlerting):
         activations, least-judged first (they rotate from check to check); without one, of every
         watched tensor; with ``only`` (names, under DDP: rank 0's choice), of those. An exception of
         ``loss_fn`` in the replay propagates: the check is skipped with an error alert. Each micro-batch weighs its
-        share of the step's items (:mod:`gradwatch.watch.step_objective`, agreed with the other ranks first).
+        share of the step's items (:mod:`gradwatch.parallel.step_objective`, agreed with the other ranks first).
         ``saved`` (one process: a forward's saved bytes, counted) sizes its checkpointed blocks; ``held``: the capture's.
         """
         ctx = self.watch
@@ -516,7 +516,7 @@ class TrainingPart(TrendAlerting):
         return savings, None if cap is None else (cap, self._blocks_cache[3])
 
     def _plan_step(self, pending: Step, model: nn.Module, params: Dict[str, torch.Tensor], seed: int) -> StepPlan:
-        """The step's objective (:class:`~gradwatch.watch.step_objective.StepObjective`): on every rank alike (an
+        """The step's objective (:class:`~gradwatch.parallel.step_objective.StepObjective`): on every rank alike (an
         exchange of counts when distributed); probes evaluate the live model in one process and under DDP."""
         ctx = self.watch
         probe = not ctx.sharded and ctx.grad_fn is None
@@ -662,7 +662,7 @@ class TrainingPart(TrendAlerting):
                       grads: Dict[str, torch.Tensor], judged: Dict[str, Tuple[torch.Tensor, torch.dtype]],
                       scale: Callable[[], float]) -> Optional[str]:
         """Where tensors still fail: a term of the loss weighted otherwise by training, named and judged as such
-        (:mod:`gradwatch.watch.term_weights`; one process, this check's step replayed again)."""
+        (:mod:`gradwatch.watch.parts._term_weights`; one process, this check's step replayed again)."""
         again, self._again, self.terms.found = self._again, None, None
         failing = [tc for tc in report.training.values() if tc.failed]
         explained = all(tc.ratio is not None for tc in failing) and not (plan.cut and self.watch.objective.regularizers)
@@ -681,7 +681,7 @@ class TrainingPart(TrendAlerting):
     def _partial_window(self, report: CheckReport, plan: Optional[StepPlan], lives: Dict[str, Optional[torch.Tensor]],
                         grads: Dict[str, torch.Tensor], judged: Dict[str, Tuple[torch.Tensor, torch.dtype]],
                         scale: Callable[[], float]) -> Optional[PartialWindow]:
-        """Where tensors failed: a partial accumulation window that explains them (:mod:`gradwatch.watch.accumulation`:
+        """Where tensors failed: a partial accumulation window that explains them (:mod:`gradwatch.watch.parts._accumulation`:
         each failing tensor judged again against the step's objective times ``n / K``), kept in
         ``report.training_window`` (not on a sharded model: each rank holds a shard)."""
         if plan is None or not plan.parts or self.watch.sharded or not any(tc.failed for tc in report.training.values()):
@@ -700,10 +700,10 @@ class TrainingPart(TrendAlerting):
         return found
 
     def alerts(self, step: int, results: Any) -> List[Alert]:
-        """The run's accumulation, said once (:meth:`~gradwatch.watch.accumulation.AccumulationWindow.alerts`): a
+        """The run's accumulation, said once (:meth:`~gradwatch.watch.parts._accumulation.AccumulationWindow.alerts`): a
         partial window a check found, micro-batches the watch was not handed; and a term weighted otherwise than the
-        step's objective weighs it, once for the run (:meth:`~gradwatch.watch.term_weights.TermWeights.alerts`); before
-        them a ``.grad`` with NaN or inf, whatever the verdicts say (:mod:`gradwatch.watch.nonfinite_grads`)."""
+        step's objective weighs it, once for the run (:meth:`~gradwatch.watch.parts._term_weights.TermWeights.alerts`); before
+        them a ``.grad`` with NaN or inf, whatever the verdicts say (:mod:`gradwatch.watch.parts._nonfinite_grads`)."""
         if not isinstance(results, CheckReport):
             return []
         scaler = self.grad_scaler

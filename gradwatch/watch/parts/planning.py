@@ -1,7 +1,7 @@
 """The plan of a check: which tensors, which form, the shadow it runs on, the inner modules that fit.
 
-:class:`CheckPlanner` decides; the parts do (:mod:`gradwatch.watch.backward_part`,
-:mod:`gradwatch.watch.training_part`, :mod:`gradwatch.watch.inner_part`). It wraps the run's
+:class:`CheckPlanner` decides; the parts do (:mod:`gradwatch.watch.parts.backward`,
+:mod:`gradwatch.watch.parts.training`, :mod:`gradwatch.watch.parts.inner`). It wraps the run's
 :class:`~gradwatch.plan.planner.Planner` (the units, pieces and coverage of the module form) with what
 depends on the watch: the rotation of the tensors, the form chosen under ``memory_budget`` (with the
 float64 shadow cached between checks), this rank's share under DDP, the leaf modules whose double
@@ -13,7 +13,7 @@ Example:
     >>> from gradwatch.config import GradWatchConfig
     >>> from gradwatch.plan.memory import MemoryMeter
     >>> from gradwatch.plan.planner import Planner
-    >>> from gradwatch.watch.context import WatchContext
+    >>> from gradwatch.watch.parts.context import WatchContext
     >>> config = GradWatchConfig()
     >>> ctx = WatchContext(nn.Linear(2, 1), Objective(lambda m, b: m(b).sum(), {}, 0.0), None,
     ...                    config.check_options(), MemoryMeter(None, None), None, None, "auto")
@@ -43,7 +43,7 @@ from gradwatch.config import GradWatchConfig
 from gradwatch.plan.memory import SAFETY, mb, module_bytes, objective_activations
 from gradwatch.plan.planner import Planner
 from gradwatch.trees import tensor_leaves
-from gradwatch.watch.context import CheckContext, WatchContext
+from gradwatch.watch.parts.context import CheckContext, WatchContext
 
 logger = logging.getLogger("gradwatch")
 

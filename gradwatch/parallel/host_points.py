@@ -1,6 +1,6 @@
 """Agreement points through shared memory, for ranks that share one host.
 
-A check's agreement point (:mod:`gradwatch.watch.lockstep`) is a one-element all-reduce. Over gloo that is a TCP
+A check's agreement point (:mod:`gradwatch.parallel.lockstep`) is a one-element all-reduce. Over gloo that is a TCP
 round trip: 0.31 ms between 2 idle ranks on one host, and a tensor parallel check of ``benchmarks/parallel.py``'s
 4-block model makes about 50 of them. Ranks on one host (tensor parallel almost always is) agree instead through a
 small shared-memory file: each rank writes its value and its point's number into its own slot and reads the others'
@@ -16,7 +16,7 @@ stalled) finds the mark and raises too, where gloo's all-reduce would fail, inst
 other rank no longer makes.
 
 Each rank also has two data slots of :data:`DATA` bytes (one per parity), after the points: a check's collectives of
-CPU tensors over every rank (:mod:`gradwatch.watch.host_collectives`) put a rank's input in its slot before the
+CPU tensors over every rank (:mod:`gradwatch.parallel.host_collectives`) put a rank's input in its slot before the
 point and read the others' after it. A slot of point ``n`` is written again only for point ``n + 2``, which no rank
 reaches before every rank has passed point ``n + 1``, after its reads of point ``n``. The slots are allocated when
 the file is made (``posix_fallocate``), so a small ``/dev/shm`` (a container's 64 MB) is found there, not by a
