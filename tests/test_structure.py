@@ -1,4 +1,4 @@
-"""The house: packages by job, small modules, no private names across modules, old paths that still import.
+"""The house: packages by job, small modules, no private names across modules, no shims for old paths.
 
 The layers themselves are import-linter contracts in pyproject.toml, run by `make test` (`lint-imports`).
 """
@@ -6,15 +6,11 @@ The layers themselves are import-linter contracts in pyproject.toml, run by `mak
 from __future__ import annotations
 
 import ast
-import importlib
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
-
-from gradwatch.check import _moved
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "gradwatch"
@@ -26,7 +22,7 @@ def modules():
 
 def test_check_keeps_a_handful_of_modules_at_its_top_and_the_rest_in_packages_by_job():
     top = sorted(p.name for p in (PACKAGE / "check").glob("*.py"))
-    assert top == ["__init__.py", "_moved.py", "backward.py", "model.py"], top
+    assert top == ["__init__.py", "backward.py", "model.py"], top
     packages = sorted(p.name for p in (PACKAGE / "check").iterdir() if (p / "__init__.py").is_file())
     assert packages == ["higher_order", "independence", "judging", "modules", "numerics", "objective", "probes", "replay", "update"]
 
@@ -55,43 +51,6 @@ def test_the_import_layers_are_kept():
     out = subprocess.run([str(linter)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-3000:]
     assert "0 broken" in out.stdout
-
-
-@pytest.mark.parametrize("old", sorted(_moved.MOVED))
-def test_an_old_path_of_a_moved_module_still_imports_with_a_warning(old):
-    sys.modules.pop(f"gradwatch.check.{old}", None)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        module = importlib.import_module(f"gradwatch.check.{old}")
-    assert module is importlib.import_module(_moved.MOVED[old])
-    assert module.__spec__.name == _moved.MOVED[old]  # the moved module keeps its own spec
-    assert any(issubclass(w.category, DeprecationWarning) and _moved.MOVED[old] in str(w.message) for w in seen)
-
-
-@pytest.mark.parametrize("old", sorted(_moved.SPLIT))
-def test_an_old_path_of_a_split_module_answers_each_name_from_its_new_home(old):
-    sys.modules.pop(f"gradwatch.check.{old}", None)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        module = importlib.import_module(f"gradwatch.check.{old}")
-    assert any(issubclass(w.category, DeprecationWarning) for w in seen)
-    default, names = _moved.SPLIT[old]
-    for name, home in names.items():
-        assert getattr(module, name) is getattr(importlib.import_module(home), name), (old, name)
-    public = [n for n in vars(importlib.import_module(default)) if not n.startswith("_")]
-    assert public and all(getattr(module, n) is getattr(importlib.import_module(default), n) for n in public)
-    with pytest.raises(AttributeError):
-        module.no_such_name  # noqa: B018
-
-
-@pytest.mark.parametrize("package, name", [("objective", "Objective"), ("replay", "replay_step"),
-                                           ("independence", "check_independence")])
-def test_a_module_that_became_a_package_answers_its_old_names_with_a_warning(package, name):
-    pkg = importlib.import_module(f"gradwatch.check.{package}")
-    pkg.__dict__.pop(name, None)
-    with pytest.warns(DeprecationWarning, match=_moved.BECAME_PACKAGE[package]):
-        value = getattr(pkg, name)
-    assert value is getattr(importlib.import_module(_moved.BECAME_PACKAGE[package]), name)
 
 
 def _starts_processes(source: str) -> bool:

@@ -4,11 +4,5 @@ Bottom to top: ``numerics`` (differences, sampling), ``judging`` (verdicts, repo
 objective and what keeps it a function) and ``probes`` (slopes along lines), then ``replay`` (the training
 reference), ``modules`` (localization, the module form) and ``independence``, ``backward``
 (``check_backward``), ``higher_order`` (``check_double_backward``, inner derivatives) and ``model``
-(``check_model``, ``check_numpy``) at the top. The public names are imported from :mod:`gradwatch`;
-old paths of 0.1 (``gradwatch.check.engine``, ...) still import, with a ``DeprecationWarning``
-(:mod:`gradwatch.check._moved`).
+(``check_model``, ``check_numpy``) at the top. The public names are imported from :mod:`gradwatch`.
 """
-
-from gradwatch.check._moved import install as _install
-
-_install()

@@ -3,12 +3,3 @@
 shadow (``shadow``), precision inside (``precision``), ``padding_idx`` rows (``padding_idx``), checkpointed graphs
 (``checkpointed``), surrogates by design (``surrogate``), DTensor tests (``dtensor``).
 """
-
-from typing import Any
-
-from gradwatch.check._moved import package_attribute
-
-
-def __getattr__(name: str) -> Any:
-    """The names this path held in 0.1, when it was a module (deprecated; see :mod:`gradwatch.check._moved`)."""
-    return package_attribute(__name__, name)
