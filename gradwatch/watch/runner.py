@@ -184,7 +184,7 @@ class CheckRunner:
         if coord is not None and not ctx.sharded:
             fitting = self.training.fitting if self.training.enabled else None
             check.room, check.plan = coord.plan_from_main(check.room, lambda: self.check_plan.for_ranks(check.room, fitting))
-            self.training.count(check.plan[1] or ())
+            self.training.count(check.plan.training or ())
         with preserved_rng():  # one guard for every part: every generator as training left it afterwards
             check.target = ctx.target()  # the model, or the replica gathered from a sharded one
             check.chosen = self.check_plan.tensors(self.backward.counts)
@@ -222,15 +222,15 @@ class CheckRunner:
         ctx = self.watch
         judged: Optional[CheckReport] = None
         objective: Optional[float] = None
-        held = held_budget(ctx, check.room)  # what the captures may hold through a replay that is their forward
+        check.held = held_budget(ctx, check.room)  # what the captures may hold through a replay that is their forward
         if check.room is not None and check.judge and ctx.one_process and ctx.recorder is not None:
             check.saved = self.check_plan.activations(check.target, check.batch)  # (counted once a batch shape)
         replayed: Optional[float] = None  # the replay's seconds: the step's forwards and backwards again, about a step
 
         def replay(hooks: Optional[Hooks] = None) -> Tuple[Optional[float], Optional[bool]]:
             nonlocal judged, objective, replayed
-            faithful: List[bool] = []
-            ran = self.training.run(check, hooks, faithful, held)  # its replay is in check.replay only: dropped below,
+            check.hooks, check.faithful = hooks, None
+            ran = self.training.run(check)  # its replay is in check.replay only: dropped below,
             if ran is not None and ran.seconds:  # freed
                 replayed = ran.seconds
             if hooks is not None and ctx.recorder is not None:
@@ -245,7 +245,7 @@ class CheckRunner:
                     # whole objective's batches are sized to training's activations: what the process holds now is
                     # taken off)
                     release_freed()
-            return objective, faithful[0] if faithful else None  # (None: its forward ran without the hooks)
+            return objective, check.faithful  # (None: its forward ran without the hooks)
 
         fused: Optional[ReplayCapture] = None
         if ctx.lockstep is not None and ctx.by_shard and not ctx.zero:  # a point on every rank, whatever each says
@@ -263,7 +263,8 @@ class CheckRunner:
             check.room = self.memory.room()
             if ctx.lockstep is not None:
                 check.room = ctx.lockstep.point(check.room)
-        report = check.report = self.backward.run(check, fused, held)
+        check.fused = fused
+        report = check.report = self.backward.run(check)
         if fused is not None and not fused.ran:  # (one process: no piece captured, or the whole objective's form)
             replay()
         if fused is not None and fused.ran and not fused.usable and not fused.declined:

@@ -67,12 +67,11 @@ class BackwardPart(TrendAlerting):
     def enabled(self) -> bool:
         return True
 
-    def run(self, check: CheckContext, fused: Optional[Forward] = None, captures: Optional[int] = None
-            ) -> Optional[CheckReport]:
+    def run(self, check: CheckContext) -> Optional[CheckReport]:
         """The check's report on ``check.names`` (None when this rank has none); the training part's verdicts
         are added to it by the caller. Its memory summary is set where this process decided the plan. With
-        ``fused`` (:mod:`gradwatch.watch.parts.replay_capture`), the training part's replay is the module form's first
-        capture's forward, its captures holding at most ``captures`` bytes through it."""
+        ``check.fused`` (:mod:`gradwatch.watch.parts.replay_capture`), the training part's replay is the module form's
+        first capture's forward, its captures holding at most ``check.held`` bytes through it."""
         if not check.names:
             return None
         estimate: Optional[int] = None
@@ -82,7 +81,7 @@ class BackwardPart(TrendAlerting):
             if form == "objective":
                 report = self._objective(check)
             else:
-                report = self._modules(check, fused, captures, began)
+                report = self._modules(check, check.fused, check.held, began)
                 estimate = report.memory.get("estimate_bytes")
             if why:
                 report.notes.append(why)

@@ -57,8 +57,28 @@ ZERO3_NOTE = ("the model is trained with DeepSpeed ZeRO-3: checked piece by piec
 ZERO12_NOTE = ("the model is trained with DeepSpeed ZeRO (stage 1 or 2): checked on the live model, the ranks "
                "splitting its pieces; ZeRO's gradient read one tensor at a time through safe_get_full_grad")
 
-#: Under DDP, rank 0's decisions for a check: ``((form, estimate, note), training tensors or None for all)``.
-Plan = Tuple[Tuple[str, Optional[int], Optional[str]], Optional[List[str]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Under DDP, rank 0's decisions for a check, taken by every rank.
+
+    Attributes:
+        form: ``(form, estimate in bytes or None, a note or None)``: ``"objective"`` or ``"module"``.
+        training: The training part's tensors where a room bounds them (None: all of them).
+
+    Example:
+        >>> Plan(("module", None, None), ["fc.weight"]).form_name
+        'module'
+    """
+
+    form: Tuple[str, Optional[int], Optional[str]]
+    training: Optional[List[str]] = None
+
+    @property
+    def form_name(self) -> str:
+        """The form's name: ``"objective"`` or ``"module"``."""
+        return self.form[0]
 
 
 def check_arguments(model: Any, loss_fn: Any, on_alert: Any = None, grad_scaler: Any = None) -> None:
@@ -246,17 +266,24 @@ class CheckContext:
         saved: What one forward of the checked batch saves for its backward, counted
             (:class:`~gradwatch.check.modules.activations.Saved`; one process, under a room; None: not counted): the
             training part's replay checkpoints its blocks by their counted shares.
+        fused: The training part's replay as the forward of the backward part's first capture
+            (:mod:`gradwatch.watch.parts.replay_capture`; None: the backward part runs its own forward).
+        held: Bytes the captures may hold through a fused replay (None: no room).
+        hooks: The capture's hooks the training part's replay runs in its forward (set by the runner for a fused
+            replay; None: a plain replay).
+        faithful: Whether that fused forward computed the isolated forward's values (set by the training part; None:
+            its forward ran without the hooks).
 
     Example:
         >>> CheckContext(None, 3, None, None, None).names
         []
     """
 
-    watch: Any
+    watch: WatchContext
     step: int
     target: Any
     batch: Any
-    opts: Any
+    opts: CheckOptions
     pending: Optional[Step] = None
     chosen: List[str] = dataclasses.field(default_factory=list)
     names: List[str] = dataclasses.field(default_factory=list)
@@ -267,6 +294,10 @@ class CheckContext:
     report: Optional[CheckReport] = None
     step_seconds: Optional[float] = None
     saved: Any = None
+    fused: Any = None
+    held: Optional[int] = None
+    hooks: Any = None
+    faithful: Optional[bool] = None
 
 
 @runtime_checkable

@@ -89,7 +89,7 @@ class InnerPart(TrendAlerting):
             return {}
         coord = self.watch.dist
         terms: Dict[str, Any] = {}
-        if self.watch.by_shard or (check.plan is not None and check.plan[0][0] == "module"):
+        if self.watch.by_shard or (check.plan is not None and check.plan.form_name == "module"):
             terms = self.parameter_terms(check)
         if not self.enabled:
             return terms

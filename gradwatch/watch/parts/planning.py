@@ -43,7 +43,7 @@ from gradwatch.config import GradWatchConfig
 from gradwatch.plan.memory import SAFETY, mb, module_bytes, objective_activations
 from gradwatch.plan.planner import Planner
 from gradwatch.trees import tensor_leaves
-from gradwatch.watch.parts.context import CheckContext, WatchContext
+from gradwatch.watch.parts.context import CheckContext, Plan, WatchContext
 
 logger = logging.getLogger("gradwatch")
 
@@ -95,11 +95,11 @@ class CheckPlanner:
         coord, per_check = self.watch.dist, self.config.tensors_per_check
         return rotate(self.names_to_check(), coord.tensors_per_check(per_check) if coord else per_check, counts)
 
-    def mine(self, names: List[str], plan: Any) -> List[str]:
+    def mine(self, names: List[str], plan: Optional[Plan]) -> List[str]:
         """This rank's round-robin share of ``names`` under DDP (all of them in the module form, whose pieces are
         shared instead, shard by shard, and in one process)."""
         coord = self.watch.dist
-        if coord is not None and not self.watch.by_shard and (plan is None or plan[0][0] != "module"):
+        if coord is not None and not self.watch.by_shard and (plan is None or plan.form_name != "module"):
             return coord.share(names)
         return names
 
@@ -140,7 +140,7 @@ class CheckPlanner:
         """The form of this check: rank 0's (DDP), the module form shard by shard, else chosen here (one process;
         a distributed replica is checked whole)."""
         if check.plan is not None:
-            return check.plan[0]
+            return check.plan.form
         if self.watch.by_shard:
             return ("module", None, None)
         return self.choose_form(check.target, check.names, check.room, check.batch) if check.judge \
@@ -171,14 +171,14 @@ class CheckPlanner:
             return None
         return self.planner.pace_seconds(check.step_seconds, spent)
 
-    def for_ranks(self, room: Optional[int], training: Any) -> Tuple[Form, Optional[List[str]]]:
+    def for_ranks(self, room: Optional[int], training: Any) -> Plan:
         """Rank 0's plan under DDP: the form, and the training part's tensors when a room bounds them (``training``:
         ``(room) -> names`` or None when the training part is off)."""
         form = self.choose_form(self.watch.model, self.watch.watched_names(), room)
         only = None
         if room is not None and training is not None and self.config.form != "objective":
             only = list(training(room))
-        return form, only
+        return Plan(form, only)
 
     # ------------------------------------------------------------------ shard by shard
     def mark(self) -> None:

@@ -199,14 +199,13 @@ class TrainingPart(TrendAlerting):
     def enabled(self) -> bool:
         return self.watch.recorder is not None
 
-    def run(self, check: CheckContext, hooks: Optional[Hooks] = None, faithful: Optional[List[bool]] = None,
-            held: Optional[int] = None) -> Optional[Replay]:
+    def run(self, check: CheckContext) -> Optional[Replay]:
         """The check's replay (None when the part is off); judged into a new report with ``check.judge``,
-        else kept in ``check.replay`` for the ranks to average. With ``hooks`` (the backward part's capture,
-        :mod:`gradwatch.watch.parts.replay_capture`), its forward runs them, ``faithful`` gets whether that forward
-        computed the isolated forward's values, and its blocks are checkpointed for ``held`` bytes less room (what
-        the captures may hold through it)."""
-        ctx = self.watch
+        else kept in ``check.replay`` for the ranks to average. With ``check.hooks`` (the backward part's capture,
+        :mod:`gradwatch.watch.parts.replay_capture`), its forward runs them, ``check.faithful`` says whether that
+        forward computed the isolated forward's values, and its blocks are checkpointed for ``check.held`` bytes less
+        room (what the captures may hold through it)."""
+        ctx, hooks, held = self.watch, check.hooks, check.held
         if ctx.by_shard:
             release_freed()  # what training's backward freed: the replay's own backward allocates on top of it
         # (FSDP2, tensor and sequence parallel: the replay is the model's own backward, whole, its shards let go as they
@@ -224,9 +223,11 @@ class TrainingPart(TrendAlerting):
         if sizing is not None and hooks is not None and held is not None:
             sizing = max(0, sizing - held)  # the capture's copies, held beside it
         before = None if sizing is None else peak_bytes(ctx.memory.device)
-        replay = self.replay(check.pending, check.target, room, only=None if check.plan is None else check.plan[1],
+        faithful: List[bool] = []  # (capturing appends whether the fused forward computed the isolated one's values)
+        replay = self.replay(check.pending, check.target, room, only=None if check.plan is None else check.plan.training,
                              seed=check.opts.seed, checkpoint_room=sizing, hooks=hooks, faithful=faithful,
                              saved=check.saved, held=held)
+        check.faithful = faithful[0] if faithful else None
         if before is not None:
             self._learn_overshoot(before)
         check.replay = replay
