@@ -42,7 +42,9 @@ def test_nonfinite_loss_alerts_and_training_continues(bad, dtype):
     x, y = batch()
     reports = train(model, watch, mse, [(x * bad, y), (x, y)])
     first, second = reports
-    assert first is not None and first.nonfinite and not first.ok
+    assert first is not None
+    assert first.nonfinite
+    assert not first.ok
     assert all(t.verdict is None and "not finite" in t.inconclusive for t in first.tensors.values())
     nonfinite = [a for a in watch.alerts if a.kind == "nonfinite"]
     assert len(nonfinite) == 1 and nonfinite[0].severity == "error"
@@ -59,7 +61,9 @@ def test_non_scalar_loss_names_the_shape(caplog):
     assert reports == [None, None]  # skipped, training went on
     assert watch.alerts and watch.alerts[0].kind == "error"
     msg = watch.alerts[0].message
-    assert "must return a scalar" in msg and "(6, 1)" in msg and "training continues" in msg
+    assert "must return a scalar" in msg
+    assert "(6, 1)" in msg
+    assert "training continues" in msg
     assert "(6, 1)" in caplog.text
 
 
@@ -74,7 +78,9 @@ def test_loss_fn_that_raises_is_an_error_alert_and_training_continues():
     model = mlp()
     watch = GradWatch(model, flaky, every=1, log_dir=None, coords=2)
     reports = train(model, watch, mse, batches)
-    assert reports[0] is None and reports[1] is not None and reports[1].ok
+    assert reports[0] is None
+    assert reports[1] is not None
+    assert reports[1].ok
     (alert,) = watch.alerts
     assert alert.kind == "error" and alert.tensor == "*"
     assert "KeyError" in alert.message and "labels" in alert.message
@@ -94,7 +100,7 @@ def test_loss_fn_raising_with_raise_on_still_does_not_kill_training():
 @pytest.mark.parametrize("where", ["tracker", "record"])
 def test_gradwatch_raising_after_its_check_is_an_error_alert_and_never_reaches_training(where, monkeypatch, tmp_path):
     # a bug of gradwatch's own after the check (its trends, its record): injected, since none is known to raise
-    from gradwatch.watch import gradwatch as facade
+    from gradwatch.watch import runner
     from gradwatch.watch import trend
 
     def broken(*args, **kwargs):
@@ -103,14 +109,16 @@ def test_gradwatch_raising_after_its_check_is_an_error_alert_and_never_reaches_t
     if where == "tracker":
         monkeypatch.setattr(trend.TrendTracker, "update", broken)
     else:
-        monkeypatch.setattr(facade, "check_record", broken)
+        monkeypatch.setattr(runner, "check_record", broken)
     model, plain = mlp(), mlp()
     plain.load_state_dict(model.state_dict())
     watch = GradWatch(model, mse, every=1, log_dir=tmp_path, coords=2, raise_on="wrong")
     batches = [batch(), batch()]
     assert train(model, watch, mse, batches[:1]) == [None]  # the check's report is not given: its recording failed
     errors = [a for a in watch.alerts if a.kind == "error"]
-    assert len(errors) == 1 and "IndexError" in errors[0].message and f"injected: {where} broke" in errors[0].message
+    assert len(errors) == 1
+    assert "IndexError" in errors[0].message
+    assert f"injected: {where} broke" in errors[0].message
     monkeypatch.undo()
     (report,) = train(model, watch, mse, batches[1:])
     assert report is not None and report.ok  # the next check runs and is recorded

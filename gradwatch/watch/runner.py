@@ -24,17 +24,21 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from gradwatch.check.judging.report import CheckReport
 from gradwatch.check.objective.rng import preserved_rng
+from gradwatch.errors import GradWatchError, blamed
 from gradwatch.io.headlines import line
+from gradwatch.io.records import check_record
 from gradwatch.parallel.coordinator import RankResult, merge_results
 from gradwatch.parallel.lockstep import Lockstep
 from gradwatch.parallel.sharded import live_forward_forbidden
 from gradwatch.parallel.step_objective import StepObjective
 from gradwatch.plan.memory import MemoryMeter, model_device, release_freed
+from gradwatch.watch.alerts import AlertPolicy
 from gradwatch.watch.check_thread import CheckThread
+from gradwatch.watch.clock import OverheadClock
 from gradwatch.watch.parts.backward import BackwardPart
 from gradwatch.watch.parts.context import CheckContext, WatchContext
 from gradwatch.watch.parts.independence import IndependencePart
@@ -42,7 +46,7 @@ from gradwatch.watch.parts.inner import InnerPart
 from gradwatch.watch.parts.planning import CheckPlanner
 from gradwatch.watch.parts.replay_capture import Hooks, ReplayCapture, fusable, held_budget
 from gradwatch.watch.parts.training import TrainingPart
-from gradwatch.watch.parts.update import Replicas, replica_hashes
+from gradwatch.watch.parts.update import Replicas, UpdatePart, replica_hashes
 from gradwatch.watch.schedule import Schedule
 from gradwatch.watch.trend import WHOLE_CHECK, Alert, TrendTracker
 
@@ -70,6 +74,52 @@ class Outcome:
     seconds: float
     error: Optional[Exception] = None
     merged: bool = False
+
+
+#: Version of :meth:`GradWatch.state_dict`'s layout (raise it when a key changes meaning; older ones still load).
+STATE_VERSION = 1
+
+
+def check_state(state: Any, version_text: str) -> None:
+    """Refuse a checkpoint state that :meth:`GradWatch.state_dict` did not write, or a newer layout's.
+
+    Example:
+        >>> check_state({"tracker": {}, "version": 9}, "0.1.0")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: load_state_dict: the state has version 9, this gradwatch (0.1.0) reads versions 1 to 1: ...
+    """
+    if not isinstance(state, Mapping) or "tracker" not in state:
+        raise ValueError("load_state_dict expects a dict produced by GradWatch.state_dict()")
+    version = state.get("version", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= STATE_VERSION:
+        raise ValueError(f"load_state_dict: the state has version {version!r}, this gradwatch "
+                         f"({version_text}) reads versions 1 to {STATE_VERSION}: a checkpoint written by a newer "
+                         "gradwatch; upgrade gradwatch, or drop the 'gradwatch' entry to start the watch afresh")
+
+
+@dataclasses.dataclass
+class Delivery:
+    """Where a check's outcome goes once the runner has it.
+
+    Attributes:
+        sinks: The records (logging, TensorBoard, JSONL).
+        policy: The alert policy (``on_alert``, ``raise_on``, failed checks counted).
+        clock: The overhead clock (a check's seconds).
+        update: The update part, armed after each check (the optimizer step that follows is watched).
+        so_far: ``() -> {"coverage", "check_counts", "cycle_length"}``: what a check record says of the run so far.
+        pause: ``pause(reason, step)``: the façade's pause, after failed checks in a row.
+
+    Example:
+        See :class:`CheckRunner`'s module.
+    """
+
+    sinks: Any
+    policy: AlertPolicy
+    clock: OverheadClock
+    update: UpdatePart
+    so_far: Callable[[], Dict[str, Any]]
+    pause: Callable[[str, int], None]
 
 
 class CheckRunner:
@@ -123,6 +173,76 @@ class CheckRunner:
     def close(self) -> None:
         """Stop the check's thread (idempotent)."""
         self.thread.close()
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        """The parts' state, the plan's coverage, the schedule and the trends, for a checkpoint."""
+        return {
+            **self.backward.state_dict(),  # "counts"
+            "plan": self.check_plan.planner.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "tracker": self.tracker.state_dict(),
+            "independence": self.independence.state_dict(),
+            **self.training.state_dict(),  # "training": the accumulation window
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume what :meth:`state_dict` kept (a state of any version :func:`check_state` accepts)."""
+        self.watch.checks = int(state["checks"])
+        self.backward.load_state_dict({"counts": state["counts"]})
+        self.check_plan.planner.load_state_dict(state.get("plan", {}))
+        self.schedule.load_state_dict(state["schedule"])
+        self.tracker.load_state_dict(state["tracker"])
+        self.independence.load_state_dict(state.get("independence", {}))
+        self.training.load_state_dict(state)  # reads its own keys of the state
+
+    # ------------------------------------------------------------------ a check's outcome delivered
+    def check(self, step: int, batch: Any, delivery: Delivery, scheduled: bool = True, pending: Any = None
+              ) -> Optional[CheckReport]:
+        """One check (:meth:`run`), then its records and alerts (:meth:`emit`); a check that raised, or whose
+        records could not be written, is counted and alerted as an error (:meth:`failed`), never training's."""
+        try:
+            outcome = self.run(step, batch, scheduled, pending)
+        finally:
+            self.watch.release()  # a sharded model's gathered .grad lives for one check only
+        if outcome is None:
+            return None
+        if outcome.error is not None:
+            self.failed(step, outcome.error, outcome.seconds, delivery)
+            return None
+        if not outcome.merged:
+            delivery.policy.succeeded()
+            delivery.clock.checked(outcome.seconds)
+        try:
+            self.emit(step, outcome.report, outcome.alerts, outcome.seconds, delivery)
+            delivery.update.arm(step)  # .grad as backprop left it: the step that follows is watched
+        except GradWatchError:
+            raise  # GradientDriftError: raise_on asked for it, after the records were written
+        except Exception as exc:  # noqa: BLE001 - recording it failed (a gradwatch bug): an error alert, never training's
+            self.failed(step, exc, outcome.seconds, delivery)
+            return None
+        return outcome.report
+
+    def failed(self, step: int, exc: Exception, seconds: float, delivery: Delivery) -> None:
+        """A check raised: log its cause once per kind of failure, count it, and pause after a few in a row."""
+        key = delivery.policy.failed(step, exc)
+        alert = self.tracker.error(step, exc, where=blamed(exc))
+        self.emit(step, None, [alert] if alert is not None else [], seconds, delivery)
+        if delivery.policy.should_pause():
+            delivery.pause(f"{delivery.policy.failures} checks in a row failed (last: {key})", step)
+
+    def emit(self, step: int, report: Optional[CheckReport], alerts: List[Alert], seconds: float,
+             delivery: Delivery) -> None:
+        """A check's record (with its alerts) to the sinks, or the alerts alone; then the alert policy."""
+        if report is not None:
+            clock = delivery.clock
+            record = check_record(step, report, seconds=seconds, overhead_fraction=clock.fraction_with(seconds),
+                                  **delivery.so_far())
+            record["overhead_fraction_after_baseline"] = clock.after_baseline_with(seconds, self.watch.checks)
+            delivery.sinks.write_check(record, alerts)
+        elif alerts:
+            delivery.sinks.write_alerts(alerts)
+        delivery.policy.deliver(step, alerts)
 
     def _run(self, step: int, batch: Any, scheduled: bool, pending: Any) -> Optional[Outcome]:
         ctx, coord = self.watch, self.watch.dist
@@ -335,4 +455,4 @@ class CheckRunner:
         return Outcome(merged.report, alerts, merged.seconds, merged=True)
 
 
-__all__ = ["CheckRunner", "Outcome"]
+__all__ = ["STATE_VERSION", "CheckRunner", "Delivery", "Outcome", "check_state"]
