@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gradwatch.check.judging.report import CheckReport
-from gradwatch.check.objective.terms import parse_regularizers
+from gradwatch.check.objective.terms import Regularizer, parse_regularizers
 from gradwatch.config import GradWatchConfig
 from gradwatch.errors import GradientDriftError
 from gradwatch.watch.gradwatch import GradWatch
@@ -275,6 +275,38 @@ def _max_abs_preactivation(model: SpiralNet, x: torch.Tensor) -> float:
     return float(model.fc1(x).abs().max())
 
 
+def _grow_weights(model: SpiralNet, step: int, factor: float, x_all: torch.Tensor,
+                  on_grow: Optional[Callable[[GrowEvent], None]]) -> None:
+    """The "weights grow" moment: multiply the first layer's weights by ``factor`` and tell ``on_grow``."""
+    before = _max_abs_preactivation(model, x_all)
+    with torch.no_grad():
+        model.fc1.weight.mul_(factor)
+        model.fc1.bias.mul_(factor)
+    if on_grow is not None:
+        on_grow(GrowEvent(step, factor, ["fc1.weight", "fc1.bias"], before, _max_abs_preactivation(model, x_all)))
+
+
+def _loss_and_backward(model: SpiralNet, batch: Tuple[torch.Tensor, torch.Tensor], regularizers: Mapping[str, Regularizer],
+                       bug: str) -> Tuple[torch.Tensor, float]:
+    """One step's training loss and its backward, with the story's training-loop slips.
+
+    Returns:
+        ``(loss, max_abs)``: the loss (data loss plus regularizers) and the largest ``|x|`` the custom
+        activation saw in the forward.
+    """
+    loss = cross_entropy(model, batch)
+    max_abs = model.act.last_max_abs_input
+    for reg in regularizers.values():
+        loss = loss + reg(model)
+    if bug == "missing-l2":  # slip 1: an L2 term the watch's objective lacks
+        loss = loss + MISSING_L2 * sum(p.pow(2).sum() for p in model.parameters())
+    loss.backward()
+    grad = model.fc1.weight.grad
+    if bug == "missing-l2" and grad is not None:  # slip 2: a loss-scaling slip on one gradient
+        grad.mul_(GRAD_FACTOR)
+    return loss, max_abs
+
+
 def run_demo(
     settings: DemoSettings,
     config: GradWatchConfig,
@@ -309,26 +341,11 @@ def run_demo(
     try:
         for step in range(settings.steps):
             if step == settings.grow_at and settings.grow_factor != 1.0:
-                before = _max_abs_preactivation(model, x_all)
-                with torch.no_grad():
-                    model.fc1.weight.mul_(settings.grow_factor)
-                    model.fc1.bias.mul_(settings.grow_factor)
-                if on_grow is not None:
-                    on_grow(GrowEvent(step, settings.grow_factor, ["fc1.weight", "fc1.bias"], before,
-                                      _max_abs_preactivation(model, x_all)))
+                _grow_weights(model, step, settings.grow_factor, x_all, on_grow)
             idx = torch.randint(0, x_all.shape[0], (settings.batch_size,), generator=batches)
             batch = (x_all[idx], y_all[idx])
             opt.zero_grad()
-            loss = cross_entropy(model, batch)
-            max_abs = model.act.last_max_abs_input
-            for reg in regularizers.values():
-                loss = loss + reg(model)
-            if settings.bug == "missing-l2":  # slip 1: an L2 term the watch's objective lacks
-                loss = loss + MISSING_L2 * sum(p.pow(2).sum() for p in model.parameters())
-            loss.backward()
-            grad = model.fc1.weight.grad
-            if settings.bug == "missing-l2" and grad is not None:  # slip 2: a loss-scaling slip on one gradient
-                grad.mul_(GRAD_FACTOR)
+            loss, max_abs = _loss_and_backward(model, batch, regularizers, settings.bug)
             loss_value = float(loss.detach())
             seen = len(watch.alerts)
             try:

@@ -104,43 +104,7 @@ def check_record(
         >>> rec["tensors"]["w"]["rel_diff"], rec["summary"]["rel_diff_max"]
         (1e-09, 1e-09)
     """
-    tensors: Dict[str, Dict[str, Any]] = {}
-    finite: List[float] = []
-    for name, t in report.tensors.items():
-        tensors[name] = {
-            "rel_diff": json_float(t.rel_diff),
-            "directional_rel_diff": json_float(t.directional_rel_diff),
-            "max_rel_error": json_float(t.max_rel_error),
-            "judged_rel_diff": json_float(t.judged_rel_diff) if t.verdict is not None else None,  # not judged: no 0
-            "verdict": t.verdict.value if t.verdict is not None else None,
-            "kinks": int(t.kinks),
-            "noise_floor": json_float(t.noise_floor),
-            "diagnosis": t.diagnosis,
-            "inconclusive": t.inconclusive,
-            "inconclusive_kind": t.inconclusive_kind.value if t.inconclusive_kind is not None else None,
-            "ratio": json_float(t.ratio),
-            "shape": [int(s) for s in t.shape],
-            "form": report.form,
-        }
-        if t.rel_diff is not None and math.isfinite(t.rel_diff):
-            finite.append(float(t.rel_diff))
-    if finite:
-        values = np.asarray(finite, dtype=np.float64)
-        summary: Dict[str, Optional[float]] = {
-            "rel_diff_median": float(np.median(values)),
-            "rel_diff_p95": float(np.percentile(values, 95)),
-            "rel_diff_max": float(values.max()),
-        }
-    else:
-        summary = {"rel_diff_median": None, "rel_diff_p95": None, "rel_diff_max": None}
-    training: Dict[str, Dict[str, Any]] = {}
-    for name, tc in report.training.items():
-        d = tc.to_dict()
-        training[name] = {key: d[key] for key in TRAINING_FIELDS}
-        if tc.verdict is None:
-            training[name]["judged_rel_diff"] = None  # not judged: no value that reads as agreement
-    finite_training = [float(tc.rel_diff) for tc in report.training.values() if math.isfinite(tc.rel_diff)]
-    summary["training_rel_diff_max"] = max(finite_training) if finite_training else None
+    summary = rel_diff_summary(report)
     return {
         "type": "check",
         "step": int(step),
@@ -159,8 +123,8 @@ def check_record(
         "nonfinite": report.nonfinite,
         "kinks": report.kinks,
         "notes": list(report.notes),
-        "tensors": tensors,
-        "training": training,
+        "tensors": _tensor_entries(report),
+        "training": _training_entries(report),
         "training_note": report.training_note,
         "training_items": to_jsonable(report.training_items),
         "training_window": to_jsonable(report.training_window),
@@ -173,6 +137,63 @@ def check_record(
         "pieces": list(report.pieces),
         "independence": None if report.independence is None else report.independence.to_dict(),
     }
+
+
+def _tensor_entries(report: CheckReport) -> Dict[str, Dict[str, Any]]:
+    """The backward part of a check record: :data:`TENSOR_FIELDS` of each tensor."""
+    tensors: Dict[str, Dict[str, Any]] = {}
+    for name, t in report.tensors.items():
+        tensors[name] = {
+            "rel_diff": json_float(t.rel_diff),
+            "directional_rel_diff": json_float(t.directional_rel_diff),
+            "max_rel_error": json_float(t.max_rel_error),
+            "judged_rel_diff": json_float(t.judged_rel_diff) if t.verdict is not None else None,  # not judged: no 0
+            "verdict": t.verdict.value if t.verdict is not None else None,
+            "kinks": int(t.kinks),
+            "noise_floor": json_float(t.noise_floor),
+            "diagnosis": t.diagnosis,
+            "inconclusive": t.inconclusive,
+            "inconclusive_kind": t.inconclusive_kind.value if t.inconclusive_kind is not None else None,
+            "ratio": json_float(t.ratio),
+            "shape": [int(s) for s in t.shape],
+            "form": report.form,
+        }
+    return tensors
+
+
+def _training_entries(report: CheckReport) -> Dict[str, Dict[str, Any]]:
+    """The training part of a check record: :data:`TRAINING_FIELDS` of each tensor."""
+    training: Dict[str, Dict[str, Any]] = {}
+    for name, tc in report.training.items():
+        d = tc.to_dict()
+        training[name] = {key: d[key] for key in TRAINING_FIELDS}
+        if tc.verdict is None:
+            training[name]["judged_rel_diff"] = None  # not judged: no value that reads as agreement
+    return training
+
+
+def rel_diff_summary(report: CheckReport) -> Dict[str, Optional[float]]:
+    """The ``"summary"`` of a check record: median, p95 and max of the finite backward rel_diffs, and the
+    training part's finite max (None where there is none).
+
+    Example:
+        >>> from gradwatch import CheckReport, TensorCheck
+        >>> rel_diff_summary(CheckReport(tensors={"w": TensorCheck("w", (3,), rel_diff=1e-9, max_rel_error=2e-9)}))
+        {'rel_diff_median': 1e-09, 'rel_diff_p95': 1e-09, 'rel_diff_max': 1e-09, 'training_rel_diff_max': None}
+    """
+    finite = [float(t.rel_diff) for t in report.tensors.values() if t.rel_diff is not None and math.isfinite(t.rel_diff)]
+    if finite:
+        values = np.asarray(finite, dtype=np.float64)
+        summary: Dict[str, Optional[float]] = {
+            "rel_diff_median": float(np.median(values)),
+            "rel_diff_p95": float(np.percentile(values, 95)),
+            "rel_diff_max": float(values.max()),
+        }
+    else:
+        summary = {"rel_diff_median": None, "rel_diff_p95": None, "rel_diff_max": None}
+    finite_training = [float(tc.rel_diff) for tc in report.training.values() if math.isfinite(tc.rel_diff)]
+    summary["training_rel_diff_max"] = max(finite_training) if finite_training else None
+    return summary
 
 
 def alert_record(alert: Any, *, wall_time: Optional[float] = None) -> Dict[str, Any]:

@@ -40,8 +40,8 @@ PIECE_STEPS = 2.0
 PACED_SECONDS = 0.1
 #: ... where a training step takes this long at least: a small model's check costs less than a person notices
 #: however many of its steps, and a test's small model on a loaded machine is not paced by chance (the pace is a
-#: ratio of two times the load moves alike; an absolute floor of 0.25 s paced a model checked in 0.12 s alone, under
-#: a test suite's workers).
+#: ratio of two times the load moves alike; a higher absolute floor paced a test's small model under a test suite's
+#: workers: docs/costs.md, "A paced cycle").
 PACED_STEP_SECONDS = 0.02
 #: A paced cycle with row slices: the share of what its check held that each check is planned to hold (the rest of
 #: its time takes the pieces owed by the checks before).

@@ -2,13 +2,12 @@
 
 glibc serves an allocation above its mmap threshold with a mapping of its own, given back to the system when freed,
 and one below it from the heap, where a freed block stays counted in the process's RSS until it is reused or trimmed.
-The threshold is dynamic: freeing a mapped block raises it to that block's size (up to 32 MB), and the trim
-threshold to twice that. A check frees float64 copies, captures and replays larger than anything training frees, so
-after the first check training's own mid-sized tensors come from the heap instead of mappings, and its forward and
-backward peak higher: on a CNN of 32 channels at 128x128 (batch 32), 724 to 811 MB watched against 704 MB unwatched
-in six runs, 721 to 724 MB in six with the thresholds held (``benchmarks/shapes.py``'s ``cnn128``). Held at the value
-training reached in its first step, training's median step was the same (1.67 to 1.69 s against 1.70 to 1.75 s on
-that CNN; 0.515 to 0.520 s against 0.510 to 0.550 s on a transformer encoder at 1,024 tokens).
+The threshold is dynamic: freeing a mapped block raises it to that block's size (up to :data:`HIGHEST`), and the
+trim threshold to twice that. A check frees float64 copies, captures and replays larger than anything training frees,
+so after the first check training's own mid-sized tensors come from the heap instead of mappings, and its forward and
+backward peak higher (``benchmarks/shapes.py``'s ``cnn128``: higher and more variable peaks with the threshold left
+dynamic than with it held). Held at the value training reached in its first step, training's median step is the
+same; the runs are in docs/costs.md (Stop 82).
 
 :func:`glibc` loads the C library once for this and for :func:`~gradwatch.plan.memory.release_freed`'s
 ``malloc_trim``. :func:`hold_thresholds` reads the threshold (:func:`mmap_threshold`: the smallest block glibc maps, found by

@@ -37,29 +37,28 @@ from gradwatch.trees import whole_numel
 SAFETY = 0.5
 #: Share of ``memory_budget`` the room aims at: the rest is a margin for what no estimate sees (the transient
 #: temporaries of a probe, the allocator's own, measurement noise of the peak). Without it a check that fills
-#: its room lands on the bound itself (measured: 1.096x and 1.103x of the unwatched peak in two runs of
-#: benchmarks/membench.py at 4M; with 0.8, 1.093x and 1.098x; with 0.5, 1.086x twice).
+#: its room lands on the bound itself (benchmarks/membench.py; the runs are in docs/guides/big-models.md and
+#: docs/costs.md).
 AIM = 0.5
 #: Bytes per float64 parameter entry a module-form check holds at once: the float64 copy, its gradient, the
 #: engine's saved copy and the transient ``|grad|`` of the coordinate choice (8 each), int8 signs, and what the
-#: allocator keeps of freed temporaries (measured: about 40 bytes per entry on a 1.6M-entry block of a Linear).
+#: allocator keeps of freed temporaries (measured on a block of a Linear: docs/costs.md).
 MODULE_BYTES_PER_ENTRY = 48
 #: Bytes per float64 entry of a differentiated input (a module's floating input that required grad in training) a
 #: module-form check holds beyond the three copies :func:`module_bytes` counts: its gradient, the transient ``|grad|``
-#: of the coordinate choice, its signs and the allocator's share, a parameter's entry less its copy (measured: the
-#: check of an ``AdaptiveAvgPool2d`` on a 1M-entry float64 input rose 56 bytes an entry above the held input).
+#: of the coordinate choice, its signs and the allocator's share, a parameter's entry less its copy (measured on the
+#: check of an ``AdaptiveAvgPool2d``'s float64 input: docs/costs.md, Stop 89).
 INPUT_LEAF_BYTES_PER_ENTRY = MODULE_BYTES_PER_ENTRY - 8
 #: Bytes per float64 entry of the model's output a check of ``loss_fn``'s own code holds at once: those of
 #: :data:`MODULE_BYTES_PER_ENTRY` (the output is what its check perturbs), and as many again for the loss code's own
-#: intermediates, which have the output's size (a log-softmax over the vocabulary and its gradient). Measured: the
-#: check of a cross-entropy over one sample of 128 x 8,000 logits (1.02M entries) added 118 MB to the process with
-#: glibc's mmap threshold fixed at 1 MiB, 188 MB with glibc's dynamic one; at 48 bytes an entry it was costed 49 MB.
+#: intermediates, which have the output's size (a log-softmax over the vocabulary and its gradient). Measured on the
+#: check of a cross-entropy over one sample's logits, which held over twice what :data:`MODULE_BYTES_PER_ENTRY` alone
+#: costed (docs/costs.md).
 LOSS_CODE_BYTES_PER_ENTRY = 2 * MODULE_BYTES_PER_ENTRY
 #: What a forward of the live model holds beyond its captures, per byte of the model's output: the output, what the
 #: loss makes of it (a log-softmax over the vocabulary) and, under tensor parallel, its shards gathered whole.
-#: Measured: the no-grad forwards of a check of the 20.8M model of benchmarks/parallel.py under tensor parallel
-#: (16 MB of logits on each rank) added 51 to 61 MB to the process where they ran to the loss, about 20 where they
-#: stopped before the head.
+#: Measured on the no-grad forwards of a check of benchmarks/parallel.py's model under tensor parallel, which ran to
+#: the loss (docs/guides/parallel.md).
 FORWARD_BYTES_PER_OUTPUT_BYTE = 3
 #: The same for the whole-objective form, per entry of a checked tensor (gradient, saved copy, ``|grad|``, signs).
 CHECKED_BYTES_PER_ENTRY = 8 * 3 + 4
@@ -97,12 +96,12 @@ def _rss_now_bytes() -> Optional[int]:
 
 #: The least a measured limit allows the pieces of a check above what the process held when they began: a process's
 #: first float64 evaluations take memory once that no piece holds (the pages of torch's float64 kernels, the autograd
-#: engine's threads: 8.7 MB and 9.0 MB at a fresh process's first piece, a cross-entropy on 2 samples, then 0). Below
-#: it the pieces' estimates alone bound them.
+#: engine's threads, at a fresh process's first piece, then none: docs/costs.md). Below it the pieces' estimates
+#: alone bound them.
 MEASURE_FLOOR = 16 << 20
 #: A part of a check that freed this much gives it back to the system before the next part allocates (glibc's
-#: ``malloc_trim`` walks the whole heap: 5 to 10 ms in a process of a few hundred MB, more than a small piece's
-#: check itself); smaller frees are reused by the next allocations.
+#: ``malloc_trim`` walks the whole heap, which takes longer than a small piece's check itself); smaller frees are
+#: reused by the next allocations.
 TRIM_BYTES = 32 << 20
 
 
@@ -195,8 +194,8 @@ class MemoryMeter:
         self._before_check = in_use_bytes(self.device)
         # What the process gave back since the last check ended was the checks' left-overs (training held the same
         # between its steps): the residue is that much smaller. Without this it only grew, by what each check left
-        # until training's next step freed it (ZeRO-3 at 20.8M: +80 MB a check while the process held the same
-        # 725 MB before every check), and the room with it.
+        # until training's next step freed it (under ZeRO-3 it grew at every check while the process held the same
+        # before every check), and the room with it.
         self._residue = max(0, self._residue - max(0, self._held_after - self._before_check))
         self.training_peak = max(self.training_peak, self._before_check - self._residue)
 
@@ -355,8 +354,8 @@ def module_bytes(params: Iterable[torch.Tensor], inputs: Any, outputs: int = 0, 
 
 
 #: Copies of a convolution's unfolded input (im2col) its float64 check holds at once: torch's float64 convolutions
-#: on the CPU unfold their input for the forward and again for each of the two gradients of the backward. Measured:
-#: a 32 -> 32 channel 3x3 Conv2d on 2 samples of 64x64 (unfolded: 18.9 MB) raised the process's peak by 54 MB.
+#: on the CPU unfold their input for the forward and again for each of the two gradients of the backward (measured
+#: on a 3x3 Conv2d: docs/costs.md).
 CONV_UNFOLD_COPIES = 3
 
 

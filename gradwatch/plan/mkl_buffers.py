@@ -3,12 +3,12 @@
 MKL's fast memory manager keeps the work buffers of its products (one set per thread and shape class) for the next
 call, outside glibc's heap, so ``malloc_trim`` does not reach them. A check's float64 products (its numerical
 derivatives, the module form's float64 copies) add buffers training's float32 products never asked for, and they
-stayed counted in the process's RSS from the first check on: on a transformer encoder at 1,024 tokens
-(``benchmarks/shapes.py``'s ``encoder_long``, 403 MB unwatched), 22 MB of the watched run's 450 MB peak (429 MB
-with them given back). :func:`free_mkl_buffers` calls MKL's ``mkl_free_buffers`` (``mkl_serv_free_buffers`` in the
-MKL that torch's own wheels link in): it frees the buffers no product is using, and training's next product takes
-the few it needs again. A check calls it once, as it ends (``release_freed(mkl=True)``), not between its pieces,
-whose products would take them again each time. Where torch has no MKL (another BLAS, another platform), it does nothing.
+stayed counted in the process's RSS from the first check on (``benchmarks/shapes.py``'s ``encoder_long``: part of
+the watched run's excess peak, docs/costs.md Stop 88). :func:`free_mkl_buffers` calls MKL's ``mkl_free_buffers``
+(``mkl_serv_free_buffers`` in the MKL that torch's own wheels link in): it frees the buffers no product is using,
+and training's next product takes the few it needs again. A check calls it once, as it ends
+(``release_freed(mkl=True)``), not between its pieces, whose products would take them again each time. Where torch
+has no MKL (another BLAS, another platform), it does nothing.
 
 Example:
     >>> free_mkl_buffers() in (True, False)

@@ -42,8 +42,8 @@ from gradwatch.trees import param_names, whole_shape
 
 #: The module form, measured cheaper than the whole objective, is left only where a pass of it takes this many times a
 #: pass of the whole objective: the two are timed at different checks (the whole objective once), and a loaded machine
-#: moves either by that much (LoRA GPT-2 under a test run on 2 cores: a trial of 43.1 s against 13.7 s quiet, and the
-#: watch went back to the whole objective at its third check).
+#: moves either by that much (a LoRA GPT-2's trial under a test run on 2 cores was slowed past it, and the watch
+#: went back to the whole objective at its third check).
 KEEP_MODULES = 2.0
 
 
@@ -161,9 +161,9 @@ def _rows(p: torch.Tensor) -> int:
 
 
 #: Seconds a check of the whole objective may take before ``form="auto"`` times the module form against it: below
-#: this, the whole objective's fuller view stays (a tiny Llama under TRL's SFTTrainer took over a second on a loaded
-#: 2-core machine); a LoRA GPT-2 with its 50,257-token vocabulary took 13.7 s a check of the whole objective, 0.75 s
-#: in modules.
+#: this, the whole objective's fuller view stays (a tiny Llama under TRL's SFTTrainer took over a second on a
+#: loaded 2-core machine); a LoRA GPT-2 with its large vocabulary is many times faster in modules
+#: (docs/guides/big-models.md).
 TRIAL_SECONDS = 5.0
 
 
@@ -245,7 +245,7 @@ class Planner:
 
     def cheaper_in_modules(self, tensors: int) -> Optional[str]:
         """Why the module form is taken where the whole objective fits (None: it is not): a check of the whole
-        objective took over :data:`TRIAL_SECONDS` (5 s) and the module form was never timed (it is, once), or checking
+        objective took over :data:`TRIAL_SECONDS` and the module form was never timed (it is, once), or checking
         every unit in modules takes less than :data:`KEEP_MODULES` times checking every tensor in the whole objective
         (each form's last check times its K).
 
