@@ -200,8 +200,8 @@ class BackwardPart(TrendAlerting):
 
     def record(self, report: CheckReport) -> None:
         """Count the check of every entry of a completed report; keep its pieces' times, but the first check's (they
-        include the first call of each code path: on a 4.2M tensor parallel model, a rank's pieces took 0.25 s there
-        and 0.05 s to 0.15 s after, which made the ranks' shares of later checks uneven)."""
+        include the first call of each code path, several times a later check's on a tensor parallel model, which made
+        the ranks' shares of later checks uneven: docs/costs.md)."""
         for n in report.tensors:
             self.counts[n] = self.counts.get(n, 0) + 1
         if self.watch.checks > 1:
