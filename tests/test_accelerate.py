@@ -129,7 +129,9 @@ def test_step_on_sync_steps_only_is_one_warning_for_the_run():
     assert "if accelerator.sync_gradients: watch.step(batch) else: watch.accumulate(batch)" in watch.alerts[0].message
     assert len(reports) == 3
     for r in reports:  # each check says why, in its record; the backward verdict goes on
-        assert r.training == {} and r.training_note.startswith("skipped: accumulating") and r.tensors
+        assert r.training == {}
+        assert r.training_note.startswith("skipped: accumulating")
+        assert r.tensors
 
 
 def test_a_resumed_run_keeps_the_window_it_learned():

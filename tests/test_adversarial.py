@@ -100,9 +100,13 @@ def test_loss_fn_raising_once_inside_a_check_is_reported_not_retried():
     model = mlp()
     watch = GradWatch(model, flaky, **SMALL)
     reports = [watch.check(batch()), watch.check(batch())]
-    assert reports[0] is None and reports[1] is not None and reports[1].ok
+    assert reports[0] is None
+    assert reports[1] is not None
+    assert reports[1].ok
     (alert,) = watch.alerts
-    assert alert.kind == "error" and "KeyError" in alert.message and "flaky data source" in alert.message
+    assert alert.kind == "error"
+    assert "KeyError" in alert.message
+    assert "flaky data source" in alert.message
     assert "(in loss_fn)" in alert.message
     calls.clear()
     calls.append(1)  # the next call is the 2nd: check_model's first evaluation after the analytic pass raises
@@ -172,7 +176,9 @@ def test_partly_frozen_patterns_check_what_still_trains():
     watch = GradWatch(model, mse, tensors=["0.*", "2.*"], **SMALL)
     model[0].requires_grad_(False)
     (report,) = train(model, watch, mse, [batch()])
-    assert report is not None and report.ok and sorted(report.tensors) == ["2.bias", "2.weight"]
+    assert report is not None
+    assert report.ok
+    assert sorted(report.tensors) == ["2.bias", "2.weight"]
 
 
 # ---------------------------------------------------------------- 9. who raised
@@ -292,7 +298,9 @@ def test_spectral_norm_in_train_mode_agrees_and_keeps_its_vectors():
     for dtype in ("float64", None):
         report = check_model(model, mse, b, dtype=dtype)
         assert report.ok, str(report)
-        assert torch.equal(sn._u, u) and torch.equal(sn._v, v) and sn.training
+        assert torch.equal(sn._u, u)
+        assert torch.equal(sn._v, v)
+        assert sn.training
 
 
 def test_spectral_norm_training_run_raises_no_alert():
@@ -582,7 +590,9 @@ def test_not_yet_reentrant_checkpointing_with_a_post_accumulate_grad_hook_is_an_
     model.out.weight.register_post_accumulate_grad_hook(lambda p: calls.append(1))
     reports, alerts = _watch_checkpointed(model)
     assert reports == [None, None] and len(calls) == 2  # training's two backward passes only
-    assert alerts and alerts[0].kind == "error" and "incompatible with .grad()" in str(alerts[0].message)
+    assert alerts
+    assert alerts[0].kind == "error"
+    assert "incompatible with .grad()" in str(alerts[0].message)
 
 
 def test_a_model_that_starts_reentrant_checkpointing_later_is_judged_again_from_the_next_check():

@@ -56,7 +56,9 @@ def test_auto_announces_its_interval_once_and_max_interval_bounds_the_gaps(tmp_p
         reports = [watch.step(torch.randn(4, 8)) for _ in range(13)]  # fast steps: the budget alone would wait long
     watch.close()
     said = [r.getMessage() for r in caplog.records if "every='auto' checks every" in r.getMessage()]
-    assert len(said) == 1 and "max_interval=4 caps it at 4 steps" in said[0] and "overhead_budget" in said[0]
+    assert len(said) == 1
+    assert "max_interval=4 caps it at 4 steps" in said[0]
+    assert "overhead_budget" in said[0]
     steps = [i for i, r in enumerate(reports) if r is not None]
     assert steps == [0, 4, 8, 12]
     records = [r for r in read_jsonl(tmp_path)[0] if r["type"] == "check"]

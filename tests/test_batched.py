@@ -311,7 +311,9 @@ def test_a_compiled_model_keeps_its_compiled_graph_and_grads_after_a_batched_che
                 assert ran == 1  # the live model still runs its compiled graph, not eager kernels
                 assert all(torch.equal(a, b) for a, b in zip(again, grads))
         state = batched_state(compiled)
-        assert not state["enabled"] and "torch.compile" in state["reason"] and state["batches"] == 0
+        assert not state["enabled"]
+        assert "torch.compile" in state["reason"]
+        assert state["batches"] == 0
         assert sum(FALLBACK in r.getMessage() for r in caplog.records) == 1
     finally:
         torch._dynamo.reset()

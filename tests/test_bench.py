@@ -82,7 +82,9 @@ def test_figures_are_consistent(result):
         else:
             assert r["seconds"] > 0 and r["evaluations"] > 0
     for e in result["efficiency"]:
-        assert e["evaluations"] > 0 and e["efficiency"] > 0 and e["ok"] is True
+        assert e["evaluations"] > 0
+        assert e["efficiency"] > 0
+        assert e["ok"] is True
     for o in result["training_overhead"]:
         assert o["checks"] >= 1 and o["median_ratio"] > 0
 
@@ -97,7 +99,9 @@ def test_unknown_models_are_a_usage_error(capsys):
 def test_the_cli_registers_bench():
     parser = commands.build_parser(with_bench=True)
     args = parser.parse_args(["bench", "--quick", "--models", "mlp", "--time-cap", "3"])
-    assert args.quick and args.models == "mlp" and args.time_cap == 3.0
+    assert args.quick
+    assert args.models == "mlp"
+    assert args.time_cap == 3.0
 
 
 def test_memory_section_side_by_side_and_the_module_form_catches_every_bug(result):
@@ -136,7 +140,9 @@ def test_bench_outside_a_checkout_says_where_the_benchmark_is(tmp_path):
     assert done.returncode == 2, done.stderr
     err = done.stderr
     assert "gradwatch bench: error: the benchmark ships with gradwatch's source tree" in err
-    assert "benchmarks/bench.py" in err and "make bench" in err and str(tmp_path) in err
+    assert "benchmarks/bench.py" in err
+    assert "make bench" in err
+    assert str(tmp_path) in err
     assert "Traceback" not in err and done.stdout == ""
 
 

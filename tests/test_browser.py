@@ -90,7 +90,9 @@ def test_tensorboard_and_the_html_report_in_chromium(chrome, demo_run, tmp_path,
             assert [m[0] for m in maps] == ["verdict-map-backward", "verdict-map-training", "verdict-map-update"]
             assert all(natural == declared for _, natural, declared in maps)
             text = browser.evaluate("document.body.innerText")
-            assert "4 checks, steps 0-30, 8 tensors" in text and "Alerts (" in text and "fc1.weight" in text
+            assert "4 checks, steps 0-30, 8 tensors" in text
+            assert "Alerts (" in text
+            assert "fc1.weight" in text
     finally:
         server.stop()
     assert server.proc.poll() is not None

@@ -80,7 +80,9 @@ def test_every_rank_stops_at_the_same_point_whatever_it_captures():
     assert "head" not in calls[0] and "fc.1" in calls[0]  # stopped after the last unit some rank checks
     for got, _ in runs:
         assert got.loss is None  # the loss is not computed: the replay's objective stands for it
-    assert sorted(runs[0][0].inputs) == ["emb", "ln"] and list(runs[1][0].inputs) == ["fc.0"] and not runs[2][0].inputs
+    assert sorted(runs[0][0].inputs) == ["emb", "ln"]
+    assert list(runs[1][0].inputs) == ["fc.0"]
+    assert not runs[2][0].inputs
     assert runs[0][0].output_bytes["ln"] == 3 * 8 * 24 * 8  # the norm's output, taken before the forward stopped
 
 
@@ -89,7 +91,9 @@ def test_a_plain_linear_settles_as_its_first_call_begins():
     model = Net()
     units = _units(model)
     got, called = _run(model, units, ["head"], ["fc.1", "head"])
-    assert "head" in got.inputs and called[-1] == "ln" and "head" not in called  # its forward never ran
+    assert "head" in got.inputs
+    assert called[-1] == "ln"
+    assert "head" not in called  # its forward never ran
     assert got.output_bytes["head"] == 3 * 8 * 300 * 8  # float64 bytes of the logits it did not compute
     _, others = _run(model, units, [], ["fc.1", "head"])
     assert others == called
@@ -109,4 +113,6 @@ def test_a_check_of_loss_fn_runs_the_whole_forward():
     model = Net()
     units = _units(model)
     got, called = _run(model, units, [], ["emb", LOSS_FN])
-    assert "head" in called and got.loss is not None and abs(got.loss - float(loss_fn(model, BATCH).detach())) < 1e-6
+    assert "head" in called
+    assert got.loss is not None
+    assert abs(got.loss - float(loss_fn(model, BATCH).detach())) < 1e-6

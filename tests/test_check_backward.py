@@ -124,7 +124,9 @@ def test_wrong_param_gradient_names_the_parameter():
     with pytest.raises(GradientCheckError) as info:
         check_backward(mod, x, gy, params=(mod.weight, mod.bias))
     msg = str(info.value)
-    assert "params[0]" in msg and "params[1]" not in msg and "x[0]" not in msg
+    assert "params[0]" in msg
+    assert "params[1]" not in msg
+    assert "x[0]" not in msg
     assert "2.00x" in msg
     with pytest.raises(GradientCheckError) as info:
         check_backward(mod, x, gy, params=mod)
@@ -203,7 +205,9 @@ def test_relu_at_zero_is_a_kink_not_a_failure():
     t = report.tensors["x[0]"]
     assert t.kinks == 2
     # The measures leave the kinks out (the central difference there is half the one-sided slopes)...
-    assert t.rel_diff < 1e-8 and t.judged_rel_diff < 1e-8 and t.verdict.value == "excellent"
+    assert t.rel_diff < 1e-8
+    assert t.judged_rel_diff < 1e-8
+    assert t.verdict.value == "excellent"
     # ...while the per-sample lists keep every entry.
     assert len(t.analytic) == len(t.numeric) == 4
 

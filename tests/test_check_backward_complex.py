@@ -147,7 +147,9 @@ def _watch_complex(model, conjugate_grad=False, checks=2):
 def test_the_watch_checks_complex_parameters_in_both_parts():
     torch.manual_seed(0)
     alerts, reports = _watch_complex(ComplexNet())
-    assert alerts == [] and "w" in reports[-1].tensors and "w" in reports[-1].training
+    assert alerts == []
+    assert "w" in reports[-1].tensors
+    assert "w" in reports[-1].training
     assert reports[-1].tensors["w"].shape == (4, 4, 2)
     torch.manual_seed(0)
     alerts, _ = _watch_complex(ComplexNet(), conjugate_grad=True)

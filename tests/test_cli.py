@@ -239,7 +239,9 @@ def test_validate_json(capsys):
     code, out, _ = _run_main(capsys, "validate", str(ROOT / "configs" / "strict.yaml"), "--format", "json")
     assert code == 0
     doc = json.loads(out)
-    assert doc["valid"] and doc["options"]["raise_on"] == "suspicious" and "raise_on" in doc["set"]
+    assert doc["valid"]
+    assert doc["options"]["raise_on"] == "suspicious"
+    assert "raise_on" in doc["set"]
     assert set(doc["options"]) == set(option_names())
 
 

@@ -82,7 +82,9 @@ def test_a_forward_that_fails_in_the_checks_copy_is_said_in_the_models_terms(tmp
     (alert,) = [a for a in callback.watch.alerts if a.kind == "error"]
     headline, why, todo = alert.message.split("\n")
     assert "FloatOnly's forward failed on the watched batch" in headline and len(headline) <= 120
-    assert "float64 copy" in why and "input_ids" in why and "expected scalar type Float" in why
+    assert "float64 copy" in why
+    assert "input_ids" in why
+    assert "expected scalar type Float" in why
     assert "dtype=None" in todo and "loss_fn=" in todo
     assert "make loss_fn work" not in alert.message and not INTERNAL.search(alert.message), alert.message
 

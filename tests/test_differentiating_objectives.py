@@ -109,7 +109,9 @@ def test_wrong_double_backward_caught_in_the_objective_form():
     watch, _ = watch_run(wgan_gp, model, batches(8, torch.float32, 2))
     named = {a.tensor for a in watch.alerts if a.kind == "threshold"}
     # the objective's gradient check names the layer before the wrong tanh; the inner check names the tanh
-    assert named and named <= {"0.weight", "0.bias", "1:double_backward"} and "1:double_backward" in named
+    assert named
+    assert named <= {"0.weight", "0.bias", "1:double_backward"}
+    assert "1:double_backward" in named
     assert not check_model(model, wgan_gp, batches(8, torch.float32, 1)[0]).ok
 
 
@@ -123,7 +125,9 @@ def test_wrong_double_backward_caught_and_named_in_every_objective(name, form):
     model = mlp(d_in, torch.float32, act=WrongDoubleBackwardTanh())
     watch, reports = watch_run(loss_fn, model, batches(d_in, torch.float32, 2), form=form)
     alerts = [a for a in watch.alerts if a.kind == "threshold" and a.tensor == "1:double_backward"]
-    assert alerts and alerts[0].step == 0 and "WRONG" in alerts[0].message.upper()
+    assert alerts
+    assert alerts[0].step == 0
+    assert "WRONG" in alerts[0].message.upper()
     assert all(n == "1:double_backward" for n in (t.name for t in reports[0].failures) if n.endswith("double_backward"))
     report = check_model(model, loss_fn, batches(d_in, torch.float32, 1)[0])
     assert "1:double_backward" in {t.name for t in report.failures}

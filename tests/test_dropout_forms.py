@@ -83,7 +83,9 @@ def test_the_report_counts_every_dropout_form_switched_off_and_the_objective_has
     assert report.to_dict()["dropout"]["functional"]["F.dropout"] == 1
     assert "4 functional dropout calls" in str(report)
     # nothing of the model changed: flags and probabilities are back
-    assert model.drop.training and model.mha.dropout == 0.2 and model.training
+    assert model.drop.training
+    assert model.mha.dropout == 0.2
+    assert model.training
 
 
 def test_layerdrop_is_reported_as_staying_on_reseeded():

@@ -24,7 +24,10 @@ def test_repeated_failures_are_logged_once_then_the_watch_pauses(tmp_path, caplo
     assert results == [None] * 20
     gw = [r for r in caplog.records if r.name == "gradwatch"]
     errors = [r.getMessage() for r in gw if r.levelno >= logging.ERROR]
-    assert len(errors) == 2 and "Traceback" in errors[0] and "KeyError: 'labels'" in errors[0] and "Fix:" in errors[0]
+    assert len(errors) == 2
+    assert "Traceback" in errors[0]
+    assert "KeyError: 'labels'" in errors[0]
+    assert "Fix:" in errors[0]
     warnings_ = [r.getMessage() for r in gw if r.levelno == logging.WARNING]
     assert len(warnings_) == 1 and f"{MAX_CONSECUTIVE_FAILURES} checks in a row failed" in warnings_[0]
     debug = [r.getMessage() for r in gw if r.levelno == logging.DEBUG]

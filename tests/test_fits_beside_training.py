@@ -148,7 +148,9 @@ def test_a_check_leaves_no_tensor_in_a_cycle(form):
         loss = nll(model, batch)
         loss.backward()
         report = watch.step(batch, loss=loss)
-        assert report is not None and report.form == form and report.tensors
+        assert report is not None
+        assert report.form == form
+        assert report.tensors
 
     assert _cyclic_tensors(step) == []
     watch.close()

@@ -101,13 +101,17 @@ def test_a_probe_crossing_relu_kinks_is_counted():
 def test_the_record_reads_inputs_before_an_in_place_op_and_pool_indices():
     x = torch.tensor([[-1.0, 2.0, 0.5, -0.25]], dtype=torch.float64)
     got = record(lambda: torch.relu_(x.clone()))
-    assert got is not None and got[0][0] == "m" and got[0][1].tolist() == [-1.0, 2.0, 0.5, -0.25]
+    assert got is not None
+    assert got[0][0] == "m"
+    assert got[0][1].tolist() == [-1.0, 2.0, 0.5, -0.25]
     image = torch.arange(16.0, dtype=torch.float64).reshape(1, 1, 4, 4)
     a = record(lambda: F.max_pool2d(image, 2))
     flipped = image.clone()
     flipped[0, 0, 0, 0] = 100.0  # the top-left window's argmax moves
     b = record(lambda: F.max_pool2d(flipped, 2))
-    assert a is not None and b is not None and a[0][0] == "l"
+    assert a is not None
+    assert b is not None
+    assert a[0][0] == "l"
     crossing = compare(a, b)
     assert crossing.count == 1 and crossing.fraction < 1.0
     assert compare(a, a).count == 0

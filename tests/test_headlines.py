@@ -30,7 +30,10 @@ def wrong(name: str) -> TensorCheck:
 def lines_ok(alert: Alert) -> None:
     head, why, todo = alert.message.split("\n")
     assert head == alert.headline and 0 < len(head) <= MAX_HEADLINE, (len(head), head)
-    assert why == f"why: {alert.why}" and todo == f"what to do: {alert.todo}" and alert.why and alert.todo
+    assert why == f"why: {alert.why}"
+    assert todo == f"what to do: {alert.todo}"
+    assert alert.why
+    assert alert.todo
 
 
 def test_shortening_keeps_the_start_the_layer_and_the_tensor():

@@ -132,7 +132,9 @@ def test_late_bug_alerts_after_crossing_on_every_channel(tmp_path, caplog):
     # one alert names the activation's module, the first layer (upstream of it) listed under it (issue 73: it was an
     # alert on each of the first layer's tensors)
     hits = [a for a in watch.alerts if "0.weight" in a.tensors and a.kind in ("threshold", "drift")]
-    assert hits and hits[0].step in first_checks_after and hits[0].tensor == "1"
+    assert hits
+    assert hits[0].step in first_checks_after
+    assert hits[0].tensor == "1"
     alert = hits[0]
     assert collected == watch.alerts  # on_alert got every alert, in order
 
@@ -435,7 +437,9 @@ def test_loss_fn_raising_during_check_is_an_error_alert_and_training_goes_on(cap
     assert "RuntimeError: shape mismatch in my loss" in watch.alerts[0].message
     assert "(in loss_fn)" in watch.alerts[0].message  # raised in the training part's replay, named all the same
     text = caplog.text
-    assert "Traceback" in text and "shape mismatch in my loss" in text and "training goes on" in text
+    assert "Traceback" in text
+    assert "shape mismatch in my loss" in text
+    assert "training goes on" in text
 
 
 def test_regularizer_raising_in_a_check_is_named_in_the_alert():

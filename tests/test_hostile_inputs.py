@@ -100,8 +100,7 @@ def test_loss_fn_raising_with_raise_on_still_does_not_kill_training():
 @pytest.mark.parametrize("where", ["tracker", "record"])
 def test_gradwatch_raising_after_its_check_is_an_error_alert_and_never_reaches_training(where, monkeypatch, tmp_path):
     # a bug of gradwatch's own after the check (its trends, its record): injected, since none is known to raise
-    from gradwatch.watch import runner
-    from gradwatch.watch import trend
+    from gradwatch.watch import runner, trend
 
     def broken(*args, **kwargs):
         raise IndexError(f"injected: {where} broke")

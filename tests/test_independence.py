@@ -117,7 +117,9 @@ def test_a_batch_leak_in_a_float_input_model_is_caught_and_placed():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 8), Center(), nn.Linear(8, 3))
     report = check_independence(model, torch.randn(4, 5), "batch")
-    assert not report.ok and report.worst.module == "1" and report.worst.structure == "batch"
+    assert not report.ok
+    assert report.worst.module == "1"
+    assert report.worst.structure == "batch"
 
 
 def test_a_leak_in_the_models_own_forward_is_placed_there_and_held_generators_are_put_back():
@@ -135,7 +137,9 @@ def test_a_leak_in_the_models_own_forward_is_placed_there_and_held_generators_ar
     model = Noisy()
     state = model.gen.get_state()
     report = check_independence(model, torch.randn(4, 5), "batch")
-    assert not report.ok and report.worst.module == "" and "in the model's own forward" in str(report)
+    assert not report.ok
+    assert report.worst.module == ""
+    assert "in the model's own forward" in str(report)
     assert torch.equal(model.gen.get_state(), state)
 
 

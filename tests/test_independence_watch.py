@@ -45,7 +45,10 @@ def train(kind, steps=3, watch_options=None, seed=0):
 def test_a_causal_leak_is_alerted_at_the_first_check_everywhere_it_is_written(tmp_path, capsys):
     _, watch = train("causal_off_by_one", watch_options={"independence": "causal", "log_dir": str(tmp_path)})
     leaks = [a for a in watch.alerts if a.kind == "independence"]
-    assert leaks and leaks[0].step == 0 and leaks[0].tensor == "blocks.1.mixer" and leaks[0].part == "independence"
+    assert leaks
+    assert leaks[0].step == 0
+    assert leaks[0].tensor == "blocks.1.mixer"
+    assert leaks[0].part == "independence"
     assert "causal independence broken" in leaks[0].message and "a later position" in leaks[0].message
     assert len(leaks) == 1  # the same leak stays silent for alert_cooldown checks
     records, _ = read_jsonl(tmp_path / "checks.jsonl")
@@ -151,4 +154,6 @@ def test_structures_within_a_sample_are_checked_on_the_first_two_samples_and_a_l
         in found.notes
     assert leaks and leaks[0].tensor == "blocks.1.mixer"
     clean, none = runs["causal_ok"]
-    assert clean.ok and none == [] and any("first 2 of 6" in n for n in clean.notes)
+    assert clean.ok
+    assert none == []
+    assert any("first 2 of 6" in n for n in clean.notes)

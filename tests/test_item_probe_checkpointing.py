@@ -128,7 +128,10 @@ def sft(tmp_path, model: nn.Module, callbacks, trainer_class: Any = None, steps:
     args = SFTConfig(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4,
                      gradient_accumulation_steps=2, use_cpu=True, report_to=[], disable_tqdm=True, logging_steps=100,
                      save_strategy="no", seed=0)
-    assert args.bf16 and args.gradient_checkpointing and args.loss_type == "nll"  # TRL's defaults
+    # TRL's defaults
+    assert args.bf16
+    assert args.gradient_checkpointing
+    assert args.loss_type == "nll"
     trainer = (trainer_class or SFTTrainer)(model=model, args=args, train_dataset=texts(texts_count),
                                             processing_class=tokenizer(), callbacks=list(callbacks))
     with warnings.catch_warnings():

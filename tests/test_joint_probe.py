@@ -50,7 +50,9 @@ def test_a_correct_unit_is_settled_in_two_evaluations(d_in, d_out, batch):
     # one joint probe, no evaluation at the point (three tensors alone took 2 + 3 x 2 = 8)
     assert checked.evaluations == 2, checked.evaluations
     for tc in checked.tensors.values():
-        assert tc.verdict is not None and not tc.coords and len(tc.dir_analytic) == 1
+        assert tc.verdict is not None
+        assert not tc.coords
+        assert len(tc.dir_analytic) == 1
 
 
 @pytest.mark.parametrize("which", [0, 1, 2])

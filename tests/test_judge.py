@@ -88,7 +88,9 @@ def test_the_tolerance_rule_fails_a_tensor_on_one_line_and_leaves_out_excluded_l
     lines = [Slope(1.0, 1.0, label=(0,)), Slope(5.0, -3.0, label=(1,), excluded=True),
              Slope(2.0, 2.1, label=(2,), failed=True)]
     t = judge("x", (3,), lines, ToleranceRule(atol=1e-5, rtol=1e-4), step=1e-3)
-    assert t.failed and t.verdict is gradwatch.Verdict.WRONG and t.kinks == 1
+    assert t.failed
+    assert t.verdict is gradwatch.Verdict.WRONG
+    assert t.kinks == 1
     assert t.rel_diff == pytest.approx(gradwatch.rel_diff([1.0, 2.0], [1.0, 2.1]))  # the kink left out
     assert t.analytic == [1.0, 5.0, 2.0]  # the per-sample lists keep every line
     within = judge("x", (3,), [Slope(1.0, 1.001, label=(0,))], ToleranceRule(atol=1e-2, rtol=0.0), step=1e-3)
@@ -112,7 +114,9 @@ def test_the_base_point_tells_not_finite_from_nondeterministic():
     assert base_point(math.nan, math.nan, 1e-12)[1] is InconclusiveKind.NONFINITE
     assert base_point(1.0, math.nan, 1e-12)[1] is InconclusiveKind.NONDETERMINISTIC
     jitter, kind, why = base_point(1.0, 1.0 + 1e-15, 1e-12)
-    assert kind is None and why is None and jitter == pytest.approx(1e-15, rel=0.2)
+    assert kind is None
+    assert why is None
+    assert jitter == pytest.approx(1e-15, rel=0.2)
 
 
 def test_a_disagreement_only_the_noise_floor_excuses_is_not_agreement():

@@ -272,7 +272,9 @@ def test_a_head_whose_weight_the_model_reads_itself_is_never_judged_by_rows_of_i
         reports.append((replay.rows, report))
         opt.step()
     (rows0, first), (rows1, second), (_, third) = reports
-    assert "head.weight" in rows0 and "head.weight" not in first.training and not first.training_rows
+    assert "head.weight" in rows0
+    assert "head.weight" not in first.training
+    assert not first.training_rows
     assert "head.weight not judged at this check: its module never ran in the replay" in first.training_note
     assert all(t.verdict.value == "excellent" for t in first.training.values()) and len(first.training) == 3
     assert rows1 == {} and "head.weight" not in (second.training_note or "")  # never by rows again, said once
@@ -303,7 +305,9 @@ def test_an_embedding_too_big_for_the_room_is_judged_by_token_rows():
     report = CheckReport(tensors={})
     watch.training.judge(report, watch.training.replay(watch.context.take(b, None), room=2 * 200_000))
     first, end = report.training_rows["0.weight"]
-    assert first == 0 and end > 500 and model[0].weight.requires_grad
+    assert first == 0
+    assert end > 500
+    assert model[0].weight.requires_grad
     assert report.training["0.weight"].verdict.value == "wrong"
     assert report.training["1.weight"].verdict.value == "excellent"
     watch.close()
@@ -443,7 +447,10 @@ def test_a_linear_too_big_for_the_room_is_checked_a_block_of_rows_at_a_time():
     reports = [run_module_check(model, Objective(xent), data(), CheckOptions(seed=s), room=whole // 3) for s in (0, 1)]
     for report in reports:
         w = report.tensors["2.weight"]
-        assert 1 <= w.shape[0] < 200 and w.shape[1] == 64 and w.verdict is not None and not w.failed
+        assert 1 <= w.shape[0] < 200
+        assert w.shape[1] == 64
+        assert w.verdict is not None
+        assert not w.failed
         assert any("`2` (Linear) checked on output rows" in n for n in report.notes)
         assert "2:input" in report.tensors and not report.tensors["2:input"].failed
         assert [m.name for m in report.localized if m.failed] == ["1"]  # the planted bug is still caught

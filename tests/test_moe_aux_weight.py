@@ -162,7 +162,9 @@ def test_a_plain_loop_summing_its_models_aux_loss_over_micro_batches_is_named_on
     watch, report = plain_run(aux_summed=True)
     assert [a.kind for a in watch.alerts] == ["term_weight"], [a.message for a in watch.alerts]
     alert = watch.alerts[0]
-    assert alert.part == "training" and alert.tensor == "*" and alert.severity == "error"
+    assert alert.part == "training"
+    assert alert.tensor == "*"
+    assert alert.severity == "error"
     assert alert.why.startswith(  # issue 73: why on its own line, below the headline
         "the model's aux_loss (times aux_loss_coef = 0.3 in the model's loss) is summed over the 2 "
         "micro-batches where the data loss is averaged: it weighs 2x. The live .grad of ")

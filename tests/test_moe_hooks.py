@@ -151,9 +151,13 @@ def test_a_library_hook_runs_on_the_model_it_made_and_an_observer_library_is_sus
     assert rule.packages() >= {"moelib", "torch"}
     with LiveIsolation(list(model.modules())):
         model(torch.ones(1, 3))
-    assert len(model[0].seen) == 2 and observer.calls == [] and calls == []
+    assert len(model[0].seen) == 2
+    assert observer.calls == []
+    assert calls == []
     model(torch.ones(1, 3))  # every hook back in its place
-    assert len(model[0].seen) == 3 and observer.calls == [1] and calls == [1]
+    assert len(model[0].seen) == 3
+    assert observer.calls == [1]
+    assert calls == [1]
 
 
 # ---------------------------------------------------------------- the MoE models' own loss inside a check

@@ -101,7 +101,10 @@ def test_gradwatch_report_says_not_judged_with_the_reason_never_a_verdict(run, s
     assert ("not judged: the training part, at 1 check: no watched parameter has a .grad yet (watch.step or "
             "check before the first backward)") in out
     row = next(line.split() for line in out.splitlines() if line.split()[:1] == ["b"])
-    assert row[1] == "3" and "excellent" not in row and row[-1] == "???"  # three checks, no verdict
+    # three checks, no verdict
+    assert row[1] == "3"
+    assert "excellent" not in row
+    assert row[-1] == "???"
     assert main(["report", str(log_dir), "--source", source, "--format", "json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert {(r["part"], r["tensor"], r["checks"]) for r in doc["not_judged"]} == {("backward", "b", 3), ("training", "*", 1)}

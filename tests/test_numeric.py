@@ -229,7 +229,10 @@ def test_raise_for_failures():
     assert info.value.report is report
     assert isinstance(info.value, AssertionError)
     msg = str(info.value)
-    assert "bad" in msg and "analytic" in msg and "numeric" in msg and "2.00x" in msg
+    assert "bad" in msg
+    assert "analytic" in msg
+    assert "numeric" in msg
+    assert "2.00x" in msg
     assert "good:" not in msg
     ok = CheckReport(tensors={})
     assert ok.raise_for_failures() is ok

@@ -59,9 +59,13 @@ def excellent(result: ModuleCheck) -> bool:
 def test_a_stub_reads_flags_submodules_and_containers_as_the_live_module():
     block = nn.Sequential(nn.Linear(2, 3), nn.Sequential(nn.ReLU(), nn.LayerNorm(3)))
     stub = Stub("block", [torch.zeros(1, 3, dtype=F64)], block.eval())
-    assert not stub.training and len(stub) == 2 and bool(stub)
+    assert not stub.training
+    assert len(stub) == 2
+    assert bool(stub)
     first, inner = stub[0], stub[1]
-    assert isinstance(first, ModuleView) and isinstance(first, nn.Linear) and first.out_features == 3
+    assert isinstance(first, ModuleView)
+    assert isinstance(first, nn.Linear)
+    assert first.out_features == 3
     assert [type(v).__name__ for v in inner] == ["ModuleView", "ModuleView"]
     assert isinstance(inner[-1], nn.LayerNorm) and inner[-1].normalized_shape == (3,)
     assert stub[0] is first and stub[1][0] is inner[0]  # one view per module
@@ -75,7 +79,10 @@ def test_tensors_read_are_constants_in_the_check_dtype_that_leave_the_live_modul
     live = fc.weight.detach().clone()
     stub = Stub("fc", [torch.zeros(2, dtype=F64)], fc)
     w = stub.weight
-    assert w.dtype == F64 and w.device == fc.weight.device and not w.requires_grad and stub.weight is w
+    assert w.dtype == F64
+    assert w.device == fc.weight.device
+    assert not w.requires_grad
+    assert stub.weight is w
     assert torch.equal(w, live.to(F64)) and [k for k, _ in stub.named_parameters()] == ["out0_0"]
     w.add_(1.0)  # own code that works in place on what it read
     assert torch.equal(fc.weight.detach(), live)
@@ -191,7 +198,9 @@ def test_a_wrong_backward_in_the_encoders_own_code_is_caught_there(batch_first: 
     results = checked(model, loss_fn, x, ["", "layers.0"])
     assert excellent(results["layers.0"]), results["layers.0"]
     bad = results[""]
-    assert bad.failed and bad.tensors["input"].verdict == Verdict.WRONG and "Doubled" in bad.functions
+    assert bad.failed
+    assert bad.tensors["input"].verdict == Verdict.WRONG
+    assert "Doubled" in bad.functions
     assert "BadEncoder, own code" in bad.label and "2.00x" in bad.summary()
 
 
@@ -285,7 +294,9 @@ def test_unet_own_code_is_checked_and_its_timesteps_are_no_unit():
 def test_a_wrong_backward_in_the_unets_own_code_is_caught_there():
     model, loss_fn, images = unet(bad=True)
     bad = checked(model, loss_fn, images, [""])[""]
-    assert bad.failed and bad.tensors["input"].verdict == Verdict.WRONG and "Doubled" in bad.functions
+    assert bad.failed
+    assert bad.tensors["input"].verdict == Verdict.WRONG
+    assert "Doubled" in bad.functions
     assert "BadUNet, own code" in bad.label and "2.00x" in bad.summary()
 
 
@@ -319,4 +330,6 @@ def test_a_class_that_forwards_what_it_lacks_forwards_it_on_the_stub_too():
             return self.model(x)
 
     stub = Stub("wrapper", [torch.zeros(2, dtype=F64)], Wrapper())
-    assert stub.in_features == 2 and stub.weight.dtype == F64 and not hasattr(stub, "absent")
+    assert stub.in_features == 2
+    assert stub.weight.dtype == F64
+    assert not hasattr(stub, "absent")

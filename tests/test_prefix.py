@@ -69,7 +69,9 @@ def test_a_forward_too_quick_to_gain_is_neither_captured_nor_replayed_and_gives_
     assert replayed.ok and declined.ok
     for name, t in replayed.tensors.items():  # (a captured forward runs op by op under a dispatch mode: last bits)
         u = declined.tensors[name]
-        assert t.verdict == u.verdict and len(t.numeric) == len(u.numeric) and len(t.dir_numeric) == len(u.dir_numeric)
+        assert t.verdict == u.verdict
+        assert len(t.numeric) == len(u.numeric)
+        assert len(t.dir_numeric) == len(u.dir_numeric)
         assert t.numeric + t.dir_numeric == pytest.approx(u.numeric + u.dir_numeric, rel=1e-7, abs=1e-12), name
 
 

@@ -36,7 +36,9 @@ def test_plain_loop_example(name, tmp_path, monkeypatch, capsys, caplog):
         out = run(section_code(name), name, tmp_path, monkeypatch, capsys)
     assert out.strip().endswith("[]")
     steps = check_steps(tmp_path / "runs" / "exp1" / "checks.jsonl")
-    assert steps[0] == 0 and len(steps) >= 5 and max(b - a for a, b in zip(steps, steps[1:])) <= 200
+    assert steps[0] == 0
+    assert len(steps) >= 5
+    assert max(b - a for a, b in zip(steps, steps[1:])) <= 200
     assert list((tmp_path / "runs" / "exp1").glob("events.out.tfevents*"))
     [said] = [r.getMessage() for r in caplog.records if "every='auto' checks every" in r.getMessage()]
     assert "overhead_budget allows one check per" in said

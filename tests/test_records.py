@@ -55,14 +55,20 @@ def test_check_record_shape():
     rec = check_record(100, make_report(), seconds=0.25, overhead_fraction=0.03, coverage={"fc.weight": 5},
                        wall_time=123.0)
     assert set(rec) == TOP_KEYS
-    assert rec["type"] == "check" and rec["step"] == 100 and rec["time"] == 123.0
-    assert rec["ok"] is False and rec["kinks"] == 1 and rec["seed"] == 7
+    assert rec["type"] == "check"
+    assert rec["step"] == 100
+    assert rec["time"] == 123.0
+    assert rec["ok"] is False
+    assert rec["kinks"] == 1
+    assert rec["seed"] == 7
     assert rec["coverage"] == {"fc.weight": 5}
     assert rec["form"] == "objective" and rec["memory"] == {}
     for t in rec["tensors"].values():
         assert set(t) == TENSOR_KEYS
     w = rec["tensors"]["fc.weight"]
-    assert w["verdict"] == "excellent" and w["shape"] == [3, 4] and w["rel_diff"] == 1e-9
+    assert w["verdict"] == "excellent"
+    assert w["shape"] == [3, 4]
+    assert w["rel_diff"] == 1e-9
     assert rec["tensors"]["fc.bias"]["directional_rel_diff"] is None
     assert rec["summary"]["rel_diff_max"] == 0.4
     assert rec["summary"]["rel_diff_median"] == pytest.approx((1e-9 + 0.4) / 2)
@@ -149,7 +155,9 @@ def test_alert_record_duck_typed_without_to_dict():
         step, tensor, kind, severity, value, baseline, message = 2, "w", "drift", "warning", 0.1, 0.01, "m"
 
     rec = alert_record(Plain())
-    assert rec["kind"] == "drift" and rec["baseline"] == 0.01 and isinstance(rec["time"], float)
+    assert rec["kind"] == "drift"
+    assert rec["baseline"] == 0.01
+    assert isinstance(rec["time"], float)
     assert rec["message"] == "m" and rec["why"] == "m"  # its own message kept; the three lines derived (issue 73)
     assert rec["headline"] == "backward gradient drifting: w, rel_diff 1.0e-01 vs baseline 1.0e-02 (step 2)"
 

@@ -58,7 +58,9 @@ def test_a_cache_filled_with_grad_is_copied_not_shared():
     cache.update(keys, keys, 0)  # the forward goes on with the live one
     assert (cache.get_seq_length(), copied.get_seq_length()) == (8, 4)
     k = copied.layers[0].keys
-    assert k.grad_fn is None and torch.equal(k, keys.detach()) and k.data_ptr() != keys.data_ptr()
+    assert k.grad_fn is None
+    assert torch.equal(k, keys.detach())
+    assert k.data_ptr() != keys.data_ptr()
 
 
 def test_the_replay_is_the_capture_from_the_second_check_and_a_kv_cache_in_its_inputs_stays_as_captured(replays):

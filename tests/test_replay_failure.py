@@ -98,7 +98,9 @@ def test_own_code_that_cannot_run_with_stubs_is_checked_whole():
 def test_a_wrong_backward_in_that_own_code_is_caught_whole():
     model, loss_fn, images = unet("dispatch", bad=True)
     result = checked(model, loss_fn, images, ["up_blocks.0"])["up_blocks.0"]
-    assert result.failed and result.tensors["input[0]"].verdict == Verdict.WRONG and "Doubled" in result.functions
+    assert result.failed
+    assert result.tensors["input[0]"].verdict == Verdict.WRONG
+    assert "Doubled" in result.functions
 
 
 @pytest.mark.slow

@@ -84,7 +84,10 @@ def test_validate_lists_every_problem_of_a_file(capsys, tmp_path):
         assert any(f"{path}: {key}:" in line for line in lines), (key, err)
     code, out, _ = _run_main(capsys, "validate", path, "--format", "json")
     doc = json.loads(out)
-    assert code == 2 and not doc["valid"] and len(doc["errors"]) == 3 and doc["error"] == doc["errors"][0]
+    assert code == 2
+    assert not doc["valid"]
+    assert len(doc["errors"]) == 3
+    assert doc["error"] == doc["errors"][0]
 
 
 # --------------------------------------------------------------------- runs
@@ -108,7 +111,9 @@ def test_appended_runs_are_kept_apart_and_both_views_agree(capsys, tmp_path):
     assert views["jsonl"] == views["events"]
     assert [v[:2] for v in views["jsonl"]] == [(ids[0], 3), (ids[1], 3)]
     code, out, err = _run_main(capsys, "report", tmp_path)
-    assert "=== run 1 of 2" in out and "=== run 2 of 2" in out and "holds 2 runs" in err
+    assert "=== run 1 of 2" in out
+    assert "=== run 2 of 2" in out
+    assert "holds 2 runs" in err
 
 
 def test_event_files_of_one_second_are_read_in_the_order_they_were_written(tmp_path):
@@ -134,7 +139,9 @@ def test_a_run_resumed_in_another_folder_is_one_history(capsys, tmp_path):
         code, out, err = _run_main(capsys, "report", *args, "--format", "json")
         assert code == 0, err
         doc = json.loads(out)
-        assert doc["run_id"] == first.run_id and doc["checks"] == 6 and (doc["first_step"], doc["last_step"]) == (0, 10)
+        assert doc["run_id"] == first.run_id
+        assert doc["checks"] == 6
+        assert (doc["first_step"], doc["last_step"]) == (0, 10)
         assert {t["checks"] for t in doc["tensors"]} == {6}
     code, out, _ = _run_main(capsys, "report", tmp_path, "--source", "events", "--format", "json")
     assert json.loads(out)["checks"] == 6

@@ -78,7 +78,9 @@ def test_check_leaves_every_generator_where_it_was():
         return torch.rand(3), np.random.rand(3), [random.random() for _ in range(3)]
 
     after, want = seed_and_maybe_check(True), seed_and_maybe_check(False)
-    assert torch.equal(after[0], want[0]) and np.array_equal(after[1], want[1]) and after[2] == want[2]
+    assert torch.equal(after[0], want[0])
+    assert np.array_equal(after[1], want[1])
+    assert after[2] == want[2]
 
 
 @pytest.mark.parametrize("draw", [np.random.rand, np.random.randn, lambda: np.random.randint(0, 10, size=700)])

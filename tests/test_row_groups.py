@@ -153,5 +153,7 @@ def test_shard_by_shard_a_ranks_one_block_is_checked_as_a_group_on_the_groups_po
                                view=ShardView(model, {}, {}))
     assert "on 32 of its input's 80 positions" not in alone.localized[0].type  # one process: the piece's whole input
     assert "rows 16:32, 1 blocks, on 32 of its input's 80 positions" in sharded.localized[0].type, sharded.localized[0].type
-    assert sharded.ok and {"0.weight", "0.bias"} <= set(sharded.tensors) and {"0.weight", "0.bias"} <= set(alone.tensors)
+    assert sharded.ok
+    assert {"0.weight", "0.bias"} <= set(sharded.tensors)
+    assert {"0.weight", "0.bias"} <= set(alone.tensors)
     assert sharded.piece_seconds["0"][1] == 16  # its rows counted in the cost table, as a group's

@@ -54,7 +54,9 @@ def test_correct_model_settled_by_one_probe_per_tensor():
     # the analytic pass, two at the base point, two per tensor: nothing else
     assert report.evaluations == 1 + 2 + 2 * len(report.tensors)
     for t in report.tensors.values():
-        assert t.verdict.value == "excellent" and not t.coords and len(t.dir_analytic) == 1
+        assert t.verdict.value == "excellent"
+        assert not t.coords
+        assert len(t.dir_analytic) == 1
     full = check_model(model, _ce, batch, screen=False)
     assert full.ok and full.evaluations > 4 * report.evaluations
 
@@ -89,7 +91,9 @@ def test_zero_gradient_tensor_settled_flat():
     report = check_model(model, _ce, batch)
     assert report.ok
     bias = report.tensors["0.bias"]
-    assert bias.verdict.value == "excellent" and len(bias.dir_analytic) == 1 and not bias.coords
+    assert bias.verdict.value == "excellent"
+    assert len(bias.dir_analytic) == 1
+    assert not bias.coords
 
 
 def test_wrong_factor_on_whole_tensor_still_fails_with_full_sample():
@@ -134,8 +138,12 @@ def test_every_verdict_comes_before_the_failing_tensors_full_samples():
     assert at_verdict == [2 + 2 * 2]
     assert [j.key for j in judged] == ["b", "a"]  # the failing tensor's full sample comes last
     b, a = judged[0].check, judged[1].check
-    assert not b.failed and not b.coords and len(b.dir_analytic) == 1
-    assert a.failed and a.verdict.value == "wrong" and len(a.coords) == 8  # diagnosed on the full sample
+    assert not b.failed
+    assert not b.coords
+    assert len(b.dir_analytic) == 1
+    assert a.failed
+    assert a.verdict.value == "wrong"
+    assert len(a.coords) == 8  # diagnosed on the full sample
     assert abs(a.ratio - 1.2) < 1e-3 and "1.20x" in a.diagnosis
     assert evaluator.count > 2 * at_verdict[0]
 
@@ -149,7 +157,9 @@ def test_a_failing_verdict_survives_a_raise_during_its_diagnosis():
         for j in check_tensors(targets, evaluator, settings, seed=0, on_verdict=lambda: state.update(after=True)):
             got.append(j)
     assert [j.key for j in got] == ["b", "a"]
-    assert got[1].check.failed and got[1].check.verdict.value == "wrong" and len(got[1].check.dir_analytic) == 1
+    assert got[1].check.failed
+    assert got[1].check.verdict.value == "wrong"
+    assert len(got[1].check.dir_analytic) == 1
 
 
 def test_check_model_reports_the_time_to_its_verdict(monkeypatch):
@@ -169,7 +179,9 @@ def test_check_model_reports_the_time_to_its_verdict(monkeypatch):
     assert check_model(model, _ce, batch).verdict_evaluations == 1 + 1 + 2 * len(report.tensors)
     model[2].idx = None
     correct = check_model(model, _ce, batch)
-    assert correct.ok and correct.localize_seconds == 0 and 0 < correct.verdict_seconds <= correct.seconds
+    assert correct.ok
+    assert correct.localize_seconds == 0
+    assert 0 < correct.verdict_seconds <= correct.seconds
     assert correct.verdict_evaluations == correct.evaluations
 
 

@@ -175,7 +175,10 @@ def test_buggy_sigmoid_raises_naming_x0(buggy_sigmoid):
     msg = str(info.value)
     assert "x[0]" in msg
     assert "numeric" in msg and "analytic" in msg
-    assert "eps=0.001" in msg and "atol=1e-06" in msg and "rtol=0.0001" in msg  # float64: the tight default
+    # float64: the tight default
+    assert "eps=0.001" in msg
+    assert "atol=1e-06" in msg
+    assert "rtol=0.0001" in msg
     report = info.value.report
     assert report.tensors["x[0]"].failed
     # the analytic values shown are the buggy s*(1+s)*gy, the numeric ones the true derivative

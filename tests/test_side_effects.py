@@ -195,7 +195,9 @@ def test_live_isolation_runs_a_forward_and_leaves_the_model_as_it_was():
         assert model.cache is cache and torch.equal(model.cache, torch.zeros(3))
         assert torch.equal(model.lin.parametrizations.weight[0]._u, u) and model.lin.parametrizations.weight[0].training
         model(torch.randn(2, 3)).sum().backward()  # every hook is back, in its place
-        assert seen.count("module") == 1 and seen.count("tensor") == 1 and "global" in seen
+        assert seen.count("module") == 1
+        assert seen.count("tensor") == 1
+        assert "global" in seen
         assert model.calls == 1 and len(model.lin._forward_hooks) == 1
     finally:
         handle.remove()

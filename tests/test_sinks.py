@@ -119,7 +119,9 @@ def test_alert_text_and_custom_scalars_layout(tmp_path):
     texts = acc.Tensors("gradwatch/alerts/text_summary")
     assert [e.step for e in texts] == [30, 30]
     decoded = [e.tensor_proto.string_val[0].decode() for e in texts]
-    assert "`band`" in decoded[0] and "`0.weight`" in decoded[0] and "WRONG (rel_diff" in decoded[0]
+    assert "`band`" in decoded[0]
+    assert "`0.weight`" in decoded[0]
+    assert "WRONG (rel_diff" in decoded[0]
     assert "drifted" in decoded[1]
 
     assert "custom_scalars__config__" in tensor_tags
@@ -258,7 +260,9 @@ def test_logging_sink_levels(caplog):
     assert by_msg[alerts[0].message] == logging.ERROR  # its headline, why and what to do (issue 73)
     assert by_msg[alerts[1].message] == logging.WARNING and "why: b drifted" in alerts[1].message
     [line] = [m for m in by_msg if m.startswith("gradwatch step 5")]
-    assert by_msg[line] == logging.INFO and "FAILED" in line and "2 alerts" in line
+    assert by_msg[line] == logging.INFO
+    assert "FAILED" in line
+    assert "2 alerts" in line
 
 
 def test_real_trend_alert_if_available(tmp_path):
@@ -270,7 +274,9 @@ def test_real_trend_alert_if_available(tmp_path):
     sinks.write_check(check_record(4, bad_report(), seconds=0.1, overhead_fraction=None), [alert])
     sinks.close()
     records, _ = read_jsonl(tmp_path)
-    assert records[-1]["type"] == "alert" and records[-1]["message"] == alert.message and records[-1]["step"] == 4
+    assert records[-1]["type"] == "alert"
+    assert records[-1]["message"] == alert.message
+    assert records[-1]["step"] == 4
     assert (records[-1]["headline"], records[-1]["why"]) == (alert.headline, "m")  # the three lines kept (issue 73)
 
 

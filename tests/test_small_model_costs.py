@@ -156,7 +156,9 @@ def test_a_probe_whose_floor_alone_kept_it_unsettled_settles_at_a_wider_step(mon
     monkeypatch.setattr(reexamine, "settle_wider", spy)
     model, batch = _tanh_mlp()
     report = check_model(model, _ce, batch, eps=1e-7)
-    assert report.ok and settled and all(settled)
+    assert report.ok
+    assert settled
+    assert all(settled)
     # the analytic pass, two at the base point, two per tensor, and four for each tensor settled wider
     assert report.evaluations <= 3 + 2 * len(report.tensors) + 4 * len(settled) + 2
 
@@ -191,7 +193,9 @@ def test_detection_directions_are_drawn_once_per_seed_and_only_read(monkeypatch)
     first = check_model(model, _ce, batch, seed=3)
     kept = dict(reexamine._DRAWN)
     values = {k: d.clone() for k, d in kept.items()}
-    assert first.ok and kept and all(d.numel() <= reexamine._DRAWN_ENTRIES for d in kept.values())
+    assert first.ok
+    assert kept
+    assert all(d.numel() <= reexamine._DRAWN_ENTRIES for d in kept.values())
     assert check_model(model, _ce, batch, seed=3).ok
     assert all(reexamine._DRAWN[k] is d and torch.equal(d, values[k]) for k, d in kept.items())  # reused, unchanged
     check_model(model, _ce, batch, seed=4)  # another seed: other directions

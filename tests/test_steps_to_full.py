@@ -62,7 +62,9 @@ def test_auto_steps_to_full_is_k_times_the_interval_the_times_give():
     assert first is not None and first.steps_to_full is None  # the first check: no step timed yet
     now = watch.check(batch())  # a check now: the schedule has a check and steps timed
     k, per = watch.cycle_length, watch.schedule.steps_per_check()
-    assert k == 4 and per is not None and per > 1
+    assert k == 4
+    assert per is not None
+    assert per > 1
     assert now is not None and now.steps_to_full == k * per
 
 
@@ -97,9 +99,13 @@ def test_steps_to_full_at_the_default_budget_against_a_hand_count(tmp_path, capl
     assert len(seconds) == 2  # the baseline check at the first step and the one asked for
     per = math.ceil(statistics.fmean(seconds) * 0.98 / (0.02 * statistics.median(step_seconds)))
     hand = watch.cycle_length * per
-    assert watch.cycle_length == 4 and now is not None and now.steps_to_full is not None
+    assert watch.cycle_length == 4
+    assert now is not None
+    assert now.steps_to_full is not None
     assert abs(now.steps_to_full - hand) <= max(watch.cycle_length, 0.05 * hand), (now.steps_to_full, hand)
     said = [r.getMessage() for r in caplog.records if "checked within about" in r.getMessage()]
-    assert len(first) == 1 and said[0] == first[0] and " at the 2% overhead_budget (K = 4 checks, one every " in first[0]
+    assert len(first) == 1
+    assert said[0] == first[0]
+    assert " at the 2% overhead_budget (K = 4 checks, one every " in first[0]
     assert said[-1] == (f"gradwatch: every op and parameter row checked within about {now.steps_to_full} steps at the 2% "
                         f"overhead_budget (K = 4 checks, one every {now.steps_to_full // 4} steps)")

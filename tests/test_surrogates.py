@@ -173,7 +173,9 @@ def test_the_watch_on_a_declared_quantizer_and_an_undeclared_fake_quantize_raise
     torch.manual_seed(0)
     # its moving-average observer moves the scale in every training forward: the replay starts it where training did
     alerts, reports = _watch(nn.Sequential(nn.Linear(6, 8), FakeQuantize(), nn.Tanh(), nn.Linear(8, 6)), form)
-    assert alerts == [] and reports[-1].surrogates == ["1"] and reports[-1].training
+    assert alerts == []
+    assert reports[-1].surrogates == ["1"]
+    assert reports[-1].training
 
 
 @pytest.mark.parametrize("form", ["objective", "module"])
@@ -182,7 +184,9 @@ def test_an_undeclared_straight_through_is_one_alert_naming_its_module_and_the_o
     alerts, reports = _watch(VQ(), form, checks=6)
     assert len(alerts) == 1, [a.message for a in alerts]
     (alert,) = alerts
-    assert alert.kind == "surrogate" and alert.tensor == "quant" and alert.step == 0
+    assert alert.kind == "surrogate"
+    assert alert.tensor == "quant"
+    assert alert.step == 0
     assert "surrogates=['quant']" in alert.message and "quant.code" in alert.message
     # the verdicts are still recorded at every check: nothing is hidden from the records
     assert all(not r.ok for r in reports)
@@ -214,7 +218,9 @@ def test_an_in_place_op_after_a_declared_surrogate_does_not_change_what_is_held(
 
     model = nn.Sequential(nn.Linear(6, 8), nn.Sequential(SpikeLayer(), Halve()), nn.Linear(8, 6))
     report = check_model(model, loss, x, surrogates=[SpikeLayer])
-    assert failing(report) == [] and report.surrogates == ["1.0"] and not report.nondeterministic
+    assert failing(report) == []
+    assert report.surrogates == ["1.0"]
+    assert not report.nondeterministic
     assert all(t.verdict is not None for t in report.tensors.values())  # judged, not inconclusive
 
 

@@ -172,7 +172,9 @@ def test_resume_from_checkpoint_keeps_one_run(tmp_path, capsys):
     capsys.readouterr()  # the Trainer's own log lines
     code = cli.main(["report", str(tmp_path), "--format", "json"])
     doc = json.loads(capsys.readouterr().out)
-    assert code == 0 and doc["checks"] == 4 and (doc["first_step"], doc["last_step"]) == (0, 15)
+    assert code == 0
+    assert doc["checks"] == 4
+    assert (doc["first_step"], doc["last_step"]) == (0, 15)
 
 
 def test_bad_options_name_the_option():
@@ -281,12 +283,16 @@ def test_accumulation_training_verdict_at_every_check(tmp_path, kind):
         return
     # One cause, one alert (issue 73), updated at the second check: it was one alert per tensor
     if kind == "bert-dropped":  # every tensor with a gradient (the token-type embedding of unused types has none)
-        assert len(training) == 1 and training[0].count == n_params - 1 and training[0].step == 0
+        assert len(training) == 1
+        assert training[0].count == n_params - 1
+        assert training[0].step == 0
         assert "4.00x the objective's" in training[0].message and "accumulation over 4 micro-batches" in training[0].message
         assert [c["causes"][0]["last_step"] for c in checks] == [0, 2]
         return
     if kind == "gpt2":
-        assert len(training) == 1 and training[0].count == n_params and training[0].step == 0
+        assert len(training) == 1
+        assert training[0].count == n_params
+        assert training[0].step == 0
         assert "the count includes each sample's first label" in training[0].message
         assert "model.loss_type = 'ForCausalLM'" in training[0].message
         assert [(c["causes"][0]["new"], c["causes"][0]["last_step"]) for c in checks] == [(True, 0), (False, 2)]
@@ -322,7 +328,9 @@ def test_a_model_without_num_items_in_batch_is_named_under_accumulation(tmp_path
             callbacks=[callback]).train()
     training = [a for a in callback.watch.alerts if a.part == "training"]
     if own is not True:  # the model divides by the step's count itself: clean over 4 checks
-        assert callback.watch.alerts == [] and callback.watch.check_counts and callback.watch._checks == 4
+        assert callback.watch.alerts == []
+        assert callback.watch.check_counts
+        assert callback.watch._checks == 4
         return
     assert training and all(a.step == 0 for a in training)
     assert f"training weighs the {steps} micro-batches equally, but they hold" in training[0].message

@@ -203,7 +203,9 @@ def test_error_alert_and_dedup():
     assert tracker.error(3, RuntimeError("shape mismatch [2] vs [3]")) is None
     assert tracker.error(4, RuntimeError("shape mismatch [2] vs [3]")) is not None  # the cooldown is over
     other = tracker.error(5, KeyError("x"), where="grad_fn")  # another error fires at once
-    assert other is not None and "KeyError" in other.message and "grad_fn" in other.message
+    assert other is not None
+    assert "KeyError" in other.message
+    assert "grad_fn" in other.message
     assert tracker.error(6, KeyError("x"), where="grad_fn") is None
     resumed = TrendTracker(alert_cooldown=2)
     resumed.load_state_dict(json.loads(json.dumps(tracker.state_dict())))

@@ -60,7 +60,9 @@ def sft(tmp_path, callback, model, max_steps):
     args = SFTConfig(output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=4, use_cpu=True,
                      report_to=[], disable_tqdm=True, logging_steps=100, save_strategy="no", seed=0)
     # TRL's defaults, which the test is about (a newer TRL changing them should fail here, not pass unseen)
-    assert args.bf16 and args.gradient_checkpointing and args.loss_type == "nll"
+    assert args.bf16
+    assert args.gradient_checkpointing
+    assert args.loss_type == "nll"
     trainer = SFTTrainer(model=model, args=args, train_dataset=texts(), processing_class=tokenizer(), callbacks=[callback])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -71,7 +71,9 @@ def test_torchs_optimizers_and_clipping_are_clean_and_training_bit_identical(nam
     model, watch = run(OPTIMIZERS[name], clip_all)
     assert watch.alerts == [], [a.message for a in watch.alerts]
     last = watch.update.last
-    assert last["step"] == 3 and last["update"] and all(u["verdict"] == "excellent" for u in last["update"].values())
+    assert last["step"] == 3
+    assert last["update"]
+    assert all(u["verdict"] == "excellent" for u in last["update"].values())
     assert last["clipping"]["factor"] < 1.0 and last["clipping"]["threshold"] == pytest.approx(0.05, rel=1e-4), last
     plain, _ = run(OPTIMIZERS[name], clip_all, watched=False)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), plain.state_dict().values()))
@@ -89,8 +91,9 @@ def test_clipping_per_parameter_group_is_named_at_the_first_clipped_check():
     _, watch = run(two_groups, per_group)
     clipping = [a for a in watch.alerts if a.part == "update"]
     assert [a.kind for a in clipping] == ["clipping"] and clipping[0].step == 0, [a.message for a in watch.alerts]
-    assert "parameter group 0 (3 tensors)" in clipping[0].message and "parameter group 1 (1 tensor)" in \
-        clipping[0].message and "its own norm" in clipping[0].message
+    assert "parameter group 0 (3 tensors)" in clipping[0].message
+    assert "parameter group 1 (1 tensor)" in clipping[0].message
+    assert "its own norm" in clipping[0].message
 
 
 def test_a_threshold_taken_over_half_the_gradient_moves_and_is_named():
@@ -197,7 +200,9 @@ def test_under_the_hf_trainer_its_default_clipping_and_adamw_are_clean(tmp_path)
     callback = GradWatchCallback(every=1, log_dir=None)
     llama_trainer(transformers, tmp_path, [callback]).train()
     watch = callback.watch
-    assert watch.update.asked == 1.0 and watch.update.last is not None and watch.update.last["algorithm"] == "AdamW"
+    assert watch.update.asked == 1.0
+    assert watch.update.last is not None
+    assert watch.update.last["algorithm"] == "AdamW"
     assert [a for a in watch.alerts if a.part == "update"] == [], [a.message for a in watch.alerts]
     assert all(u["verdict"] == "excellent" for u in watch.update.last["update"].values()), watch.update.last
     assert watch.update.thresholds == [] or all(t == pytest.approx(1.0, rel=1e-4) for t in watch.update.thresholds)

@@ -96,7 +96,9 @@ def test_grid_from_records_and_from_a_run_read_back_agree():
         assert a.names == b.names == names and a.steps == b.steps == [0, 10, 20, 30, 40, 50]
         assert np.array_equal(a.codes, b.codes) and np.array_equal(a.alerts, b.alerts)
     grid = live.grid("backward")
-    assert grid.codes[40, 3] == vm.WRONG and grid.alerts[40, 3] and not grid.alerts[40, :3].any()
+    assert grid.codes[40, 3] == vm.WRONG
+    assert grid.alerts[40, 3]
+    assert not grid.alerts[40, :3].any()
     assert grid.codes[2, 1] == vm.NOT_IN_CHECK  # (2 + 1) % 3 == 0: left out of check 1
     training = live.grid("training")
     assert training.codes[0, 0] == vm.NO_VERDICT and not training.alerts.any()  # backward alerts stay off it
@@ -119,7 +121,9 @@ def test_columns_beyond_the_window_are_dropped():
     for step in range(vm.MAX_COLUMNS + 5):
         h.add_check({"step": step, "tensors": {"w": {"verdict": "excellent"}}})
     grid = h.grid("backward")
-    assert len(grid.steps) == vm.MAX_COLUMNS and grid.steps[0] == 5 and grid.dropped == 5
+    assert len(grid.steps) == vm.MAX_COLUMNS
+    assert grid.steps[0] == 5
+    assert grid.dropped == 5
     assert find_text(vm.render_indexed(grid), f"the latest {vm.MAX_COLUMNS} of {vm.MAX_COLUMNS + 5} checks")
 
 
