@@ -5,10 +5,10 @@ operators (``torch.ops._c10d_functional.all_reduce``, ...), which :mod:`gradwatc
 agreement point before each; FSDP2 and DeepSpeed call ``torch.distributed`` functions, which a check's region wraps
 too. Where the points meet in shared memory (:mod:`gradwatch.parallel.host_points`), a collective of CPU tensors over
 every rank is made there: each rank copies its input into its data slot, makes the point, and reads the others'
-inputs, a slot at a time (a bigger tensor in rounds, a point each). Over gloo, an all-reduce of a 256 KB activation
-took 1.5 ms between 2 ranks on one host, and a check of ``benchmarks/parallel.py``'s 4-block tensor parallel model
-makes about 50 of them; through the slots it is a copy in and a sum. The coordinator's own averages and gathers of
-objects (:mod:`gradwatch.parallel.coordinator`) use the same slots.
+inputs, a slot at a time (a bigger tensor in rounds, a point each). Over gloo, each of a tensor parallel check's many
+activation all-reduces is a TCP round trip; through the slots it is a copy in and a sum (docs/costs.md has the
+figures). The coordinator's own averages and gathers of objects (:mod:`gradwatch.parallel.coordinator`) use the same
+slots.
 
 What it makes is what the process group would: an all-reduce's sum taken in rank order, on every rank alike (with 2
 ranks, the same bits as gloo's, addition being commutative), an all-gather's inputs put end to end, a

@@ -1,10 +1,9 @@
 """Agreement points through shared memory, for ranks that share one host.
 
 A check's agreement point (:mod:`gradwatch.parallel.lockstep`) is a one-element all-reduce. Over gloo that is a TCP
-round trip: 0.31 ms between 2 idle ranks on one host, and a tensor parallel check of ``benchmarks/parallel.py``'s
-4-block model makes about 50 of them. Ranks on one host (tensor parallel almost always is) agree instead through a
-small shared-memory file: each rank writes its value and its point's number into its own slot and reads the others'
-(0.8 us a point, measured the same way).
+round trip, and a tensor parallel check makes dozens of them. Ranks on one host (tensor parallel almost always is)
+agree instead through a small shared-memory file: each rank writes its value and its point's number into its own slot
+and reads the others', far quicker than the round trip (docs/costs.md has the figures).
 
 Layout: a header (a random word that proves every rank opened the same file) and, per rank, on a cache line of its
 own, two numbers and two values, one of each per parity of the point number: a rank one point ahead writes the other
@@ -19,7 +18,7 @@ Each rank also has two data slots of :data:`DATA` bytes (one per parity), after 
 CPU tensors over every rank (:mod:`gradwatch.parallel.host_collectives`) put a rank's input in its slot before the
 point and read the others' after it. A slot of point ``n`` is written again only for point ``n + 2``, which no rank
 reaches before every rank has passed point ``n + 1``, after its reads of point ``n``. The slots are allocated when
-the file is made (``posix_fallocate``), so a small ``/dev/shm`` (a container's 64 MB) is found there, not by a
+the file is made (``posix_fallocate``), so a small ``/dev/shm`` (a container's default) is found there, not by a
 signal at a write: the file is then made without them (:attr:`HostPoints.data` 0), and those collectives stay the
 process group's.
 
@@ -53,8 +52,8 @@ _HEADER = 8  # words before the first slot (the proof word, the data slots' byte
 _GONE = 4  # the word of a rank's slot that says it gave up waiting (set once; its coordinator is broken)
 _SPIN = 64  # checks before yielding the CPU
 _YIELD = 2000  # yields before sleeping (a rank with a core of its own never gets there at a quick point)
-#: Bytes of each rank's data slot, one per parity: a bigger collective takes several rounds (a 4-block width-512
-#: model's activations at batch 4 x 128 are 1 MiB). What a rank touches of the slots counts in its resident memory.
+#: Bytes of each rank's data slot, one per parity (2**20: a small model's activations fit in one): a bigger collective
+#: takes several rounds. What a rank touches of the slots counts in its resident memory.
 DATA = 1 << 20
 
 

@@ -6,7 +6,7 @@ backward reduce-scatters, on the model's own process group, inside ``loss_fn``. 
 (with gloo, mismatched collectives can abort them). :class:`Lockstep` puts an agreement point before
 each of those collectives: a one-element all-reduce on gradwatch's own group, bounded by
 ``distributed_timeout`` (:meth:`~gradwatch.parallel.coordinator.DistributedCoordinator.agree`), or where every rank
-is on one host the same through shared memory (:mod:`gradwatch.parallel.host_points`: 0.8 us a point, not 0.31 ms).
+is on one host the same through shared memory (:mod:`gradwatch.parallel.host_points`, far quicker than gloo).
 There, a check's collectives of CPU tensors over every rank are made with their point, through the same shared
 memory (:mod:`gradwatch.parallel.host_collectives`): DTensor's functional collectives, the ``torch.distributed``
 functions FSDP2 calls (``all_gather_single``, ``reduce_scatter_single``) and DeepSpeed's all-gather (ZeRO-3's
@@ -14,9 +14,8 @@ gathers), wrapped for the region only.
 
 - **DTensor's collectives** (tensor and sequence parallel, a ``full_tensor()``, whatever module or hook makes
   them): each functional collective's operator (``torch.ops._c10d_functional.all_reduce``, ...) is wrapped for the
-  region, so each call of one, in the forward and in the backward, makes a point just before it, and only there (a
-  check of ``benchmarks/parallel.py``'s 4-block tensor parallel model made 67 points, where a point at every such
-  module's entry, exit and gradients made 251).
+  region, so each call of one, in the forward and in the backward, makes a point just before it, and only there (far
+  fewer points than one at every such module's entry, exit and gradients: docs/guides/parallel.md).
 - **FSDP2's** (``c10d`` calls; a module sharded over one rank, a 1x2 ``dp x tp`` mesh's, makes none with another
   rank): a point before each FSDP2 module's forward (before its all-gather) and, by
   tensor hooks, where each module's output gradient arrives (before FSDP2's pre-backward all-gather), where its
@@ -172,8 +171,7 @@ def _open(step: "Lockstep", operators: bool = True) -> None:
     ``torch.ops`` at every call (``torch.ops._c10d_functional.all_reduce(...)``): wrapped there for the region, each
     call makes its point first, in the forward and in the backward (DTensor's backward redistributes in Python), with
     nothing added to any other operator. A dispatch mode did this before, and sent every operator of the region
-    through Python: a 0.66 s forward and backward of ``benchmarks/parallel.py``'s 1x2 mesh took 0.08 s more in a
-    region with the mode, 0.05 s more with the wrapped operators, 0.02 s more with no point at all.
+    through Python, which cost more than the wrapped operators do (docs/guides/parallel.md).
 
     The ``torch.distributed`` functions FSDP2 calls, and the all-gather DeepSpeed's communication backend keeps
     (``cdb.all_gather_function``, ZeRO-3's gathers), are wrapped too: where every rank is on one host they go through

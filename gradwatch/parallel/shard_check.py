@@ -66,9 +66,7 @@ def held_by(p: torch.Tensor) -> Optional[Tuple[int, int]]:
     (a 2-D mesh's FSDP2 over tensor parallel, one of them of size 1); None for any other layout.
 
     Kept per DTensor with its placements, mesh and shape, and read again when any changes: a check asks it of every
-    parameter of every unit (300 times a check of ``benchmarks/parallel.py``'s 4-block tensor parallel model, each
-    reading the rank's shard through DTensor's ``to_local``: 16 ms a check at 4.2M parameters under cProfile, 1.6 ms
-    kept).
+    parameter of every unit, and each fresh answer reads the rank's shard through DTensor's ``to_local``.
 
     Example:
         >>> held_by(torch.ones(2)) is None
@@ -334,8 +332,8 @@ def backward_on_shards(model: nn.Module, total: torch.Tensor, params: Sequence[t
     let go at once, so the replay never holds a second gradient of the whole model: with ``reuse`` (one
     micro-batch), a shard bit-identical to the live ``.grad`` is returned as the live shard itself (no copy);
     only one that differs is copied. A parameter that is not a DTensor (tensor parallel's replicated embedding
-    and head) is taken the same way as its gradient is accumulated: the head's (16 MB at the 20.8M parameters of
-    ``benchmarks/parallel.py``), accumulated first, no longer lives beside the rest of the backward's activations.
+    and head) is taken the same way as its gradient is accumulated: the head's (a large gradient), accumulated
+    first, no longer lives beside the rest of the backward's activations.
     ``before`` (an agreement point, :mod:`gradwatch.parallel.lockstep`) is called first, before any collective.
     """
     if before is not None:
@@ -428,8 +426,8 @@ def settled_pairs(pairs: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> List[Tu
     The ``Partial(sum)`` gradients of one mesh, dtype and set of ``Partial`` dimensions are reduced together: the
     live parts in one buffer, the replayed ones in another laid out alike, one all-reduce of each per dimension
     (so each element of both is summed in the same order: bit-identical parts stay bit-identical), not two
-    collectives and two agreement points per tensor (sequence parallel's 18 norm gradients of the 20.8M model of
-    ``benchmarks/parallel.py``: 36 of each a check). A collective on every rank, the pairs in the same order; any
+    collectives and two agreement points per tensor (sequence parallel's norm gradients: docs/costs.md, "Fewer
+    agreement points"). A collective on every rank, the pairs in the same order; any
     other reduction (``Partial("avg")``, ...) is :func:`settled`, one tensor at a time.
 
     Example:

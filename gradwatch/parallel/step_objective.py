@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, cast
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -66,6 +66,9 @@ from gradwatch.plan.units import isolated
 
 #: The rule of ``items="micro_batches"``: one per micro-batch, each weighing ``1 / k`` on its rank.
 MICRO_BATCHES = ItemRule("micro_batches")
+#: What :meth:`StepObjective._chosen` settles: the rule the micro-batches are weighed by (None where they weigh alike),
+#: why they weigh alike (None where a rule weighs them), and what the plan's note adds.
+_Choice = Tuple[Optional[ItemRule], Optional[str], str]
 
 
 @dataclass
@@ -273,7 +276,8 @@ class StepObjective:
 
     def _agreed(self, payloads: List[Dict[str, Any]], rank: int, probe: bool, shift_hint: Optional[int]) -> StepPlan:
         """Every rank's payload to the same plan on every rank (the same payloads give the same plan everywhere; the
-        probes' decision is kept for the next checks)."""
+        probes' decision is kept for the next checks): which count loss_fn averages over (:meth:`_chosen`), then
+        each micro-batch's weight under it (:meth:`_planned`)."""
         world = len(payloads)
         failed = [(r, p["error"]) for r, p in enumerate(payloads) if "error" in p]
         if failed:
@@ -282,58 +286,74 @@ class StepObjective:
             return StepPlan(None, world=world, reason=f"not judged: counting the step's items failed{where}: {why}")
         ks = [int(p["k"]) for p in payloads]
         self._shifts = dict(payloads[0].get("shifts") or {})  # rank 0's reading of its labels (no probe)
-        first = sum(ks[:rank])
-        single = world == 1 and ks[0] == 1
-        mode = payloads[0]["mode"]
         rules = {r.key: r for p in payloads for r in p["rules"]}
         common = [r for k, r in rules.items() if all(k in p["counts"] for p in payloads)]
         texts = {r.key: r.text for r in common}
-        equal_why: Optional[str] = None
-        rule: Optional[ItemRule] = None
-        note_extra = ""
+        chosen = self._chosen(payloads, common, texts, probe, shift_hint)
+        if isinstance(chosen, StepPlan):
+            return chosen
+        rule, equal_why, note_extra = chosen
+        return self._planned(payloads, rank, ks, texts, rule, equal_why, note_extra)
+
+    def _chosen(self, payloads: List[Dict[str, Any]], common: List[ItemRule], texts: Dict[str, str], probe: bool,
+                shift_hint: Optional[int]) -> Union[StepPlan, _Choice]:
+        """``(rule, equal_why, note_extra)``: the count the micro-batches are weighed by (the rule every rank counts
+        under), or why they weigh alike; or the plan of a step not judged. Declared by ``items=``, else inferred from
+        the counts, the probes' decision and the batch's structure."""
+        mode = payloads[0]["mode"]
         if mode == "micro_batches":
-            equal_why = "items='micro_batches': each micro-batch's mean weighs alike"
-        elif mode in ("samples", "declared"):
-            rule = common[0] if common else None
-        else:
-            coupled = next((p["coupled"] for p in payloads if p.get("coupled")), None)
-            decision = self._keep(payloads)
-            if coupled:
-                equal_why = coupled
-            elif decision is not None and decision.coupled:
-                equal_why = decision.coupled
-            elif decision is not None and decision.sums:
-                equal_why = "loss_fn sums over its items (a probe found no count it divides by): each micro-batch's sum weighs alike"
-            elif decision is not None and decision.rule is not None and decision.rule.key in texts:
-                rule = next(r for r in common if r.key == decision.rule.key)
-            elif not common:  # a batch gradwatch cannot read (no tensor with a batch dimension): as before
-                equal_why = ("the batch holds no tensor gradwatch counts items in: each micro-batch's mean weighs alike "
-                             "(declare what loss_fn averages over with items= to weigh them)")
-            else:
-                alive = [r for r in common if decision is None or r.key in decision.survivors]
-                vectors = [[c for p in payloads for c in p["counts"][r.key]] for r in alive]
-                if not alive:
-                    why = f" ({decision.evidence})" if decision is not None and decision.evidence else ""
-                    return StepPlan(None, world=world, reason=(
-                        f"not judged: loss_fn averages over no count gradwatch finds in the batch{why}: declare it "
-                        "with items= (a callable items(batch) -> count, 'samples', or 'micro_batches')"))
-                if all(proportional(vectors[0], v) for v in vectors[1:]):
-                    rule = alive[0]  # every rule still possible gives these micro-batches the same weights
-                    if len(alive) > 1:
-                        note_extra = f" (the same under each of the {len(alive)} counts the batch offers)"
-                elif not probe:
-                    rule = _by_structure(alive, shift_hint, self._shifts)
-                    note_extra = (f"; {rule.text} chosen from the batch's structure, not verified by a probe (a sharded "
-                                  "model's forwards are collectives): declare it with items= if loss_fn averages over "
-                                  "something else")
-                else:
-                    listed = "; ".join(f"{r.text}: {_count_text(v)}" for r, v in zip(alive[:3], vectors[:3]))
-                    more = "; ..." if len(alive) > 3 else ""
-                    why = f" ({decision.evidence})" if decision is not None and decision.evidence else ""
-                    return StepPlan(None, world=world, reason=(
-                        f"not judged: the step's micro-batches hold unequal counts under rules loss_fn may follow "
-                        f"({listed}{more}), and no evaluation could tell which it follows{why}: declare it with items= "
-                        "(a callable items(batch) -> count, 'samples', or 'micro_batches')"))
+            return None, "items='micro_batches': each micro-batch's mean weighs alike", ""
+        if mode in ("samples", "declared"):
+            return (common[0] if common else None), None, ""
+        coupled = next((p["coupled"] for p in payloads if p.get("coupled")), None)
+        decision = self._keep(payloads)
+        if coupled:
+            return None, coupled, ""
+        if decision is not None and decision.coupled:
+            return None, decision.coupled, ""
+        if decision is not None and decision.sums:
+            return None, "loss_fn sums over its items (a probe found no count it divides by): each micro-batch's sum weighs alike", ""
+        if decision is not None and decision.rule is not None and decision.rule.key in texts:
+            return next(r for r in common if r.key == decision.rule.key), None, ""
+        if not common:  # a batch gradwatch cannot read (no tensor with a batch dimension): as before
+            return None, ("the batch holds no tensor gradwatch counts items in: each micro-batch's mean weighs alike "
+                          "(declare what loss_fn averages over with items= to weigh them)"), ""
+        return self._among(payloads, common, decision, probe, shift_hint)
+
+    def _among(self, payloads: List[Dict[str, Any]], common: List[ItemRule], decision: Optional[ItemDecision],
+               probe: bool, shift_hint: Optional[int]) -> Union[StepPlan, _Choice]:
+        """The rule among those no probe ruled out: any where they all give the micro-batches the same weights, else
+        the batch's structure's where the model could not be probed; or the plan of a step not judged."""
+        world = len(payloads)
+        alive = [r for r in common if decision is None or r.key in decision.survivors]
+        vectors = [[c for p in payloads for c in p["counts"][r.key]] for r in alive]
+        if not alive:
+            why = f" ({decision.evidence})" if decision is not None and decision.evidence else ""
+            return StepPlan(None, world=world, reason=(
+                f"not judged: loss_fn averages over no count gradwatch finds in the batch{why}: declare it "
+                "with items= (a callable items(batch) -> count, 'samples', or 'micro_batches')"))
+        if all(proportional(vectors[0], v) for v in vectors[1:]):
+            # every rule still possible gives these micro-batches the same weights
+            note_extra = f" (the same under each of the {len(alive)} counts the batch offers)" if len(alive) > 1 else ""
+            return alive[0], None, note_extra
+        if not probe:
+            rule = _by_structure(alive, shift_hint, self._shifts)
+            return rule, None, (f"; {rule.text} chosen from the batch's structure, not verified by a probe (a sharded "
+                                "model's forwards are collectives): declare it with items= if loss_fn averages over "
+                                "something else")
+        listed = "; ".join(f"{r.text}: {_count_text(v)}" for r, v in zip(alive[:3], vectors[:3]))
+        more = "; ..." if len(alive) > 3 else ""
+        why = f" ({decision.evidence})" if decision is not None and decision.evidence else ""
+        return StepPlan(None, world=world, reason=(
+            f"not judged: the step's micro-batches hold unequal counts under rules loss_fn may follow "
+            f"({listed}{more}), and no evaluation could tell which it follows{why}: declare it with items= "
+            "(a callable items(batch) -> count, 'samples', or 'micro_batches')"))
+
+    def _planned(self, payloads: List[Dict[str, Any]], rank: int, ks: List[int], texts: Dict[str, str],
+                 rule: Optional[ItemRule], equal_why: Optional[str], note_extra: str) -> StepPlan:
+        """The plan of the chosen ``rule`` (or of equal weights, ``equal_why``): this rank's weights, every rank's
+        micro-batches with their counts under each rule, and the note that says how they were weighed."""
+        world = len(payloads)
         if rule is None and equal_why is None:
             return StepPlan(None, world=world, reason="not judged: no item count of the step's micro-batches")
         if equal_why is not None:
@@ -350,8 +370,8 @@ class StepObjective:
         others = {k: t for k, t in texts.items() if k != rule.key}
         parts = [Part(r, i, counts[r][i], {k: payloads[r]["counts"][k][i] for k in others})
                  for r in range(world) for i in range(ks[r])]
-        plan = StepPlan(weights, rule, parts, first, others, world, equal=equal_why is not None)
-        if not single:
+        plan = StepPlan(weights, rule, parts, sum(ks[:rank]), others, world, equal=equal_why is not None)
+        if not (world == 1 and ks[0] == 1):
             plan.note = self._note(plan, equal_why) + note_extra
         return plan
 

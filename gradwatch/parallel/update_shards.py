@@ -159,7 +159,7 @@ def world_norm(grads: Mapping[str, torch.Tensor]) -> float:
     return float(total.sqrt())
 
 
-#: Elements summed at a time (4 MB of float32): ``vector_norm(g, dtype=float64)`` casts the whole tensor first, a
+#: Elements summed at a time (2**20): ``vector_norm(g, dtype=float64)`` casts the whole tensor first, a
 #: float64 copy twice a float32 gradient's bytes, and a float32 norm of a whole tensor is not precise enough (the
 #: figures: docs/costs.md, "Stop 83" and "Stop 84").
 SQUARE_CHUNK = 1 << 20

@@ -2,11 +2,11 @@
 
 glibc's malloc gives each thread an arena of its own (up to a few per core). The check allocates and frees its
 float64 copies, replays and captures in between training's steps; in training's arena those frees leave free chunks
-of the check's sizes among training's, and training's next forward and backward then spread over that heap: on a CNN
-of 32 channels at 128x128 (batch 32), training's own peak rose from 711 MB to 798 MB once checks ran at every step,
-with every freed chunk given back to the system after each check (``malloc_trim``). Run in a thread of its own, the
-check allocates from another arena, and training's peak stays at 735 MB to 759 MB (the 24 MB the first check maps in for good:
-float64 kernels, imports). Large tensors (over glibc's mmap threshold) are mapped and unmapped either way.
+of the check's sizes among training's, and training's next forward and backward then spread over that heap: on a
+CNN, training's own peak rose once checks ran at every step, even with every freed chunk given back to the system
+after each check (``malloc_trim``). Run in a thread of its own, the check allocates from another arena, and training's
+peak stays near its own (plus what the first check maps in for good: float64 kernels, imports; docs/costs.md has the
+figures). Large tensors (over glibc's mmap threshold) are mapped and unmapped either way.
 
 One persistent thread (OpenMP keeps a team of threads per thread that calls it: a new thread per check would start a
 new team each time). The caller's context variables and grad mode go with the call; its exception comes back. Only

@@ -169,8 +169,8 @@ class Schedule:
         interval = self.interval()
         if gap >= interval:
             return True
-        # Not due yet. interval() (a median and a mean) costs ~10 us on a cold cache, 1-2% of a fast
-        # training step if it ran every step: it is re-read after an eighth of the remaining gap instead.
+        # Not due yet. interval() (a median and a mean) is not free next to a fast training step if it ran every
+        # step: it is re-read after an eighth of the remaining gap instead.
         self._skip = (self.last_check_step, gap + max(1, (interval - gap) // 8))
         return False
 
@@ -197,7 +197,7 @@ class Schedule:
 
 
 def _duration(seconds: float) -> str:
-    """``1 s``, ``100 ms``, ``250 us`` (three significant digits).
+    """A duration in seconds, milliseconds or microseconds, whichever suits it, to three significant digits.
 
     Example:
         >>> _duration(0.1), _duration(2.5), _duration(0.00025)

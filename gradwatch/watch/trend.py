@@ -1,22 +1,20 @@
 """Per-tensor history, baselines and drift: turn a stream of check reports into alerts.
 
-Pure state: no torch evaluation, no I/O, no sinks, no hook. Every decision
-uses ``TensorCheck.judged_rel_diff`` (the noise-discounted value that decides
-the verdict). :meth:`TrendTracker.state_dict` is plain JSON, so a resumed run
-continues its trends and its alert deduplication exactly.
+Pure state: no torch evaluation, no I/O, no sinks, no hook. Every decision uses ``TensorCheck.judged_rel_diff`` (the
+noise-discounted value that decides the verdict). :meth:`TrendTracker.state_dict` is plain JSON, so a resumed run
+continues its trends and its alert deduplication exactly. What the alerts say, and what is said once for the run (one
+cause of many failing tensors, what a check could not check), is :mod:`gradwatch.watch.causes`.
 """
 
 from __future__ import annotations
 
 import math
-import re
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from gradwatch.bands import DEFAULT_BANDS, Verdict
 from gradwatch.check.judging.report import (
-    OVER_ROOM,
     CheckReport,
     InconclusiveKind,
     NotChecked,
@@ -24,24 +22,32 @@ from gradwatch.check.judging.report import (
     json_float,
     suspects,
 )
-from gradwatch.errors import ConfigError, error_key, said
+from gradwatch.errors import ConfigError, error_key
 from gradwatch.io.headlines import alert_lines, joined
 from gradwatch.options import trend_options
-from gradwatch.watch.causes import Causes, message, over_the_room
+from gradwatch.watch.causes import (
+    NEVER_GIVEN,
+    WHOLE_CHECK,
+    Causes,
+    Gaps,
+    drift_message,
+    error_message,
+    message,
+    named_modules,
+    nondeterministic_message,
+    nonfinite_message,
+    not_checked_message,
+    straight_through_message,
+    tensor_nonfinite_message,
+    threshold_message,
+)
 
 #: Alert kinds, in the order they are reported within one check.
 ALERT_KINDS = ("threshold", "drift", "nonfinite", "nondeterministic", "not_checked", "error")
-#: Tensor name used for alerts about the whole check.
-WHOLE_CHECK = "*"
 #: The two verdicts of a check, each with its own history, baselines and alerts.
 PARTS = ("backward", "training")
 _STATE_VERSION = 1
 _ZERO_BASELINE = 1e-12
-#: Why a tensor got no verdict where another alert says it, or where it is by design (an expert no token reached).
-_SAID_ELSEWHERE = (InconclusiveKind.NONFINITE, InconclusiveKind.NONDETERMINISTIC, InconclusiveKind.NOT_REACHED)
-#: Checks in a row in which a part gave no tensor a verdict before its one ``not_checked`` alert (a cycle of K checks,
-#: whichever comes first: a cycle is at least this long where the watch cuts its work).
-NEVER_GIVEN = 3
 
 
 @dataclass
@@ -128,17 +134,24 @@ class Alert:
         return d
 
 
-def _float(value: Any) -> float:
-    """Inverse of ``json_float`` for numbers read back from a state dict."""
-    return float(value)
+def _series_json(series: Mapping[str, List[Dict[str, Any]]]) -> Dict[str, List[Dict[str, Any]]]:
+    """A part's history as plain JSON: its records' rel_diffs through ``json_float`` (non-finite ones as strings)."""
+    floats = ("judged_rel_diff", "rel_diff", "directional_rel_diff")  # the training part's records have no directional
+    return {name: [{**r, **{k: json_float(r[k]) for k in floats if k in r}} for r in records] for name, records in series.items()}
 
 
-def _opt_float(value: Any) -> Optional[float]:
-    return None if value is None else float(value)
+def _series_from_json(state: Mapping[str, Any], directional: bool) -> Dict[str, List[Dict[str, Any]]]:
+    """Inverse of :func:`_series_json` (``directional``: the backward part's records, with their directional value)."""
 
+    def record(r: Mapping[str, Any]) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"step": int(r["step"]), "judged_rel_diff": float(r["judged_rel_diff"]),
+                               "rel_diff": float(r["rel_diff"])}
+        if directional:
+            out["directional_rel_diff"] = None if r["directional_rel_diff"] is None else float(r["directional_rel_diff"])
+        out["verdict"] = r["verdict"]
+        return out
 
-def _fmt(value: Optional[float]) -> str:
-    return "none" if value is None else f"{value:.1e}"
+    return {name: [record(r) for r in records] for name, records in state.items()}
 
 
 def _finite(x: Optional[float]) -> bool:
@@ -153,15 +166,13 @@ def _key_kind(kind: str, part: str) -> str:
 class TrendTracker:
     """Per-tensor history of judged relative differences, baselines, drift and alert deduplication.
 
-    A tensor's baseline is the median of its first ``baseline_checks`` finite
-    judged values (tensors are checked on rotating subsets, so each has its
-    own). Alerts:
+    A tensor's baseline is the median of its first ``baseline_checks`` finite judged values (tensors are checked on
+    rotating subsets, so each has its own). Alerts:
 
     - ``threshold``: the verdict is SUSPICIOUS (warning) or WRONG (error).
-    - ``drift``: once the baseline is complete, the median of the last
-      ``drift_window`` judged values is at least ``baseline * 10**drift_decades``
-      and at least ``bands[0]`` (noise inside the EXCELLENT band never alerts;
-      a zero baseline counts as 1e-12). Fires while the verdict is still ACCEPTABLE.
+    - ``drift``: once the baseline is complete, the median of the last ``drift_window`` judged values is at least
+      ``baseline * 10**drift_decades`` and at least ``bands[0]`` (noise inside the EXCELLENT band never alerts; a zero
+      baseline counts as 1e-12). Fires while the verdict is still ACCEPTABLE.
     - ``nonfinite``: the objective (tensor ``"*"``) or a tensor's samples are not finite.
     - ``nondeterministic``: the objective gave two values at the same point (``"*"``).
     - ``error``: the check raised (see :meth:`error`).
@@ -175,14 +186,11 @@ class TrendTracker:
     a later check that finds the same cause updates it (its count and last step: :attr:`causes`, ``report.causes`` in
     the check record) instead of alerting again (:mod:`gradwatch.watch.causes`). Each tensor keeps its own history.
 
-    Deduplication: a (tensor, kind) alert is not repeated while the condition
-    persists. It is raised again when it gets worse (a higher verdict for
-    ``threshold``; a value at least 10x the last alerted one for ``drift``; another
-    exception type or message for ``error``) or
-    once ``alert_cooldown`` further checks of that tensor have passed without
-    it (``alert_cooldown=0`` repeats it on every check). When the condition
-    clears, the state is forgotten, so a relapse alerts at once. Inconclusive
-    tensors (no verdict) neither raise nor clear threshold/drift alerts.
+    Deduplication: a (tensor, kind) alert is not repeated while the condition persists. It is raised again when it
+    gets worse (a higher verdict for ``threshold``; a value at least 10x the last alerted one for ``drift``; another
+    exception type or message for ``error``) or once ``alert_cooldown`` further checks of that tensor have passed
+    without it (``alert_cooldown=0`` repeats it on every check). When the condition clears, the state is forgotten,
+    so a relapse alerts at once. Inconclusive tensors (no verdict) neither raise nor clear threshold/drift alerts.
 
     Args:
         bands: Upper bounds of EXCELLENT, ACCEPTABLE, SUSPICIOUS.
@@ -225,11 +233,8 @@ class TrendTracker:
         self._alerted: Dict[Tuple[str, str], Dict[str, Any]] = {}
         self._alert_counts: Dict[str, int] = {}
         self._checks = 0  # whole checks seen (update and error calls): the clock of "*" alerts
-        self._not_checked: Set[Tuple[str, ...]] = set()  # the keys of what was said not checked (NotChecked.key)
-        self._over_room_once: Set[Tuple[str, ...]] = set()  # over the room at one check so far: said at the second
         self._causes = Causes()  # one cause of many failing tensors: said once, updated after
-        self._idle: Dict[str, int] = {}  # part -> checks in a row in which it gave no tensor a verdict
-        self._missed: Dict[Tuple[str, str], int] = {}  # (part, tensor) -> checks in a row that tried it, no verdict
+        self._gaps = Gaps()  # what the checks could not check: said once
 
     # ------------------------------------------------------------------ queries
 
@@ -330,11 +335,7 @@ class TrendTracker:
             if t.name not in explained:
                 alerts.extend(self._threshold(step, t))
                 alerts.extend(self._drift(step, t))
-            bad = (
-                t.verdict is None
-                and t.inconclusive_kind == InconclusiveKind.NONFINITE
-                and not objective_nonfinite
-            )
+            bad = t.verdict is None and t.inconclusive_kind == InconclusiveKind.NONFINITE and not objective_nonfinite
             tensor_nonfinite |= bad
             alerts.extend(self._tensor_nonfinite(step, t, bad))
         for tc in report.training.values():
@@ -344,15 +345,13 @@ class TrendTracker:
                 alerts.extend(self._drift(step, tc, "training"))
         whole_nonfinite = report.nonfinite and (objective_nonfinite or not tensor_nonfinite)
         if whole_nonfinite:
-            alerts.extend(self._fire(WHOLE_CHECK, "nonfinite", step, report.objective, None, self._nonfinite_message(step, report)))
+            bad_terms = {k: v for k, v in report.terms.items() if not _finite(v)}
+            msg = nonfinite_message(step, report.objective, bad_terms)
+            alerts.extend(self._fire(WHOLE_CHECK, "nonfinite", step, report.objective, None, msg))
         else:
             self._alerted.pop((WHOLE_CHECK, "nonfinite"), None)
         if report.nondeterministic:
-            msg = (
-                f"step {step}: the check objective is nondeterministic (two evaluations at the same parameters "
-                "differ), so no gradient was judged — seed or remove randomness inside loss_fn (dropout outside "
-                "nn.Dropout modules, random augmentation, sampling) or nondeterministic kernels"
-            )
+            msg = nondeterministic_message(step)
             alerts.extend(self._fire(WHOLE_CHECK, "nondeterministic", step, report.objective, None, msg))
         else:
             self._alerted.pop((WHOLE_CHECK, "nondeterministic"), None)
@@ -369,7 +368,7 @@ class TrendTracker:
         if not failing:
             return []
         out: List[str] = []
-        for group in self._causes.group(part, failing, self._named_modules(report) if part == "backward" else ()):
+        for group in self._causes.group(part, failing, named_modules(report) if part == "backward" else ()):
             new = self._causes.note(step, part, group)
             report.causes.append(self._causes.record(group, new))
             out += group.names
@@ -382,97 +381,22 @@ class TrendTracker:
                                     part, len(group.names), list(group.names)))
         return out
 
-    @staticmethod
-    def _named_modules(report: CheckReport) -> List[Tuple[str, List[str]]]:
-        """The modules a check named, in order, each with its own failing entries: a module form's unit whose input's
-        (or output's) gradient failed, and a failing module of the report's localization."""
-        named: Dict[str, List[str]] = {}
-        for c in report.localized:
-            if getattr(c, "failed", False):  # the root module's own code: "<model>", as a unit of the module form
-                named.setdefault(str(c.name) or "<model>", []).extend(n for n, t in c.tensors.items() if t.failed)
-        for t in report.tensors.values():
-            if t.failed and ":" in t.name and t.name.rsplit(":", 1)[1].split("[")[0] in ("input", "output"):
-                named.setdefault(t.name.rsplit(":", 1)[0], []).append(t.name.rsplit(":", 1)[1])
-        return list(named.items())
-
     def _never_given(self, step: int, report: CheckReport) -> List[Alert]:
-        """A part that gave no tensor a verdict at :data:`NEVER_GIVEN` checks in a row: one ``not_checked`` alert
-        (a warning) for the run, with the reason in the check's words and what to do; none where that part's
-        ``not_checked`` alert was said already, or where another alert says why (micro-batches not handed to the
-        watch: ``unjudged``; a check before the first backward)."""
+        """One ``not_checked`` alert (a warning) for the run of a part, or some of its tensors, never given a verdict
+        at :data:`NEVER_GIVEN` checks in a row (:meth:`~gradwatch.watch.causes.Gaps.never_given`)."""
         out: List[Alert] = []
-        note = report.training_note or ""
-        reasons = {
-            "backward": next((t.inconclusive for t in report.tensors.values() if t.inconclusive), None)
-            if report.tensors and not (report.nondeterministic or report.nonfinite) and all(
-                t.verdict is None and t.inconclusive_kind not in _SAID_ELSEWHERE for t in report.tensors.values())
-            else None,
-            "training": note if note and not any(t.verdict is not None for t in report.training.values())
-            and "a .grad yet" not in note and not note.startswith("skipped: accumulating") else None,
-        }
-        for part, why in reasons.items():
-            if why is None:
-                self._idle.pop(part, None)
-                out += self._never_given_to_some(step, report, part)
-                continue
-            self._idle[part] = self._idle.get(part, 0) + 1
-            said = any(k[0] == part and k[1] == WHOLE_CHECK for k in self._not_checked)
-            if self._idle[part] < NEVER_GIVEN or said:
-                continue
-            self._not_checked.add((part, WHOLE_CHECK, "never given"))
+        for part, msg in self._gaps.never_given(step, report):
             self._alert_counts[WHOLE_CHECK] = self._alert_counts.get(WHOLE_CHECK, 0) + 1
-            call = re.search(r"(your loss_fn calls the model with .*?, training called it without"
-                             r"|training called the model with .*?, your loss_fn calls it without)(; training called"
-                             r" the model with .*?, your loss_fn calls it without)?", why)
-            what = "the training verdict" if part == "training" else "the backward verdict"
-            why = re.sub(r"^not judged: ", "", why.strip().rstrip("."))
-            how = ("pass loss_fn the call training makes" if call else
-                   "loss_fn(model, batch) must compute what training computes on the watched batch; each check "
-                   "record's training_note says what the replay needs" if part == "training" else
-                   "each check record's tensors say why (inconclusive); a larger coords= or dtype=torch.float64")
-            msg = (f"step {step}: {what} not checked ({part} part): never given at {self._idle[part]} checks in a row: "
-                   f"{call.group(0) if call else why} — check it instead: {how}. Said once for the run (each check "
-                   "record repeats why); not a failed verdict")
             out.append(Alert(step, WHOLE_CHECK, "not_checked", "warning", math.nan, None, msg, part))
         return out
-
-    def _never_given_to_some(self, step: int, report: CheckReport, part: str) -> List[Alert]:
-        """Tensors of ``part`` that the check tried and gave no verdict at :data:`NEVER_GIVEN` checks in a row while
-        others got theirs (a unit that cannot be checked, a tensor the replay cannot reach): one ``not_checked``
-        alert for the part and the run, naming them and why (an expert no token reached, a non-finite or
-        nondeterministic check, is said elsewhere or is no gap)."""
-        checks = report.tensors if part == "backward" else report.training
-        if report.nondeterministic or report.nonfinite:
-            return []  # said by those alerts
-        for name, t in checks.items():
-            kind = getattr(t, "inconclusive_kind", None)
-            if t.verdict is None and t.inconclusive and kind not in _SAID_ELSEWHERE and \
-                    not str(t.inconclusive).startswith("not reached"):  # an expert no token reached: no gap
-                self._missed[(part, name)] = self._missed.get((part, name), 0) + 1
-            elif t.verdict is not None:
-                self._missed.pop((part, name), None)
-        missed = [n for (p, n), k in self._missed.items() if p == part and k >= NEVER_GIVEN]
-        if not missed or any(k[0] == part and k[1] == WHOLE_CHECK for k in self._not_checked):
-            return []
-        self._not_checked.add((part, WHOLE_CHECK, "never given"))
-        self._alert_counts[WHOLE_CHECK] = self._alert_counts.get(WHOLE_CHECK, 0) + 1
-        why = re.sub(r"^not judged: ", "", str(checks[missed[0]].inconclusive).strip().rstrip(".")) \
-            if missed[0] in checks else "no verdict"
-        first = ", ".join(missed[:3]) + (f" and {len(missed) - 3} more" if len(missed) > 3 else "")
-        what = "the training verdict" if part == "training" else "the backward verdict"
-        msg = (f"step {step}: {what} was never given to {len(missed)} tensor{'s' if len(missed) > 1 else ''} "
-               f"({first}) at {NEVER_GIVEN} checks in a row, while the others got theirs: {why} — check "
-               f"{'them' if len(missed) > 1 else 'it'} instead: each check record's {part} entries say why; "
-               "check_model on the module alone, or form='objective'. Said once for the run; not a failed verdict")
-        return [Alert(step, WHOLE_CHECK, "not_checked", "warning", math.nan, None, msg, part)]
 
     def not_checked(self, step: int, items: Sequence[NotChecked]) -> List[Alert]:
         """One ``not_checked`` alert (a warning) for each unit or part the check could not check, the first time in
         the run it is not checked for that reason (:attr:`NotChecked.key`): what, why, and how to check it instead.
-        A piece over the room :data:`OVER_ROOM` is said the second time: the room changes from check to check, and
-        the next check takes such a piece first (a piece checked there was only delayed; the record's notes say
-        each check's gaps either way). The units of one part said over the room at one check are one cause, the
-        room: one alert names them all (:func:`~gradwatch.watch.causes.over_the_room`).
+        A piece over the room is said the second time: the room changes from check to check, and the next check takes
+        such a piece first (a piece checked there was only delayed; the record's notes say each check's gaps either
+        way). The units of one part said over the room at one check are one cause, the room: one alert names them all
+        (:class:`~gradwatch.watch.causes.Gaps`).
 
         Example:
             >>> item = NotChecked("independence", "*", "loss_fn never calls the model itself", "check_independence")
@@ -483,32 +407,11 @@ class TrendTracker:
             >>> len(tracker.not_checked(2, [room])), len(tracker.not_checked(3, [room]))
             (0, 1)
         """
-        out = []
-        over: Dict[str, List[NotChecked]] = {}  # part -> its units over the room at this check: one cause
-        for item in items:
-            if item.key in self._not_checked:
-                continue
-            if OVER_ROOM in item.why and item.key not in self._over_room_once:
-                self._over_room_once.add(item.key)
-                continue
-            self._not_checked.add(item.key)
-            if OVER_ROOM in item.why:
-                over.setdefault(item.part, []).append(item)
-                continue
-            out.append(self._not_checked_alert(step, item.what, item.label, item.part, item.why, item.how))
-        for part, same in over.items():
-            if len(same) == 1:
-                item = same[0]
-                out.append(self._not_checked_alert(step, item.what, item.label, item.part, item.why, item.how))
-                continue
-            label, why = over_the_room([(i.what, i.why) for i in same])
-            out.append(self._not_checked_alert(step, same[0].what, label, part, why, same[0].how))
-        return out
+        return [self._not_checked_alert(step, *due) for due in self._gaps.due(items)]
 
     def _not_checked_alert(self, step: int, what: str, label: str, part: str, why: str, how: str) -> Alert:
         self._alert_counts[what] = self._alert_counts.get(what, 0) + 1
-        msg = (f"step {step}: {label} not checked ({part} part): {why} — check it instead: {how}. Said once for the "
-               "run (each check record's notes repeat it); not a failed verdict")
+        msg = not_checked_message(step, label, part, why, how)
         return Alert(int(step), what, "not_checked", "warning", math.nan, None, msg, part)
 
     def error(self, step: int, exc: BaseException, where: Optional[str] = "loss_fn") -> Optional[Alert]:
@@ -528,13 +431,7 @@ class TrendTracker:
             True
         """
         self._checks += 1
-        msg = f"step {step}: the gradient check raised {type(exc).__name__}: {exc}"
-        if said(exc) is not None:  # gradwatch's own default objective: what of the model or batch, in words
-            msg = f"step {step}: check skipped, training continues: {said(exc)}"
-        elif where is None:
-            msg += " — the check was skipped and training continues"
-        else:
-            msg += f" (in {where}) — the check was skipped and training continues; make {where} work on the watched batch"
+        msg = error_message(step, exc, where)
         # another error than the last one fires at once: only the same error repeating is kept quiet
         fired = self._fire(WHOLE_CHECK, "error", int(step), math.nan, None, msg, sig=error_key(exc))
         return fired[0] if fired else None
@@ -555,24 +452,9 @@ class TrendTracker:
         return {
             "version": _STATE_VERSION,
             "checks": self._checks,
-            "history": {
-                name: [
-                    {
-                        **r,
-                        "judged_rel_diff": json_float(r["judged_rel_diff"]),
-                        "rel_diff": json_float(r["rel_diff"]),
-                        "directional_rel_diff": json_float(r["directional_rel_diff"]),
-                    }
-                    for r in records
-                ]
-                for name, records in self._history.items()
-            },
+            "history": _series_json(self._history),
             "baseline_samples": {name: list(v) for name, v in self._baseline_samples.items()},
-            "training_history": {
-                name: [{**r, "judged_rel_diff": json_float(r["judged_rel_diff"]), "rel_diff": json_float(r["rel_diff"])}
-                       for r in records]
-                for name, records in self._training_history.items()
-            },
+            "training_history": _series_json(self._training_history),
             "training_baseline_samples": {name: list(v) for name, v in self._training_baseline_samples.items()},
             "alerted": [
                 {"tensor": tensor, "kind": kind, "value": json_float(s["value"]), "rank": s["rank"], "at": s["at"],
@@ -580,11 +462,11 @@ class TrendTracker:
                 for (tensor, kind), s in self._alerted.items()
             ],
             "alert_counts": dict(self._alert_counts),
-            "not_checked": [list(k) for k in sorted(self._not_checked)],
-            "over_room_once": [list(k) for k in sorted(self._over_room_once)],
+            "not_checked": [list(k) for k in sorted(self._gaps.said)],
+            "over_room_once": [list(k) for k in sorted(self._gaps.over_room_once)],
             "causes": self._causes.state_dict(),
-            "idle": dict(self._idle),
-            "missed": [[p, n, k] for (p, n), k in self._missed.items()],
+            "idle": dict(self._gaps.idle),
+            "missed": [[p, n, k] for (p, n), k in self._gaps.missed.items()],
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -597,40 +479,25 @@ class TrendTracker:
             got = state.get("version") if isinstance(state, dict) else type(state).__name__
             raise ConfigError(f"TrendTracker state: got version {got!r}, expected {_STATE_VERSION}")
         self._checks = int(state["checks"])
-        self._history = {
-            name: [
-                {
-                    "step": int(r["step"]),
-                    "judged_rel_diff": _float(r["judged_rel_diff"]),
-                    "rel_diff": _float(r["rel_diff"]),
-                    "directional_rel_diff": _opt_float(r["directional_rel_diff"]),
-                    "verdict": r["verdict"],
-                }
-                for r in records
-            ]
-            for name, records in state["history"].items()
-        }
+        self._history = _series_from_json(state["history"], directional=True)
         self._baseline_samples = {name: [float(v) for v in vals] for name, vals in state["baseline_samples"].items()}
-        self._training_history = {  # absent in states written before the training part existed
-            name: [{"step": int(r["step"]), "judged_rel_diff": _float(r["judged_rel_diff"]), "rel_diff": _float(r["rel_diff"]),
-                    "verdict": r["verdict"]} for r in records]
-            for name, records in state.get("training_history", {}).items()
-        }
+        # absent in states written before the training part existed
+        self._training_history = _series_from_json(state.get("training_history", {}), directional=False)
         self._training_baseline_samples = {
             name: [float(v) for v in vals] for name, vals in state.get("training_baseline_samples", {}).items()
         }
         self._alerted = {
-            (s["tensor"], s["kind"]): {"value": _float(s["value"]), "rank": s["rank"], "at": int(s["at"]),
+            (s["tensor"], s["kind"]): {"value": float(s["value"]), "rank": s["rank"], "at": int(s["at"]),
                                        **({"sig": str(s["sig"])} if "sig" in s else {}),
                                        **({"seen": [str(x) for x in s["seen"]]} if "seen" in s else {})}
             for s in state["alerted"]
         }
         self._alert_counts = {name: int(n) for name, n in state["alert_counts"].items()}
-        self._not_checked = {tuple(str(x) for x in k) for k in state.get("not_checked", [])}  # absent in older states
-        self._over_room_once = {tuple(str(x) for x in k) for k in state.get("over_room_once", [])}  # likewise
+        self._gaps.said = {tuple(str(x) for x in k) for k in state.get("not_checked", [])}  # absent in older states
+        self._gaps.over_room_once = {tuple(str(x) for x in k) for k in state.get("over_room_once", [])}  # likewise
         self._causes.load_state_dict(state.get("causes", []))  # likewise
-        self._idle = {str(k): int(v) for k, v in state.get("idle", {}).items()}
-        self._missed = {(str(p), str(n)): int(k) for p, n, k in state.get("missed", [])}
+        self._gaps.idle = {str(k): int(v) for k, v in state.get("idle", {}).items()}
+        self._gaps.missed = {(str(p), str(n)): int(k) for p, n, k in state.get("missed", [])}
 
     # ------------------------------------------------------------------ internals
 
@@ -684,16 +551,7 @@ class TrendTracker:
         entry["seen"].extend(n for n in explained if n not in entry["seen"])
         checks = [report.tensors[n] for n in explained if n in report.tensors]
         worst = max(checks, key=lambda t: t.verdict.rank if t.verdict is not None else -1)
-        declare = repr(modules) if modules else "['<module>']"
-        name_it = "" if modules else (
-            " (name it: one check with form='module', or check_model(..., localize=True))")
-        msg = (
-            f"{where} at step {step}: a straight-through or surrogate gradient, undeclared: its backward passes "
-            f"a gradient its forward does not have (numeric zero where analytic is not) to {', '.join(explained)}"
-            f"{name_it} — if by design (a quantizer, a spike), declare it: surrogates={declare} (YAML surrogates:, "
-            "CLI --surrogates), and the check cuts the objective there and checks the rest around it. If not, it "
-            "is a wrong backward. Said once for the run: these tensors raise no further alert for it"
-        )
+        msg = straight_through_message(step, where, modules, explained)
         self._alert_counts[where] = self._alert_counts.get(where, 0) + 1
         severity = "error" if worst.verdict is not None and worst.verdict.rank >= Verdict.WRONG.rank else "warning"
         return [Alert(step, where, "surrogate", severity, float(worst.judged_rel_diff), None, msg)]
@@ -706,32 +564,8 @@ class TrendTracker:
             return []
         baseline = self.baseline(t.name, part)
         band = self.bands[2] if t.verdict is Verdict.WRONG else self.bands[1]
-        base = f"baseline {_fmt(baseline)}" if baseline is not None else "no baseline yet"
-        if part == "training":
-            msg = (
-                f"{t.name} at step {step} (training): the live .grad differs from the objective's gradient, judged "
-                f"rel_diff {_fmt(t.judged_rel_diff)} ({t.verdict.value.upper()}, band >= {band:.0e}; {t.dtype} "
-                f"tolerance {t.tolerance:.0e}), {base}"
-            )
-            if t.diagnosis:
-                msg += f"; {t.diagnosis}"
-            msg += (
-                " — the gradient the optimizer applies is not the objective's: look at the training loop between "
-                "the loss and watch.step (extra or missing loss terms, scaling, accumulation, hooks, .grad edits)"
-            )
-            return self._fire(t.name, "threshold", step, float(t.judged_rel_diff), baseline, msg, rank=t.verdict.rank,
-                              part=part)
-        msg = (
-            f"{t.name} at step {step}: judged rel_diff {_fmt(t.judged_rel_diff)} ({t.verdict.value.upper()}, "
-            f"band >= {band:.0e}), {base} (rel_diff {_fmt(t.rel_diff)}, directional {_fmt(t.directional_rel_diff)})"
-        )
-        if t.diagnosis:
-            msg += f"; {t.diagnosis}"
-        msg += (
-            " — check the backward of the ops this tensor feeds (custom autograd Functions, .detach()/.data, "
-            "in-place ops, a loss term missing from the check objective)"
-        )
-        return self._fire(t.name, "threshold", step, float(t.judged_rel_diff), baseline, msg, rank=t.verdict.rank)
+        msg = threshold_message(step, t, part, band, baseline)
+        return self._fire(t.name, "threshold", step, float(t.judged_rel_diff), baseline, msg, rank=t.verdict.rank, part=part)
 
     def _drift(self, step: int, t: Any, part: str = "backward") -> List[Alert]:
         baseline = self.baseline(t.name, part)
@@ -747,50 +581,16 @@ class TrendTracker:
         if median < limit or median < self.bands[0]:
             self._alerted.pop((t.name, _key_kind("drift", part)), None)
             return []
-        if part == "training":
-            msg = (
-                f"{t.name} at step {step} (training): the live .grad drifted away from the objective's gradient, "
-                f"judged rel_diff {_fmt(median)} (median of the last {len(recent)} checks) against a baseline of "
-                f"{_fmt(baseline)}; verdict now {t.verdict.value.upper()}"
-            )
-            if t.diagnosis:
-                msg += f"; {t.diagnosis}"
-            msg += " — something in the training loop changed around this step (loss terms, scaling, hooks, precision)"
-            return self._fire(t.name, "drift", step, median, baseline, msg, part=part)
-        if baseline > _ZERO_BASELINE:
-            rise = f"{math.log10(median / baseline):.1f} decades above its baseline {_fmt(baseline)}"
-        else:
-            rise = "up from a baseline within the finite-difference noise (judged 0)"
-        msg = (
-            f"{t.name} at step {step}: judged rel_diff drifted to {_fmt(median)} (median of the last "
-            f"{len(recent)} checks), {rise}; verdict now {t.verdict.value.upper()}"
-        )
-        if t.diagnosis:
-            msg += f"; {t.diagnosis}"
-        msg += (
-            " — gradients of this tensor are degrading: look at what changed around this step (a layer "
-            "unfrozen, learning-rate or precision change, saturating or ill-conditioned ops such as "
-            "exp/log/softmax/division at extreme values) and at the backward of the ops it feeds"
-        )
-        return self._fire(t.name, "drift", step, median, baseline, msg)
+        msg = drift_message(step, t, part, median, len(recent), baseline, baseline <= _ZERO_BASELINE)
+        return self._fire(t.name, "drift", step, median, baseline, msg, part=part)
 
     def _tensor_nonfinite(self, step: int, t: TensorCheck, bad: bool) -> List[Alert]:
         if not bad:
             if t.verdict is not None:
                 self._alerted.pop((t.name, "nonfinite"), None)
             return []
-        msg = (
-            f"{t.name} at step {step}: {t.inconclusive}; no verdict — look for NaN/inf in this tensor, its "
-            "gradient, or the activations it produces (overflow, log of 0, division by zero, exploding weights)"
-        )
+        msg = tensor_nonfinite_message(step, t.name, t.inconclusive)
         return self._fire(t.name, "nonfinite", step, float(t.judged_rel_diff), self.baseline(t.name), msg)
 
-    @staticmethod
-    def _nonfinite_message(step: int, report: CheckReport) -> str:
-        terms = ", ".join(f"{k} = {v!r}" for k, v in report.terms.items() if not _finite(v))
-        where = f" (non-finite terms: {terms})" if terms else ""
-        return (
-            f"step {step}: the check objective or a gradient is not finite (objective = {report.objective!r}){where}; "
-            "no gradient was judged — look for overflow or NaN in the loss and regularizers (log of 0, division "
-            "by zero, exploding activations or weights)"
-        )
+
+__all__ = ["ALERT_KINDS", "NEVER_GIVEN", "PARTS", "WHOLE_CHECK", "Alert", "TrendTracker"]

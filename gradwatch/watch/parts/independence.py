@@ -46,8 +46,8 @@ _TODO = (" — look where it starts: a mask, position ids, or an op that mixes s
          "that structure")
 
 #: Samples a check of structures within one sample (``causal``, ``padding``) runs on: each probe is a backward pass of
-#: the model, and a leak within a sample is the model's code, the same in every sample (TRL's first check: 18 backward
-#: passes of a batch of 4 took 40.8 s of its 56 s).
+#: the model, and a leak within a sample is the model's code, the same in every sample (TRL's first check was mostly
+#: these probes on its whole batch: docs/costs.md).
 WITHIN_SAMPLES = 2
 
 

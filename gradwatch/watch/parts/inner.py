@@ -160,8 +160,8 @@ class InnerPart(TrendAlerting):
         inside ``loss_fn``, ``regularizers=``, coupled weight decay), checked with the model's outputs held fixed.
 
         One forward of the live model (its all-gathers on every rank, between agreement points, when sharded)
-        records the outputs ``loss_fn`` receives, held as the forward made them (no copy: a float64 copy of 8 x 512
-        logits over GPT-2's 50,257 tokens would be 1.6 GB); the objective is then evaluated on a copy of the model's tree
+        records the outputs ``loss_fn`` receives, held as the forward made them (no copy: a float64 copy of a language
+        model's logits over its whole vocabulary would be large); the objective is then evaluated on a copy of the model's tree
         whose forward hands back those outputs and whose parameters are this rank's (its shards, as plain
         tensors: no collective), in float64 (:func:`~gradwatch.check.model.run_model_check` on the tensors it
         reads directly; the held outputs are constants of that function, so their precision cancels out of the

@@ -8,7 +8,7 @@ where the replay's forward computes what the capture's would, the capture's hook
 (:class:`ReplayCapture`) and the second forward is not run. In one process the same holds from the second check on
 (the first learns whether ``loss_fn`` differentiates inside), with nothing to agree: a module-form check's capture
 then takes no forward of its own, or a shorter one for the units left over (docs/costs.md, stop 87: the median
-check of a UNet, a CNN, LoRA GPT-2 or an MoE model 10% to 40% shorter). A check that takes the whole objective's
+check of a UNet, a CNN, LoRA GPT-2 or an MoE model shorter). A check that takes the whole objective's
 form, or captures nothing, runs the replay on its own after it.
 
 The two forwards compute the same values where nothing random runs and nothing is autocast: the replay runs the step
@@ -28,8 +28,7 @@ over it are captured by another forward after the replay), and shard by shard th
 that much less room. In one process they are not copies but the tensors the forward made with a graph (most of them
 saved for its backward anyway; the batch, parameters and buffers are copied), their versions checked after it: one
 changed in place later in the forward has the capture taken again by a forward of its own
-(:func:`gradwatch.check.modules.capture.capture`). A 1,024-token encoder's check then peaked 8 MB above one without
-the fusion, against 14 MB to 23 MB with copies.
+(:func:`gradwatch.check.modules.capture.capture`): copies would add to the replay's peak (docs/costs.md, stop 87).
 
 Example:
     >>> import torch
@@ -144,10 +143,10 @@ class ReplayCapture:
 
 def held_budget(watch: WatchContext, room: Optional[int]) -> Optional[int]:
     """Bytes the captures may hold through the replay's backward (None: no bound): the captures' third of ``room``, at
-    most half what the budget aims at above training's peak (the replay peaks about as training did, or above it). At
-    20.8M, tensor parallel, captures up to a third of the room held through it had raised the ranks' peaks by 46 MB
-    to 65 MB over the unwatched run's, where the check without them added 7 MB to 41 MB. Units over it are captured
-    by a forward of their own after the replay, on every rank alike."""
+    most half what the budget aims at above training's peak (the replay peaks about as training did, or above it):
+    captures of a whole third of the room held through it had raised a tensor parallel model's ranks' peaks well above
+    what the check added without them. Units over it are captured by a forward of their own after the replay, on
+    every rank alike."""
     if room is None:
         return None
     aimed = watch.memory.aimed()
