@@ -8,6 +8,11 @@ the options under a top-level ``gradwatch:`` section; then only that section
 is read and every other top-level key is ignored, so the options can live in
 a larger training config. An empty file (or ``gradwatch:`` with nothing under
 it) means all defaults.
+
+Options may also be given in their groups (:data:`OPTION_GROUPS`): the keyword
+``schedule={"every": 50}`` and the YAML section ``schedule: {every: 50}`` are
+``every=50``; the option keeps its one name, and is given flat or in its group,
+not both. An option that can be off says it with ``off`` (False and None too).
 """
 
 from __future__ import annotations
@@ -16,23 +21,48 @@ import dataclasses
 import difflib
 import json
 import os
-import re
 from dataclasses import dataclass, fields
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import yaml
 
+from gradwatch._option_syntax import DISTRIBUTED_MODES as DISTRIBUTED_MODES  # these four: imported from gradwatch.config
+from gradwatch._option_syntax import flatten_groups as flatten_groups
+from gradwatch._option_syntax import parse_distributed as parse_distributed
+from gradwatch._option_syntax import parse_max_interval as parse_max_interval
 from gradwatch.check.independence.structures import parse_independence
 from gradwatch.check.objective.terms import parse_regularizers
 from gradwatch.check.replay.items import ITEMS_MODES
 from gradwatch.errors import ConfigError
-from gradwatch.options import CheckOptions, document_options, option, option_help, trend_options
+from gradwatch.options import OFF, CheckOptions, SharedOptions, document_options, is_off, option, option_help, parse_level, trend_options
 from gradwatch.plan.cycle import PIECE_STEPS
 
-#: Options that belong to :class:`gradwatch.options.CheckOptions`.
-CHECK_OPTION_NAMES: Tuple[str, ...] = tuple(CheckOptions.names())
+#: Options that belong to :class:`gradwatch.options.CheckOptions` and the watch takes too (:class:`~gradwatch.options.SharedOptions`).
+CHECK_OPTION_NAMES: Tuple[str, ...] = tuple(SharedOptions.names())
 #: Options that belong to :class:`gradwatch.watch.trend.TrendTracker` (besides ``bands``).
 TREND_OPTION_NAMES: Tuple[str, ...] = ("baseline_checks", "drift_window", "drift_decades", "alert_cooldown")
+#: The groups of options: a keyword or YAML section of a group's name takes its options by their own names
+#: (``schedule={"every": 50}`` is ``every=50``). Every option is in one group.
+OPTION_GROUPS: Dict[str, Tuple[str, ...]] = {
+    "check": CHECK_OPTION_NAMES + ("regularizers",),
+    "schedule": ("every", "overhead_budget", "max_interval"),
+    "budget": ("tensors_per_check", "pace", "memory_budget"),
+    "parts": ("form", "training", "items", "independence"),
+    "alerts": ("baseline_checks", "drift_window", "drift_decades", "alert_cooldown", "raise_on"),
+    "logging": ("log_dir", "tensorboard", "jsonl"),
+}
+#: The options that can be off: None in Python (``"off"``, False and None are accepted), ``off`` in every text (YAML,
+#: :meth:`GradWatchConfig.to_dict`, the records, the docs).
+OFF_OPTIONS: Tuple[str, ...] = ("max_interval", "pace", "memory_budget", "raise_on", "independence")
+#: What each group decides (the headings of the options tables).
+GROUP_DOCS: Dict[str, str] = {
+    "check": "what one check samples and how it judges (check_model's options too), and the objective's extra terms",
+    "schedule": "when the watch checks",
+    "budget": "what one check may take: tensors, training steps, memory",
+    "parts": "which parts check, and in which form",
+    "alerts": "trends, and which alerts raise",
+    "logging": "where the results go",
+}
 #: Declared types whose values PyYAML may leave as strings ("1e-4") and that are read as numbers.
 _FLOAT_TYPES = ("float", "Optional[float]")
 #: Values of the ``form`` option.
@@ -55,14 +85,17 @@ def _is_number(value: Any) -> bool:
 
 
 @dataclass
-class GradWatchConfig(CheckOptions):
+class GradWatchConfig(SharedOptions):
     """Every YAML-able :class:`gradwatch.GradWatch` option, validated on construction.
 
-    The check options are those of :class:`gradwatch.options.CheckOptions` (inherited: one
-    declaration, one validation); the options of the watch follow. Each field's help is listed
+    The check options are those every check shares, :class:`gradwatch.options.SharedOptions` (inherited: one
+    declaration, one validation; ``check_model``'s own ``localize``, ``batched`` and ``screen`` are not the
+    watch's); the options of the watch follow. Each field's help is listed
     under Attributes below and in :data:`OPTION_DOCS`. Values are stored normalized: ``dtype`` as
     ``"float64"``/``"float32"``/None, ``fail_at`` and ``raise_on`` as lowercase names, ``bands``
-    as a tuple of floats.
+    as a tuple of floats, an option that is off (:data:`OFF_OPTIONS`) as None (``"off"`` in
+    :meth:`to_dict`). The constructor takes the options flat; :meth:`from_dict`, :meth:`replace`,
+    :func:`load_config` and :func:`resolve_config` take them in their groups too (:data:`OPTION_GROUPS`).
 
     Raises:
         ConfigError: An option has the wrong type or is out of range.
@@ -80,15 +113,15 @@ class GradWatchConfig(CheckOptions):
     every: Union[int, str] = option("auto", "check every N training steps (integer >= 1), or auto to follow overhead_budget")
     overhead_budget: float = option(0.02, "with every: auto, fraction of training time the checks may take; 0 < x <= 1")
     max_interval: Optional[Union[int, str]] = option(
-        None, "with every: auto, longest gap between checks: steps (500) or a time ('30 min', '2 h'); null: no cap")
+        None, "with every: auto, longest gap between checks: steps (500) or a time ('30 min', '2 h'); off: no cap")
     tensors_per_check: int = option(
         0, "parameter tensors checked per check, rotating through all; 0 checks all (module form: whole units per check; "
            "0: all, or spread over the K checks the row blocks take where some unit is sliced)")
     pace: Optional[float] = option(
         PIECE_STEPS, "module form: training steps a check's pieces may take (those left wait for the next checks: the cycle K "
-             "grows); > 0, null: no pace (each check takes its whole turn of the cycle)")
+             "grows); > 0, off: no pace (each check takes its whole turn of the cycle)")
     memory_budget: Optional[float] = option(
-        0.1, "memory a check may add above training's own peak (CPU RSS, CUDA allocated), as a fraction; > 0, null: unbounded")
+        0.1, "memory a check may add above training's own peak (CPU RSS, CUDA allocated), as a fraction; > 0, off: unbounded")
     form: str = option(
         "auto", "backward part's form: auto (the whole objective where it fits memory_budget and costs less, "
                 "else module by module), objective, module")
@@ -96,7 +129,8 @@ class GradWatchConfig(CheckOptions):
     drift_window: int = option(3, "checks in the rolling median compared with the baseline; >= 1")
     drift_decades: float = option(2.0, "powers of ten above the baseline that count as drift; > 0")
     alert_cooldown: int = option(10, "checks of a tensor during which a persisting alert stays silent; >= 0")
-    raise_on: Optional[str] = option(None, "raise GradientDriftError on alerts of this level: null (never), wrong, suspicious")
+    raise_on: Optional[str] = option(
+        None, "raise GradientDriftError on alerts of this level or worse: off (never), suspicious or wrong (fail_at's words)")
     log_dir: Optional[str] = option(
         None, "directory for TensorBoard events and the JSONL log; null lets the hook choose (e.g. the Lightning logger's)")
     tensorboard: bool = option(True, "write TensorBoard scalars and alert text")
@@ -139,6 +173,8 @@ class GradWatchConfig(CheckOptions):
         if not _is_number(budget) or not 0 < budget <= 1:
             raise ConfigError(f"overhead_budget: got {budget!r}, expected a number with 0 < x <= 1 (0.02 = 2%)")
         self.overhead_budget = float(budget)
+        if is_off(self.max_interval):
+            self.max_interval = None
         try:
             parse_max_interval(self.max_interval)
         except ValueError as err:
@@ -146,35 +182,25 @@ class GradWatchConfig(CheckOptions):
         tpc = self.tensors_per_check
         if isinstance(tpc, bool) or not isinstance(tpc, int) or tpc < 0:
             raise ConfigError(f"tensors_per_check: got {tpc!r}, expected an integer >= 0 (0 = all tensors)")
-        pace = self.pace
-        if isinstance(pace, str) and pace.lower() in ("none", "null"):
-            pace = None
+        pace = None if is_off(self.pace) else self.pace
         if pace is not None and (not _is_number(pace) or not 0 < pace < float("inf")):
-            raise ConfigError(f"pace: got {self.pace!r}, expected a number of training steps > 0 (2.0) or null (no pace)")
+            raise ConfigError(f"pace: got {self.pace!r}, expected a number of training steps > 0 (2.0) or off (no pace)")
         self.pace = None if pace is None else float(pace)
-        mem = self.memory_budget
-        if isinstance(mem, str) and mem.lower() in ("none", "null"):
-            mem = None
+        mem = None if is_off(self.memory_budget) else self.memory_budget
         if mem is not None and (not _is_number(mem) or not mem > 0 or mem != mem or mem == float("inf")):
             raise ConfigError(f"memory_budget: got {self.memory_budget!r}, expected a number > 0 (0.1 = 10% above "
-                              "training's peak memory) or null (no bound)")
+                              "training's peak memory) or off (no bound)")
         self.memory_budget = None if mem is None else float(mem)
         form = self.form.lower() if isinstance(self.form, str) else self.form
         if form not in FORMS:
             raise ConfigError(f"form: got {self.form!r}, expected one of {', '.join(FORMS)}")
         self.form = form
         try:
-            self.independence = parse_independence(self.independence)
+            self.independence = None if is_off(self.independence) else parse_independence(self.independence)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        raise_on = self.raise_on
-        if isinstance(raise_on, str) and raise_on.lower() in ("none", "null"):
-            raise_on = None
-        if raise_on is not None:
-            raise_on = str(getattr(raise_on, "value", raise_on)).lower()
-            if raise_on not in ("wrong", "suspicious"):
-                raise ConfigError(f"raise_on: got {self.raise_on!r}, expected null (never), 'wrong' or 'suspicious'")
-        self.raise_on = raise_on
+        level = parse_level("raise_on", self.raise_on, off=True)  # fail_at's parser, words and messages
+        self.raise_on = None if level is None else level.value
         if self.log_dir is not None:
             if not isinstance(self.log_dir, (str, os.PathLike)) or not str(os.fspath(self.log_dir)):
                 raise ConfigError(f"log_dir: got {self.log_dir!r}, expected a directory path or null")
@@ -229,14 +255,15 @@ class GradWatchConfig(CheckOptions):
         return {"bands": self.bands, **{k: getattr(self, k) for k in TREND_OPTION_NAMES}}
 
     def to_dict(self) -> Dict[str, Any]:
-        """JSON/YAML-safe dict of every option (bands as a list; callables by name).
+        """JSON/YAML-safe dict of every option (bands as a list; callables by name; an option that is off as ``"off"``).
 
         Example:
             >>> d = GradWatchConfig().to_dict()
-            >>> d["dtype"], d["bands"], d["every"]
-            ('float64', [1e-07, 0.0001, 0.01], 'auto')
+            >>> d["dtype"], d["bands"], d["every"], d["raise_on"]
+            ('float64', [1e-07, 0.0001, 0.01], 'auto', 'off')
         """
         d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d.update({name: OFF for name in OFF_OPTIONS if d[name] is None})
         d["bands"] = list(self.bands)
         d["tensors"] = None if self.tensors is None else list(self.tensors)
         if isinstance(self.regularizers, dict):
@@ -252,7 +279,7 @@ class GradWatchConfig(CheckOptions):
         """Build from a mapping (a parsed YAML file), refusing unknown keys and bad values.
 
         Args:
-            d: Option name -> value.
+            d: Option name -> value, or group name -> its options (:data:`OPTION_GROUPS`).
             source: Where ``d`` came from, named first in every error message.
 
         Raises:
@@ -269,14 +296,13 @@ class GradWatchConfig(CheckOptions):
         return _from_mapping(d, source, "")
 
     def replace(self, **overrides: Any) -> "GradWatchConfig":
-        """A validated copy with some options changed (unknown names are refused).
+        """A validated copy with some options changed, flat or in their groups (unknown names are refused).
 
         Example:
-            >>> GradWatchConfig().replace(every=10).every
-            10
+            >>> GradWatchConfig().replace(every=10).every, GradWatchConfig().replace(schedule={"every": 10}).every
+            (10, 10)
         """
-        _check_keys(overrides, None, "")
-        return dataclasses.replace(self, **overrides)
+        return _built(lambda flat: dataclasses.replace(self, **flat), overrides, "")
 
 
 document_options(GradWatchConfig)
@@ -321,18 +347,27 @@ def show_value(value: Any) -> str:
 
 
 def options_markdown() -> str:
-    """The table of options of docs/reference/options.md, rendered from their declarations (a test keeps the page equal to it).
+    """The tables of options of docs/reference/options.md, one per group, rendered from their declarations (a test keeps
+    the page equal to it).
 
     Example:
-        >>> options_markdown().splitlines()[3]
+        >>> lines = options_markdown().splitlines()
+        >>> print(lines[0])
+        ### `check`: what one check samples and how it judges (check_model's options too), and the objective's extra terms
+        >>> lines[5]
         '| `directions` | `--directions` | `4` | random Rademacher directions per checked tensor; >= 0 |'
     """
-    rows = ["| Option (keyword, YAML key) | CLI flag | Default | Meaning |", "|---|---|---|---|"]
-    for name, default, meaning in options_table():
-        flag = "--" + name.replace("_", "-")
-        text = meaning.replace("|", "\\|")
-        rows.append(f"| `{name}` | `{flag}` | `{show_value(default)}` | {text} |")
-    return "\n".join(rows)
+    table = {name: (default, meaning) for name, default, meaning in options_table()}
+    tables = []
+    for group, names in OPTION_GROUPS.items():
+        rows = [f"### `{group}`: {GROUP_DOCS[group]}", "", "| Option (keyword, YAML key) | CLI flag | Default | Meaning |",
+                "|---|---|---|---|"]
+        for name in names:
+            default, meaning = table[name]
+            text = meaning.replace("|", "\\|")
+            rows.append(f"| `{name}` | `{'--' + name.replace('_', '-')}` | `{show_value(default)}` | {text} |")
+        tables.append("\n".join(rows))
+    return "\n\n".join(tables)
 
 
 def load_config(path: Union[str, os.PathLike]) -> GradWatchConfig:
@@ -355,6 +390,49 @@ def load_config(path: Union[str, os.PathLike]) -> GradWatchConfig:
     """
     section, source, prefix = _read_section(path)
     return GradWatchConfig() if section is None else _from_mapping(section, source, prefix)
+
+
+def resolve_config(config: Union[GradWatchConfig, str, os.PathLike, None] = None,
+                   options: Optional[Mapping[str, Any]] = None) -> GradWatchConfig:
+    """The watch's configuration as every front end takes it (``config=`` and keyword options): ``config`` (a
+    :class:`GradWatchConfig`, the path of a YAML config, or None for the defaults) with ``options``, flat or in their
+    groups, overriding it.
+
+    Raises:
+        ConfigError: ``config`` of another type, a config file :func:`load_config` refuses, or a bad option.
+
+    Example:
+        >>> cfg = resolve_config(GradWatchConfig(every=5), {"alerts": {"raise_on": "wrong"}})
+        >>> cfg.every, cfg.raise_on, resolve_config(None, {"every": 10}).every
+        (5, 'wrong', 10)
+    """
+    if config is None:
+        base = GradWatchConfig()
+    elif isinstance(config, GradWatchConfig):
+        base = config
+    elif isinstance(config, (str, os.PathLike)):
+        base = load_config(config)
+    else:
+        raise ConfigError(f"config: got {type(config).__name__}, expected a GradWatchConfig or the path of a YAML "
+                          "config (str or Path)")
+    return base.replace(**options) if options else base
+
+
+def config_keys(path: Union[str, os.PathLike]) -> List[str]:
+    """The options a YAML config sets (those in its groups by their own names), in the file's order.
+
+    Raises:
+        ConfigError: As :func:`load_config`.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "gw.yaml"
+        >>> _ = p.write_text("coords: 4\\nschedule:\\n  every: 25\\n")
+        >>> config_keys(p)
+        ['coords', 'every']
+    """
+    section, source, prefix = _read_section(path)
+    return [k for k in flatten_groups(section or {}, OPTION_GROUPS, f"{source}: {prefix}")[0] if k in option_names()]
 
 
 def config_problems(path: Union[str, os.PathLike]) -> List[str]:
@@ -430,52 +508,32 @@ def _callable_name(fn: Any) -> str:
     return f"<callable {getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}>"
 
 
-def _check_keys(d: Mapping[str, Any], source: Optional[str], prefix: str) -> None:
+def _check_keys(d: Mapping[str, Any], where: str) -> None:
+    """Refuse a key that names no option (nor group); ``where`` starts the message (``"run.yaml: gradwatch."``)."""
     valid = option_names()
-    where = f"{source}: " if source else ""
     for key in d:
         if not isinstance(key, str):
-            raise ConfigError(f"{where}{prefix}{key!r}: option names must be strings")
+            raise ConfigError(f"{where}{key!r}: option names must be strings")
         if key not in valid:
-            close = difflib.get_close_matches(key.replace("-", "_"), valid, n=1, cutoff=0.6)
+            close = difflib.get_close_matches(key.replace("-", "_"), valid + list(OPTION_GROUPS), n=1, cutoff=0.6)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ConfigError(f"{where}{prefix}{key}: unknown option, {hint}(valid options: {', '.join(valid)})")
+            raise ConfigError(f"{where}{key}: unknown option, {hint}(valid options: {', '.join(valid)}; "
+                              f"groups: {', '.join(OPTION_GROUPS)})")
+
+
+def _built(make: Callable[[Dict[str, Any]], GradWatchConfig], options: Mapping[str, Any], where: str) -> GradWatchConfig:
+    """``make(flat options)``, its groups taken out of ``options`` and its keys checked first; a bad value's message
+    starts with ``where`` and names a grouped option with its group (``"run.yaml: schedule.every: got 0, ..."``)."""
+    flat, grouped = flatten_groups(options, OPTION_GROUPS, where)
+    _check_keys(flat, where)
+    try:
+        return make(flat)
+    except ConfigError as err:
+        name = str(err).split(":", 1)[0]
+        raise ConfigError(f"{where}{grouped[name] + '.' if name in grouped else ''}{err}") from None
 
 
 def _from_mapping(d: Any, source: str, prefix: str) -> GradWatchConfig:
     if not isinstance(d, Mapping):
         raise ConfigError(f"{source}: expected a mapping of option: value, got {type(d).__name__}")
-    _check_keys(d, source, prefix)
-    try:
-        return GradWatchConfig(**d)
-    except ConfigError as err:
-        raise ConfigError(f"{source}: {prefix}{err}") from None
-
-
-_INTERVAL_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(steps?|min|mins|minutes?|m|h|hours?)\s*$", re.I)
-
-
-def parse_max_interval(value: Any) -> Tuple[Optional[int], Optional[float]]:
-    """``max_interval`` as ``(steps, seconds)``: an integer is steps; ``"N steps"``, ``"N min"`` or ``"N h"`` too.
-
-    Raises:
-        ValueError: Anything else, naming what is accepted.
-
-    Example:
-        >>> parse_max_interval(500), parse_max_interval("30 min"), parse_max_interval(None)
-        ((500, None), (None, 1800.0), (None, None))
-    """
-    if value is None:
-        return None, None
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        return int(value), None
-    m = _INTERVAL_RE.match(value) if isinstance(value, str) else None
-    if m is not None and float(m.group(1)) > 0:
-        number, unit = float(m.group(1)), m.group(2).lower()
-        if unit.startswith("step"):
-            if number.is_integer():
-                return int(number), None
-        else:
-            return None, number * (3600.0 if unit.startswith("h") else 60.0)
-    raise ValueError(f"max_interval: got {value!r}, expected null, a number of steps >= 1 (500), "
-                     "or a time such as '30 min' or '2 h'")
+    return _built(lambda flat: GradWatchConfig(**flat), d, f"{source}: {prefix}")

@@ -1,7 +1,9 @@
 """Options of a gradient check, validated once, with one name everywhere.
 
 The same names are keywords of :func:`gradwatch.check_model`, keys of the
-YAML config, ``--kebab-case`` CLI flags and fields of the JSONL records.
+YAML config, ``--kebab-case`` CLI flags and fields of the JSONL records;
+the few options of a one-shot check alone (:data:`ONE_SHOT_OPTIONS`) are
+fields of :class:`CheckOptions` and keywords of :func:`gradwatch.check_model` only.
 
 Each option is declared once, as a dataclass field made by :func:`option`:
 its name, type, default and one-line help. The dataclasses, the YAML
@@ -12,8 +14,9 @@ option is adding one field (plus its validation when a type check is not enough)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, overload
 
 import torch
 
@@ -117,17 +120,71 @@ def _int(name: str, value: Any, minimum: int) -> int:
     return value
 
 
-@dataclass
-class CheckOptions:
-    """Options shared by every gradient check (each field's help is listed under Attributes below).
+#: The one word of an option that is off (``raise_on``, ``independence``, ``distributed``; the limits ``max_interval``,
+#: ``pace`` and ``memory_budget``). False and None say it too: YAML reads a bare ``off`` as false.
+OFF = "off"
 
-    With ``eps=None`` the step follows the coarsest precision the objective measurably computes in
-    (see :mod:`gradwatch.check.objective.precision`).
+
+def is_off(value: Any) -> bool:
+    """Whether ``value`` switches an option off: ``"off"`` (any case), False, None, or the strings ``"none"``/``"null"``.
 
     Example:
-        >>> CheckOptions(coords=4).directions
+        >>> [is_off(v) for v in ("off", "OFF", False, None, "null", "auto", 0)]
+        [True, True, True, True, True, False, False]
+    """
+    if value is None or value is False:
+        return True
+    return isinstance(value, str) and value.strip().lower() in (OFF, "none", "null")
+
+
+#: The levels ``fail_at`` (what counts as a failed tensor) and ``raise_on`` (which alerts raise) take: a verdict of
+#: this level or worse.
+LEVELS = (Verdict.WRONG, Verdict.SUSPICIOUS)
+
+
+@overload
+def parse_level(name: str, value: Any) -> Verdict: ...
+@overload
+def parse_level(name: str, value: Any, off: bool) -> Optional[Verdict]: ...
+def parse_level(name: str, value: Any, off: bool = False) -> Optional[Verdict]:
+    """A level option (``fail_at``, ``raise_on``): ``"wrong"`` or ``"suspicious"`` in any case, or the :class:`Verdict`;
+    with ``off``, also an :func:`is_off` value (None: never).
+
+    Raises:
+        ConfigError: ``"<name>: got <value>, expected 'wrong' or 'suspicious'"``; with ``off``, ``expected 'off'
+            (never), 'wrong' or 'suspicious'``.
+
+    Example:
+        >>> parse_level("fail_at", "WRONG"), parse_level("raise_on", False, off=True)
+        (<Verdict.WRONG: 'wrong'>, None)
+        >>> parse_level("fail_at", "excellent")
+        Traceback (most recent call last):
+        ...
+        gradwatch.errors.ConfigError: fail_at: got 'excellent', expected 'wrong' or 'suspicious'
+    """
+    if off and is_off(value):
+        return None
+    word = value.value if isinstance(value, Verdict) else value.strip().lower() if isinstance(value, str) else None
+    for level in LEVELS:
+        if word == level.value:
+            return level
+    words = " or ".join(repr(level.value) for level in LEVELS)
+    shown = value.value if isinstance(value, Verdict) else value
+    raise ConfigError(f"{name}: got {shown!r}, expected {f'{OFF!r} (never), ' if off else ''}{words}")
+
+
+@dataclass
+class SharedOptions:
+    """Options shared by every gradient check, the watch's too (each field's help is listed under Attributes below).
+
+    :class:`CheckOptions` adds the options of a one-shot :func:`gradwatch.check_model`;
+    :class:`gradwatch.config.GradWatchConfig` adds the watch's. With ``eps=None`` the step follows the coarsest
+    precision the objective measurably computes in (see :mod:`gradwatch.check.objective.precision`).
+
+    Example:
+        >>> SharedOptions(coords=4).directions
         4
-        >>> CheckOptions(coords=0)
+        >>> SharedOptions(coords=0)
         Traceback (most recent call last):
         ...
         gradwatch.errors.ConfigError: coords: got 0, expected an integer >= 1
@@ -139,7 +196,8 @@ class CheckOptions:
         None, "finite-difference step relative to |theta|, 0 < eps <= 0.1; null picks eps(dtype)**(1/3) scaled by |theta|")
     bands: Tuple[float, float, float] = option(
         DEFAULT_BANDS, "upper bounds of EXCELLENT, ACCEPTABLE, SUSPICIOUS for the judged rel_diff")
-    fail_at: Union[str, Verdict] = option(Verdict.SUSPICIOUS, "verdict from which a tensor counts as failing: suspicious or wrong")
+    fail_at: Union[str, Verdict] = option(
+        Verdict.SUSPICIOUS, "verdict from which a tensor counts as failing: suspicious or wrong (raise_on's words)")
     seed: int = option(0, "base sampling seed (changes every check so coverage accumulates); >= 0")
     dtype: Optional[Union[str, torch.dtype]] = option(
         torch.float64, "evaluate the check on a shadow copy in this dtype (float64, float32; in Python also torch.float64 "
@@ -166,12 +224,7 @@ class CheckOptions:
             self.bands = validate_bands(self.bands)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        try:
-            self.fail_at = Verdict.parse(self.fail_at)
-        except ValueError as err:
-            raise ConfigError(f"fail_at: {err}") from None
-        if self.fail_at not in (Verdict.SUSPICIOUS, Verdict.WRONG):
-            raise ConfigError(f"fail_at: got {self.fail_at.value!r}, expected 'suspicious' or 'wrong'")
+        self.fail_at = parse_level("fail_at", self.fail_at)
         self.seed = _int("seed", self.seed, 0)
         self.dtype = parse_dtype(self.dtype)
         for name in ("detect_kinks", "per_term"):
@@ -210,7 +263,74 @@ class CheckOptions:
         return [f.name for f in fields(cls)]
 
 
+document_options(SharedOptions)
+
+#: The options of a one-shot :func:`gradwatch.check_model` that the watch does not take (:class:`CheckOptions`).
+ONE_SHOT_OPTIONS = ("localize", "batched", "screen")
+
+
+@dataclass
+class CheckOptions(SharedOptions):
+    """The options of a gradient check: those every check shares (:class:`SharedOptions`), then those of a one-shot
+    :func:`gradwatch.check_model` (``localize``, ``batched``, ``screen``), which the watch does not take. Each
+    field's help is listed under Attributes below.
+
+    Example:
+        >>> CheckOptions(coords=4).directions, CheckOptions().screen
+        (4, True)
+        >>> CheckOptions(localize="yes")
+        Traceback (most recent call last):
+        ...
+        gradwatch.errors.ConfigError: localize: got 'yes', expected true or false
+    """
+
+    localize: bool = option(
+        False, "check_model only: when a tensor fails, check each module alone to name the module (or custom "
+        "autograd.Function) whose backward is wrong")
+    batched: bool = option(
+        True, "check_model only: evaluate the perturbations of a tensor in vmapped batches where the model allows "
+        "it (automatic fallback); false: one evaluation each")
+    screen: bool = option(
+        True, "check_model only: detection first, one random direction per tensor settles those that agree; false: "
+        "the full sample on every tensor")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ONE_SHOT_OPTIONS:
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: got {getattr(self, name)!r}, expected true or false")
+
+    def shared(self) -> Dict[str, Any]:
+        """The values of the options every check shares (:class:`SharedOptions`), by name.
+
+        Example:
+            >>> CheckOptions(coords=4, screen=False).shared()["coords"], "screen" in CheckOptions().shared()
+            (4, False)
+        """
+        return {name: getattr(self, name) for name in SharedOptions.names()}
+
+
 document_options(CheckOptions)
+
+
+def check_options(options: Optional[CheckOptions] = None, **overrides: Any) -> CheckOptions:
+    """The options of a check: ``options`` (default: every default) with ``overrides`` replacing its fields.
+
+    Raises:
+        TypeError: ``options`` is not a :class:`CheckOptions`, or an override names no option.
+        ConfigError: A value out of range, naming the option and what is accepted.
+
+    Example:
+        >>> opts = check_options(CheckOptions(coords=4, screen=False), screen=True)
+        >>> opts.coords, opts.screen
+        (4, True)
+    """
+    if options is None:
+        return CheckOptions(**overrides)
+    if not isinstance(options, CheckOptions):
+        raise TypeError(f"options: got {type(options).__name__}, expected a gradwatch.CheckOptions "
+                        "(a GradWatchConfig gives its own with .check_options())")
+    return dataclasses.replace(options, **overrides) if overrides else options
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:

@@ -262,6 +262,81 @@ def test_seed_changes_sampled_coordinates():
     assert a.tensors["0.weight"].coords != c.tensors["0.weight"].coords
 
 
+def _spy_on_run(monkeypatch):
+    """Record the ``batched`` and ``screen`` each run_model_check of check_model is given."""
+    import gradwatch.check.model as model_module
+
+    seen, real = [], model_module.run_model_check
+
+    def spy(*args, **kwargs):
+        seen.append({k: kwargs[k] for k in ("batched", "screen")})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model_module, "run_model_check", spy)
+    return seen
+
+
+def test_localize_batched_and_screen_are_fields_of_check_options(monkeypatch):
+    from gradwatch.options import CheckOptions
+
+    assert (CheckOptions().localize, CheckOptions().batched, CheckOptions().screen) == (False, True, True)
+    seen = _spy_on_run(monkeypatch)
+    model, batch = make_model("mlp_dropout", 0)
+    opts = CheckOptions(tensors=["*.weight"], coords=3, directions=2, screen=False, batched=False)
+    by_field = check_model(model, ce_loss, batch, options=opts)
+    by_keyword = check_model(model, ce_loss, batch, tensors=["*.weight"], coords=3, directions=2, screen=False,
+                             batched=False)
+    assert seen == [{"batched": False, "screen": False}] * 2
+    assert by_field.tensors["0.weight"].coords == by_keyword.tensors["0.weight"].coords
+    assert by_field.evaluations == by_keyword.evaluations
+    check_model(model, ce_loss, batch)
+    assert seen[-1] == {"batched": True, "screen": True}  # the fields' defaults, as the keywords' were
+
+
+def test_the_keywords_override_the_options_fields(monkeypatch):
+    from gradwatch.options import CheckOptions
+
+    seen = _spy_on_run(monkeypatch)
+    model, batch = make_model("mlp_dropout", 0)
+    opts = CheckOptions(screen=False, batched=False, coords=5, directions=1)
+    report = check_model(model, ce_loss, batch, options=opts, screen=True, batched=True, coords=3)
+    assert seen == [{"batched": True, "screen": True}]
+    assert (opts.screen, opts.batched, opts.coords) == (False, False, 5)  # the options given are left as they were
+    assert all(len(t.coords) <= 3 for t in report.tensors.values())
+
+
+def test_localize_as_a_field_and_as_a_keyword():
+    from gradwatch.options import CheckOptions
+
+    class WrongTanh(nn.Module):
+        def forward(self, x):
+            return tanh_wrong_in_channel(slice(None), 1.5).apply(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), WrongTanh(), nn.Linear(8, 3))
+    batch = (torch.randn(6, 5), torch.randint(0, 3, (6,)))
+    by_field = check_model(model, ce_loss, batch, options=CheckOptions(localize=True))
+    by_keyword = check_model(model, ce_loss, batch, localize=True)
+    unlocalized = check_model(model, ce_loss, batch, options=CheckOptions(localize=True), localize=False)
+    assert not by_field.ok and [c.name for c in by_field.localized if c.failed] == ["1"]
+    assert [c.name for c in by_keyword.localized if c.failed] == ["1"]
+    assert unlocalized.localized == [] and not unlocalized.ok
+
+
+@pytest.mark.parametrize("name", ["localize", "batched", "screen"])
+def test_a_bad_one_shot_option_names_the_field_and_what_is_accepted(name):
+    from gradwatch.errors import ConfigError
+    from gradwatch.options import CheckOptions
+
+    model, batch = make_model("mlp_dropout", 0)
+    with pytest.raises(ConfigError, match=f"^{name}: got 'yes', expected true or false$"):
+        check_model(model, ce_loss, batch, **{name: "yes"})
+    with pytest.raises(ConfigError, match=f"^{name}: got 1, expected true or false$"):
+        CheckOptions(**{name: 1})
+    with pytest.raises(TypeError, match="options: got dict, expected a gradwatch.CheckOptions"):
+        check_model(model, ce_loss, batch, options={name: True})
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_conv_with_zero_bias_on_black_border_is_not_wrong(seed):
     """A realistic kink: zero-initialized conv bias on images with a black border.

@@ -10,9 +10,21 @@ import torch
 import yaml
 
 from gradwatch import TrendTracker
-from gradwatch.config import OPTION_DOCS, GradWatchConfig, load_config, option_names, options_markdown, options_table
+from gradwatch.config import (
+    OFF_OPTIONS,
+    OPTION_DOCS,
+    OPTION_GROUPS,
+    GradWatchConfig,
+    config_keys,
+    load_config,
+    option_names,
+    options_markdown,
+    options_table,
+    parse_distributed,
+    resolve_config,
+)
 from gradwatch.errors import ConfigError
-from gradwatch.options import CheckOptions
+from gradwatch.options import ONE_SHOT_OPTIONS, CheckOptions, SharedOptions
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
@@ -67,15 +79,25 @@ def test_options_table_covers_every_option():
 
 
 def test_each_option_is_declared_once_and_every_description_reads_that_declaration():
-    # The help of a check option is the one CheckOptions declares; the config inherits the field itself.
-    shared = option_names()[:len(CheckOptions.names())]
-    assert shared == CheckOptions.names()
-    for name in CheckOptions.names():
-        assert OPTION_DOCS[name] in CheckOptions.__doc__, name
+    # The help of a check option is the one SharedOptions declares; the config and CheckOptions inherit the field itself.
+    shared = option_names()[:len(SharedOptions.names())]
+    assert shared == SharedOptions.names() == CheckOptions.names()[:len(shared)]
+    for name in SharedOptions.names():
+        assert OPTION_DOCS[name] in SharedOptions.__doc__ and OPTION_DOCS[name] in CheckOptions.__doc__, name
     for name, text in OPTION_DOCS.items():
         assert f"{name}: {text}" in GradWatchConfig.__doc__, name
     readme = (CONFIGS.parent / "docs" / "reference" / "options.md").read_text()
     assert options_markdown() in readme, "docs/reference/options.md's table differs from gradwatch.config.options_markdown()"
+
+
+def test_check_models_one_shot_options_are_not_options_of_the_watch():
+    # localize, batched and screen are fields of CheckOptions (check_model's), not keys of the YAML config
+    assert CheckOptions.names() == SharedOptions.names() + list(ONE_SHOT_OPTIONS)
+    assert not set(ONE_SHOT_OPTIONS) & set(option_names())
+    assert GradWatchConfig().check_options() == CheckOptions()
+    for name in ONE_SHOT_OPTIONS:
+        with pytest.raises(ConfigError, match=f"^run.yaml: {name}: unknown option"):
+            GradWatchConfig.from_dict({name: True}, source="run.yaml")
 
 
 def test_bool_and_float_options_are_checked_from_their_declared_type():
@@ -150,11 +172,11 @@ def test_empty_file_means_defaults(tmp_path):
         ("overhead_budget: 0\n", r"bad\.yaml: overhead_budget: got 0, expected a number with 0 < x <= 1"),
         ("overhead_budget: 1.5\n", r"bad\.yaml: overhead_budget: got 1\.5"),
         ("eps: small\n", r"bad\.yaml: eps: got 'small'"),
-        ("raise_on: maybe\n", r"bad\.yaml: raise_on: got 'maybe', expected null \(never\), 'wrong' or 'suspicious'"),
+        ("raise_on: maybe\n", r"bad\.yaml: raise_on: got 'maybe', expected 'off' \(never\), 'wrong' or 'suspicious'$"),
         ("dtype: float16\n", r"bad\.yaml: dtype: got 'float16', expected 'float64', 'float32'"),
-        ("fail_at: excellent\n", r"bad\.yaml: fail_at: got 'excellent'"),
+        ("fail_at: excellent\n", r"bad\.yaml: fail_at: got 'excellent', expected 'wrong' or 'suspicious'$"),
         ("tensors_per_check: -1\n", r"bad\.yaml: tensors_per_check: got -1"),
-        ("pace: 0\n", r"bad\.yaml: pace: got 0, expected a number of training steps > 0 \(2\.0\) or null \(no pace\)"),
+        ("pace: 0\n", r"bad\.yaml: pace: got 0, expected a number of training steps > 0 \(2\.0\) or off \(no pace\)"),
         ("pace: fast\n", r"bad\.yaml: pace: got 'fast'"),
         ("baseline_checks: 0\n", r"bad\.yaml: baseline_checks: got 0, expected an integer >= 1"),
         ("drift_window: 0\n", r"bad\.yaml: drift_window: got 0"),
@@ -237,3 +259,161 @@ def test_numpy_dtypes_are_accepted_wherever_dtype_is():
     watch = GradWatch(model, lambda m, b: m(b).pow(2).sum(), dtype=np.float32, log_dir=None)
     assert watch._check_options.dtype is torch.float32
     watch.close()
+
+
+# ---------------------------------------------------------------- groups, config=, off, fail_at and raise_on
+
+
+def test_every_option_is_in_one_group_under_its_one_name():
+    grouped = [name for names in OPTION_GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(option_names())
+    assert not set(OPTION_GROUPS) & set(option_names())
+
+
+def test_groups_are_the_flat_options_as_keywords_and_yaml_sections(tmp_path):
+    flat = GradWatchConfig(every=50, max_interval="30 min", raise_on="wrong", coords=4, log_dir="runs/x")
+    grouped = {"schedule": {"every": 50, "max_interval": "30 min"}, "alerts": {"raise_on": "wrong"}, "coords": 4,
+               "logging": {"log_dir": "runs/x"}}
+    assert GradWatchConfig().replace(**grouped) == flat
+    assert GradWatchConfig.from_dict(grouped) == flat
+    assert resolve_config(None, grouped) == flat
+    path = write(tmp_path, "schedule: {every: 50, max_interval: 30 min}\nalerts:\n  raise_on: wrong\ncoords: 4\n"
+                           "logging: {log_dir: runs/x}\n", "grouped.yaml")
+    assert load_config(path) == flat
+    assert config_keys(path) == ["every", "max_interval", "raise_on", "coords", "log_dir"]
+    inside = write(tmp_path, "epochs: 3\ngradwatch:\n  schedule:\n    every: 50\n  budget: {memory_budget: 0.2}\n  "
+                             "check: null\n", "train.yaml")
+    assert (load_config(inside).every, load_config(inside).memory_budget) == (50, 0.2)
+    assert GradWatchConfig().to_dict().keys() == flat.to_dict().keys()  # records and validate stay flat: one name
+
+
+def test_an_option_given_flat_and_in_its_group_is_refused_naming_it(tmp_path):
+    with pytest.raises(ConfigError, match=r"^schedule\.every: given both flat \(every: 5\) and in schedule \(every: 50\); "
+                                          r"give it once$"):
+        GradWatchConfig().replace(every=5, schedule={"every": 50})
+    with pytest.raises(ConfigError, match=r"^alerts\.raise_on: given both flat \(raise_on: 'wrong'\) and in alerts"):
+        resolve_config(None, {"alerts": {"raise_on": "suspicious"}, "raise_on": "wrong"})
+    path = write(tmp_path, "gradwatch:\n  every: 5\n  schedule: {every: 50}\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: gradwatch\.schedule\.every: given both flat"):
+        load_config(path)
+    # a file's option and a keyword's are not a conflict: the keyword overrides
+    assert resolve_config(write(tmp_path, "every: 5\n", "five.yaml"), {"schedule": {"every": 50}}).every == 50
+
+
+@pytest.mark.parametrize(
+    "options, pattern",
+    [
+        ({"schedule": {"evry": 5}}, r"^schedule\.evry: unknown option, did you mean 'every'\? \(schedule takes every, "
+                                    r"overhead_budget, max_interval\)$"),
+        ({"schedule": {"raise_on": "wrong"}}, r"^schedule\.raise_on: not an option of schedule, it is in alerts "
+                                              r"\(schedule takes every, overhead_budget, max_interval\)$"),
+        ({"alerts": 5}, r"^alerts: got 5, expected a mapping of its options \(alerts takes baseline_checks, "),
+        ({"schedule": {"every": 0}}, r"^schedule\.every: got 0, expected an integer >= 1 or 'auto'$"),
+        ({"schedul": {"every": 5}}, r"^schedul: unknown option, did you mean 'schedule'\? .*groups: check, schedule"),
+    ],
+)
+def test_a_key_a_group_does_not_take_is_refused_with_the_ones_it_takes(options, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        GradWatchConfig().replace(**options)
+
+
+def test_config_is_a_gradwatchconfig_or_a_yaml_path_with_keywords_overriding(tmp_path):
+    base = GradWatchConfig(every=7, coords=3)
+    assert resolve_config(base, {}) is base
+    assert resolve_config(base, {"check": {"coords": 5}}) == GradWatchConfig(every=7, coords=5)
+    path = write(tmp_path, "every: 7\ncoords: 3\n", "gw.yaml")
+    assert resolve_config(path, None) == resolve_config(str(path)) == base
+    assert resolve_config() == GradWatchConfig()
+    with pytest.raises(ConfigError, match=r"^config: got dict, expected a GradWatchConfig or the path of a YAML config"):
+        resolve_config({"every": 7})
+
+
+def test_the_watch_takes_config_and_groups_as_every_front_end_does(tmp_path):
+    from torch import nn
+
+    from gradwatch import GradWatch
+
+    model, loss_fn = nn.Linear(3, 1), lambda m, b: m(b).pow(2).sum()
+    with GradWatch(model, loss_fn, schedule={"every": 50}, alerts={"raise_on": "wrong"}, jsonl=False,
+                   tensorboard=False) as watch:
+        assert (watch.config.every, watch.config.raise_on) == (50, "wrong")
+        assert watch.policy.raise_on == "wrong"
+    with GradWatch(model, loss_fn, config=GradWatchConfig(every=9), logging={"jsonl": False, "tensorboard": False}) as watch:
+        assert watch.config.every == 9 and not watch.config.jsonl
+    path = write(tmp_path, "schedule: {every: 9}\nlogging: {jsonl: false, tensorboard: false}\n", "gw.yaml")
+    for config in (path, str(path)):
+        with GradWatch(model, loss_fn, config=config, check={"coords": 2}) as watch:
+            assert (watch.config.every, watch.config.coords, watch.config.jsonl) == (9, 2, False)
+    with pytest.raises(ConfigError, match=r"^schedule\.every: given both flat"):
+        GradWatch(model, loss_fn, every=5, schedule={"every": 50})
+
+
+@pytest.mark.parametrize("off", ["off", "OFF", False, None, "null"])
+def test_off_is_one_word_for_every_option_that_can_be_off(off):
+    cfg = GradWatchConfig(raise_on=off, independence=off, pace=off, memory_budget=off, max_interval=off)
+    assert all(getattr(cfg, name) is None for name in OFF_OPTIONS)
+    assert all(cfg.to_dict()[name] == "off" for name in OFF_OPTIONS)
+    assert GradWatchConfig.from_dict(cfg.to_dict()) == cfg
+    assert GradWatchConfig.from_dict(yaml.safe_load(yaml.safe_dump(cfg.to_dict()))) == cfg
+
+
+def test_yaml_off_and_the_defaults_that_are_off(tmp_path):
+    text = "".join(f"{name}: off\n" for name in OFF_OPTIONS)  # YAML reads a bare off as false
+    cfg = load_config(write(tmp_path, text, "off.yaml"))
+    assert all(getattr(cfg, name) is None for name in OFF_OPTIONS)
+    defaults = GradWatchConfig().to_dict()
+    assert (defaults["raise_on"], defaults["max_interval"], defaults["independence"]) == ("off", "off", "auto")
+
+
+@pytest.mark.parametrize("value, mode", [("auto", "auto"), ("off", "off"), ("Off", "off"), (False, "off"), (None, "off"),
+                                         ("on", "on"), (True, "on")])
+def test_distributed_takes_the_same_off(value, mode):
+    from torch import nn
+
+    from gradwatch import GradWatch
+
+    assert parse_distributed(value) == mode
+    if mode != "on":  # "on" needs an initialized process group (tests/test_distributed.py)
+        with GradWatch(nn.Linear(2, 1), lambda m, b: m(b).sum(), distributed=value, jsonl=False, tensorboard=False) as w:
+            assert w.dist is None
+
+
+def test_distributed_refuses_other_words_naming_the_accepted_ones():
+    with pytest.raises(ConfigError, match=r"^distributed: got 'yes', expected 'auto', 'on' or 'off'"):
+        parse_distributed("yes")
+
+
+@pytest.mark.parametrize("value", ["maybe", "excellent", "acceptable", 3, "off"])
+def test_fail_at_and_raise_on_share_one_vocabulary_and_one_message(value):
+    with pytest.raises(ConfigError) as fail_at:
+        GradWatchConfig(fail_at=value)
+    assert str(fail_at.value) == f"fail_at: got {value!r}, expected 'wrong' or 'suspicious'"
+    if value != "off":
+        with pytest.raises(ConfigError) as raise_on:
+            GradWatchConfig(raise_on=value)
+        assert str(raise_on.value) == f"raise_on: got {value!r}, expected 'off' (never), 'wrong' or 'suspicious'"
+    for word in ("wrong", "SUSPICIOUS", " wrong "):
+        assert GradWatchConfig(fail_at=word).fail_at == GradWatchConfig(raise_on=word).raise_on == word.strip().lower()
+    assert CheckOptions(fail_at="Wrong").fail_at.value == "wrong"
+
+
+
+def test_the_cli_reads_the_options_a_config_sets_in_its_groups(tmp_path, capsys):
+    from gradwatch.cli import commands as cli
+
+    path = write(tmp_path, "schedule: {every: 7}\ncoords: 3\n", "g.yaml")
+    assert cli.main(["validate", str(path), "--format", "json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["set"] == ["every", "coords"] and (doc["options"]["every"], doc["options"]["coords"]) == (7, 3)
+
+
+def test_the_hugging_face_callback_takes_config_as_the_watch_does(tmp_path):
+    pytest.importorskip("transformers")
+    from gradwatch.integrations.transformers import GradWatchCallback
+
+    callback = GradWatchCallback(config=GradWatchConfig(every=4, coords=2), alerts={"raise_on": "wrong"})
+    assert callback.config == GradWatchConfig(every=4, coords=2, raise_on="wrong")
+    path = write(tmp_path, "gradwatch:\n  schedule: {every: 6}\n", "train.yaml")
+    assert GradWatchCallback(config=path).config.every == 6
+    with pytest.raises(ValueError, match=r"^GradWatchCallback: schedule\.every: given both flat"):
+        GradWatchCallback(every=5, schedule={"every": 6})

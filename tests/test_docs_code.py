@@ -67,6 +67,7 @@ from torch import nn
 
 import gradwatch
 from gradwatch.cli import main as gradwatch_main
+from gradwatch.config import OPTION_GROUPS
 
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```\s*$", re.S | re.M)
 MARKER = re.compile(r"<!--\s*(.*?)\s*-->\s*$")
@@ -450,19 +451,21 @@ def test_yaml_blocks_load_and_configs_validate(block, tmp_path):
     data = yaml.safe_load(block.code)
     options = {f.name for f in dataclasses.fields(gradwatch.GradWatchConfig)}
     section = data.get("gradwatch") if isinstance(data, dict) else None
-    if section is None and isinstance(data, dict) and set(data) <= options:
+    if section is None and isinstance(data, dict) and set(data) <= options | set(OPTION_GROUPS):
         section = data
     if section is None:
         return
     path = tmp_path / "config.yaml"
     path.write_text(block.code)
     config = gradwatch.load_config(path)
-    for key in section:
-        assert key in options and hasattr(config, key), f"{block.where}: {key} is not an option"
+    keys = [k for key in section for k in (section[key] if key in OPTION_GROUPS else [key])]  # a group's options
+    for key in keys:
+        assert key in options, f"{block.where}: {key} is not an option"
+        assert hasattr(config, key), f"{block.where}: the config has no {key}"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert gradwatch_main(["validate", str(path)]) == 0, out.getvalue()
-    for key in section:
+    for key in keys:
         assert key in out.getvalue(), f"{block.where}: `gradwatch validate` does not show {key}"
 
 

@@ -283,7 +283,7 @@ def test_every_zero_is_a_config_error():
 
 @pytest.mark.parametrize("value", ["sometimes", "excellent", 3])
 def test_invalid_raise_on_is_a_config_error(value):
-    with pytest.raises(ConfigError, match=r"raise_on: got .*expected null \(never\), 'wrong' or 'suspicious'"):
+    with pytest.raises(ConfigError, match=r"raise_on: got .*expected 'off' \(never\), 'wrong' or 'suspicious'"):
         GradWatch(mlp(), mse, raise_on=value)
 
 

@@ -244,6 +244,10 @@ def test_two_callbacks_keep_separate_checkpoint_state(tmp_path):
         ({"on_alert": "print"}, ["on_alert"]),
         ({"loss_fn": 3}, ["loss_fn"]),
         ({"config": "/nonexistent/gradwatch.yaml"}, ["/nonexistent/gradwatch.yaml"]),
+        ({"config": 3}, ["config: got int", "GradWatchConfig"]),
+        ({"every": 5, "schedule": {"every": 50}}, ["schedule.every", "given both flat"]),
+        ({"schedule": {"raise_on": "wrong"}}, ["schedule.raise_on", "it is in alerts", "schedule takes every"]),
+        ({"fail_at": "maybe"}, ["fail_at: got 'maybe', expected 'wrong' or 'suspicious'"]),
     ],
 )
 def test_bad_options_raise_misconfiguration_naming_the_option(kwargs, words):
@@ -256,6 +260,30 @@ def test_bad_options_raise_misconfiguration_naming_the_option(kwargs, words):
 def test_config_file_and_overrides():
     cb = GradWatchCallback(config=ROOT / "configs" / "low_overhead.yaml", coords=3)
     assert (cb.config.every, cb.config.tensors_per_check, cb.config.coords) == ("auto", 2, 3)
+
+
+def test_config_file_with_groups_and_grouped_overrides(tmp_path):
+    path = tmp_path / "gw.yaml"
+    path.write_text("gradwatch:\n  schedule: {every: 4}\n  check:\n    coords: 2\n  alerts: {raise_on: off}\n")
+    cb = GradWatchCallback(config=str(path), check={"directions": 1}, budget={"tensors_per_check": 2})
+    assert (cb.config.every, cb.config.coords, cb.config.directions, cb.config.tensors_per_check) == (4, 2, 1, 2)
+    assert cb.config.raise_on is None
+
+
+def test_config_is_a_gradwatchconfig_in_a_real_fit(tmp_path):
+    from gradwatch.config import GradWatchConfig
+
+    config = GradWatchConfig(every=2, coords=2, directions=1, raise_on="wrong")
+    callback = GradWatchCallback(config=config, schedule={"every": 3}, alerts={"drift_window": 2})
+    assert callback.config == config.replace(every=3, drift_window=2)
+    trainer, _, _ = fit(tmp_path, 7, callback)
+    watch = callback.watch
+    assert (watch.config.every, watch.config.coords, watch.config.raise_on, watch.config.drift_window) == (3, 2, "wrong", 2)
+    assert watch.config.log_dir == trainer.logger.log_dir  # the callback's own settings over the given config
+    records, _ = read_jsonl(Path(trainer.logger.log_dir) / "checks.jsonl")
+    assert [r["step"] for r in records if r["type"] == "check"] == [0, 3, 6]
+    assert records[0]["options"]["every"] == 3 and records[0]["options"]["raise_on"] == "wrong"
+    assert watch.alerts == []
 
 
 # ---------------------------------------------------------------------------- the example

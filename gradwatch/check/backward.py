@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from typing import Any, Callable, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -151,59 +151,22 @@ def run_check_backward(func: Callable[..., Any], x_data: Any, y_grad: Any, param
                        limits: Optional[Tuple[int, int, int]] = None) -> CheckReport:
     """:func:`check_backward` with ``limits``: ``(exhaustive up to, sampled coordinates, random blocks)`` per array
     (default: every element up to 2,048, else 256 coordinates and 512 blocks; a watch checks fewer)."""
-    if not 0 < eps < float("inf"):
-        raise ValueError(f"eps must be > 0 and finite, got {eps!r}")
-    if (atol is not None and atol < 0) or (rtol is not None and rtol < 0):
-        raise ValueError(f"atol and rtol must be >= 0, got atol={atol!r}, rtol={rtol!r}")
-    if not callable(func):
-        raise TypeError(f"func must be callable, got {type(func).__name__}")
+    _validate_arguments(func, eps, atol, rtol)
     num_dtype = check_dtype(dtype)
-    xs = [to_tensor(x, f"x_data[{i}]") for i, x in enumerate(to_tuple(x_data))]
-    if no_grads is not None and len(no_grads) != len(xs):
-        raise ValueError(f"no_grads must have one flag per input: got {len(no_grads)} flags for {len(xs)} inputs")
-    gys = None if y_grad is None else [None if g is None else to_tensor(g, f"y_grad[{i}]") for i, g in enumerate(to_tuple(y_grad))]
-    plist = params_tuple(params)
-    checked_x = [
-        i for i, x in enumerate(xs)
-        if (x.is_floating_point() or x.is_complex()) and not (no_grads is not None and no_grads[i])
-    ]
-    for i in checked_x:
-        xs[i].requires_grad_(True)
-    atol, rtol = default_tolerances(atol, rtol, num_dtype, [xs[i] for i in checked_x] + [p for _, p in plist])
+    xs, gys, plist, checked_x = _inputs(x_data, y_grad, params, no_grads)
+    wrt = [xs[i] for i in checked_x] + [p for _, p in plist]
+    atol, rtol = default_tolerances(atol, rtol, num_dtype, wrt)
     start = time.perf_counter()
-
-    # Analytic side, in the inputs' own dtype.
-    with preserved_rng():
-        seed_everything(0)
-        ys = to_tuple(func(*xs))
-        loss = _weighted(ys, gys)
-        wrt = [xs[i] for i in checked_x] + [p for _, p in plist]
-        keep = [k for k, g in enumerate(gys or []) if g is not None]
-        groups, note = _groups([ys[k] for k in keep], wrt) if gys is not None and wrt else (None, None)
-        rows = _isolating_vjps([ys[k] for k in keep], wrt, groups) if groups is not None else [None] * len(wrt)
-        raw: Sequence[Optional[torch.Tensor]]
-        if loss.requires_grad and wrt:
-            raw = torch.autograd.grad(loss, wrt, allow_unused=True)
-        else:
-            raw = [None] * len(wrt)
-    grads = [torch.zeros_like(t) if g is None else g.detach() for g, t in zip(raw, wrt)]
+    ys, loss, groups, note, rows, grads = _analytic_side(func, xs, gys, wrt)
     names = [f"x[{i}]" for i in checked_x] + [n for n, _ in plist]
     out_dtypes = [_real_dtype(y.dtype) for y, g in zip(ys, gys if gys is not None else [None]) if gys is None or g is not None]
 
     # Numeric side: contiguous copies of the inputs and of the params' data (cast to dtype), the
     # params' own data put back afterwards. Nothing the caller holds is written to.
-    def cast(t: torch.Tensor) -> torch.Tensor:
-        t = t.detach()
-        if num_dtype is not None and t.is_floating_point():
-            t = t.to(num_dtype)
-        elif num_dtype is not None and t.is_complex():  # float64 asked: complex128 (the same precision per part)
-            t = t.to(_complex_dtype(num_dtype))
-        return t.resolve_conj().contiguous().clone()
-
-    nxs = [cast(x) for x in xs]
+    nxs = [_numeric_copy(x, num_dtype) for x in xs]
     saved_param_data = [p.data for _, p in plist]
     for _, p in plist:
-        p.data = cast(p.data)
+        p.data = _numeric_copy(p.data, num_dtype)
     # A complex array is checked as its real and imaginary parts (torch's convention: the gradient of a real
     # objective is d/dRe + i d/dIm, the conjugate Wirtinger derivative times 2), perturbed through a real view.
     targets = [_as_real(nxs[i]) for i in checked_x] + [_as_real(p.data) for _, p in plist]
@@ -218,7 +181,6 @@ def run_check_backward(func: Callable[..., Any], x_data: Any, y_grad: Any, param
         gys = [None if g is None else _as_real(g.to(y.dtype)) if y.is_complex() else g for g, y in zip(gys, ys)]
 
     report = CheckReport(tensors={}, fail_at=Verdict.SUSPICIOUS, seed=0, notes=[note] if note else [])
-    failures: List[str] = []
     try:
         with preserved_rng():
             probe = OutputProbe(outputs, gys, out_dtypes, inputs=targets, groups=groups)
@@ -226,16 +188,8 @@ def run_check_backward(func: Callable[..., Any], x_data: Any, y_grad: Any, param
             report.terms = {"loss": probe.objective}
             report.dtype = str(([nxs[i] for i in checked_x] + [p.data for _, p in plist] or [loss])[0].dtype).replace("torch.", "")
             complex_ = [xs[i].is_complex() for i in checked_x] + [p.is_complex() for _, p in plist]
-            for name, target, g, a_rows, parts in zip(names, targets, grads, rows, complex_):
-                if target.numel() == 0:
-                    continue  # nothing to check (Chainer compares two empty arrays)
-                check, message = _check_array(name, target, g, probe, eps, atol, rtol, limits, a_rows, groups)
-                if message and parts:
-                    message = message.replace(" checked entries", " checked entries (complex: checked as its real and "
-                                                                  "imaginary parts, the last index 0 = real, 1 = imaginary)", 1)
-                report.tensors[name] = check
-                if message:
-                    failures.append(message)
+            failures = _judge_arrays(report, probe, zip(names, targets, grads, rows, complex_), eps, atol, rtol, limits,
+                                     groups)
     finally:
         for (_, p), data in zip(plist, saved_param_data):
             p.data = data
@@ -247,6 +201,81 @@ def run_check_backward(func: Callable[..., Any], x_data: Any, y_grad: Any, param
             report=report,
         )
     return report
+
+
+def _validate_arguments(func: Any, eps: float, atol: Optional[float], rtol: Optional[float]) -> None:
+    if not 0 < eps < float("inf"):
+        raise ValueError(f"eps must be > 0 and finite, got {eps!r}")
+    if (atol is not None and atol < 0) or (rtol is not None and rtol < 0):
+        raise ValueError(f"atol and rtol must be >= 0, got atol={atol!r}, rtol={rtol!r}")
+    if not callable(func):
+        raise TypeError(f"func must be callable, got {type(func).__name__}")
+
+
+def _inputs(x_data: Any, y_grad: Any, params: Any, no_grads: Optional[Sequence[bool]],
+            ) -> Tuple[List[torch.Tensor], Optional[List[Optional[torch.Tensor]]], List[Tuple[str, torch.Tensor]], List[int]]:
+    """``(inputs, output gradients, named params, indices of the checked inputs)``; the checked inputs require grad."""
+    xs = [to_tensor(x, f"x_data[{i}]") for i, x in enumerate(to_tuple(x_data))]
+    if no_grads is not None and len(no_grads) != len(xs):
+        raise ValueError(f"no_grads must have one flag per input: got {len(no_grads)} flags for {len(xs)} inputs")
+    gys = None if y_grad is None else [None if g is None else to_tensor(g, f"y_grad[{i}]") for i, g in enumerate(to_tuple(y_grad))]
+    plist = params_tuple(params)
+    checked_x = [
+        i for i, x in enumerate(xs)
+        if (x.is_floating_point() or x.is_complex()) and not (no_grads is not None and no_grads[i])
+    ]
+    for i in checked_x:
+        xs[i].requires_grad_(True)
+    return xs, gys, plist, checked_x
+
+
+def _analytic_side(func: Callable[..., Any], xs: Sequence[torch.Tensor], gys: Optional[Sequence[Optional[torch.Tensor]]],
+                   wrt: Sequence[torch.Tensor]) -> Tuple[Tuple, torch.Tensor, Optional[Groups], Optional[str], List[Any],
+                                                         List[torch.Tensor]]:
+    """In the inputs' own dtype: ``(outputs, the y_grad-weighted loss, isolating groups, a note on them, each array's
+    isolating rows, each array's gradient)``."""
+    with preserved_rng():
+        seed_everything(0)
+        ys = to_tuple(func(*xs))
+        loss = _weighted(ys, gys)
+        keep = [k for k, g in enumerate(gys or []) if g is not None]
+        groups, note = _groups([ys[k] for k in keep], wrt) if gys is not None and wrt else (None, None)
+        rows = _isolating_vjps([ys[k] for k in keep], wrt, groups) if groups is not None else [None] * len(wrt)
+        raw: Sequence[Optional[torch.Tensor]]
+        if loss.requires_grad and wrt:
+            raw = torch.autograd.grad(loss, wrt, allow_unused=True)
+        else:
+            raw = [None] * len(wrt)
+    grads = [torch.zeros_like(t) if g is None else g.detach() for g, t in zip(raw, wrt)]
+    return ys, loss, groups, note, rows, grads
+
+
+def _numeric_copy(t: torch.Tensor, num_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """A contiguous copy of ``t`` for the numeric side, cast to ``num_dtype`` (complex: its complex counterpart)."""
+    t = t.detach()
+    if num_dtype is not None and t.is_floating_point():
+        t = t.to(num_dtype)
+    elif num_dtype is not None and t.is_complex():  # float64 asked: complex128 (the same precision per part)
+        t = t.to(_complex_dtype(num_dtype))
+    return t.resolve_conj().contiguous().clone()
+
+
+def _judge_arrays(report: CheckReport, probe: OutputProbe, arrays: Iterable[Tuple[str, torch.Tensor, torch.Tensor, Any, bool]],
+                  eps: float, atol: float, rtol: float, limits: Optional[Tuple[int, int, int]],
+                  groups: Optional[Groups]) -> List[str]:
+    """Each ``(name, target, gradient, isolating rows, complex)`` array judged into ``report``; the failure messages."""
+    failures: List[str] = []
+    for name, target, g, a_rows, parts in arrays:
+        if target.numel() == 0:
+            continue  # nothing to check (Chainer compares two empty arrays)
+        check, message = _check_array(name, target, g, probe, eps, atol, rtol, limits, a_rows, groups)
+        if message and parts:
+            message = message.replace(" checked entries", " checked entries (complex: checked as its real and "
+                                                          "imaginary parts, the last index 0 = real, 1 = imaginary)", 1)
+        report.tensors[name] = check
+        if message:
+            failures.append(message)
+    return failures
 
 
 def default_tolerances(atol: Optional[float], rtol: Optional[float], num_dtype: Optional[torch.dtype],

@@ -7,7 +7,8 @@ import inspect
 import math
 import time
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, cast
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, cast
 
 import numpy as np
 import torch
@@ -15,15 +16,16 @@ from torch import nn
 
 from gradwatch.check.judging.judge import NOISE_FACTOR, inconclusive
 from gradwatch.check.judging.report import CheckReport, InconclusiveKind
+from gradwatch.check.modules.unresolved import UNSEEN, flat_on_leaves, judge_unseen_on_modules
 from gradwatch.check.numerics.differences import machine_eps
 from gradwatch.check.numerics.sampling import match_names
-from gradwatch.check.objective.checkpointed import CHECKPOINT_NO_GRAD_WARNING, grad_by_backward, reentrant_checkpoint_leaves
-from gradwatch.check.objective.dropout_off import dropout_off
+from gradwatch.check.objective.checkpointed import reentrant_checkpoint_leaves
 from gradwatch.check.objective.dtensor import is_sharded
 from gradwatch.check.objective.functional_dropout import recomputed_alike
 from gradwatch.check.objective.generators import HeldGenerators
-from gradwatch.check.objective.guards import BufferGuard, frozen_batchnorm_stats, frozen_power_iteration, suspended_hooks
-from gradwatch.check.objective.padding_idx import padding_note, padding_rows_constant
+from gradwatch.check.objective.gradients import analytic_gradients, validate_grads
+from gradwatch.check.objective.guards import BufferGuard, frozen_batchnorm_stats
+from gradwatch.check.objective.padding_idx import padding_note
 from gradwatch.check.objective.precision import ShadowPrecision
 from gradwatch.check.objective.rng import Reseeder, preserved_rng, seed_everything
 from gradwatch.check.objective.shadow import Shadow, cast_floats, keep_shadow, kept_shadow, restore_params, snapshot_params
@@ -31,17 +33,16 @@ from gradwatch.check.objective.surrogate import SurrogateCut, find_surrogates, s
 from gradwatch.check.objective.terms import Objective, coupled_weight_decay
 from gradwatch.check.probes.batched import compiled_modules
 from gradwatch.check.probes.engine import check_tensors
-from gradwatch.check.probes.experts import in_order, tensor_of
+from gradwatch.check.probes.evaluation import Both, InMode, ObjectiveEvaluation, evaluation_context, focus, hooks_note
+from gradwatch.check.probes.experts import in_order
 from gradwatch.check.probes.lines import EngineSettings, Evaluator, total
 from gradwatch.check.probes.prefix import KEEP_BYTES, REPLAY_MIN_SECONDS, PrefixCache
-from gradwatch.errors import blame
-from gradwatch.options import CheckOptions
+from gradwatch.options import CheckOptions, check_options
 from gradwatch.plan.memory import release_freed
-from gradwatch.trees import dense, real_view, tensor_leaves
+from gradwatch.trees import real_view
 
 GradFn = Callable[[nn.Module, Any], Mapping[str, torch.Tensor]]
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-
 
 def trainable_names(model: nn.Module) -> List[str]:
     """Names of floating (or complex) parameters that require grad, in model order (tied parameters once)."""
@@ -56,18 +57,17 @@ def check_model(
     regularizers: Any = None,
     optimizer: Optional[torch.optim.Optimizer] = None,
     grad_fn: Optional[GradFn] = None,
-    localize: bool = False,
-    batched: bool = True,
-    screen: bool = True,
-    **options: Any,
+    options: Optional[CheckOptions] = None,
+    localize: Optional[bool] = None,
+    batched: Optional[bool] = None,
+    screen: Optional[bool] = None,
+    **keywords: Any,
 ) -> CheckReport:
     """Check backprop of a whole model and loss against two-sided numerical gradients.
 
-    The objective is ``loss_fn(model, batch)`` plus each regularizer (plus
-    ``0.5 * wd * ||p||^2`` for coupled weight decay when ``optimizer`` is
-    given). By default it runs on a float64 copy of the model with dropout
-    off and BatchNorm in train mode; the live model, its buffers, ``.grad``
-    and every RNG stream are left bit-identical.
+    The objective is ``loss_fn(model, batch)`` plus each regularizer (plus ``0.5 * wd * ||p||^2`` for coupled
+    weight decay when ``optimizer`` is given). By default it runs on a float64 copy of the model with dropout off
+    and BatchNorm in train mode; the live model, its buffers, ``.grad`` and every RNG stream are left bit-identical.
 
     Args:
         model: The model.
@@ -78,20 +78,20 @@ def check_model(
         optimizer: Read coupled ``weight_decay`` from its param groups.
         grad_fn: Hand-written backprop ``grad_fn(model, batch) -> {name: grad}`` of the
             full objective, used instead of autograd.
-        localize: When a tensor fails, check each module alone (:func:`gradwatch.check.modules.localize.localize`)
-            to name the module or custom autograd.Function whose backward is wrong; results go to
-            ``report.localized`` and ``str(report)``.
-        batched: Evaluate perturbations in vmapped batches where the model allows it
-            (:mod:`gradwatch.check.probes.batched`, automatic fallback); False: one evaluation each.
-        screen: Detection first: each tensor is probed along one random direction, and where analytic
-            and numeric slopes agree to the EXCELLENT band (with a noise floor that could have shown an
-            error) that settles it; only the others get the full sample (``coords``, ``directions``, kink
-            re-examination), and where the probe disagrees but the full sample does not fail, the
-            disagreement is traced to one entry by halving (:func:`gradwatch.check.probes.reexamine.pinpoint`).
-            False: the full sample on every tensor.
-        **options: See :class:`gradwatch.options.CheckOptions` (``coords``,
-            ``directions``, ``eps``, ``bands``, ``fail_at``, ``seed``, ``dtype``,
-            ``detect_kinks``, ``per_term``, ``tensors``).
+        options: A :class:`gradwatch.options.CheckOptions`; default: every option at its default. The keywords
+            below override its fields.
+        localize: Overrides ``options.localize`` (default False). True: when a tensor fails, check each module
+            alone (:func:`gradwatch.check.modules.localize.localize`) to name the module or custom autograd.Function
+            whose backward is wrong; results go to ``report.localized`` and ``str(report)``.
+        batched: Overrides ``options.batched`` (default True): evaluate perturbations in vmapped batches where the
+            model allows it (:mod:`gradwatch.check.probes.batched`, automatic fallback); False: one evaluation each.
+        screen: Overrides ``options.screen`` (default True): detection first, each tensor probed along one random
+            direction, which settles it where analytic and numeric slopes agree to the EXCELLENT band; the others
+            get the full sample, and a disagreement the full sample does not fail is traced to one entry by halving
+            (:func:`gradwatch.check.probes.reexamine.pinpoint`). False: the full sample on every tensor.
+        **keywords: Override the other fields of ``options`` (:class:`gradwatch.options.CheckOptions`: ``coords``,
+            ``directions``, ``eps``, ``bands``, ``fail_at``, ``seed``, ``dtype``, ``detect_kinks``, ``per_term``,
+            ``tensors``, ``surrogates``).
 
     Returns:
         A :class:`CheckReport`.
@@ -104,7 +104,28 @@ def check_model(
         True
     """
     entered = time.perf_counter()
-    opts = CheckOptions(**options)
+    given = {k: v for k, v in (("localize", localize), ("batched", batched), ("screen", screen)) if v is not None}
+    opts = check_options(options, **given, **keywords)
+    _refuse_uncheckable(model)
+    weight_decay, notes = coupled_weight_decay(model, optimizer)
+    objective = Objective(loss_fn, regularizers, weight_decay)
+    before = time.perf_counter() - entered
+    report = run_model_check(model, objective, batch, opts, grad_fn=grad_fn, batched=opts.batched, screen=opts.screen,
+                             mark_unseen=grad_fn is None, keep=True)
+    report.seconds += before
+    report.verdict_seconds += before
+    report.notes[:0] = notes
+    if grad_fn is None:
+        judge_unseen_on_modules(report, model, objective, batch, opts, opts.screen)
+    if objective.differentiates:  # it trains on the model's second derivatives: each module's double backward too
+        _check_inner_derivatives(report, model, objective, batch, opts)
+    if opts.localize and report.failures:
+        _localize_failures(report, model, loss_fn, batch, opts)
+    return report
+
+
+def _refuse_uncheckable(model: Any) -> None:
+    """Refuse what :func:`check_model` cannot check: not a module, or a sharded one."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if is_sharded(model):
@@ -113,87 +134,29 @@ def check_model(
             "parameters), it cannot be copied, and evaluating it makes collectives the other ranks do not make. "
             "Check the model before fully_shard, or use GradWatch, which gathers a replica on every rank at each check"
         )
-    weight_decay, notes = coupled_weight_decay(model, optimizer)
-    objective = Objective(loss_fn, regularizers, weight_decay)
-    before = time.perf_counter() - entered
-    report = run_model_check(model, objective, batch, opts, grad_fn=grad_fn, batched=batched, screen=screen,
-                             mark_unseen=grad_fn is None, keep=True)
-    report.seconds += before
-    report.verdict_seconds += before
-    report.notes[:0] = notes
-    if grad_fn is None:
-        judge_unseen_on_modules(report, model, objective, batch, opts, screen)
-    if objective.differentiates:  # it trains on the model's second derivatives: each module's double backward too
-        from gradwatch.check.higher_order.inner import check_inner_derivatives
-
-        start = time.perf_counter()
-        report.tensors.update(check_inner_derivatives(model, objective.loss, batch, seed=opts.seed, fail_at=report.fail_at))
-        report.seconds += time.perf_counter() - start
-        report.verdict_seconds = report.seconds  # these verdicts come after the diagnosis of the others
-        report.verdict_evaluations = report.evaluations
-    if localize and report.failures:
-        from gradwatch.check.modules.localize import localize as run_localize
-
-        start = time.perf_counter()
-        report.localized = run_localize(model, loss_fn, batch, enclosing=True, **options)
-        report.localize_seconds += time.perf_counter() - start
-        report.seconds += time.perf_counter() - start
-    return report
 
 
-#: What differences of the whole objective could not judge, and each module alone can (see below).
-UNSEEN = (InconclusiveKind.BELOW_RESOLUTION, InconclusiveKind.UNRESOLVED, InconclusiveKind.FLAT)
-
-
-def judge_unseen_on_modules(report: CheckReport, model: nn.Module, objective: Objective, batch: Any,
-                             opts: CheckOptions, screen: bool) -> None:
-    """Tensors the whole objective could not resolve, judged on their modules alone (the module form).
-
-    At weights near zero a layer's gradient is tiny against the objective: differences of the whole
-    objective lose it in rounding (``below_resolution``; ``flat`` where the objective does not move at all
-    at the widest step, as for a bias before a normalization), or cannot tell a kink from an error at a
-    step small enough (``unresolved``). Each module alone, ``<module(x), c>`` on its inputs from the batch
-    (:func:`gradwatch.check.modules.module_form.run_module_check`), differences outputs whose size follows the
-    weights', and resolves them at every scale. Such a tensor takes its module's verdict; an input
-    gradient that fails there (a unit's backward wrong where the objective could not see it) joins the
-    report under ``"<module>:input"``. Only on the float64 copy (the default ``dtype``).
-    """
-    unseen = [n for n, t in report.tensors.items() if t.inconclusive_kind in UNSEEN]
-    if not unseen or opts.torch_dtype != torch.float64:
-        return  # in a lower precision (dtype=None on a float32 model) modules alone cannot resolve kinks either
-    from gradwatch.check.modules.module_form import run_module_check
-    from gradwatch.plan.units import plan_units
+def _check_inner_derivatives(report: CheckReport, model: nn.Module, objective: Objective, batch: Any,
+                             opts: CheckOptions) -> None:
+    """Each module's double backward, for an objective that trains on the model's second derivatives."""
+    from gradwatch.check.higher_order.inner import check_inner_derivatives
 
     start = time.perf_counter()
-    units = plan_units(model, objective.loss, batch, opts.seed)
-    if all(report.tensors[n].inconclusive_kind is InconclusiveKind.FLAT for n in unseen):
-        # The objective is bit-for-bit flat in each of them (a bias before a normalization, or a gradient far
-        # below rounding): what can still be wrong is their own module's backward, so only it is checked.
-        units = [u for u in units if any(tensor_of(n) in u.params for n in unseen)]
-    modular = run_module_check(model, objective, batch, opts, units=units, screen=screen)
-    judged = []
-    for n in unseen:
-        check = modular.tensors.get(n)
-        if check is not None and check.inconclusive is None:
-            report.tensors[n] = check
-            judged.append(n)
-    for n, check in modular.tensors.items():
-        if n not in report.tensors and check.failed:
-            report.tensors[n] = check
-    spent = time.perf_counter() - start
-    report.evaluations += modular.evaluations
-    report.seconds += spent
-    # Their verdicts need none of the failing tensors' diagnosis, which ran before them: the work to a verdict.
-    report.verdict_seconds += spent
-    report.verdict_evaluations += modular.evaluations
-    if judged:
-        report.notes.append(_alone_note(judged))
+    report.tensors.update(check_inner_derivatives(model, objective.loss, batch, seed=opts.seed, fail_at=report.fail_at))
+    report.seconds += time.perf_counter() - start
+    report.verdict_seconds = report.seconds  # these verdicts come after the diagnosis of the others
+    report.verdict_evaluations = report.evaluations
 
 
-def _alone_note(judged: Sequence[str]) -> str:
-    """The note naming the tensors judged on their modules alone."""
-    return (f"judged on their modules alone (each module on its inputs from the batch), since differences of the "
-            f"whole objective could not resolve their gradient (weights near zero): {', '.join(judged)}")
+def _localize_failures(report: CheckReport, model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+                       batch: Any, opts: CheckOptions) -> None:
+    """``localize``: each module checked alone after a failure; the failing ones go to ``report.localized``."""
+    from gradwatch.check.modules.localize import localize as run_localize
+
+    start = time.perf_counter()
+    report.localized = run_localize(model, loss_fn, batch, enclosing=True, **opts.shared())
+    report.localize_seconds += time.perf_counter() - start
+    report.seconds += time.perf_counter() - start
 
 
 def _validate_target(model: nn.Module, opts: CheckOptions, names: Sequence[str]) -> None:
@@ -212,60 +175,38 @@ def _validate_target(model: nn.Module, opts: CheckOptions, names: Sequence[str])
             )
 
 
-def validate_grads(grads: Any, params: Mapping[str, torch.Tensor], source: str) -> Dict[str, torch.Tensor]:
-    if not isinstance(grads, Mapping):
-        raise TypeError(f"{source} must return a mapping {{name: gradient}}, got {type(grads).__name__}")
-    missing = [n for n in params if n not in grads]
-    if missing:
-        raise ValueError(
-            f"{source} returned no gradient for {missing}; it returned {sorted(map(str, grads))}, "
-            f"and the checked parameters are {list(params)}"
-        )
-    out = {}
-    for n, p in params.items():
-        g = grads[n]
-        g = torch.as_tensor(np.asarray(g)) if not isinstance(g, torch.Tensor) else g
-        if tuple(g.shape) != tuple(p.shape):
-            raise ValueError(f"{source}: gradient for {n!r} has shape {tuple(g.shape)}, but the parameter has shape {tuple(p.shape)}")
-        out[n] = dense(g.to(p.device))
-    return out
-
-
-@contextlib.contextmanager
-def _evaluation_context(target: nn.Module, in_place: bool, params: Dict[str, torch.Tensor],
-                        roots: Sequence[Any], prefix: Optional[PrefixCache] = None,
-                        ) -> Iterator[Tuple[BufferGuard, HeldGenerators, List[str], Any, List[str]]]:
-    saved = snapshot_params(params) if in_place else None
-    held = HeldGenerators([*roots, target])
-    try:
-        with preserved_rng(), dropout_off(target) as dropout, frozen_power_iteration(target), \
-                padding_rows_constant(target) as padding, suspended_hooks(target) as hooks, \
-                (prefix.installed() if prefix is not None else contextlib.nullcontext()):
-            # Inside: the attributes dropout_off switched are saved as switched (see AttributeGuard).
-            guard = BufferGuard(target, attributes=True)
-            try:
-                yield guard, held, hooks, dropout, padding
-            finally:
-                guard.restore_changed()
-    finally:
-        held.reset()
-        if saved is not None:
-            restore_params(params, saved)
-
-
-def _hooks_note(hooks: List[str]) -> str:
-    shown = "; ".join(hooks[:3]) + (f"; and {len(hooks) - 3} more" if len(hooks) > 3 else "")
-    return (
-        f"the check did not run {len(hooks)} hook(s) your code registered on the model ({shown}): at every "
-        "evaluation of a check they would run again and their side effects would reach training; if one changes "
-        "what its module returns, the check objective differs from the training loss (move that into forward())"
-    )
-
-
 #: Activations (bytes, as counted) from which the analytic side's freed memory is given back before the probes run
 #: (glibc's ``malloc_trim``: a few milliseconds; on a batch of 16,384 samples through an MLP of 256 units it kept the
 #: check's peak from standing on what the backward had freed).
 RELEASE_BYTES = 16 * 2**20
+
+
+@dataclass
+class _Target:
+    """What one check evaluates and perturbs."""
+
+    module: nn.Module  # the live model (in place) or its shadow copy's module
+    batch: Any  # cast to the shadow's dtype
+    dtype: Optional[torch.dtype]  # None: in place
+    shadow: Optional[Shadow]
+    surrogates: Dict[str, nn.Module]
+    cut: Optional[SurrogateCut]
+    leaves: Dict[str, nn.Parameter]  # the checked parameters
+    params: Dict[str, torch.Tensor]  # what the engine perturbs: complex ones as (re, im) pairs, then surrogate outputs
+    real: bool  # every checked parameter is real (``params`` are the ``leaves`` themselves)
+
+    @property
+    def in_place(self) -> bool:
+        return self.dtype is None
+
+
+class _Scales(NamedTuple):
+    """The sizes the engine's steps and noise floors follow."""
+
+    magnitude: float  # sum of |term|
+    eval_eps: float  # machine eps of the coarsest precision a parameter-dependent op ran in
+    objective_dtype_eps: float  # machine eps of the objective's own dtype
+    coarse: Optional[str]  # where a coarser precision ran, in words
 
 
 def run_model_check(
@@ -302,11 +243,51 @@ def run_model_check(
             this one for the next (:func:`~gradwatch.check.objective.shadow.kept_shadow`: one-shot checks).
     """
     start = time.perf_counter()
+    t = _target(model, batch, opts, names, shadow, keep)
+    batched = batched and t.cut is None and t.real
+    report = CheckReport(tensors={}, fail_at=opts.fail_verdict, seed=opts.seed)
+    if t.surrogates:
+        report.surrogates = list(t.surrogates)
+        report.notes.append(surrogate_note(t.surrogates, "objective"))
+    roots = [objective.loss_fn, *objective.regularizers.values(), grad_fn, model]
+    prefix = _prefix_cache(t, objective, prefix_bytes, batched)
+    with evaluation_context(t.module, t.in_place, t.params, roots, prefix) as (guard, held, hooks, dropout, padding):
+        _note_setting(report, dropout, padding, hooks)
+        precision = ShadowPrecision(t.dtype) if t.dtype is not None else None
+        analytic = _analytic_side(report, t, objective, opts, grad_fn, prefix, dropout, precision)
+        if analytic is None:  # the objective is not finite at the point
+            report.seconds = time.perf_counter() - start
+            return report
+        values, grads, graph_leaves = analytic
+        if activations >= RELEASE_BYTES:  # the forward's and backward's activations, freed and given back: what
+            release_freed()  # glibc keeps of them would sit under the probes' evaluations in the process's peak
+        # Only now: a train-mode BatchNorm saves its running stats for backward, and restoring them
+        # (the forward above updated them) bumps their version counters.
+        guard.restore_changed()
+        dropout.settle()  # counts are per forward; the interception stays on only where the forward needs it
+        if dropout.functional or dropout.stays_on or dropout.random_draws:
+            report.notes.append(dropout.summary())
+        reseed = Reseeder(opts.seed, held)
+        mode = precision if precision is not None and precision.needed else None
+        evaluator = _evaluator(t, objective, guard, reseed, mode, prefix, graph_leaves)
+        scales = _scales(report, values, t.params, precision, opts)
+        probe = _batched_probe(model, t, objective, guard, reseed, evaluator, prefix, mode, scales, activations) \
+            if batched else None
+        verdict_at, flat_spent, flat_evaluations = _judge(report, t, grads, evaluator, opts, scales, probe, prefix,
+                                                          screen=screen, mark_unseen=mark_unseen, values=values)
+    _timings(report, start, evaluator.count, verdict_at, flat_spent, flat_evaluations)
+    if keep and t.shadow is not None:
+        keep_shadow(model, t.shadow)
+    return report
+
+
+def _target(model: nn.Module, batch: Any, opts: CheckOptions, names: Optional[Sequence[str]], shadow: Optional[Shadow],
+            keep: bool) -> _Target:
+    """The module checked (the model, or its shadow copy in ``opts.dtype``), and the tensors chosen in it."""
     all_names = trainable_names(model)
     _validate_target(model, opts, all_names)
     chosen = list(names) if names is not None else match_names(all_names, opts.tensors)
     dtype = opts.torch_dtype
-    in_place = dtype is None
     if dtype is None:
         target = model
     else:
@@ -325,290 +306,141 @@ def run_model_check(
     wanted = set(chosen)
     leaves = {n: p for n, p in target.named_parameters() if n in wanted}
     params = {n: real_view(p) for n, p in leaves.items()}  # what the engine perturbs: complex ones as (re, im) pairs
-    batched = batched and cut is None and all(p is leaves[n] for n, p in params.items())
-    eval_seed = opts.seed
-    report = CheckReport(tensors={}, fail_at=opts.fail_verdict, seed=opts.seed)
-    if surrogates:
-        report.surrogates = list(surrogates)
-        report.notes.append(surrogate_note(surrogates, "objective"))
+    return _Target(target, batch, dtype, shadow, surrogates, cut, leaves, params,
+                   real=all(p is leaves[n] for n, p in params.items()))
 
-    roots = [objective.loss_fn, *objective.regularizers.values(), grad_fn, model]
-    # A probe of one tensor replays the leaf modules it does not reach (on the float64 copy, real tensors only).
-    prefix = PrefixCache(target, params, prefix_bytes) if prefix_bytes and not in_place and cut is None and batched \
-        and not objective.differentiates and \
-        all(p is leaves[n] for n, p in params.items()) and not compiled_modules(target) else None
-    with _evaluation_context(target, in_place, params, roots, prefix) as (guard, held, hooks, dropout, padding):
-        report.dropout = dropout
-        if padding:
-            report.notes.append(padding_note(padding))
-        if hooks:
-            report.notes.append(_hooks_note(hooks))
-            warnings.warn(report.notes[-1], stacklevel=3)  # shown once per distinct text by the default filter
-        # Analytic side: one forward with grad, then autograd.grad (never the caller's .grad).
-        # On a shadow it also measures the precision the objective really computes in (gradwatch.check.objective.precision).
-        precision = ShadowPrecision(dtype) if dtype is not None else None
-        seed_everything(eval_seed)
-        forward_at = time.perf_counter()
-        with torch.enable_grad(), (precision.tracing(target) if precision is not None else contextlib.nullcontext()), \
-                (cut.capturing() if cut is not None else contextlib.nullcontext()):
-            terms_t = objective.terms(target, batch)
-            total_t = cast(torch.Tensor, sum(terms_t[k] for k in sorted(terms_t)))
-        if prefix is not None and time.perf_counter() - forward_at < REPLAY_MIN_SECONDS:
-            prefix.decline()  # a forward of tens of microseconds: capturing and replaying it costs more than it saves
-        if cut is not None:
-            cut.take_gradients(total_t)
-        values = {k: float(v.detach()) for k, v in terms_t.items()}
-        report.terms = values
-        report.objective = float(total_t.detach())
-        report.dtype = str(total_t.dtype).replace("torch.", "")
-        if not math.isfinite(report.objective):
-            _not_finite(report, params, f"objective is not finite ({report.objective}); gradients not checked")
-            report.seconds = time.perf_counter() - start
-            return report
-        # A reentrant checkpoint hides the parameters inside it from autograd.grad: go through backward().
-        graph_leaves = reentrant_checkpoint_leaves(total_t) if total_t.requires_grad else None
-        if graph_leaves is not None:
-            graph_leaves += [p for p in target.parameters() if p.requires_grad]
-        with recomputed_alike(dropout):  # a checkpoint recomputing in backward drops what the forward dropped
-            grads = _analytic(objective, terms_t, total_t, leaves, target, batch, grad_fn, opts.per_term, graph_leaves)
-        # torch's gradient of a real loss by a complex z = x + iy is dJ/dx + i dJ/dy: as a real view, (dJ/dx, dJ/dy).
-        grads = {n: {k: real_view(g) for k, g in by_term.items()} for n, by_term in grads.items()}
-        for name, (output, g) in (cut.outputs.items() if cut is not None else ()):  # checked like a parameter
-            params[name], grads[name] = real_view(output), {"total": real_view(g)}
-        del terms_t, total_t
-        if activations >= RELEASE_BYTES:  # the forward's and backward's activations, freed and given back: what
-            release_freed()  # glibc keeps of them would sit under the probes' evaluations in the process's peak
-        # Only now: a train-mode BatchNorm saves its running stats for backward, and restoring them
-        # (the forward above updated them) bumps their version counters.
-        guard.restore_changed()
 
-        dropout.settle()  # counts are per forward; the interception stays on only where the forward needs it
-        if dropout.functional or dropout.stays_on or dropout.random_draws:
-            report.notes.append(dropout.summary())
-        reseed = Reseeder(eval_seed, held)
-        mode = precision if precision is not None and precision.needed else None
-        casting = shadow if not in_place else None
-        if casting is not None:
-            casting.trim_cast_hooks()
+def _prefix_cache(t: _Target, objective: Objective, prefix_bytes: Optional[int], batched: bool) -> Optional[PrefixCache]:
+    """A probe of one tensor replays the leaf modules it does not reach (on the float64 copy, real tensors only)."""
+    if prefix_bytes and not t.in_place and t.cut is None and batched and not objective.differentiates and t.real \
+            and not compiled_modules(t.module):
+        return PrefixCache(t.module, t.params, prefix_bytes)
+    return None
 
-        def terms_no_grad() -> Dict[str, torch.Tensor]:
-            if mode is not None:
-                with mode:
-                    return _terms_no_grad()
-            return _terms_no_grad()
 
-        def _terms_no_grad() -> Dict[str, torch.Tensor]:
-            if cut is not None:
-                with cut.cut():
-                    terms = _terms_cast_retried()
-                return {**terms, "surrogates": torch.tensor(cut.term(), dtype=torch.float64)}
-            return _terms_cast_retried()
+def _note_setting(report: CheckReport, dropout: Any, padding: List[str], hooks: List[str]) -> None:
+    """The setting the check runs in, in the report: dropout, constant padding rows, the hooks it did not run."""
+    report.dropout = dropout
+    if padding:
+        report.notes.append(padding_note(padding))
+    if hooks:
+        report.notes.append(hooks_note(hooks))
+        warnings.warn(report.notes[-1], stacklevel=4)  # shown once per distinct text by the default filter
 
-        def _terms_cast_retried() -> Dict[str, torch.Tensor]:
-            try:
-                return objective.terms(target, batch)
-            except Exception as first:
-                # A module that needed no input cast in the first evaluation needs one now: put the hooks back.
-                casts = casting.casts() if casting is not None else 0
-                if casting is None or not casting.restore_cast_hooks():
-                    raise
-                guard.restore_changed()
-                reseed()
-                terms = objective.terms(target, batch)
-                if casting.casts() == casts:
-                    raise first  # no module needed the cast: the user's code itself raised, retrying hid it
-                return terms
 
-        def evaluate() -> Dict[str, float]:
-            reseed()
-            capturing = prefix is not None and prefix.phase == "capture"
-            if prefix is not None:
-                prefix.begin()
-            try:
-                if graph_leaves is not None:  # checkpoint(use_reentrant=True) warns at every evaluation without grad
-                    with warnings.catch_warnings():
-                        warnings.filterwarnings("ignore", message=CHECKPOINT_NO_GRAD_WARNING)
-                        terms = terms_no_grad() if not torch.is_grad_enabled() else _no_grad(terms_no_grad)
-                elif torch.is_grad_enabled():
-                    with torch.no_grad():
-                        terms = terms_no_grad()
-                else:  # the engine probes under no_grad already; entering it again costs more than the check
-                    terms = terms_no_grad()
-            finally:
-                if capturing and prefix is not None:
-                    prefix.captured()  # (the first evaluation: what it kept is replayed from now on)
-            guard.restore_fast()
-            out = _floats(terms)
-            if capturing and prefix is not None:
-                prefix.expected = total(out)
-            return out
+def _analytic_side(report: CheckReport, t: _Target, objective: Objective, opts: CheckOptions, grad_fn: Optional[GradFn],
+                   prefix: Optional[PrefixCache], dropout: Any, precision: Optional[ShadowPrecision],
+                   ) -> Optional[Tuple[Dict[str, float], Dict[str, Dict[str, torch.Tensor]], Optional[List[torch.Tensor]]]]:
+    """One forward with grad, then autograd.grad (never the caller's .grad): ``(term values, gradients, the leaves
+    a reentrant checkpoint hides)``; None when the objective is not finite. On a shadow the forward also measures
+    the precision the objective really computes in (:mod:`gradwatch.check.objective.precision`)."""
+    seed_everything(opts.seed)
+    terms_t, total_t = _forward(t, objective, prefix, precision)
+    if t.cut is not None:
+        t.cut.take_gradients(total_t)
+    values = {k: float(v.detach()) for k, v in terms_t.items()}
+    report.terms = values
+    report.objective = float(total_t.detach())
+    report.dtype = str(total_t.dtype).replace("torch.", "")
+    if not math.isfinite(report.objective):
+        _not_finite(report, t.params, f"objective is not finite ({report.objective}); gradients not checked")
+        return None
+    # A reentrant checkpoint hides the parameters inside it from autograd.grad: go through backward().
+    graph_leaves = reentrant_checkpoint_leaves(total_t) if total_t.requires_grad else None
+    if graph_leaves is not None:
+        graph_leaves += [p for p in t.module.parameters() if p.requires_grad]
+    with recomputed_alike(dropout):  # a checkpoint recomputing in backward drops what the forward dropped
+        grads = analytic_gradients(objective, terms_t, total_t, t.leaves, t.module, t.batch, grad_fn, opts.per_term,
+                                   graph_leaves)
+    # torch's gradient of a real loss by a complex z = x + iy is dJ/dx + i dJ/dy: as a real view, (dJ/dx, dJ/dy).
+    grads = {n: {k: real_view(g) for k, g in by_term.items()} for n, by_term in grads.items()}
+    for name, (output, g) in (t.cut.outputs.items() if t.cut is not None else ()):  # checked like a parameter
+        t.params[name], grads[name] = real_view(output), {"total": real_view(g)}
+    return values, grads, graph_leaves  # the graph goes with this frame, before release_freed
 
-        evaluator = Evaluator(evaluate, recordable=not compiled_modules(target))
-        if prefix is not None:
-            evaluator.on_focus = lambda p: _focus(prefix, p, evaluator)
-        magnitude = sum(abs(v) for v in values.values())
-        eval_eps = max(machine_eps(t.dtype) for t in params.values()) if params else 0.0
-        coarse = None
-        if precision is not None:
-            # The step and the noise floor follow the coarsest precision a parameter-dependent op ran in.
-            eval_eps = max(eval_eps, precision.eps())
-            coarse = precision.island_text() or None
-            report.precision = precision.summary()
-            report.precision["step"] = opts.eps if opts.eps is not None else eval_eps ** (1.0 / 3.0)
-            report.notes.extend(precision.notes(report.precision["step"]))
-        objective_dtype_eps = machine_eps(getattr(torch, report.dtype))
-        probe: Any = None
-        if batched:
-            from gradwatch.check.probes.batched import BatchedProbe
 
-            tolerance = 2 * NOISE_FACTOR * max(eval_eps, objective_dtype_eps) * max(magnitude, 1e-30)
-            probe = BatchedProbe(model, target, objective, batch, reseed if prefix is None else _Both(reseed, prefix.begin),
-                                 guard, evaluator, tolerance, activations=activations)
-            if mode is not None:
-                probe = _InMode(probe, mode)
-        verdict_at: List[Tuple[float, int]] = []
-        with frozen_batchnorm_stats(target):
-            _judge_all(report, params, grads, evaluator, opts, magnitude=magnitude, eval_eps=eval_eps,
-                       objective_dtype_eps=objective_dtype_eps, probe_batch=probe, coarse=coarse, screen=screen,
-                       mark_unseen=mark_unseen, base_terms=values,
-                       on_verdict=lambda: verdict_at.append((time.perf_counter(), evaluator.count)))
-            flat_at = time.perf_counter()
-            flat_evaluations = _flat_on_leaves(report, target, prefix, opts, screen) \
-                if prefix is not None and prefix.enabled else 0
-            flat_spent = time.perf_counter() - flat_at
-    report.evaluations = evaluator.count + 1 + flat_evaluations
+def _forward(t: _Target, objective: Objective, prefix: Optional[PrefixCache], precision: Optional[ShadowPrecision],
+             ) -> Tuple[Dict[str, torch.Tensor], torch.Tensor]:
+    """The analytic forward: ``(terms, their total)`` with their graph; a quick one declines the prefix replay."""
+    forward_at = time.perf_counter()
+    with torch.enable_grad(), (precision.tracing(t.module) if precision is not None else contextlib.nullcontext()), \
+            (t.cut.capturing() if t.cut is not None else contextlib.nullcontext()):
+        terms_t = objective.terms(t.module, t.batch)
+        total_t = cast(torch.Tensor, sum(terms_t[k] for k in sorted(terms_t)))
+    if prefix is not None and time.perf_counter() - forward_at < REPLAY_MIN_SECONDS:
+        prefix.decline()  # a forward of tens of microseconds: capturing and replaying it costs more than it saves
+    return terms_t, total_t
+
+
+def _evaluator(t: _Target, objective: Objective, guard: BufferGuard, reseed: Reseeder, mode: Optional[ShadowPrecision],
+               prefix: Optional[PrefixCache], graph_leaves: Optional[List[torch.Tensor]]) -> Evaluator:
+    """The numeric side's counted evaluations of the objective (:class:`ObjectiveEvaluation`)."""
+    casting = t.shadow if not t.in_place else None
+    if casting is not None:
+        casting.trim_cast_hooks()
+    evaluation = ObjectiveEvaluation(objective, t.module, t.batch, guard, reseed, mode=mode, cut=t.cut, casting=casting,
+                                     prefix=prefix, graph_leaves=graph_leaves)
+    evaluator = Evaluator(evaluation, recordable=not compiled_modules(t.module))
+    if prefix is not None:
+        evaluator.on_focus = lambda p: focus(prefix, p, evaluator)
+    return evaluator
+
+
+def _scales(report: CheckReport, values: Dict[str, float], params: Dict[str, torch.Tensor],
+            precision: Optional[ShadowPrecision], opts: CheckOptions) -> _Scales:
+    """The scales of the check; on a shadow, the precision it measured goes to the report."""
+    magnitude = sum(abs(v) for v in values.values())
+    eval_eps = max(machine_eps(p.dtype) for p in params.values()) if params else 0.0
+    coarse = None
+    if precision is not None:
+        # The step and the noise floor follow the coarsest precision a parameter-dependent op ran in.
+        eval_eps = max(eval_eps, precision.eps())
+        coarse = precision.island_text() or None
+        report.precision = precision.summary()
+        report.precision["step"] = opts.eps if opts.eps is not None else eval_eps ** (1.0 / 3.0)
+        report.notes.extend(precision.notes(report.precision["step"]))
+    return _Scales(magnitude, eval_eps, machine_eps(getattr(torch, report.dtype)), coarse)
+
+
+def _batched_probe(model: nn.Module, t: _Target, objective: Objective, guard: BufferGuard, reseed: Reseeder,
+                   evaluator: Evaluator, prefix: Optional[PrefixCache], mode: Optional[ShadowPrecision], scales: _Scales,
+                   activations: int) -> Any:
+    """The vmapped evaluations of a tensor's perturbations (:class:`~gradwatch.check.probes.batched.BatchedProbe`)."""
+    from gradwatch.check.probes.batched import BatchedProbe
+
+    tolerance = 2 * NOISE_FACTOR * max(scales.eval_eps, scales.objective_dtype_eps) * max(scales.magnitude, 1e-30)
+    probe: Any = BatchedProbe(model, t.module, objective, t.batch, reseed if prefix is None else Both(reseed, prefix.begin),
+                              guard, evaluator, tolerance, activations=activations)
+    return InMode(probe, mode) if mode is not None else probe
+
+
+def _judge(report: CheckReport, t: _Target, grads: Dict[str, Dict[str, torch.Tensor]], evaluator: Evaluator,
+           opts: CheckOptions, scales: _Scales, probe: Any, prefix: Optional[PrefixCache], *, screen: bool,
+           mark_unseen: bool, values: Dict[str, float]) -> Tuple[List[Tuple[float, int]], float, int]:
+    """Every tensor judged, the flat ones on their leaf modules after: ``(when the verdicts were known, the time of
+    the flat ones, their evaluations)``."""
+    verdict_at: List[Tuple[float, int]] = []
+    with frozen_batchnorm_stats(t.module):
+        _judge_all(report, t.params, grads, evaluator, opts, magnitude=scales.magnitude, eval_eps=scales.eval_eps,
+                   objective_dtype_eps=scales.objective_dtype_eps, probe_batch=probe, coarse=scales.coarse, screen=screen,
+                   mark_unseen=mark_unseen, base_terms=values,
+                   on_verdict=lambda: verdict_at.append((time.perf_counter(), evaluator.count)))
+        flat_at = time.perf_counter()
+        flat_evaluations = flat_on_leaves(report, t.module, prefix, opts, screen) \
+            if prefix is not None and prefix.enabled else 0
+        flat_spent = time.perf_counter() - flat_at
+    return verdict_at, flat_spent, flat_evaluations
+
+
+def _timings(report: CheckReport, start: float, count: int, verdict_at: List[Tuple[float, int]], flat_spent: float,
+             flat_evaluations: int) -> None:
+    """The report's evaluations and times: in all, to every verdict, and after it (the failures' diagnosis)."""
+    report.evaluations = count + 1 + flat_evaluations
     end = time.perf_counter()
     report.seconds = end - start
-    at, count = verdict_at[0] if verdict_at else (end, evaluator.count)
-    report.verdict_seconds, report.verdict_evaluations = at - start + flat_spent, count + 1 + flat_evaluations
+    at, counted = verdict_at[0] if verdict_at else (end, count)
+    report.verdict_seconds, report.verdict_evaluations = at - start + flat_spent, counted + 1 + flat_evaluations
     report.localize_seconds = end - at if report.failures else 0.0
-    if keep and shadow is not None:
-        keep_shadow(model, shadow)
-    return report
-
-
-def _flat_on_leaves(report: CheckReport, target: nn.Module, prefix: PrefixCache, opts: CheckOptions,
-                    screen: bool) -> int:
-    """Tensors the objective is flat in (a bias before a normalization) whose module is a leaf that ran once:
-    judged on that module alone, on the inputs the first evaluation kept, with no forward of the model more
-    (:func:`judge_unseen_on_modules` judges the others). Returns the evaluations of those modules made."""
-    from gradwatch.check.modules.localize import check_module
-
-    flat = [n for n, t in report.tensors.items() if t.inconclusive_kind is InconclusiveKind.FLAT]
-    evaluations = 0
-    if not flat:
-        return 0
-    owners = {(f"{m_name}.{local}" if m_name else local): (m_name, m, local, p)
-              for m_name, m in target.named_modules() for local, p in m.named_parameters(recurse=False)}
-    judged = []
-    for n in flat:
-        if n not in owners:
-            continue
-        m_name, module, local, p = owners[n]
-        got = prefix.inputs_of(module)
-        if got is None:
-            continue
-        constants = {id(t) for t in tensor_leaves(got)}  # only the parameter's verdict is wanted here
-        result = check_module(m_name, module, got[0], got[1], opts, params={local: p}, constants=constants,
-                              screen=screen)
-        evaluations += result.evaluations
-        check = result.tensors.get(local)
-        if check is not None and check.inconclusive is None:
-            check.name = n
-            report.tensors[n] = check
-            judged.append(n)
-    if judged:
-        report.notes.append(_alone_note(judged))
-    return evaluations
-
-
-class _Both:
-    """Two calls in one: the batched evaluations' reseeding, and the start of an evaluation's call count."""
-
-    def __init__(self, first: Callable[[], None], second: Callable[[], None]) -> None:
-        self.first, self.second = first, second
-
-    def __call__(self) -> None:
-        self.first()
-        self.second()
-
-
-def _focus(prefix: PrefixCache, p: Optional[torch.Tensor], evaluator: Evaluator) -> None:
-    """The engine probes ``p`` now: replay what it does not reach, once the replay is found exact (one evaluation)."""
-    if p is not None and not prefix.verified and prefix.enabled:
-        prefix.verify(lambda: total(evaluator()))
-    prefix.focus(p)
-
-
-class _InMode:
-    """A batched probe whose evaluations run inside a :class:`ShadowPrecision` mode."""
-
-    def __init__(self, probe: Any, mode: ShadowPrecision) -> None:
-        self._probe, self._mode = probe, mode
-
-    def wants(self, name: str) -> bool:
-        return self._probe.wants(name)
-
-    def chunk(self, p: torch.Tensor) -> int:
-        return self._probe.chunk(p)
-
-    def __call__(self, *args: Any) -> Any:
-        with self._mode:
-            return self._probe(*args)
-
-
-def _no_grad(fn: Callable[[], Any]) -> Any:
-    with torch.no_grad():
-        return fn()
-
-
-def _floats(terms: Mapping[str, torch.Tensor]) -> Dict[str, float]:
-    """Term values as Python floats, with one device sync for all of them (not one per term)."""
-    if len(terms) == 1:
-        return {k: float(v) for k, v in terms.items()}
-    devices = {v.device for v in terms.values()}
-    if all(d.type == "cpu" for d in devices):
-        return {k: float(v) for k, v in terms.items()}
-    dev = next(d for d in devices if d.type != "cpu")
-    return dict(zip(terms, torch.stack([v.detach().to(dev, torch.float64).reshape(()) for v in terms.values()]).tolist()))
-
-
-def _analytic(objective, terms_t, total_t, params, target, batch, grad_fn, per_term, leaves=None) -> Dict[str, Dict[str, torch.Tensor]]:
-    """``{tensor: {"total": grad, term: grad, ...}}``; through ``backward()`` into ``leaves`` when given
-    (see :mod:`gradwatch.check.objective.checkpointed`)."""
-    plist = list(params.values())
-    out: Dict[str, Dict[str, torch.Tensor]] = {n: {} for n in params}
-    if grad_fn is not None:
-        try:
-            with torch.enable_grad():
-                given = validate_grads(grad_fn(target, batch), params, "grad_fn")
-        except Exception as exc:
-            blame(exc, "grad_fn")
-            raise
-        for n in params:
-            out[n]["total"] = given[n]
-    else:
-        gs = _grad(total_t, plist, retain=per_term, leaves=leaves)
-        for n, g in zip(params, gs):
-            out[n]["total"] = g
-    if per_term:
-        for term in sorted(terms_t):
-            gs = _grad(terms_t[term], plist, retain=True, leaves=leaves)
-            for n, g in zip(params, gs):
-                out[n][term] = g
-    return out
-
-
-def _grad(value: torch.Tensor, plist: List[torch.Tensor], retain: bool,
-          leaves: Optional[List[torch.Tensor]] = None) -> List[torch.Tensor]:
-    if not value.requires_grad:
-        return [torch.zeros_like(p) for p in plist]
-    gs: Sequence[Optional[torch.Tensor]]
-    if leaves is not None:  # see gradwatch.check.objective.checkpointed
-        gs = grad_by_backward(value, plist, leaves, retain)
-    else:
-        gs = torch.autograd.grad(value, plist, retain_graph=retain, allow_unused=True)
-    return [torch.zeros_like(p) if g is None else dense(g) for g, p in zip(gs, plist)]
 
 
 def _judge_all(report: CheckReport, params: Dict[str, torch.Tensor], grads, evaluator: Evaluator, opts: CheckOptions,
@@ -674,31 +506,9 @@ def check_numpy(
     opts = CheckOptions(**options)
     if opts.dtype is not None:
         raise ValueError(f"check_numpy checks arrays in place in their own dtype; got dtype={opts.dtype}, pass dtype=None")
-    if not isinstance(params, Mapping) or not params:
-        raise TypeError(f"params must be a non-empty dict of numpy arrays, got {type(params).__name__}")
-    views: Dict[str, torch.Tensor] = {}
-    for n, arr in params.items():
-        if not isinstance(arr, np.ndarray) or not np.issubdtype(arr.dtype, np.floating):
-            raise TypeError(f"params[{n!r}] must be a floating numpy array, got {type(arr).__name__} {getattr(arr, 'dtype', '')}")
-        if not arr.flags.writeable:
-            raise ValueError(f"params[{n!r}] is read-only; gradwatch perturbs arrays in place")
-        views[n] = torch.from_numpy(arr)
-    chosen = match_names(list(views), opts.tensors)
-    views = {n: views[n] for n in chosen}
+    views = _array_views(params, opts)
     given = validate_grads(grads, views, "grads")
-    takes_params = _takes_argument(loss_fn)
-    regs = dict(regularizers or {})
-
-    held = HeldGenerators([loss_fn, *regs.values()])
-
-    def evaluate() -> Dict[str, float]:
-        seed_everything(opts.seed)
-        held.reset()
-        out = {"loss": _as_float(loss_fn(params) if takes_params else loss_fn(), "loss_fn")}
-        for name, reg in regs.items():
-            out[name] = _as_float(reg(params), f"regularizer {name!r}")
-        return out
-
+    evaluate = _NumpyObjective(loss_fn, params, dict(regularizers or {}), opts.seed)
     start = time.perf_counter()
     dtype = str(next(iter(views.values())).dtype).replace("torch.", "")
     report = CheckReport(tensors={}, fail_at=opts.fail_verdict, seed=opts.seed, dtype=dtype)
@@ -717,11 +527,45 @@ def check_numpy(
                 _judge_all(report, views, analytic, evaluator, opts, magnitude=sum(abs(v) for v in values.values()),
                            eval_eps=eps, objective_dtype_eps=eps)
     finally:
-        held.reset()
+        evaluate.held.reset()
         restore_params(views, saved)
     report.evaluations = evaluator.count
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _array_views(params: Mapping[str, np.ndarray], opts: CheckOptions) -> Dict[str, torch.Tensor]:
+    """The chosen arrays as tensors sharing their memory (the check perturbs them in place)."""
+    if not isinstance(params, Mapping) or not params:
+        raise TypeError(f"params must be a non-empty dict of numpy arrays, got {type(params).__name__}")
+    views: Dict[str, torch.Tensor] = {}
+    for n, arr in params.items():
+        if not isinstance(arr, np.ndarray) or not np.issubdtype(arr.dtype, np.floating):
+            raise TypeError(f"params[{n!r}] must be a floating numpy array, got {type(arr).__name__} {getattr(arr, 'dtype', '')}")
+        if not arr.flags.writeable:
+            raise ValueError(f"params[{n!r}] is read-only; gradwatch perturbs arrays in place")
+        views[n] = torch.from_numpy(arr)
+    chosen = match_names(list(views), opts.tensors)
+    return {n: views[n] for n in chosen}
+
+
+class _NumpyObjective:
+    """``evaluate() -> {term: float}`` of :func:`check_numpy`: ``loss_fn`` and each regularizer, seeded alike."""
+
+    def __init__(self, loss_fn: Callable[..., float], params: Mapping[str, np.ndarray],
+                 regs: Dict[str, Callable[[Mapping[str, np.ndarray]], float]], seed: int) -> None:
+        self.loss_fn, self.params, self.regs, self.seed = loss_fn, params, regs, seed
+        self.takes_params = _takes_argument(loss_fn)
+        self.held = HeldGenerators([loss_fn, *regs.values()])
+
+    def __call__(self) -> Dict[str, float]:
+        seed_everything(self.seed)
+        self.held.reset()
+        loss_fn, params = self.loss_fn, self.params
+        out = {"loss": _as_float(loss_fn(params) if self.takes_params else loss_fn(), "loss_fn")}
+        for name, reg in self.regs.items():
+            out[name] = _as_float(reg(params), f"regularizer {name!r}")
+        return out
 
 
 def _takes_argument(fn: Callable) -> bool:
@@ -741,3 +585,7 @@ def _as_float(value: Any, what: str) -> float:
     if arr.size != 1:
         raise ValueError(f"{what} must return a scalar, got shape {arr.shape}")
     return float(arr.reshape(()))
+
+
+__all__ = ["GradFn", "KEEP_BYTES", "RELEASE_BYTES", "REPLAY_MIN_SECONDS", "UNSEEN", "check_model", "check_numpy",
+           "judge_unseen_on_modules", "run_model_check", "trainable_names", "validate_grads"]

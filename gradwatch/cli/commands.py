@@ -25,7 +25,7 @@ import yaml
 
 from gradwatch._version import __version__
 from gradwatch.cli.console import plural, unicode_ok
-from gradwatch.config import GradWatchConfig, config_problems, load_config, option_names, options_table, show_value
+from gradwatch.config import GradWatchConfig, config_keys, config_problems, load_config, option_names, options_table, show_value
 from gradwatch.errors import ConfigError, GradWatchError
 from gradwatch.io import not_judged
 
@@ -260,14 +260,8 @@ def _bench_missing() -> int:
 # --------------------------------------------------------------------- validate
 
 def _raw_keys(path: str) -> List[str]:
-    """Option names a YAML file sets explicitly (call after :func:`load_config` succeeded)."""
-    with open(path, encoding="utf-8") as fh:
-        data = yaml.safe_load(fh)
-    if not isinstance(data, dict):
-        return []
-    if "gradwatch" in data:
-        data = data["gradwatch"] or {}
-    return [k for k in data if k in option_names()]
+    """Option names a YAML file sets explicitly, those in its groups too (call after :func:`load_config` succeeded)."""
+    return config_keys(path)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

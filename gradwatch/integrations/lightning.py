@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union, cast
 
 import torch
@@ -41,7 +40,7 @@ except ImportError as err:  # pragma: no cover - exercised only without lightnin
         "pip install 'gradwatch[lightning]'"
     ) from err
 
-from gradwatch.config import GradWatchConfig, load_config
+from gradwatch.config import GradWatchConfig, resolve_config
 from gradwatch.errors import ConfigError, GradWatchError, ObjectiveError, blame
 from gradwatch.io.records import ALERTS_COUNT_TAG, scalars_from_check
 from gradwatch.io.sinks import JsonlSink, Sink, TensorBoardSink
@@ -292,9 +291,10 @@ class GradWatchCallback(Callback):
             parameters are watched against their own objective, checked when that optimizer steps,
             both verdicts, records under ``log_dir/optimizer_<index>`` (computed, as in training, after
             the optimizers stepped before it). ``self.log``/``self.log_dict`` are silenced during checks.
-        config: Optional YAML file with GradWatch options; keyword options win.
-        **options: Any :class:`~gradwatch.config.GradWatchConfig` option (``every``,
-            ``coords``, ``raise_on``, ...) and ``on_alert``/``grad_fn``.
+        config: The watch's configuration, as :class:`~gradwatch.GradWatch` takes it: a
+            :class:`~gradwatch.config.GradWatchConfig` or the path of a YAML config; keyword options override it.
+        **options: Any :class:`~gradwatch.config.GradWatchConfig` option (``every``, ``coords``, ``raise_on``,
+            ...), flat or in its group (``schedule={"every": 50}``), and ``on_alert``/``grad_fn``.
 
     Scalars go through every logger of the trainer (``log_metrics`` at
     ``trainer.global_step``, rank zero): ``metrics.csv``, wandb, MLflow alike.
@@ -313,7 +313,8 @@ class GradWatchCallback(Callback):
         10
     """
 
-    def __init__(self, loss_fn: Optional[LossFns] = None, *, config: Union[str, Path, None] = None, **options: Any) -> None:
+    def __init__(self, loss_fn: Optional[LossFns] = None, *, config: Union[GradWatchConfig, str, os.PathLike, None] = None,
+                 **options: Any) -> None:
         super().__init__()
         loss_fn = _validate_loss_fns(loss_fn)
         self.loss_fn: Any = loss_fn if loss_fn is not None else training_step_loss
@@ -321,10 +322,8 @@ class GradWatchCallback(Callback):
         for key, value in self._objects.items():
             if value is not None and not callable(value):
                 raise MisconfigurationException(f"GradWatchCallback: {key} must be callable, got {type(value).__name__}")
-        self._config_path = config
-        self._options = options
         try:
-            made = self._make_config()
+            made = resolve_config(config, options)
         except (ConfigError, ValueError, TypeError) as err:
             raise MisconfigurationException(f"GradWatchCallback: {err}") from err
         self.config: GradWatchConfig = made
@@ -337,10 +336,6 @@ class GradWatchCallback(Callback):
         self._checking = False
         self._refused: List[str] = []  # what the check objective tried and was refused, during one check
         self._pending_state: Optional[Dict[str, Any]] = None
-
-    def _make_config(self) -> GradWatchConfig:
-        base = load_config(self._config_path) if self._config_path is not None else GradWatchConfig()
-        return base.replace(**self._options) if self._options else base
 
     @property
     def state_key(self) -> str:

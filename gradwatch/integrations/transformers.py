@@ -63,7 +63,7 @@ except ImportError as err:  # pragma: no cover - exercised only without transfor
         "pip install 'gradwatch[hf]'"
     ) from err
 
-from gradwatch.config import GradWatchConfig, load_config
+from gradwatch.config import GradWatchConfig, resolve_config
 from gradwatch.errors import ConfigError, GradWatchError, ObjectiveError, say
 from gradwatch.integrations.hf_loss import (
     ComputeLoss,
@@ -215,9 +215,10 @@ class GradWatchCallback(TrainerCallback):
             model (without its ``num_items_in_batch``: the loss of that micro-batch alone); default: the
             ``loss`` the model returns (the batch needs labels), or, under a Trainer that overrides
             ``compute_loss``, that ``compute_loss`` on its inputs (:class:`~gradwatch.integrations.hf_loss.ComputeLoss`).
-        config: Optional YAML file with GradWatch options; keyword options win.
-        **options: Any :class:`~gradwatch.config.GradWatchConfig` option (``every``,
-            ``coords``, ``raise_on``, ...) and ``on_alert``/``grad_fn``.
+        config: The watch's configuration, as :class:`~gradwatch.GradWatch` takes it: a
+            :class:`~gradwatch.config.GradWatchConfig` or the path of a YAML config; keyword options override it.
+        **options: Any :class:`~gradwatch.config.GradWatchConfig` option (``every``, ``coords``, ``raise_on``,
+            ...), flat or in its group (``schedule={"every": 50}``), and ``on_alert``/``grad_fn``.
 
     ``callback.watch`` is the :class:`~gradwatch.GradWatch` it drives (from the start of
     training). Bad options raise ``ValueError`` naming the option. See the module
@@ -229,7 +230,8 @@ class GradWatchCallback(TrainerCallback):
         (10, None)
     """
 
-    def __init__(self, loss_fn: Optional[LossFn] = None, *, config: Union[str, Path, None] = None, **options: Any) -> None:
+    def __init__(self, loss_fn: Optional[LossFn] = None, *, config: Union[GradWatchConfig, str, os.PathLike, None] = None,
+                 **options: Any) -> None:
         if loss_fn is not None and not callable(loss_fn):
             raise ValueError(f"GradWatchCallback: loss_fn must be callable loss_fn(model, inputs) -> loss, got {type(loss_fn).__name__}")
         self.loss_fn: LossFn = loss_fn if loss_fn is not None else TrainerLoss()
@@ -239,8 +241,7 @@ class GradWatchCallback(TrainerCallback):
             if value is not None and not callable(value):
                 raise ValueError(f"GradWatchCallback: {key} must be callable, got {type(value).__name__}")
         try:
-            base = load_config(config) if config is not None else GradWatchConfig()
-            self.config = base.replace(**options) if options else base
+            self.config: GradWatchConfig = resolve_config(config, options)
         except ConfigError as err:
             raise ValueError(f"GradWatchCallback: {err}") from err
         self.watch: Optional[GradWatch] = None

@@ -48,7 +48,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import math
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
@@ -56,9 +55,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradwatch.check.independence.report import merge_ranks
-from gradwatch.check.judging.report import CheckReport, TensorCheck, worse
+from gradwatch.check.judging.report import CheckReport
+from gradwatch.config import parse_distributed
 from gradwatch.errors import GradWatchError, blamed
+from gradwatch.parallel._rank_results import RankResult, merge_reports, slow_ranks
 from gradwatch.parallel.host_collectives import combine, gather_objects
 from gradwatch.parallel.host_points import HostPoints
 from gradwatch.parallel.wrappers import unwrap_model  # noqa: F401  (its home was here: old imports still work)
@@ -86,51 +86,8 @@ class PeerFailed(DistributedCheckError):
 
 
 def _mode(distributed: Any) -> Optional[bool]:
-    if isinstance(distributed, str) and distributed.lower() == "auto":
-        return None
-    if isinstance(distributed, bool):
-        return distributed
-    raise ValueError(f"distributed: got {distributed!r}, expected 'auto', True or False")
-
-
-@dataclasses.dataclass
-class RankResult:
-    """What one rank sends after its share of a check.
-
-    Attributes:
-        rank: The sender.
-        report: Its share's :class:`CheckReport` (None when it checked nothing or its check raised).
-        error: ``"Type: message"`` of the exception its check raised, if any.
-        where: What raised it (``"loss_fn"``...; see :func:`gradwatch.errors.blamed`).
-        seconds: How long its check took.
-        interval: Its schedule's next interval (rank 0's is the one every rank follows).
-        training: ``(replayed, reason)`` of its training part; None when that part did not run.
-        waited: Of ``seconds``, how long it waited for the other ranks at agreement points
-            (:mod:`gradwatch.parallel.lockstep`).
-        cut: Sketches of its replayed micro-batches' gradients (:mod:`gradwatch.parallel.step_objective`), or None.
-        replicas: ``{name: 64-bit hash}`` of its replicated parameters (DDP), or None
-            (:func:`gradwatch.watch.parts.update.replica_hashes`).
-
-    Example:
-        >>> RankResult(rank=1, error="KeyError: 'labels'").failed
-        True
-    """
-
-    rank: int
-    report: Optional[CheckReport] = None
-    error: Optional[str] = None
-    where: Optional[str] = None
-    seconds: float = 0.0
-    interval: int = 1
-    training: Optional[Tuple[bool, Optional[str]]] = None
-    waited: float = 0.0
-    cut: Optional[List[torch.Tensor]] = None
-    replicas: Optional[Dict[str, int]] = None
-
-    @property
-    def failed(self) -> bool:
-        """True when this rank's check raised."""
-        return self.error is not None
+    """``distributed`` (``"auto"``, ``"on"``/True, ``"off"``/False/None) as None (auto), True or False."""
+    return {"auto": None, "on": True, "off": False}[parse_distributed(distributed)]
 
 
 @dataclasses.dataclass
@@ -292,8 +249,8 @@ class DistributedCoordinator:
             DistributedCheckError: A rank did not arrive within ``distributed_timeout`` (the coordinator is then
                 broken: its group can no longer be trusted).
         """
-        # One element (a point is a round trip; gloo's all-reduce of two took 1.5 times as long): a rank that is not ok
-        # sends the least int64, below any value
+        # One element (a point is a round trip, and one element is the cheapest): a rank that is not ok sends the least
+        # int64, below any value
         code = _FAILED if not ok else _NO_VALUE if value is None else int(value)
         if self._host is _UNOPENED:  # the first point, on every rank: through shared memory where all share a host
             self._host = HostPoints.open(lambda mine: self.everyone(mine, "where the agreement points meet"),
@@ -404,7 +361,7 @@ class DistributedCoordinator:
 
     def _sum(self, tensor: torch.Tensor) -> None:
         """``tensor`` summed over the ranks, in place: through the points' shared memory where every rank is on one
-        host (:mod:`gradwatch.parallel.host_collectives`; 4 MB took 21 ms over gloo), else gloo's all-reduce."""
+        host (:mod:`gradwatch.parallel.host_collectives`: no gloo round trip), else gloo's all-reduce."""
         host = self.host()
         if host is not None and host.data and tensor.device.type == "cpu" and tensor.is_contiguous():
             combine(host, "all_reduce", tensor, "sum", point=lambda: host.smallest(0), out=tensor)
@@ -431,8 +388,7 @@ class DistributedCoordinator:
     def _gather(self, payload: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
         """``all_gather_object`` behind a monitored barrier; None (and ``broken`` set) when a rank is missing. Where
         the points meet in shared memory, through it (:func:`~gradwatch.parallel.host_collectives.gather_objects`: its
-        points wait ``distributed_timeout`` and name a missing rank, as the barrier does; 12 ms a check over gloo on
-        ``benchmarks/parallel.py``'s 4.2M tensor parallel model)."""
+        points wait ``distributed_timeout`` and name a missing rank, as the barrier does, without gloo's round trips)."""
         try:
             host = self.host()
             out: List[Any] = [None] * self.world_size
@@ -481,16 +437,14 @@ def _first_difference(a: Any, b: Any) -> Tuple[Any, Any]:
     return a, b
 
 
-#: Elements of one coalesced all-reduce of :meth:`DistributedCoordinator.average` (4 MB in float32).
+#: Elements of one coalesced all-reduce of :meth:`DistributedCoordinator.average` (2**20: a few MB in float32).
 BUCKET = 1 << 20
 
 
 def buckets(sizes: Sequence[Tuple[str, torch.dtype, int]], limit: Optional[int] = None) -> List[List[str]]:
     """The names of ``sizes`` (``(name, dtype, elements)``, in order) in runs of one dtype of at most ``limit``
     (default :data:`BUCKET`) elements together; a tensor over ``limit`` alone. The same sizes give the same runs on
-    every rank.
-
-    ZeRO-3's averaged replay of a 4.2M-parameter model made 69 all-reduces a check, 0.12 s on 2 gloo ranks.
+    every rank: few all-reduces a check where one a tensor made many (see docs/costs.md).
 
     Example:
         >>> f, d = torch.float32, torch.float64
@@ -542,103 +496,3 @@ def merge_results(results: Sequence[RankResult], order: Sequence[str], opts: Any
         seconds=max((float(r.seconds) for r in results), default=0.0),
         training=[r.training for r in results],
     )
-
-
-#: A rank whose check took this many times the fastest rank's, and at least SLOW_SECONDS more, is named as slow
-#: (1.5: a stall of 3 s in a check of 5 s of its own work is named; at 2.0 it was not).
-SLOW_FACTOR, SLOW_SECONDS = 1.5, 1.0
-
-
-def slow_ranks(results: Sequence[RankResult]) -> Optional[str]:
-    """A note naming the ranks whose own work in a check (its time, less its waits for the others) ran much
-    slower than the fastest rank's (None: none did).
-
-    Example:
-        >>> slow_ranks([RankResult(0, seconds=3.6, waited=3.1), RankResult(1, seconds=3.5)])
-        'rank 1 ran slow in this check: 3.5 s of its own, against 0.5 s on rank 0 (every rank waits for the slowest)'
-        >>> slow_ranks([RankResult(0, seconds=0.5), RankResult(1, seconds=0.7)]) is None
-        True
-        >>> slow_ranks([RankResult(0, seconds=8.0), RankResult(1, seconds=8.1, waited=3.0)])[:42]
-        'rank 0 ran slow in this check: 8.0 s of it'
-        >>> slow_ranks([RankResult(0, seconds=6.0), RankResult(1, seconds=5.0)]) is None  # 1.2x: shares differ
-        True
-    """
-    if len(results) < 2:
-        return None
-    own = {r.rank: max(0.0, r.seconds - r.waited) for r in results}
-    fastest = min(own, key=lambda rank: own[rank])
-    slow = [rank for rank, t in own.items() if t > SLOW_FACTOR * own[fastest] and t - own[fastest] >= SLOW_SECONDS]
-    if not slow:
-        return None
-    return (f"rank{'s' if len(slow) > 1 else ''} {', '.join(map(str, slow))} ran slow in this check: "
-            f"{', '.join(f'{own[rank]:.1f} s' for rank in slow)} of its own, against {own[fastest]:.1f} s on rank "
-            f"{fastest} (every rank waits for the slowest)")
-
-
-def _worse(a: Any, b: Any) -> bool:
-    """True when training verdict ``a`` is worse than ``b``: failed first, then the larger judged difference
-    (a verdict with no figure, NaN, counts as the worst).
-
-    Example:
-        >>> from gradwatch.check.judging.report import TrainingCheck
-        >>> _worse(TrainingCheck("w", (2,), judged_rel_diff=0.5), TrainingCheck("w", (2,), judged_rel_diff=0.0))
-        True
-    """
-    def key(t: Any) -> Tuple[bool, float]:
-        value = float(t.judged_rel_diff)
-        return bool(t.failed), math.inf if value != value else value
-
-    return key(a) > key(b)
-
-
-def merge_reports(reports: Sequence[Any], order: Sequence[str], opts: Any) -> CheckReport:
-    """One :class:`CheckReport` from the per-rank reports of one check (``[(rank, report), ...]``).
-
-    Tensors come in ``order``, each with the worse of the ranks' verdicts on it
-    (:func:`~gradwatch.check.judging.report.worse`); the objective and terms are rank 0's (each rank
-    evaluates its own batch), unless some rank's objective is not finite;
-    evaluations add up; seconds is the slowest rank's.
-    """
-    ranked = sorted(reports, key=lambda rr: rr[0])
-    first = ranked[0][1]
-    tensors: Dict[str, TensorCheck] = {}
-    for name in order:  # ranks that judged other rows of one tensor (pieces split, FSDP2 shards): the worse verdict
-        for _, r in ranked:
-            if name in r.tensors:
-                tensors[name] = worse(tensors.get(name), r.tensors[name])
-    for _, r in ranked:  # anything not in order (should not happen), after
-        for name, t in r.tensors.items():
-            tensors.setdefault(name, t)
-    bad = next((r for _, r in ranked if not math.isfinite(r.objective)), None)
-    source = bad if bad is not None else first
-    merged = CheckReport(
-        tensors=tensors,
-        fail_at=first.fail_at,
-        dtype=first.dtype,
-        objective=source.objective,
-        terms=dict(source.terms),
-        evaluations=sum(r.evaluations for _, r in ranked),
-        seconds=max(r.seconds for _, r in ranked),
-        seed=first.seed,
-        nondeterministic=any(r.nondeterministic for _, r in ranked),
-        nonfinite=any(r.nonfinite for _, r in ranked),
-    )
-    merged.form, merged.memory = first.form, dict(first.memory)
-    merged.independence = merge_ranks([(rank, r.independence) for rank, r in ranked])  # every rank's batch
-    for _, r in ranked:
-        for name, tc in r.training.items():  # each rank's verdict on its shard (FSDP2 shard by shard): the worst
-            have = merged.training.get(name)
-            if have is None or _worse(tc, have):
-                merged.training[name] = tc
-        merged.training_note = merged.training_note or r.training_note
-        merged.probed.extend(r.probed)  # the module form: each rank probed its share of the pieces
-        merged.pieces.extend(r.pieces)
-        for unit, (seconds, rows) in r.piece_seconds.items():  # parts of one unit on several ranks: summed
-            merged.spent(unit, seconds, rows)
-        for note in r.notes:
-            if note not in merged.notes:
-                merged.notes.append(note)
-        for term, checks in r.term_checks.items():
-            merged.term_checks.setdefault(term, {}).update(checks)
-        merged.localized.extend(r.localized)
-    return merged

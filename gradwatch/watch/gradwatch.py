@@ -22,7 +22,7 @@ from gradwatch.check.numerics.sampling import coverage as coverage_of
 from gradwatch.check.numerics.sampling import match_names
 from gradwatch.check.objective.terms import Objective, coupled_weight_decay
 from gradwatch.check.replay.reference import ForwardRecorder, Step
-from gradwatch.config import GradWatchConfig, load_config
+from gradwatch.config import resolve_config
 from gradwatch.io.records import run_record
 from gradwatch.io.sinks import SinkSet, build_sinks
 from gradwatch.parallel.coordinator import DEFAULT_TIMEOUT, DistributedCoordinator
@@ -73,13 +73,13 @@ class GradWatch:
         on_alert: Optional callback ``on_alert(alert)``; if it raises, the error is logged and training goes on.
         writer: Optional existing ``SummaryWriter`` to log through (e.g. Lightning's).
         distributed: ``"auto"`` (default): coordinate the ranks when ``torch.distributed`` is initialized with 2+
-            ranks (see :mod:`gradwatch.parallel.coordinator`); ``False``: act as a single process.
+            ranks (:mod:`gradwatch.parallel.coordinator`); ``"on"``: require them; ``"off"``: act as one process.
         distributed_timeout: Seconds gradwatch's own collectives wait for a missing rank.
         grad_scaler: Optional ``torch.amp.GradScaler`` of a float16 AMP loop. The training part then replays
             ``scaler.scale(loss).backward()`` and the unscaling as training ran them (the same bits), so call
             :meth:`step` after ``scaler.unscale_(optimizer)``.
-        **options: Every option of :class:`~gradwatch.config.GradWatchConfig` (``every``, ``overhead_budget``,
-            ``tensors_per_check``, ``raise_on``, ``log_dir``, ``coords``, ``directions``, ``regularizers``, ...).
+        **options: Every option of :class:`~gradwatch.config.GradWatchConfig`, flat (``every=50``) or by group
+            (``schedule={"every": 50}``); ``config=``: a ``GradWatchConfig`` or a YAML path, the keywords winning.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -121,10 +121,7 @@ class GradWatch:
         **options: Any,
     ) -> None:
         check_arguments(model, loss_fn, on_alert)
-        config = options.pop("config", None)
-        self.config = load_config(config) if isinstance(config, (str, Path)) else config or GradWatchConfig()
-        if options:
-            self.config = self.config.replace(**options)
+        self.config = resolve_config(options.pop("config", None), options)
         model = (wrapping := Wrapping.of(model)).model  # the user's module; no collective (DDP) fires in a check
         refuse_unsupported(model)  # FSDP1; FSDP2 is checked on a gathered replica (see gradwatch.parallel.sharded)
         check_arguments(model, loss_fn, grad_scaler=grad_scaler)

@@ -60,9 +60,8 @@ def check_double_backward(
         eps: As :func:`gradwatch.check_backward`.
         atol: As :func:`gradwatch.check_backward`; defaults to :data:`FLOAT64_TOLERANCES` (1e-6) when the
             check computes in float64 (``dtype``, or float64 inputs), else to Chainer's looser
-            :data:`TOLERANCES` (1e-4). Measured on torch's OpInfo samples with second derivatives
-            (``benchmarks/opinfo_double.py``): at the float64 defaults, 0 false alarms and every
-            1%-in-one-element mutant of the double backward caught.
+            :data:`TOLERANCES` (1e-4). Chosen on torch's OpInfo samples with second derivatives
+            (``benchmarks/opinfo_double.py``; its results are in the docs' OpInfo page).
         rtol: As ``atol``: 1e-4 in float64, else 1e-3.
         no_grads: One flag per input of the first-order function, ``x_data`` then ``y_grad``; True skips it.
         dtype: As :func:`gradwatch.check_backward`: ``float64`` for a sharp check of float32 code.
@@ -88,38 +87,49 @@ def check_double_backward(
     """
     xs = [to_tensor(x, f"x_data[{i}]") for i, x in enumerate(to_tuple(x_data))]
     gys = [to_tensor(g, f"y_grad[{i}]") for i, g in enumerate(to_tuple(y_grad))]
-    computes = check_dtype(dtype)
-    float64 = computes == torch.float64 if computes is not None else all(
-        x.dtype == torch.float64 for x in xs if x.is_floating_point())
-    default_atol, default_rtol = FLOAT64_TOLERANCES if float64 else TOLERANCES
-    atol = default_atol if atol is None else atol
-    rtol = default_rtol if rtol is None else rtol
+    atol, rtol = _tolerances(xs, dtype, atol, rtol)
     plist = params_tuple(params)
     for what, t in [(f"x_data[{i}]", x) for i, x in enumerate(xs)] + [(n, p) for n, p in plist]:
         if t.is_complex():
             raise ValueError(f"check_double_backward does not check complex arrays yet: {what} is {t.dtype} "
                              f"(check_backward checks complex first-order gradients)")
-    n_x = len(xs)
-    floating = [i for i, x in enumerate(xs) if x.is_floating_point()]
+    first_order = FirstOrder(func, len(xs), [i for i, x in enumerate(xs) if x.is_floating_point()], plist)
     ggx = list(to_tuple(x_grad_grad))
     ggp = list(to_tuple(params_grad_grad))
-    if len(ggx) != len(floating):
-        raise ValueError(f"x_grad_grad must have one entry per floating input of x_data ({len(floating)}), "
+    if len(ggx) != len(first_order.floating):
+        raise ValueError(f"x_grad_grad must have one entry per floating input of x_data ({len(first_order.floating)}), "
                          f"got {len(ggx)}")
     if len(ggp) != len(plist):
         raise ValueError(f"params_grad_grad must have one entry per parameter ({len(plist)}), got {len(ggp)}")
-
-    def first_order(*inputs: torch.Tensor) -> List[torch.Tensor]:
-        args, y_grads = list(inputs[:n_x]), inputs[n_x:]
-        with torch.enable_grad():
-            for i in floating:  # the numeric side passes plain tensors: each needs a gradient of its own
-                if not args[i].requires_grad:
-                    args[i] = args[i].detach().requires_grad_(True)
-            ys = to_tuple(func(*args))
-            total = sum(((y * g).sum() for y, g in zip(ys, y_grads)), torch.zeros((), dtype=ys[0].dtype))
-            wrt = [args[i] for i in floating] + [p for _, p in plist]
-            grads = torch.autograd.grad(total, wrt, create_graph=True, allow_unused=True)
-        return [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt)]
-
     return run_check_backward(first_order, tuple(xs + gys), tuple(ggx + ggp), params=[p for _, p in plist],
                               eps=eps, atol=atol, rtol=rtol, no_grads=no_grads, dtype=dtype, limits=limits)
+
+
+def _tolerances(xs: Sequence[torch.Tensor], dtype: Any, atol: Optional[float], rtol: Optional[float]) -> Tuple[float, float]:
+    """``(atol, rtol)``: the given ones, else :data:`~gradwatch.check.backward.FLOAT64_TOLERANCES` when the check
+    computes in float64 (``dtype``, or every floating input float64), else :data:`TOLERANCES`."""
+    computes = check_dtype(dtype)
+    float64 = computes == torch.float64 if computes is not None else all(
+        x.dtype == torch.float64 for x in xs if x.is_floating_point())
+    default_atol, default_rtol = FLOAT64_TOLERANCES if float64 else TOLERANCES
+    return (default_atol if atol is None else atol), (default_rtol if rtol is None else rtol)
+
+
+class FirstOrder:
+    """The first-order gradient as the function under test: ``first_order(*x, *y_grad) = d<func(x), y_grad>/d(x, params)``
+    (``create_graph=True``), one array per floating input then per parameter."""
+
+    def __init__(self, func: Callable[..., Any], n_x: int, floating: List[int], plist: List[Tuple[str, torch.Tensor]]) -> None:
+        self.func, self.n_x, self.floating, self.plist = func, n_x, floating, plist
+
+    def __call__(self, *inputs: torch.Tensor) -> List[torch.Tensor]:
+        args, y_grads = list(inputs[:self.n_x]), inputs[self.n_x:]
+        with torch.enable_grad():
+            for i in self.floating:  # the numeric side passes plain tensors: each needs a gradient of its own
+                if not args[i].requires_grad:
+                    args[i] = args[i].detach().requires_grad_(True)
+            ys = to_tuple(self.func(*args))
+            total = sum(((y * g).sum() for y, g in zip(ys, y_grads)), torch.zeros((), dtype=ys[0].dtype))
+            wrt = [args[i] for i in self.floating] + [p for _, p in self.plist]
+            grads = torch.autograd.grad(total, wrt, create_graph=True, allow_unused=True)
+        return [torch.zeros_like(w) if g is None else g for g, w in zip(grads, wrt)]
