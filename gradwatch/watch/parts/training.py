@@ -19,119 +19,42 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import functools
 import operator
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, cast
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union, cast
 
 import torch
 from torch import nn
 
-from gradwatch.check.judging.report import CheckReport, TrainingCheck
-from gradwatch.check.judging.training_judge import compute_dtype, gradient_scale, judge_training, tolerance_for
-from gradwatch.check.model import validate_grads
+from gradwatch.check.judging.report import CheckReport
+from gradwatch.check.judging.training_judge import compute_dtype, tolerance_for
 from gradwatch.check.numerics.sampling import match_names
-from gradwatch.check.objective.checkpointed import grad_by_backward, reentrant_checkpoint_leaves
-from gradwatch.check.probes.experts import by_expert
-from gradwatch.check.replay import checkpoint_blocks as blocks_of
-from gradwatch.check.replay.checkpoint_blocks import blocks_needed, checkpointing, repeated_blocks
-from gradwatch.check.replay.reference import Replay, Step, autocast_state, replay_step, scalar_grad
+from gradwatch.check.replay.reference import Replay, Step, replay_step
 from gradwatch.check.replay.rows import Differentiated, RowGrads, sliceable_linears
 from gradwatch.check.replay.subset import replay_subset
-from gradwatch.check.replay.window import PartialWindow
-from gradwatch.errors import first_line
-from gradwatch.parallel.shard_check import backward_on_shards, is_partial, local, settled_pairs
-from gradwatch.parallel.sharded import is_dtensor
+from gradwatch.parallel.shard_check import local
 from gradwatch.parallel.step_objective import StepObjective, StepPlan
-from gradwatch.parallel.wrappers import is_compiled, unwrap_model
-from gradwatch.parallel.zero import is_partitioned, loss_scale, whole_grad, zero_part
-from gradwatch.plan.memory import gradient_bytes, mb, peak_bytes, release_freed
+from gradwatch.plan.memory import mb, peak_bytes, release_freed
 from gradwatch.trees import dense
 from gradwatch.watch.parts._accumulation import AccumulationWindow
 from gradwatch.watch.parts._nonfinite_grads import NonfiniteGrads
 from gradwatch.watch.parts._term_weights import Again, TermWeights
+from gradwatch.watch.parts._training_grads import TrainingGrads
+from gradwatch.watch.parts._training_replay import ReplayChoice, ReplayStages, Total, same_tree, shift_hint
+from gradwatch.watch.parts._training_verdicts import Verdicts
 from gradwatch.watch.parts.context import CheckContext, TrendAlerting, WatchContext
-from gradwatch.watch.parts.replay_capture import Hooks, capturing
+from gradwatch.watch.parts.replay_capture import Hooks
 from gradwatch.watch.trend import Alert
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
-def same_tree(tree: List[Tuple[Dict[str, Any], Tuple[str, ...], Tuple[Any, ...]]]) -> bool:
-    """Every ``_modules``/``_parameters`` dict still holds exactly the keys and values it held, in order
-    (by identity: a key set again keeps its key object, so only a real change reads as one).
-
-    Example:
-        >>> d = {"a": 1}
-        >>> same_tree([(d, tuple(d), tuple(d.values()))]), same_tree([(d, (), ())])
-        (True, False)
-    """
-    for d, keys, values in tree:
-        if len(d) != len(keys) or not all(map(operator.is_, d.values(), values)) or not all(map(operator.is_, d, keys)):
-            return False
-    return True
-
-
-class InnerAutocast:
-    """The autocast state a model's forward opens inside itself, seen from its first submodule's forward.
-
-    Training's recorded forward starts outside such a region (accelerate wraps a Trainer's model's ``forward`` in
-    autocast: TRL's bf16 default), so the recorded state says plain precision while the model computes in bfloat16.
-    The replay computes the same, and where a step's micro-batches are weighed (``loss * n_i / N`` against training's
-    ``sum / N``) the last bit of the scale can round a bfloat16 value the other way: judged at float32's tolerance, a
-    correct step failed. A pre-hook on the first submodule notes the state there, so the judge takes the precision
-    the forward ran in.
-
-    Example:
-        >>> model = nn.Sequential(nn.Linear(2, 2))
-        >>> model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)  # as accelerate wraps it
-        >>> inner = InnerAutocast(model)
-        >>> _ = inner.wrap(lambda m, x: m(x).float().sum())(model, torch.ones(1, 2))
-        >>> inner.seen
-        (('cpu', True, torch.bfloat16),)
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        self.first = next((m for m in model.modules() if m is not model), None)
-        #: The state seen inside the first forward (empty: none seen, or plain precision).
-        self.seen: Tuple[Tuple[str, bool, torch.dtype], ...] = ()
-
-    def wrap(self, total: Callable[[nn.Module, Any], Any]) -> Callable[[nn.Module, Any], Any]:
-        """``total`` with the pre-hook on while it runs."""
-        first = self.first
-        if first is None:
-            return total
-
-        def note(module: nn.Module, args: Any) -> None:
-            if not self.seen:
-                self.seen = autocast_state()
-
-        note._gradwatch_hook = True  # type: ignore[attr-defined]  # gradwatch's own: kept in the replay's isolation
-
-        def evaluate(model: nn.Module, batch: Any) -> Any:
-            handle = first.register_forward_pre_hook(note)
-            try:
-                return total(model, batch)
-            finally:
-                handle.remove()
-
-        return evaluate
-
-
-def shift_hint(model: nn.Module) -> Optional[int]:
-    """1 for a model known to shift its labels by one position (a Hugging Face causal LM), else None.
-
-    Example:
-        >>> shift_hint(nn.Linear(2, 2)) is None
-        True
-    """
-    loss_type = getattr(model, "loss_type", None)
-    return 1 if loss_type == "ForCausalLM" or type(model).__name__.endswith("ForCausalLM") else None
-
-
-class TrainingPart(TrendAlerting):
+class TrainingPart(ReplayStages, Verdicts, TrendAlerting):
     """Replays the step's objective as training computed it and judges the live ``.grad`` against it.
+
+    The replay's stages are :class:`~gradwatch.watch.parts._training_replay.ReplayStages`'s (its gradients a
+    :class:`~gradwatch.watch.parts._training_grads.TrainingGrads`), the verdicts
+    :class:`~gradwatch.watch.parts._training_verdicts.Verdicts`'s.
 
     Args:
         watch: The watch's setting (its ``recorder`` is None when the part is off).
@@ -239,7 +162,7 @@ class TrainingPart(TrendAlerting):
         """Shard by shard: where the replay raised the process's peak (``before``: as it began) above the check's
         ceiling (:meth:`~gradwatch.plan.memory.MemoryMeter.ceiling`), the next replays checkpoint for that much less
         room (:attr:`overshoot`): what the sharded backward adds (collectives' buffers, FSDP2's gathered parameters;
-        19 MB to 33 MB under tensor parallel at 20.8M, ``benchmarks/parallel.py``, 0 to 9 MB on its 1x2 mesh)."""
+        measured by ``benchmarks/parallel.py``)."""
         meter = self.watch.memory
         ceiling = meter.ceiling()
         after = peak_bytes(meter.device)
@@ -253,7 +176,7 @@ class TrainingPart(TrendAlerting):
 
         The last walk's result is reused while the module tree is the same (the same submodules and parameters by
         identity, each with its ``requires_grad``): a replaced layer, a frozen, unfrozen or new parameter makes the next
-        check walk again (a few microseconds to tell; a walk costs 30-50 us on a small model).
+        check walk again (telling is much cheaper than walking).
         """
         model = self.watch.model if model is None else model
         cached = self._params_cache
@@ -327,6 +250,34 @@ class TrainingPart(TrendAlerting):
         if ctx.recorder is None or pending is None:
             return None
         self.window.observe(len(pending.micro))
+        chosen = self._choose(ctx.recorder.root, model, room, only, saved)
+        if isinstance(chosen, Replay):
+            return chosen
+        scaler = self.grad_scaler if self.grad_scaler is not None and self.grad_scaler.is_enabled() else None
+        with ctx.wrapping.fabric_backward():
+            plan = self._plan_step(pending, chosen.entry,
+                                   {n: p for n, p in chosen.params.items() if n not in chosen.row_plan} or chosen.params,
+                                   seed)
+        if plan.weights is None:
+            return Replay(None, None, None, plan.reason)
+        grad_of = TrainingGrads(ctx, chosen.model, chosen.params, chosen.whole, chosen.plist, chosen.rowgrads, scaler,
+                                {id(mb.batch): w for mb, w in zip(pending.micro, plan.weights)}, pending,
+                                self._replay_grads)
+        autocast = next((mb.records[0].autocast for mb in pending.micro if mb.records), ())
+        total, inner = self._objective(chosen, len(pending.micro), autocast, room, checkpoint_room, hooks, faithful,
+                                       saved, held)
+        replay = self._replayed(chosen, pending, total, grad_of, plan, seed, autocast)
+        if inner is not None and inner.seen and not replay.autocast:
+            replay.autocast = inner.seen
+        self._record(replay, chosen, pending, plan, seed, scaler)
+        return replay
+
+    def _choose(self, recorded: nn.Module, model: Optional[nn.Module], room: Optional[int],
+                only: Optional[Sequence[str]], saved: Any) -> Union[Replay, ReplayChoice]:
+        """What the replay differentiates (:meth:`replay`'s arguments), or why it judges nothing (a not-judged
+        :class:`Replay`): the watched tensors of ``model`` (``recorded``: the recorder's root, where the replay runs the
+        live model), under a ``room`` those that fit (:meth:`subset`, counted as judged), some by a block of rows."""
+        ctx = self.watch
         if ctx.mixed is not None and not ctx.by_shard:
             return Replay(None, None, None, f"not judged: FSDP2's MixedPrecisionPolicy ({ctx.mixed}) computes "
                                             "training in another precision than the parameters'; the training part "
@@ -334,7 +285,7 @@ class TrainingPart(TrendAlerting):
         model = ctx.model if model is None else model
         # The live model: the replay calls what training called (a compiled or Fabric module), where the recorder sits
         live = model is ctx.model
-        entry, root = (ctx.wrapping.entry, ctx.recorder.root) if live else (model, model)
+        entry, root = (ctx.wrapping.entry, recorded) if live else (model, model)
         params = self.params(model)
         plist = tuple(params.values())
         if not ctx.zero and all(p.grad is None for p in plist):  # ZeRO's are in its partitions (at_boundary said)
@@ -354,351 +305,47 @@ class TrainingPart(TrendAlerting):
         linears = sliceable_linears(model) if row_plan else {}
         rowgrads = RowGrads({n: (linears[n], params[n], rows) for n, rows in row_plan.items()}) if row_plan else None
         whole = [(n, p) for n, p in params.items() if n not in row_plan]
+        return ReplayChoice(model, live, entry, root, params, plist, whole, row_plan, rowgrads, savings)
 
-        scaler = self.grad_scaler if self.grad_scaler is not None and self.grad_scaler.is_enabled() else None
-        with ctx.wrapping.fabric_backward():
-            plan = self._plan_step(pending, entry, {n: p for n, p in params.items() if n not in row_plan} or params, seed)
-        if plan.weights is None:
-            return Replay(None, None, None, plan.reason)
-        weight_of = {id(mb.batch): w for mb, w in zip(pending.micro, plan.weights)}
-
-        def grad_of(total: torch.Tensor, batch: Any) -> Dict[str, torch.Tensor]:
-            if ctx.grad_fn is not None:
-                grads = validate_grads(ctx.grad_fn(model, batch), params, "grad_fn")
-                weight = weight_of.get(id(batch), 1.0)  # grad_fn gives the micro-batch's own gradient: weighed here
-                return grads if weight == 1.0 else {n: g * weight for n, g in grads.items()}
-            leaves = rowgrads.leaves() if rowgrads is not None else ()
-            if not total.requires_grad:
-                out = {n: torch.zeros_like(p) for n, p in whole}
-                out.update(rowgrads.split([None] * len(leaves)) if rowgrads is not None else {})
-                return out
-            inv = None
-            if scaler is not None:  # scaler.scale(loss).backward(), then unscale_: times the float32 reciprocal
-                inv = torch.tensor(float(scaler.get_scale()), dtype=torch.float64).reciprocal().float()
-                total = scaler.scale(total)
-            gs = (backward_on_shards(model, total, plist, reuse=len(pending.micro) == 1,
-                                     before=ctx.lockstep.point if ctx.lockstep is not None else None)
-                  if ctx.by_shard and not ctx.zero
-                  else self._replay_grads(model, total, plist, leaves))
-            out = {n: torch.zeros_like(p) if g is None else dense(g) for (n, p), g in zip(whole, gs[:len(plist)])}
-            if rowgrads is not None:  # weights judged by rows: the gradient of those rows only
-                out.update(rowgrads.split(list(gs[len(plist):])))
-            if inv is not None:
-                out = {n: g * inv.to(g.device) for n, g in out.items()}
-            return out
-
-        autocast = next((mb.records[0].autocast for mb in pending.micro if mb.records), ())
-        dtypes = {p.dtype for p in plist}  # a few distinct dtypes, however many tensors
+    def _replayed(self, chosen: ReplayChoice, pending: Step, total: Total, grad_of: TrainingGrads, plan: StepPlan,
+                  seed: int, autocast: Any) -> Replay:
+        """The step replayed (:func:`~gradwatch.check.replay.reference.replay_step`), its loss compared at the
+        tolerance of the least precise tensor's compute dtype; the mode that reproduced it tried first next time."""
+        ctx = self.watch
+        dtypes = {p.dtype for p in chosen.plist}  # a few distinct dtypes, however many tensors
         worst = compute_dtype(max(dtypes, key=tolerance_for, default=torch.float32), autocast)
-        total: Callable[[nn.Module, Any], Any] = ctx.objective.training_total
-        sizing = room if room is not None else checkpoint_room
-        blocks, capture = self._blocks_to_checkpoint(model, params, sizing, len(pending.micro), savings,
-                                                     held if hooks is not None else None,
-                                                     saved.total if savings is not None else None) \
-            if live and sizing is not None else (0, True)
-        if not capture:  # even every block checkpointed, the capture's tensors would not fit: it takes its own forward
-            hooks = None
-        if blocks:
-            total = checkpointing(root, total, blocks)
-        if hooks is not None:  # the backward part's capture rides on the replay's forward
-            total = capturing(total, model, hooks[0], hooks[1], faithful if faithful is not None else [],
-                              dropout=bool(ctx.dropout_only) and ctx.one_process)
-        # a forward that opens autocast itself (not a compiled one: a hook inside its graph would recompile it)
-        inner = InnerAutocast(root) if live and not autocast and not is_compiled(root) else None
-        if inner is not None:
-            total = inner.wrap(total)
+        rowgrads = chosen.rowgrads
         with rowgrads if rowgrads is not None else contextlib.nullcontext(), ctx.wrapping.fabric_backward():
-            replay = replay_step(root, ctx.recorder, pending, total, grad_of, params,
+            replay = replay_step(chosen.root, cast(Any, ctx.recorder), pending, total, grad_of, chosen.params,
                                  loss_tolerance=10 * tolerance_for(worst), context=self.replay_context,
                                  generators=ctx.held_generators(), modules=self._modules_cache,
                                  lockstep=ctx.by_shard, weights=plan.weights,
                                  each=self.step_objective.each(seed) if plan.cut and not plan.equal else None,
-                                 entry=entry, prefer=self._mode)
+                                 entry=chosen.entry, prefer=self._mode)
             if replay.how and "+" not in replay.how:
                 self._mode = replay.how  # the next check's replay tries it first
             replay.unran = rowgrads.unran() if rowgrads is not None else []
-        if inner is not None and inner.seen and not replay.autocast:
-            replay.autocast = inner.seen
-        replay.params = params
-        replay.rows = row_plan
+        return replay
+
+    def _record(self, replay: Replay, chosen: ReplayChoice, pending: Step, plan: StepPlan, seed: int,
+                scaler: Any) -> None:
+        """What the judge reads on ``replay`` (the tensors, their rows, the step's plan); the replays seen by the
+        accumulation window; and, in one process, the step kept for a replay with another objective (the term-weight
+        diagnosis, :meth:`_term_weights`)."""
+        ctx = self.watch
+        replay.params = chosen.params
+        replay.rows = chosen.row_plan
         replay.plan = plan
         self.window.replayed(replay.accumulating, replay.forwards)
         self._again = None
-        if live and replay.grads is not None and ctx.grad_fn is None and ctx.one_process and not (ctx.zero or scaler):
+        rowgrads = chosen.rowgrads
+        if chosen.live and replay.grads is not None and ctx.grad_fn is None and ctx.one_process \
+                and not (ctx.zero or scaler):
             # the rows judged too, where no regularizer reads their whole weight
-            judged = Differentiated(dict(whole), rowgrads.plan if rowgrads is not None and not ctx.objective.regularizers
-                                    else None)
-            self._again = (self._replays(root, entry, pending, judged), entry or root, judged, seed)
-        return replay
-
-    def _replays(self, root: nn.Module, entry: Optional[nn.Module], pending: Step, judged: Differentiated) -> Again:
-        """This check's step replayed with another objective (the term-weight diagnosis's, only where the verdict
-        fails), as :meth:`replay` replays it, the rows judged by rows differentiated again; the recorder left paused or
-        not as it was."""
-        ctx = self.watch
-        recorder = cast(Any, ctx.recorder)
-        params = judged.whole
-
-        def again(evaluate: Any, grad_of: Any, weights: Sequence[float], each: Any) -> Replay:
-            paused = recorder.paused
-            try:
-                with ctx.wrapping.fabric_backward(), judged.opened():
-                    return replay_step(root, recorder, pending, evaluate, grad_of, params, loss_tolerance=1.0,
-                                       context=self.replay_context, generators=ctx.held_generators(),
-                                       modules=self._modules_cache, weights=list(weights), each=each, entry=entry,
-                                       prefer=self._mode)
-            finally:
-                recorder.paused = paused
-
-        return again
-
-    def _blocks_to_checkpoint(self, model: nn.Module, params: Dict[str, torch.Tensor], room: int, micro: int = 1,
-                              savings: Optional[List[int]] = None, captures: Optional[int] = None,
-                              counted: Optional[int] = None) -> Tuple[int, bool]:
-        """How many of the model's repeated blocks the replay checkpoints (:mod:`gradwatch.check.replay.checkpoint_blocks`;
-        the first ones, whose activations live longest), and whether a capture may ride on it: as many as keep
-        training's ``.grad`` held now and the replayed gradients within what the room leaves above training's
-        activations (training's forward ran with no ``.grad``); none where they fit, or where the model checkpoints
-        already. Each block saves its counted share of those activations (``savings``: :meth:`_counted`, the excess
-        bounded by ``counted``; where none was counted, its share of them and of ``.grad``, and half again). A
-        capture holds up to ``captures`` bytes through it, some inside the checkpointed blocks: counted too, and where
-        every block checkpointed does not save them, the capture takes a forward of its own (False).
-
-        FSDP2, tensor and sequence parallel (shard by shard: ``checkpoint_room``), each rank counts its own shards and
-        the ranks take the largest count (an agreement point: the recomputed forwards' collectives must be the same on
-        every rank). An FSDP2 block's recomputed forward runs between its pre-backward all-gather and its
-        reduce-scatter, on its gathered parameters, as with activation checkpointing in training. There the replayed
-        gradients of a step of one micro-batch (``micro``) count only for the parameters that are not DTensors (a
-        replicated embedding or head: their replayed ``.grad`` is new): :func:`backward_on_shards` hands back a
-        DTensor's live shard where the replayed one is the same bits, and copies any other as the backward frees the
-        activations it came from."""
-        ctx = self.watch
-        sharded = ctx.by_shard and ctx.lockstep is not None
-        if ((ctx.dist is not None or ctx.by_shard) and not sharded) or ctx.grad_fn is not None or self._reentrant \
-                or ctx.zero:  # ZeRO-3's hooks gather in a recomputed forward too: not tried, so never
-            return 0, True
-        modules = self._modules_cache or list(model.modules())
-        if any(getattr(m, "gradient_checkpointing", False) is True for m in modules):
-            return 0, True
-        held = gradient_bytes(local(p.grad) for p in model.parameters() if p.grad is not None)
-        replayed = gradient_bytes(local(p) for p in params.values() if not (sharded and micro == 1 and is_dtensor(p)))
-        activations = ctx.memory.transient()
-        excess = blocks_of.counted_excess(held, replayed, room, activations, counted)
-        if savings is not None:
-            if captures and excess + captures > 0:
-                if sum(savings) >= excess + captures:
-                    return blocks_of.blocks_for(excess + captures, savings), True
-                return blocks_of.blocks_for(excess, savings), False
-            return blocks_of.blocks_for(excess, savings), True
-        count = 0  # it fits: no walk of the module tree for its blocks, at every check
-        if excess > 0:
-            count = blocks_needed(held, replayed, room, activations, len(repeated_blocks(model)))
-        if sharded:
-            count = -cast(int, cast(Any, ctx.lockstep).point(-count))  # the largest count of the ranks
-        return count, True
-
-    def _counted(self, model: nn.Module, saved: Any, room: int
-                 ) -> Tuple[Optional[List[int]], Optional[Tuple[int, Set[str]]]]:
-        """One process, from ``saved`` (:class:`~gradwatch.check.modules.activations.Saved`): what checkpointing each
-        block saves the replay, and the replayed gradients' cap outside the blocks (``outside_cap``, and the watched
-        tensors it caps). The module tree is walked once a counted batch shape and tree, not at every check."""
-        ctx = self.watch
-        if saved is None or not saved.own or not ctx.one_process or ctx.grad_fn is not None or ctx.zero:
-            return None, None
-        params = self.params(model)  # (first: a changed tree replaces the cache the walk is kept against)
-        if self._blocks_cache is None or self._blocks_cache[0] is not saved or self._blocks_cache[1] is not self._params_cache:
-            inside = {id(p) for block in repeated_blocks(model) for p in block.parameters()}
-            self._blocks_cache = (saved, self._params_cache, blocks_of.block_counts(model, saved.own),
-                                  {n for n, p in params.items() if id(p) not in inside})
-        activations = ctx.memory.transient()
-        savings = blocks_of.block_savings(self._blocks_cache[2], saved.total, activations)
-        held = gradient_bytes(p.grad for p in model.parameters() if p.grad is not None)
-        cap = blocks_of.outside_cap(savings, held, room, activations, saved.total)
-        return savings, None if cap is None else (cap, self._blocks_cache[3])
-
-    def _plan_step(self, pending: Step, model: nn.Module, params: Dict[str, torch.Tensor], seed: int) -> StepPlan:
-        """The step's objective (:class:`~gradwatch.parallel.step_objective.StepObjective`): on every rank alike (an
-        exchange of counts when distributed); probes evaluate the live model in one process and under DDP."""
-        ctx = self.watch
-        probe = not ctx.sharded and ctx.grad_fn is None
-        # (the hint is read only where there is something to weigh: several micro-batches, or ranks)
-        hint = shift_hint(unwrap_model(model)) if ctx.dist is not None or len(pending.micro) != 1 else None
-        with ctx.recorder_paused():
-            return self.step_objective.plan([mb.batch for mb in pending.micro], model if probe else None,
-                                            ctx.objective.loss, params, ctx.dist, seed, probe=probe, shift_hint=hint)
-
-    def _replay_grads(self, model: nn.Module, total: torch.Tensor, plist: Tuple[torch.Tensor, ...],
-                      leaves: Sequence[torch.Tensor]) -> Sequence[Optional[torch.Tensor]]:
-        """The replayed objective's gradients by ``plist`` (then ``leaves``: rows), never written to ``.grad``.
-
-        ``torch.utils.checkpoint(..., use_reentrant=True)`` (a plain loop's, or a Hugging Face model's
-        ``gradient_checkpointing_enable``) hides the parameters inside each checkpoint from ``autograd.grad`` (torch
-        raises "incompatible with .grad()"): in one process, with no rows to judge, those gradients come through
-        ``backward()`` instead, each ``.grad`` set aside and put back (the same objects), as the backward part does
-        (:mod:`gradwatch.check.objective.checkpointed`; a walk of the graph tells). Under DDP, or with a hook that
-        runs after a gradient is accumulated (an optimizer stepping in backward), a ``backward()`` would act on
-        training, so there it raises as before.
-
-        The walk costs a few percent of a small model's replay, so once a replay found no reentrant checkpoint,
-        later ones do not walk, until ``autograd.grad`` refuses one (the model started checkpointing): that check
-        fails as before, and the next walks again.
-        """
-        found = None
-        if total.requires_grad and not leaves and self.watch.dist is None and self._reentrant is not False:
-            found = reentrant_checkpoint_leaves(total)
-            self._reentrant = found is not None
-        if found is not None and not any(getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters()):
-            return grad_by_backward(total, list(plist), found + list(plist), retain=False)
-        try:
-            return scalar_grad(total, plist + tuple(leaves))
-        except RuntimeError as err:
-            if "use_reentrant=True" in str(err):
-                self._reentrant = None  # look again at the next check
-            raise
-
-    # ------------------------------------------------------------------ the verdicts
-    def judge(self, report: CheckReport, replay: Optional[Replay], grads: Optional[Dict[str, torch.Tensor]] = None,
-              rows: Optional[List[torch.Tensor]] = None) -> None:
-        """Judge every watched tensor's live ``.grad`` against the replayed gradient; fills ``report.training``.
-        A partial accumulation window is judged as one (:meth:`_partial_window`); else, on a cut step, a failure is
-        named by the weights training gave the micro-batches (``rows``: every rank's sketches, distributed; this
-        rank's by default)."""
-        if replay is None:
-            return
-        if replay.grads is None:
-            report.training_note = replay.reason
-            return
-        grads = dict(grads if grads is not None else replay.grads)
-        params = replay.params if replay.params is not None else self.params()
-        scales: List[float] = []  # computed only if some tensor's .grad is not bitwise the replayed gradient
-
-        def scale() -> float:
-            if not scales:
-                scales.append(gradient_scale(list(grads.values())))
-            return scales[0]
-
-        options = self.watch.options
-        bands, fail_at, autocast = options.bands, options.fail_verdict, replay.autocast
-        dtypes: Dict[torch.dtype, torch.dtype] = {}  # parameter dtype -> compute dtype, once per dtype
-        sliced = getattr(replay, "rows", None) or {}
-        lives: Dict[str, Optional[torch.Tensor]] = {}
-        notes_before: List[str] = []
-        judged: Dict[str, Tuple[torch.Tensor, torch.dtype]] = {}  # what each tensor was judged on (a window judges again)
-        partial = [n for n, p in params.items() if is_partial(p.grad)]
-        zero = self.watch.by_shard and self.watch.zero
-        if (partial or zero) and self.watch.lockstep is not None:
-            self.watch.lockstep.point()  # the reductions below are collectives: every rank is here
-        if zero and self.watch.dist is not None:  # ZeRO: each rank's whole gradients averaged, as ZeRO averages
-            grads.update(cast(Any, self.watch.dist).average(grads, in_place=self.watch.grad_fn is None))
-        zero_scale = loss_scale(self.watch.engine) if self.watch.zero else 1.0
-        # ZeRO 1 and 2: the step's whole gradient of each tensor, read on every rank in the same order (collectives)
-        wholes = {n: whole_grad(p, grads[n], zero_scale) for n, p in params.items()
-                  if not is_partitioned(p)} if zero else {}
-        # sequence parallel's norms: .grad is a Partial(sum) until the optimizer reduces it (the live and the replayed
-        # reduced together; the same tensors on every rank, so none reduces where none is partial)
-        reduced = dict(zip(partial, settled_pairs([(cast(torch.Tensor, params[n].grad), grads[n]) for n in partial]))) \
-            if partial else {}
-        for n in partial:
-            grads[n] = reduced[n][1]
-        for n, p in params.items():
-            dtype = dtypes.get(p.dtype) or dtypes.setdefault(p.dtype, compute_dtype(p.dtype, autocast))
-            live = p.grad
-            if is_partitioned(p):  # ZeRO-3: this rank's partition of the parameter, of ZeRO's gradient, of the replay's
-                p, live, grads[n] = zero_part(p, grads[n], zero_scale)
-            elif n in wholes:
-                live = wholes[n]
-            elif is_dtensor(p):  # sharded: this rank's shard of both (the ranks' verdicts are merged, worst first)
-                live = None if live is None else reduced[n][0] if n in partial else local(live)
-                p = local(p)
-            if n in sliced:  # judged by a block of rows: the live .grad's rows against the replayed rows
-                first, end = sliced[n]
-                p, live = p[first:end], None if live is None else live[first:end]
-                if n in replay.unran and live is not None and bool(live.ne(0).any()):
-                    self._read_directly(n, notes_before)
-                    continue
-            lives[n], judged[n] = live, (p, dtype)
-            report.training[n] = judge_training(n, live, grads[n], p, dtype, bands, fail_at, scale=scale)
-        report.training_rows = {n: rows for n, rows in sliced.items() if n in report.training}
-        first = dict(report.training)  # a fused expert tensor's whole verdict, judged again expert by expert below
-        plan: Optional[StepPlan] = getattr(replay, "plan", None)
-        notes = [f"replayed from the {replay.how} RNG state" if replay.how else ""] + notes_before
-        if zero and self.watch.dist is not None:
-            whose = "each rank judged its partition of ZeRO's gradient" if self.watch.zero3 \
-                else "ZeRO's gradient read one tensor at a time"
-            notes.append(f"the reference is averaged over {cast(Any, self.watch.dist).world_size} ranks, as ZeRO averages "
-                         f"its gradient; {whose}")
-        found = self._partial_window(report, plan, lives, grads, judged, scale)
-        if found is not None:
-            notes.insert(0, f"a partial accumulation window, the step's tensors judged against its objective's "
-                            f"gradient times {found.micro_batches}/{found.window}: {found.text()}")
-        if plan is not None:
-            report.training_items = plan.record()
-            notes.insert(0, plan.note or "")
-            cut = self.step_objective.explain(plan, report.training, lives, rows, folded=self.watch.by_shard) \
-                if found is None else None
-            if found is None and cut is None:
-                named = self._term_weights(report, plan, lives, grads, judged, scale)
-                if named is not None:
-                    notes.insert(1, f"a term weighted otherwise than the step's objective weighs it: {named}")
-        report.training = by_expert(report.training, first, lives, grads, judged, functools.partial(
-            judge_training, bands=bands, fail_at=fail_at, scale=scale))
-        if replay.loss_gap is not None:
-            given, replayed = replay.loss_gap
-            notes.append(
-                f"training's loss {given:.6g} differs from the objective's {replayed:.6g} at the same point "
-                f"(by {given - replayed:+.3g}): the training loss has a term the objective lacks, or the reverse"
-            )
-        report.training_note = "; ".join(n for n in notes if n) or None
-
-    def _read_directly(self, name: str, notes: List[str]) -> None:
-        """``name``'s module never ran in the replay, yet training gave its rows a gradient: other code reads the weight
-        itself, so its rows' gradient cannot be taken at its module. Not judged at this check; whole from now on."""
-        self.read_directly.add(name)
-        self.counts[name] = max(0, self.counts.get(name, 0) - 1)  # its turn comes again
-        notes.append(f"{name} not judged at this check: its module never ran in the replay while training gave it a "
-                     f"gradient, so other code reads the weight itself (as a fused LM head does); judged whole from now "
-                     f"on, at a check with room for its gradient")
-
-    def _term_weights(self, report: CheckReport, plan: StepPlan, lives: Dict[str, Optional[torch.Tensor]],
-                      grads: Dict[str, torch.Tensor], judged: Dict[str, Tuple[torch.Tensor, torch.dtype]],
-                      scale: Callable[[], float]) -> Optional[str]:
-        """Where tensors still fail: a term of the loss weighted otherwise by training, named and judged as such
-        (:mod:`gradwatch.watch.parts._term_weights`; one process, this check's step replayed again)."""
-        again, self._again, self.terms.found = self._again, None, None
-        failing = [tc for tc in report.training.values() if tc.failed]
-        explained = all(tc.ratio is not None for tc in failing) and not (plan.cut and self.watch.objective.regularizers)
-        if again is None or plan.weights is None or not failing or explained:
-            return None  # nothing failed, or the judge's words explain each (a factor; an L2 term, on a step not cut)
-        replays, model, judged_again, seed = again
-        options = self.watch.options
-
-        def rejudge(n: str, reference: torch.Tensor) -> TrainingCheck:
-            p, dtype = judged[n]
-            return judge_training(n, lives[n], reference, p, dtype, options.bands, options.fail_verdict, scale=scale)
-
-        return self.terms.diagnose(replays, model, self.watch.objective, judged_again.tensors(), plan.weights,
-                                   report.training, lives, grads, rejudge, seed, judged_again)
-
-    def _partial_window(self, report: CheckReport, plan: Optional[StepPlan], lives: Dict[str, Optional[torch.Tensor]],
-                        grads: Dict[str, torch.Tensor], judged: Dict[str, Tuple[torch.Tensor, torch.dtype]],
-                        scale: Callable[[], float]) -> Optional[PartialWindow]:
-        """Where tensors failed: a partial accumulation window that explains them (:mod:`gradwatch.watch.parts._accumulation`:
-        each failing tensor judged again against the step's objective times ``n / K``), kept in
-        ``report.training_window`` (not on a sharded model: each rank holds a shard)."""
-        if plan is None or not plan.parts or self.watch.sharded or not any(tc.failed for tc in report.training.values()):
-            return None
-        each = set(collections.Counter(part.rank for part in plan.parts).values())  # micro-batches on each rank
-        options = self.watch.options
-
-        def again(n: str, factor: float) -> TrainingCheck:
-            p, dtype = judged[n]
-            return judge_training(n, lives[n], grads[n] * factor, p, dtype, options.bands, options.fail_verdict,
-                                  scale=lambda: factor * scale())
-
-        found = self.window.judge(report.training, lives, grads, each.pop() if len(each) == 1 else None, again)
-        if found is not None:
-            report.training_window = found.record()
-        return found
+            judged = Differentiated(dict(chosen.whole), rowgrads.plan if rowgrads is not None
+                                    and not ctx.objective.regularizers else None)
+            self._again = (self._replays(chosen.root, chosen.entry, pending, judged), chosen.entry or chosen.root,
+                           judged, seed)
 
     def alerts(self, step: int, results: Any) -> List[Alert]:
         """The run's accumulation, said once (:meth:`~gradwatch.watch.parts._accumulation.AccumulationWindow.alerts`): a
@@ -715,50 +362,6 @@ class TrainingPart(TrendAlerting):
             results.notes.append(note)
         return self.nonfinite.alerts(step) + self.window.alerts(step, results) + self.terms.alerts(step)
 
-    def judge_across_ranks(self, merged: CheckReport, replay: Optional[Replay],
-                           statuses: List[Optional[Tuple[bool, Optional[str]]]],
-                           rows: Optional[List[Optional[List[torch.Tensor]]]] = None) -> None:
-        """The training part on every rank alike: the replayed gradients averaged over the ranks (as DDP and
-        FSDP average ``.grad``; each rank's replay weighed its micro-batches by their share of the step's items),
-        the live ``.grad`` judged against them, and rank 0's verdicts taken everywhere. ``rows``: every rank's
-        sketches of its micro-batches' gradients (they name a step cut wrongly).
-
-        Every branch depends on the gathered ``statuses`` only, so every rank makes the same collectives.
-        """
-        coord = self.watch.dist
-        assert coord is not None
-        if any(s is None for s in statuses):
-            if any(s is not None for s in statuses):
-                merged.training_note = "not judged: the replay failed on another rank"
-            return
-        failed = [(rank, s[1]) for rank, s in enumerate(statuses) if s is not None and not s[0]]
-        if failed:
-            rank, reason = failed[0]
-            merged.training_note = f"rank {rank}: {reason}"
-            return
-        assert replay is not None and replay.grads is not None
-        try:
-            averaged = coord.average(replay.grads, in_place=self.watch.grad_fn is None)  # grad_fn's may be .grad itself
-        except Exception as exc:  # noqa: BLE001 - a collective that fails must not stop training
-            merged.training_note = (f"not judged: averaging the replayed gradients over the ranks failed "
-                                    f"({first_line(exc)})")
-            return
-        try:
-            every = [row for rank in rows or () for row in rank or ()]
-            self.judge(merged, replay, averaged, rows=every if rows and all(r is not None for r in rows) else None)
-            merged.training_note = ((merged.training_note + "; ") if merged.training_note else "") + (
-                f"the reference is averaged over {coord.world_size} ranks, as DDP and FSDP average .grad")
-        except Exception as exc:  # noqa: BLE001 - the broadcast below must still happen on every rank
-            merged.training, merged.training_window = {}, None
-            merged.training_note = f"not judged on rank {coord.rank}: judging it failed ({first_line(exc)})"
-        # A gradient DDP did not synchronize differs from rank to rank: every rank takes rank 0's judgement,
-        # so trends and alerts stay identical everywhere.
-        try:
-            merged.training, merged.training_note, merged.training_window = coord.from_main(
-                (merged.training, merged.training_note, merged.training_window))
-        except Exception as exc:  # noqa: BLE001
-            merged.training, merged.training_window = {}, None
-            merged.training_note = f"not judged: sharing rank 0's training verdicts failed ({first_line(exc)})"
 
 
 __all__ = ["TrainingPart", "dense", "same_tree", "shift_hint"]
