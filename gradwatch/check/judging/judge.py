@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple, Union
 
 from gradwatch.bands import DEFAULT_BANDS, Verdict
-from gradwatch.check.judging.report import InconclusiveKind, TensorCheck, constant_ratio, diagnose
+from gradwatch.check.judging._diagnosis import constant_ratio, diagnose
+from gradwatch.check.judging.report import InconclusiveKind, TensorCheck
 from gradwatch.check.numerics.differences import max_rel_error, rel_diff
 
 #: Rounding slack on top of one ulp of the objective, for error accumulated inside it.

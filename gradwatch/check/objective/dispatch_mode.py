@@ -3,9 +3,8 @@
 torch wraps every ``TorchDispatchMode`` subclass's ``__torch_dispatch__`` in ``torch._disable_dynamo``, and that wrapper
 imports ``torch._dynamo`` (and with it ``torch._inductor``: about 290 modules) at its first call, so that no compile
 traces into the mode's frames. A check's modes (the kinks' recorder, the prefix's first reads) run in every process
-that is watched, compiled or not: at the first check that import took 30 MB of the process's data, held for good
-(measured on a small CNN: the first piece of the module form grew the anonymous resident set by 30.8 MB, the next
-ones by 0.1 MB). Nothing compiles where ``torch._dynamo`` was never imported, so until it is, the mode's dispatch
+that is watched, compiled or not: at the first check that import took a large share of a small process's data,
+held for good (``docs/costs.md``). Nothing compiles where ``torch._dynamo`` was never imported, so until it is, the mode's dispatch
 runs as it is; once it is, through torch's wrapper, as before.
 
 Example:

@@ -44,7 +44,7 @@ def is_sharded(model: nn.Module) -> bool:
         False
     """
     if "torch.distributed.fsdp" not in sys.modules and "torch.distributed.tensor" not in sys.modules:
-        return False  # neither exists before its package is imported (1.3 s at a first check, importing them here)
+        return False  # neither exists before its package is imported (importing them here slows a first check)
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch < 2.6 or built without distributed
@@ -98,7 +98,7 @@ _COLLECTIVES: List[Tuple[str, str]] = []
 def functional_collectives() -> List[Tuple[str, str]]:
     """``(namespace, name)`` of every functional collective operator (:mod:`gradwatch.watch.lockstep` makes a point
     before each call of one). They are torch's C++ operators, registered when torch loads: listed once a process
-    (reading every operator's name took 6 ms, at every check).
+    (reading every operator's name at every check costs too much).
 
     Example:
         >>> import torch.distributed._functional_collectives  # registers them

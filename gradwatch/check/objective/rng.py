@@ -21,7 +21,7 @@ def preserved_rng() -> ContextManager[None]:
     """Restore torch (CPU, CUDA), numpy and ``random`` RNG states on exit.
 
     Nested uses cost nothing: the outermost one restores every generator when it exits (a check
-    wraps both of its parts in one, as reading and writing numpy's state alone costs ~0.2 ms).
+    wraps both of its parts in one, as reading and writing numpy's state alone is slow).
 
     Example:
         >>> with preserved_rng():
@@ -136,7 +136,7 @@ class Reseeder:
 
 def _np_raw() -> Optional[bytes]:
     """The key and position of numpy's global generator as raw bytes, through its bit generator's ctypes interface
-    (``state_address``): a microsecond, where ``np.random.get_state()`` copies the key entry by entry (about 40 us).
+    (``state_address``): far cheaper than ``np.random.get_state()``, which copies the key entry by entry.
 
     Enough to tell a freshly seeded generator from one an evaluation drew from (any draw moves the position or
     regenerates the key; a Gaussian kept for the next draw is drawn from the key first). The reader is checked once

@@ -227,7 +227,7 @@ def restore_params(params: Mapping[str, torch.Tensor], saved: Mapping[str, torch
 
 
 #: The largest shadow kept between one-shot checks (its parameters and buffers in its dtype), and how many are kept:
-#: at most 64 MB held for models a test may check again.
+#: at most ``KEEP_SHADOWS * KEEP_SHADOW_BYTES`` held for models a test may check again.
 KEEP_SHADOW_BYTES = 16 * 2**20
 KEEP_SHADOWS = 4
 #: ``id(model) -> (weak reference to it, its shadow, the model's fingerprint when the shadow was copied)``.
@@ -279,8 +279,8 @@ def kept_shadow(model: nn.Module, dtype: torch.dtype) -> Optional[Shadow]:
     """The shadow :func:`keep_shadow` kept from the model's last one-shot check, taken out of the keep, where the
     model has changed nothing since but what :meth:`Shadow.refresh` brings over; else None.
 
-    A unit test checking one small model several times pays its deep copy once (0.6 ms to 3 ms of a check that
-    takes 8 ms to 100 ms on models of 5k to 50k parameters).
+    A unit test checking one small model several times pays its deep copy (a good share of a small model's check)
+    once.
     """
     with _KEPT_LOCK:
         entry = _KEPT.pop(id(model), None)

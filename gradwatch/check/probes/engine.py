@@ -27,6 +27,14 @@ from gradwatch.check.judging.judge import (
     judge,
 )
 from gradwatch.check.judging.report import InconclusiveKind, TensorCheck
+from gradwatch.check.probes._smaller_steps import (
+    KINK_SCALES,
+    LOW_PRECISION_EPS,
+    classify_kink,
+    halved,
+    resolve_low_precision,
+    unresolvable,
+)
 from gradwatch.check.probes.experts import expert_counts, expert_groups, expert_of, idle, not_reached, shared_samples, split_experts
 from gradwatch.check.probes.joint import joint_detect
 from gradwatch.check.probes.kinks import adopt, disagrees, forward_kinks, kink_free
@@ -49,25 +57,19 @@ from gradwatch.check.probes.lines import (
     unit_sample,
 )
 from gradwatch.check.probes.reexamine import (
-    KINK_SCALES,
-    LOW_PRECISION_EPS,
     WideProbes,
     base_step,
     below_resolution,
-    classify_kink,
     curved,
     fails_alone,
     flat_at_widest,
-    halved,
     judge_sample,
     pinpoint,
-    resolve_low_precision,
     resolves,
     screen,
     screen_sample,
     smooth_sides,
     unexplained,
-    unresolvable,
     widened_in_batches,
 )
 
@@ -291,6 +293,26 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
         if on_verdict is not None:
             on_verdict()
         return
+    j0, jitter, kind, why = _base_point(evaluate, settings, base_terms)
+    if kind is not None:
+        for key, name, p, _ in targets:
+            yield Judged(key, inconclusive(name, tuple(p.shape), kind, str(why)), before_sampling=kind)
+        if on_verdict is not None:
+            on_verdict()
+        return
+    sweep = _Sweep(evaluate, replace(settings, jitter=jitter), scales, experts, seed, j0, probe_batch)
+    yield from sweep.verdicts(targets, waiting, joint)
+    evaluate.focus(None)
+    if on_verdict is not None:
+        on_verdict()
+    yield from sweep.diagnoses()
+
+
+def _base_point(evaluate: Evaluator, settings: EngineSettings, base_terms: Optional[Terms]
+                ) -> Tuple[Terms, float, Optional[InconclusiveKind], Optional[str]]:
+    """The objective's terms at the unperturbed point, and ``(jitter, kind, why)`` of
+    :func:`~gradwatch.check.judging.judge.base_point` from two evaluations there (``base_terms`` standing for the
+    second where they agree with the first to rounding)."""
     # The first evaluation records the non-smooth ops the forward runs (kinks seen from the forward).
     allowed = allowed_jitter(settings.eval_eps, settings.magnitude)
     j_a = forward_kinks(evaluate).evaluate_base() if settings.detect_kinks else evaluate()
@@ -298,63 +320,78 @@ def check_tensors(targets: Sequence[Target], evaluate: Evaluator, settings: Engi
     if j_b is None or base_point(total(j_a), total(j_b), allowed)[1] is not None:
         j_b = evaluate()
     jitter, kind, why = base_point(total(j_a), total(j_b), allowed)
-    if kind is not None:
-        for key, name, p, _ in targets:
-            yield Judged(key, inconclusive(name, tuple(p.shape), kind, str(why)), before_sampling=kind)
-        if on_verdict is not None:
-            on_verdict()
-        return
-    settings = replace(settings, jitter=jitter)
-    j0 = j_a
-    failing: List[Tuple[str, str, torch.Tensor, Dict[str, torch.Tensor], Optional[BatchProbe], Detection]] = []
-    common = settings
+    return j_a, jitter, kind, why
 
-    def own(key: str) -> EngineSettings:  # a tensor's settings: the noise of the parts it moves, where traced
-        return shared_samples(common if scales is None else scales.settings(common, [key]), key, experts)
 
-    if common.detection_first and common.term_norm is None:  # the whole objective: a fused tensor's experts together
-        for group in expert_groups([t for t in targets if t[0] not in joint and not idle(t)]):
-            joint.update(joint_detect(group, evaluate, own(group[0][0]), seed, always=True))
-    for target in waiting:  # an expert no token reached: the objective does not move along it at all
-        unmoved = not_reached(target, evaluate, own(target[0]), seed)
-        if unmoved is not None:
-            targets = [t for t in targets if t[0] != target[0]]
-            yield Judged(target[0], unmoved)
-    for key, name, p, grads in targets:
-        settings = own(key)
-        if not all(all_finite(t) for t in grads.values()):
-            why = "analytic gradient has non-finite values (NaN or inf)"
-            yield Judged(key, inconclusive(name, tuple(p.shape), InconclusiveKind.NONFINITE, why),
-                         before_sampling=InconclusiveKind.NONFINITE)
-            continue
-        # (an expert's slice is a view: batched evaluations swap whole parameters)
-        batch = probe_batch if probe_batch is not None and probe_batch.wants(key) and expert_of(key) is None else None
-        evaluate.focus(p)
-        if key in joint:
-            detected: Optional[Detection] = Detection(*joint[key], settled=True)
-        else:
-            detected = detect(name, p, grads, evaluate, j0, settings, seed, batch) if settings.detection_first else None
-        if detected is not None and detected.confirmed:
-            failing.append((key, name, p, grads, batch, detected))
-            continue
-        main, per_term = check_tensor(name, p, grads, evaluate, j0, settings, seed, probe_batch=batch, detected=detected)
-        yield Judged(key, main, per_term)
-    evaluate.focus(None)
-    if on_verdict is not None:
-        on_verdict()
-    for key, name, p, grads, batch, detected in failing:
-        settings = own(key)
-        evaluate.focus(p)
-        try:
-            main, per_term = check_tensor(name, p, grads, evaluate, j0, settings, seed, probe_batch=batch,
+#: A tensor whose detection confirmed a wrong gradient, kept for its full sample: ``(key, name, tensor, grads, batched
+#: evaluator, detection)``.
+_Failing = Tuple[str, str, torch.Tensor, Dict[str, torch.Tensor], Optional[BatchProbe], Detection]
+
+
+class _Sweep:
+    """One objective's tensors judged once its base point is known: every verdict first (:meth:`verdicts`), then
+    the full samples of the tensors whose detection confirmed a wrong gradient (:meth:`diagnoses`)."""
+
+    def __init__(self, evaluate: Evaluator, common: EngineSettings, scales: Optional[TermScales],
+                 experts: Dict[str, int], seed: int, j0: Terms, probe_batch: Optional[BatchProbe]) -> None:
+        self.evaluate, self.common, self.scales, self.experts = evaluate, common, scales, experts
+        self.seed, self.j0, self.probe_batch = seed, j0, probe_batch
+        self.failing: List[_Failing] = []
+
+    def own(self, key: str) -> EngineSettings:
+        """A tensor's settings: the noise of the parts it moves, where traced."""
+        return shared_samples(self.common if self.scales is None else self.scales.settings(self.common, [key]), key,
+                              self.experts)
+
+    def verdicts(self, targets: Sequence[Target], waiting: Sequence[Target],
+                 joint: Dict[str, Tuple[Sample, Outcome]]) -> Iterator[Judged]:
+        """Every tensor's verdict, but those whose detection confirms a wrong gradient (kept in :attr:`failing`)."""
+        evaluate, seed, probe_batch = self.evaluate, self.seed, self.probe_batch
+        if self.common.detection_first and self.common.term_norm is None:  # the whole objective: a fused tensor's experts together
+            for group in expert_groups([t for t in targets if t[0] not in joint and not idle(t)]):
+                joint.update(joint_detect(group, evaluate, self.own(group[0][0]), seed, always=True))
+        for target in waiting:  # an expert no token reached: the objective does not move along it at all
+            unmoved = not_reached(target, evaluate, self.own(target[0]), seed)
+            if unmoved is not None:
+                targets = [t for t in targets if t[0] != target[0]]
+                yield Judged(target[0], unmoved)
+        for key, name, p, grads in targets:
+            settings = self.own(key)
+            if not all(all_finite(t) for t in grads.values()):
+                why = "analytic gradient has non-finite values (NaN or inf)"
+                yield Judged(key, inconclusive(name, tuple(p.shape), InconclusiveKind.NONFINITE, why),
+                             before_sampling=InconclusiveKind.NONFINITE)
+                continue
+            # (an expert's slice is a view: batched evaluations swap whole parameters)
+            batch = probe_batch if probe_batch is not None and probe_batch.wants(key) and expert_of(key) is None else None
+            evaluate.focus(p)
+            if key in joint:
+                detected: Optional[Detection] = Detection(*joint[key], settled=True)
+            else:
+                detected = detect(name, p, grads, evaluate, self.j0, settings, seed, batch) if settings.detection_first else None
+            if detected is not None and detected.confirmed:
+                self.failing.append((key, name, p, grads, batch, detected))
+                continue
+            main, per_term = check_tensor(name, p, grads, evaluate, self.j0, settings, seed, probe_batch=batch,
                                           detected=detected)
-        except BaseException:
-            # The verdict stands without its diagnosis: the probe alone, judged.
-            evaluate.focus(None)
-            yield Judged(key, _summarize(name, tuple(p.shape), [detected.sample], [detected.outcome], "total", settings))
-            raise
-        yield Judged(key, main, per_term)
-    evaluate.focus(None)
+            yield Judged(key, main, per_term)
+
+    def diagnoses(self) -> Iterator[Judged]:
+        """The full sample of each tensor :meth:`verdicts` found failing (which says how its gradient is wrong)."""
+        evaluate = self.evaluate
+        for key, name, p, grads, batch, detected in self.failing:
+            settings = self.own(key)
+            evaluate.focus(p)
+            try:
+                main, per_term = check_tensor(name, p, grads, evaluate, self.j0, settings, self.seed, probe_batch=batch,
+                                              detected=detected)
+            except BaseException:
+                # The verdict stands without its diagnosis: the probe alone, judged.
+                evaluate.focus(None)
+                yield Judged(key, _summarize(name, tuple(p.shape), [detected.sample], [detected.outcome], "total", settings))
+                raise
+            yield Judged(key, main, per_term)
+        evaluate.focus(None)
 
 
 def _probe_all(p, saved, grads, samples: List[Sample], bases, outcomes: List[Outcome], evaluate: Evaluator, j0: Terms,

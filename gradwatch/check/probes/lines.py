@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 Terms = Dict[str, float]
 
 
-#: Largest tensor whose direction signs are drawn in its own dtype (8 MB per direction in float64);
-#: larger ones keep int8 signs (a mixed-dtype add costs twice as much, but 8x less memory).
+#: Largest tensor whose direction signs are drawn in its own dtype (a dense direction per probe);
+#: larger ones keep int8 signs (a mixed-dtype add costs more, but the signs take an eighth of float64's memory).
 DENSE_SIGNS_MAX = 1 << 20
 
 

@@ -2,8 +2,8 @@
 
 The replay is a forward and backward of training's batch run while training's ``.grad`` is held: at the start of
 its backward the process holds training's activations and a whole gradient more than training's own peak did
-(training's forward ran with no ``.grad``). On GPT-2 small (124M parameters, batch 2 x 256) that is 497 MB of
-gradient on top of 1,164 MB of activations, 1.15 times training's peak. Checkpointing the model's repeated blocks
+(training's forward ran with no ``.grad``): on a transformer, a gradient the size of the model on top of its
+activations, above training's peak (``docs/costs.md``). Checkpointing the model's repeated blocks
 (a transformer's layers: the modules of the outermost ``ModuleList`` or ``Sequential`` whose members are two or
 more modules of one class holding parameters) keeps only their inputs through the forward, and recomputes each
 block's activations when its backward comes, as ``torch.utils.checkpoint`` with ``use_reentrant=False`` and
@@ -14,9 +14,9 @@ A block is called as it is, without a checkpoint, where its call carries an obje
 value (the recompute would run it on that object again). A Hugging Face key-value cache is the exception: the block
 is given none, as Hugging Face's own gradient checkpointing does (the recompute would update it a second time);
 training's forward filled a cache its loss never read. Without it GPT-2's attention multiplies its keys as they are
-instead of the cache's contiguous copy of them, which changes the gradients in their last bits (about 1e-7 of them,
-well within float32's training tolerance, ``gradwatch.check.judging.training_judge``); everywhere else the
-gradients are training's, bit for bit.
+instead of the cache's contiguous copy of them, which changes the gradients in their last bits (well within
+float32's training tolerance, ``gradwatch.check.judging.training_judge``); everywhere else the gradients are
+training's, bit for bit.
 
 Example:
     >>> model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), nn.Linear(8, 1))
@@ -159,8 +159,8 @@ COUNTED_FACTOR = 3
 def counted_excess(held: int, replayed: int, room: int, activations: int, counted: Optional[int] = None) -> int:
     """:func:`replay_excess`, bounded where a forward's saved bytes were ``counted``: the replay then holds at most
     :data:`COUNTED_FACTOR` times them and its ``replayed`` gradients beside what the process holds now. Training's
-    peak is not always its backward's: on a 134M transformer at a batch of 2 x 64 it is its optimizer's step (Adam's
-    temporaries), and training's peak above what is held counted 10 times the replay's activations.
+    peak is not always its backward's: on a transformer at a small batch it can be its optimizer's step (Adam's
+    temporaries), far above what the replay's activations count.
 
     Example:
         >>> counted_excess(100, 10, 100, 80), counted_excess(100, 10, 100, 80, counted=20)
@@ -193,9 +193,8 @@ def block_savings(counts: Sequence[int], total: int, activations: int) -> List[i
     backward (``counts``: :func:`block_counts`, of ``total``), times training's measured ``activations``. The share is
     counted, the size measured: the counted forward runs without dropout's masks, and training's peak holds
     temporaries a count of saved tensors does not see. A frozen block saves nothing (no gradient goes through it),
-    and where the logits dominate (a big vocabulary on a small model) the blocks save little: an MoE model of 4 layers
-    of 256 on 32,000 tokens saves 12 MB a block of 114 MB counted, where a share of the activations and the held
-    gradient had counted 38 MB.
+    and where the logits dominate (a big vocabulary on a small model) the blocks save little: far less than an even
+    share of the activations and the held gradient would say.
 
     Example:
         >>> block_savings([10, 30], 100, 1000)

@@ -149,56 +149,102 @@ def explain_cut(parts: Sequence[Part], sketches: torch.Tensor, live: torch.Tenso
         return None
     w = counts / total
     fixed = float(torch.linalg.vector_norm(live - w @ basis)) / float(torch.linalg.vector_norm(live))
-    hyps: List[Tuple[str, torch.Tensor]] = [("equal", torch.ones(n, dtype=torch.float64))]
     ranks = sorted({p.rank for p in parts})
-    per_rank = {r: sum(p.count for p in parts if p.rank == r) for r in ranks}
-    if len(ranks) > 1 and all(per_rank.values()):
-        hyps.append(("ranks", torch.tensor([p.count / per_rank[p.rank] for p in parts], dtype=torch.float64)))
+    step = _Step(parts, rule, world, total, ranks, {r: sum(p.count for p in parts if p.rank == r) for r in ranks})
+    misfit, name, h, s = _best_fit(live, basis, _hypotheses(step, w, others))
+    if misfit > EXPLAINED or fixed <= 10 * misfit and name != "ref" or fixed < 1e-3:
+        return None
+    v = [s * float(x) for x in h]
+    if name == "equal":
+        return _say_equal(step, v)
+    if name == "ranks":
+        return _say_ranks(step, v)
+    if name != "ref":
+        assert others is not None
+        return _say_other(step, name, others)
+    return _say_scale(step, s, w, others)
+
+
+@dataclass
+class _Step:
+    """The step whose cut :func:`explain_cut` names: its micro-batches, what they count, its ranks."""
+
+    parts: Sequence[Part]
+    rule: ItemRule
+    world: int
+    total: float  # the step's items under ``rule``
+    ranks: List[int]  # the ranks that hold its micro-batches, in order
+    per_rank: Dict[int, float]  # each rank's items
+
+
+def _hypotheses(step: _Step, w: torch.Tensor, others: Optional[Dict[str, str]]) -> List[Tuple[str, torch.Tensor]]:
+    """The weightings tested against training's gradient, by name: ``"equal"`` (each micro-batch's mean over ``k``),
+    ``"ranks"`` (each rank's mean, averaged), each other count's key, and the step's own weights ``w`` (``"ref"``)."""
+    parts, n = step.parts, len(step.parts)
+    hyps: List[Tuple[str, torch.Tensor]] = [("equal", torch.ones(n, dtype=torch.float64))]
+    if len(step.ranks) > 1 and all(step.per_rank.values()):
+        hyps.append(("ranks", torch.tensor([p.count / step.per_rank[p.rank] for p in parts], dtype=torch.float64)))
     for key in (others or {}):
         if all(key in p.others for p in parts):
             hyps.append((key, torch.tensor([p.others[key] for p in parts], dtype=torch.float64)))
     # A weighting proportional to the step's own is the step's own up to a scale: judged as such ("ref").
-    hyps = [(name, h) for name, h in hyps if not proportional(h.tolist(), w.tolist(), 1e-6)] + [("ref", w)]
+    return [(name, h) for name, h in hyps if not proportional(h.tolist(), w.tolist(), 1e-6)] + [("ref", w)]
+
+
+def _best_fit(live: torch.Tensor, basis: torch.Tensor, hyps: List[Tuple[str, torch.Tensor]]
+              ) -> Tuple[float, str, torch.Tensor, float]:
+    """``(misfit, name, weights, scale)`` of the weighting in ``hyps`` that fits ``live`` best (the first of equals)."""
     best: Optional[Tuple[float, str, torch.Tensor, float]] = None
     for name, h in hyps:
         s, misfit = _misfit(live, basis, h)
         if best is None or misfit < best[0] - 1e-12:
             best = (misfit, name, h, s)
     assert best is not None
-    misfit, name, h, s = best
-    if misfit > EXPLAINED or fixed <= 10 * misfit and name != "ref" or fixed < 1e-3:
-        return None
-    v = [s * float(x) for x in h]
+    return best
+
+
+def _say_equal(step: _Step, v: Sequence[float]) -> str:
+    """Training weighs the micro-batches (or ranks) equally, with weights ``v``, where they hold unequal counts."""
+    parts, world, rule, n = step.parts, step.world, step.rule, len(step.parts)
     unit, held = rule.unit, _held(parts, world, [p.count for p in parts])
     names = _names(parts, world)
-    if name == "equal":
-        if world > 1 and len(ranks) == n:
-            what = f"the {world} ranks equally, but " + _series([f"{nm} holds {_number(p.count)}" for nm, p in zip(names, parts)])
-            text = f"training weighs {what} {rule.text}"
-        elif world > 1:
-            text = f"training weighs the {n} micro-batches of the {world} ranks equally, but they hold {held} {rule.text}"
-        else:
-            text = f"training weighs the {n} micro-batches equally, but they hold {held} {rule.text}"
-        text += f": {_unequal(parts, v, world, unit)}"
-        window = _window(v[0] * world, n // max(1, len(ranks)))
-        if window is not None and world == 1:
-            text += f", and each is divided by {window} where the step has {n} (a partial accumulation window)"
-        return text + ". " + _fix(parts, world, total, rule, ranks=True)
-    if name == "ranks":
-        held_r = _series([f"rank {r} holds {_number(c)}" for r, c in per_rank.items()])
-        return (f"training weighs the {len(ranks)} ranks equally, but {held_r} {rule.text}: "
-                f"{_unequal(parts, v, world, unit)} (the micro-batches within each rank are weighed right). "
-                + _fix(parts, world, total, rule, ranks=True))
-    if name != "ref":
-        assert others is not None
-        alt = [p.others[name] for p in parts]
-        return (f"training weighs the {'ranks' if world > 1 and len(ranks) == n else 'micro-batches'} by their "
-                f"{others[name]} ({_held(parts, world, alt)}), but loss_fn averages over {rule.text} ({held})"
-                f"{_first_labels(rule, name)}")
-    # The weights are right relative to each other; only their sum is off.
+    if world > 1 and len(step.ranks) == n:
+        what = f"the {world} ranks equally, but " + _series([f"{nm} holds {_number(p.count)}" for nm, p in zip(names, parts)])
+        text = f"training weighs {what} {rule.text}"
+    elif world > 1:
+        text = f"training weighs the {n} micro-batches of the {world} ranks equally, but they hold {held} {rule.text}"
+    else:
+        text = f"training weighs the {n} micro-batches equally, but they hold {held} {rule.text}"
+    text += f": {_unequal(parts, v, world, unit)}"
+    window = _window(v[0] * world, n // max(1, len(step.ranks)))
+    if window is not None and world == 1:
+        text += f", and each is divided by {window} where the step has {n} (a partial accumulation window)"
+    return text + ". " + _fix(parts, world, step.total, rule, ranks=True)
+
+
+def _say_ranks(step: _Step, v: Sequence[float]) -> str:
+    """Training weighs the ranks equally (each its own mean), with weights ``v``, where they hold unequal counts."""
+    held_r = _series([f"rank {r} holds {_number(c)}" for r, c in step.per_rank.items()])
+    return (f"training weighs the {len(step.ranks)} ranks equally, but {held_r} {step.rule.text}: "
+            f"{_unequal(step.parts, v, step.world, step.rule.unit)} (the micro-batches within each rank are weighed "
+            "right). " + _fix(step.parts, step.world, step.total, step.rule, ranks=True))
+
+
+def _say_other(step: _Step, name: str, others: Dict[str, str]) -> str:
+    """Training weighs the micro-batches by another count (``name``) than the one loss_fn averages over."""
+    parts, world, rule = step.parts, step.world, step.rule
+    held = _held(parts, world, [p.count for p in parts])
+    alt = [p.others[name] for p in parts]
+    return (f"training weighs the {'ranks' if world > 1 and len(step.ranks) == len(parts) else 'micro-batches'} by "
+            f"their {others[name]} ({_held(parts, world, alt)}), but loss_fn averages over {rule.text} ({held})"
+            f"{_first_labels(rule, name)}")
+
+
+def _say_scale(step: _Step, s: float, w: torch.Tensor, others: Optional[Dict[str, str]]) -> Optional[str]:
+    """The weights are right relative to each other and their sum is ``s``: a partial window or another total."""
     if abs(s - 1.0) <= 1e-2:
         return None
-    k = n // max(1, len(ranks))
+    rule, total, k = step.rule, step.total, len(step.parts) // max(1, len(step.ranks))
     window = _window(s / k if k else 0.0, k) if len(set(round(float(x), 12) for x in w)) == 1 else None
     if window is not None and window > k:
         return (f"each of the step's {k} micro-batches is divided by {window}, the full accumulation window, where the "
@@ -206,8 +252,8 @@ def explain_cut(parts: Sequence[Part], sketches: torch.Tensor, live: torch.Tenso
                 f"divide by the micro-batches the step has, or by its item count")
     near = sorted((others or {}).items(), key=lambda kv: (not kv[0].startswith(rule.kind + ":"), kv[0]))
     for key, text in near:  # the same kind of count first (the labels before the shift, rather than a mask)
-        if all(key in p.others for p in parts):
-            alt_total = sum(p.others[key] for p in parts)
+        if all(key in p.others for p in step.parts):
+            alt_total = sum(p.others[key] for p in step.parts)
             if alt_total > 0 and abs(s - total / alt_total) <= 1e-3 * s:
                 return (f"the weights are right relative to each other, but training divides by {_number(alt_total)}, "
                         f"the step's {text}, where loss_fn averages over {_number(total)} {rule.text}: training's "

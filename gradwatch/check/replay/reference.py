@@ -38,372 +38,31 @@ detached, so the reference is the objective's gradient, not a hooked one.
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-import random
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
-import numpy as np
 import torch
 from torch import nn
 
 from gradwatch.check.objective.generators import HeldGenerators
 from gradwatch.check.objective.guards import LiveIsolation
-from gradwatch.check.objective.precision import AUTOCAST_DEVICES, any_autocast
 from gradwatch.check.objective.rng import preserved_rng
+from gradwatch.check.replay._recording import (
+    MAX_RECORDS,
+    ForwardRecord,
+    ForwardRecorder,
+    MicroBatch,
+    StartState,
+    Step,
+    autocast_as,
+    autocast_state,
+    call_difference,
+    forward_tensors,
+    same_inputs,
+)
 from gradwatch.plan.memory import release_freed
-
-#: Forwards recorded per micro-batch at most; beyond, the replay cannot be verified.
-MAX_RECORDS = 64
-_CUDA: List[bool] = []  # torch.cuda.is_available(), asked once (it costs microseconds on every forward)
-
-
-def _cuda_states() -> Optional[List[torch.Tensor]]:
-    if not _CUDA:
-        _CUDA.append(torch.cuda.is_available())
-    if _CUDA[0] and torch.cuda.is_initialized():
-        return torch.cuda.get_rng_state_all()
-    return None
-
-
-def autocast_state() -> Tuple[Tuple[str, bool, torch.dtype], ...]:
-    """``(device, enabled, dtype)`` for each device type whose autocast is enabled now.
-
-    Example:
-        >>> autocast_state()
-        ()
-        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
-        ...     autocast_state()
-        (('cpu', True, torch.bfloat16),)
-    """
-    if not any_autocast():  # one call where no device's autocast is on (the common case)
-        return ()
-    out = []
-    for dev in AUTOCAST_DEVICES:
-        try:
-            if torch.is_autocast_enabled(dev):
-                out.append((dev, True, torch.get_autocast_dtype(dev)))
-        except (RuntimeError, TypeError, AttributeError):  # torch < 2.4 spells it per device
-            continue
-    return tuple(out)
-
-
-def autocast_as(state: Sequence[Tuple[str, bool, torch.dtype]]) -> ContextManager[Any]:
-    """Enter the autocast regions recorded by :func:`autocast_state` (none: plain precision).
-
-    Example:
-        >>> with autocast_as((("cpu", True, torch.bfloat16),)):
-        ...     autocast_state()
-        (('cpu', True, torch.bfloat16),)
-    """
-    if not state:
-        return contextlib.nullcontext()  # the common case, at no cost
-    return _autocast_regions(state)
-
-
-@contextlib.contextmanager
-def _autocast_regions(state: Sequence[Tuple[str, bool, torch.dtype]]) -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        for dev, enabled, dtype in state:
-            stack.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled))
-        yield
-
-
-def _tensors(args: tuple, kwargs: Mapping[str, Any]) -> List[torch.Tensor]:
-    """The tensors among a forward's positional and keyword arguments (one level deep), scalars left out: a
-    0-dimensional count such as Hugging Face's ``num_items_in_batch`` tells no forward's inputs apart, and the
-    step's objective evaluates the model without it."""
-    out = [a for a in args if isinstance(a, torch.Tensor)]
-    for a in args:
-        if isinstance(a, (list, tuple)):
-            out.extend(v for v in a if isinstance(v, torch.Tensor))
-        elif isinstance(a, Mapping):
-            out.extend(v for v in a.values() if isinstance(v, torch.Tensor))
-    out.extend(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-    return [t for t in out if t.dim()]
-
-
-def same_inputs(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
-    """True when two forwards received equal tensors (same object, or same shape, dtype and values).
-
-    Example:
-        >>> x = torch.ones(2)
-        >>> same_inputs([x], [x.clone()]), same_inputs([x], [x + 1])
-        (True, False)
-    """
-    if len(a) != len(b):
-        return False
-    for x, y in zip(a, b):
-        if x is y:
-            continue
-        if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device or not torch.equal(x, y):
-            return False
-    return True
-
-
-@dataclass
-class ForwardRecord:
-    """What training's forward started from: torch RNG states, autocast state, its input tensors."""
-
-    rng: torch.Tensor
-    cuda: Optional[List[torch.Tensor]]
-    autocast: Tuple[Tuple[str, bool, torch.dtype], ...]
-    inputs: List[torch.Tensor]
-    #: The buffers of the quantization observers the forward updates (their state before it), or None.
-    observers: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
-    #: How it was called: its positional arguments' count and its keywords that are tensors (:func:`call_difference`).
-    call: Tuple[int, Tuple[str, ...]] = (0, ())
-
-
-def _keywords(kwargs: Mapping[str, Any]) -> Tuple[str, ...]:
-    """The keywords of a call whose values are tensors (not scalars: as :func:`_tensors` compares them)."""
-    return tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim())
-
-
-def _call_names(module: nn.Module, positional: int, keywords: Sequence[str]) -> List[str]:
-    """The names of a call's arguments: the positional ones by ``module.forward``'s signature, then the keywords."""
-    try:
-        params = [p.name for p in inspect.signature(module.forward).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
-        params = []
-    return [params[i] if i < len(params) else f"argument {i + 1}" for i in range(positional)] + list(keywords)
-
-
-def call_difference(module: nn.Module, training: Tuple[int, Tuple[str, ...]], args: tuple,
-                    kwargs: Mapping[str, Any]) -> Optional[str]:
-    """How the replay's call of ``module`` differs from training's, in the user's terms (None where the same arguments
-    are given: their values differ, or nothing does).
-
-    Example:
-        >>> lin = nn.Linear(2, 2)
-        >>> call_difference(lin, (1, ()), (), {"input": torch.ones(2), "labels": torch.ones(2)})
-        'your loss_fn calls the model with labels=..., training called it without'
-        >>> call_difference(lin, (1, ()), (torch.ones(2),), {}) is None
-        True
-    """
-    mine = _call_names(module, len(args), _keywords(kwargs))
-    theirs = _call_names(module, *training)
-    extra, missing = [n for n in mine if n not in theirs], [n for n in theirs if n not in mine]
-    said = []
-    if extra:
-        said.append(f"your loss_fn calls the model with {', '.join(n + '=...' for n in extra)}, training called it "
-                    "without")
-    if missing:
-        said.append(f"training called the model with {', '.join(n + '=...' for n in missing)}, your loss_fn calls "
-                    "it without")
-    return "; ".join(said) or None
-
-
-def observer_buffers(root: nn.Module) -> List[torch.Tensor]:
-    """The buffers of torch's quantization observers and fake quantizers in ``root``: a forward in training mode
-    moves them (a moving-average observer is not idempotent), so a replay starts them where training's did.
-
-    Example:
-        >>> from torch.ao.quantization import FakeQuantize
-        >>> len(observer_buffers(nn.Sequential(nn.Linear(2, 2), FakeQuantize()))) > 0
-        True
-    """
-    try:
-        from torch.ao.quantization import FakeQuantizeBase
-        from torch.ao.quantization.observer import ObserverBase
-    except ImportError:  # pragma: no cover - every supported torch has them
-        return []
-    out: List[torch.Tensor] = []
-    for module in root.modules():
-        if isinstance(module, (FakeQuantizeBase, ObserverBase)):
-            out.extend(module.buffers(recurse=False))
-    return out
-
-
-@dataclass
-class StartState:
-    """Every generator's state where a micro-batch started (see :meth:`ForwardRecorder.mark`)."""
-
-    rng: torch.Tensor
-    cuda: Optional[List[torch.Tensor]]
-    numpy: Any
-    python: Any
-    exact: bool = False
-
-    @classmethod
-    def now(cls, exact: bool = False, full: bool = True) -> "StartState":
-        """The states now; ``full=False`` keeps torch's alone (numpy's and ``random``'s cost 60 us to read)."""
-        if not full:
-            return cls(torch.get_rng_state(), _cuda_states(), None, None, exact)
-        return cls(torch.get_rng_state(), _cuda_states(), np.random.get_state(), random.getstate(), exact)
-
-    def apply(self) -> None:
-        torch.set_rng_state(self.rng)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-        if self.numpy is not None:
-            np.random.set_state(self.numpy)
-        if self.python is not None:
-            random.setstate(self.python)
-
-
-@dataclass
-class MicroBatch:
-    """One micro-batch of an optimizer step, as training saw it."""
-
-    batch: Any
-    loss: Optional[float]
-    start: StartState
-    records: List[ForwardRecord] = field(default_factory=list)
-    overflow: bool = False
-
-
-class _RecordHook:
-    """The forward pre-hook: shared by deep copies (the check's shadow) and pickled as a no-op."""
-
-    _gradwatch_hook = True  # gradwatch's own: checks leave it in place (it ignores what is not training)
-
-    def __init__(self, recorder: "ForwardRecorder") -> None:
-        self.recorder: Optional[ForwardRecorder] = recorder
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        rec = self.recorder
-        if rec is None or module is not rec.root:
-            return None
-        if rec.probe is not None:  # a replay runs: its probe takes training's place
-            rec.probe(module, args, kwargs)
-        elif rec.active and not rec.paused and torch.is_grad_enabled():
-            rec.record(args, kwargs)
-        elif not rec.active and not rec.paused:
-            rec.unhook()  # a forward no check will look at: off the model (torch's hook-free fast path) until mark()
-        return None
-
-    def __deepcopy__(self, memo: dict) -> "_RecordHook":
-        return self  # a deep copy of the model (the check's shadow) keeps the same hook, which ignores it
-
-    def __getstate__(self) -> dict:
-        return {}  # torch.save(model) pickles an inert hook, never the recorded tensors
-
-    def __setstate__(self, state: dict) -> None:
-        self.recorder = None
-
-
-class ForwardRecorder:
-    """Records the state each training forward of ``root`` starts from (see the module docstring).
-
-    Args:
-        root: The live model (the module training calls).
-
-    Example:
-        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5))
-        >>> rec = ForwardRecorder(model)
-        >>> _ = model(torch.ones(1, 2))
-        >>> len(rec.take(batch=None).micro[0].records)
-        1
-        >>> rec.close()
-    """
-
-    def __init__(self, root: nn.Module) -> None:
-        self.root = root
-        self.paused = False
-        #: The running replay's probe (:func:`replay_step`), called from this hook in the place training's forwards were recorded.
-        self.probe: Optional[Callable[[nn.Module, tuple, dict], None]] = None
-        #: Record forwards (True while the coming step may be checked; see :meth:`mark`).
-        self.active = True
-        self._hook = _RecordHook(self)
-        self._handle: Optional[Any] = None
-        self._hook_on()
-        self._records: List[ForwardRecord] = []
-        self._overflow = False
-        self._start: Optional[StartState] = StartState.now()
-        self._pending: List[MicroBatch] = []
-        self._observers: Optional[List[torch.Tensor]] = None  # observer_buffers(root), found at the first record
-
-    def hooked(self) -> bool:
-        """True while the recording pre-hook is in place on the root (user code may have cleared hooks)."""
-        return self._handle is not None and self._handle.id in self.root._forward_pre_hooks
-
-    def _hook_on(self) -> None:
-        """Put the recording pre-hook on the root, first of its pre-hooks (it sees the call's own inputs)."""
-        if self._handle is None:
-            self._handle = self.root.register_forward_pre_hook(self._hook, with_kwargs=True, prepend=True)
-
-    def unhook(self) -> None:
-        """Take the recording pre-hook off (a step no check will look at: forwards run hook-free)."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
-
-    def record(self, args: tuple, kwargs: Mapping[str, Any]) -> None:
-        """Called by the pre-hook for every training forward of the root module."""
-        if len(self._records) >= MAX_RECORDS:
-            self._overflow = True
-            return
-        if self._observers is None:
-            self._observers = observer_buffers(self.root)
-        observers = [(b, b.detach().clone()) for b in self._observers] if self._observers else None
-        self._records.append(ForwardRecord(torch.get_rng_state(), _cuda_states(), autocast_state(), _tensors(args, kwargs),
-                                           observers, (len(args), _keywords(kwargs))))
-
-    def mark(self, exact: bool = False, full: bool = True) -> None:
-        """A micro-batch starts now: forget the forwards seen so far and remember every generator's state.
-
-        Args:
-            exact: The caller knows the forward follows with no other random draw in between
-                (an integration's batch-start hook).
-            full: The coming step may be checked: record its forwards and every generator's state.
-                False: record nothing until the next mark (the first forward takes the hook off the
-                model, so the forwards of a step without a check run hook-free).
-        """
-        self._records = []
-        self._overflow = False
-        self.active = full
-        self._start = StartState.now(exact, full) if full else None
-        if full:
-            self._hook_on()
-            self._observers = None  # the module tree may have changed: looked for again at the next record
-
-    def close_micro_batch(self, batch: Any, loss: Optional[float]) -> None:
-        """A micro-batch's backward is done (gradient accumulation): keep it for the coming step."""
-        if not self.active:
-            return
-        self._pending.append(MicroBatch(batch, loss, cast(StartState, self._start), self._records, self._overflow))
-        self.mark()
-
-    def take(self, batch: Any = None, loss: Optional[float] = None) -> "Step":
-        """Everything since the last step: the kept micro-batches plus this one; then start afresh.
-
-        ``batch`` is the step's (last) micro-batch; None when every micro-batch was kept
-        with :meth:`close_micro_batch` already.
-        """
-        micro = list(self._pending)
-        if self._start is None:  # a check the recorder did not expect (GradWatch.check between scheduled steps)
-            self._start = StartState.now(full=False)
-        if batch is not None and not (micro and micro[-1].batch is batch):
-            micro.append(MicroBatch(batch, loss, self._start, self._records, self._overflow))
-        elif batch is None and not micro:
-            micro.append(MicroBatch(None, loss, self._start, self._records, self._overflow))
-        self._pending = []
-        self.mark(full=False)  # until GradWatch.step says the next step is checked
-        return Step(micro)
-
-    def discard(self, full: bool = True) -> None:
-        """A step without a check: drop what was recorded for it (``full``: see :meth:`mark`)."""
-        self._pending = []
-        self.mark(full=full)
-
-    def close(self) -> None:
-        """Remove the hook from the model."""
-        self._hook.recorder = None
-        self.unhook()
-        self._records = []
-        self._pending = []
-
-
-@dataclass
-class Step:
-    """The micro-batches of one optimizer step."""
-
-    micro: List[MicroBatch]
 
 
 @dataclass
@@ -445,7 +104,7 @@ class _Probe:
             self.faithful = False
             return None
         rec = self.records[k]
-        if not same_inputs(rec.inputs, _tensors(args, kwargs)):
+        if not same_inputs(rec.inputs, forward_tensors(args, kwargs)):
             self.faithful = False
             if self.differs is None:
                 self.differs = call_difference(module, rec.call, args, kwargs)
@@ -582,7 +241,7 @@ def scalar_grad(total: torch.Tensor, inputs: Tuple[torch.Tensor, ...]) -> Tuple[
     """``torch.autograd.grad(total, inputs, allow_unused=True)`` for a real scalar ``total``, at less cost.
 
     ``autograd.grad`` first checks every input in Python (is it a tensor, a ``__torch_function__``
-    override, a batched gradient) and builds the output gradient, which costs about 3% of the
+    override, a batched gradient) and builds the output gradient, a visible share of the
     forward and backward of a small model, on every check. For the case a replay always has (one
     real floating-point scalar, plain tensors and parameters, no torch function mode) this runs
     torch's engine the way ``autograd.grad`` then does; anything else goes through
@@ -654,17 +313,13 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
     Returns:
         A :class:`Replay`; ``grads`` is None (with ``reason``) when no replay could be verified.
     """
-    sums: Dict[str, torch.Tensor] = {}
-    objective = 0.0
     count = len(step.micro)
     weights = [1.0 / count] * count if weights is None else [float(w) for w in weights]
     if len(weights) != count:
         raise ValueError(f"replay_step: {len(weights)} weights for {count} micro-batches")
-    base = evaluate
-    hows = []
-    gaps = []
+    replayer = _Replayer(root, recorder, grad_of, params, loss_tolerance, context, generators, modules, lockstep, entry)
+    summed = _Summed(count, loss_tolerance, each)
     forwards = (0, 0)
-    seconds = 0.0
     failed: Optional[Replay] = None  # lockstep: the first failure, returned once every micro-batch ran
     for i, mb in enumerate(step.micro):
         mb.loss = as_float(mb.loss)
@@ -673,91 +328,171 @@ def replay_step(root: nn.Module, recorder: ForwardRecorder, step: Step, evaluate
         weight = weights[i]
         if weight == 0.0 and not lockstep:
             continue  # no item of the step's objective in it: training's correct gradient has nothing of it
-        evaluate = _weighed(base, weight, count)
+        weighed = _weighed(evaluate, weight, count)
         if mb.overflow:
             return Replay(None, None, None, f"training ran more than {MAX_RECORDS} forwards of the model in this step")
-        done = None
-        tried = []
-        differs: Optional[str] = None
-        spent: List[float] = []  # each mode's replay of this micro-batch, in seconds
-        modes: Tuple[str, ...] = ("forward", "start") if mb.records else ("start",)
-        if lockstep:
-            modes = modes[:1]
-        elif prefer is not None and prefer in modes:
-            modes = (prefer,) + tuple(m for m in modes if m != prefer)
-        for mode in modes:
-            began = time.perf_counter()
-            grads, value, probe, autocast = _one(root, recorder, evaluate, grad_of, mb, mode, params, context, generators,
-                                                  modules, entry)
-            took = time.perf_counter() - began
-            spent.append(took)
-            if probe.private:
-                return Replay(None, None, None, "the model or loss_fn draws from a random generator of its own "
-                              "(torch.Generator, numpy Generator, random.Random): the replay cannot reproduce training's "
-                              "draws, so the training part is not judged", forwards=(len(mb.records), probe.count))
-            forwards = (len(mb.records), probe.count)
-            whole = value / weight if weight else value  # the micro-batch's own objective
-            loss_agrees = mb.loss is not None and abs(whole - mb.loss) <= loss_tolerance * max(abs(whole), abs(mb.loss), 1e-30)
-            if mb.records:
-                ok = probe.faithful and probe.count == len(mb.records)
-            else:
-                ok = mb.start.exact or loss_agrees or (not lockstep and rng_free(root, recorder, evaluate, mb, modules, entry))
-            if ok:
-                done = (grads, value, mode, autocast)
-                seconds += took
-                break
-            tried.append((mode, probe.count, probe.faithful))
-            differs = differs or probe.differs
-            if mode != modes[-1]:  # what this mode's replay freed, given back before the next one's forward (kept
-                del grads, probe  # in the heap, the next forward's activations went on top of it)
-                release_freed()
-        if done is None:
-            n_train = len(mb.records)
-            if mb.records and all(count and n_train > count and n_train % count == 0 for _, count, _ in tried):
-                k = n_train // tried[0][1]
-                failure = Replay(None, None, None,
-                                 f"skipped: accumulating ({n_train} forwards of the model since the last step, while one "
-                                 f"replay of the step's batch makes {tried[0][1]}: {k} micro-batches?) — call "
-                                 "watch.accumulate(micro_batch) after each micro-batch's backward",
-                                 forwards=(n_train, tried[0][1]), accumulating=k)
-            else:
-                if not mb.records:
-                    why = ("no forward of the model was seen since the last step and the objective draws random "
-                           "numbers; pass loss= to watch.step so the replay can be verified")
-                elif differs is not None:
-                    why = (f"the replay could not reproduce training's forward: {differs} (the model's inputs differ at "
-                           "its forward): pass loss_fn the call training makes")
-                else:
-                    why = (f"the replay could not reproduce training's forward (training ran {n_train} forwards; the "
-                           f"replays ran {', '.join(str(c) for _, c, _ in tried)}, with other inputs or another RNG "
-                           "state): random augmentation drawing from torch's generator inside loss_fn after other draws "
-                           "since the last step, or loss_fn is not the function training calls, or training calls a "
-                           "wrapper of the watched module (give GradWatch the module training calls: Fabric's, a "
-                           "compiled one)")
-                failure = Replay(None, None, None, why, forwards=forwards)
-            failure.seconds = min(spent)  # a replay in vain costs about a step too
+        attempt = replayer.micro_batch(mb, weighed, weight, replayer.modes(mb, prefer))
+        if attempt.private:
+            return Replay(None, None, None, _PRIVATE_DRAWS, forwards=attempt.forwards)
+        forwards = attempt.forwards
+        if attempt.mode is None:
+            failure = _failure(mb, attempt)
             if not lockstep:
                 return failure
             failed = failed or failure
             continue
-        grads, value, mode, ran_in = done
-        value = value / weight if weight else value  # the micro-batch's own objective (its gradient stays weighed)
-        hows.append(mode)
-        objective += value
-        if mb.loss is not None and abs(value - mb.loss) > loss_tolerance * max(abs(value), abs(mb.loss), 1e-30):
-            gaps.append((mb.loss, value))
-        if each is not None:
-            each(i, grads, weight)
-        for n, g in grads.items():
-            if n not in sums:
-                sums[n] = g
-            else:
-                sums[n].add_(g)  # as autograd accumulates into .grad
+        summed.add(i, mb, attempt, weight, cast(Dict[str, torch.Tensor], replayer.grads))
     if failed is not None:
         return failed
-    if not sums:
-        return Replay(None, None, None, "not judged: every micro-batch of the step weighs 0 (no item to average over)")
-    mean = sums
-    gap = (sum(a for a, _ in gaps) / len(gaps), sum(b for _, b in gaps) / len(gaps)) if gaps else None
-    return Replay(mean, objective / count, "+".join(sorted(set(hows))), loss_gap=gap, forwards=forwards, autocast=ran_in,
-                  seconds=seconds)
+    return summed.replay(forwards)
+
+
+_PRIVATE_DRAWS = ("the model or loss_fn draws from a random generator of its own (torch.Generator, numpy Generator, "
+                  "random.Random): the replay cannot reproduce training's draws, so the training part is not judged")
+
+
+@dataclass
+class _Attempt:
+    """One micro-batch's replays: the one that reproduced training's forward (``mode``), or those tried in vain (its
+    gradients are :attr:`_Replayer.grads`)."""
+
+    value: float  # the reproducing replay's objective, weighed (else the last replay's)
+    autocast: Tuple[Tuple[str, bool, torch.dtype], ...]  # the autocast state its forward ran in
+    forwards: Tuple[int, int]  # (training's, the last replay's) forwards of the micro-batch
+    mode: Optional[str] = None  # None: no mode reproduced training's forward
+    took: float = 0.0  # the reproducing replay's seconds
+    spent: List[float] = field(default_factory=list)  # each mode's replay, in seconds
+    tried: List[Tuple[str, int, bool]] = field(default_factory=list)  # (mode, forwards, faithful) of those in vain
+    differs: Optional[str] = None  # how the first call unlike training's differs (call_difference)
+    private: bool = False  # a replay drew from a generator held by the model or the loss
+
+
+class _Replayer:
+    """What the replays of a step's micro-batches share: the model, how to differentiate, where to run (see
+    :func:`replay_step` for the arguments)."""
+
+    def __init__(self, root: nn.Module, recorder: ForwardRecorder, grad_of: GradOf, params: Dict[str, torch.Tensor],
+                 loss_tolerance: float, context: Context, generators: Sequence[Any], modules: Optional[List[nn.Module]],
+                 lockstep: bool, entry: Optional[nn.Module]) -> None:
+        self.root, self.recorder, self.grad_of, self.params = root, recorder, grad_of, params
+        self.loss_tolerance, self.context, self.generators = loss_tolerance, context, generators
+        self.modules, self.lockstep, self.entry = modules, lockstep, entry
+        #: The last replay's weighed gradients: a micro-batch's are given up once the next one's replay returns.
+        self.grads: Optional[Dict[str, torch.Tensor]] = None
+
+    def modes(self, mb: MicroBatch, prefer: Optional[str]) -> Tuple[str, ...]:
+        """The modes to try on ``mb``, in order: one alone in lockstep, ``prefer`` first where it applies."""
+        modes: Tuple[str, ...] = ("forward", "start") if mb.records else ("start",)
+        if self.lockstep:
+            modes = modes[:1]
+        elif prefer is not None and prefer in modes:
+            modes = (prefer,) + tuple(m for m in modes if m != prefer)
+        return modes
+
+    def micro_batch(self, mb: MicroBatch, evaluate: Evaluate, weight: float, modes: Tuple[str, ...]) -> _Attempt:
+        """Replay ``mb`` in each of ``modes`` until one is verified to reproduce training's forward (its gradients in
+        :attr:`grads`)."""
+        spent: List[float] = []
+        tried = []
+        differs: Optional[str] = None
+        for mode in modes:
+            began = time.perf_counter()
+            self.grads, value, probe, autocast = _one(self.root, self.recorder, evaluate, self.grad_of, mb, mode,
+                                                      self.params, self.context, self.generators, self.modules, self.entry)
+            took = time.perf_counter() - began
+            spent.append(took)
+            forwards = (len(mb.records), probe.count)
+            if probe.private:
+                return _Attempt(value, autocast, forwards, spent=spent, private=True)
+            if self.reproduced(mb, evaluate, weight, value, probe):
+                return _Attempt(value, autocast, forwards, mode, took, spent)
+            tried.append((mode, probe.count, probe.faithful))
+            differs = differs or probe.differs
+            if mode != modes[-1]:  # what this mode's replay freed, given back before the next one's forward (kept
+                self.grads = None  # in the heap, the next forward's activations went on top of it)
+                del probe
+                release_freed()
+        return _Attempt(value, autocast, forwards, spent=spent, tried=tried, differs=differs)
+
+    def reproduced(self, mb: MicroBatch, evaluate: Evaluate, weight: float, value: float, probe: _Probe) -> bool:
+        """True when a replay of ``mb`` is verified to be training's: its forwards matched those recorded, or (none
+        recorded) it started where training did, its loss is training's, or the objective draws no random number."""
+        whole = value / weight if weight else value  # the micro-batch's own objective
+        loss_agrees = mb.loss is not None and abs(whole - mb.loss) <= self.loss_tolerance * max(abs(whole), abs(mb.loss),
+                                                                                              1e-30)
+        if mb.records:
+            return probe.faithful and probe.count == len(mb.records)
+        return mb.start.exact or loss_agrees or (not self.lockstep and rng_free(self.root, self.recorder, evaluate, mb,
+                                                                                 self.modules, self.entry))
+
+
+def _failure(mb: MicroBatch, attempt: _Attempt) -> Replay:
+    """Why no replay of ``mb`` reproduced training's forward, as a :class:`Replay` without gradients."""
+    tried, n_train = attempt.tried, len(mb.records)
+    if mb.records and all(count and n_train > count and n_train % count == 0 for _, count, _ in tried):
+        k = n_train // tried[0][1]
+        failure = Replay(None, None, None,
+                         f"skipped: accumulating ({n_train} forwards of the model since the last step, while one "
+                         f"replay of the step's batch makes {tried[0][1]}: {k} micro-batches?) — call "
+                         "watch.accumulate(micro_batch) after each micro-batch's backward",
+                         forwards=(n_train, tried[0][1]), accumulating=k)
+    else:
+        if not mb.records:
+            why = ("no forward of the model was seen since the last step and the objective draws random "
+                   "numbers; pass loss= to watch.step so the replay can be verified")
+        elif attempt.differs is not None:
+            why = (f"the replay could not reproduce training's forward: {attempt.differs} (the model's inputs differ "
+                   "at its forward): pass loss_fn the call training makes")
+        else:
+            why = (f"the replay could not reproduce training's forward (training ran {n_train} forwards; the "
+                   f"replays ran {', '.join(str(c) for _, c, _ in tried)}, with other inputs or another RNG "
+                   "state): random augmentation drawing from torch's generator inside loss_fn after other draws "
+                   "since the last step, or loss_fn is not the function training calls, or training calls a "
+                   "wrapper of the watched module (give GradWatch the module training calls: Fabric's, a "
+                   "compiled one)")
+        failure = Replay(None, None, None, why, forwards=attempt.forwards)
+    failure.seconds = min(attempt.spent)  # a replay in vain costs about a step too
+    return failure
+
+
+class _Summed:
+    """The step's gradient and objective, summed micro-batch by micro-batch as training accumulates ``.grad``."""
+
+    def __init__(self, count: int, loss_tolerance: float, each: Optional[Each]) -> None:
+        self.count, self.loss_tolerance, self.each = count, loss_tolerance, each
+        self.sums: Dict[str, torch.Tensor] = {}
+        self.objective = 0.0
+        self.hows: List[str] = []
+        self.gaps: List[Tuple[float, float]] = []
+        self.seconds = 0.0
+        self.autocast: Tuple[Tuple[str, bool, torch.dtype], ...] = ()
+
+    def add(self, i: int, mb: MicroBatch, attempt: _Attempt, weight: float, grads: Dict[str, torch.Tensor]) -> None:
+        """Add micro-batch ``i``'s verified replay (``attempt``, its weighed gradients ``grads``), of weight ``weight``."""
+        self.seconds += attempt.took
+        value = attempt.value / weight if weight else attempt.value  # the micro-batch's own objective (its gradient stays weighed)
+        self.hows.append(cast(str, attempt.mode))
+        self.objective += value
+        if mb.loss is not None and abs(value - mb.loss) > self.loss_tolerance * max(abs(value), abs(mb.loss), 1e-30):
+            self.gaps.append((mb.loss, value))
+        if self.each is not None:
+            self.each(i, grads, weight)
+        for n, g in grads.items():
+            if n not in self.sums:
+                self.sums[n] = g
+            else:
+                self.sums[n].add_(g)  # as autograd accumulates into .grad
+        self.autocast = attempt.autocast
+
+    def replay(self, forwards: Tuple[int, int]) -> Replay:
+        """The step's :class:`Replay`, once every micro-batch was added (``forwards``: the last replay's)."""
+        if not self.sums:
+            return Replay(None, None, None, "not judged: every micro-batch of the step weighs 0 (no item to average over)")
+        gaps = self.gaps
+        gap = (sum(a for a, _ in gaps) / len(gaps), sum(b for _, b in gaps) / len(gaps)) if gaps else None
+        return Replay(self.sums, self.objective / self.count, "+".join(sorted(set(self.hows))), loss_gap=gap,
+                      forwards=forwards, autocast=self.autocast, seconds=self.seconds)
+
+
+__all__ = ["Context", "Each", "Evaluate", "ForwardRecorder", "GradOf", "MicroBatch", "Replay", "StartState", "Step", "as_float",
+           "autocast_state", "replay_step", "rng_free", "scalar_grad"]
