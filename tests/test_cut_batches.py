@@ -12,7 +12,7 @@ from torch import nn
 from gradwatch.check.judging.report import CheckReport
 from gradwatch.check.modules.batch_cut import forward_cut, forward_transient
 from gradwatch.check.modules.capture import capture
-from gradwatch.check.modules.module_form import run_module_check
+from gradwatch.check.modules.module_form import Sharded, run_module_check
 from gradwatch.check.modules.piece_cuts import cut_samples
 from gradwatch.check.objective.terms import Objective
 from gradwatch.options import CheckOptions
@@ -124,7 +124,7 @@ def test_a_sharded_linear_too_big_both_ways_is_checked_on_rows_of_one_sample():
     g = torch.Generator().manual_seed(3)
     batch = torch.randn(256, 64, generator=g), torch.randint(0, 3, (256,), generator=g)
     report = run_module_check(model, Objective(xent), batch, CheckOptions(seed=0), pieces=[Piece("0", (0, 256))],
-                              room=600_000, view=ShardView(model, {}, {}))
+                              room=600_000, sharded=Sharded(ShardView(model, {}, {})))
     assert report.ok and not report.unfit, report.notes
     assert "0.weight" in report.tensors and "0.bias" in report.tensors
     note = next(n for n in report.notes if "checked on output rows" in n)

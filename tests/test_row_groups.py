@@ -14,7 +14,7 @@ from torch import nn
 
 from gradwatch.bands import Verdict
 from gradwatch.check.modules.localize import check_module
-from gradwatch.check.modules.module_form import run_module_check
+from gradwatch.check.modules.module_form import Sharded, run_module_check
 from gradwatch.check.modules.row_groups import EmbeddingRowBlocks, LinearRowBlocks, fewer_positions
 from gradwatch.check.objective.terms import Objective
 from gradwatch.options import CheckOptions
@@ -150,7 +150,7 @@ def test_shard_by_shard_a_ranks_one_block_is_checked_as_a_group_on_the_groups_po
     piece = [Piece("0", (16, 32))]
     alone = run_module_check(model, Objective(loss), batch, CheckOptions(seed=0), pieces=piece)
     sharded = run_module_check(model, Objective(loss), batch, CheckOptions(seed=0), pieces=piece,
-                               view=ShardView(model, {}, {}))
+                               sharded=Sharded(ShardView(model, {}, {})))
     assert "on 32 of its input's 80 positions" not in alone.localized[0].type  # one process: the piece's whole input
     assert "rows 16:32, 1 blocks, on 32 of its input's 80 positions" in sharded.localized[0].type, sharded.localized[0].type
     assert sharded.ok

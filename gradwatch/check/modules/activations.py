@@ -124,7 +124,7 @@ class SavedCounter(torch.autograd.graph.saved_tensors_hooks):
             pass
         # Detached: a tensor saved by the node that made it (a softmax's result) and returned as is would hold that
         # node through its own grad_fn, a cycle through C++ that Python's collector cannot see: the counting forward's
-        # whole graph (GPT-2's logits and their log-softmax, 98 MB at batch 4 x 128) stayed held for the rest of the run
+        # whole graph (GPT-2's logits and their log-softmax, at batch 4 x 128) stayed held for the rest of the run
         return t.detach()
 
 

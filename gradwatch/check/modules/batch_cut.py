@@ -109,7 +109,7 @@ def cuts_to_try(size: int, seq: int, need: int, room: int) -> List[Tuple[int, Op
     """``(samples, positions)`` cuts of a batch of ``size`` x ``seq`` to try, in order, for a piece that needs ``need``
     bytes on the whole batch and has ``room``: the first samples that fit by that estimate, then one sample's first
     positions, about as many as fit, then half of them twice (the estimate by samples may keep one that does not fit:
-    GPT-2's logits and loss over 50,257 tokens, a 1.2 GB piece at batch 8 x 64 in a room of 190 MB).
+    GPT-2's logits and loss over its 50,257 tokens, a piece several times the room at batch 8 x 64).
 
     Example:
         >>> cuts_to_try(8, 64, 1184, 190)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, ca
 import torch
 from torch import nn
 
-from gradwatch.check.modules.localize import copy_opaque, map_tensors
+from gradwatch.check.modules._tensor_trees import copy_opaque, map_tensors
 from gradwatch.check.objective.dtensor import is_dtensor, whole
 from gradwatch.plan.memory import float_bytes
 from gradwatch.plan.units import LOSS_FN, Enough, Unit, isolated_forward, known_first, output_shape, relative
@@ -130,192 +130,233 @@ def capture(model: nn.Module, loss_fn: Any, batch: Any, units: Sequence[Unit], s
     for it; it returns the loss. It runs whole: ``early`` is then ignored; what it holds stays within ``budget``,
     even for a unit alone (with ``alone``, such a unit is deferred to the next forward).
     """
-    got = Captured()
-    whole_of: Dict[int, torch.Tensor] = {}  # id(DTensor) -> its gathered whole, during one hook
-    wanted = {u.name: u for u in units}
-    own = {u.name: {c: relative(u, c) for c in u.stubbed} for u in units if u.kind == "own"}
-    sizes: Dict[str, int] = {}
-    inputs_of: Dict[str, int] = {}  # bytes of a captured unit's inputs (its children's outputs not counted)
-    stack: List[List[Any]] = []  # [module, is this the first call of a wanted unit being captured]
+    run = _Capture(units, budget, everyone, agree, alone, early, forward)
+    if LOSS_FN in run.wanted:
+        run.take_batch(batch)
+    pre, post = run.hooks(model, units)
+    return run.forward_once(model, loss_fn, batch, seed, pre, post)
 
-    # One process, the replay's forward (``forward``, no ranks): the captures share the tensors the forward made, those
-    # with a ``grad_fn`` (most are saved for its backward anyway: copies would add to the replay's peak), their
-    # versions taken; a tensor changed in place later in that forward makes its captures stale, and they are taken
-    # again by another forward.
-    # (set as that forward begins: ``loss_fn``'s batch, captured before it, is copied)
-    referenced: Optional[List[Tuple["weakref.ref[torch.Tensor]", int]]] = None
 
-    def keep(t: torch.Tensor) -> torch.Tensor:
-        source = whole_of.get(id(t), t)
-        if referenced is not None and source is t and t.grad_fn is not None:  # (not the batch, a parameter or a
-            # buffer: what the forward made, freed with its graph but for the capture, whose bytes it counts)
+class _Capture:
+    """One capture's forward hooks and the state they share: what is captured so far (``got``), the bytes it holds
+    per unit, the stack of the module calls in progress, and whether the forward may stop (:func:`capture`)."""
+
+    def __init__(self, units: Sequence[Unit], budget: Optional[int], everyone: Sequence[Unit],
+                 agree: Optional[Callable[[], Any]], alone: bool, early: bool, forward: Optional[Forward]) -> None:
+        self.got = Captured()
+        self.budget, self.alone, self.forward, self.agree = budget, alone, forward, agree
+        self.whole_of: Dict[int, torch.Tensor] = {}  # id(DTensor) -> its gathered whole, during one hook
+        self.wanted = {u.name: u for u in units}
+        self.own = {u.name: {c: relative(u, c) for c in u.stubbed} for u in units if u.kind == "own"}
+        self.sizes: Dict[str, int] = {}
+        self.inputs_of: Dict[str, int] = {}  # bytes of a captured unit's inputs (its children's outputs not counted)
+        self.stack: List[List[Any]] = []  # [module, is this the first call of a wanted unit being captured]
+        # One process, the replay's forward (``forward``, no ranks): the captures share the tensors the forward made,
+        # those with a ``grad_fn`` (most are saved for its backward anyway: copies would add to the replay's peak),
+        # their versions taken; a tensor changed in place later in that forward makes its captures stale, and they
+        # are taken again by another forward. (Set as that forward begins: ``loss_fn``'s batch, captured before it,
+        # is copied.)
+        self.referenced: Optional[List[Tuple["weakref.ref[torch.Tensor]", int]]] = None
+        # One process: the forward stops once every chosen unit is captured (an LM head's product and the loss over
+        # the vocabulary are not computed for nothing); its loss is then not known (``got.loss`` None). On several
+        # ranks (``everyone``), once every unit of ``everyone`` has made its first call: a point of the forward that
+        # is the same on every rank, whatever each rank captured, so every rank stops there, its collectives made
+        # alike.
+        self.shared = {u.name: u for u in everyone}
+        early = early and forward is None
+        if self.shared:
+            early = early and LOSS_FN not in self.shared
+        else:
+            early = early and LOSS_FN not in self.wanted and agree is None and not alone
+        self.early = early
+        self.passed: Set[str] = set()  # units of ``everyone`` past their first call (or known before it ran)
+        self.stopped = False
+        self.gather_in = {u.name for u in everyone}
+        self.gather_out = {c for u in everyone if u.kind != "module" for c in u.stubbed}
+        self.seen: Set[str] = set()
+
+    def keep(self, t: torch.Tensor) -> torch.Tensor:
+        """What the capture keeps of ``t``: a detached copy (shared with the replay's forward, where it made ``t``)."""
+        source = self.whole_of.get(id(t), t)
+        if self.referenced is not None and source is t and t.grad_fn is not None:  # (not the batch, a parameter or
+            # a buffer: what the forward made, freed with its graph but for the capture, whose bytes it counts)
             copy_ = t.detach()  # (its version counter is t's; a capture dropped for the budget is not kept alive)
-            referenced.append((weakref.ref(copy_), copy_._version))
+            self.referenced.append((weakref.ref(copy_), copy_._version))
         else:
             copy_ = source.detach().clone()
         # one reduction: the largest magnitude is NaN or inf where any entry is, and MASK or more in an additive mask
         if t.is_floating_point() and t.numel() and not float(copy_.abs().max()) < MASK:
-            got.constants.add(id(copy_))  # an additive mask (-inf, or the dtype's lowest): no step can move it
-            got.masks.append(copy_)  # alive as long as its id is in constants
+            self.got.constants.add(id(copy_))  # an additive mask (-inf, or the dtype's lowest): no step can move it
+            self.got.masks.append(copy_)  # alive as long as its id is in constants
         return copy_
 
-    def fits(extra: int) -> bool:
-        return budget is None or sum(sizes.values()) + extra <= budget
+    def fits(self, extra: int) -> bool:
+        return self.budget is None or sum(self.sizes.values()) + extra <= self.budget
 
-    def drop(name: str, why: str) -> None:
+    def drop(self, name: str, why: str) -> None:
+        got = self.got
         got.inputs.pop(name, None)
         got.children.pop(name, None)
-        size = sizes.pop(name, 0)
+        size = self.sizes.pop(name, 0)
         if why == "big":
             got.big[name] = size
         else:
             got.deferred.append(name)
-            got.deferred_bytes += inputs_of.get(name, 0)
+            got.deferred_bytes += self.inputs_of.get(name, 0)
 
-    # One process: the forward stops once every chosen unit is captured (an LM head's product and the loss over the
-    # vocabulary are not computed for nothing); its loss is then not known (``got.loss`` None). On several ranks
-    # (``everyone``), once every unit of ``everyone`` has made its first call: a point of the forward that is the
-    # same on every rank, whatever each rank captured, so every rank stops there, its collectives made alike.
-    shared = {u.name: u for u in everyone}
-    early = early and forward is None
-    if shared:
-        early = early and LOSS_FN not in shared
-    else:
-        early = early and LOSS_FN not in wanted and agree is None and not alone
-    passed: Set[str] = set()  # units of ``everyone`` past their first call (or known before it ran)
-    stopped: List[bool] = []
+    def settled(self) -> bool:
+        if self.shared:
+            return len(self.passed) == len(self.shared)
+        got = self.got
+        return all(n in got.big or n in got.deferred or n in got.output_bytes for n in self.wanted)
 
-    def settled() -> bool:
-        if shared:
-            return len(passed) == len(shared)
-        return all(n in got.big or n in got.deferred or n in got.output_bytes for n in wanted)
-
-    def stop() -> None:
-        if early and (shared or not any(frame[1] for frame in stack)) and settled():
-            stopped.append(True)
+    def stop(self) -> None:
+        """End the forward (:class:`~gradwatch.plan.units.Enough`) where it may stop and has given what it is for."""
+        if self.early and (self.shared or not any(frame[1] for frame in self.stack)) and self.settled():
+            self.stopped = True
             raise Enough
 
-    def enter(name: str):
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if stopped:
-                return
-            first = name in wanted and name not in got.inputs and name not in got.big and name not in got.deferred
+    def take_batch(self, batch: Any) -> None:
+        """``loss_fn``'s own code's input: the batch, copied before the forward."""
+        self.got.inputs[LOSS_FN] = copy_opaque(map_tensors(((batch,), {}), self.keep))
+        self.got.children[LOSS_FN] = {}
+        self.sizes[LOSS_FN] = self.inputs_of[LOSS_FN] = live_bytes(batch)
+
+    def enter(self, name: str, args: tuple, kwargs: dict) -> None:
+        """A forward pre-hook's work: a wanted unit's first call captured (or deferred, or left out as big)."""
+        if self.stopped:
+            return
+        got = self.got
+        first = name in self.wanted and name not in got.inputs and name not in got.big and name not in got.deferred
+        if first:
+            first = self.first_call(name, args, kwargs)
+        if name in self.shared and name not in self.passed and known_first(self.shared[name]):
+            self.passed.add(name)  # known alike on every rank (the unit's kind), whatever this rank captured
             if first:
-                need = live_bytes((args, kwargs))
-                if budget is not None and need > budget and not (alone and not sizes and forward is None):
-                    if alone:
-                        got.deferred.append(name)
-                        got.deferred_bytes += need
-                    else:
-                        got.big[name] = need
-                    first = False
-                elif not fits(need) and sizes:
-                    got.deferred.append(name)
-                    got.deferred_bytes += need
-                    first = False
-                else:
-                    got.inputs[name] = copy_opaque(map_tensors((args, kwargs), keep))
-                    sizes[name] = inputs_of[name] = need
-                    if name in own:
-                        got.children[name] = {}
-                    shape = output_shape(wanted[name], args, kwargs)
-                    if shape is not None and not shared:  # a plain Linear or Embedding: its output is known before it runs
-                        got.output_bytes[name] = math.prod(shape) * 8
-                        stop()
-                        del got.output_bytes[name]
-            if name in shared and name not in passed and known_first(shared[name]):
-                passed.add(name)  # known alike on every rank (the unit's kind), whatever this rank captured
-                if first:
-                    got.output_bytes[name] = linear_output_bytes(shared[name].module, args)
-                stop()
-                if first:
-                    del got.output_bytes[name]
-            stack.append([name, first])
+                got.output_bytes[name] = linear_output_bytes(self.shared[name].module, args)
+            self.stop()
+            if first:
+                del got.output_bytes[name]
+        self.stack.append([name, first])
 
-        return hook
+    def first_call(self, name: str, args: tuple, kwargs: dict) -> bool:
+        """A wanted unit's first call: its inputs captured where they fit; whether they were."""
+        got, budget, sizes = self.got, self.budget, self.sizes
+        need = live_bytes((args, kwargs))
+        if budget is not None and need > budget and not (self.alone and not sizes and self.forward is None):
+            if self.alone:
+                got.deferred.append(name)
+                got.deferred_bytes += need
+            else:
+                got.big[name] = need
+            return False
+        if not self.fits(need) and sizes:
+            got.deferred.append(name)
+            got.deferred_bytes += need
+            return False
+        got.inputs[name] = copy_opaque(map_tensors((args, kwargs), self.keep))
+        sizes[name] = self.inputs_of[name] = need
+        if name in self.own:
+            got.children[name] = {}
+        shape = output_shape(self.wanted[name], args, kwargs)
+        if shape is not None and not self.shared:  # a plain Linear or Embedding: its output is known before it runs
+            got.output_bytes[name] = math.prod(shape) * 8
+            self.stop()
+            del got.output_bytes[name]
+        return True
 
-    def leave(name: str):
-        def hook(module: nn.Module, args: tuple, out: Any) -> None:
-            if stopped:
-                return
-            left(name, out)
-            stop()
+    def leave(self, name: str, args: tuple, out: Any) -> None:
+        """A forward hook's work: a call's end (:meth:`left`), then the forward stopped where it may."""
+        if self.stopped:
+            return
+        self.left(name, out)
+        self.stop()
 
-        return hook
-
-    def left(name: str, out: Any) -> None:
+    def left(self, name: str, out: Any) -> None:
+        """A call's end: a captured unit's output bytes, and the output of a module an own-code unit called kept."""
+        stack, got = self.stack, self.got
         while stack and stack[-1][0] != name:  # a forward that raised inside left its frame behind
             stack.pop()
         frame = stack.pop() if stack else [name, False]
         if frame[1]:
             got.output_bytes[name] = float_bytes(out)
-        if name in shared:  # its first call's end (a later call's changes nothing)
-            passed.add(name)
-        holder = stack[-1][0] if stack and stack[-1][1] and stack[-1][0] in own else None
-        rel = own[holder].get(name) if holder is not None else None
+        if name in self.shared:  # its first call's end (a later call's changes nothing)
+            self.passed.add(name)
+        holder = stack[-1][0] if stack and stack[-1][1] and stack[-1][0] in self.own else None
+        rel = self.own[holder].get(name) if holder is not None else None
         if holder is None and not stack and name == "" and LOSS_FN in got.children:
             holder, rel = LOSS_FN, ""  # a call of the model by loss_fn itself
         if holder is None or rel is None:
             return
+        self.keep_child(holder, rel, out)
+
+    def keep_child(self, holder: str, rel: str, out: Any) -> None:
+        """The output of a module ``holder``'s own code called, kept where it fits; else ``holder`` deferred or big."""
+        stack, got, sizes = self.stack, self.got, self.sizes
         need = live_bytes(out)
-        if alone and not fits(need) and (forward is not None or not set(sizes) <= {holder}):
-            drop(holder, "deferred")  # captured again by a forward where it is alone, whatever its size
+        if self.alone and not self.fits(need) and (self.forward is not None or not set(sizes) <= {holder}):
+            self.drop(holder, "deferred")  # captured again by a forward where it is alone, whatever its size
             if stack and stack[-1][0] == holder:
                 stack[-1][1] = False
-        elif not alone and budget is not None and sizes.get(holder, 0) + need > budget:
-            drop(holder, "big")
+        elif not self.alone and self.budget is not None and sizes.get(holder, 0) + need > self.budget:
+            self.drop(holder, "big")
             got.big[holder] += need
             if stack and stack[-1][0] == holder:
                 stack[-1][1] = False
-        elif not alone and not fits(need):
-            drop(holder, "deferred")
+        elif not self.alone and not self.fits(need):
+            self.drop(holder, "deferred")
             if stack and stack[-1][0] == holder:
                 stack[-1][1] = False
         else:
-            got.children[holder].setdefault(rel, []).append(copy_opaque(rebuild(out, keep)))
+            got.children[holder].setdefault(rel, []).append(copy_opaque(rebuild(out, self.keep)))
             sizes[holder] = sizes.get(holder, 0) + need
 
-    if LOSS_FN in wanted:
-        got.inputs[LOSS_FN] = copy_opaque(map_tensors(((batch,), {}), keep))
-        got.children[LOSS_FN] = {}
-        sizes[LOSS_FN] = inputs_of[LOSS_FN] = live_bytes(batch)
-    named = dict(model.named_modules())
-    hooked = set(wanted) | {c for u in units for c in u.stubbed} | (set(shared) if early else set())
-    gather_in = {u.name for u in everyone}
-    gather_out = {c for u in everyone if u.kind != "module" for c in u.stubbed}
-    seen: Set[str] = set()
+    def hooks(self, model: nn.Module, units: Sequence[Unit]
+              ) -> Tuple[Dict[str, Callable[..., None]], Dict[str, Callable[..., None]]]:
+        """The forward pre-hooks and forward hooks (module name -> hook) the capture's forward runs with."""
+        named = dict(model.named_modules())
+        hooked = set(self.wanted) | {c for u in units for c in u.stubbed} | (set(self.shared) if self.early else set())
+        pre = {n: self.gathering(n, n in hooked, True) for n in named if n in hooked | self.gather_in}
+        post = {n: self.gathering(n, n in hooked, False) for n in named if n in hooked | self.gather_out | {""}}
+        return pre, post
 
-    def gathering(name: str, hook: Optional[Callable[..., None]], pre: bool) -> Callable[..., None]:
+    def gathering(self, name: str, hooked: bool, pre: bool) -> Callable[..., None]:
+        """A hook of ``name``: the DTensors it is given (``pre``) or returns gathered whole where some rank needs
+        them, then, where ``hooked``, :meth:`enter` or :meth:`leave`."""
         def both(module: nn.Module, args: Any, extra: Any) -> None:
+            got = self.got
             if not pre and name == "" and not got.model_bytes:
                 got.model_bytes = live_bytes(extra)
-            gather = name in gather_in and name not in seen if pre else name in gather_out
+            gather = name in self.gather_in and name not in self.seen if pre else name in self.gather_out
             if pre:
-                seen.add(name)
+                self.seen.add(name)
             # (under a Lockstep region each gather's collective is preceded by an agreement point of its own)
             dtensors = [t for t in tensor_leaves((args, extra) if pre else extra) if is_dtensor(t)] if gather else []
             with torch.no_grad():  # a replay's forward (``forward``) records its graph: not the copies'
                 if dtensors:
-                    whole_of.update((id(t), whole(t)) for t in dtensors)
+                    self.whole_of.update((id(t), whole(t)) for t in dtensors)
                 try:
-                    if hook is not None:
-                        hook(module, args, extra)
+                    if hooked:
+                        (self.enter if pre else self.leave)(name, args, extra)
                 finally:
-                    whole_of.clear()
+                    self.whole_of.clear()
 
         return both
 
-    pre = {n: gathering(n, enter(n) if n in hooked else None, True) for n in named if n in hooked | gather_in}
-    post = {n: gathering(n, leave(n) if n in hooked else None, False) for n in named if n in hooked | gather_out | {""}}
-    if forward is not None and agree is None:
-        referenced = []
-    records: List[Any] = []
-    got.loss = isolated_forward(model, loss_fn, batch, seed, pre=pre, post=post, randomness=records) \
-        if forward is None else forward(pre, post)
-    if records and got.loss is not None:
-        got.dropout_only = not records[0].stays_on and not records[0].random_draws
-    if referenced and any(t is not None and t._version != v for t, v in ((r(), v) for r, v in referenced)):
-        got.stale = True  # (the caller captures again with a forward of its own)
-        got.inputs.clear()
-        got.children.clear()
-    return got
+    def forward_once(self, model: nn.Module, loss_fn: Any, batch: Any, seed: int,
+                     pre: Dict[str, Callable[..., None]], post: Dict[str, Callable[..., None]]) -> Captured:
+        """The forward (isolated, or ``forward``), the hooks attached; what it captured."""
+        got, forward = self.got, self.forward
+        if forward is not None and self.agree is None:
+            self.referenced = []
+        records: List[Any] = []
+        got.loss = isolated_forward(model, loss_fn, batch, seed, pre=pre, post=post, randomness=records) \
+            if forward is None else forward(pre, post)
+        if records and got.loss is not None:
+            got.dropout_only = not records[0].stays_on and not records[0].random_draws
+        referenced = self.referenced
+        if referenced and any(t is not None and t._version != v for t, v in ((r(), v) for r, v in referenced)):
+            got.stale = True  # (the caller captures again with a forward of its own)
+            got.inputs.clear()
+            got.children.clear()
+        return got

@@ -2,8 +2,8 @@
 
 A mixture of experts that holds its E experts in fused tensors (transformers 5's ``experts.gate_up_proj`` of shape
 ``(E, 2 * intermediate, hidden)``) is one unit of the module form, and its float64 check holds every entry of those
-tensors several times over (the copy, its gradient, the engine's copies): at 8 experts of a 256-wide model, about
-158 MB, more than a check's room beside training. Such a unit is cut by experts, as a Linear by output rows
+tensors several times over (the copy, its gradient, the engine's copies): at 8 experts of a 256-wide model, more
+than a check's room beside training. Such a unit is cut by experts, as a Linear by output rows
 (:mod:`gradwatch.plan.cycle`): each piece checks a block of experts ``first:end``. Its copy keeps the fused tensors
 whole, as plain float64 constants, and at each call writes into them each expert of the block from a leaf of its own,
 ``name[expert i]`` (:class:`ExpertsInPlace`). So the unit's own forward runs as in training (the same routing, every

@@ -94,7 +94,7 @@ class LiveReads:
                  dtype: torch.dtype = torch.float64) -> None:
         self.root = root
         # Weak: each stub and view holds these reads, and a cycle would keep the stubs' outputs (float64 logits of a
-        # window, 52 MB on GPT-2's 50,257 tokens) held after the check until Python's full collection came round
+        # window over GPT-2's 50,257 tokens) held after the check until Python's full collection came round
         self.stubs: MutableMapping[str, Stub] = weakref.WeakValueDictionary(stubs or {})
         self.dtype = dtype
         self._paths: Optional[Dict[int, str]] = None

@@ -181,10 +181,11 @@ class BackwardPart(TrendAlerting):
         try:
             # through the module: a spy on module_form.run_module_check sees every check
             report = module_form.run_module_check(
-                target, ctx.objective, batch, opts, units=units, pieces=pieces, room=piece_room, view=view,
-                screen=True, early=early, everyone=everyone, replay=fused,
-                replay_budget=captures if fused is not None else None, seconds=self.planner.pace_seconds(check, spent),
-                forward_bytes=forward_transient(self.output_per_position, batch) if view is not None else 0)
+                target, ctx.objective, batch, opts, units=units, pieces=pieces, room=piece_room, screen=True,
+                early=early, replay=fused, replay_budget=captures if fused is not None else None,
+                seconds=self.planner.pace_seconds(check, spent),
+                sharded=None if view is None else module_form.Sharded(
+                    view, everyone, forward_transient(self.output_per_position, batch)))
         except BaseException:
             # (a replay run as the capture may have raised inside the model's backward: FSDP2's state is reset where
             # the check's region ends, as after a replay run on its own, not resharded here midway)
