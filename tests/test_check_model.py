@@ -83,7 +83,9 @@ def test_no_false_alarm_on_correct_models(kind, seed):
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert list(report.tensors) == trainable
     for t in report.tensors.values():
-        assert t.verdict is not None and not t.failed and t.inconclusive is None
+        assert t.verdict is not None
+        assert not t.failed
+        assert t.inconclusive is None
         assert t.verdict.rank <= Verdict.ACCEPTABLE.rank, (t.name, t.judged_rel_diff)
 
 

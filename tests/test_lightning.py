@@ -310,4 +310,6 @@ def test_lightning_example_has_a_docstring():
     import ast
 
     doc = ast.get_docstring(ast.parse((ROOT / "examples" / "lightning_module.py").read_text()))
-    assert doc and "GradWatchCallback" in doc and "TensorBoardLogger" in doc
+    assert doc
+    assert "GradWatchCallback" in doc
+    assert "TensorBoardLogger" in doc

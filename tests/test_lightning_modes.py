@@ -141,7 +141,9 @@ def test_manual_optimization_without_loss_fn_fails_at_setup_naming_the_fix(tmp_p
     with pytest.raises(MisconfigurationException) as info:
         fit(Manual, tmp_path, 4, [GradWatchCallback(every=2)])
     text = str(info.value)
-    assert "automatic_optimization = False" in text and "loss_fn=" in text and "Manual" in text
+    assert "automatic_optimization = False" in text
+    assert "loss_fn=" in text
+    assert "Manual" in text
 
 
 def test_an_objective_that_steps_the_optimizer_is_refused_once_and_pauses_the_watch(tmp_path, caplog):
