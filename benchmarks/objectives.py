@@ -1,6 +1,6 @@
 """Objectives with derivatives inside, watched over 20 checks: false alarms on correct models, planted bugs caught.
 
-The four objectives of ``tests/test_differentiating_objectives.py`` (WGAN-GP, R1, a physics-informed heat
+The four objectives of ``tests/watch/parts/test_inner.py`` (WGAN-GP, R1, a physics-informed heat
 residual with second derivatives, double backprop) on the same tanh MLPs (8 or 2 -> 32 -> 32 -> 1), in float32 and
 float64, in the whole-objective form and in the module form, ``GradWatch(every=1)`` for ``--checks`` steps:
 

@@ -1,6 +1,6 @@
 """Surrogate gradients by design, watched over 20 checks: alerts on correct models, a planted bug caught and named.
 
-Three models whose gradient is deliberately not the derivative (``tests/test_surrogates.py``), trained with SGD
+Three models whose gradient is deliberately not the derivative (``tests/check/objective/test_surrogate.py``), trained with SGD
 under ``GradWatch(every=1)`` in the objective form and in the module form:
 
 - ``vq``: a VQ-VAE-style autoencoder with a straight-through vector quantizer, declared ``surrogates=["quant"]``;

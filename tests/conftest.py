@@ -4,6 +4,12 @@ alert a test raises checked for a headline a person reads at a glance."""
 from __future__ import annotations
 
 import os
+import sys
+
+import paths
+
+# Test modules import helpers other test modules define, by the module's name, from any directory of tests.
+sys.path.extend(str(d) for d in paths.DIRS if str(d) not in sys.path)
 
 # Subprocesses (torchrun ranks, the CLI) on one OpenMP thread too: two ranks of two spinning threads on a
 # 2-core machine beside a second pytest worker only wait for each other.

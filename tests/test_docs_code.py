@@ -214,7 +214,7 @@ GIVEN = {"model": _given_model, "numpy_net": _given_numpy_net, "critic": _given_
 
 
 def _not_run(marker: str):
-    match = re.fullmatch(r"not run: (.+); tested by (tests/\w+\.py)::(\w+)", marker)
+    match = re.fullmatch(r"not run: (.+); tested by (tests/[\w/]+\.py)::(\w+)", marker)
     return match and match.groups()
 
 
@@ -331,7 +331,7 @@ def assert_lines_shown(block: Block, real_output: str) -> None:
 @pytest.fixture(scope="module")
 def demo_output(tmp_path_factory) -> Dict[str, str]:
     """``gradwatch demo --bug BUG`` and ``gradwatch report`` on its run, for each bug an output block names: what
-    the commands print, run in this process (the CLI as a subprocess is tests/test_cli.py's)."""
+    the commands print, run in this process (the CLI as a subprocess is tests/cli/test_commands.py's)."""
     import glob
     import os
 

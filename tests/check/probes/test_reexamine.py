@@ -14,18 +14,14 @@ from __future__ import annotations
 
 import collections
 import logging
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import BuggySigmoid  # noqa: E402
 from torch import nn
 
 from gradwatch import GradWatch, Verdict, check_model
-
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import BuggySigmoid  # noqa: E402
 
 CHECKS = 50
 

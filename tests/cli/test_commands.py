@@ -21,7 +21,7 @@ from gradwatch.cli import commands as cli
 from gradwatch.config import option_names
 from gradwatch.io.runs import alert_key
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 DOCS = ROOT / "docs"  # reference/cli.md documents the commands, reference/options.md the options
 # "step   100  fc1.weight  threshold  ..." — the alert line both the demo and report print.

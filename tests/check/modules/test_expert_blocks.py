@@ -21,7 +21,7 @@ from gradwatch.plan.planner import Planner
 from gradwatch.plan.units import expert_bytes
 
 pytest.importorskip("transformers")
-from test_moe_experts import experts_of, failed, grouped_experts, one_wrong_expert, routed  # noqa: E402
+from test_experts import experts_of, failed, grouped_experts, one_wrong_expert, routed  # noqa: E402
 from test_moe_hooks import KINDS, model_loss, padded_batch, tiny_moe  # noqa: E402
 
 EXPERTS = "model.layers.1.mlp.experts"

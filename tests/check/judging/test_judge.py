@@ -145,7 +145,7 @@ def test_float32_module_check_of_a_dropped_rare_row_is_inconclusive_and_float64_
     from gradwatch.check.modules.own_code import RowsInPlace
     from gradwatch.cli import commands
 
-    rare_drop = commands.load_bench(Path(__file__).resolve().parents[1] / "benchmarks" / "real_size.py").RareDropEmbedding
+    rare_drop = commands.load_bench(Path(__file__).resolve().parents[3] / "benchmarks" / "real_size.py").RareDropEmbedding
     verdicts = {}
     for dtype in (torch.float32, torch.float64):
         torch.manual_seed(0)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any, Callable, List, Tuple
 
+import paths
 import pytest
 import torch
 from helpers import WrongSilu
@@ -127,10 +127,8 @@ def _unet_resnet() -> None:
 def _fresh(case: str) -> None:
     """``case`` run in a fresh process: its room is what its own training's peak leaves (in a test worker the peak is
     earlier tests', and the windows these cases are about never engage)."""
-    here = Path(__file__).resolve().parent
-    run = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(here)!r}); "
-                          f"import test_planted_within_k as t; t.{case}()"], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(here.parent)}, cwd=here.parent, timeout=300)
+    run = subprocess.run([sys.executable, "-c", f"import test_planted_within_k as t; t.{case}()"], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": paths.pythonpath()}, cwd=paths.ROOT, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
 
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from test_update_replay import NoBiasCorrection
+from test_optimizer_replay import NoBiasCorrection
 from torch import nn
 from torch.nn import functional as F
 

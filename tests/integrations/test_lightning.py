@@ -24,7 +24,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from gradwatch.integrations.lightning import GradWatchCallback  # noqa: E402
 from gradwatch.io.sinks import read_jsonl  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PARAMS = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
 
 

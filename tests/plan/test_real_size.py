@@ -13,7 +13,7 @@ import pytest
 
 from gradwatch.cli import commands
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 real_size = commands.load_bench(ROOT / "benchmarks" / "real_size.py")
 
 pytestmark = pytest.mark.slow  # subprocesses of the benchmarks

@@ -59,7 +59,7 @@ def _run_and_kill(tmp_path: Path) -> list:
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     log_dir = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, str(script), str(log_dir)], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, env=env)
     checked = []

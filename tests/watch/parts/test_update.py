@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import HotAdam
-from test_update_replay import NoBiasCorrection
+from test_optimizer_replay import NoBiasCorrection
 from torch import nn
 from torch.nn import functional as F
 

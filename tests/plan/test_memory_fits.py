@@ -7,12 +7,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Sequence
 
+import paths
 import pytest
 import torch
-from test_kinks_noise import _NudgedSigmoid
+from test_reexamine import _NudgedSigmoid
 from torch import nn
 from torch.nn import functional as F
 
@@ -215,8 +215,7 @@ def test_the_conv_workspace_is_counted_from_its_unfolded_input():
 
 _HEAVY = """
 import json, sys, torch
-sys.path.insert(0, {tests!r})
-from test_fits_beside_training import _ce, _mlp
+from test_memory_fits import _ce, _mlp
 from gradwatch import GradWatch
 model, n = _mlp(), 8192
 batch = (torch.randn(n, 64), torch.randint(0, 10, (n,)))
@@ -224,8 +223,8 @@ watch = GradWatch(model, _ce, every=1, log_dir=None, form=sys.argv[1], training=
 _ce(model, batch).backward()
 report = watch.step(batch)
 watch.close()
-print(json.dumps({{"form": report.form, "notes": report.notes, "tensors": sorted(report.tensors), "ok": report.ok,
-                  "text": str(report)}}))
+print(json.dumps({"form": report.form, "notes": report.notes, "tensors": sorted(report.tensors), "ok": report.ok,
+                  "text": str(report)}))
 """
 
 
@@ -233,12 +232,11 @@ print(json.dumps({{"form": report.form, "notes": report.notes, "tensors": sorted
 def test_an_activation_heavy_model_is_checked_in_modules_and_an_explicit_objective_on_a_cut():
     # A fresh process: its room is what training's own peak leaves (a test worker's peak is earlier tests'). The whole
     # objective in float64 holds 3x what training's forward saved (8,192 samples), over that room.
-    here = Path(__file__).resolve().parent
     n = 8192
     names = sorted(name for name, _ in _mlp().named_parameters())
     for form, expected in (("auto", "module"), ("objective", "objective")):  # each in a process of its own
-        run = subprocess.run([sys.executable, "-c", _HEAVY.format(tests=str(here)), form], capture_output=True,
-                             text=True, env={**os.environ, "PYTHONPATH": str(here.parent)}, cwd=here.parent)
+        run = subprocess.run([sys.executable, "-c", _HEAVY, form], capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": paths.pythonpath()}, cwd=paths.ROOT)
         assert run.returncode == 0, run.stderr[-2000:]
         report = json.loads(run.stdout.strip().splitlines()[-1])
         assert report["form"] == expected, (form, report["notes"])
@@ -367,9 +365,8 @@ print(json.dumps({"before": before, "at_check": at_check, "after": after, "step"
 def test_a_check_holds_glibcs_mmap_threshold_where_training_left_it():
     """A freed mapped block no longer raises the threshold once the watch's first check held it (training's mid-sized
     tensors would otherwise come from the heap after a check's big frees, and training peak higher)."""
-    here = Path(__file__).resolve().parent
     run = subprocess.run([sys.executable, "-c", _THRESHOLD], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(here.parent)}, cwd=here.parent)
+                         env={**os.environ, "PYTHONPATH": paths.pythonpath()}, cwd=paths.ROOT)
     assert run.returncode == 0, run.stderr[-2000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     # (what the watch's step does before its check may still move it a little: it is held at the check's start)

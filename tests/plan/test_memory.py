@@ -34,7 +34,7 @@ from gradwatch.errors import ConfigError
 from gradwatch.options import CheckOptions
 from gradwatch.plan.memory import SAFETY, MemoryMeter, in_use_bytes, module_bytes, objective_bytes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 make_case = commands.load_bench(ROOT / "benchmarks" / "bench.py").make_case
 
 

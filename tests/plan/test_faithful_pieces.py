@@ -12,8 +12,8 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
+import paths
 import pytest
 import torch
 import torch.nn.functional as F
@@ -107,7 +107,7 @@ def test_rows_that_cannot_be_checked_in_place_are_never_counted_as_covered():
     # in a fresh interpreter: the room is measured from the process's own peak, which earlier tests would inflate
     code = "import json, test_faithful_pieces as t; print(json.dumps(t.tight_room()))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).parent, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
+                          cwd=paths.ROOT, env={**os.environ, "PYTHONPATH": paths.pythonpath()})
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     said = [n for n in got["notes"] if "`2` (TiledLinear rows" in n and "not checked" in n]

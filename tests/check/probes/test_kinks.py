@@ -18,7 +18,7 @@ from torch import nn
 from gradwatch import GradWatch, check_model
 from gradwatch.check.probes.kinks import Recorder, compare, record
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 from small_weights import OffLinear  # noqa: E402
 
 

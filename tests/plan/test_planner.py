@@ -27,7 +27,7 @@ from gradwatch.plan.units import LOSS_FN, plan_units
 
 VOCAB, WIDTH = 600, 16
 # The planted bugs of the real-size benchmark: a softmax 10% off, a head's last rows, rare tokens dropped.
-_bench = commands.load_bench(Path(__file__).resolve().parents[1] / "benchmarks" / "real_size.py")
+_bench = commands.load_bench(Path(__file__).resolve().parents[2] / "benchmarks" / "real_size.py")
 BadSoftmax, RowBugLinear, RareDropEmbedding = _bench.BadSoftmax, _bench.RowBugLinear, _bench.RareDropEmbedding
 
 

@@ -32,7 +32,7 @@ def test_a_shallow_copy_runs_the_forward_accelerate_wrapped_in_autocast_without_
 @pytest.mark.slow  # a TRL run of 3 checked steps: 5-10 s
 def test_trls_sft_trainer_at_its_defaults_in_the_module_form_has_no_alert(tmp_path):
     pytest.importorskip("trl")
-    from test_item_probe_checkpointing import llama, sft
+    from test_item_probe import llama, sft
     from test_trl import WORDS
 
     from gradwatch.integrations.transformers import GradWatchCallback

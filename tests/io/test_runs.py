@@ -17,7 +17,7 @@ from torch import nn
 from gradwatch import GradWatch
 from gradwatch.cli import commands as cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run_main(capsys, *argv):

@@ -386,8 +386,8 @@ def test_a_one_percent_error_next_to_a_float32_op_is_still_caught():
 def test_the_readme_names_the_architectures_this_file_checks():
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "guides" / "lower-precision.md").read_text()
-    section = text[text.index("`tests/test_real_models.py` checks"):][:600]
+    text = (Path(__file__).resolve().parents[3] / "docs" / "guides" / "lower-precision.md").read_text()
+    section = text[text.index("`tests/check/objective/test_real_models.py` checks"):][:600]
     flat = section.replace("-", "").replace("\n", " ").lower()
     assert f"checks {len(ARCHS)} architectures" in flat
     assert all(name in flat for name in ARCHS), [n for n in ARCHS if n not in flat]

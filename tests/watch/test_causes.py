@@ -193,7 +193,7 @@ def test_a_module_named_by_its_failing_input_lists_the_upstream_tensors_under_it
 @pytest.mark.slow  # one check of the whole objective, then its modules one at a time: about 15 s
 def test_a_wrong_activation_in_one_module_is_one_alert_naming_it_with_the_upstream_tensors_under_it():
     pytest.importorskip("transformers")
-    from test_moe_experts import one_wrong_expert, plain_loop
+    from test_experts import one_wrong_expert, plain_loop
     from test_moe_hooks import tiny_moe
 
     model = tiny_moe("olmoe")

@@ -20,7 +20,7 @@ import pytest
 
 from gradwatch.cli import commands
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 bench = commands.load_bench(ROOT / "benchmarks" / "bench.py")
 
 pytestmark = pytest.mark.slow  # subprocesses of the benchmarks

@@ -11,6 +11,7 @@ objective gives it) in all four objectives, in both forms and by ``check_model``
 
 from __future__ import annotations
 
+import paths
 import pytest
 import torch
 from helpers import make_tanh, watch_run
@@ -200,8 +201,7 @@ def test_the_readme_plain_gan_loop_gives_each_network_both_verdicts(tmp_path, mo
 _OVER_BUDGET = """
 import sys, json, torch
 from torch import nn
-sys.path.insert(0, "tests")
-from test_differentiating_objectives import wgan_gp, batches, watch_run
+from test_inner import wgan_gp, batches, watch_run
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3000), nn.Tanh(), nn.Linear(3000, 3000), nn.Tanh(),
                       nn.Linear(3000, 1))
@@ -216,12 +216,14 @@ def test_a_module_whose_double_backward_check_does_not_fit_memory_budget_is_said
     default memory_budget: named in a note, not checked; the small modules are (a process of its own: the room
     is its training's own peak, not the test run's)."""
     import json
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "-c", _OVER_BUDGET], cwd=root, capture_output=True, text=True, timeout=300)
+    root = Path(__file__).resolve().parents[3]
+    out = subprocess.run([sys.executable, "-c", _OVER_BUDGET], cwd=root, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": paths.pythonpath()})
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert any(n.startswith("4's double backward not checked") and "memory_budget" in n for n in got["notes"])

@@ -23,7 +23,7 @@ from gradwatch import GradientDriftError, GradWatch
 from gradwatch.io.records import scalars_from_check
 from gradwatch.io.sinks import read_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 EVERY = 5
