@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # DeepSpeed compiles its CPU communication op at first use (about 45 s here): once, before the tests, so the
-# 2-rank DeepSpeed test's time limit counts its run only (tests/test_deepspeed.py builds it too when missing).
+# 2-rank DeepSpeed test's time limit counts its run only (tests/parallel/test_zero.py builds it too when missing).
 DS_OPS := $(VENV)/.deepspeed_ops
 
 $(DS_OPS): $(STAMP)

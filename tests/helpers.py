@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple
 
+import paths
 import pytest
 import torch
 import torch.nn.functional as F
@@ -169,11 +170,10 @@ def free_port() -> int:
 
 def run_two_ranks(script: str, path: Path, args: Sequence[str], timeout: float, what: str) -> Tuple[Tuple[int, ...], List[str]]:
     """Run ``script`` (written to ``path``) as 2 processes, ``path rank port *args``, with the checkout and
-    ``tests/`` on ``PYTHONPATH``; returns (exit codes, outputs). Both are killed, and the test fails, when
+    every directory of tests on ``PYTHONPATH``; returns (exit codes, outputs). Both are killed, and the test fails, when
     they are not done within ``timeout`` seconds in all (a hang fails instead of blocking the suite)."""
     path.write_text(script)
-    pythonpath = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=paths.pythonpath(), OMP_NUM_THREADS="1")
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, str(path), str(r), port, *args], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]

@@ -373,7 +373,7 @@ def test_distributed_takes_the_same_off(value, mode):
     from gradwatch import GradWatch
 
     assert parse_distributed(value) == mode
-    if mode != "on":  # "on" needs an initialized process group (tests/test_distributed.py)
+    if mode != "on":  # "on" needs an initialized process group (tests/parallel/test_distributed.py)
         with GradWatch(nn.Linear(2, 1), lambda m, b: m(b).sum(), distributed=value, jsonl=False, tensorboard=False) as w:
             assert w.dist is None
 

@@ -1,8 +1,10 @@
 """GradWatch under DistributedDataParallel: 2 gloo ranks on 127.0.0.1, spawned as subprocesses.
 
-Every run has a hard timeout (the parent kills the workers), so a hang fails
-the test instead of blocking the suite. Each worker writes what it saw to a
-JSON file that the parent then checks:
+The DDP scenarios run in turn in one launch of the 2 ranks (a module fixture;
+the scenario where rank 1 dies last), each test reading its own scenario's
+results. Every launch has a hard timeout (the parent kills the workers), so a
+hang fails the tests instead of blocking the suite. Each worker writes what it
+saw to a JSON file that the parent then checks:
 
 - checks run on the unwrapped module: no DDP forward and no gradient
   all-reduce happen inside a check (a forward pre-hook on the DDP wrapper and
@@ -24,7 +26,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -36,31 +37,36 @@ from gradwatch.io.sinks import read_jsonl
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT = 90.0
+#: The one launch running every DDP scenario in turn (each of them had 90 s as a launch of its own).
+DDP_RUNS_TIMEOUT = 240.0
+#: The DDP scenarios, in the order one launch of 2 ranks runs them; "die" last: rank 1 exits inside its check.
+SCENARIOS = ("error", "auto", "die")
 
 WORKER = textwrap.dedent(
     r'''
-    import json, os, sys, time, datetime, logging
+    import time
+    started = time.monotonic()
+    import json, os, sys, datetime, logging, traceback
     import torch, torch.nn as nn, torch.nn.functional as F
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
-    rank, world, port, scenario, out = int(sys.argv[1]), 2, sys.argv[2], sys.argv[3], sys.argv[4]
+    rank, world, port, out, scenarios = int(sys.argv[1]), 2, sys.argv[2], sys.argv[3], sys.argv[4].split(",")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
 
     import gradwatch.check.model
     from gradwatch import GradWatch, GradientDriftError
 
-    result = {"rank": rank, "checked_steps": [], "shares": [], "alerts": [], "in_check_collectives": 0,
-              "allreduces": 0, "ddp_forwards_in_check": 0, "raised_at": None}
-    state = {"in_check": False}
+    startup = time.monotonic() - started  # this process's start-up: part of the "die" scenario's time limit
+    state = {"in_check": False, "result": None}
     real_check = gradwatch.check.model.run_model_check
 
     def spying_check(model, objective, batch, opts, **kw):
-        result["shares"].append(list(kw.get("names") or []))
+        state["result"]["shares"].append(list(kw.get("names") or []))
         state["in_check"] = True
         try:
             return real_check(model, objective, batch, opts, **kw)
@@ -69,114 +75,153 @@ WORKER = textwrap.dedent(
 
     gradwatch.check.model.run_model_check = spying_check
 
-    torch.manual_seed(0)  # same initial weights on both ranks (DDP also broadcasts them)
-    net = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
-    model = DDP(net)
 
-    def count_forward(module, args):
-        if state["in_check"]:
-            result["ddp_forwards_in_check"] += 1
+    def run(scenario, out):
+        """One scenario: a fresh model, DDP wrapper, optimizer and watch (its files under ``out``); this rank's results."""
+        t_scenario = time.monotonic()
+        result = state["result"] = {"rank": rank, "checked_steps": [], "shares": [], "alerts": [], "in_check_collectives": 0,
+                                    "allreduces": 0, "ddp_forwards_in_check": 0, "raised_at": None}
+        torch.manual_seed(0)  # same initial weights on both ranks (DDP also broadcasts them)
+        net = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+        model = DDP(net)
 
-    model.register_forward_pre_hook(count_forward)
+        def count_forward(module, args):
+            if state["in_check"]:
+                result["ddp_forwards_in_check"] += 1
 
-    def comm_hook(process_group, bucket):
-        result["allreduces"] += 1
-        if state["in_check"]:
-            result["in_check_collectives"] += 1
-        fut = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True).get_future()
-        return fut.then(lambda f: f.value()[0] / world)
+        model.register_forward_pre_hook(count_forward)
 
-    model.register_comm_hook(None, comm_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        def comm_hook(process_group, bucket):
+            result["allreduces"] += 1
+            if state["in_check"]:
+                result["in_check_collectives"] += 1
+            fut = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True).get_future()
+            return fut.then(lambda f: f.value()[0] / world)
 
-    fail_at = {"error": 2, "die": 0}.get(scenario)
+        model.register_comm_hook(None, comm_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
-    def loss_fn(m, batch):
-        checking = not torch.is_grad_enabled() or state["in_check"]
-        if checking and rank == 1 and fail_at is not None and step_now[0] == fail_at:
-            if scenario == "die":
-                os._exit(7)  # a crash inside the check: no exception, the process is gone
-            raise KeyError("'labels' missing on rank 1")
-        if checking and scenario == "auto" and rank == 1:
-            time.sleep(0.005)  # rank 1's checks are slower: its own auto interval would differ
-        return F.cross_entropy(m(batch[0]), batch[1])
+        fail_at = {"error": 2, "die": 0}.get(scenario)
 
-    grad_fn = None
-    if scenario == "auto":
-        def grad_fn(m, batch):  # correct until step 12, then twice the gradient
-            params = dict(m.named_parameters())
-            grads = torch.autograd.grad(loss_fn(m, batch), list(params.values()))
-            factor = 2.0 if step_now[0] >= 12 else 1.0
-            return {n: g * factor for n, g in zip(params, grads)}
+        def loss_fn(m, batch):
+            checking = not torch.is_grad_enabled() or state["in_check"]
+            if checking and rank == 1 and fail_at is not None and step_now[0] == fail_at:
+                if scenario == "die":
+                    os._exit(7)  # a crash inside the check: no exception, the process is gone
+                raise KeyError("'labels' missing on rank 1")
+            if checking and scenario == "auto" and rank == 1:
+                time.sleep(0.005)  # rank 1's checks are slower: its own auto interval would differ
+            return F.cross_entropy(m(batch[0]), batch[1])
 
-    options = dict(
-        # the whole objective fits memory_budget: the ranks share the tensors (test_ddp_module_form.py: the pieces)
-        error=dict(every=2, log_dir=os.path.join(out, f"run{rank}" if rank else "run"), coords=3, directions=1),
-        die=dict(every=2, log_dir=os.path.join(out, "run"), coords=3, directions=1, distributed_timeout=3),
-        # The schedule's agreement is what this scenario tests, timed on the backward part alone: the training
-        # part (a replay and two small collectives per check) has its own DDP test in test_training.py.
-        auto=dict(every="auto", overhead_budget=0.2, training=False, dtype=None, log_dir=os.path.join(out, "run"), coords=3,
-                  directions=1, raise_on="wrong", tensors_per_check=1),
-    )[scenario]
-    watch = GradWatch(model, loss_fn, optimizer=opt, grad_fn=grad_fn, **options)
-    result["model_is_unwrapped"] = watch.model is net
-    result["sink_count"] = len(watch.sinks)
-
-    steps = {"error": 8, "die": 2, "auto": 60}[scenario]
-    step_now = [0]
-    g = torch.Generator().manual_seed(100 + rank)  # each rank its own data shard
-    t0 = time.time()
-    for step in range(steps):
-        step_now[0] = step
-        batch = (torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g))
-        opt.zero_grad()
-        loss_fn(model, batch).backward()  # DDP all-reduce
+        grad_fn = None
         if scenario == "auto":
-            time.sleep(0.01)  # a training step of >= 10 ms: the auto gap (check time / step time) stays a few steps
+            def grad_fn(m, batch):  # correct until step 12, then twice the gradient
+                params = dict(m.named_parameters())
+                grads = torch.autograd.grad(loss_fn(m, batch), list(params.values()))
+                factor = 2.0 if step_now[0] >= 12 else 1.0
+                return {n: g * factor for n, g in zip(params, grads)}
+
+        options = dict(
+            # the whole objective fits memory_budget: the ranks share the tensors (test_ddp_module_form.py: the pieces)
+            error=dict(every=2, log_dir=os.path.join(out, f"run{rank}" if rank else "run"), coords=3, directions=1),
+            die=dict(every=2, log_dir=os.path.join(out, "run"), coords=3, directions=1, distributed_timeout=3),
+            # The schedule's agreement is what this scenario tests, timed on the backward part alone: the training
+            # part (a replay and two small collectives per check) has its own DDP test in test_training.py.
+            auto=dict(every="auto", overhead_budget=0.2, training=False, dtype=None, log_dir=os.path.join(out, "run"), coords=3,
+                      directions=1, raise_on="wrong", tensors_per_check=1),
+        )[scenario]
+        watch = GradWatch(model, loss_fn, optimizer=opt, grad_fn=grad_fn, **options)
+        result["model_is_unwrapped"] = watch.model is net
+        result["sink_count"] = len(watch.sinks)
+
+        steps = {"error": 8, "die": 2, "auto": 60}[scenario]
+        step_now = [0]
+        g = torch.Generator().manual_seed(100 + rank)  # each rank its own data shard
+        t0 = time.time()
+        for step in range(steps):
+            step_now[0] = step
+            batch = (torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g))
+            opt.zero_grad()
+            loss_fn(model, batch).backward()  # DDP all-reduce
+            if scenario == "auto":
+                time.sleep(0.01)  # a training step of >= 10 ms: the auto gap (check time / step time) stays a few steps
+            try:
+                report = watch.step(batch)
+            except GradientDriftError as err:
+                result["raised_at"] = step
+                result["checked_steps"].append(step)
+                result["alerts"] = [a.to_dict() for a in watch.alerts]
+                break
+            if report is not None:
+                result["checked_steps"].append(step)
+                result.setdefault("reports", []).append(sorted(report.tensors))
+            result["local_interval"] = watch.schedule.interval()
+            result["schedule"] = watch.schedule.explain()  # for a failing assertion's message
+            if watch.dist is not None:
+                result["agreed_interval"] = watch.dist.interval
+            if scenario == "die" and watch.dist is not None and watch.dist.broken:
+                break  # rank 1 is gone: no more DDP steps
+            opt.step()
+        result["seconds"] = time.time() - t0
+        result["alerts"] = [a.to_dict() for a in watch.alerts]
+        result["broken"] = watch.dist.broken if watch.dist is not None else None
+        result["params"] = [p.detach().sum().item() for p in net.parameters()]
+        watch.close()
+        result["startup"], result["wall"] = startup, time.monotonic() - t_scenario
+        return result
+
+
+    for scenario in scenarios:  # each scenario's results in out/<scenario>/rank<r>.json as soon as it ends
+        folder = os.path.join(out, scenario)
+        os.makedirs(folder, exist_ok=True)
         try:
-            report = watch.step(batch)
-        except GradientDriftError as err:
-            result["raised_at"] = step
-            result["checked_steps"].append(step)
-            result["alerts"] = [a.to_dict() for a in watch.alerts]
-            break
-        if report is not None:
-            result["checked_steps"].append(step)
-            result.setdefault("reports", []).append(sorted(report.tensors))
-        result["local_interval"] = watch.schedule.interval()
-        result["schedule"] = watch.schedule.explain()  # for a failing assertion's message
-        if watch.dist is not None:
-            result["agreed_interval"] = watch.dist.interval
-        if scenario == "die" and watch.dist is not None and watch.dist.broken:
-            break  # rank 1 is gone: no more DDP steps
-        opt.step()
-    result["seconds"] = time.time() - t0
-    result["alerts"] = [a.to_dict() for a in watch.alerts]
-    result["broken"] = watch.dist.broken if watch.dist is not None else None
-    result["params"] = [p.detach().sum().item() for p in net.parameters()]
-    watch.close()
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    if scenario != "die":
+            result = run(scenario, folder)
+        except Exception:
+            result = {"exception": traceback.format_exc()}
+        with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    if "die" not in scenarios:
         dist.destroy_process_group()
     os._exit(0)
     '''
 )
 
 
-def run_ranks(tmp_path: Path, scenario: str, expect_codes=(0, 0)) -> list:
-    codes, logs = run_two_ranks(WORKER, tmp_path / "worker.py", [scenario, str(tmp_path)], RUN_TIMEOUT,
-                                f"distributed run {scenario!r}")
-    assert codes == tuple(expect_codes), f"exit codes {codes}\n" + "\n----\n".join(logs)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) if (tmp_path / f"rank{r}.json").exists() else None
-            for r in range(2)], logs
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    """Every scenario of :data:`SCENARIOS` in turn in one launch of 2 ranks: (folder, exit codes, logs); a hang (the
+    launch killed after :data:`DDP_RUNS_TIMEOUT`) gives codes None, and the scenarios without results fail by name."""
+    out = tmp_path_factory.mktemp("ddp")
+    try:
+        codes, logs = run_two_ranks(WORKER, out / "worker.py", [str(out), ",".join(SCENARIOS)], DDP_RUNS_TIMEOUT,
+                                    "the distributed runs")
+    except pytest.fail.Exception as hang:
+        return out, None, [str(hang)]
+    return out, codes, logs
+
+
+def run_ranks(launch, scenario: str, die: bool = False) -> tuple:
+    """``scenario``'s results in ``launch`` (rank 0's, rank 1's: None where that rank left none), its folder and the
+    launch's logs. Both ranks' results must be there and hold no exception, but for rank 1 in "die" (it exits inside its
+    check): that the launch ended with exit codes (0, 7) is "die"'s own assertion."""
+    out, codes, logs = launch
+    folder = out / scenario
+    results = [json.loads((folder / f"rank{r}.json").read_text()) if (folder / f"rank{r}.json").exists() else None
+               for r in range(2)]
+    launched = f"the launch's exit codes {codes}\n" + "\n----\n".join(logs)
+    for r, res in enumerate(results):
+        if die and r == 1:
+            continue
+        assert res is not None, f"rank {r} left no results for scenario {scenario!r}; {launched}"
+        assert "exception" not in res, f"rank {r} raised in scenario {scenario!r}:\n{res['exception']}\n{launched}"
+    return results, folder, logs
 
 
 NAMES = ["0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias"]
 
 
-def test_ddp_sharded_checks_rank0_writes_and_errors_are_reported(tmp_path):
-    (r0, r1), logs = run_ranks(tmp_path, "error")
+def test_ddp_sharded_checks_rank0_writes_and_errors_are_reported(launch):
+    (r0, r1), tmp_path, logs = run_ranks(launch, "error")
     for r in (r0, r1):
         assert r["model_is_unwrapped"]
         # No collective inside a check: no DDP forward, no gradient all-reduce while checking.
@@ -210,8 +255,8 @@ def test_ddp_sharded_checks_rank0_writes_and_errors_are_reported(tmp_path):
     assert len(list((tmp_path / "run").glob("events.out.tfevents.*"))) == 1
 
 
-def test_ddp_auto_schedule_is_agreed_and_raise_on_is_consistent(tmp_path):
-    (r0, r1), logs = run_ranks(tmp_path, "auto")
+def test_ddp_auto_schedule_is_agreed_and_raise_on_is_consistent(launch):
+    (r0, r1), _, logs = run_ranks(launch, "auto")
     assert r0["checked_steps"] == r1["checked_steps"]
     assert len(r0["checked_steps"]) >= 3, (r0["schedule"], r0["checked_steps"])
     assert r0["agreed_interval"] == r1["agreed_interval"]
@@ -229,15 +274,16 @@ def test_ddp_auto_schedule_is_agreed_and_raise_on_is_consistent(tmp_path):
     assert wrong0 and wrong0 == wrong1
 
 
-def test_ddp_rank_dying_in_check_does_not_hang_the_other(tmp_path):
-    start = time.monotonic()
-    (r0, r1), logs = run_ranks(tmp_path, "die", expect_codes=(0, 7))
+def test_ddp_rank_dying_in_check_does_not_hang_the_other(launch):
+    (r0, r1), tmp_path, logs = run_ranks(launch, "die", die=True)
+    codes = launch[1]
+    assert codes == (0, 7), f"exit codes {codes}\n" + "\n----\n".join(logs)
     assert r1 is None  # rank 1 died inside its first check
     assert r0["broken"] and "distributed_timeout" in r0["broken"]
     errors = [a for a in r0["alerts"] if a["kind"] == "error"]
     assert len(errors) == 1 and "gave up" in errors[0]["message"]
     assert r0["checked_steps"] == []
-    assert time.monotonic() - start < 60
+    assert r0["startup"] + r0["wall"] < 60  # rank 0's start-up and this scenario's run
     records, _ = read_jsonl(tmp_path / "run")
     assert any(rec["type"] == "alert" and "gave up" in rec["message"] for rec in records)
 
@@ -371,11 +417,15 @@ def test_merge_reports_orders_tensors_and_keeps_nonfinite():
 
     merged = merge_reports([(1, report(["b", "d"], 2.0, 5)), (0, report(["a", "c"], 1.0, 3))], ["a", "b", "c", "d"], None)
     assert list(merged.tensors) == ["a", "b", "c", "d"]
-    assert merged.objective == 1.0 and merged.evaluations == 8 and merged.seconds == 0.5
+    assert merged.objective == 1.0
+    assert merged.evaluations == 8
+    assert merged.seconds == 0.5
     bad = report(["b"], float("nan"), 1)
     bad.nonfinite = True
     merged = merge_reports([(0, report(["a"], 1.0, 1)), (1, bad)], ["a", "b"], None)
-    assert merged.nonfinite and merged.objective != merged.objective and not merged.ok
+    assert merged.nonfinite
+    assert merged.objective != merged.objective
+    assert not merged.ok
 
 
 def test_merge_reports_keeps_a_ranks_failing_verdict_whatever_rank_comes_after():

@@ -84,7 +84,9 @@ def test_the_ranks_split_each_checks_pieces(ranks):
     r0, r1 = ranks[0]["correct"], ranks[1]["correct"]
     assert r0["forms"] == r1["forms"] == ["module"] * 4
     for mine0, mine1, merged in zip(r0["mine"], r1["mine"], r0["merged"]):
-        assert mine0 and mine1 and not set(mine0) & set(mine1)  # each rank its own pieces, none twice
+        assert mine0
+        assert mine1
+        assert not set(mine0) & set(mine1)  # each rank its own pieces, none twice
         assert sorted(mine0 + mine1) == merged  # together: the check's pieces
     assert r0["merged"] == r1["merged"] and r0["coverage"] == r1["coverage"]
 

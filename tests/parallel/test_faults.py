@@ -2,7 +2,7 @@
 
 Each run starts 2 fresh processes that train a small sharded transformer without, then with, the watch;
 one rank meets the fault at the check of step 2. The faults that raise inside the check are tested in
-tests/test_fsdp.py (``lockstep``); here the ones that need processes of their own: a rank killed, a rank
+tests/parallel/test_sharded.py (``lockstep``); here the ones that need processes of their own: a rank killed, a rank
 stalled past ``distributed_timeout``, NaN logits on one rank, a custom backward raising in the replay. The
 20-run campaign is the benchmark's.
 """
@@ -22,7 +22,7 @@ fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch < 2.6
     pytest.skip("needs torch.distributed.fsdp.fully_shard (FSDP2)", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 faults = commands.load_bench(ROOT / "benchmarks" / "faults.py")
 
 

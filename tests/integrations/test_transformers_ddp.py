@@ -26,7 +26,7 @@ pytest.importorskip("accelerate")
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 WORKER = textwrap.dedent(
     r'''

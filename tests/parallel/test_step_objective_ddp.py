@@ -2,7 +2,8 @@
 
 Per-rank token means averaged by DDP (with and without gradient accumulation) are named at the first
 check with each rank's count; the correct form (the token sum times the ranks over the all-reduced
-count) gives no alert over 4 checks; every rank reaches the same verdicts.
+count) gives no alert over 4 checks; every rank reaches the same verdicts. The DDP runs and the FSDP2 runs
+share one launch of the 2 ranks (a module fixture), each test reading its own part's results.
 """
 
 from __future__ import annotations
@@ -29,22 +30,35 @@ _HEAD = textwrap.dedent(
     from gradwatch import GradWatch
     from token_batches import TinyLM, targets, token_loss, uneven_micro_batches
 
-    results = {}
+    parts = sys.argv[4].split(",")
+
+
+    def save(part, results):
+        """This rank's results of one part to <part>_rank<r>.json in the folder given."""
+        with open(os.path.join(out, f"{part}_rank{rank}.json"), "w") as f:
+            json.dump(results, f)
     '''
 )
-#: Each rank's results to rank<r>.json in the folder given.
+#: Each part's results saved as soon as it ends (an exception: its traceback, the next part run still).
 _TAIL = textwrap.dedent(
     r'''
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    for part in parts:
+        try:
+            save(part, {"ddp": ddp, "fsdp": fsdp}[part]())
+        except Exception:
+            import traceback
+
+            save(part, {"exception": traceback.format_exc()})
     dist.destroy_process_group()
     '''
 )
 
-WORKER = _HEAD + textwrap.dedent(
+#: DDP: per-rank means (with and without accumulation) and the step count all-reduced.
+DDP_PART = textwrap.indent(textwrap.dedent(
     r'''
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    results = {}
     for form in ("rank_means", "rank_means_accumulated", "step_count", "step_count_accumulated"):
         k = 3 if form.endswith("accumulated") else 1
         torch.manual_seed(0)
@@ -72,21 +86,49 @@ WORKER = _HEAD + textwrap.dedent(
             opt.step()
         results[form] = {"counts": counts, "checks": watch._checks,
                          "alerts": [(a.step, a.part, a.message) for a in watch.alerts]}
+    return results
     '''
-) + _TAIL
+), "    ")
 
 
-def _both_ranks(worker, out, timeout, what):
-    """Run ``worker`` on 2 ranks in ``out``; every rank's results, by rank."""
-    codes, logs = run_two_ranks(worker, out / "worker.py", [str(out)], timeout=timeout, what=what)
-    assert codes == (0, 0), "\n".join(log[-3000:] for log in logs)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+def _fsdp2_available() -> bool:
+    try:
+        import torch.distributed.fsdp  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return _both_ranks(WORKER, tmp_path_factory.mktemp("step_ddp"), 180, "2-rank step objective runs")
+def launch(tmp_path_factory):
+    """One launch of 2 ranks running the DDP part, then the FSDP2 part where torch has it: (folder, exit codes,
+    logs); a hang (the launch killed after its time limit) gives codes None, and the parts without results fail."""
+    out = tmp_path_factory.mktemp("step_ddp")
+    parts = ["ddp", "fsdp"] if _fsdp2_available() else ["ddp"]
+    try:  # 180 s for the DDP part, 240 s for the FSDP2 part: what each had as a launch of its own
+        codes, logs = run_two_ranks(WORKER, out / "worker.py", [str(out), ",".join(parts)], timeout=420,
+                                    what="2-rank step objective runs (DDP, FSDP2)")
+    except pytest.fail.Exception as hang:
+        return out, None, [str(hang)]
+    return out, codes, logs
 
+
+def _both_ranks(launch, part):
+    """Every rank's results of ``part`` ("ddp" or "fsdp") in ``launch``, by rank; the launch must end with (0, 0)."""
+    out, codes, logs = launch
+    launched = f"the launch's exit codes {codes}\n" + "\n".join(log[-3000:] for log in logs)
+    files = [out / f"{part}_rank{r}.json" for r in range(2)]
+    assert all(f.exists() for f in files), f"no results for part {part!r}; {launched}"
+    results = [json.loads(f.read_text()) for f in files]
+    for r, res in enumerate(results):
+        assert "exception" not in res, f"rank {r} raised in part {part!r}:\n{res['exception']}\n{launched}"
+    assert codes == (0, 0), f"part {part!r}: {launched}"
+    return results
+
+
+@pytest.fixture(scope="module")
+def ranks(launch):
+    return _both_ranks(launch, "ddp")
 
 
 @pytest.mark.parametrize("form", ["rank_means", "rank_means_accumulated"])
@@ -112,7 +154,8 @@ def test_the_step_count_all_reduced_is_clean(ranks, form):
     assert any(sum(a) != sum(b) for a, b in zip(ranks[0][form]["counts"], ranks[1][form]["counts"]))
 
 
-FSDP_WORKER = _HEAD + textwrap.dedent(
+#: FSDP2: the step count all-reduced, per-rank means, labels the data shifted.
+FSDP_PART = textwrap.indent(textwrap.dedent(
     r'''
     from torch.distributed.fsdp import fully_shard
 
@@ -121,6 +164,7 @@ FSDP_WORKER = _HEAD + textwrap.dedent(
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), ignore_index=-100,
                                                  reduction=reduction)
 
+    results = {}
     for form in ("rank_means", "step_count", "shifted_by_the_data"):
         loss_fn = shifted_loss if form == "shifted_by_the_data" else token_loss
         torch.manual_seed(0)
@@ -150,14 +194,17 @@ FSDP_WORKER = _HEAD + textwrap.dedent(
             opt.step()
         results[form] = {"checks": watch._checks, "notes": notes,
                          "alerts": [(a.step, a.part, a.message) for a in watch.alerts]}
+    return results
     '''
-) + _TAIL
+), "    ")
+#: Both parts in one launch (each rank's process start-up, imports and gloo set-up paid once).
+WORKER = _HEAD + "\n\ndef ddp():" + DDP_PART + "\n\ndef fsdp():" + FSDP_PART + _TAIL
 
 
 @pytest.fixture(scope="module")
-def sharded(tmp_path_factory):
+def sharded(launch):
     pytest.importorskip("torch.distributed.fsdp")
-    return _both_ranks(FSDP_WORKER, tmp_path_factory.mktemp("step_fsdp"), 240, "2-rank FSDP2 runs")
+    return _both_ranks(launch, "fsdp")
 
 
 def test_fsdp2_judges_the_step_objective_shard_by_shard(sharded):

@@ -1,7 +1,7 @@
 """What ``form="objective"`` checks, checked shard by shard (FSDP2) and under DDP: 2 gloo ranks on 127.0.0.1, CPU.
 
 One pair of worker processes runs every scenario in turn under a hard timeout (the pattern of
-``tests/test_fsdp.py``); each rank writes what it saw to a JSON file that the tests read.
+``tests/parallel/test_sharded.py``); each rank writes what it saw to a JSON file that the tests read.
 
 - **terms that read the parameters directly**: a regularizer inside ``loss_fn`` (an L2 over every
   parameter and an L1 on one weight, made whole with ``full_tensor()`` under FSDP2), ``regularizers=``,

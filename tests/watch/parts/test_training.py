@@ -123,7 +123,9 @@ def test_the_objective_counting_a_term_training_lacks_is_named():
     watch = GradWatch(model, ce, **quiet(regularizers={"l2": 0.05}))
     (report,) = train(model, watch, data(1))
     diag = report.training["0.bias"].diagnosis
-    assert report.training["0.bias"].failed and "lacks 0.1 * p" in diag and "objective has an L2 term of about 0.05" in diag
+    assert report.training["0.bias"].failed
+    assert "lacks 0.1 * p" in diag
+    assert "objective has an L2 term of about 0.05" in diag
 
 
 def test_training_loss_and_objective_in_step_agree_silently():
@@ -298,7 +300,9 @@ def test_grad_scaler_scale_is_named_and_unscaled_grads_agree():
     wrong_place = early.step(batch)  # before scaler.unscale_
     early.close()
     t = wrong_place.training["0.weight"]
-    assert t.failed and t.ratio == pytest.approx(4096.0, rel=1e-3) and "GradScaler scale" in t.diagnosis
+    assert t.failed
+    assert t.ratio == pytest.approx(4096.0, rel=1e-3)
+    assert "GradScaler scale" in t.diagnosis
     assert "scaler.unscale_(optimizer) before watch.step" in t.diagnosis
 
     for given in (None, scaler):
@@ -335,7 +339,9 @@ def test_watch_step_goes_before_clipping():
     after = watch.check(batch)  # too late: .grad is the clipped gradient
     assert all(v is Verdict.EXCELLENT for v in training_verdicts(before).values())
     t = after.training["0.weight"]
-    assert t.failed and t.ratio < 1 and "gradient clipping before watch.step" in t.diagnosis
+    assert t.failed
+    assert t.ratio < 1
+    assert "gradient clipping before watch.step" in t.diagnosis
 
 
 # ---------------------------------------------------------------------------- hooks and grad_fn
@@ -456,7 +462,9 @@ def test_training_false_turns_the_part_off():
     model = mlp()
     watch = GradWatch(model, ce, **quiet(training=False))
     (report,) = train(model, watch, data(1), after_backward=lambda m: m[0].weight.grad.mul_(3))
-    assert report.training == {} and report.ok and len(model._forward_pre_hooks) == 0
+    assert report.training == {}
+    assert report.ok
+    assert len(model._forward_pre_hooks) == 0
 
 
 # ---------------------------------------------------------------------------- the pure judge
@@ -465,7 +473,9 @@ def test_judge_within_the_dtype_tolerance_is_zero():
     p = torch.randn(100)
     noisy = (ref * (1 + 1e-8 * torch.randn(100, dtype=torch.float64))).float()
     t = judge_training("w", noisy, ref.float(), p, torch.float32)
-    assert t.judged_rel_diff == 0.0 and t.verdict is Verdict.EXCELLENT and 0 < t.rel_diff < t.tolerance
+    assert t.judged_rel_diff == 0.0
+    assert t.verdict is Verdict.EXCELLENT
+    assert 0 < t.rel_diff < t.tolerance
     t = judge_training("w", noisy, ref.float(), p, torch.float64)
     assert t.judged_rel_diff == t.rel_diff > 0  # float64 tolerates far less
 

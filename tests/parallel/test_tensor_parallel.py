@@ -411,7 +411,9 @@ def test_the_replay_is_the_capture_unless_it_draws_random_numbers(ranks):
     assert drawn[1:] == [n + len(ranks) for n in plain[1:]], (plain, drawn)
     for r in ranks:
         res = r["dropout"]
-        assert res["alerts"] == [] and res["bit_identical"] and all(c["ok"] for c in res["checks"])
+        assert res["alerts"] == []
+        assert res["bit_identical"]
+        assert all(c["ok"] for c in res["checks"])
         assert all(c["backward"] > 0 and c["training"] > 0 for c in res["coverage"].values()), res["coverage"]
 
 
