@@ -351,6 +351,7 @@ class CheckRunner:
             nonlocal judged, objective, replayed
             check.hooks, check.faithful = hooks, None
             ran = self.training.run(check)  # its replay is in check.replay only: dropped below,
+            check.hooks = None  # the capture's hooks and what they hold: for this replay's forward only
             if ran is not None and ran.seconds:  # freed
                 replayed = ran.seconds
             if hooks is not None and ctx.recorder is not None:
@@ -385,6 +386,7 @@ class CheckRunner:
                 check.room = ctx.lockstep.point(check.room)
         check.fused = fused
         report = check.report = self.backward.run(check)
+        check.fused = None  # (the capture's forward, for the backward part's run only)
         if fused is not None and not fused.ran:  # (one process: no piece captured, or the whole objective's form)
             replay()
         if fused is not None and fused.ran and not fused.usable and not fused.declined:

@@ -73,6 +73,23 @@ def test_the_replay_is_the_capture_from_the_second_check_and_a_kv_cache_in_its_i
     assert all(r.training for r in reports)  # the training verdict at every check, fused or not
 
 
+def test_the_captures_hooks_and_its_forward_are_let_go_once_their_parts_ran(replays, monkeypatch):
+    # The hooks (and what they hold) serve the replay's forward only, the fused forward the backward part only: a check
+    # that kept them in its context held them through its later parts (cnn64 and a UNet peaked 12 MB higher).
+    from gradwatch.watch.parts.inner import InnerPart
+
+    held, run = [], InnerPart.run
+
+    def spy(self, check):
+        held.append((check.hooks, check.fused))
+        return run(self, check)
+
+    monkeypatch.setattr(InnerPart, "run", spy)
+    loop(tiny_moe("qwen2_moe"), model_loss, [padded_batch(s, rows=4, seq=8) for s in range(4)], form="module")
+    assert len(replays) == 3, replays  # the replay was the capture's forward at three checks
+    assert held == [(None, None)] * 4
+
+
 class Dropped(nn.Module):
     """Dropout as a module and as a function (``noise``: a draw that is not dropout besides)."""
 
