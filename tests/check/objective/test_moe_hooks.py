@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib
 import sys
 import textwrap
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -34,6 +36,7 @@ from transformers.utils import output_capturing  # noqa: E402
 import gradwatch  # noqa: E402
 from gradwatch.check.objective.guards import HookRule, LiveIsolation, suspended_hooks  # noqa: E402
 from gradwatch.check.objective.library_code import library_of  # noqa: E402
+from gradwatch.check.probes.experts import expert_of  # noqa: E402
 from gradwatch.io.sinks import read_jsonl  # noqa: E402
 
 #: A large aux coefficient, so that a loss without the router logits (the hooks suspended) is far from one with them.
@@ -217,7 +220,7 @@ class Ids(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "attention_mask": mask, "labels": self.ids[i].masked_fill(mask == 0, -100)}
 
 
-def train(kind: str, tmp_path, callbacks=(), steps: int = 4):
+def train(kind: str, tmp_path, callbacks=(), steps: int = 3):
     model = tiny_moe(kind)
     calls: list = []
     model.model.layers[0].mlp.register_forward_hook(counting_hook(calls))
@@ -227,29 +230,60 @@ def train(kind: str, tmp_path, callbacks=(), steps: int = 4):
     return model, calls
 
 
-@pytest.mark.slow  # two Trainer runs of 4 steps, 4 checks: 8-11 s each
-@pytest.mark.parametrize("kind", KINDS)
-def test_under_the_trainer_every_check_runs_and_training_is_bit_identical(kind, tmp_path):
+@pytest.fixture(scope="module", params=KINDS)
+def trainer_run(request, tmp_path_factory) -> SimpleNamespace:
+    """One kind's Trainer runs of 3 steps, without the watch and with it (3 checks, every=1), shared by the tests of a
+    run below (6-9 s each on 2 cores): the models, the user's hook's calls, the callback's watch, its records, the
+    warnings the watched run gave."""
     from gradwatch.integrations.transformers import GradWatchCallback
 
-    plain, plain_calls = train(kind, tmp_path / "plain")
-    callback = GradWatchCallback(every=1, log_dir=str(tmp_path / "runs"))
-    with pytest.warns(UserWarning, match="users_hook on model.layers.0.mlp"):
-        watched, calls = train(kind, tmp_path / "watched", [callback])
-    watch = callback.watch
-    assert len(calls) == len(plain_calls) == 4  # the user's hook: training's forwards only
-    for (name, a), b in zip(plain.state_dict().items(), watched.state_dict().values()):
+    kind, tmp = request.param, tmp_path_factory.mktemp(request.param)
+    plain, plain_calls = train(kind, tmp / "plain")
+    callback = GradWatchCallback(every=1, log_dir=str(tmp / "runs"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        watched, calls = train(kind, tmp / "watched", [callback])
+    return SimpleNamespace(plain=plain, plain_calls=plain_calls, watched=watched, calls=calls, watch=callback.watch,
+                           runs=tmp / "runs", warnings=[str(w.message) for w in caught])
+
+
+@pytest.mark.slow  # its kind's Trainer runs (the fixture)
+def test_under_the_trainer_every_check_runs_and_training_is_bit_identical(trainer_run):
+    run, watch = trainer_run, trainer_run.watch
+    assert [w for w in run.warnings if "users_hook on model.layers.0.mlp" in w], run.warnings
+    assert len(run.calls) == len(run.plain_calls) == 3  # the user's hook: training's forwards only
+    for (name, a), b in zip(run.plain.state_dict().items(), run.watched.state_dict().values()):
         assert torch.equal(a, b), name
     assert watch.paused is None, watch.paused
     assert not [a for a in watch.alerts if a.kind in ("error", "paused")], [str(a) for a in watch.alerts]
-    records = [r for r in read_jsonl(tmp_path / "runs" / "checks.jsonl")[0] if r["type"] == "check"]
-    assert [r["step"] for r in records] == [0, 1, 2, 3]  # every check ran
+    records = [r for r in read_jsonl(run.runs / "checks.jsonl")[0] if r["type"] == "check"]
+    assert [r["step"] for r in records] == [0, 1, 2]  # every check ran
     assert not [n for r in records for n in r.get("notes", []) if "IndexError" in n or "raised" in n]
 
 
-@pytest.mark.slow  # 4 checks, the first of the whole objective: about 7 s
+def experts_of(names, tensor: str) -> dict:
+    """``{expert: name}`` of the keys of fused ``tensor`` among ``names`` (a report's tensors, a tracker's history)."""
+    return {found[1]: n for n in names if (found := expert_of(n)) is not None and found[0] == tensor}
+
+
+@pytest.mark.slow  # its kind's Trainer runs (the fixture)
+def test_under_the_trainer_a_correct_moe_has_no_alert_and_both_verdicts_on_every_expert(trainer_run):
+    watch = trainer_run.watch
+    assert watch.alerts == [], [a.message for a in watch.alerts]
+    assert len(watch.tracker.training_history) and watch.paused is None
+    names = [n for n, p in watch.model.named_parameters() if p.requires_grad]
+    fused = [n for n in names if "experts" in n]
+    judged = set(watch.tracker.history) | set(watch.tracker.training_history)
+    for n in fused:  # judged expert by expert, never as one tensor
+        assert n not in judged
+        for part in (watch.tracker.history, watch.tracker.training_history):
+            assert sorted(experts_of(part, n)) == [0, 1, 2, 3], (n, sorted(part))
+    assert all(n in watch.tracker.history and n in watch.tracker.training_history for n in names if n not in fused)
+
+
+@pytest.mark.slow  # 2 checks of the whole objective: about 5 s
 def test_a_plain_loop_with_the_models_own_loss_checks_every_step_and_trains_bit_identically():
-    batches = [padded_batch(seed, rows=4, seq=8) for seed in range(4)]
+    batches = [padded_batch(seed, rows=4, seq=8) for seed in range(2)]
 
     def run(watched: bool):
         model = tiny_moe("mixtral")
@@ -272,7 +306,7 @@ def test_a_plain_loop_with_the_models_own_loss_checks_every_step_and_trains_bit_
     plain, plain_calls, _, _, _ = run(False)
     with pytest.warns(UserWarning, match="users_hook"):
         model, calls, reports, losses, watch = run(True)
-    assert len(calls) == len(plain_calls) == 4
+    assert len(calls) == len(plain_calls) == 2
     for (name, a), b in zip(plain.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b), name
     assert all(r is not None for r in reports) and watch.paused is None

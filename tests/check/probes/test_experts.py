@@ -23,12 +23,12 @@ import gradwatch
 from gradwatch.check.judging.report import InconclusiveKind
 from gradwatch.check.modules.module_form import run_module_check
 from gradwatch.check.objective.terms import Objective
-from gradwatch.check.probes.experts import NOT_REACHED, expert_count, expert_of
+from gradwatch.check.probes.experts import NOT_REACHED, expert_count
 from gradwatch.options import CheckOptions
 from gradwatch.plan.cycle import Piece
 
 pytest.importorskip("transformers")
-from test_moe_hooks import COMMON, KINDS, Ids, model_loss, padded_batch, tiny_moe  # noqa: E402
+from test_moe_hooks import COMMON, KINDS, Ids, experts_of, model_loss, padded_batch, tiny_moe  # noqa: E402
 from transformers import MixtralConfig, MixtralForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
 from gradwatch.integrations.transformers import GradWatchCallback  # noqa: E402
@@ -121,11 +121,6 @@ def routed(model: nn.Module, batch: dict, tokens: slice = slice(None)) -> dict:
     for h in handles:
         h.remove()
     return picked
-
-
-def experts_of(names, tensor: str) -> dict:
-    """``{expert: name}`` of the keys of fused ``tensor`` among ``names``."""
-    return {found[1]: n for n in names if (found := expert_of(n)) is not None and found[0] == tensor}
 
 
 def failed(report) -> list:
@@ -286,16 +281,21 @@ def test_in_a_plain_loop_a_gradient_hook_on_one_expert_is_named_by_the_training_
     assert all(training[f"model.layers.{i}.mlp.gate.weight"].verdict is not None for i in (0, 1))
 
 
-@pytest.mark.slow  # 2 plain loops of 4 checks (the first of the whole objective): about 10 s each
+@pytest.mark.slow  # a check of the whole objective, then 3 in modules: about 6 s each
 @pytest.mark.parametrize("scale", [1e-3, 1e3])
 def test_no_false_alarm_near_routing_ties_at_any_router_scale(scale):
     model = tiny_moe("qwen2_moe")
     with torch.no_grad():
         for layer in model.model.layers:
             layer.mlp.gate.weight.mul_(scale)  # x1e-3: the router's logits all but tied; x1e3: routing on a knife edge
-    watch, reports = plain_loop(model)
-    assert all(r is not None for r in reports) and watch.paused is None
-    assert watch.alerts == [], [a.message for a in watch.alerts]
+    # what form="auto" does where the first check (the whole objective) takes over TRIAL_SECONDS, as it does here on a
+    # loaded machine, and does not on a quiet one (4 checks of the whole objective, 3x the time): each form chosen
+    watch, reports = plain_loop(model, steps=1, form="objective")
+    later, more = plain_loop(model, steps=3, form="module")
+    for w, r in ((watch, reports), (later, more)):
+        assert all(x is not None for x in r) and w.paused is None
+        assert w.alerts == [], [a.message for a in w.alerts]
+    assert [r.form for r in reports + more] == ["objective", "module", "module", "module"]
     first = reports[0]  # the whole objective, where a probe of an upstream weight changes which experts tokens pick
     assert sum(tc.kinks for tc in first.tensors.values()) > 0 or scale > 1  # seen from the forward, not a failure
 
@@ -308,21 +308,9 @@ def trainer(model: nn.Module, tmp_path, steps: int = 4) -> GradWatchCallback:
     return callback
 
 
-@pytest.mark.slow  # a Trainer run of 4 steps, 4 checks: 8-10 s each
-@pytest.mark.parametrize("kind", KINDS)
-def test_under_the_trainer_a_correct_moe_has_no_alert_and_both_verdicts_on_every_expert(kind, tmp_path):
-    callback = trainer(tiny_moe(kind), tmp_path)
-    watch = callback.watch
-    assert watch.alerts == [], [a.message for a in watch.alerts]
-    assert len(watch.tracker.training_history) and watch.paused is None
-    names = [n for n, p in watch.model.named_parameters() if p.requires_grad]
-    fused = [n for n in names if "experts" in n]
-    judged = set(watch.tracker.history) | set(watch.tracker.training_history)
-    for n in fused:
-        assert n not in judged
-        for part in (watch.tracker.history, watch.tracker.training_history):
-            assert sorted(experts_of(part, n)) == [0, 1, 2, 3], (n, sorted(part))
-    assert all(n in watch.tracker.history and n in watch.tracker.training_history for n in names if n not in fused)
+# A correct MoE under the Trainer, both verdicts on every expert and no alert: tests/check/objective/test_moe_hooks.py
+# (test_under_the_trainer_a_correct_moe_has_no_alert_and_both_verdicts_on_every_expert), on the same runs that show
+# every check runs there and training is bit-identical.
 
 
 def wrong_expert_and_router(kind: str) -> nn.Module:
