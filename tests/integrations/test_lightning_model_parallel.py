@@ -81,37 +81,45 @@ SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         torch.set_num_threads(1)
-        out, name = sys.argv[1], sys.argv[2]
-        torch.manual_seed(0)
-        data = torch.utils.data.TensorDataset(torch.randn(64, 16), torch.randn(64, 1))
-        watcher = GradWatchCallback(lambda m, b: F.mse_loss(m.net(b[0]), b[1]), every=2)
-        trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=4, logger=False,
-                            strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-                            callbacks=[watcher, Dump(watcher, out, name)], enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False)
-        trainer.fit(Net(name == "bug"), torch.utils.data.DataLoader(data, batch_size=8))
+        out = sys.argv[1]
+        for name in sys.argv[2].split(","):  # one launch, one Trainer fit after the other
+            torch.manual_seed(0)
+            data = torch.utils.data.TensorDataset(torch.randn(64, 16), torch.randn(64, 1))
+            watcher = GradWatchCallback(lambda m, b: F.mse_loss(m.net(b[0]), b[1]), every=2)
+            trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=4, logger=False,
+                                strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                                callbacks=[watcher, Dump(watcher, out, name)], enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False)
+            trainer.fit(Net(name == "bug"), torch.utils.data.DataLoader(data, batch_size=8))
     '''
 )
 
 
-def _fit(tmp_path: Path, name: str):
+NAMES = ("correct", "bug")
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory) -> dict:
+    """Both fits (a correct model, one with a wrong backward planted) in one launch of 2 ranks: each name's ranks'
+    records."""
+    tmp_path = tmp_path_factory.mktemp("model_parallel")
     script = tmp_path / "fit.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), name], cwd=tmp_path, env=env,
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), ",".join(NAMES)], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        log = proc.communicate(timeout=120)[0]
+        log = proc.communicate(timeout=180)[0]
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         proc.communicate()
-        pytest.fail("Lightning ModelParallelStrategy fit did not finish within 120 s (killed): a hang")
+        pytest.fail("Lightning ModelParallelStrategy fits did not finish within 180 s (killed): a hang")
     assert proc.returncode == 0, log[-4000:]
-    return [json.loads((tmp_path / f"{name}_rank{r}.json").read_text()) for r in range(2)]
+    return {name: [json.loads((tmp_path / f"{name}_rank{r}.json").read_text()) for r in range(2)] for name in NAMES}
 
 
-def test_correct_model_checked_on_both_verdicts_without_alert(tmp_path):
-    r0, r1 = _fit(tmp_path, "correct")
+def test_correct_model_checked_on_both_verdicts_without_alert(fits):
+    r0, r1 = fits["correct"]
     assert r0["distributed"] and r1["distributed"]
     assert r0["alerts"] == [] and r1["alerts"] == []
     names = {f"net.{i}.{k}" for i in (0, 2, 4) for k in ("weight", "bias")}
@@ -119,8 +127,8 @@ def test_correct_model_checked_on_both_verdicts_without_alert(tmp_path):
     assert all(r0["training"][n] == 1.0 for n in names)
 
 
-def test_planted_wrong_backward_is_named(tmp_path):
-    r0, r1 = _fit(tmp_path, "bug")
+def test_planted_wrong_backward_is_named(fits):
+    r0, r1 = fits["bug"]
     assert r0["alerts"] == r1["alerts"]
     named = {tensor for kind, tensor, _ in r0["alerts"] if kind == "threshold"}
     assert named == {"net.3:input"}  # checked shard by shard: the wrong tanh itself, module net.3

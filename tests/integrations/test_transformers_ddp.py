@@ -30,13 +30,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 WORKER = textwrap.dedent(
     r'''
-    import json, math, os, sys
+    import gc, json, math, os, sys
     import torch
     from torch import nn
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
     from gradwatch.integrations.transformers import GradWatchCallback
 
     torch.set_num_threads(1)
+    gc.freeze()  # what the imports made, out of the way of the gc.collect() each train() runs (accelerate's)
 
     class Ids(torch.utils.data.Dataset):
         def __init__(self, n=64, seq=16, masked=False):
@@ -67,8 +68,8 @@ WORKER = textwrap.dedent(
     out, results = sys.argv[1], {}
     # (name, max_grad_norm, planted bug, accumulation steps, labels -100 at random, average_tokens_across_devices,
     #  the Trainer told that GPT-2 shifts its labels)
-    runs = (("clip", 1.0, False, 1, False, True, True), ("noclip", 0.0, False, 1, False, True, True),
-            ("bug", 1.0, True, 1, False, True, True), ("accumulate", 1.0, False, 2, True, True, True),
+    runs = (("clip", 1.0, False, 1, False, True, True), ("bug", 1.0, True, 1, False, True, True),
+            ("accumulate", 0.0, False, 2, True, True, True),  # clipping off
             ("per_rank", 1.0, False, 2, True, False, True), ("uncounted", 1.0, False, 2, True, True, False))
     for name, max_grad_norm, bug, accumulate, masked, across, counted in runs:
         torch.manual_seed(0)
@@ -101,7 +102,7 @@ WORKER = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    """Both ranks' results of the six Trainer runs (one ``torchrun`` launch, about 25 s on 2 cores)."""
+    """Both ranks' results of the five Trainer runs (one ``torchrun`` launch)."""
     out = tmp_path_factory.mktemp("hf_ddp")
     script = out / "worker.py"
     script.write_text(WORKER)
@@ -125,9 +126,10 @@ def test_ranks_are_ddp_and_check_at_the_same_steps(ranks):
     assert ranks[0] == ranks[1]  # merged reports: the same verdicts and alerts on every rank
 
 
-@pytest.mark.parametrize("run", ["clip", "noclip", "accumulate"])
+@pytest.mark.parametrize("run", ["clip", "accumulate"])
 def test_correct_gpt2_no_alert_with_clipping_on_and_off_and_accumulation(ranks, run):
-    """The Trainer's defaults (num_items_in_batch over the world's step, times the ranks): the step's objective."""
+    """The Trainer's defaults (num_items_in_batch over the world's step, times the ranks): the step's objective, with
+    clipping on (``clip``) and off (``accumulate``, 2 micro-batches a step)."""
     result = ranks[0][run]
     assert result["alerts"] == []
     assert result["training_verdicts"] > 20  # every tensor of the tiny GPT-2 got a training verdict

@@ -71,7 +71,14 @@ WORKER = textwrap.dedent(
 
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=60))
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    import gc
+    import transformers  # noqa: F401 - the GPT-2 and Trainer scenarios' (imported here: frozen below)
     from gradwatch import GradWatch
+    from gradwatch.integrations.transformers import GradWatchCallback
+
+    # What the imports made is never garbage: out of the collector's way. ZeRO-3's engine runs gc.collect() as it
+    # partitions, the Trainer at every train() (accelerate's clear_device_cache): 0.3 s each over an unfrozen heap.
+    gc.freeze()
 
 
     class WrongTanh(torch.autograd.Function):  # backward 20% too large
@@ -156,7 +163,7 @@ WORKER = textwrap.dedent(
                 watch.accumulate(batch)
             elif watch is not None:
                 t0 = time.perf_counter()
-                if state["profile"]:  # the plain ZeRO-3 run only: are its gathers gloo's?
+                if state["profile"] and state["step"] == 1:  # the watched ZeRO-3 run's second check: gloo's gathers?
                     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                         report = watch.step(batch)
                     gathers.append(sum(e.count for e in prof.key_averages() if "allgather" in e.key))
@@ -310,8 +317,6 @@ WORKER = textwrap.dedent(
                 state["raise_on"] = state["closure_on"] = None
                 res["identical"] = {"losses": plain["losses"] == res["losses"], "params": plain["params"] == res["params"]}
             elif scenario in ("trainer", "trainer2"):
-                from gradwatch.integrations.transformers import GradWatchCallback
-
                 stage = 2 if scenario == "trainer2" else 3
                 plain = trainer_run(None, stage)
                 res = trainer_run(GradWatchCallback(every=1, log_dir=None), stage)
@@ -371,7 +376,8 @@ def test_zero_correct_model_no_alert_both_verdicts_everywhere_training_bit_ident
             assert update["step"] == 3 and update["algorithm"] == "Adam", update
             assert update["update"] and all(u["verdict"] == "excellent" for u in update["update"].values()), update
         if stage == 3 and usable():  # after the first check (the points' shared memory opens there), ZeRO-3's
-            assert res["gathers"][1:] == [0] * 3, res["gathers"]  # gathers go through it: no gloo all-gather
+            assert res["gathers"] == [0], res["gathers"]  # gathers go through it: no gloo all-gather (the profiler
+            # on the second check only: it made each check 20x slower)
     assert ranks[0][f"zero{stage}"]["checks"] == ranks[1][f"zero{stage}"]["checks"]
     if stage < 3:  # the ranks' partitions hold every tensor between them
         held = [set(r[f"zero{stage}"]["update"]["update"]) for r in ranks]
