@@ -462,13 +462,15 @@ def test_a_linear_too_big_for_the_room_is_checked_a_block_of_rows_at_a_time():
 def test_peak_is_this_process_image_not_a_bigger_parent():
     """Linux keeps ru_maxrss across exec: a watched run started by a big launcher (a test runner, a
     benchmark driver) must not read the launcher's peak as training's (the budget would be too big)."""
-    import numpy as np
+    import mmap
 
-    ballast = np.ones(1_500_000_000 // 8)  # 1.5 GB touched: this process's peak RSS is above that
+    # 1.5 GB resident (mapped populated: the kernel fills it in one go, where touching it page by page took 8 s of CPU):
+    # this process's peak RSS is above that, and the child's ru_maxrss starts there
+    ballast = mmap.mmap(-1, 1_500_000_000, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
     code = "import torch; from gradwatch.plan.memory import peak_bytes; print(peak_bytes(torch.device('cpu')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
-    del ballast
+    ballast.close()
     child = int(out.stdout.strip())
     assert 0 < child < 1_000_000_000, child  # the child's own peak (torch imported: a few hundred MB)
 
