@@ -2,7 +2,7 @@
 #   make demo    create .venv, install gradwatch (torch pinned, see constraints.txt), run `gradwatch demo`
 #   make test    create .venv, install gradwatch with test extras, run the gates (ruff, mypy, lint-imports: the
 #                layers in pyproject.toml), install Chromium for the browser test where missing (apt-get, as root;
-#                elsewhere it says why and the test is skipped), then the test suite (3 workers; it builds the docs
+#                elsewhere it says why and the test is skipped), then the test suite (2 workers; it builds the docs
 #                with --strict)
 #   make docs    build the documentation site (mkdocs.yml, docs/) into site/, warnings as errors
 PYTHON ?= python3
@@ -15,12 +15,13 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 STAMP  := $(VENV)/.installed
-# pytest-xdist workers (WORKERS=0 runs the suite in one process). Three on CI's two cores: part of the suite
-# waits on torchrun ranks, CLI subprocesses and distributed timeouts. Measured on 2 cores (pytest time): one
-# process 9:16-10:07 (2026-11-25), 2 workers 6:30, 3 workers 5:29 / 7:07 / 7:14, 4 workers 7:00 (11-26 morning);
-# 3 workers after the suite's trims, fresh clones: 5:30 and 5:34 (11-26). Each test file runs whole on one worker
-# (--dist loadfile), so the costly fixtures of a module are built once. ARGS="-m 'not slow'" skips the slow ones.
-WORKERS ?= 3
+# pytest-xdist workers (WORKERS=0 runs the suite in one process). Two on CI's two cores: the suite is bound by
+# CPU (the workers and the rank processes they start kept both cores busy), and a third worker only made every
+# process slower (more processes than cores: 12% more CPU time for the same tests). Measured on 2 cores (pytest
+# time, 2026-12-05, one checkout, back to back): 3 workers 6:15 (737 s of CPU), 2 workers 5:42 (651 s). Each test
+# file runs whole on one worker (--dist loadfile), so the costly fixtures of a module are built once.
+# ARGS="-m 'not slow'" skips the slow ones.
+WORKERS ?= 2
 
 .PHONY: install demo test bench docs clean
 
