@@ -146,10 +146,8 @@ class InnerPart(TrendAlerting):
                         entry.failed = entry.verdict is not None and entry.verdict.is_failure(report.fail_at)
                         checks[entry.name] = entry
         except Exception as exc:  # noqa: BLE001 - every rank stopped at the same point: a note, the rest stands
-            logger.debug("gradwatch: the double backward check raised", exc_info=exc)
-            report.notes.append("double backward not checked: running each module's double backward alone on the "
-                                f"inputs the objective gave it failed ({first_line(exc)}); the rest of the check stands")
-            return {}
+            return _not_checked(report, "double backward", "running each module's double backward alone on the inputs "
+                                "the objective gave it", exc)
         finally:
             reshard(model)
         return self._record(report, names, checks)
@@ -240,10 +238,8 @@ class InnerPart(TrendAlerting):
             with ctx.recorder_paused():
                 found = run_model_check(proxy, ctx.objective, check.batch, opts, names=names)
         except Exception as exc:  # noqa: BLE001 - the user's loss_fn on the held outputs: a note, the rest stands
-            logger.debug("gradwatch: the check of the terms reading the parameters raised", exc_info=exc)
-            report.notes.append("terms that read the parameters directly not checked: loss_fn on the model's held "
-                                f"outputs failed ({first_line(exc)}); the rest of the check stands")
-            return {}
+            return _not_checked(report, "terms that read the parameters directly", "loss_fn on the model's held outputs",
+                                exc)
         finally:
             reshard(model)
         live = dict(model.named_parameters())
@@ -259,6 +255,14 @@ class InnerPart(TrendAlerting):
         report.notes.append(f"the terms that read the parameters directly ({', '.join(['loss_fn', *held])}) checked on "
                             f"{len(checks)} tensor{'' if len(checks) == 1 else 's'}, the model's outputs held fixed")
         return checks
+
+
+def _not_checked(report: CheckReport, what: str, attempt: str, exc: Exception) -> Dict[str, Any]:
+    """What a part of the check that raised returns (no verdicts): a note naming ``what`` was not checked and the
+    ``attempt`` that failed; the rest of the check stands."""
+    logger.debug("gradwatch: %s not checked: %s raised", what, attempt, exc_info=exc)
+    report.notes.append(f"{what} not checked: {attempt} failed ({first_line(exc)}); the rest of the check stands")
+    return {}
 
 
 def _direct(proxy: nn.Module, objective: Any, batch: Any) -> List[str]:
