@@ -195,6 +195,25 @@ def run_two_ranks(script: str, path: Path, args: Sequence[str], timeout: float, 
     return tuple(p.returncode for p in procs), logs
 
 
+def run_launcher(script: str, path: Path, args: Sequence[str], timeout: float, what: str) -> str:
+    """Run ``script`` (written to ``path``, run from its folder) as one process that starts its own ranks (Lightning's
+    launchers), ``path *args``, with the checkout on ``PYTHONPATH``; returns its output, and fails the test where it
+    did not exit 0. Where it is not done within ``timeout`` seconds its whole process group is killed, the ranks it
+    started too, and the test fails (a hang fails instead of blocking the suite)."""
+    path.write_text(script)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(path), *args], cwd=path.parent, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the ranks it started too
+        proc.communicate()
+        pytest.fail(f"{what} did not finish within {timeout:g} s (killed): a hang")
+    assert proc.returncode == 0, log[-4000:]
+    return log
+
+
 def two_rank_results(script: str, out: Path, scenarios: Sequence[str], timeout: float,
                      what: str) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """Run ``script`` on 2 ranks (:func:`run_two_ranks`, ``path rank port out scenarios``), both of which must exit 0,

@@ -8,14 +8,11 @@ alert; a wrong backward planted in one layer is named by its module.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from helpers import run_launcher
 
 pytest.importorskip("lightning")
 pytestmark = [pytest.mark.slow,
@@ -24,7 +21,6 @@ fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not hasattr(fsdp, "fully_shard"):  # pragma: no cover - torch < 2.6
     pytest.skip("needs torch.distributed.fsdp.fully_shard (FSDP2)", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent(
     r'''
@@ -103,18 +99,7 @@ def fits(tmp_path_factory) -> dict:
     """Both fits (a correct model, one with a wrong backward planted) in one launch of 2 ranks: each name's ranks'
     records."""
     tmp_path = tmp_path_factory.mktemp("model_parallel")
-    script = tmp_path / "fit.py"
-    script.write_text(SCRIPT)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), ",".join(NAMES)], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log = proc.communicate(timeout=180)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.communicate()
-        pytest.fail("Lightning ModelParallelStrategy fits did not finish within 180 s (killed): a hang")
-    assert proc.returncode == 0, log[-4000:]
+    run_launcher(SCRIPT, tmp_path / "fit.py", [str(tmp_path), ",".join(NAMES)], 180, "Lightning ModelParallelStrategy fits")
     return {name: [json.loads((tmp_path / f"{name}_rank{r}.json").read_text()) for r in range(2)] for name in NAMES}
 
 

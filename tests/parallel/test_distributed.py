@@ -22,22 +22,17 @@ saw to a JSON file that the parent then checks:
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from helpers import run_two_ranks
+from helpers import run_launcher, run_two_ranks
 
 from gradwatch.io.sinks import read_jsonl
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")]
 
-ROOT = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT = 90.0
 #: The one launch running every DDP scenario in turn (each of them had 90 s as a launch of its own).
 DDP_RUNS_TIMEOUT = 240.0
@@ -350,18 +345,7 @@ LIGHTNING_SCRIPT = textwrap.dedent(
 
 def test_lightning_ddp_spawn(tmp_path):
     pytest.importorskip("lightning")
-    script = tmp_path / "fit.py"
-    script.write_text(LIGHTNING_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log = proc.communicate(timeout=RUN_TIMEOUT)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # the spawned ranks too
-        proc.communicate()
-        pytest.fail(f"Lightning ddp_spawn fit did not finish within {RUN_TIMEOUT}s (killed)")
-    assert proc.returncode == 0, log
+    run_launcher(LIGHTNING_SCRIPT, tmp_path / "fit.py", [str(tmp_path)], RUN_TIMEOUT, "Lightning ddp_spawn fit")
     r0, r1 = (json.loads((tmp_path / f"lightning_rank{r}.json").read_text()) for r in range(2))
     names = ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
     assert r0["distributed"] and r1["distributed"]
